@@ -1,0 +1,120 @@
+"""The ops interface the Llama forward pass is written against.
+
+Two backends implement it: `numpy_ops.NumpyOps` (float32 reference, CPU) and
+`cuda.ops.CudaOps` (bf16 storage as uint16, fp32 math, kernels from cuda_src/). Every op
+writes into an `out` array the caller owns, so the CUDA backend can hand out views of one
+buffer pool and nothing is allocated inside the step loop.
+
+Shapes (T = tokens in this step, B = sequences in this step, H = hidden size,
+nh / nkv = query / key-value heads, d = head_dim, V = vocab size):
+
+KV cache, one per layer and kind: [num_blocks, block_size, nkv, d]. A token at position p
+of a sequence lives in block `block_table[p // block_size]`, row `p % block_size`; its
+flat slot is `block * block_size + row` (the slot mapping).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class ForwardBatch:
+    """One step's inputs: the new tokens and what attention needs, built on the host by
+    the model runner.
+
+    The arrays here are host numpy int32; a backend copies them to its own memory with
+    `Ops.upload` before the forward pass (the CUDA backend into fixed buffers).
+    Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; its new tokens
+    sit at the END of its context: they are positions seq_lens[b]-num_new .. seq_lens[b]-1,
+    and each attends causally to every cached position <= its own.
+    """
+    token_ids: np.ndarray        # [T] int32, the new tokens of all sequences, concatenated
+    positions: np.ndarray        # [T] int32, position of each token in its sequence
+    slot_mapping: np.ndarray     # [T] int32, flat KV slot each token's K/V are written to
+    query_start_loc: np.ndarray  # [B+1] int32, prefix sums of new tokens per sequence
+    seq_lens: np.ndarray         # [B] int32, context length after this step's tokens
+    block_tables: np.ndarray     # [B, max_blocks_per_seq] int32, unused entries -1
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @property
+    def last_token_indices(self) -> np.ndarray:
+        """[B] int32: the row of each sequence's last token (the one whose logits we need)."""
+        return (self.query_start_loc[1:] - 1).astype(np.int32)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-sequence sampling settings for one step (host numpy arrays, length B)."""
+    temperature: np.ndarray  # float32; 0 means greedy
+    top_k: np.ndarray        # int32; 0 or >= V means off
+    top_p: np.ndarray        # float32; 1.0 means off
+    min_p: np.ndarray        # float32; 0.0 means off
+    seeds: np.ndarray        # uint64; the request's seed (a random one when the user gave none)
+    steps: np.ndarray        # int32; how many tokens the request has generated so far
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature == 0))
+
+
+class Backend(Protocol):
+    """A loaded model on one device: ops, weights, KV cache and the activation pool."""
+    ops: "Ops"
+    weights: dict           # keys of weights.plan_weight_blob: "embed", "layers.{i}.qkv", ...
+    kv_caches: list         # per layer (k_cache, v_cache), each [num_blocks, block_size, nkv, d]
+    cos_sin: Any            # [max_model_len, d] float32 RoPE table (rope.py), on the device
+    num_kv_blocks: int
+    block_size: int
+
+    def buffers(self, num_tokens: int, num_seqs: int) -> dict:
+        """Activation buffers for one step, views of the pool (see model/llama.py for
+        names and shapes). The CUDA backend hands out views of memory allocated once."""
+
+
+class Ops(Protocol):
+    """Array type `A` is numpy.ndarray (float32) or cupy.ndarray (uint16 = bf16 bits)."""
+
+    act_dtype: Any  # dtype of activations and KV cache
+
+    def empty(self, shape, dtype=None) -> Any: ...
+    def upload(self, batch: ForwardBatch) -> Any:
+        """Copy the batch's arrays to backend memory; the result is what the ops below take
+        as `meta` (same field names; host ints stay host ints)."""
+    def embedding(self, token_ids, table, out) -> None:
+        """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H]."""
+    def rms_norm(self, x, weight, eps: float, out) -> None:
+        """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H]."""
+    def add_rms_norm(self, x, residual, weight, eps: float, out) -> None:
+        """residual += x (in place), then out = rms_norm(residual); all [T, H]."""
+    def linear(self, x, weight, out) -> None:
+        """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32."""
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out) -> None:
+        """qkv [T, (nh + 2 nkv) d]: rotate q and k with RoPE at meta.positions (half-split
+        pairs (i, i + d/2)), write rotated q to q_out [T, nh, d], write rotated k and plain v
+        to the caches at meta.slot_mapping. cos_sin [max_pos, d] float32: cos in the first
+        d/2 columns, sin in the last d/2."""
+    def attention(self, q, k_cache, v_cache, meta, scale: float, out) -> None:
+        """Causal attention of q [T, nh, d] over the paged cache; out [T, nh * d]. GQA: query
+        head h reads kv head h // (nh // nkv)."""
+    def silu_and_mul(self, gate_up, out) -> None:
+        """gate_up [T, 2 I] (gate first); out [T, I] = silu(gate) * up."""
+    def gather_rows(self, x, indices, out) -> None:
+        """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
+    def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
+        """logits [B, V] float32 -> host numpy int32 [B] token ids."""

@@ -1,0 +1,119 @@
+"""float32 reference ops on the CPU (DESIGN decision 10).
+
+Plain NumPy, written for clarity: the CUDA kernels are tested against these, and the
+engine runs on them where there is no GPU. Same paged-KV layout as the CUDA backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import ForwardBatch, SamplingTensors
+
+
+class NumpyOps:
+    act_dtype = np.float32
+
+    def empty(self, shape, dtype=np.float32):
+        return np.empty(shape, dtype=dtype)
+
+    def upload(self, batch: ForwardBatch) -> ForwardBatch:
+        return batch
+
+    def embedding(self, token_ids, table, out):
+        out[...] = table[token_ids]
+
+    def rms_norm(self, x, weight, eps, out):
+        variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+        out[...] = x / np.sqrt(variance + np.float32(eps)) * weight
+
+    def add_rms_norm(self, x, residual, weight, eps, out):
+        residual += x
+        self.rms_norm(residual, weight, eps, out)
+
+    def linear(self, x, weight, out):
+        np.matmul(x, weight.T, out=out)
+
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
+        num_tokens = qkv.shape[0]
+        num_heads, head_dim = q_out.shape[1], q_out.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        q = qkv[:, :num_heads * head_dim].reshape(num_tokens, num_heads, head_dim)
+        kv_start = num_heads * head_dim
+        k = qkv[:, kv_start:kv_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, kv_start + num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim)
+        table = cos_sin[meta.positions]                  # [T, d]
+        half = head_dim // 2
+        cos, sin = table[:, None, :half], table[:, None, half:]  # [T, 1, d/2]
+        q_out[...] = rotate(q, cos, sin)
+        block_size = k_cache.shape[1]
+        blocks, rows = np.divmod(meta.slot_mapping, block_size)
+        k_cache[blocks, rows] = rotate(k, cos, sin)
+        v_cache[blocks, rows] = v
+
+    def attention(self, q, k_cache, v_cache, meta, scale, out):
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        starts = meta.query_start_loc
+        for b, seq_len in enumerate(meta.seq_lens):
+            q_rows = slice(starts[b], starts[b + 1])
+            num_new = starts[b + 1] - starts[b]
+            if num_new == 0:
+                continue
+            positions = np.arange(seq_len)
+            blocks = meta.block_tables[b][positions // block_size]
+            keys = k_cache[blocks, positions % block_size]     # [S, nkv, d]
+            values = v_cache[blocks, positions % block_size]   # [S, nkv, d]
+            keys = np.repeat(keys, group, axis=1)              # [S, nh, d]
+            values = np.repeat(values, group, axis=1)
+            scores = np.einsum("qhd,shd->hqs", q[q_rows], keys) * np.float32(scale)
+            query_positions = np.arange(seq_len - num_new, seq_len)
+            causal = positions[None, :] <= query_positions[:, None]    # [n, S]
+            scores = np.where(causal[None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[q_rows] = np.einsum("hqs,shd->qhd", probs, values).reshape(num_new, num_heads * head_dim)
+
+    def silu_and_mul(self, gate_up, out):
+        gate, up = np.split(gate_up, 2, axis=-1)
+        out[...] = gate / (np.float32(1) + np.exp(-gate)) * up
+
+    def gather_rows(self, x, indices, out):
+        out[...] = x[indices]
+
+    def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
+        tokens = np.argmax(logits, axis=-1).astype(np.int32)
+        for b in np.flatnonzero(sampling.temperature > 0):
+            probs = filtered_probs(logits[b], float(sampling.temperature[b]), int(sampling.top_k[b]),
+                                   float(sampling.top_p[b]), float(sampling.min_p[b]))
+            rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
+            tokens[b] = rng.choice(probs.shape[0], p=probs)
+        return tokens
+
+
+def rotate(x, cos, sin):
+    """Half-split RoPE: pairs (i, i + d/2). x [T, heads, d]; cos, sin [T, 1, d/2]."""
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def filtered_probs(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
+    """Probabilities after temperature, then top-k, top-p and min-p filtering (in that
+    order); filtered tokens get probability 0 and the rest are renormalized."""
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.ones(probs.shape[0], dtype=bool)
+    if 0 < top_k < probs.shape[0]:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        sorted_probs = np.where(keep[order], probs[order], 0.0)
+        sorted_probs /= sorted_probs.sum()
+        before = np.cumsum(sorted_probs) - sorted_probs  # mass of strictly more likely tokens
+        keep[order[before >= top_p]] = False
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()

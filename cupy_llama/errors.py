@@ -1,0 +1,34 @@
+"""Exception types. Every error a user can cause is a `CupyLlamaError` whose message is one
+line that says what is wrong and how to fix it; the CLI prints it and exits 1."""
+
+
+class CupyLlamaError(Exception):
+    """Base class for errors the user can act on."""
+
+
+class ModelError(CupyLlamaError):
+    """The model directory cannot be used (missing files, unsupported model)."""
+
+
+class ConfigError(ModelError):
+    """config.json / generation_config.json is missing, malformed or unsupported."""
+
+
+class CheckpointError(ModelError):
+    """A safetensors file (or its index) breaks a rule, or tensors are missing/wrong."""
+
+
+class TokenizerError(ModelError):
+    """tokenizer.json or the chat template cannot be used."""
+
+
+class RequestError(CupyLlamaError, ValueError):
+    """A prompt or sampling parameter is invalid (names the offending value)."""
+
+
+class DeviceError(CupyLlamaError):
+    """The requested device cannot run the model (no CuPy, no GPU, no bf16, no memory)."""
+
+
+class DemoModelError(CupyLlamaError):
+    """The demo model could not be built."""

@@ -1,0 +1,19 @@
+"""What a request gives back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)   # generated tokens so far
+    text: str = ""                                       # generated text so far
+    finish_reason: str | None = None                     # "stop", "length", "abort" or None
+    delta: str = ""            # text added since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

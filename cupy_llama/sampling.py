@@ -1,0 +1,72 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from .errors import RequestError
+
+# Fields a request may set; a request that leaves one out takes the model's default
+# (generation_config.json) or, failing that, the dataclass default.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0   # 0 means greedy
+    top_p: float = 1.0         # 1.0 means off
+    top_k: int = 0             # 0 means off
+    min_p: float = 0.0         # 0.0 means off
+    max_tokens: int = 256
+    seed: int | None = None    # None: a fresh random seed per request
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the text
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name, value, ok, rule):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+                raise RequestError(f"{name} must be {rule}, got {value!r}")
+
+        number("temperature", self.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
+        number("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0 (0 means off), got {self.top_k!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise RequestError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, values: dict, defaults: dict | None = None) -> "SamplingParams":
+        """Build from user data (a JSON request), with the model's defaults underneath."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling field {unknown[0]!r}; known fields: "
+                               f"{', '.join(sorted(known))}")
+        merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
+        merged.update(values)
+        return cls(**merged)
+
+
+def model_sampling_defaults(generation_defaults: dict) -> dict:
+    """generation_config.json's sampling fields as SamplingParams values."""
+    defaults = {k: generation_defaults[k] for k in GENERATION_DEFAULT_FIELDS if k in generation_defaults}
+    if generation_defaults.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
