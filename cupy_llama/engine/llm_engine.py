@@ -1,0 +1,164 @@
+"""LLMEngine: add requests, step, abort; stopping rules and streaming text."""
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import Iterator
+
+from ..config import EngineConfig, ModelConfig
+from ..errors import RequestError
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+
+class _Request:
+    """A sequence plus its text: incremental detokenizer and what was already streamed."""
+
+    def __init__(self, seq: Sequence, detokenizer):
+        self.seq = seq
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.num_emitted_tokens = 0
+
+    def output(self, hold_back: int) -> RequestOutput:
+        """Deltas hold back the last `hold_back` characters while a stop string could still
+        be forming, so the user never sees part of one."""
+        seq = self.seq
+        visible = len(self.text) if seq.is_finished else max(self.num_emitted_chars, len(self.text) - hold_back)
+        delta = self.text[self.num_emitted_chars:visible]
+        delta_ids = seq.output_token_ids[self.num_emitted_tokens:]
+        self.num_emitted_chars = visible
+        self.num_emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=self.text[:visible],
+            finish_reason=seq.status.finish_reason, delta=delta, delta_token_ids=delta_ids)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, tokenizer, backend, engine_config: EngineConfig,
+                 max_model_len: int):
+        self.config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.blocks = BlockManager(backend.num_kv_blocks, backend.block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=engine_config.max_num_seqs,
+                                   max_num_batched_tokens=engine_config.max_num_batched_tokens,
+                                   max_model_len=max_model_len)
+        self.runner = ModelRunner(model_config, backend)
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        prompt_ids = self.encode_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id, prompt_ids, params, seed, next(self._arrivals))
+        self.scheduler.add(seq)
+        from ..tokenizer import IncrementalDetokenizer
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a prompt must be a string or a list of token ids (ints)")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(str(request_id), None)
+        if request is None:
+            return None
+        if not request.seq.is_finished:
+            self.scheduler.abort(request.seq.request_id)
+        return request.output(hold_back=0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, post-process. Returns an output for every request that got a new
+        token this step; finished requests are dropped from the engine after this."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.run(batch)
+        ready = {id(seq) for seq in self.scheduler.update_after_step(batch)}
+        outputs = []
+        for seq, token_id in zip(batch.seqs, sampled.tolist()):
+            if id(seq) in ready:
+                outputs.append(self._append_token(seq, int(token_id)))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        params = seq.params
+        seq.output_token_ids.append(token_id)
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if not is_eos:
+            request.text += request.detokenizer.add(token_id)
+        status = None
+        stop_at = _find_stop(request.text, params.stop)
+        if stop_at is not None:
+            request.text = request.text[:stop_at]  # the stop string is not shown
+            status = SequenceStatus.FINISHED_STOPPED
+        elif is_eos:
+            request.text += request.detokenizer.flush()
+            status = SequenceStatus.FINISHED_STOPPED
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            request.text += request.detokenizer.flush()
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            del self.requests[seq.request_id]
+        hold_back = max((len(s) for s in params.stop), default=1) - 1
+        return request.output(hold_back)
+
+    # ---- whole requests -------------------------------------------------------------
+    def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
+        """Add all prompts, then yield outputs as steps produce them. Requests still running
+        when the caller stops iterating are aborted."""
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            while self.has_unfinished_requests():
+                yield from self.step()
+        finally:
+            for request_id in ids:
+                self.abort(request_id)
+
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        ids = []
+        try:
+            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        finally:
+            for request_id in ids:
+                self.abort(request_id)
+        return [final[request_id] for request_id in ids]
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(positions) if positions else None

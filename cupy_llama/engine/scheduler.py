@@ -1,0 +1,139 @@
+"""Continuous batching (DESIGN decision 9), plain Python.
+
+Each step: every running sequence gets its next tokens (one decode token, or the next
+chunk of an unfinished prefill) within the token budget; then free slots are refilled
+from the waiting queue with prefill chunks. When KV blocks run out, the most recently
+admitted running sequence is preempted: its blocks are freed and it waits at the head of
+the queue to be recomputed from its tokens so far.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import RequestError
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]   # tokens of each sequence computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self):
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order, oldest first
+        self.num_preemptions = 0
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Reject a prompt that could never run, with the numbers that say why."""
+        if num_prompt_tokens < 1:
+            raise RequestError("the prompt is empty; give at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {num_prompt_tokens} tokens but the context limit is "
+                f"{self.max_model_len} (prompt plus at least one new token); shorten the "
+                f"prompt or raise max_model_len")
+        needed = self.blocks.blocks_needed(num_prompt_tokens + 1)
+        if needed > self.blocks.num_blocks:
+            raise RequestError(
+                f"the prompt needs {needed} KV blocks of {self.blocks.block_size} tokens but the "
+                f"cache has only {self.blocks.num_blocks}; shorten the prompt or give the KV "
+                f"cache more memory (num_kv_blocks / gpu_memory_utilization)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_tokens)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Release a finished sequence's blocks at once."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        budget = self.max_num_batched_tokens
+        # 1. running sequences, oldest first: decode tokens and continuing prefill chunks
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for an older one
+                continue
+            take = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + take):
+                continue  # seq itself was preempted
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(take)
+            budget -= take
+        # 2. refill free slots from the waiting queue
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            take = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed_tokens + take):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, seq.num_computed_tokens + take)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(take)
+            budget -= take
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
+        seq had to be preempted itself."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Mark this step's tokens computed; return the sequences that now need a sampled
+        token (those whose every known token is in the cache)."""
+        ready = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_uncomputed_tokens == 0:
+                ready.append(seq)
+        return ready

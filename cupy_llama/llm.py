@@ -1,0 +1,135 @@
+"""The public Python API: LLM(model_dir).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+from .config import EngineConfig, ModelConfig
+from .engine.llm_engine import LLMEngine
+from .errors import ConfigError, RequestError
+from .outputs import RequestOutput
+from .sampling import SamplingParams, model_sampling_defaults
+from .weights import open_checkpoint
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+class LLM:
+    """A model loaded on one device, ready to generate.
+
+    >>> llm = LLM("path/to/model", device="cpu")
+    >>> llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8)).text
+    """
+
+    def __init__(self, model_dir, device: str = "auto", *, log=_stderr, **engine_options):
+        if device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        from .tokenizer import Tokenizer
+
+        started = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        if device == "cpu":
+            # modest defaults: the NumPy backend serves tests and small models
+            engine_options.setdefault("max_num_seqs", 16)
+            engine_options.setdefault("max_num_batched_tokens", 2048)
+        self.engine_config = EngineConfig(**engine_options)
+        self.max_model_len = self.engine_config.resolved_max_model_len(self.config)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir, self.config)
+        checkpoint = open_checkpoint(self.model_dir, self.config, log=log)
+        try:
+            self.device = self._pick_device(device, log)
+            self.backend = self._make_backend(checkpoint, log)
+        finally:
+            checkpoint.close()
+        self.engine = LLMEngine(self.config, self.tokenizer, self.backend, self.engine_config,
+                                self.max_model_len)
+        self.load_seconds = time.perf_counter() - started
+
+    def _pick_device(self, device: str, log) -> str:
+        if device == "cpu":
+            return "cpu"
+        from .backends.cuda import check_cuda_device, cuda_usable
+        if device == "cuda":
+            check_cuda_device()
+            return "cuda"
+        usable, reason = cuda_usable()
+        if not usable:
+            log(f"warning: running on the CPU (slow): {reason}")
+            return "cpu"
+        return "cuda"
+
+    def _make_backend(self, checkpoint, log):
+        ec = self.engine_config
+        if self.device == "cpu":
+            from .backends.cpu import CpuBackend
+            return CpuBackend(self.config, checkpoint, max_model_len=self.max_model_len,
+                              max_num_seqs=ec.max_num_seqs, block_size=ec.block_size,
+                              num_kv_blocks=ec.num_kv_blocks, log=log)
+        from .backends.cuda import CudaBackend
+        return CudaBackend(self.config, checkpoint, max_model_len=self.max_model_len,
+                           max_num_seqs=ec.max_num_seqs,
+                           max_num_batched_tokens=ec.max_num_batched_tokens,
+                           block_size=ec.block_size, num_kv_blocks=ec.num_kv_blocks,
+                           gpu_memory_utilization=ec.gpu_memory_utilization, log=log)
+
+    # ---- generation -----------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json defaults."""
+        return SamplingParams(**model_sampling_defaults(self.config.generation_defaults))
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 *, stream: bool = False):
+        """prompts: a string, a list of token ids, or a list of either. Returns one
+        RequestOutput per prompt in order (a single one for a single prompt); with
+        stream=True, an iterator of RequestOutputs carrying text deltas."""
+        single, prompts = _as_prompt_list(prompts)
+        param_list = self._param_list(params, len(prompts))
+        if stream:
+            return self.engine.stream(prompts, param_list)
+        outputs = self.engine.generate(prompts, param_list)
+        return outputs[0] if single else outputs
+
+    def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
+        return self.generate(prompts, params, stream=True)
+
+    def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
+             date_string: str | None = None):
+        """messages: [{"role": ..., "content": ...}, ...] (or a list of such conversations)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
+                   for c in conversations]
+        result = self.generate(prompts, params, stream=stream)
+        if stream or len(conversations) > 1:
+            return result
+        return result[0]
+
+    def _param_list(self, params, count: int) -> list[SamplingParams]:
+        if params is None:
+            params = self.default_sampling_params()
+        if isinstance(params, SamplingParams):
+            return [replace(params) for _ in range(count)]
+        params = list(params)
+        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+            raise RequestError(f"give one SamplingParams or a list of {count} (one per prompt), "
+                               f"got {len(params)}")
+        return params
+
+
+def _as_prompt_list(prompts) -> tuple[bool, list]:
+    if isinstance(prompts, str):
+        return True, [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return True, [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        return False, list(prompts)
+    raise RequestError(f"prompts must be a string, a list of token ids or a list of those, "
+                       f"got {type(prompts).__name__}")
