@@ -1,0 +1,425 @@
+"""Text <-> token ids: tokenizer.json through `tokenizers`, the chat template rendered in a
+jinja2 sandbox, and an incremental detokenizer for streaming.
+
+Prompt safety: in `encode_chat` only the template's own text may produce special tokens.
+Special-token spellings inside message fields are broken with an invisible marker before
+rendering, so the rendered prompt's special tokens all come from the template; the text
+between them is then encoded with special-token parsing off (and the marker removed).
+"""
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .errors import RequestError, TokenizerError
+
+# A vocabulary with these three tokens speaks the Llama 3 chat format.
+LLAMA3_FORMAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# Tokens that end an assistant turn in common chat formats; each one the chat template
+# writes joins the EOS set.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
+
+# The project's Llama 3 chat format, used when a Llama 3 model directory ships no template.
+# For system/user/assistant messages it renders exactly like the Llama 3.1/3.2 Instruct
+# template: BOS, a system header that always carries the knowledge-cutoff and date lines,
+# then one header + trimmed content + <|eot_id|> per message.
+LLAMA3_CHAT_TEMPLATE = r"""
+{%- if tools is defined and tools is not none -%}
+  {{- raise_exception("the built-in Llama 3 chat format does not support tools; put a chat_template.jinja that does into the model directory") -}}
+{%- endif -%}
+{%- if date_string is not defined -%}
+  {%- set date_string = strftime_now("%d %b %Y") -%}
+{%- endif -%}
+{%- set system_text = "" -%}
+{%- set turns = messages -%}
+{%- if messages and messages[0]["role"] == "system" -%}
+  {%- set system_text = messages[0]["content"] | trim -%}
+  {%- set turns = messages[1:] -%}
+{%- endif -%}
+{{- bos_token -}}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" -}}
+{{- "Cutting Knowledge Date: December 2023\nToday Date: " ~ date_string ~ "\n\n" -}}
+{{- system_text ~ "<|eot_id|>" -}}
+{%- for turn in turns -%}
+  {%- if turn["role"] in ("tool", "ipython") -%}
+    {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" ~ turn["content"] ~ "<|eot_id|>" -}}
+  {%- else -%}
+    {{- "<|start_header_id|>" ~ turn["role"] ~ "<|end_header_id|>\n\n" -}}
+    {{- (turn["content"] | trim) ~ "<|eot_id|>" -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- "<|start_header_id|>assistant<|end_header_id|>\n\n" -}}
+{%- endif -%}
+"""
+
+# Formats tried when a pinned date_string must answer strftime_now(fmt) in another format.
+_DATE_FORMATS = ("%d %b %Y", "%d %B %Y", "%Y-%m-%d", "%b %d %Y", "%B %d, %Y")
+# Private-use characters that break a special-token spelling inside message text.
+_MARKER_CANDIDATES = tuple(chr(c) for c in range(0xF8FF, 0xF8F0, -1))
+
+
+class Tokenizer:
+    """A model directory's tokenizer. Build it with `Tokenizer.from_dir(model_dir)`."""
+
+    def __init__(self, backend: BackendTokenizer, chat_template: str | None,
+                 bos_token: str | None, eos_token: str | None, extra_eos: tuple[str, ...] = (),
+                 add_bos: bool = False, template_tokens: dict | None = None):
+        self._backend = backend
+        # A copy that never matches special tokens in text: message content goes through it.
+        self._plain = BackendTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        added = backend.get_added_tokens_decoder()  # id -> AddedToken
+        self._special = {tok.content: (i, tok) for i, tok in added.items() if tok.special}
+        self._special_pattern = _alternation(self._special)
+        self.chat_template = chat_template
+        self._compiled_template = None
+        self.bos_token = bos_token if self._id_of(bos_token) is not None else None
+        self.eos_token = eos_token if self._id_of(eos_token) is not None else None
+        self._add_bos = add_bos and self.bos_token is not None
+        self._template_tokens = {k: v for k, v in (template_tokens or {}).items() if v}
+        eos = {eos_token, *extra_eos}
+        eos |= {t for t in END_OF_TURN_TOKENS if chat_template and t in chat_template}
+        self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
+
+    # ---- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, model_dir, config=None) -> "Tokenizer":
+        """config: an optional ModelConfig, used for BOS/EOS when the tokenizer files
+        do not name them."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer.json not found in {str(model_dir)!r}; copy the "
+                                 "model's tokenizer.json into the model directory")
+        try:
+            backend = BackendTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exceptions with its reason
+            raise TokenizerError(f"cannot read {str(path)!r} ({_first_line(e)}); re-download "
+                                 "the model's tokenizer.json") from None
+        tok_config = _read_tokenizer_config(model_dir / "tokenizer_config.json")
+        template = _find_chat_template(model_dir, tok_config)
+        is_llama3 = all(backend.token_to_id(t) is not None for t in LLAMA3_FORMAT_TOKENS)
+        uses_llama3_defaults = is_llama3 and not tok_config
+        if template is None and is_llama3:
+            template = LLAMA3_CHAT_TEMPLATE
+
+        def config_token(token_id):
+            return backend.id_to_token(token_id) if token_id is not None else None
+
+        bos = _token_text(tok_config.get("bos_token"))
+        eos = _token_text(tok_config.get("eos_token"))
+        extra_eos: tuple[str, ...] = ()
+        if uses_llama3_defaults:  # what the released Llama 3 Instruct tokenizer declares
+            bos, eos, extra_eos = "<|begin_of_text|>", "<|eot_id|>", ("<|end_of_text|>",)
+        if bos is None and config is not None:
+            bos = config_token(config.bos_token_id)
+        if eos is None and config is not None and config.eos_token_ids:
+            eos = config_token(config.eos_token_ids[0])
+        # BOS comes from tokenizer.json's post-processor as Hugging Face does; a tokenizer
+        # whose post-processor adds none gets it here only when declared (add_bos_token) or
+        # when it is a Llama 3 vocabulary without tokenizer_config.json.
+        add_bos = uses_llama3_defaults or tok_config.get("add_bos_token") is True
+        if add_bos and bos is not None:
+            add_bos = not _post_processor_adds(backend, backend.token_to_id(bos))
+        template_tokens = {name: _token_text(tok_config.get(name))
+                           for name in ("unk_token", "pad_token")}
+        return cls(backend, template, bos, eos, extra_eos, add_bos, template_tokens)
+
+    # ---- vocabulary ------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id_of(self.bos_token)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(i for i, _ in self._special.values())
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    # ---- encode / decode -------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """Token ids of a plain prompt, as Hugging Face's tokenizer gives them.
+        split_special_tokens=True reads special-token spellings as ordinary text."""
+        if not isinstance(text, str):
+            raise RequestError(f"prompt must be a string, got {type(text).__name__}")
+        backend = self._plain if split_special_tokens else self._backend
+        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._add_bos:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        for token_id in ids:
+            if not (isinstance(token_id, int) and 0 <= token_id < self._vocab_size):
+                raise RequestError(f"token id {token_id!r} is outside the vocabulary "
+                                   f"(0..{self._vocab_size - 1})")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                            date_string: str | None = None, tools=None) -> str:
+        """The prompt text the model's chat template renders for these messages."""
+        return self._render(validate_messages(messages), add_generation_prompt,
+                            date_string, tools)
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True,
+                    date_string: str | None = None, tools=None) -> list[int]:
+        """Prompt ids for a chat; special tokens come only from the template's own text."""
+        messages = validate_messages(messages)
+        marker = _pick_marker(messages)
+        guarded = [{key: self._break_specials(value, marker) if isinstance(value, str) else value
+                    for key, value in message.items()} for message in messages]
+        text = self._render(guarded, add_generation_prompt, date_string, tools)
+        ids: list[int] = []
+        for piece, special in self._split_on_specials(text):
+            if special is not None:
+                ids.append(special)
+            elif piece:
+                ids.extend(self._plain.encode(piece.replace(marker, ""),
+                                              add_special_tokens=False).ids)
+        return ids
+
+    def _break_specials(self, text: str, marker: str) -> str:
+        if self._special_pattern is None:
+            return text
+        # repeat: breaking one spelling can never create another, but overlapping
+        # spellings that the first pass skipped still need breaking
+        while self._special_pattern.search(text):
+            text = self._special_pattern.sub(lambda m: m[0][0] + marker + m[0][1:], text)
+        return text
+
+    def _split_on_specials(self, text: str):
+        """Yield (text piece, None) and ("", special id) in order, as tokenizers splits."""
+        if self._special_pattern is None:
+            yield text, None
+            return
+        pieces = self._special_pattern.split(text)  # text, special, text, special, ..., text
+        for k in range(1, len(pieces), 2):
+            token = self._special[pieces[k]][1]
+            if token.lstrip:
+                pieces[k - 1] = pieces[k - 1].rstrip()
+            if token.rstrip:
+                pieces[k + 1] = pieces[k + 1].lstrip()
+        for k, piece in enumerate(pieces):
+            yield (piece, None) if k % 2 == 0 else ("", self._special[piece][0])
+
+    def _render(self, messages, add_generation_prompt, date_string, tools) -> str:
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template (no chat_template.jinja and "
+                                 "no chat_template in tokenizer_config.json); add one, or "
+                                 "send plain prompts instead of chat messages")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                         **self._template_tokens)
+        if tools is not None:
+            variables["tools"] = tools
+        if date_string is not None:
+            variables["date_string"] = date_string
+        variables["strftime_now"] = _strftime_now(date_string)
+        try:
+            return self._compiled_template.render(**variables)
+        except TokenizerError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed to render: {_first_line(e)}; "
+                                 "check the messages or the model's chat template") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas. Decodes only a short window of recent
+    ids: `prefix_offset..read_offset` is text already emitted, used as context so that
+    tokenizers which drop a leading space at the start of a decode stay exact."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        """Text newly completed by this token ('' while a character is still partial)."""
+        self.token_ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new, or the last character's bytes are not all here yet
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """Whatever was held back (an incomplete character decodes as U+FFFD here)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):]
+
+
+def validate_messages(messages) -> list[dict]:
+    """A chat must be a non-empty list of {"role": str, "content": str, ...} dicts."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+        raise RequestError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                           f"got {type(messages).__name__}")
+    if not messages:
+        raise RequestError("messages is empty; send at least one {'role': 'user', "
+                           "'content': ...} message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{index}] must be a dict with 'role' and 'content', "
+                               f"got {type(message).__name__}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise RequestError(f"messages[{index}] has no {key!r}")
+            if not isinstance(message[key], str):
+                raise RequestError(f"messages[{index}][{key!r}] must be a string, got "
+                                   f"{type(message[key]).__name__}")
+    return list(messages)
+
+
+# ---- chat template environment (what transformers provides when it renders) -------------
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks;
+    rendering just writes the body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message):
+    raise TokenizerError(f"chat template: {message}")
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(date_string: str | None):
+    """strftime_now for the template; a pinned date_string fixes the date it reports."""
+    if date_string is None:
+        return lambda fmt: datetime.now().strftime(fmt)
+    for date_format in _DATE_FORMATS:
+        try:
+            pinned = datetime.strptime(date_string, date_format)
+        except ValueError:
+            continue
+        return pinned.strftime
+    return lambda fmt: date_string
+
+
+def _compile_template(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"the chat template is not valid jinja ({_first_line(e)}); "
+                             "fix or remove the model's chat template") from None
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def _alternation(tokens) -> re.Pattern | None:
+    """Regex matching any of the tokens, longest first (leftmost-longest, as tokenizers)."""
+    if not tokens:
+        return None
+    alternatives = sorted(tokens, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+
+
+def _pick_marker(messages) -> str:
+    texts = [v for m in messages for v in m.values() if isinstance(v, str)]
+    for marker in _MARKER_CANDIDATES:
+        if not any(marker in text for text in texts):
+            return marker
+    raise RequestError("messages contain every private-use character U+F8F1..U+F8FF; "
+                       "remove them from the message text")
+
+
+def _post_processor_adds(backend: BackendTokenizer, bos_id: int | None) -> bool:
+    with_special = backend.encode("a", add_special_tokens=True).ids
+    without = backend.encode("a", add_special_tokens=False).ids
+    return len(with_special) > len(without) and with_special[0] == bos_id
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path.name} is not valid JSON ({e}); re-download it or "
+                             "delete it") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path.name} must hold a JSON object; re-download it")
+    return data
+
+
+def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{str(jinja_file)!r} is not UTF-8 text; fix or remove "
+                                 "it") from None
+    template = tok_config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise TokenizerError("tokenizer_config.json lists chat templates but none named "
+                             "'default'; add chat_template.jinja to the model directory")
+    raise TokenizerError("tokenizer_config.json: chat_template must be a string or a list "
+                         "of {name, template}")
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes a token as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,122 @@
+"""Whole model on one device against Hugging Face transformers with the same weights
+(DESIGN "Correctness bars"): 8 prompts, greedy 32 tokens each; at least 7 of 8 must be
+identical, and at the first divergence each side's token must be in the other's top-5.
+
+    python scripts/compare_hf.py MODEL_DIR [--device cuda] [--chat] [--json OUT]
+
+--chat renders the prompts through the model's chat template (for real models); without
+it the prompts are random token ids (for random-weight models).
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cupy_llama import LLM, SamplingParams  # noqa: E402
+from cupy_llama.backends.base import ForwardBatch  # noqa: E402
+from cupy_llama.model.llama import forward  # noqa: E402
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a GPU is in one sentence.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Name a famous physicist and say why they are known.",
+    "Give me a short tip for learning to cook.",
+]
+NUM_TOKENS = 32
+
+
+def our_logits(llm: LLM, ids: list[int]) -> np.ndarray:
+    """Logits after `ids`, from one prefill into blocks 0.. of the (idle) engine's cache."""
+    n = len(ids)
+    bs = llm.backend.block_size
+    table = np.arange(-(-n // bs), dtype=np.int32)
+    positions = np.arange(n, dtype=np.int32)
+    batch = ForwardBatch(token_ids=np.asarray(ids, np.int32), positions=positions,
+                         slot_mapping=(table[positions // bs] * bs + positions % bs).astype(np.int32),
+                         query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([n], np.int32),
+                         block_tables=table[None], max_query_len=n, max_seq_len=n)
+    logits = forward(llm.backend, llm.config, batch)
+    return np.asarray(logits.get() if hasattr(logits, "get") else logits)[0]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chat", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(args.model_dir, device=args.device)
+    if args.chat:
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}], date_string="26 Jul 2024")
+                   for p in CHAT_PROMPTS]
+    else:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, min(llm.config.vocab_size, 100000), int(n)).tolist()
+                   for n in rng.integers(8, 600, size=8)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    t0 = time.perf_counter()
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    ours_seconds = time.perf_counter() - t0
+
+    device = "cuda" if args.device == "cuda" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(device).eval()
+
+    def hf_greedy(prompt):
+        out = hf(torch.tensor([prompt], device=device), use_cache=True)
+        tokens = []
+        for _ in range(NUM_TOKENS):
+            token = int(out.logits[0, -1].float().argmax())
+            tokens.append(token)
+            out = hf(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
+        return tokens
+
+    def hf_logits(ids):
+        return hf(torch.tensor([ids], device=device)).logits[0, -1].float().cpu().numpy()
+
+    rows, identical, top5_ok = [], 0, True
+    with torch.no_grad():
+        for prompt, mine in zip(prompts, ours):
+            theirs = hf_greedy(prompt)
+            row = {"prompt_tokens": len(prompt), "identical": mine == theirs}
+            if mine == theirs:
+                identical += 1
+            else:
+                j = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+                prefix = prompt + mine[:j]
+                our_top5 = np.argsort(-our_logits(llm, prefix))[:5].tolist()
+                hf_top5 = np.argsort(-hf_logits(prefix))[:5].tolist()
+                ok = theirs[j] in our_top5 and mine[j] in hf_top5
+                top5_ok &= ok
+                row.update(first_divergence=j, ours=mine[j], hf=theirs[j], our_top5=our_top5,
+                           hf_top5=hf_top5, top5_ok=ok)
+            if args.chat:
+                row["text"] = llm.tokenizer.decode(mine)
+                row["hf_text"] = llm.tokenizer.decode(theirs)
+            rows.append(row)
+            print(json.dumps(row, ensure_ascii=False))
+    passed = identical >= 7 and top5_ok
+    summary = {"model_dir": args.model_dir, "device": args.device, "identical": identical,
+               "prompts": len(prompts), "top5_at_divergence_ok": top5_ok, "passed": passed,
+               "our_generate_seconds": round(ours_seconds, 3)}
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2, ensure_ascii=False))
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
