@@ -11,8 +11,8 @@ from ..config import ModelConfig
 
 # Activation buffers of one step, name -> shape as a function of (T tokens, B sequences).
 # The CUDA backend carves these out of one pool planned from max_num_batched_tokens and
-# max_num_seqs; `x`/`attn`, `qkv`/`gate_up` and `q`/`act` never live at the same time,
-# so each pair may share memory.
+# max_num_seqs; `qkv`/`gate_up` and `q`/`act` never live at the same time, so each pair
+# may share memory (`x` and `attn` do: o_proj reads one while writing the other).
 def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[str, tuple]:
     T, B, H = num_tokens, num_seqs, config.hidden_size
     qkv_width = config.q_size + 2 * config.kv_size

@@ -1,0 +1,217 @@
+"""The model on one CUDA GPU: one weight blob, one activation pool, one KV allocation.
+
+Memory is planned once at start-up (DESIGN decisions 2-4) and printed as a table; nothing
+is allocated inside the step loop."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...config import ModelConfig
+from ...errors import DeviceError
+from ...model.llama import buffer_shapes
+from ...model.rope import rope_cos_sin
+from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
+from . import attention as attention_kernels
+from .device import check_cuda_device, device_name, import_cupy
+from .ops import CudaOps
+from .weight_upload import upload_weight_pieces
+
+ALIGNMENT = 256
+GiB = 2 ** 30
+# pool buffers that are never alive at the same time share memory (model/llama.py):
+# qkv is consumed by rope_and_cache before gate_up is written; q by attention before act
+SHARED_BUFFERS = (("qkv", "gate_up"), ("q", "act"))
+NAN_BF16 = 0x7FC0
+
+
+@dataclass
+class PoolRegion:
+    names: tuple[str, ...]  # buffers living here (more than one: they share the memory)
+    offset: int
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def buffer_dtype(name: str):
+    return np.float32 if name == "logits" else np.uint16
+
+
+def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
+              max_model_len: int) -> tuple[dict[str, PoolRegion], int]:
+    """Regions of the activation pool by buffer name (shared buffers map to one region),
+    plus the split-KV decode workspace; returns (regions, total bytes)."""
+    shapes = buffer_shapes(config, max_num_tokens, max_num_seqs)
+    sizes = {name: int(np.prod(shape)) * np.dtype(buffer_dtype(name)).itemsize
+             for name, shape in shapes.items()}
+    partial_out, partial_lse = attention_kernels.workspace_sizes(
+        max_num_seqs, config.num_attention_heads, config.head_dim, max_model_len)
+    sizes["attn_partial_out"] = 4 * partial_out
+    sizes["attn_partial_lse"] = 4 * partial_lse
+    groups = [g for g in SHARED_BUFFERS if all(n in sizes for n in g)]
+    grouped = {n for g in groups for n in g}
+    groups += [(n,) for n in sizes if n not in grouped]
+    regions, offset = {}, 0
+    for group in groups:
+        region = PoolRegion(group, offset, _align(max(sizes[n] for n in group)))
+        for name in group:
+            regions[name] = region
+        offset += region.nbytes
+    return regions, offset
+
+
+class CudaBackend:
+    device = "cuda"
+
+    def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
+                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 log=None):
+        self.capability = check_cuda_device()
+        cupy = import_cupy()
+        self._cupy = cupy
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        # a decode step has one token per sequence, so the pool holds at least max_num_seqs
+        self.max_num_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self._log = log or (lambda message: None)
+        device = cupy.cuda.Device()
+        free, total = cupy.cuda.runtime.memGetInfo()
+
+        plan, weight_bytes = plan_weight_blob(config)
+        self._regions, pool_bytes = plan_pool(config, self.max_num_tokens, max_num_seqs,
+                                              max_model_len)
+        cos_sin = rope_cos_sin(config, max_model_len)
+        needed = weight_bytes + pool_bytes + cos_sin.nbytes
+        if needed > free:
+            raise DeviceError(
+                f"not enough GPU memory: the weights and activation buffers need "
+                f"{needed / GiB:.2f} GiB but {free / GiB:.2f} GiB of {total / GiB:.2f} GiB is "
+                "free; free the GPU or lower --max-num-batched-tokens / --max-num-seqs")
+
+        started = time.perf_counter()
+        self._blob = self._allocate(weight_bytes, "the weights")
+        upload_weight_pieces(cupy, self._blob, iter_blob_pieces(checkpoint, plan))
+        self.weights = {key: self._blob[e.offset:e.offset + e.nbytes].view(np.uint16).reshape(e.shape)
+                        for key, e in plan.items()}
+        self.load_seconds = time.perf_counter() - started
+        self.cos_sin = cupy.asarray(cos_sin)
+        self._pool = self._allocate(pool_bytes, "the activation buffers")
+        self._buffer_views = {}
+
+        self.kv_bytes_per_block = (2 * config.num_hidden_layers * block_size
+                                   * config.kv_size * 2)
+        self.num_kv_blocks = self._kv_blocks(num_kv_blocks, gpu_memory_utilization)
+        kv_shape = (config.num_hidden_layers, 2, self.num_kv_blocks, block_size,
+                    config.num_key_value_heads, config.head_dim)
+        self._kv = self._allocate(int(np.prod(kv_shape)) * 2, "the KV cache").view(np.uint16)
+        self._kv = self._kv.reshape(kv_shape)
+        self._kv.fill(NAN_BF16)  # a stray read of a never-written slot shows as NaN
+        self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(config.num_hidden_layers)]
+
+        max_blocks_per_seq = -(-max_model_len // block_size)
+        workspace = (self._region_view("attn_partial_out", np.float32),
+                     self._region_view("attn_partial_lse", np.float32))
+        self.ops = CudaOps(max_num_tokens=self.max_num_tokens, max_num_seqs=max_num_seqs,
+                           max_blocks_per_seq=max_blocks_per_seq,
+                           num_heads=config.num_attention_heads, head_dim=config.head_dim,
+                           max_model_len=max_model_len, workspace=workspace)
+
+        self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
+                  f"weights loaded in {self.load_seconds:.2f} s")
+        for name, nbytes, note in self.memory_plan():
+            self._log(f"  {name:<24} {nbytes / GiB:9.3f} GiB  {note}")
+        self._log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
+                  f"{self.num_kv_blocks * block_size} tokens "
+                  f"({self.num_kv_blocks * self.kv_bytes_per_block / GiB:.2f} GiB)")
+
+    def _allocate(self, nbytes: int, what: str):
+        cupy = self._cupy
+        try:
+            return cupy.empty(max(1, nbytes), np.uint8)
+        except cupy.cuda.memory.OutOfMemoryError:
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            raise DeviceError(f"out of GPU memory allocating {what}: {nbytes / GiB:.2f} GiB "
+                              f"needed, {free / GiB:.2f} GiB free") from None
+
+    def _kv_blocks(self, num_kv_blocks, gpu_memory_utilization) -> int:
+        cupy = self._cupy
+        free, total = cupy.cuda.runtime.memGetInfo()
+        one_sequence = -(-self.max_model_len // self.block_size)
+        if num_kv_blocks is not None:
+            needed = num_kv_blocks * self.kv_bytes_per_block
+            if needed > free:
+                raise DeviceError(f"num_kv_blocks={num_kv_blocks} needs {needed / GiB:.2f} GiB "
+                                  f"of KV cache but {free / GiB:.2f} GiB is free; lower it")
+            if num_kv_blocks < one_sequence:
+                raise DeviceError(f"num_kv_blocks={num_kv_blocks} cannot hold one sequence of "
+                                  f"max_model_len {self.max_model_len} ({one_sequence} blocks "
+                                  f"of {self.block_size}); raise it or lower max_model_len")
+            return num_kv_blocks
+        if not 0 < gpu_memory_utilization <= 1:
+            raise DeviceError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        # use memory up to `gpu_memory_utilization` of the whole GPU, counting what is in use
+        budget = free - (1 - gpu_memory_utilization) * total
+        blocks = int(max(0, budget) // self.kv_bytes_per_block)
+        if blocks < one_sequence:
+            need = one_sequence * self.kv_bytes_per_block
+            raise DeviceError(
+                f"not enough GPU memory for the KV cache of one {self.max_model_len}-token "
+                f"sequence: {need / GiB:.2f} GiB needed, {max(0, budget) / GiB:.2f} GiB available "
+                f"at gpu_memory_utilization={gpu_memory_utilization}; lower max_model_len or "
+                "raise gpu_memory_utilization")
+        return blocks
+
+    def _region_view(self, name: str, dtype, shape=None):
+        region = self._regions[name]
+        itemsize = np.dtype(dtype).itemsize
+        count = region.nbytes // itemsize if shape is None else int(np.prod(shape))
+        view = self._pool[region.offset:region.offset + count * itemsize].view(dtype)
+        return view if shape is None else view.reshape(shape)
+
+    def buffers(self, num_tokens: int, num_seqs: int) -> dict:
+        if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds "
+                             f"the pool ({self.max_num_tokens} tokens, {self.max_num_seqs} sequences)")
+        key = (num_tokens, num_seqs)
+        views = self._buffer_views.get(key)
+        if views is None:
+            if len(self._buffer_views) >= 512:
+                self._buffer_views.clear()
+            shapes = buffer_shapes(self.config, num_tokens, num_seqs)
+            views = {name: self._region_view(name, buffer_dtype(name), shape)
+                     for name, shape in shapes.items()}
+            self._buffer_views[key] = views
+        return dict(views)
+
+    def memory_plan(self) -> list[tuple[str, int, str]]:
+        """(name, bytes, note) rows: weights, each pool region, the KV cache."""
+        config = self.config
+        rows = [("weights", int(self._blob.nbytes),
+                 f"{config.num_parameters / 1e9:.3f} B parameters, bf16, one allocation"),
+                ("rope cos/sin", int(self.cos_sin.nbytes), f"[{self.max_model_len}, {config.head_dim}] float32")]
+        shapes = buffer_shapes(config, self.max_num_tokens, self.max_num_seqs)
+        seen = set()
+        for name, region in self._regions.items():
+            if id(region) in seen:
+                continue
+            seen.add(id(region))
+            if len(region.names) > 1:
+                note = "shared by " + " and ".join(
+                    f"{n} {list(shapes[n])}" for n in region.names) + " (disjoint lifetimes)"
+            elif name in shapes:
+                note = f"{list(shapes[name])} {np.dtype(buffer_dtype(name)).name}"
+            else:
+                note = "split-KV decode workspace, float32"
+            rows.append(("pool: " + "/".join(region.names), region.nbytes, note))
+        rows.append(("KV cache", self.num_kv_blocks * self.kv_bytes_per_block,
+                     f"{self.num_kv_blocks} blocks x {self.block_size} tokens = "
+                     f"{self.num_kv_blocks * self.block_size} tokens"))
+        return rows

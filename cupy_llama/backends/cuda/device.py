@@ -1,0 +1,63 @@
+"""Is there a GPU CuPy can use, with bf16? One-line `DeviceError`s when there is not."""
+from __future__ import annotations
+
+from ...errors import DeviceError
+
+INSTALL_HINT = "install the cuda12 or cuda13 extra: pip install 'cupy-llama[cuda12]'"
+MIN_COMPUTE_CAPABILITY = 80  # bf16 arithmetic and storage: Ampere (sm_80) and newer
+
+
+def import_cupy():
+    """The cupy module, or a DeviceError saying how to install it."""
+    try:
+        import cupy
+    except ImportError:
+        raise DeviceError(f"CuPy is not installed; {INSTALL_HINT}, or run with --device cpu") from None
+    return cupy
+
+
+def check_cuda_device() -> int:
+    """Raise DeviceError unless the current CUDA device can run the model; returns its
+    compute capability as an int (90 for sm_90)."""
+    cupy = import_cupy()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError, or a missing driver library
+        raise DeviceError(f"no usable CUDA GPU ({_one_line(e)}); check the NVIDIA driver "
+                          "with nvidia-smi, or run with --device cpu") from None
+    if count < 1:
+        raise DeviceError("no CUDA GPU found; check the NVIDIA driver with nvidia-smi, "
+                          "or run with --device cpu")
+    device = cupy.cuda.Device()
+    capability = int(device.compute_capability)
+    if capability < MIN_COMPUTE_CAPABILITY:
+        name = device_name(device)
+        raise DeviceError(f"GPU {device.id} ({name}) has compute capability "
+                          f"{capability // 10}.{capability % 10}, without bf16 support; "
+                          "cupy-llama needs 8.0 (Ampere) or newer, or run with --device cpu")
+    return capability
+
+
+def cuda_usable() -> tuple[bool, str]:
+    """For device="auto": (True, description) or (False, why not)."""
+    try:
+        capability = check_cuda_device()
+    except DeviceError as e:
+        return False, str(e)
+    import cupy
+    device = cupy.cuda.Device()
+    return True, f"GPU {device.id}: {device_name(device)} (sm_{capability})"
+
+
+def device_name(device) -> str:
+    import cupy
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return "unknown GPU"
+
+
+def _one_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

@@ -1,0 +1,95 @@
+"""Launchers for the row-wise kernels: embedding.cu, norm.cu, activation.cu, rope.cu.
+Each checks its arguments, then launches on the current stream."""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
+
+ROW_THREADS = 256
+
+
+def embedding(token_ids, table, out):
+    """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H]."""
+    check("token_ids", token_ids, I32, ndim=1)
+    vocab, hidden = check("table", table, BF16, ndim=2).shape
+    check("out", out, BF16, shape=(token_ids.shape[0], hidden))
+    if out.shape[0]:
+        get_kernel("embedding", "embedding_kernel")(
+            (out.shape[0],), (ROW_THREADS,), (token_ids, table, out, i32(hidden), i32(vocab)))
+
+
+def gather_rows(x, indices, out):
+    """out[b] = x[indices[b]]; x [N, W] and out [B, W], bf16 or float32 alike."""
+    if x.dtype not in (BF16, F32):
+        raise ValueError(f"x: expected dtype uint16 (bf16) or float32, got {x.dtype.name}")
+    check("x", x, x.dtype, ndim=2)
+    check("indices", indices, I32, ndim=1)
+    check("out", out, x.dtype, shape=(indices.shape[0], x.shape[1]))
+    units = x.shape[1] * x.dtype.itemsize // 2  # 16-bit units per row
+    if out.shape[0]:
+        get_kernel("embedding", "gather_rows_kernel")(
+            (out.shape[0],), (ROW_THREADS,), (x, indices, out, i32(units)))
+
+
+def _norm_threads(hidden: int) -> int:
+    """About four elements per thread, a multiple of 32, at most 1024."""
+    return min(1024, max(32, -(-hidden // 128) * 32))
+
+
+def rms_norm(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H] (out may be x)."""
+    rows, hidden = check("x", x, BF16, ndim=2).shape
+    check("weight", weight, BF16, shape=(hidden,))
+    check("out", out, BF16, shape=(rows, hidden))
+    if rows:
+        get_kernel("norm", "rms_norm_kernel")(
+            (rows,), (_norm_threads(hidden),), (x, weight, out, i32(hidden), f32(eps)))
+
+
+def add_rms_norm(x, residual, weight, eps, out):
+    """residual += x, then out = rms_norm(residual) * weight; all [T, H] (out may be x)."""
+    rows, hidden = check("x", x, BF16, ndim=2).shape
+    check("residual", residual, BF16, shape=(rows, hidden))
+    check("weight", weight, BF16, shape=(hidden,))
+    check("out", out, BF16, shape=(rows, hidden))
+    if rows:
+        get_kernel("norm", "add_rms_norm_kernel")(
+            (rows,), (_norm_threads(hidden),), (x, residual, weight, out, i32(hidden), f32(eps)))
+
+
+def silu_and_mul(gate_up, out):
+    """gate_up [T, 2I] (gate first); out [T, I] = silu(gate) * up."""
+    rows, width = check("gate_up", gate_up, BF16, ndim=2).shape
+    if width % 2:
+        raise ValueError(f"gate_up: width must be even (gate and up halves), got {width}")
+    check("out", out, BF16, shape=(rows, width // 2))
+    total = rows * (width // 2)
+    if total:
+        blocks = min(-(-total // ROW_THREADS), 65535 * 4)
+        get_kernel("activation", "silu_and_mul_kernel")(
+            (blocks,), (ROW_THREADS,), (gate_up, out, i32(width // 2), _i64(total)))
+
+
+def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out):
+    """Rotate q and k (half-split pairs), q -> q_out [T, nh, d]; rotated k and plain v ->
+    the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped)."""
+    num_tokens, num_heads, head_dim = check("q_out", q_out, BF16, ndim=3).shape
+    num_blocks, block_size, num_kv_heads, _ = check(
+        "k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape
+    check("v_cache", v_cache, BF16, shape=k_cache.shape)
+    check("qkv", qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
+    check("positions", positions, I32, shape=(num_tokens,))
+    check("slot_mapping", slot_mapping, I32, shape=(num_tokens,))
+    check("cos_sin", cos_sin, F32, shape=(None, head_dim))
+    if head_dim % 2:
+        raise ValueError(f"q_out: head_dim must be even for RoPE, got {head_dim}")
+    if num_tokens:
+        get_kernel("rope", "rope_and_cache_kernel")(
+            (num_tokens,), (128,),
+            (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
+             i32(num_heads), i32(num_kv_heads), i32(head_dim)))
+
+
+def _i64(value) -> np.int64:
+    return np.int64(value)

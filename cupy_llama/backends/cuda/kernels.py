@@ -1,0 +1,91 @@
+"""Compiling cuda_src/*.cu with NVRTC (cupy.RawModule), once per process, and the checks
+every launcher runs on its arguments before a launch."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+# cuda_src/ sits at the repository root, next to the cupy_llama package
+CUDA_SRC = Path(__file__).resolve().parents[3] / "cuda_src"
+COMPILE_OPTIONS = ("-std=c++17",)  # CuPy adds -arch=sm_XX for the current device
+
+# every kernel module and the kernels it defines
+MODULES = {
+    "embedding": ("embedding_kernel", "gather_rows_kernel"),
+    "norm": ("rms_norm_kernel", "add_rms_norm_kernel"),
+    "activation": ("silu_and_mul_kernel",),
+    "rope": ("rope_and_cache_kernel",),
+    "attention": ("paged_attention_dpl1", "paged_attention_dpl2", "paged_attention_dpl4",
+                  "paged_attention_dpl8", "attention_combine_kernel"),
+    "sampling": ("sample_kernel",),
+}
+
+
+def module_source(name: str) -> str:
+    """common.cuh followed by cuda_src/<name>.cu: the text NVRTC compiles (and CuPy's
+    kernel cache keys on, so an edit to the header recompiles)."""
+    if not CUDA_SRC.is_dir():
+        raise FileNotFoundError(f"CUDA kernel sources not found at {CUDA_SRC}; the cuda_src/ "
+                                "folder must sit next to the cupy_llama package")
+    header = (CUDA_SRC / "common.cuh").read_text(encoding="utf-8")
+    body = (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8")
+    return f"{header}\n#line 1 \"{name}.cu\"\n{body}"
+
+
+@lru_cache(maxsize=None)
+def load_module(name: str):
+    import cupy
+    return cupy.RawModule(code=module_source(name), options=COMPILE_OPTIONS)
+
+
+@lru_cache(maxsize=None)
+def get_kernel(module: str, kernel: str):
+    return load_module(module).get_function(kernel)
+
+
+def compile_all() -> dict:
+    """Compile every module; returns {module: None or the compile error text}."""
+    results = {}
+    for module, kernels in MODULES.items():
+        try:
+            for kernel in kernels:
+                get_kernel(module, kernel)
+            results[module] = None
+        except Exception as e:  # cupy.cuda.compiler.CompileException carries the NVRTC log
+            results[module] = f"{type(e).__name__}: {e}"
+    return results
+
+
+# ---- argument checks: programming errors, so ValueError naming the argument ----
+
+BF16 = np.dtype(np.uint16)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+
+def check(name: str, array, dtype, shape=None, ndim=None):
+    """`array` must be a C-contiguous cupy array of `dtype`; `shape` may hold None for any
+    size on that axis."""
+    import cupy
+    if not isinstance(array, cupy.ndarray):
+        raise ValueError(f"{name}: expected a cupy array, got {type(array).__name__}")
+    if array.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {np.dtype(dtype).name}, got {array.dtype.name}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (shape {array.shape}, strides {array.strides})")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {array.shape}")
+    if shape is not None:
+        if len(shape) != array.ndim or any(w is not None and w != s for w, s in zip(shape, array.shape)):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {array.shape}")
+    return array
+
+
+def i32(value) -> np.int32:
+    return np.int32(value)
+
+
+def f32(value) -> np.float32:
+    return np.float32(value)

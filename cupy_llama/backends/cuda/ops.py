@@ -1,0 +1,172 @@
+"""CudaOps: the ops of backends/base.py on the GPU (bf16 as uint16, fp32 math).
+
+Step metadata and sampling settings reach the device through pinned staging buffers and
+one asynchronous copy each; only the sampled token ids come back (pinned, then one
+synchronize). Everything here is allocated once, in the constructor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..base import ForwardBatch, SamplingTensors
+from . import attention as attention_kernels
+from . import elementwise, gemm
+from . import sampling as sampling_kernels
+from .device import import_cupy
+
+H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+
+
+@dataclass
+class DeviceBatch:
+    """ForwardBatch on the device: int32 cupy views of one metadata buffer, host ints."""
+    token_ids: Any           # [T]
+    positions: Any           # [T]
+    slot_mapping: Any        # [T]
+    query_start_loc: Any     # [B + 1]
+    seq_lens: Any            # [B]
+    last_token_indices: Any  # [B]
+    block_tables: Any        # [B, max_blocks_per_seq of this batch]
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    is_decode_only: bool
+
+
+def pinned_array(cupy, count: int, dtype) -> np.ndarray:
+    """A numpy array in page-locked host memory (fast, asynchronous copies)."""
+    dtype = np.dtype(dtype)
+    memory = cupy.cuda.alloc_pinned_memory(max(1, count) * dtype.itemsize)
+    return np.frombuffer(memory, dtype, count)
+
+
+class CudaOps:
+    act_dtype = np.uint16
+
+    def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 num_heads: int, head_dim: int, max_model_len: int, workspace=None):
+        """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
+        decode (sized by attention.workspace_sizes), or None to allocate them here."""
+        cupy = import_cupy()
+        self._cupy = cupy
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # metadata: token_ids, positions, slot_mapping [T]; query_start_loc [B+1];
+        # seq_lens, last_token_indices [B]; block_tables [B, W], packed back to back
+        capacity = 3 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * max_blocks_per_seq
+        self._meta_host = pinned_array(cupy, capacity, np.int32)
+        self._meta_device = cupy.empty(capacity, np.int32)
+        self._meta_copied = None  # event: the last metadata copy finished reading the host
+        # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each
+        n = max_num_seqs
+        self._sampling_host = pinned_array(cupy, 28 * n, np.uint8)
+        self._sampling_device = cupy.empty(28 * n, np.uint8)
+        self._tokens_device = cupy.empty(n, np.int32)
+        self._tokens_host = pinned_array(cupy, n, np.int32)
+
+        sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
+        if workspace is None:
+            workspace = (cupy.empty(sizes[0], np.float32), cupy.empty(sizes[1], np.float32))
+        self._partial_out, self._partial_lse = workspace
+        self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
+        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def empty(self, shape, dtype=None):
+        return self._cupy.empty(shape, dtype=self.act_dtype if dtype is None else dtype)
+
+    def upload(self, batch: ForwardBatch) -> DeviceBatch:
+        T, B = batch.num_tokens, batch.num_seqs
+        width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
+        if T > self.max_num_tokens or B > self.max_num_seqs or not 0 <= width <= self.max_blocks_per_seq:
+            raise ValueError(
+                f"batch of {T} tokens, {B} sequences, block tables {batch.block_tables.shape} "
+                f"exceeds the buffers ({self.max_num_tokens} tokens, {self.max_num_seqs} "
+                f"sequences, {self.max_blocks_per_seq} blocks per sequence)")
+        fields = (("token_ids", batch.token_ids, (T,)), ("positions", batch.positions, (T,)),
+                  ("slot_mapping", batch.slot_mapping, (T,)),
+                  ("query_start_loc", batch.query_start_loc, (B + 1,)),
+                  ("seq_lens", batch.seq_lens, (B,)),
+                  ("last_token_indices", batch.last_token_indices, (B,)),
+                  ("block_tables", batch.block_tables, (B, width)))
+        if self._meta_copied is not None:
+            self._meta_copied.synchronize()  # the staging buffer is free again
+        views, offset = {}, 0
+        for name, array, shape in fields:
+            if tuple(array.shape) != shape:
+                raise ValueError(f"batch.{name}: expected shape {shape}, got {array.shape}")
+            size = int(np.prod(shape))
+            self._meta_host[offset:offset + size] = array.reshape(-1)
+            views[name] = (offset, size, shape)
+            offset += size
+        stream = self._cupy.cuda.get_current_stream()
+        self._cupy.cuda.runtime.memcpyAsync(self._meta_device.data.ptr, self._meta_host.ctypes.data,
+                                            offset * 4, H2D, stream.ptr)
+        self._meta_copied = stream.record()
+        device = {name: self._meta_device[o:o + size].reshape(shape)
+                  for name, (o, size, shape) in views.items()}
+        return DeviceBatch(**device, num_tokens=T, num_seqs=B,
+                           max_query_len=int(batch.max_query_len),
+                           max_seq_len=int(batch.max_seq_len),
+                           is_decode_only=bool(batch.is_decode_only))
+
+    def embedding(self, token_ids, table, out):
+        elementwise.embedding(token_ids, table, out)
+
+    def rms_norm(self, x, weight, eps, out):
+        elementwise.rms_norm(x, weight, eps, out)
+
+    def add_rms_norm(self, x, residual, weight, eps, out):
+        elementwise.add_rms_norm(x, residual, weight, eps, out)
+
+    def linear(self, x, weight, out):
+        gemm.linear(x, weight, out)
+
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
+        elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
+                                   k_cache, v_cache, q_out)
+
+    def attention(self, q, k_cache, v_cache, meta, scale, out):
+        num_splits = 1
+        if meta.is_decode_only:
+            num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+            num_splits = attention_kernels.choose_decode_splits(
+                meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, meta.max_seq_len,
+                self.num_sms, self.max_decode_splits)
+        attention_kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+            scale=scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse)
+
+    def silu_and_mul(self, gate_up, out):
+        elementwise.silu_and_mul(gate_up, out)
+
+    def gather_rows(self, x, indices, out):
+        elementwise.gather_rows(x, indices, out)
+
+    def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
+        B, n = logits.shape[0], self.max_num_seqs
+        if B > n:
+            raise ValueError(f"logits: {B} rows exceeds max_num_seqs {n}")
+        host, device = self._sampling_host, self._sampling_device
+        # [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 | steps i32]
+        fields = ((sampling.seeds, np.uint64, 0), (sampling.temperature, np.float32, 8 * n),
+                  (sampling.top_k, np.int32, 12 * n), (sampling.top_p, np.float32, 16 * n),
+                  (sampling.min_p, np.float32, 20 * n), (sampling.steps, np.int32, 24 * n))
+        on_device = []
+        for values, dtype, start in fields:
+            itemsize = np.dtype(dtype).itemsize
+            host[start:start + B * itemsize].view(dtype)[:] = np.asarray(values).reshape(B)
+            on_device.append(device[start:start + B * itemsize].view(dtype))
+        stream = self._cupy.cuda.get_current_stream()
+        runtime = self._cupy.cuda.runtime
+        runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, stream.ptr)
+        seeds, temperature, top_k, top_p, min_p, steps = on_device
+        tokens = self._tokens_device[:B]
+        sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+        runtime.memcpyAsync(self._tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, stream.ptr)
+        stream.synchronize()
+        return self._tokens_host[:B].copy()

@@ -1,0 +1,468 @@
+"""CUDA kernels against the float32 NumPy reference ops, on the same bf16-rounded inputs.
+
+Fresh random inputs every run (the seed is printed; a failure shows it), outputs poisoned
+with NaN before each launch, never-written KV slots NaN so stray reads show. Tolerances
+are DESIGN.md's correctness bars. Needs CuPy and a CUDA GPU; skipped elsewhere."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.backends.numpy_ops import NumpyOps, filtered_probs
+from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
+
+NAN_BITS = 0x7FC0
+NUM_POOL_BLOCKS = 32768
+BLOCK_SIZE = 16
+REF = NumpyOps()
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def random_bf16(rng, shape, scale=1.0):
+    """(bf16 bits, the same values as float32)."""
+    bits = float32_to_bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+    return bits, bf16_bits_to_float32(bits)
+
+
+def poisoned(cp, shape, dtype=np.uint16):
+    if np.dtype(dtype) == np.uint16:
+        return cp.full(shape, NAN_BITS, dtype=np.uint16)
+    return cp.full(shape, np.nan, dtype=dtype)
+
+
+def to_float(cp, array) -> np.ndarray:
+    host = cp.asnumpy(array)
+    return bf16_bits_to_float32(host) if host.dtype == np.uint16 else host
+
+
+def assert_close(actual, expected, atol, rtol, what):
+    actual = np.asarray(actual, np.float32)
+    expected = np.asarray(expected, np.float32)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    nan = np.isnan(actual) & ~np.isnan(expected)
+    err = np.abs(actual - expected)
+    bad = ~(err <= atol + rtol * np.abs(expected)) | nan
+    if bad.any():
+        where = np.argwhere(bad)
+        first = tuple(where[0])
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} elements out of tolerance (atol {atol}, rtol "
+            f"{rtol}); NaN where the reference is finite: {nan.sum()}; max abs error "
+            f"{np.nanmax(np.where(np.isnan(err), 0, err)):.3g}; first bad index {first}: got "
+            f"{actual[first]!r}, expected {expected[first]!r}")
+
+
+def rope_table(max_pos, head_dim, theta=10000.0):
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    angles = np.outer(np.arange(max_pos, dtype=np.float32), inv_freq.astype(np.float32))
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def make_ops(max_num_tokens, max_num_seqs, max_blocks_per_seq, num_heads, head_dim, max_model_len):
+    from cupy_llama.backends.cuda.ops import CudaOps
+    return CudaOps(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
+                   max_blocks_per_seq=max_blocks_per_seq, num_heads=num_heads,
+                   head_dim=head_dim, max_model_len=max_model_len)
+
+
+# ---------------------------------------------------------------------- row-wise ops
+
+@pytest.mark.parametrize("num_tokens", [1, 17, 129])
+def test_embedding_and_gather_rows(cp, rng, num_tokens):
+    from cupy_llama.backends.cuda import elementwise
+    vocab, hidden = 1000, 576
+    table_bits, table = random_bf16(rng, (vocab, hidden))
+    ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
+    out = poisoned(cp, (num_tokens, hidden))
+    elementwise.embedding(cp.asarray(ids), cp.asarray(table_bits), out)
+    np.testing.assert_array_equal(cp.asnumpy(out), table_bits[ids], err_msg="embedding rows")
+
+    indices = rng.integers(0, num_tokens, 5).astype(np.int32)
+    for dtype in (np.uint16, np.float32):
+        x = cp.asarray(table_bits[ids] if dtype == np.uint16 else table[ids])
+        gathered = poisoned(cp, (5, hidden), dtype)
+        elementwise.gather_rows(x, cp.asarray(indices), gathered)
+        np.testing.assert_array_equal(cp.asnumpy(gathered), cp.asnumpy(x)[indices],
+                                      err_msg=f"gather_rows {np.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 2048, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 17, 129])
+def test_rms_norm(cp, rng, num_tokens, hidden):
+    from cupy_llama.backends.cuda import elementwise
+    x_bits, x = random_bf16(rng, (num_tokens, hidden), scale=3.0)
+    w_bits, w = random_bf16(rng, (hidden,))
+    expected = np.empty_like(x)
+    REF.rms_norm(x, w, 1e-5, expected)
+    out = poisoned(cp, x.shape)
+    elementwise.rms_norm(cp.asarray(x_bits), cp.asarray(w_bits), 1e-5, out)
+    assert_close(to_float(cp, out), expected, 1e-2, 1e-2, "rms_norm")
+    in_place = cp.asarray(x_bits)  # out aliasing x
+    elementwise.rms_norm(in_place, cp.asarray(w_bits), 1e-5, in_place)
+    assert_close(to_float(cp, in_place), expected, 1e-2, 1e-2, "rms_norm in place")
+
+
+@pytest.mark.parametrize("hidden", [64, 2048, 3000])
+@pytest.mark.parametrize("num_tokens", [1, 17, 129])
+def test_add_rms_norm(cp, rng, num_tokens, hidden):
+    from cupy_llama.backends.cuda import elementwise
+    x_bits, x = random_bf16(rng, (num_tokens, hidden))
+    r_bits, r = random_bf16(rng, (num_tokens, hidden), scale=4.0)
+    w_bits, w = random_bf16(rng, (hidden,))
+    residual_ref, expected = r.copy(), np.empty_like(x)
+    REF.add_rms_norm(x, residual_ref, w, 1e-5, expected)
+    for alias in (False, True):
+        x_dev, residual = cp.asarray(x_bits), cp.asarray(r_bits)
+        out = x_dev if alias else poisoned(cp, x.shape)
+        elementwise.add_rms_norm(x_dev, residual, cp.asarray(w_bits), 1e-5, out)
+        assert_close(to_float(cp, residual), residual_ref, 1e-3, 1.6e-2, f"residual (alias={alias})")
+        assert_close(to_float(cp, out), expected, 1e-2, 1e-2, f"add_rms_norm (alias={alias})")
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (17, 1536), (129, 8192)])
+def test_silu_and_mul(cp, rng, shape):
+    from cupy_llama.backends.cuda import elementwise
+    bits, values = random_bf16(rng, (shape[0], 2 * shape[1]), scale=2.0)
+    expected = np.empty(shape, np.float32)
+    REF.silu_and_mul(values, expected)
+    out = poisoned(cp, shape)
+    elementwise.silu_and_mul(cp.asarray(bits), out)
+    assert_close(to_float(cp, out), expected, 1e-3, 1.6e-2, "silu_and_mul")
+
+
+@pytest.mark.parametrize("out_dtype", [np.uint16, np.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (17, 2048, 3072), (129, 576, 49152), (300, 8192, 2048)])
+def test_linear(cp, rng, m, k, n, out_dtype):
+    from cupy_llama.backends.cuda import gemm
+    x_bits, x = random_bf16(rng, (m, k))
+    w_bits, w = random_bf16(rng, (n, k), scale=0.02)
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    out = poisoned(cp, (m, n), out_dtype)
+    gemm.linear(cp.asarray(x_bits), cp.asarray(w_bits), out)
+    got = to_float(cp, out).astype(np.float64)
+    assert not np.isnan(got).any(), "linear left NaN in the output"
+    rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert rel < 1e-2, f"linear [{m},{k}]x[{n},{k}]^T: relative Frobenius error {rel:.3g}"
+
+
+# ------------------------------------------------------------------------ RoPE + cache
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_and_cache(cp, rng, head_dim, group):
+    from cupy_llama.backends.cuda import elementwise
+    num_kv_heads, num_tokens, num_blocks = 2, 129, 64
+    num_heads = num_kv_heads * group
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv_bits, qkv = random_bf16(rng, (num_tokens, width), scale=2.0)
+    positions = rng.integers(0, 8192, num_tokens).astype(np.int32)
+    slots = rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32)
+    slots[rng.random(num_tokens) < 0.1] = -1  # padding tokens: not written
+    cos_sin = rope_table(8192, head_dim)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    class Meta:  # what rope_and_cache reads from the step metadata
+        def __init__(self, keep):
+            self.positions, self.slot_mapping = positions[keep], slots[keep]
+
+    written = slots >= 0
+    everything = np.ones(num_tokens, bool)
+    q_ref = np.empty((num_tokens, num_heads, head_dim), np.float32)
+    scratch = np.empty(cache_shape, np.float32)
+    REF.rope_and_cache(qkv, Meta(everything), cos_sin, scratch, scratch.copy(), q_ref)
+    # caches: only tokens with a slot are written, every other slot stays NaN
+    k_ref = np.full(cache_shape, np.nan, np.float32)
+    v_ref = np.full(cache_shape, np.nan, np.float32)
+    q_scratch = np.empty((int(written.sum()), num_heads, head_dim), np.float32)
+    REF.rope_and_cache(qkv[written], Meta(written), cos_sin, k_ref, v_ref, q_scratch)
+
+    k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+    q_out = poisoned(cp, (num_tokens, num_heads, head_dim))
+    elementwise.rope_and_cache(cp.asarray(qkv_bits), cp.asarray(positions), cp.asarray(slots),
+                               cp.asarray(cos_sin), k_cache, v_cache, q_out)
+    assert_close(to_float(cp, q_out), q_ref, 1e-3, 1.6e-2, "rotated q")
+    for name, got, ref in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
+        got_bits = cp.asnumpy(got)
+        ref_bits = float32_to_bf16_bits(ref)  # NaN stays 0x7FC0: untouched slots must stay NaN
+        mismatch = got_bits != ref_bits
+        assert not mismatch.any(), (
+            f"{name} cache: {mismatch.sum()} elements differ from the reference rounded to bf16 "
+            f"(first at {tuple(np.argwhere(mismatch)[0])})")
+
+
+# ------------------------------------------------------------------------- attention
+
+def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group):
+    """seqs: [(cached prefix length, new tokens)]. Returns host reference inputs and the GPU
+    caches: the GPU blocks are scattered over a pool of NUM_POOL_BLOCKS, the reference uses
+    a compact copy holding only the used blocks."""
+    num_heads = num_kv_heads * group
+    seq_lens = np.array([c + n for c, n in seqs], np.int32)
+    num_new = np.array([n for _, n in seqs], np.int32)
+    blocks_per_seq = -(-seq_lens // BLOCK_SIZE)
+    total_blocks = int(blocks_per_seq.sum())
+    width = int(blocks_per_seq.max())
+    pool_ids = rng.choice(NUM_POOL_BLOCKS, total_blocks, replace=False).astype(np.int32)
+    compact_tables = np.full((len(seqs), width), -1, np.int32)
+    gpu_tables = np.full((len(seqs), width), -1, np.int32)
+    shape = (total_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_host = np.full(shape, np.nan, np.float32)
+    v_host = np.full(shape, np.nan, np.float32)
+    next_block = 0
+    for b, seq_len in enumerate(seq_lens):
+        n = int(blocks_per_seq[b])
+        compact_tables[b, :n] = np.arange(next_block, next_block + n)
+        gpu_tables[b, :n] = pool_ids[next_block:next_block + n]
+        positions = np.arange(seq_len)
+        blocks = compact_tables[b][positions // BLOCK_SIZE]
+        k_host[blocks, positions % BLOCK_SIZE] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
+        v_host[blocks, positions % BLOCK_SIZE] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
+        next_block += n
+    pool_shape = (NUM_POOL_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_gpu, v_gpu = poisoned(cp, pool_shape), poisoned(cp, pool_shape)
+    ids = cp.asarray(pool_ids)
+    k_gpu[ids] = cp.asarray(float32_to_bf16_bits(k_host))
+    v_gpu[ids] = cp.asarray(float32_to_bf16_bits(v_host))
+    query_start_loc = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
+    num_tokens = int(query_start_loc[-1])
+    q_bits, q = random_bf16(rng, (num_tokens, num_heads, head_dim))
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, num_new)]).astype(np.int32)
+
+    def batch(tables):
+        return ForwardBatch(token_ids=np.zeros(num_tokens, np.int32), positions=positions,
+                            slot_mapping=np.full(num_tokens, -1, np.int32),
+                            query_start_loc=query_start_loc, seq_lens=seq_lens,
+                            block_tables=tables, max_query_len=int(num_new.max()),
+                            max_seq_len=int(seq_lens.max()))
+
+    expected = np.empty((num_tokens, num_heads * head_dim), np.float32)
+    REF.attention(q, k_host, v_host, batch(compact_tables), head_dim ** -0.5, expected)
+    return dict(q_bits=q_bits, k_gpu=k_gpu, v_gpu=v_gpu, gpu_batch=batch(gpu_tables),
+                expected=expected, num_heads=num_heads, width=width)
+
+
+def run_ops_attention(cp, case, head_dim):
+    batch = case["gpu_batch"]
+    ops = make_ops(batch.num_tokens, batch.num_seqs, case["width"], case["num_heads"], head_dim,
+                   max_model_len=case["width"] * BLOCK_SIZE)
+    meta = ops.upload(batch)
+    out = poisoned(cp, case["expected"].shape)
+    ops.attention(cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], meta,
+                  head_dim ** -0.5, out)
+    return to_float(cp, out)
+
+
+MIXED_PREFILL = [(0, 17), (112, 17), (1200, 128), (0, 1), (4000, 99), (1327, 1), (0, 129), (64, 1264)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_mixed_prefill(cp, rng, head_dim, group):
+    """Chunked-prefill style: cached prefixes of many lengths, 1 to 1264 new tokens."""
+    case = build_attention_case(cp, rng, MIXED_PREFILL, 2, head_dim, group)
+    got = run_ops_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"prefill attention d={head_dim} group={group}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_long_prefill(cp, rng, head_dim):
+    case = build_attention_case(cp, rng, [(0, 4099), (0, 1328)], 1, head_dim, 3)
+    got = run_ops_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"long prefill d={head_dim}")
+
+
+DECODE = [(0, 1), (16, 1), (128, 1), (1327, 1), (4098, 1), (255, 1), (256, 1), (2047, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decode(cp, rng, head_dim, group):
+    """Pure decode batch through CudaOps (split-KV chosen automatically for long contexts)."""
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    got = run_ops_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"decode attention d={head_dim} group={group}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32])
+def test_attention_decode_splits(cp, rng, num_splits):
+    """Every split count gives the reference result, including empty splits (short sequences)."""
+    from cupy_llama.backends.cuda import attention
+    head_dim, group = 128, 4
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    batch = case["gpu_batch"]
+    out = poisoned(cp, case["expected"].shape)
+    partial_out = poisoned(cp, batch.num_seqs * case["num_heads"] * num_splits * head_dim, np.float32)
+    partial_lse = poisoned(cp, batch.num_seqs * case["num_heads"] * num_splits, np.float32)
+    attention.paged_attention(
+        cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], cp.asarray(batch.block_tables),
+        cp.asarray(batch.seq_lens), cp.asarray(batch.query_start_loc), out,
+        scale=head_dim ** -0.5, max_query_len=1, max_seq_len=batch.max_seq_len,
+        num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse)
+    assert_close(to_float(cp, out), case["expected"], 1.5e-2, 1e-2, f"decode with {num_splits} splits")
+
+
+def test_upload_round_trip(cp, rng):
+    tables = rng.integers(0, NUM_POOL_BLOCKS, (3, 7)).astype(np.int32)
+    batch = ForwardBatch(token_ids=rng.integers(0, 1000, 10).astype(np.int32),
+                         positions=np.arange(10, dtype=np.int32),
+                         slot_mapping=rng.integers(0, 1000, 10).astype(np.int32),
+                         query_start_loc=np.array([0, 2, 9, 10], np.int32),
+                         seq_lens=np.array([5, 7, 12], np.int32), block_tables=tables,
+                         max_query_len=7, max_seq_len=12)
+    ops = make_ops(16, 4, 8, 4, 64, 128)
+    for _ in range(2):  # the staging buffer is reused
+        meta = ops.upload(batch)
+        for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                     "block_tables", "last_token_indices"):
+            np.testing.assert_array_equal(cp.asnumpy(getattr(meta, name)), getattr(batch, name),
+                                          err_msg=name)
+        assert (meta.num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
+                meta.is_decode_only) == (10, 3, 7, 12, False)
+
+
+# -------------------------------------------------------------------------- sampling
+
+def sampling_tensors(num_seqs, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=0):
+    full = lambda value, dtype: np.broadcast_to(np.asarray(value, dtype), (num_seqs,)).copy()
+    return SamplingTensors(
+        temperature=full(temperature, np.float32), top_k=full(top_k, np.int32),
+        top_p=full(top_p, np.float32), min_p=full(min_p, np.float32),
+        seeds=full(0 if seeds is None else seeds, np.uint64), steps=full(steps, np.int32))
+
+
+def test_greedy_is_argmax(cp, rng):
+    num_seqs, vocab = 8, 128256
+    logits = rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 4
+    logits[3, 1000] = logits[3, 90000] = logits[3].max() + 1  # a tie: the lower index wins
+    logits[5, :] = 0.0                                          # all equal: token 0
+    ops = make_ops(num_seqs, num_seqs, 1, 1, 64, 16)
+    tokens = ops.sample(cp.asarray(logits), sampling_tensors(num_seqs))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    top1 = ops.sample(cp.asarray(logits), sampling_tensors(
+        num_seqs, temperature=1.0, top_k=1, seeds=rng.integers(0, 2**63, num_seqs)))
+    np.testing.assert_array_equal(top1, np.argmax(logits, axis=-1), err_msg="top_k=1 vs greedy")
+
+
+def test_seeded_sampling_is_reproducible(cp, rng):
+    num_seqs, vocab = 16, 128256
+    logits = cp.asarray(rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 3)
+    ops = make_ops(num_seqs, num_seqs, 1, 1, 64, 16)
+    seeds = rng.integers(0, 2**64, num_seqs, dtype=np.uint64)
+    settings = dict(temperature=1.0, top_p=0.95, seeds=seeds)
+    first = ops.sample(logits, sampling_tensors(num_seqs, steps=3, **settings))
+    again = ops.sample(logits, sampling_tensors(num_seqs, steps=3, **settings))
+    np.testing.assert_array_equal(first, again, err_msg="same seed and step, different tokens")
+    later = ops.sample(logits, sampling_tensors(num_seqs, steps=4, **settings))
+    assert (later != first).any(), "the step number does not change the draw"
+    # a request's draw does not depend on its place in the batch
+    order = rng.permutation(num_seqs)
+    permuted = ops.sample(logits[cp.asarray(order)], sampling_tensors(
+        num_seqs, steps=3, temperature=1.0, top_p=0.95, seeds=seeds[order]))
+    np.testing.assert_array_equal(permuted, first[order])
+
+
+def test_filters_never_pick_a_filtered_token(cp, rng):
+    num_seqs, vocab, draws = 64, 128256, 12
+    logits = rng.standard_normal((num_seqs, vocab), dtype=np.float32) * rng.uniform(1, 6, (num_seqs, 1)).astype(np.float32)
+    params = dict(temperature=rng.uniform(0.3, 1.5, num_seqs),
+                  top_k=rng.choice([0, 1, 5, 50, 1000], num_seqs),
+                  top_p=rng.choice([1.0, 0.95, 0.7, 0.3], num_seqs),
+                  min_p=rng.choice([0.0, 0.01, 0.1, 0.5], num_seqs))
+    ops = make_ops(num_seqs, num_seqs, 1, 1, 64, 16)
+    logits_dev = cp.asarray(logits)
+    seeds = rng.integers(0, 2**63, num_seqs)
+    support = []
+    for b in range(num_seqs):
+        t, k, p, m = (float(params["temperature"][b]), int(params["top_k"][b]),
+                      float(params["top_p"][b]), float(params["min_p"][b]))
+        # float32 on the GPU vs float64 here: allow a hair of slack at the cut-offs
+        loose = filtered_probs(logits[b], t, k, min(1.0, p + 1e-4) if p < 1 else 1.0, m * (1 - 1e-4)) > 0
+        support.append(loose)
+    for step in range(draws):
+        tokens = ops.sample(logits_dev, sampling_tensors(
+            num_seqs, temperature=params["temperature"], top_k=params["top_k"],
+            top_p=params["top_p"], min_p=params["min_p"], seeds=seeds, steps=step))
+        for b, token in enumerate(tokens):
+            assert 0 <= token < vocab and support[b][token], (
+                f"row {b} step {step}: token {token} is filtered out (temperature "
+                f"{params['temperature'][b]:.3f}, top_k {params['top_k'][b]}, top_p "
+                f"{params['top_p'][b]}, min_p {params['min_p'][b]}; support size "
+                f"{support[b].sum()})")
+
+
+SMALL_VOCAB_CASES = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=12, top_p=1.0, min_p=0.0),
+    dict(temperature=1.3, top_k=0, top_p=0.83, min_p=0.0),
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.07),
+    dict(temperature=0.9, top_k=20, top_p=0.91, min_p=0.02),
+]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("case", range(len(SMALL_VOCAB_CASES)))
+def test_sampling_distribution(cp, rng, case, ties):
+    """Many seeds on one small-vocabulary row: the token frequencies match filtered_probs
+    (tokens outside its support never appear; chi-square over the support)."""
+    from cupy_llama.backends.cuda import sampling
+    params = SMALL_VOCAB_CASES[case]
+    vocab, draws = 40, 40000
+    logits = rng.standard_normal(vocab).astype(np.float32) * 1.5
+    if ties:  # few distinct values: ties at the top-k / top-p boundaries
+        logits = np.round(logits * 2) / 2
+    expected = filtered_probs(logits, params["temperature"], params["top_k"], params["top_p"],
+                              params["min_p"])
+    f32 = lambda v: cp.full(draws, v, np.float32)
+    out = cp.full(draws, -1, np.int32)
+    sampling.sample(cp.asarray(np.broadcast_to(logits, (draws, vocab)).copy()),
+                    f32(params["temperature"]), cp.full(draws, params["top_k"], np.int32),
+                    f32(params["top_p"]), f32(params["min_p"]),
+                    cp.asarray(rng.integers(0, 2**64, draws, dtype=np.uint64)),
+                    cp.zeros(draws, np.int32), out)
+    tokens = cp.asnumpy(out)
+    counts = np.bincount(tokens, minlength=vocab)
+    assert counts.size == vocab, f"token ids out of range: max {tokens.max()}"
+    outside = counts[expected == 0].sum()
+    assert outside == 0, f"{outside} draws of filtered tokens {np.flatnonzero((expected == 0) & (counts > 0))}"
+    # chi-square over tokens expected at least 5 times, the rarer ones pooled in one bin
+    wanted = expected * draws
+    common = wanted >= 5
+    observed_bins = list(counts[common]) + [counts[~common & (expected > 0)].sum()]
+    wanted_bins = list(wanted[common]) + [wanted[~common].sum()]
+    if wanted_bins[-1] < 5:
+        observed_bins, wanted_bins = observed_bins[:-1], wanted_bins[:-1]
+    observed_bins, wanted_bins = np.array(observed_bins, float), np.array(wanted_bins)
+    chi2 = float(((observed_bins - wanted_bins) ** 2 / wanted_bins).sum())
+    dof = max(1, len(wanted_bins) - 1)
+    bound = dof + 6 * np.sqrt(2 * dof) + 10
+    assert chi2 < bound, (f"chi-square {chi2:.1f} over {dof} degrees of freedom (bound {bound:.1f}); "
+                          f"counts {observed_bins.tolist()} vs expected {np.round(wanted_bins).tolist()}")
