@@ -6,16 +6,22 @@ Exit codes: 0 ok, 1 runtime error (a one-line message, no traceback), 2 usage er
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import click
 
-from .errors import CupyLlamaError
+from .errors import CupyLlamaError, RequestError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _log(message: str) -> None:
     click.echo(message, err=True)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+CHAT_MAX_TOKENS = 1024
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -40,6 +46,290 @@ def fetch_demo(gguf_path, out_dir, force, no_check):
         answer = verify_demo_model(path)
         _log(f"check: the demo model answers {answer!r}")
     click.echo(str(path))
+
+
+
+# ---- options shared by the commands -------------------------------------------------------
+
+def _options(*decorators):
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
+
+
+device_option = click.option(
+    "--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+    help="Where to run: the GPU when usable (auto), the NumPy backend (cpu) or the GPU (cuda).")
+
+sampling_options = _options(
+    click.option("--temperature", type=float, help="0 means greedy (default: the model's "
+                 "generation_config.json, else 1.0)."),
+    click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
+    click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
+    click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
+    click.option("--max-tokens", type=int, help="Most tokens per reply."),
+    click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."))
+
+engine_options = _options(
+    click.option("--max-model-len", type=int, help="Context limit in tokens (default: the "
+                 "model's, at most 8192)."),
+    click.option("--max-num-seqs", type=int, help="Sequences decoded together in one step."),
+    click.option("--max-num-batched-tokens", type=int, help="New tokens per step."),
+    click.option("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from "
+                 "the memory left)."),
+    click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use "
+                 "(default 0.9)."))
+
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+                  "ignore_eos")
+ENGINE_NAMES = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                "gpu_memory_utilization")
+
+
+def _given(options: dict, names) -> dict:
+    """The options among names that the user set."""
+    unset = lambda value: value is None or value is False or value == ()  # noqa: E731
+    return {name: options[name] for name in names if name in options and not unset(options[name])}
+
+
+def _load(model_dir, device: str, engine: dict):
+    from .llm import LLM
+
+    started = time.perf_counter()
+    _log(f"loading {model_dir} ...")
+    llm = LLM(model_dir, device=device, log=_log, **engine)
+    _log(f"loaded on {llm.device} in {time.perf_counter() - started:.1f} s")
+    return llm
+
+
+def _demo_model_dir() -> Path:
+    from .demo import MODEL_FILES, build_demo_model, demo_model_dir
+
+    path = demo_model_dir()
+    if not all((path / name).is_file() for name in MODEL_FILES):
+        _log(f"no --model given: building the demo model (SmolLM2-135M-Instruct) in {path}; "
+             "this happens once")
+        path = build_demo_model(log=_log)
+    return path
+
+
+# ---- chat ---------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
+@device_option
+@click.option("--system", help="System prompt.")
+@sampling_options
+@engine_options
+def chat(model_dir, device, system, **options):
+    """Chat with a model in the terminal.
+
+    Replies stream as they are generated; type /help for the commands. When stdin is not
+    a terminal, reads all of it as one message, prints only the reply and exits.
+    """
+    from rich.console import Console
+
+    from .chat_ui import ChatSession, run_once, run_terminal
+    from .sampling import SamplingParams, model_sampling_defaults
+
+    llm = _load(model_dir or _demo_model_dir(), device, _given(options, ENGINE_NAMES))
+    values = {"max_tokens": CHAT_MAX_TOKENS, **_given(options, SAMPLING_NAMES)}
+    params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
+    session = ChatSession(llm, params, system)
+    if not sys.stdin.isatty():
+        return run_once(session, sys.stdin.read())
+    return run_terminal(session, Console(), Console(stderr=True))
+
+
+# ---- generate -----------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="Model directory (Hugging Face layout).")
+@click.option("--input", "input_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              help="Requests: a .txt or .jsonl file, or - for stdin (with --format).")
+@click.option("--output", "output_path", default="-", show_default=True,
+              type=click.Path(dir_okay=False, allow_dash=True), help="Where the JSONL goes.")
+@click.option("--format", "input_format", type=click.Choice(["txt", "jsonl"]),
+              help="Input format (default: from the file name).")
+@device_option
+@sampling_options
+@click.option("--stop", multiple=True, help="A stop string (repeatable); not included in "
+              "the text.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@engine_options
+def generate(model_dir, input_path, output_path, input_format, device, **options):
+    """Run a batch of prompts together and write one JSON line per request.
+
+    \b
+    .txt: one prompt per line; blank lines are skipped; the id is the line number.
+    .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
+    "id" (default: the line number) and optional sampling fields (temperature, top_p,
+    top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's; or
+    an OpenAI batch line {"custom_id", "method", "url", "body": {"messages", ...}}.
+    Files may start with a UTF-8 BOM and use CRLF line ends.
+
+    \b
+    Output, in input order:
+      {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
+    A line that cannot run gives {"id", "error"} and the others proceed. When an id
+    repeats, the first request runs and each later one gets an error line.
+    """
+    from .batch_io import input_format as format_of, read_requests
+
+    format = format_of(input_path, input_format)
+    data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
+    requests = read_requests(data, format)
+    llm = _load(model_dir, device, _given(options, ENGINE_NAMES))
+    defaults = _given(options, SAMPLING_NAMES)
+    defaults["stop"] = list(defaults.get("stop", ()))
+    if not defaults["stop"]:
+        del defaults["stop"]
+    if output_path == "-":
+        return _run_generate(llm, requests, sys.stdout, defaults)
+    try:
+        out = open(output_path, "w", encoding="utf-8")
+    except OSError as e:
+        raise RequestError(f"cannot write {output_path!r} ({e.strerror}); pick another "
+                           "--output") from None
+    with out:
+        return _run_generate(llm, requests, out, defaults)
+
+
+def _run_generate(llm, requests, out, defaults) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .batch_io import run_batch
+
+    console = Console(stderr=True)
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
+        task = progress.add_task("generate", total=len(requests), rate="")
+        started = time.perf_counter()
+
+        def update(num_done: int, completion_tokens: int):
+            elapsed = time.perf_counter() - started
+            rate = f"{completion_tokens / elapsed:.0f} tok/s" if elapsed > 0 else ""
+            progress.update(task, completed=num_done, rate=rate)
+
+        summary = run_batch(llm, requests, out, defaults, progress=update)
+    _log(summary.line())
+    return EXIT_OK
+
+
+# ---- info ---------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="Model directory (Hugging Face layout).")
+@device_option
+@engine_options
+def info(model_dir, device, **options):
+    """Show a model's shape, parameter count, dtype and memory plan on a device."""
+    from .config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    for label, value in _describe(config):
+        click.echo(f"{label:<14}{value}")
+    engine = _given(options, ENGINE_NAMES)
+    if device == "auto":
+        device = _auto_device()
+    rows = _cpu_memory_plan(model_dir, config, engine) if device == "cpu" \
+        else _loaded_memory_plan(model_dir, device, engine)
+    click.echo(f"memory plan ({device}):")
+    width = max(len(label) for label, _ in rows) + 2
+    for label, value in rows:
+        click.echo(f"  {label:<{width}}{value}")
+
+
+def _describe(config) -> list[tuple[str, str]]:
+    rope = "none" if config.rope_scaling is None else f"llama3 x{config.rope_scaling.factor:g}"
+    return [
+        ("architecture", "LlamaForCausalLM"),
+        ("shape", f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+                  f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV), "
+                  f"head_dim {config.head_dim}, intermediate {config.intermediate_size}"),
+        ("vocabulary", f"{config.vocab_size} tokens, embeddings "
+                       f"{'tied' if config.tie_word_embeddings else 'untied'}"),
+        ("context", f"{config.max_position_embeddings} positions, rope theta "
+                    f"{config.rope_theta:g}, scaling {rope}"),
+        ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
+        ("dtype", config.torch_dtype),
+        ("eos ids", ", ".join(map(str, config.eos_token_ids)) or "none"),
+    ]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _auto_device() -> str:
+    try:
+        from .backends.cuda import cuda_usable
+    except ImportError:
+        return "cpu"
+    usable, _ = cuda_usable()
+    return "cuda" if usable else "cpu"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB" if num_bytes < 2**30 else f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def _cpu_memory_plan(model_dir, config, engine: dict) -> list[tuple[str, str]]:
+    """The CPU backend's plan, computed from the headers without loading the weights:
+    float32 weights, one step's activations, the float32 KV cache."""
+    from .backends.cpu import DEFAULT_CPU_KV_BYTES
+    from .config import EngineConfig
+    from .model.llama import buffer_shapes
+    from .weights import open_checkpoint, plan_weight_blob
+
+    engine = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, **engine}  # LLM's CPU defaults
+    engine_config = EngineConfig(**engine)
+    max_model_len = engine_config.resolved_max_model_len(config)
+    with open_checkpoint(model_dir, config) as checkpoint:
+        stored = ", ".join(sorted(checkpoint.source_dtypes))
+    plan, _ = plan_weight_blob(config)
+    weight_bytes = sum(entry.nbytes for entry in plan.values()) * 2  # bf16 -> float32
+    shapes = buffer_shapes(config, engine_config.max_num_batched_tokens, engine_config.max_num_seqs)
+    buffer_bytes = sum(4 * _product(shape) for shape in shapes.values())
+    block_size = engine_config.block_size
+    bytes_per_block = 2 * config.num_hidden_layers * block_size * config.kv_size * 4
+    num_blocks = engine_config.num_kv_blocks or max(1, min(
+        engine_config.max_num_seqs * -(-max_model_len // block_size),
+        DEFAULT_CPU_KV_BYTES // bytes_per_block))
+    return [
+        ("weights", f"{_size(weight_bytes)} (float32; stored as {stored})"),
+        ("buffers", f"{_size(buffer_bytes)} (one step of {engine_config.max_num_batched_tokens} "
+                    f"tokens, {engine_config.max_num_seqs} sequences)"),
+        ("KV cache", f"{_size(num_blocks * bytes_per_block)}: {num_blocks} blocks x {block_size} "
+                     f"tokens = {num_blocks * block_size} tokens"),
+        ("context", f"{max_model_len} tokens per sequence"),
+    ]
+
+
+def _product(shape) -> int:
+    result = 1
+    for n in shape:
+        result *= n
+    return result
+
+
+def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str, str]]:
+    """The plan as the loaded backend reports it: (name, bytes, note) rows."""
+    backend = _load(model_dir, device, engine).backend
+    if hasattr(backend, "memory_plan"):
+        return [(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in backend.memory_plan()]
+    return [("KV cache", f"{_size(backend.kv_cache_bytes)}: {backend.num_kv_blocks} blocks x "
+                         f"{backend.block_size} tokens = "
+                         f"{backend.num_kv_blocks * backend.block_size} tokens")]
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,8 @@ class LLM:
         started = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
-        if device == "cpu":
+        self.device = self._pick_device(device, log)
+        if self.device == "cpu":
             # modest defaults: the NumPy backend serves tests and small models
             engine_options.setdefault("max_num_seqs", 16)
             engine_options.setdefault("max_num_batched_tokens", 2048)
@@ -45,7 +46,6 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.model_dir, self.config)
         checkpoint = open_checkpoint(self.model_dir, self.config, log=log)
         try:
-            self.device = self._pick_device(device, log)
             self.backend = self._make_backend(checkpoint, log)
         finally:
             checkpoint.close()

@@ -18,12 +18,20 @@ from .sequence import Sequence, SequenceStatus
 class _Request:
     """A sequence plus its text: incremental detokenizer and what was already streamed."""
 
-    def __init__(self, seq: Sequence, detokenizer):
+    def __init__(self, seq: Sequence, detokenizer, vocab_size: int):
         self.seq = seq
         self.detokenizer = detokenizer
+        self.vocab_size = vocab_size  # the tokenizer's; a padded model vocabulary is larger
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
+
+    def add_text(self, token_id: int) -> None:
+        if token_id < self.vocab_size:  # ids past the tokenizer's vocabulary have no text
+            self.text += self.detokenizer.add(token_id)
+
+    def flush_text(self) -> None:
+        self.text += self.detokenizer.flush()
 
     def output(self, hold_back: int) -> RequestOutput:
         """Deltas hold back the last `hold_back` characters while a stop string could still
@@ -45,13 +53,16 @@ class LLMEngine:
                  max_model_len: int):
         self.config = model_config
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.blocks = BlockManager(backend.num_kv_blocks, backend.block_size)
+        # a sequence stops at the context limit or when it would fill the whole KV cache
+        self.max_model_len = min(max_model_len, backend.num_kv_blocks * backend.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=engine_config.max_num_seqs,
                                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(model_config, backend)
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        # config.json + generation_config.json, plus the end-of-turn tokens of the template
+        self.eos_token_ids = set(model_config.eos_token_ids) | set(
+            getattr(tokenizer, "eos_token_ids", ()))
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -67,7 +78,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, params, seed, next(self._arrivals))
         self.scheduler.add(seq)
         from ..tokenizer import IncrementalDetokenizer
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer))
+        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
+                                             self.tokenizer.vocab_size)
         return request_id
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -113,18 +125,19 @@ class LLMEngine:
         params = seq.params
         seq.output_token_ids.append(token_id)
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        num_old_chars = len(request.text)
         if not is_eos:
-            request.text += request.detokenizer.add(token_id)
+            request.add_text(token_id)
         status = None
-        stop_at = _find_stop(request.text, params.stop)
+        stop_at = _find_stop(request.text, params.stop, num_old_chars)
         if stop_at is not None:
             request.text = request.text[:stop_at]  # the stop string is not shown
             status = SequenceStatus.FINISHED_STOPPED
         elif is_eos:
-            request.text += request.detokenizer.flush()
+            request.flush_text()
             status = SequenceStatus.FINISHED_STOPPED
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            request.text += request.detokenizer.flush()
+            request.flush_text()
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -159,6 +172,9 @@ class LLMEngine:
         return [final[request_id] for request_id in ids]
 
 
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:
+    """Where the earliest stop string starts, looking only where a new match can be: one
+    that ends in the text added since num_old_chars."""
+    positions = [i for i in (text.find(s, max(0, num_old_chars - len(s) + 1)) for s in stops)
+                 if i >= 0]
     return min(positions) if positions else None

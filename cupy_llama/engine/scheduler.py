@@ -52,8 +52,9 @@ class Scheduler:
         needed = self.blocks.blocks_needed(num_prompt_tokens + 1)
         if needed > self.blocks.num_blocks:
             raise RequestError(
-                f"the prompt needs {needed} KV blocks of {self.blocks.block_size} tokens but the "
-                f"cache has only {self.blocks.num_blocks}; shorten the prompt or give the KV "
+                f"the prompt has {num_prompt_tokens} tokens and needs {needed} KV blocks of "
+                f"{self.blocks.block_size} tokens (with one new token) but the cache has only "
+                f"{self.blocks.num_blocks}; shorten the prompt or give the KV "
                 f"cache more memory (num_kv_blocks / gpu_memory_utilization)")
 
     def add(self, seq: Sequence) -> None:

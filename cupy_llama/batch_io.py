@@ -1,0 +1,238 @@
+"""Batch files for `cupy-llama generate`: read requests, run them together, write JSONL.
+
+Input: `.txt` (one prompt per line, blank lines skipped) or `.jsonl` (one JSON object per
+line: `prompt` or `messages`, optional `id` and sampling fields; or the OpenAI batch
+envelope `{"custom_id", "method", "url", "body": {...}}`). Lines may end in CRLF and the file
+may start with a UTF-8 BOM. A request's default id is its line number. A later request
+reusing an id gets an error line; the first one runs.
+
+Output: one JSON object per request, in input order:
+`{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` or, for a
+request that could not run, `{"id", "error"}`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CupyLlamaError, RequestError
+from .sampling import SamplingParams, model_sampling_defaults
+
+FORMATS = ("txt", "jsonl")
+# OpenAI request bodies carry these; they do not change how a request is sampled here
+IGNORED_BODY_FIELDS = ("model", "user")
+
+
+@dataclass
+class BatchRequest:
+    line: int                        # 1-based line number in the input file
+    id: str | int                    # as given, or the line number
+    prompt: str | list[int] | None = None
+    messages: list | None = None
+    sampling: dict = field(default_factory=dict)  # per-request sampling fields
+    error: str | None = None         # why the request cannot run
+
+
+def input_format(path: str, format: str | None = None) -> str:
+    if format:
+        return format
+    suffix = Path(path).suffix.lower()
+    if suffix == ".txt":
+        return "txt"
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    raise RequestError(f"cannot tell the format of {path!r} from its name; use a .txt or "
+                       f".jsonl file, or pass --format txt|jsonl")
+
+
+def read_requests(data: bytes, format: str) -> list[BatchRequest]:
+    """Parse a whole batch file. Bad lines become requests with an error; blank lines are
+    skipped."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    requests: list[BatchRequest] = []
+    first_line_of: dict = {}
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.removesuffix(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            requests.append(BatchRequest(number, number, error=f"line {number} is not UTF-8 "
+                                         f"text (byte {e.start}); save the file as UTF-8"))
+            continue
+        request = BatchRequest(number, number, prompt=text) if format == "txt" \
+            else parse_json_line(number, text)
+        key = (type(request.id).__name__, request.id)
+        if request.error is None and key in first_line_of:
+            request.error = (f"duplicate id {request.id!r} (first used on line "
+                             f"{first_line_of[key]}); give every request its own id")
+        first_line_of.setdefault(key, number)
+        requests.append(request)
+    return requests
+
+
+def parse_json_line(number: int, text: str) -> BatchRequest:
+    request = BatchRequest(number, number)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        request.error = f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+        return request
+    if not isinstance(obj, dict):
+        request.error = f"line {number} must be a JSON object, got {type(obj).__name__}"
+        return request
+    try:
+        if "body" in obj or "custom_id" in obj:
+            _read_envelope(request, obj)
+        else:
+            _read_plain(request, obj)
+    except RequestError as e:
+        request.error = f"line {number}: {e}"
+    return request
+
+
+def _read_plain(request: BatchRequest, obj: dict) -> None:
+    fields = dict(obj)
+    if "id" in fields:
+        request.id = _check_id(fields.pop("id"), "id")
+    _read_prompt(request, fields)
+    request.sampling = fields
+
+
+def _read_envelope(request: BatchRequest, obj: dict) -> None:
+    if "custom_id" in obj:
+        request.id = _check_id(obj["custom_id"], "custom_id")
+    unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise RequestError(f"unknown batch field {unknown[0]!r}; expected custom_id, method, "
+                           f"url and body")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError("'body' must be an object with 'messages' or 'prompt'")
+    fields = {k: v for k, v in body.items() if k not in IGNORED_BODY_FIELDS}
+    if "max_completion_tokens" in fields:
+        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    _read_prompt(request, fields)
+    request.sampling = fields
+
+
+def _read_prompt(request: BatchRequest, fields: dict) -> None:
+    """Moves `prompt` or `messages` out of fields into the request."""
+    has_prompt, has_messages = "prompt" in fields, "messages" in fields
+    if has_prompt == has_messages:
+        raise RequestError("give exactly one of 'prompt' (a string) or 'messages' "
+                           "(a list of {role, content})")
+    if has_prompt:
+        prompt = fields.pop("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise RequestError(f"'prompt' must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        request.prompt = prompt
+    else:
+        request.messages = fields.pop("messages")
+
+
+def _check_id(value, name: str):
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RequestError(f"{name!r} must be a string or an integer, got {json.dumps(value)}")
+    return value
+
+
+# ---- running ------------------------------------------------------------------------
+
+@dataclass
+class BatchSummary:
+    num_requests: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    num_preemptions: int = 0
+
+    def line(self) -> str:
+        rate = self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"{self.num_requests} requests ({self.num_errors} failed): "
+                f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens "
+                f"in {self.seconds:.2f} s, {rate:.1f} completion tok/s, "
+                f"{self.num_preemptions} preemptions")
+
+
+def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
+              progress=None) -> BatchSummary:
+    """Add every runnable request to the engine at once, step until all finish, and write
+    one JSON line per request to `out` in input order (as soon as its turn comes).
+
+    defaults: sampling fields for requests that do not set them (the command line's);
+    the model's generation_config.json lies underneath both.
+    progress: called as progress(num_done, completion_tokens) after every step."""
+    engine = llm.engine
+    model_defaults = model_sampling_defaults(llm.config.generation_defaults)
+    results: list[dict | None] = [None] * len(requests)
+    pending: dict[str, int] = {}     # engine request id -> index in requests
+    summary = BatchSummary(num_requests=len(requests))
+    preemptions_before = engine.scheduler.num_preemptions
+    started = time.perf_counter()
+    try:
+        for index, request in enumerate(requests):
+            if request.error is None:
+                request.error = _add(engine, llm.tokenizer, request, str(index),
+                                     defaults, model_defaults)
+            if request.error is None:
+                pending[str(index)] = index
+            else:
+                results[index] = {"id": request.id, "error": request.error}
+        next_to_write = _write_ready(results, out, 0)
+        num_done = len(requests) - len(pending)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                summary.completion_tokens += len(output.delta_token_ids)
+                if output.finished:
+                    index = pending.pop(output.request_id)
+                    results[index] = result_object(requests[index].id, output)
+                    summary.prompt_tokens += len(output.prompt_token_ids)
+                    num_done += 1
+            next_to_write = _write_ready(results, out, next_to_write)
+            if progress is not None:
+                progress(num_done, summary.completion_tokens)
+    finally:
+        for request_id in list(pending):
+            engine.abort(request_id)
+    summary.seconds = time.perf_counter() - started
+    summary.num_errors = sum(1 for r in requests if r.error is not None)
+    summary.num_preemptions = engine.scheduler.num_preemptions - preemptions_before
+    return summary
+
+
+def _add(engine, tokenizer, request: BatchRequest, engine_id: str, defaults: dict,
+         model_defaults: dict) -> str | None:
+    """Queue one request; returns the error message when it cannot run."""
+    try:
+        params = SamplingParams.from_dict({**defaults, **request.sampling}, model_defaults)
+        if request.messages is not None:
+            prompt = tokenizer.encode_chat(request.messages, add_generation_prompt=True)
+        else:
+            prompt = request.prompt
+        engine.add_request(prompt, params, request_id=engine_id)
+    except CupyLlamaError as e:
+        return f"line {request.line}: {e}"
+    return None
+
+
+def result_object(request_id, output) -> dict:
+    return {"id": request_id, "text": output.text,
+            "usage": {"prompt_tokens": len(output.prompt_token_ids),
+                      "completion_tokens": len(output.token_ids)},
+            "finish_reason": output.finish_reason}
+
+
+def _write_ready(results: list, out, start: int) -> int:
+    """Write results[start:] up to the first one not finished yet; returns the new start."""
+    while start < len(results) and results[start] is not None:
+        out.write(json.dumps(results[start], ensure_ascii=False) + "\n")
+        start += 1
+    out.flush()
+    return start

@@ -1,0 +1,293 @@
+"""`cupy-llama chat`: a terminal chat over the chat template, with streaming replies.
+
+`ChatSession` holds the conversation and the settings (no terminal code, easy to test);
+`run_terminal` is the interactive loop; `run_once` answers one prompt read from a pipe.
+Ctrl-C during a reply stops it at the next token; the partial reply stays in the history
+as the assistant's turn, so the conversation remains a valid alternation.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from .errors import CupyLlamaError, RequestError
+
+HELP = """\
+/help                 this text
+/exit, /bye           leave (Ctrl-D works too)
+/clear                forget the conversation (the system prompt stays)
+/system TEXT          set the system prompt (/system alone removes it)
+/set NAME VALUE       change a setting: temperature, top_p, top_k, min_p, max_tokens, seed
+/set                  show the settings
+/stats                token counts and speed of this session
+\"\"\"                   start and end multi-line input
+Ctrl-C                stop the current reply; twice at the prompt exits"""
+
+# /set NAME -> how its value is read
+SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+            "max_tokens": int, "seed": int}
+MULTILINE = '"""'
+# Control characters other than newline and tab would move the cursor or recolor the
+# terminal; model output shows them as U+FFFD.
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    return _CONTROL_CHARS.sub("\ufffd", text)
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int
+    completion_tokens: int
+    seconds_to_first_token: float
+    decode_seconds: float       # from the first token to the last
+    finish_reason: str | None   # None: stopped with Ctrl-C
+
+    @property
+    def tokens_per_second(self) -> float:
+        # the clock starts after the first token (prefill is not decode speed)
+        if self.completion_tokens < 2 or self.decode_seconds <= 0:
+            return 0.0
+        return (self.completion_tokens - 1) / self.decode_seconds
+
+    def line(self) -> str:
+        text = (f"{self.seconds_to_first_token * 1000:.0f} ms to first token, "
+                f"{self.tokens_per_second:.1f} tok/s, {self.completion_tokens} tokens")
+        if self.finish_reason == "length":
+            text += " (stopped at the token limit)"
+        return text
+
+
+class ChatSession:
+    def __init__(self, llm, params, system: str | None = None):
+        self.llm = llm
+        self.params = params
+        self.system = system or None
+        self.history: list[dict] = []   # user and assistant turns, alternating
+        self.turns: list[TurnStats] = []
+
+    def messages(self, user_text: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history + [{"role": "user", "content": user_text}]
+
+    def clear(self) -> None:
+        self.history = []
+
+    def set(self, name: str, value: str) -> str:
+        """Change one sampling setting; RequestError (one line) for a bad name or value."""
+        if name not in SETTINGS:
+            raise RequestError(f"unknown setting {name!r}; use one of {', '.join(SETTINGS)}")
+        kind = SETTINGS[name]
+        try:
+            parsed = kind(value)
+        except ValueError:
+            kind_name = "an integer" if kind is int else "a number"
+            raise RequestError(f"{name} must be {kind_name}, got {value!r}") from None
+        self.params = replace(self.params, **{name: parsed})  # validates
+        return f"{name} = {parsed}"
+
+    def settings(self) -> str:
+        seed = "random" if self.params.seed is None else self.params.seed
+        return ", ".join([f"{name} = {getattr(self.params, name)}" for name in SETTINGS
+                          if name != "seed"] + [f"seed = {seed}"])
+
+    def reply(self, user_text: str, should_stop=lambda: False):
+        """Yield the reply's text deltas. Afterwards the turn is in the history (also when
+        stopped early) and its statistics in self.turns. Raises CupyLlamaError, with the
+        history unchanged, when the request cannot run (e.g. the context is full)."""
+        started = time.perf_counter()
+        first_token_at = last_token_at = None
+        text, output = "", None
+        stream = self.llm.chat(self.messages(user_text), self.params, stream=True)
+        try:
+            for output in stream:
+                now = time.perf_counter()
+                if first_token_at is None and output.token_ids:
+                    first_token_at = now
+                last_token_at = now
+                if output.delta:
+                    text += output.delta
+                    yield output.delta
+                if should_stop():
+                    break
+        finally:
+            stream.close()  # aborts the request if it is still running
+        finished = output is not None and output.finished
+        self.history += [{"role": "user", "content": user_text},
+                         {"role": "assistant", "content": text}]
+        first_token_at = first_token_at or time.perf_counter()
+        self.turns.append(TurnStats(
+            prompt_tokens=len(output.prompt_token_ids) if output else 0,
+            completion_tokens=len(output.token_ids) if output else 0,
+            seconds_to_first_token=first_token_at - started,
+            decode_seconds=(last_token_at or first_token_at) - first_token_at,
+            finish_reason=output.finish_reason if finished else None))
+
+    def stats(self) -> str:
+        if not self.turns:
+            return f"no replies yet; settings: {self.settings()}"
+        completion = sum(t.completion_tokens for t in self.turns)
+        decode = sum(t.decode_seconds for t in self.turns)
+        decoded = sum(max(0, t.completion_tokens - 1) for t in self.turns)
+        last = self.turns[-1]
+        context = last.prompt_tokens + last.completion_tokens
+        rate = decoded / decode if decode > 0 else 0.0
+        ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
+        return (f"{len(self.turns)} replies, {completion} tokens generated, {rate:.1f} tok/s "
+                f"on average, {ttft * 1000:.0f} ms to first token on average\n"
+                f"context: {context} of {self.llm.max_model_len} tokens in use\n"
+                f"settings: {self.settings()}")
+
+
+# ---- one prompt from a pipe ---------------------------------------------------------------
+
+def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
+    """Answer one prompt: the answer alone to stdout, statistics to stderr."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if not prompt.strip():
+        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
+                           "echo 'Hello' | cupy-llama chat")
+    for delta in session.reply(prompt):
+        out.write(delta)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    err.write(session.turns[-1].line() + "\n")
+    return 0
+
+
+# ---- the interactive terminal -------------------------------------------------------------
+
+class _StopFlag:
+    """SIGINT during a reply sets a flag instead of raising, so the reply ends between two
+    engine steps and the engine's state stays whole."""
+
+    def __init__(self):
+        self.is_set = False
+
+    def __call__(self, signum, frame):
+        self.is_set = True
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def _prompts():
+    """Input prompts; colored when readline can be told which characters are invisible."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        return ">>> ", "... "
+    green, reset = "\001\x1b[1;32m\002", "\001\x1b[0m\002"
+    return f"{green}>>> {reset}", f"{green}... {reset}"
+
+
+def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
+    """One message: a line, or a multi-line block opened and closed by triple quotes."""
+    line = read_line(first_prompt)
+    if not line.lstrip().startswith(MULTILINE):
+        return line
+    body = line.lstrip()[len(MULTILINE):]
+    if body.rstrip().endswith(MULTILINE):   # """text""" on one line
+        return body.rstrip()[:-len(MULTILINE)]
+    lines = [body] if body else []
+    while True:
+        line = read_line(more_prompt)
+        if line.rstrip().endswith(MULTILINE):
+            lines.append(line.rstrip()[:-len(MULTILINE)])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+
+
+def run_terminal(session: ChatSession, console, err_console, read_line=input) -> int:
+    """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
+    twice at the prompt)."""
+    first_prompt, more_prompt = _prompts()
+    err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
+                      highlight=False)
+    interrupted_once = False
+    while True:
+        try:
+            text = read_message(read_line, first_prompt, more_prompt)
+        except EOFError:
+            console.print()
+            return 0
+        except KeyboardInterrupt:
+            if interrupted_once:
+                console.print()
+                return 130
+            interrupted_once = True
+            err_console.print("\n[dim](press Ctrl-C again or Ctrl-D to leave)[/dim]",
+                              highlight=False)
+            continue
+        interrupted_once = False
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if _command(session, text.strip(), console, err_console) == "exit":
+                return 0
+            continue
+        _show_reply(session, text, console, err_console)
+
+
+def _show_reply(session: ChatSession, text: str, console, err_console) -> None:
+    from rich.markup import escape
+
+    out = console.file
+    with _StopFlag() as stop:
+        try:
+            for delta in session.reply(text, should_stop=lambda: stop.is_set):
+                out.write(printable(delta))
+                out.flush()
+        except CupyLlamaError as e:
+            err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+            return
+    out.write("\n")
+    out.flush()
+    turn = session.turns[-1]
+    if turn.finish_reason is None:
+        err_console.print("[yellow](reply stopped; the part shown stays in the conversation)"
+                          "[/yellow]", highlight=False)
+    err_console.print(f"[dim]{turn.line()}[/dim]", highlight=False)
+
+
+def _command(session: ChatSession, line: str, console, err_console) -> str | None:
+    name, _, argument = line.partition(" ")
+    argument = argument.strip()
+    say = lambda message: err_console.print(message, markup=False, highlight=False,  # noqa: E731
+                                            soft_wrap=True)
+    if name in ("/exit", "/bye", "/quit"):
+        return "exit"
+    if name == "/help":
+        say(HELP)
+    elif name == "/clear":
+        session.clear()
+        say("conversation cleared")
+    elif name == "/system":
+        session.system = argument or None
+        say("system prompt set" if argument else "system prompt removed")
+    elif name == "/set":
+        parts = argument.split()
+        if not parts:
+            say(session.settings())
+        elif len(parts) != 2:
+            say("usage: /set NAME VALUE, e.g. /set temperature 0.7")
+        else:
+            try:
+                say(session.set(parts[0], parts[1]))
+            except RequestError as e:
+                say(f"error: {e}")
+    elif name == "/stats":
+        say(session.stats())
+    else:
+        say(f"unknown command {name}; type /help for the list")
+    return None

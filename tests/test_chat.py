@@ -1,0 +1,245 @@
+"""`cupy-llama chat`: the session logic in-process, the pipe mode, and the interactive UI
+driven through a pseudo-terminal."""
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+from cupy_llama import LLM, SamplingParams
+from cupy_llama.chat_ui import ChatSession, printable, read_message
+from cupy_llama.errors import RequestError
+from cupy_llama.random_model import make_random_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # a long context, so an endless greedy reply runs long enough to be interrupted
+    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0,
+                             std=0.15, max_position_embeddings=16384)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, device="cpu", log=None)
+
+
+def reply_text(llm, messages, params=GREEDY):
+    return llm.chat(messages, params).text
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+# ---- the session, no terminal --------------------------------------------------------------
+
+def test_history_follows_the_chat_template(llm):
+    session = ChatSession(llm, GREEDY, system="Be brief.")
+    first = "".join(session.reply("hello"))
+    assert first == reply_text(llm, [{"role": "system", "content": "Be brief."}, user("hello")])
+    second = "".join(session.reply("and again"))
+    assert second == reply_text(llm, [{"role": "system", "content": "Be brief."}, user("hello"),
+                                      {"role": "assistant", "content": first}, user("and again")])
+    assert [m["role"] for m in session.history] == ["user", "assistant"] * 2
+    assert session.turns[-1].completion_tokens == 12 and session.turns[-1].finish_reason == "length"
+    session.clear()
+    assert "".join(session.reply("hello")) == first
+
+
+def test_stopping_a_reply_keeps_the_part_shown(llm):
+    session = ChatSession(llm, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    count = 0
+
+    def stop_after_five():
+        nonlocal count
+        count += 1
+        return count >= 5
+
+    shown = "".join(session.reply("hello", should_stop=stop_after_five))
+    assert session.history[-1] == {"role": "assistant", "content": shown}
+    assert session.turns[-1].finish_reason is None and session.turns[-1].completion_tokens == 5
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    "".join(session.reply("next"))  # the conversation goes on
+    assert len(session.history) == 4
+
+
+def test_a_full_context_leaves_the_history_alone(model_dir):
+    small = LLM(model_dir, device="cpu", log=None, max_model_len=128)
+    session = ChatSession(small, GREEDY)
+    with pytest.raises(RequestError, match="context limit is 128"):
+        "".join(session.reply("x" * 200))
+    assert session.history == [] and session.turns == []
+
+
+def test_set_checks_names_and_values(llm):
+    session = ChatSession(llm, GREEDY)
+    assert session.set("temperature", "0.5") == "temperature = 0.5"
+    assert session.set("top_k", "40") == "top_k = 40"
+    assert session.params.temperature == 0.5 and session.params.top_k == 40
+    for name, value, message in [("temperature", "hot", "must be a number, got 'hot'"),
+                                 ("temperature", "-1", "-1"), ("top_p", "2", "top_p"),
+                                 ("top_k", "1.5", "must be an integer"),
+                                 ("max_tokens", "0", "max_tokens"), ("colour", "1", "colour")]:
+        with pytest.raises(RequestError, match=message):
+            session.set(name, value)
+    assert session.params.temperature == 0.5  # unchanged by the bad values
+
+
+def test_multi_line_input():
+    def reader(lines):
+        it = iter(lines)
+        return lambda prompt: next(it)
+
+    assert read_message(reader(["plain"]), ">", "...") == "plain"
+    assert read_message(reader(['"""one', "two", 'three"""']), ">", "...") == "one\ntwo\nthree"
+    assert read_message(reader(['"""', "a", "", "b", '"""']), ">", "...") == "a\n\nb"
+    assert read_message(reader(['"""inline"""']), ">", "...") == "inline"
+
+
+def test_printable_hides_terminal_controls():
+    assert printable("a\x1b[2Jb\r\tc\nd\x07") == "a\ufffd[2Jb\ufffd\tc\nd\ufffd"
+
+
+# ---- stdin is not a terminal -----------------------------------------------------------------
+
+def chat_cli(model_dir, *args, stdin):
+    return subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
+                           str(model_dir), "--device", "cpu", "--temperature", "0",
+                           "--max-tokens", "12", *args],
+                          input=stdin, capture_output=True, text=True, timeout=60)
+
+
+def test_pipe_mode_prints_only_the_answer(model_dir, llm):
+    result = chat_cli(model_dir, "--system", "Be brief.", stdin="What is two\nplus two?\n")
+    assert result.returncode == 0, result.stderr
+    want = reply_text(llm, [{"role": "system", "content": "Be brief."},
+                            user("What is two\nplus two?\n")])
+    assert result.stdout == want + "\n"
+    assert "tok/s" in result.stderr and "tok/s" not in result.stdout
+
+
+def test_pipe_mode_with_empty_stdin_is_an_error(model_dir):
+    result = chat_cli(model_dir, stdin="")
+    assert result.returncode == 1 and "stdin is empty" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---- the interactive terminal ----------------------------------------------------------------
+
+PROMPT = ">>> "
+
+
+def spawn(model_dir, *args):
+    child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
+                                           str(model_dir), "--device", "cpu", *args],
+                          encoding="utf-8", codec_errors="replace", timeout=30,
+                          dimensions=(40, 200))
+    child.expect_exact(PROMPT)
+    return child
+
+
+def ask(child, text):
+    """Send a message; return the reply as shown (up to the statistics line)."""
+    child.sendline(text)
+    child.expect_exact(text + "\r\n")
+    child.expect(r"\x1b\[2m\d+ ms to first token")
+    reply = child.before.replace("\r\n", "\n")
+    child.expect_exact(PROMPT)
+    assert reply.endswith("\n")
+    return reply[:-1]
+
+
+def finish(child, status):
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == status
+
+
+def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "12")
+    first = ask(child, "hello")
+    want_first = reply_text(llm, [user("hello")])
+    assert first == printable(want_first)
+    second = ask(child, "more")
+    assert second == printable(reply_text(llm, [user("hello"), {"role": "assistant",
+                                                "content": want_first}, user("more")]))
+    child.sendline("/clear")
+    child.expect_exact("conversation cleared")
+    child.expect_exact(PROMPT)
+    assert ask(child, "hello") == first
+    child.sendline("/set temperature warm")
+    child.expect_exact("temperature must be a number, got 'warm'")
+    child.expect_exact(PROMPT)
+    child.sendline("/set max_tokens 3")
+    child.expect_exact("max_tokens = 3")
+    child.expect_exact(PROMPT)
+    child.sendline("/clear")
+    child.expect_exact(PROMPT)
+    short = ask(child, "hello")
+    assert short == printable(reply_text(llm, [user("hello")],
+                                         SamplingParams(temperature=0, max_tokens=3)))
+    child.sendline("/stats")
+    child.expect(r"4 replies, \d+ tokens generated")
+    child.expect_exact(PROMPT)
+    child.sendline("/nope")
+    child.expect_exact("unknown command /nope")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    finish(child, 0)
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(model_dir, tmp_path_factory):
+    """The model with the embedding rows of its EOS tokens zeroed (tied embeddings: their
+    logits are 0), so a greedy reply never ends on its own."""
+    import shutil
+    from cupy_llama.checkpoint import write_safetensors
+    from cupy_llama.config import ModelConfig
+    from cupy_llama.weights import open_checkpoint
+
+    out = tmp_path_factory.mktemp("endless") / "model"
+    shutil.copytree(model_dir, out)
+    config = ModelConfig.from_dir(model_dir)
+    with open_checkpoint(model_dir, config) as checkpoint:
+        tensors = {name: checkpoint.read(name).copy() for name in checkpoint.tensors}
+    eos_ids = sorted(LLM(model_dir, device="cpu", log=None).engine.eos_token_ids)
+    tensors["model.embed_tokens.weight"][eos_ids] = 0
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    return out
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir):
+    message = "tell me everything"
+    child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000")
+    child.sendline(message)
+    child.expect_exact(message + "\r\n")
+    child.expect(".")  # the reply has started
+    child.sendintr()
+    child.expect_exact("reply stopped")
+    child.expect(r"ms to first token, [\d.]+ tok/s, (\d+) tokens")
+    assert 0 < int(child.match.group(1)) < 12000
+    child.expect_exact(PROMPT)
+    child.sendline("/set max_tokens 4")
+    child.expect_exact(PROMPT)
+    ask(child, "still there?")  # the history with the stopped reply is still a valid chat
+    child.sendline("/stats")
+    child.expect(r"2 replies")
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    child.sendintr()
+    finish(child, 130)
+
+
+def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3")
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    ask(child, "hi")   # a message in between resets the count
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    child.sendline("/bye")
+    finish(child, 0)

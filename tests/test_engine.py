@@ -1,0 +1,230 @@
+"""The engine end to end on the NumPy backend with a tiny random model: continuous batching,
+preemption, abort and the stopping rules."""
+import json
+import shutil
+
+import pytest
+
+from cupy_llama import LLM, SamplingParams
+from cupy_llama.errors import RequestError
+from cupy_llama.random_model import make_random_model
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0, std=0.15)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, device="cpu", log=None)
+
+
+def prompts(count, seed=0, min_len=3, max_len=40):
+    """Token-id prompts of mixed lengths (ids below 256 are plain bytes)."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def solo(llm, prompt, **params):
+    return llm.generate(prompt, SamplingParams(**params)).token_ids
+
+
+def assert_all_blocks_free(llm):
+    blocks = llm.engine.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+    blocks.check_invariants([])
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+
+
+def test_preemption_changes_nothing(model_dir, llm):
+    batch = prompts(34, seed=1, min_len=5, max_len=30)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    ample = llm.generate(batch, params)
+    small = LLM(model_dir, device="cpu", log=None, num_kv_blocks=32, block_size=16,
+                max_num_seqs=64)
+    tight = small.generate(batch, params)
+    assert small.engine.scheduler.num_preemptions > 0, "the pool was big enough; no preemption"
+    assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
+    assert [o.text for o in tight] == [o.text for o in ample]
+    assert all(len(o.token_ids) == 20 for o in tight)
+    assert_all_blocks_free(small)
+
+
+def test_batch_invariance(model_dir):
+    # a small token budget so long prompts are prefilled in chunks beside other decodes
+    llm = LLM(model_dir, device="cpu", log=None, max_num_batched_tokens=64, max_num_seqs=32)
+    target = prompts(1, seed=2, min_len=20, max_len=20)[0]
+    others = prompts(16, seed=3, min_len=1, max_len=150)
+    alone = solo(llm, target, max_tokens=24, **GREEDY)
+    outputs = llm.generate(others[:7] + [target] + others[7:], SamplingParams(max_tokens=24, **GREEDY))
+    assert outputs[7].token_ids == alone
+    # and the other way round: each of the others matches its own solo run
+    for prompt, output in list(zip(others[:7] + [target] + others[7:], outputs))[:4]:
+        assert output.token_ids == solo(llm, prompt, max_tokens=24, **GREEDY)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    target = prompts(1, seed=4)[0]
+    alone = llm.generate(target, params).token_ids
+    together = llm.generate(prompts(5, seed=5) + [target], params)[-1].token_ids
+    assert together == alone
+    other_seed = llm.generate(target, SamplingParams(temperature=1.0, top_k=50, seed=99,
+                                                     max_tokens=16, ignore_eos=True)).token_ids
+    assert other_seed != alone
+
+
+def test_slots_are_refilled(model_dir):
+    llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=60, **GREEDY), request_id="long")
+    for i in range(3):
+        engine.add_request([4, 5], SamplingParams(max_tokens=5 + i, **GREEDY), request_id=f"mid{i}")
+    engine.add_request([6, 7, 8], SamplingParams(max_tokens=3, **GREEDY), request_id="short")
+    for i in range(6):
+        engine.add_request([9] * (i + 1), SamplingParams(max_tokens=4, **GREEDY), request_id=f"more{i}")
+    schedule = engine.scheduler.schedule
+    after_schedule = []
+
+    def recording_schedule():
+        batch = schedule()
+        after_schedule.append((len(engine.scheduler.running), len(engine.scheduler.waiting)))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert all(running == 4 for running, waiting in after_schedule if waiting), \
+        "a slot stayed empty while requests waited"
+    assert sum(1 for _, waiting in after_schedule if waiting) > 5
+    assert finished.index("short") < finished.index("long")
+    assert finished[-1] == "long"
+    assert_all_blocks_free(llm)
+
+
+def test_abort_midway_leaves_the_others_exact(llm):
+    engine = llm.engine
+    batch = prompts(20, seed=6)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    expected = [solo(llm, p, max_tokens=24, **GREEDY) for p in batch]
+    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(batch)]
+    aborted = {"r2", "r5", "r11", "r12", "r19"}
+    final, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+        steps += 1
+        if steps == 8:
+            for request_id in aborted:
+                output = engine.abort(request_id)
+                assert output.finish_reason == "abort" and len(output.token_ids) < 24
+    assert set(final) == set(ids) - aborted
+    for i, request_id in enumerate(ids):
+        if request_id not in aborted:
+            assert final[request_id].token_ids == expected[i], request_id
+    assert engine.abort("r2") is None  # already gone
+    assert_all_blocks_free(llm)
+
+
+def test_stop_strings_end_the_text_and_are_not_shown(llm):
+    prompt = prompts(1, seed=7)[0]
+    full = llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY))
+    text = full.text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    cut = text.index(stop)
+    params = SamplingParams(max_tokens=40, stop=["never appears here", stop], **GREEDY)
+    out = llm.generate(prompt, params)
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    assert len(out.token_ids) < 40
+    deltas = [o.delta for o in llm.stream(prompt, params)]
+    assert "".join(deltas) == text[:cut]
+    assert all(stop not in d for d in deltas)
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(llm):
+    batch = prompts(6, seed=8)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    final = llm.generate(batch, params)
+    texts, token_ids, last = {}, {}, {}
+    for output in llm.stream(batch, params):
+        texts[output.request_id] = texts.get(output.request_id, "") + output.delta
+        token_ids.setdefault(output.request_id, []).extend(output.delta_token_ids)
+        last[output.request_id] = output
+    assert len(last) == 6 and all(o.finished for o in last.values())
+    ordered = sorted(last, key=int)
+    assert [texts[r] for r in ordered] == [o.text for o in final]
+    assert [token_ids[r] for r in ordered] == [o.token_ids for o in final]
+    assert_all_blocks_free(llm)
+
+
+def test_leaving_a_stream_early_aborts_its_requests(llm):
+    stream = llm.stream(prompts(3, seed=9), SamplingParams(max_tokens=50, **GREEDY))
+    next(stream)
+    stream.close()
+    assert_all_blocks_free(llm)
+
+
+def test_eos_from_generation_config_stops(model_dir, llm, tmp_path):
+    prompt = prompts(1, seed=10)[0]
+    free_run = solo(llm, prompt, max_tokens=30, **GREEDY)
+    eos = free_run[12]
+    first = free_run.index(eos)
+    # a copy of the model whose generation_config.json (only) names that token as EOS
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    gen = json.loads((copy / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], eos]
+    (copy / "generation_config.json").write_text(json.dumps(gen))
+    other = LLM(copy, device="cpu", log=None)
+    out = other.generate(prompt, SamplingParams(temperature=0, max_tokens=30))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free_run[:first + 1]
+    ignoring = other.generate(prompt, SamplingParams(max_tokens=30, **GREEDY))
+    assert ignoring.token_ids == free_run and ignoring.finish_reason == "length"
+
+
+def test_max_tokens(llm):
+    for n in (1, 7):
+        out = llm.generate([1, 2, 3], SamplingParams(max_tokens=n, **GREEDY))
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+
+
+def test_context_limit(model_dir):
+    llm = LLM(model_dir, device="cpu", log=None, max_model_len=64)
+    out = llm.generate([5] * 50, SamplingParams(max_tokens=100, **GREEDY))
+    assert len(out.token_ids) == 14 and out.finish_reason == "length"
+    with pytest.raises(RequestError, match=r"64 tokens but the context limit is 64"):
+        llm.generate([5] * 64, SamplingParams(max_tokens=1))
+    assert_all_blocks_free(llm)
+
+
+def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
+    # 4 blocks of 16 tokens: a sequence can never hold more than 64 tokens
+    llm = LLM(model_dir, device="cpu", log=None, num_kv_blocks=4, block_size=16)
+    outs = llm.generate([[1] * 10, [2] * 20], SamplingParams(max_tokens=200, **GREEDY))
+    assert [len(o.token_ids) for o in outs] == [54, 44]
+    assert all(o.finish_reason == "length" for o in outs)
+    with pytest.raises(RequestError, match=r"70 tokens and needs 5 KV blocks of 16.*only 4"):
+        llm.generate([1] * 70, SamplingParams(max_tokens=1))
+    assert_all_blocks_free(llm)
+
+
+def test_bad_requests_name_the_value(llm):
+    with pytest.raises(RequestError, match="-0.5"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(RequestError, match="max_tokens.*0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(RequestError, match="token id 512"):
+        llm.generate([1, 512], SamplingParams(max_tokens=1))
+    with pytest.raises(RequestError, match="already in use"):
+        llm.engine.add_request([1], SamplingParams(), request_id="x")
+        llm.engine.add_request([1], SamplingParams(), request_id="x")
+    llm.engine.abort("x")
+    assert_all_blocks_free(llm)
