@@ -149,7 +149,8 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     """Answer one prompt: the answer alone to stdout, statistics to stderr."""
     out = out or sys.stdout
     err = err or sys.stderr
-    if not prompt.strip():
+    prompt = prompt.strip()  # `echo` adds a newline the user did not mean as part of the message
+    if not prompt:
         raise RequestError("stdin is empty; pipe a prompt in, e.g. "
                            "echo 'Hello' | cupy-llama chat")
     for delta in session.reply(prompt):

@@ -60,7 +60,7 @@ def main():
     del ample, engine
 
     tight = LLM(args.model_dir, device=args.device, num_kv_blocks=32, block_size=16,
-                log=lambda m: None)
+                max_model_len=512, log=lambda m: None)
     outputs = [o.token_ids for o in tight.generate(prompts, GREEDY)]
     report["preemption"] = {"identical": sum(a == b for a, b in zip(outputs, reference)), "of": 34,
                             "preemptions": tight.engine.scheduler.num_preemptions,
