@@ -1,0 +1,163 @@
+"""Bad model directories through the `cupy-llama` command: each gives exit code 1 and ONE
+line on stderr that names the problem, never a traceback. (tests/test_weights.py checks
+the same cases through the API, with their exception types.)"""
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cupy_llama.checkpoint import write_safetensors
+from cupy_llama.cli import main
+from cupy_llama.random_model import make_random_model
+
+
+@pytest.fixture(scope="module")
+def good_model(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("good") / "model", "tiny", seed=0,
+                             num_hidden_layers=1, vocab_size=320)
+
+
+def read_parts(path):
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_parts(path, header, data, header_bytes=None):
+    header_bytes = header_bytes if header_bytes is not None else json.dumps(header).encode()
+    path.write_bytes(len(header_bytes).to_bytes(8, "little") + header_bytes + data)
+
+
+def first_tensor(header):
+    return next(k for k in header if k != "__metadata__")
+
+
+def edit_entry(field, value):
+    def corrupt(d):
+        st = d / "model.safetensors"
+        header, data = read_parts(st)
+        header[first_tensor(header)][field] = value
+        write_parts(st, header, data)
+    return corrupt
+
+
+def edit_offsets(fn):
+    def corrupt(d):
+        st = d / "model.safetensors"
+        header, data = read_parts(st)
+        names = sorted((k for k in header if k != "__metadata__"),
+                       key=lambda k: header[k]["data_offsets"][0])
+        fn(header, names)
+        write_parts(st, header, data)
+    return corrupt
+
+
+def raw_bytes(fn):
+    def corrupt(d):
+        st = d / "model.safetensors"
+        st.write_bytes(fn(st.read_bytes()))
+    return corrupt
+
+
+def header_text(text: bytes):
+    def corrupt(d):
+        _, data = read_parts(d / "model.safetensors")
+        write_parts(d / "model.safetensors", None, data, header_bytes=text)
+    return corrupt
+
+
+def edit_config(**changes):
+    def corrupt(d):
+        raw = json.loads((d / "config.json").read_text())
+        raw.update(changes)
+        (d / "config.json").write_text(json.dumps(raw))
+    return corrupt
+
+
+def edit_tensors(fn):
+    def corrupt(d):
+        from cupy_llama.weights import open_checkpoint
+        from cupy_llama.config import ModelConfig
+        with open_checkpoint(d, ModelConfig.from_dir(d)) as ckpt:
+            tensors = {name: np.array(ckpt.read(name)) for name in ckpt.tensors}
+        write_safetensors(d / "model.safetensors", fn(tensors))
+    return corrupt
+
+
+def shard_outside(d):
+    st = d / "model.safetensors"
+    shutil.move(st, d.parent / "elsewhere.safetensors")
+    header, _ = read_parts(d.parent / "elsewhere.safetensors")
+    weight_map = {k: "../elsewhere.safetensors" for k in header if k != "__metadata__"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def shift_first(header, names):
+    header[names[0]]["data_offsets"][0] += 2
+
+
+def overlap(header, names):
+    header[names[1]]["data_offsets"][0] -= 2
+
+
+def gap(header, names):
+    for name in names[1:]:
+        header[name]["data_offsets"] = [x + 2 for x in header[name]["data_offsets"]]
+
+
+CASES = {
+    # safetensors rules
+    "file shorter than 8 bytes": (raw_bytes(lambda b: b[:5]), "8"),
+    "header length over 100 MB": (raw_bytes(lambda b: (200_000_000).to_bytes(8, "little") + b[8:]), "header"),
+    "header length past end of file": (raw_bytes(lambda b: (len(b) + 10).to_bytes(8, "little") + b[8:]), "header"),
+    "header not UTF-8": (header_text(b'{"a": "\xff\xfe"}'), "utf-8"),
+    "header not JSON": (header_text(b"{not json"), "json"),
+    "header not an object": (header_text(b"[1, 2]"), "object"),
+    "entry without dtype": (edit_entry("dtype", None), "dtype"),
+    "unknown dtype": (edit_entry("dtype", "Q4_K"), "q4_k"),
+    "negative shape": (edit_entry("shape", [-1, 4]), "shape"),
+    "offsets not from 0": (edit_offsets(shift_first), "0"),
+    "overlapping offsets": (edit_offsets(overlap), "overlap"),
+    "gap in offsets": (edit_offsets(gap), "gap"),
+    "truncated file": (raw_bytes(lambda b: b[:-10]), "truncated"),
+    "trailing bytes": (raw_bytes(lambda b: b + b"\0" * 16), "trailing"),
+    "shape does not match byte range": (edit_entry("shape", [3]), "bytes"),
+    # model directory
+    "missing config.json": (lambda d: (d / "config.json").unlink(), "config.json"),
+    "unsupported architecture": (edit_config(architectures=["MistralForCausalLM"], model_type="mistral"), "mistral"),
+    "unsupported rope type": (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    "missing weights file": (lambda d: (d / "model.safetensors").unlink(), "safetensors"),
+    "missing tensor": (edit_tensors(lambda t: {k: v for k, v in t.items() if "o_proj" not in k}), "o_proj"),
+    "unexpected tensor": (edit_tensors(lambda t: {**t, "model.extra.weight": np.zeros(4, np.uint16)}), "model.extra.weight"),
+    "wrong shape": (edit_tensors(lambda t: {**t, "model.norm.weight": np.zeros(63, np.uint16)}), "model.norm.weight"),
+    "shard outside the directory": (shard_outside, "outside"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_model_dir_gives_one_line_and_exit_1(case, good_model, tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    shutil.copytree(good_model, model_dir)
+    corrupt, keyword = CASES[case]
+    corrupt(model_dir)
+    code = main(["info", "--model", str(model_dir), "--device", "cpu"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert keyword in lines[0].lower(), lines[0]
+
+
+def test_console_script_prints_no_traceback(good_model, tmp_path):
+    """The installed entry point, in its own process, for a bad file and a missing dir."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(good_model, model_dir)
+    raw_bytes(lambda b: b[:-10])(model_dir)
+    for target in (model_dir, tmp_path / "missing"):
+        result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "info", "--model",
+                                 str(target), "--device", "cpu"], capture_output=True, text=True)
+        assert result.returncode == 1
+        assert "Traceback" not in result.stderr and result.stderr.startswith("error: ")
