@@ -18,8 +18,11 @@
 // normalized output. With num_splits > 1 (decode batches only: one new token per sequence,
 // so token index == b) split s covers keys [s * split_len, (s + 1) * split_len) and writes
 // its normalized partial output and log-sum-exp for attention_combine_kernel.
+// split_len == 0 (CUDA-graph decode, where the host does not know the lengths) derives each
+// sequence's split length on the device: ceil(seq_len / num_splits) rounded up to KEY_TILE,
+// so splits past a short sequence's end see no key.
 // Keys past the range are loaded as zeros (never-written slots hold NaN), and a row that
-// sees no key writes 0, never NaN.
+// sees no key writes 0, never NaN (padding rows of a graph batch have seq_len 0).
 
 #define ATTN_WARPS 4
 #define ROWS_PER_WARP 4
@@ -54,6 +57,10 @@ __device__ __forceinline__ void paged_attention_body(
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
     const int last_row = min(first_row + ROWS_PER_CTA, num_rows) - 1;
+    if (num_splits > 1 && split_len == 0) {
+        const int per_split = (seq_len + num_splits - 1) / num_splits;
+        split_len = max(KEY_TILE, (per_split + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
+    }
     const int key_begin = split * split_len;
     int key_end = min(seq_len, context_start + last_row / group + 1);
     if (num_splits > 1) key_end = min(key_end, key_begin + split_len);
@@ -133,8 +140,8 @@ __device__ __forceinline__ void paged_attention_body(
 
 #pragma unroll
     for (int rr = 0; rr < ROWS_PER_WARP; ++rr) {
-        if (q_pos[rr] < 0) continue;
         const int row = first_row + rr * ATTN_WARPS + warp;
+        if (row >= num_rows) continue;  // rows without a visible key have l == 0: write 0
         const int token = row / group, head = kv_head * group + row % group;
         const float inv_l = l[rr] > 0.0f ? 1.0f / l[rr] : 0.0f;
         if (num_splits == 1) {
@@ -193,7 +200,9 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
         float numerator = 0.0f, denominator = 0.0f;
         if (max_lse != neg_inf()) {
             for (int s = 0; s < num_splits; ++s) {
-                const float w = expf(partial_lse[base + s] - max_lse);  // 0 for empty splits
+                const float lse = partial_lse[base + s];
+                if (lse == neg_inf()) continue;  // an empty split
+                const float w = expf(lse - max_lse);
                 numerator += w * partial_out[(base + s) * head_dim + c];
                 denominator += w;
             }

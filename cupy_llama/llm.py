@@ -78,7 +78,8 @@ class LLM:
                            max_num_seqs=ec.max_num_seqs,
                            max_num_batched_tokens=ec.max_num_batched_tokens,
                            block_size=ec.block_size, num_kv_blocks=ec.num_kv_blocks,
-                           gpu_memory_utilization=ec.gpu_memory_utilization, log=log)
+                           gpu_memory_utilization=ec.gpu_memory_utilization,
+                           enforce_eager=ec.enforce_eager, log=log)
 
     # ---- generation -----------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:

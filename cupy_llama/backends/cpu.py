@@ -5,6 +5,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..model.llama import buffer_shapes
+from ..model.llama import forward as llama_forward
 from ..model.rope import rope_cos_sin
 from ..weights import Checkpoint, load_host_weights, plan_weight_blob
 from .numpy_ops import NumpyOps
@@ -42,3 +43,7 @@ class CpuBackend:
     def buffers(self, num_tokens: int, num_seqs: int) -> dict:
         shapes = buffer_shapes(self.config, num_tokens, num_seqs)
         return {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
+
+    def forward(self, config: ModelConfig, batch):
+        """One step through model/llama.py; logits [B, V] float32."""
+        return llama_forward(self, config, batch)

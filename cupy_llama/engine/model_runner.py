@@ -5,7 +5,6 @@ import numpy as np
 
 from ..backends.base import ForwardBatch, SamplingTensors
 from ..config import ModelConfig
-from ..model.llama import forward
 from .scheduler import ScheduledBatch
 
 
@@ -41,7 +40,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> np.ndarray:
         """One forward pass; returns a sampled token id for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed)."""
-        logits = forward(self.backend, self.config, self.build_batch(batch))
+        logits = self.backend.forward(self.config, self.build_batch(batch))
         return self.backend.ops.sample(logits, sampling_tensors(batch))
 
 

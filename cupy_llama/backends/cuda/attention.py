@@ -44,13 +44,15 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_l
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
-                    scale: float, max_query_len: int, max_seq_len: int, num_splits: int = 1,
-                    partial_out=None, partial_lse=None):
+                    scale: float, max_query_len: int, max_seq_len: int | None,
+                    num_splits: int = 1, partial_out=None, partial_lse=None):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
     into num_splits ranges of split_len keys, written to the flat float32 workspaces
-    partial_out / partial_lse, then merged."""
+    partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
+    that changes between steps may be baked into the launch) keeps num_splits as given and
+    lets the kernel derive each sequence's split length from its seq_len."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
                                            shape=(None, None, None, head_dim)).shape
@@ -74,9 +76,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
             raise ValueError("num_splits > 1 needs a decode batch (one new token per sequence)")
-        split_len = -(-max_seq_len // num_splits)
-        split_len = -(-split_len // KEY_TILE) * KEY_TILE
-        num_splits = -(-max_seq_len // split_len)
+        if max_seq_len is not None:
+            split_len = -(-max_seq_len // num_splits)
+            split_len = -(-split_len // KEY_TILE) * KEY_TILE
+            num_splits = -(-max_seq_len // split_len)
     if num_splits > 1:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)

@@ -12,6 +12,7 @@ import numpy as np
 from ...config import ModelConfig
 from ...errors import DeviceError
 from ...model.llama import buffer_shapes
+from ...model.llama import forward as llama_forward
 from ...model.rope import rope_cos_sin
 from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
 from . import attention as attention_kernels
@@ -71,7 +72,7 @@ class CudaBackend:
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 log=None):
+                 enforce_eager: bool = False, log=None):
         self.capability = check_cuda_device()
         cupy = import_cupy()
         self._cupy = cupy
@@ -131,6 +132,35 @@ class CudaBackend:
         self._log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
                   f"{self.num_kv_blocks * block_size} tokens "
                   f"({self.num_kv_blocks * self.kv_bytes_per_block / GiB:.2f} GiB)")
+
+        # CUDA graphs for decode steps (DESIGN decision 8), captured now so the first
+        # steps run at full speed; a capture failure leaves the engine eager, with a warning
+        self.graphs = None
+        self.graphs_off_reason = "enforce_eager=True" if enforce_eager else None
+        if not enforce_eager:
+            self.enable_graphs()
+
+    def enable_graphs(self) -> bool:
+        """Capture decode graphs for every batch-size bucket; False (and a logged reason)
+        where capturing fails."""
+        from .graphs import DecodeGraphs
+        try:
+            graphs = DecodeGraphs(self, log=self._log)
+            graphs.capture_all(self.config)
+        except Exception as e:  # NotImplementedError, CUDARuntimeError, RuntimeError
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            self.graphs, self.graphs_off_reason = None, f"{type(e).__name__}: {first_line}"
+            self._log(f"warning: CUDA graphs are off, decode runs eagerly ({self.graphs_off_reason})")
+            return False
+        self.graphs, self.graphs_off_reason = graphs, None
+        return True
+
+    def forward(self, config: ModelConfig, batch):
+        """One step (model/llama.py): decode batches replay a CUDA graph when graphs are
+        on, everything else runs eagerly. Returns logits [B, V] float32 (a pool view)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(config, batch)
+        return llama_forward(self, config, batch)
 
     def _allocate(self, nbytes: int, what: str):
         cupy = self._cupy
@@ -211,6 +241,11 @@ class CudaBackend:
             else:
                 note = "split-KV decode workspace, float32"
             rows.append(("pool: " + "/".join(region.names), region.nbytes, note))
+        if getattr(self, "graphs", None) is not None:
+            from .gemm import WORKSPACE_BYTES
+            rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes),
+                         f"fixed step inputs of {self.graphs.max_bucket} sequences, int32"))
+            rows.append(("cuBLAS workspace", WORKSPACE_BYTES, "fixed, so captured products never allocate"))
         rows.append(("KV cache", self.num_kv_blocks * self.kv_bytes_per_block,
                      f"{self.num_kv_blocks} blocks x {self.block_size} tokens = "
                      f"{self.num_kv_blocks * self.block_size} tokens"))

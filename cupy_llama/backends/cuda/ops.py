@@ -34,6 +34,8 @@ class DeviceBatch:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool
+    # CUDA-graph decode: the fixed split count of the bucket (0: choose from max_seq_len)
+    graph_splits: int = 0
 
 
 def pinned_array(cupy, count: int, dtype) -> np.ndarray:
@@ -55,6 +57,7 @@ class CudaOps:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_model_len = max_model_len
         # metadata: token_ids, positions, slot_mapping [T]; query_start_loc [B+1];
         # seq_lens, last_token_indices [B]; block_tables [B, W], packed back to back
         capacity = 3 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * max_blocks_per_seq
@@ -129,7 +132,21 @@ class CudaOps:
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
                                    k_cache, v_cache, q_out)
 
+    def graph_decode_splits(self, num_seqs: int, num_heads: int, num_kv_heads: int) -> int:
+        """Split count for a captured decode step of num_seqs sequences: what the longest
+        context (max_model_len) would get; shorter ones leave the extra splits idle."""
+        return attention_kernels.choose_decode_splits(
+            num_seqs, num_kv_heads, num_heads // num_kv_heads, self.max_model_len,
+            self.num_sms, self.max_decode_splits)
+
     def attention(self, q, k_cache, v_cache, meta, scale, out):
+        if meta.graph_splits:
+            attention_kernels.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                out, scale=scale, max_query_len=1, max_seq_len=None,
+                num_splits=meta.graph_splits, partial_out=self._partial_out,
+                partial_lse=self._partial_lse)
+            return
         num_splits = 1
         if meta.is_decode_only:
             num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]

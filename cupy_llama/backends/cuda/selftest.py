@@ -78,13 +78,13 @@ def compare_model(name: str, overrides: dict, workdir: Path) -> bool:
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, config.vocab_size, 200)) for _ in range(num_seqs)]
     computed = [0] * num_seqs
-    ok = True
-    print(f"  {name}")
+    print(f"  {name} (CUDA graphs: {'on' if gpu.graphs is not None else 'OFF, ' + str(gpu.graphs_off_reason)})")
+    ok = gpu.graphs is not None
     for step, new_counts in enumerate(STEPS):
         batch = make_batch(prompts, computed, new_counts)
         expected = forward(cpu, config, batch)
         started = time.perf_counter()
-        got = cupy.asnumpy(forward(gpu, config, batch))
+        got = cupy.asnumpy(gpu.forward(config, batch))  # decode steps replay CUDA graphs
         elapsed = time.perf_counter() - started
         diff = float(np.max(np.abs(got - expected)))
         scale = float(np.max(np.abs(expected)))

@@ -1,0 +1,217 @@
+"""CUDA graphs for decode steps (DESIGN decision 8).
+
+One graph per batch-size bucket holds a whole decode forward pass (every kernel and cuBLAS
+call of model/llama.py). A step of B sequences replays the smallest bucket >= B after one
+asynchronous copy of its metadata into FIXED device buffers: each field sits at a fixed
+offset, sized for the largest bucket, and block tables have the fixed width of
+max_model_len. Rows past B are padding: token 0 at position 0, KV slot -1 (nothing is
+written), sequence length 0 (attention writes zeros and reads no block). Nothing that
+changes between steps is baked into a graph: the attention split count is the bucket's
+fixed maximum and the kernel derives each sequence's split length from seq_lens on the
+device. Capturing runs on a side stream; replays run on the caller's stream, so they
+order with the eager work around them."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ...model.llama import forward as llama_forward
+from ..base import ForwardBatch
+from .ops import H2D, DeviceBatch, pinned_array
+
+FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+BUCKET_STEP = 16
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then steps of 16, ending at max_num_seqs."""
+    buckets = [b for b in FIRST_BUCKETS if b < max_num_seqs]
+    next_bucket = FIRST_BUCKETS[-1] + BUCKET_STEP
+    while next_bucket < max_num_seqs:
+        buckets.append(next_bucket)
+        next_bucket += BUCKET_STEP
+    return buckets + [max_num_seqs]
+
+
+class _FixedMetaOps:
+    """The backend's ops, except that `upload` hands out the graph's fixed metadata."""
+
+    def __init__(self, ops, meta: DeviceBatch):
+        self._ops, self._meta = ops, meta
+
+    def upload(self, batch) -> DeviceBatch:
+        return self._meta
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
+class _CaptureView:
+    """What model/llama.forward reads from a backend, with _FixedMetaOps as its ops."""
+
+    def __init__(self, backend, meta: DeviceBatch):
+        self.ops = _FixedMetaOps(backend.ops, meta)
+        self.weights = backend.weights
+        self.kv_caches = backend.kv_caches
+        self.cos_sin = backend.cos_sin
+        self.buffers = backend.buffers
+
+
+class DecodeGraphs:
+    def __init__(self, backend, log=None):
+        import cupy
+        self._cupy = cupy
+        self._backend = backend
+        self._log = log or (lambda message: None)
+        self.buckets = decode_buckets(backend.max_num_seqs)
+        n = self.max_bucket = self.buckets[-1]
+        self.width = width = backend.ops.max_blocks_per_seq
+        # fixed layout (int32): token_ids [n] | positions [n] | slot_mapping [n] |
+        # query_start_loc [n + 1] | seq_lens [n] | last_token_indices [n] | block_tables [n, W]
+        self._offsets = {"token_ids": 0, "positions": n, "slot_mapping": 2 * n,
+                         "query_start_loc": 3 * n, "seq_lens": 4 * n + 1,
+                         "last_token_indices": 5 * n + 1, "block_tables": 6 * n + 1}
+        capacity = 6 * n + 1 + n * width
+        self._host = pinned_array(cupy, capacity, np.int32)
+        self._device = cupy.zeros(capacity, np.int32)
+        # one new token per sequence: these two never change
+        self._field("query_start_loc", n + 1)[:] = np.arange(n + 1, dtype=np.int32)
+        self._field("last_token_indices", n)[:] = np.arange(n, dtype=np.int32)
+        self._copied = None  # event: the last metadata copy has read the host buffer
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        self._graphs = {}  # bucket -> (graph, logits [bucket, V])
+        self.capture_seconds = 0.0
+
+    # ---- metadata ----------------------------------------------------------------------
+    def _field(self, name: str, count: int) -> np.ndarray:
+        start = self._offsets[name]
+        return self._host[start:start + count]
+
+    def _device_batch(self, bucket: int, splits: int) -> DeviceBatch:
+        views = {}
+        for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "last_token_indices"):
+            start = self._offsets[name]
+            views[name] = self._device[start:start + bucket]
+        start = self._offsets["query_start_loc"]
+        views["query_start_loc"] = self._device[start:start + bucket + 1]
+        start = self._offsets["block_tables"]
+        views["block_tables"] = self._device[start:start + bucket * self.width].reshape(bucket, self.width)
+        return DeviceBatch(**views, num_tokens=bucket, num_seqs=bucket, max_query_len=1,
+                           max_seq_len=self._backend.max_model_len, is_decode_only=True,
+                           graph_splits=splits)
+
+    def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
+        """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
+        device on the current stream (batch None: all padding)."""
+        num_seqs = 0 if batch is None else batch.num_seqs
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host buffer
+        for name, pad in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0)):
+            field = self._field(name, bucket)
+            if batch is not None:
+                field[:num_seqs] = getattr(batch, name)
+            field[num_seqs:] = pad
+        tables = self._field("block_tables", bucket * self.width).reshape(bucket, self.width)
+        tables.fill(-1)
+        if batch is not None:
+            tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
+        nbytes = 4 * (self._offsets["block_tables"] + bucket * self.width)
+        stream = self._cupy.cuda.get_current_stream()
+        self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, self._host.ctypes.data,
+                                            nbytes, H2D, stream.ptr)
+        self._copied = stream.record()
+
+    # ---- replay ------------------------------------------------------------------------
+    def bucket_for(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.is_decode_only and batch.num_tokens == batch.num_seqs
+                and 0 < batch.num_seqs <= self.max_bucket and batch.block_tables.ndim == 2
+                and batch.block_tables.shape[1] <= self.width)
+
+    def run(self, config, batch: ForwardBatch):
+        """Logits [B, V] float32 of a decode batch (a view of the pool)."""
+        if not self.can_run(batch):
+            raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
+                             f"sequences (block tables {batch.block_tables.shape}) is not a "
+                             f"decode batch of at most {self.max_bucket} sequences")
+        bucket = self.bucket_for(batch.num_seqs)
+        entry = self._graphs.get(bucket) or self.capture(config, bucket)
+        graph, logits = entry
+        stream = self._cupy.cuda.get_current_stream()
+        self._stage(batch, bucket)
+        graph.launch(stream)
+        return logits[:batch.num_seqs]
+
+    def run_uncaptured(self, config, batch: ForwardBatch):
+        """The same launches as the graph of batch's bucket, run eagerly (tests and timing:
+        replay must give exactly these logits)."""
+        bucket = self.bucket_for(batch.num_seqs)
+        self._stage(batch, bucket)
+        return self._forward(config, bucket)[:batch.num_seqs]
+
+    # ---- capture -----------------------------------------------------------------------
+    def _forward(self, config, bucket: int):
+        ops = self._backend.ops
+        splits = ops.graph_decode_splits(bucket, config.num_attention_heads,
+                                         config.num_key_value_heads)
+        meta = self._device_batch(bucket, splits)
+        placeholder = ForwardBatch(
+            token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
+            slot_mapping=np.full(bucket, -1, np.int32),
+            query_start_loc=np.arange(bucket + 1, dtype=np.int32),
+            seq_lens=np.zeros(bucket, np.int32),
+            block_tables=np.full((bucket, self.width), -1, np.int32),
+            max_query_len=1, max_seq_len=0)
+        return llama_forward(_CaptureView(self._backend, meta), config, placeholder)
+
+    def capture(self, config, bucket: int):
+        """Capture the decode graph of one bucket (an all-padding warm-up run first, so every
+        kernel is compiled and loaded and no KV slot is touched)."""
+        cupy = self._cupy
+        started = time.perf_counter()
+        caller = cupy.cuda.get_current_stream()
+        stream = self._capture_stream
+        stream.wait_event(caller.record())
+        with stream:
+            self._stage(None, bucket)
+            self._forward(config, bucket)  # warm-up, not captured
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                logits = self._forward(config, bucket)
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:
+                    pass  # the capture was already invalid; report the first error
+                raise
+            graph = stream.end_capture()
+        caller.wait_event(stream.record())
+        self._graphs[bucket] = (graph, logits)
+        self.capture_seconds += time.perf_counter() - started
+        return graph, logits
+
+    def capture_all(self, config) -> None:
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket not in self._graphs:
+                self.capture(config, bucket)
+        self._log(f"CUDA graphs: captured {len(self.buckets)} decode batch sizes "
+                  f"({', '.join(map(str, self.buckets))}) in {time.perf_counter() - started:.2f} s")
+
+    def reset(self) -> None:
+        """Drop every captured graph (after a kernel switch such as gemm.set_skinny_gemm)."""
+        self._cupy.cuda.get_current_stream().synchronize()
+        self._graphs.clear()
+        self.capture_seconds = 0.0
+
+    @property
+    def metadata_bytes(self) -> int:
+        return int(self._device.nbytes)
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)

@@ -1,0 +1,258 @@
+"""Timings of the CUDA hot path, in one command on the GPU machine:
+
+    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512]
+
+For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
+`python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
+  1. per-op CUDA-event times of one eager decode step at batch 1 and 64 (median of 20
+     runs after warm-up; every product by its weight shape, attention, norms, sampling);
+  2. the time of one decode step replayed from a CUDA graph at batch 1, 8, 64 and 256,
+     beside the eager step;
+  3. cuBLAS against the custom skinny kernels (gemv.cu) for every weight shape, M = 1..16;
+  4. end-to-end batch-1 greedy decode (host batch building, step, sampling, token
+     readback), tok/s with graphs (cuBLAS and custom skinny products) and eager;
+then a short table. With $OUT set, everything also goes to $OUT/perf.json.
+The KV cache is zeroed instead of prefilled: timings do not depend on its values."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...backends.base import ForwardBatch, SamplingTensors
+from ...config import ModelConfig
+from ...model.llama import forward as eager_forward
+from ...weights import open_checkpoint
+from . import gemm
+
+RUNS, WARMUP = 20, 3
+OP_BATCHES = (1, 64)
+GRAPH_BATCHES = (1, 8, 64, 256)
+GEMV_ROWS = (1, 2, 4, 8, 16)
+E2E_STEPS = 256
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+class TimedOps:
+    """The backend's ops with a CUDA event pair around every call, labelled by op (and, for
+    products, by weight shape)."""
+
+    def __init__(self, ops, cupy):
+        self._ops, self._cupy, self.records = ops, cupy, []
+
+    def __getattr__(self, name):
+        target = getattr(self._ops, name)
+        if not callable(target) or name in ("empty", "upload", "graph_decode_splits"):
+            return target
+
+        def timed(*args, **kwargs):
+            label = name
+            if name == "linear":
+                label = f"linear {args[1].shape[0]}x{args[1].shape[1]}"
+            stream = self._cupy.cuda.get_current_stream()
+            start = stream.record()
+            result = target(*args, **kwargs)
+            self.records.append((label, start, stream.record()))
+            return result
+        return timed
+
+
+class _TimedBackend:
+    def __init__(self, backend, ops):
+        self.ops, self.weights, self.kv_caches = ops, backend.weights, backend.kv_caches
+        self.cos_sin, self.buffers = backend.cos_sin, backend.buffers
+
+
+def decode_batch(num_seqs: int, context: int, block_size: int, blocks_per_seq: int, rng) -> ForwardBatch:
+    """Sequence b has `context` tokens cached in blocks b * blocks_per_seq ...; one new token."""
+    used = -(-(context + 1) // block_size)
+    tables = (np.arange(num_seqs, dtype=np.int32)[:, None] * blocks_per_seq
+              + np.arange(used, dtype=np.int32)[None, :])
+    positions = np.full(num_seqs, context, np.int32)
+    slots = tables[:, context // block_size] * block_size + context % block_size
+    return ForwardBatch(token_ids=rng.integers(0, 10000, num_seqs).astype(np.int32),
+                        positions=positions, slot_mapping=slots.astype(np.int32),
+                        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+                        seq_lens=np.full(num_seqs, context + 1, np.int32), block_tables=tables,
+                        max_query_len=1, max_seq_len=context + 1)
+
+
+def greedy(num_seqs: int) -> SamplingTensors:
+    return SamplingTensors(temperature=np.zeros(num_seqs, np.float32),
+                           top_k=np.zeros(num_seqs, np.int32), top_p=np.ones(num_seqs, np.float32),
+                           min_p=np.zeros(num_seqs, np.float32),
+                           seeds=np.zeros(num_seqs, np.uint64), steps=np.zeros(num_seqs, np.int32))
+
+
+def event_time(cupy, fn, runs=RUNS, warmup=WARMUP) -> float:
+    """Median milliseconds of fn() between CUDA events on the current stream."""
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = stream.record()
+        fn()
+        end = stream.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return median(times)
+
+
+def per_op_times(cupy, backend, config, batch) -> dict:
+    timed = TimedOps(backend.ops, cupy)
+    view = _TimedBackend(backend, timed)
+    per_label = {}
+    for run in range(WARMUP + RUNS):
+        timed.records.clear()
+        logits = eager_forward(view, config, batch)
+        timed.sample(logits, greedy(batch.num_seqs))  # synchronizes
+        if run < WARMUP:
+            continue
+        totals, calls = {}, {}
+        for label, start, end in timed.records:
+            totals[label] = totals.get(label, 0.0) + cupy.cuda.get_elapsed_time(start, end)
+            calls[label] = calls.get(label, 0) + 1
+        for label, total in totals.items():
+            per_label.setdefault(label, []).append((total, calls[label]))
+    return {label: {"ms_per_step": median([t for t, _ in v]), "calls_per_step": v[0][1]}
+            for label, v in per_label.items()}
+
+
+def gemv_comparison(cupy, config) -> list:
+    shapes = {"qkv": (config.q_size + 2 * config.kv_size, config.hidden_size),
+              "o_proj": (config.hidden_size, config.q_size),
+              "gate_up": (2 * config.intermediate_size, config.hidden_size),
+              "down": (config.hidden_size, config.intermediate_size),
+              "lm_head": (config.vocab_size, config.hidden_size)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        # random bf16 bit patterns of values in [2^-7, 2^-5): finite, no denormals
+        weight = cupy.random.randint(0x3C00, 0x3D00, (n, k), dtype=np.int32).astype(np.uint16)
+        out_dtype = np.float32 if name == "lm_head" else np.uint16
+        for m in GEMV_ROWS:
+            x = cupy.full((m, k), 0x3F80, np.uint16)  # bf16 1.0
+            out = cupy.empty((m, n), out_dtype)
+            cublas_ms = event_time(cupy, lambda: gemm.cublas_linear(x, weight, out), runs=50)
+            custom_ms = event_time(cupy, lambda: gemm.gemv(x, weight, out), runs=50)
+            gbytes = 2 * n * k / 1e9
+            rows.append({"weight": name, "n": n, "k": k, "m": m, "cublas_us": cublas_ms * 1e3,
+                         "custom_us": custom_ms * 1e3,
+                         "cublas_tb_s": gbytes / cublas_ms, "custom_tb_s": gbytes / custom_ms})
+        del weight
+    return rows
+
+
+def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
+    """Batch-1 greedy decode tok/s: host batch, step, sampling, token readback per step."""
+    bps = -(-backend.max_model_len // backend.block_size)
+    token = 0
+    sampling = greedy(1)
+    stamps = []
+    for step in range(E2E_STEPS):
+        batch = decode_batch(1, context + step, backend.block_size, bps, rng)
+        batch.token_ids[0] = token
+        logits = backend.forward(config, batch) if use_graphs else eager_forward(backend, config, batch)
+        token = int(backend.ops.sample(logits, sampling)[0])
+        stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    args = parser.parse_args(argv)
+    import cupy
+    from .backend import CudaBackend
+
+    rng = np.random.default_rng(0)
+    config = ModelConfig.from_dir(args.model_dir)
+    checkpoint = open_checkpoint(args.model_dir, config)
+    max_num_seqs = max(GRAPH_BATCHES)
+    max_model_len = max(2048, args.context + E2E_STEPS + 16)
+    blocks_per_seq = -(-max_model_len // 16)
+    started = time.perf_counter()
+    backend = CudaBackend(config, checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=4096, block_size=16,
+                          num_kv_blocks=max_num_seqs * blocks_per_seq, log=lambda m: print(m, file=sys.stderr))
+    checkpoint.close()
+    result = {"model_dir": str(args.model_dir), "context": args.context,
+              "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+              "start_seconds": round(time.perf_counter() - started, 2),
+              "graphs_off_reason": backend.graphs_off_reason,
+              "weight_bytes": int(backend._blob.nbytes)}
+    backend._kv.fill(0)
+
+    result["per_op_ms"] = {}
+    for b in OP_BATCHES:
+        batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
+        result["per_op_ms"][b] = per_op_times(cupy, backend, config, batch)
+
+    result["step_ms"] = {}
+    for skinny in ("cublas", "custom"):
+        gemm.set_skinny_gemm(skinny)
+        if backend.graphs is not None:
+            backend.graphs.reset()
+        for b in GRAPH_BATCHES:
+            batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
+            row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
+            if backend.graphs is not None:
+                row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
+            result["step_ms"][f"{skinny} b={b}"] = row
+
+    result["gemv"] = gemv_comparison(cupy, config)
+
+    result["e2e_batch1_tok_s"] = {}
+    for skinny in ("cublas", "custom"):
+        gemm.set_skinny_gemm(skinny)
+        if backend.graphs is not None:
+            backend.graphs.reset()
+            result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
+        result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
+    gemm.set_skinny_gemm("cublas")
+
+    floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
+    result["bandwidth_floor_ms"] = floor_ms
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "perf.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print_table(result)
+    return 0
+
+
+def print_table(result) -> None:
+    print(f"\n== per-op ms of one eager decode step (context {result['context']}) ==")
+    labels = sorted({label for ops in result["per_op_ms"].values() for label in ops})
+    print(f"{'op':<24}" + "".join(f"{'b=' + str(b):>12}" for b in result["per_op_ms"]))
+    for label in labels:
+        cells = [result["per_op_ms"][b].get(label, {}) for b in result["per_op_ms"]]
+        print(f"{label:<24}" + "".join(
+            f"{c.get('ms_per_step', float('nan')):>9.3f}x{c.get('calls_per_step', 0):<2}" for c in cells))
+    print("\n== gemv: us (TB/s of weight read), cuBLAS vs custom ==")
+    for row in result["gemv"]:
+        print(f"{row['weight']:<8} {row['n']:>6}x{row['k']:<5} M={row['m']:<3} cublas "
+              f"{row['cublas_us']:8.1f} ({row['cublas_tb_s']:.2f})  custom {row['custom_us']:8.1f} "
+              f"({row['custom_tb_s']:.2f})")
+    print("\n== decode step ms: eager vs graph replay ==")
+    for key, row in result["step_ms"].items():
+        print(f"{key:<16} eager {row['eager']:8.3f}  graph {row.get('graph', float('nan')):8.3f}")
+    print(f"\nbandwidth floor (weights / 4.5 TB/s): {result['bandwidth_floor_ms']:.3f} ms "
+          f"= {1e3 / result['bandwidth_floor_ms']:.0f} tok/s")
+    print("end-to-end batch-1 decode tok/s: " + ", ".join(
+        f"{k} {v:.0f}" for k, v in result["e2e_batch1_tok_s"].items()))
+    if result["graphs_off_reason"]:
+        print(f"CUDA graphs were OFF: {result['graphs_off_reason']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

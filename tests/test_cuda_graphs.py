@@ -1,0 +1,294 @@
+"""CUDA-graph decode against the eager forward pass and the float32 reference, and the
+custom skinny GEMM kernels against NumPy.
+
+How close replay must be:
+- to the SAME launches run eagerly (`DecodeGraphs.run_uncaptured`: same bucket, same
+  padding, same split count, same cuBLAS calls): bit-identical, since a graph replays
+  exactly those kernels with exactly those arguments, and every kernel here is
+  deterministic;
+- to the plain eager forward (B rows, not the bucket's, and a split count chosen from the
+  batch's longest context): the products run with a different row count (cuBLAS may pick
+  another algorithm) and attention sums its splits in another order, so single bf16
+  roundings differ and grow over the layers; allowed 2e-2 of the largest logit;
+- to the float32 CPU reference: the self-test's bar, 5e-2 of the largest logit.
+Needs CuPy and a CUDA GPU for everything marked gpu."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from cupy_llama.backends.cuda.graphs import decode_buckets
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024  # 4 decode splits at most: long contexts below use several
+NAN_BITS = 0x7FC0
+EAGER_TOLERANCE = 2e-2
+REFERENCE_TOLERANCE = 5e-2
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(10) == [1, 2, 4, 8, 10]
+    assert decode_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    buckets = decode_buckets(256)
+    assert buckets[-1] == 256 and all(b - a == 16 for a, b in zip(buckets[6:], buckets[7:]))
+    assert decode_buckets(70)[-2:] == [64, 70]
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------------ whole model
+
+class Sequences:
+    """Sequences with fixed, scattered block tables; builds prefill and decode batches."""
+
+    def __init__(self, prompts, num_kv_blocks, rng):
+        self.tokens = [list(p) for p in prompts]
+        self.computed = [0] * len(prompts)
+        blocks_per_seq = MAX_MODEL_LEN // BLOCK_SIZE
+        order = rng.permutation(num_kv_blocks)
+        self.tables = [order[i * blocks_per_seq:(i + 1) * blocks_per_seq].astype(np.int32)
+                       for i in range(len(prompts))]
+
+    def batch(self, new_counts: dict) -> ForwardBatch:
+        ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+        for b, n in new_counts.items():
+            start = self.computed[b]
+            pos = np.arange(start, start + n, dtype=np.int32)
+            used = -(-(start + n) // BLOCK_SIZE)
+            ids.append(np.asarray(self.tokens[b][start:start + n], np.int32))
+            positions.append(pos)
+            slots.append(self.tables[b][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+            tables.append(self.tables[b][:used])
+        width = max(len(t) for t in tables)
+        block_tables = np.full((len(tables), width), -1, np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = table
+        return ForwardBatch(token_ids=np.concatenate(ids), positions=np.concatenate(positions),
+                            slot_mapping=np.concatenate(slots).astype(np.int32),
+                            query_start_loc=np.asarray(starts, np.int32),
+                            seq_lens=np.asarray(seq_lens, np.int32), block_tables=block_tables,
+                            max_query_len=max(new_counts.values()), max_seq_len=max(seq_lens))
+
+    def advance(self, new_counts: dict, next_tokens=None):
+        for row, (b, n) in enumerate(new_counts.items()):
+            self.computed[b] += n
+            if next_tokens is not None and self.computed[b] == len(self.tokens[b]):
+                self.tokens[b].append(int(next_tokens[row]))
+
+    def written_slots(self) -> set:
+        return {int(self.tables[b][p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                for b, n in enumerate(self.computed) for p in range(n)}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from cupy_llama.config import ModelConfig
+    from cupy_llama.random_model import make_random_model
+    from cupy_llama.weights import open_checkpoint
+    directory = make_random_model(
+        tmp_path_factory.mktemp("graphs") / "model", "tiny", seed=0, hidden_size=512,
+        num_attention_heads=8, num_key_value_heads=2, intermediate_size=768, vocab_size=1000,
+        tie_word_embeddings=False)
+    config = ModelConfig.from_dir(directory)
+    return config, open_checkpoint(directory, config)
+
+
+NUM_SEQS = 12
+NUM_KV_BLOCKS = NUM_SEQS * MAX_MODEL_LEN // BLOCK_SIZE
+
+
+def make_backends(model, enforce_eager=False):
+    from cupy_llama.backends.cpu import CpuBackend
+    from cupy_llama.backends.cuda.backend import CudaBackend
+    config, checkpoint = model
+    cpu = CpuBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS,
+                     block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+    gpu_backend = CudaBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN,
+                              max_num_seqs=NUM_SEQS, max_num_batched_tokens=256,
+                              block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
+                              enforce_eager=enforce_eager)
+    return cpu, gpu_backend
+
+
+def prefill(cpu, gpu_backend, config, seqs: Sequences):
+    """Every prompt but its last token, in chunks of at most 100 tokens per sequence and two
+    sequences per step (the pool holds 256 tokens)."""
+    while True:
+        counts = {b: min(100, len(t) - 1 - seqs.computed[b]) for b, t in enumerate(seqs.tokens)}
+        counts = dict([(b, n) for b, n in counts.items() if n > 0][:2])
+        if not counts:
+            return
+        batch = seqs.batch(counts)
+        cpu.forward(config, batch)
+        gpu_backend.forward(config, batch)
+        seqs.advance(counts)
+
+
+def assert_logits_close(got, expected, tolerance, what):
+    scale = float(np.max(np.abs(expected)))
+    diff = float(np.max(np.abs(got - expected)))
+    assert np.isfinite(got).all(), f"{what}: non-finite logits"
+    assert diff <= tolerance * scale, f"{what}: max |diff| {diff:.3e} > {tolerance} x {scale:.3e}"
+
+
+# decode steps: the sequences in each (sizes 1, 3, 5, 11: buckets 1, 4, 8, 12 with padding),
+# several steps each so block tables and sequence lengths change between replays
+DECODE_ROUNDS = [[7], [0, 5, 9], [1, 2, 3, 4, 11], list(range(11))]
+STEPS_PER_ROUND = 3
+
+
+@pytest.mark.parametrize("skinny", ["cublas", "custom"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_graph_decode_matches_eager(model, rng, skinny):
+    import cupy
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.model.llama import forward as eager_forward
+    config = model[0]
+    previous = gemm.skinny_gemm()
+    gemm.set_skinny_gemm(skinny)
+    try:
+        cpu, gpu_backend = make_backends(model)
+        assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
+        assert gpu_backend.graphs.num_captured == len(gpu_backend.graphs.buckets)
+        # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
+        lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
+        prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]
+        seqs = Sequences(prompts, NUM_KV_BLOCKS, rng)
+        prefill(cpu, gpu_backend, config, seqs)
+        for members in DECODE_ROUNDS:
+            for step in range(STEPS_PER_ROUND):
+                counts = {b: 1 for b in members}
+                batch = seqs.batch(counts)
+                what = f"{skinny}: {len(members)} sequences, step {step}"
+                expected = cpu.forward(config, batch)
+                replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
+                uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(config, batch))
+                np.testing.assert_array_equal(replayed, uncaptured,
+                                              err_msg=f"{what}: replay vs the same launches run eagerly")
+                eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))
+                assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
+                assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
+                seqs.advance(counts, np.argmax(expected, axis=-1))
+        # padding rows wrote no KV: exactly the slots of real tokens hold values
+        kv = cupy.asnumpy(gpu_backend._kv)  # [L, 2, blocks, block_size, nkv, d]
+        touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
+        expected_touched = np.zeros(touched.shape, bool)
+        expected_touched[sorted(seqs.written_slots())] = True
+        stray = np.flatnonzero(touched & ~expected_touched)
+        assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
+        assert touched[expected_touched].all(), "a token's K/V never reached the cache"
+    finally:
+        gemm.set_skinny_gemm(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_enforce_eager(model, rng):
+    import cupy
+    from cupy_llama.model.llama import forward as eager_forward
+    config = model[0]
+    cpu, gpu_backend = make_backends(model, enforce_eager=True)
+    assert gpu_backend.graphs is None and gpu_backend.graphs_off_reason == "enforce_eager=True"
+    seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in (40, 300, 3)], NUM_KV_BLOCKS, rng)
+    prefill(cpu, gpu_backend, config, seqs)
+    for _ in range(3):
+        counts = {0: 1, 1: 1, 2: 1}
+        batch = seqs.batch(counts)
+        expected = cpu.forward(config, batch)
+        got = cupy.asnumpy(gpu_backend.forward(config, batch))
+        again = cupy.asnumpy(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
+        np.testing.assert_array_equal(got, again, err_msg="enforce_eager: forward is not the eager pass")
+        assert_logits_close(got, expected, REFERENCE_TOLERANCE, "enforce_eager vs CPU")
+        seqs.advance(counts, np.argmax(expected, axis=-1))
+
+
+
+
+# ------------------------------------------------ attention with device-derived splits
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_graph_attention_with_padding(rng, num_splits, head_dim):
+    """max_seq_len=None: split lengths come from seq_lens on the device; padding rows
+    (sequence length 0) come out as zeros, not NaN."""
+    import cupy as cp
+    from test_cuda_ops import DECODE, assert_close, build_attention_case, poisoned, random_bf16, to_float
+    from cupy_llama.backends.cuda import attention
+    num_pad, group = 3, 4
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    batch, num_heads = case["gpu_batch"], case["num_heads"]
+    num_seqs = batch.num_seqs + num_pad
+    pad_q = random_bf16(rng, (num_pad, num_heads, head_dim))[0]
+    q = np.concatenate([case["q_bits"], pad_q])
+    seq_lens = np.concatenate([batch.seq_lens, np.zeros(num_pad, np.int32)])
+    query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
+    tables = np.concatenate([batch.block_tables, np.full((num_pad, case["width"]), -1, np.int32)])
+    out = poisoned(cp, (num_seqs, num_heads * head_dim))
+    partial_out = poisoned(cp, num_seqs * num_heads * num_splits * head_dim, np.float32)
+    partial_lse = poisoned(cp, num_seqs * num_heads * num_splits, np.float32)
+    attention.paged_attention(
+        cp.asarray(q), case["k_gpu"], case["v_gpu"], cp.asarray(tables), cp.asarray(seq_lens),
+        cp.asarray(query_start_loc), out, scale=head_dim ** -0.5, max_query_len=1,
+        max_seq_len=None, num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse)
+    got = to_float(cp, out)
+    assert_close(got[:batch.num_seqs], case["expected"], 1.5e-2, 1e-2,
+                 f"device-derived splits ({num_splits}), d={head_dim}")
+    assert (got[batch.num_seqs:] == 0).all(), "padding rows must come out as zeros"
+
+
+# ------------------------------------------------------------ custom skinny GEMM kernels
+
+REAL_SHAPES = [(2048, 3072, np.uint16), (2048, 2048, np.uint16), (2048, 16384, np.uint16),
+               (8192, 2048, np.uint16), (2048, 128256, np.float32), (192, 1001, np.uint16)]
+
+
+def _weight(k: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    bits = float32_to_bf16_bits(rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02))
+    return bits, bf16_bits_to_float32(bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("k,n,out_dtype", REAL_SHAPES)
+def test_gemv_against_numpy(rng, k, n, out_dtype):
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+    w_dev = cp.asarray(w_bits)
+    for m in (1, 3, 8, 16):
+        x_bits = float32_to_bf16_bits(rng.standard_normal((m, k), dtype=np.float32))
+        x = bf16_bits_to_float32(x_bits)
+        expected = (x @ w.T).astype(np.float64)
+        out = cp.full((m, n), NAN_BITS if out_dtype == np.uint16 else np.nan, dtype=out_dtype)
+        gemm.gemv(cp.asarray(x_bits), w_dev, out)
+        host = cp.asnumpy(out)
+        got = (bf16_bits_to_float32(host) if out_dtype == np.uint16 else host).astype(np.float64)
+        assert not np.isnan(got).any(), f"gemv [{m},{k}]x[{n},{k}]^T left NaN in the output"
+        rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+        assert rel < 1e-2, f"gemv [{m},{k}]x[{n},{k}]^T: relative Frobenius error {rel:.3g}"
