@@ -332,6 +332,50 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
                          f"{backend.num_kv_blocks * backend.block_size} tokens")]
 
 
+# ---- bench --------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all")))
+@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+              help="Model directory. Default: a random-weight model of --preset's shape, "
+                   "written once into the cache.")
+@click.option("--device", type=click.Choice(("cuda", "cpu")), default="cuda", show_default=True,
+              help="The GPU, or the NumPy backend (for checking the plumbing).")
+@click.option("--preset", type=click.Choice(("llama-3.2-1b", "tiny")), default="llama-3.2-1b",
+              show_default=True, help="Shape of the random model when no --model is given.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the full report (settings, versions, every number) here.")
+@click.option("--hf/--no-hf", default=False, show_default=True,
+              help="Also run each workload through transformers, in this process, and print "
+                   "the ratio.")
+@click.option("--max-num-seqs", type=int, help="Sequences decoded together (default on cuda: 256).")
+@click.option("--max-num-batched-tokens", type=int, help="New tokens per step.")
+@click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off.")
+@click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use.")
+@click.option("--num-requests", type=int, default=256, show_default=True,
+              help="Requests in the throughput workload (fewer: for quick checks only).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--scale", type=float, default=1.0, show_default=True,
+              help="Multiply every prompt and output length by this, in (0, 1] (quick checks "
+                   "only).")
+@click.option("--batch-sizes", default="1,8,32,64,128,256", show_default=True,
+              help="Batch sizes of decode-sweep.")
+@click.option("--commit", help="Commit to record when git cannot tell (also $CUPY_LLAMA_COMMIT).")
+def bench(mode, **options):
+    """Measure throughput, batch-1 latency, time to first token or decode speed by batch size.
+
+    MODE is throughput (the standard offline workload), latency, ttft, decode-sweep or all.
+    Statistics go to stderr while it runs, a table to stdout at the end.
+    """
+    from .bench import bench_command
+
+    names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization")
+    engine = _given(options, names)
+    rest = {name: value for name, value in options.items() if name not in names}
+    bench_command(mode, engine=engine, out=click.echo, **rest)
+    return EXIT_OK
+
+
 def main(argv=None) -> int:
     """Entry point: runs the CLI and maps errors to exit codes."""
     try:

@@ -1,0 +1,220 @@
+"""`cupy-llama bench` on the CPU with a tiny random model and shortened workloads: the
+report's fields, that its numbers agree with each other, and the exit codes."""
+import json
+import sys
+
+import pytest
+
+from cupy_llama.bench import (add_ratios, bandwidth_floor, decode_numbers, format_table,
+                              offline_workload)
+from cupy_llama.cli import main
+from cupy_llama.config import ModelConfig
+from cupy_llama.random_model import LLAMA_3_2_1B, TINY, config_json, make_random_model
+
+SCALE = 0.05  # lengths x 0.05: throughput prompts and outputs in [5, 51]
+QUICK = ["--device", "cpu", "--scale", str(SCALE), "--max-num-seqs", "4"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def report_all(model_dir, tmp_path_factory):
+    """One `bench all` run shared by the report checks: (exit code, report, stdout, stderr)."""
+    out = tmp_path_factory.mktemp("bench") / "report.json"
+    capture = pytest.MonkeyPatch()
+    import io
+    stdout, stderr = io.StringIO(), io.StringIO()
+    capture.setattr(sys, "stdout", stdout)
+    capture.setattr(sys, "stderr", stderr)
+    try:
+        code = main(["bench", "all", "--model", str(model_dir), *QUICK, "--num-requests", "5",
+                     "--batch-sizes", "1,3", "--json", str(out)])
+    finally:
+        capture.undo()
+    report = json.loads(out.read_text()) if out.exists() else None
+    return code, report, stdout.getvalue(), stderr.getvalue()
+
+
+# ---- the workload and the arithmetic ------------------------------------------------------
+
+def test_offline_workload_follows_the_standard_definition():
+    work = offline_workload(256, seed=0)
+    assert len(work.prompts) == len(work.output_lens) == 256
+    lengths = [len(p) for p in work.prompts]
+    assert min(lengths) >= 100 and max(lengths) <= 1024
+    assert min(work.output_lens) >= 100 and max(work.output_lens) <= 1024
+    ids = [t for p in work.prompts for t in p]
+    assert min(ids) >= 0 and max(ids) <= 10000 and max(ids) > 9900
+    # uniform in [100, 1024]: mean 562, sd 267 / sqrt(256) = 17 for 256 draws
+    assert 500 < sum(lengths) / 256 < 625 and 500 < sum(work.output_lens) / 256 < 625
+    assert lengths != work.output_lens                      # drawn separately
+    assert offline_workload(256, seed=0) == work           # seeded: the same every run
+    assert offline_workload(256, seed=1).prompts != work.prompts
+    # the totals nano-vllm's published runs of this workload report
+    assert sum(work.output_lens) == 133_966 and sum(lengths) == 142_827
+
+
+def test_decode_numbers_start_the_clock_when_every_request_has_a_token():
+    steps = [(1.0, {"a": 1}), (2.0, {"a": 1, "b": 1}), (3.0, {"a": 1, "b": 1}),
+             (5.0, {"a": 1, "b": 1})]
+    numbers = decode_numbers(0.5, steps, num_requests=2)
+    assert numbers["time_to_all_first_tokens_s"] == pytest.approx(1.5)
+    assert numbers["decode_tokens"] == 4 and numbers["decode_steps"] == 2
+    assert numbers["decode_s"] == pytest.approx(3.0)
+    assert numbers["tok_s"] == pytest.approx(4 / 3)
+    assert numbers["ms_per_step"] == pytest.approx(1500)
+    with pytest.raises(RuntimeError):
+        decode_numbers(0.0, steps, num_requests=3)
+
+
+def test_bandwidth_floor_of_the_1b_shape_matches_the_performance_model():
+    config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
+    floor = bandwidth_floor(config, "cuda", bandwidth=4.5e12, tok_s=900.0)
+    # DESIGN: 2.47 GB per decode step, 0.55 ms at 4.5 TB/s, about 1,800 tok/s
+    assert floor["weight_bytes_per_step"] == pytest.approx(2.47e9, rel=0.01)
+    assert floor["floor_ms_per_token"] == pytest.approx(0.55, rel=0.01)
+    assert 1800 < floor["floor_tok_s"] < 1850
+    assert floor["fraction_of_floor"] == pytest.approx(900 / floor["floor_tok_s"])
+    untied = ModelConfig.from_dicts(config_json({**LLAMA_3_2_1B, "tie_word_embeddings": False}))
+    # an untied head is its own matrix; the embedding lookup still reads one row per token
+    assert bandwidth_floor(untied, "cuda", 4.5e12, 1.0)["weight_bytes_per_step"] == \
+        floor["weight_bytes_per_step"]
+
+
+# ---- a whole run --------------------------------------------------------------------------
+
+def test_all_modes_write_a_complete_report(report_all, model_dir):
+    code, report, stdout, stderr = report_all
+    assert code == 0, stderr
+    assert report["command"].startswith("cupy-llama bench all --device cpu --seed 0 --model ")
+    assert "--scale 0.05" in report["command"] and "--max-num-seqs 4" in report["command"]
+    assert report["commit"] and report["commit_source"]
+    assert report["environment"]["python"] and report["environment"]["numpy"]
+    assert report["device"]["kind"] == "cpu" and report["device"]["copy_bandwidth_bytes_s"] > 0
+    assert report["model"]["config"]["hidden_size"] == TINY["hidden_size"]
+    assert report["settings"]["engine"]["max_num_seqs"] == 4
+    assert report["timings"]["load_s"] > 0 and report["timings"]["warmup_s"] > 0
+    assert set(report["results"]) == {"throughput", "latency", "ttft", "decode-sweep"}
+    assert report["memory"]["plan"] and report["memory"]["peak_rss_bytes"] > 0
+    assert "transformers" not in report
+    # statistics to stderr while running, the table to stdout
+    assert "warm-up" in stderr and "throughput:" in stderr
+    for label in ("throughput", "latency", "ttft", "decode-sweep", "memory"):
+        assert label in stdout
+
+
+def test_throughput_counts_every_requested_token(report_all):
+    result = report_all[1]["results"]["throughput"]["cupy_llama"]
+    work = offline_workload(5, seed=0, lengths=(5, 51), top_id=TINY["vocab_size"] - 1)
+    assert result["num_requests"] == 5
+    assert result["prompt_tokens"] == sum(len(p) for p in work.prompts)
+    # EOS is ignored, so every request runs to its own output length
+    assert result["output_tokens"] == result["requested_output_tokens"] == sum(work.output_lens)
+    assert result["output_tok_s"] == pytest.approx(result["output_tokens"] / result["wall_s"])
+    assert result["total_tok_s"] == pytest.approx(
+        (result["output_tokens"] + result["prompt_tokens"]) / result["wall_s"])
+    assert result["requests_s"] == pytest.approx(5 / result["wall_s"])
+
+
+def test_latency_and_the_bandwidth_floor(report_all):
+    result = report_all[1]["results"]["latency"]["cupy_llama"]
+    assert result["prompt_tokens"] == 2 and result["new_tokens"] == 13  # 32 and 256 x 0.05
+    assert result["tok_s"] > 0 and len(result["runs_tok_s"]) == 3
+    assert result["ms_per_token"] * result["tok_s"] == pytest.approx(1000)
+    config = ModelConfig.from_dicts(config_json(TINY))
+    assert result["weight_bytes_per_step"] == 4 * config.num_parameters  # float32 on the CPU
+    assert result["copy_bandwidth_bytes_s"] == report_all[1]["device"]["copy_bandwidth_bytes_s"]
+    assert result["fraction_of_floor"] == pytest.approx(result["tok_s"] / result["floor_tok_s"])
+
+
+def test_ttft_and_decode_sweep(report_all):
+    results = report_all[1]["results"]
+    rows = results["ttft"]["cupy_llama"]["prompts"]
+    assert [r["nominal_tokens"] for r in rows] == [128, 1024, 4096]
+    assert [r["prompt_tokens"] for r in rows] == [6, 51, 205]
+    assert all(r["ttft_ms"] > 0 and len(r["runs_ms"]) == 5 for r in rows)
+    sweep = results["decode-sweep"]["cupy_llama"]
+    assert sweep["prompt_tokens"] == 6 and sweep["new_tokens"] == 6
+    assert [r["batch"] for r in sweep["rows"]] == [1, 3]
+    for row in sweep["rows"]:
+        # all prompts fit one step, so every request decodes new_tokens - 1 more tokens
+        assert row["decode_tokens"] == row["batch"] * (sweep["new_tokens"] - 1)
+        assert row["tok_s"] == pytest.approx(row["decode_tokens"] / row["decode_s"])
+        assert row["one_batch"]
+
+
+def test_random_model_is_written_once_into_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    reports = []
+    for name in ("first.json", "second.json"):
+        code = main(["bench", "latency", "--preset", "tiny", *QUICK,
+                     "--json", str(tmp_path / name)])
+        assert code == 0, capsys.readouterr().err
+        reports.append(json.loads((tmp_path / name).read_text()))
+    model = tmp_path / "cache" / "bench-models" / "tiny-seed0"
+    assert (model / ".complete").is_file() and (model / "model.safetensors").is_file()
+    assert reports[0]["model"]["written_s"] > 0 and reports[1]["model"]["written_s"] is None
+    assert reports[0]["model"]["random_preset"] == "tiny"
+    assert reports[0]["results"]["latency"]["cupy_llama"]["tok_s"] > 0
+
+
+def test_ratios_and_table_beside_transformers(report_all):
+    report = json.loads(json.dumps(report_all[1]))
+    results = report["results"]
+    ours = results["throughput"]["cupy_llama"]
+    results["throughput"]["transformers"] = {**ours, "output_tok_s": ours["output_tok_s"] / 4}
+    results["latency"]["transformers"] = {"error": "RuntimeError: out of memory"}
+    results["ttft"]["transformers"] = {"prompts": [
+        {**row, "ttft_ms": row["ttft_ms"] * 3} for row in results["ttft"]["cupy_llama"]["prompts"]]}
+    results["decode-sweep"]["transformers"] = {"rows": [
+        {"batch": row["batch"], "tok_s": row["tok_s"] / 2}
+        for row in results["decode-sweep"]["cupy_llama"]["rows"]]}
+    add_ratios(results)
+    report["transformers"] = {"version": "5.0", "attn_implementation": "sdpa", "dtype": "bfloat16",
+                              "load_s": 1.0}
+    assert results["throughput"]["speedup"] == pytest.approx(4)
+    assert "speedup" not in results["latency"]
+    assert results["ttft"]["speedup"]["51"] == pytest.approx(3)   # their time / ours
+    assert results["decode-sweep"]["speedup"]["3"] == pytest.approx(2)
+    table = format_table(report)
+    assert "4.00x" in table and "3.00x" in table and "2.00x" in table and "failed" in table
+    assert "transformers 5.0 (sdpa attention, bfloat16)" in table
+    assert "transformers" not in format_table(report_all[1])  # no baseline, no column
+
+
+# ---- errors and exit codes ----------------------------------------------------------------
+
+def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch now fails
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    code = main(["bench", "latency", "--preset", "tiny", *QUICK, "--hf"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err.startswith("error: --hf needs torch and transformers") and "\n" not in err
+    assert not (tmp_path / "cache").exists()  # failed before writing a model
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["bench", "fastest"], 2, "fastest"),
+    (["bench", "ttft", "--scale", "2"], 1, "--scale must be in (0, 1]"),
+    (["bench", "ttft", "--num-requests", "0"], 1, "--num-requests must be at least 1"),
+    (["bench", "decode-sweep", "--batch-sizes", "1,x"], 1, "--batch-sizes must be"),
+    (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 1, "does not exist"),
+    (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
+])
+def test_usage_errors(args, code, message, capsys):
+    assert main([*args, "--device", "cpu"]) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):
+    from cupy_llama.backends.cuda import cuda_usable
+    if cuda_usable()[0]:
+        pytest.skip("a usable GPU is present")
+    assert main(["bench", "latency", "--preset", "tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
