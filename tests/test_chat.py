@@ -3,7 +3,6 @@ driven through a pseudo-terminal."""
 import subprocess
 import sys
 
-import pexpect
 import pytest
 
 from cupy_llama import LLM, SamplingParams
@@ -134,6 +133,7 @@ PROMPT = ">>> "
 
 
 def spawn(model_dir, *args):
+    pexpect = pytest.importorskip("pexpect")  # in the test extra; only these tests need it
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
                                            str(model_dir), "--device", "cpu", *args],
                           encoding="utf-8", codec_errors="replace", timeout=30,
@@ -154,7 +154,7 @@ def ask(child, text):
 
 
 def finish(child, status):
-    child.expect(pexpect.EOF)
+    child.expect(pytest.importorskip("pexpect").EOF)
     child.close()
     assert child.exitstatus == status
 
