@@ -18,7 +18,7 @@ def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[s
     qkv_width = config.q_size + 2 * config.kv_size
     return {
         "x": (T, H),                      # a sublayer's output (attention or MLP)
-        "residual": (T, H),               # the residual stream
+        "residual": (T, H),               # the residual stream (float32 on every backend)
         "h": (T, H),                      # normalized input of a sublayer
         "qkv": (T, qkv_width),            # fused projection output
         "q": (T, config.num_attention_heads, config.head_dim),  # rotated queries
@@ -26,6 +26,7 @@ def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[s
         "gate_up": (T, 2 * config.intermediate_size),
         "act": (T, config.intermediate_size),
         "last_h": (B, H),                 # each sequence's last hidden state
+        "last_residual": (B, H),          # and its residual stream (float32)
         "logits": (B, config.vocab_size),  # float32
     }
 
@@ -54,8 +55,8 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
         ops.linear(buf["act"], w[f"layers.{i}.down"], buf["x"])
     # only the last token of each sequence needs the final norm and the LM head
     ops.gather_rows(buf["x"], meta.last_token_indices, buf["last_h"])
-    ops.gather_rows(buf["residual"], meta.last_token_indices, buf["h"][:batch.num_seqs])
-    ops.add_rms_norm(buf["last_h"], buf["h"][:batch.num_seqs], w["final_norm"], eps, buf["last_h"])
+    ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
+    ops.add_rms_norm(buf["last_h"], buf["last_residual"], w["final_norm"], eps, buf["last_h"])
     lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
     ops.linear(buf["last_h"], lm_head, buf["logits"])  # logits: [B, V] float32
     return buf["logits"]

@@ -39,8 +39,12 @@ def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
+FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
+
+
 def buffer_dtype(name: str):
-    return np.float32 if name == "logits" else np.uint16
+    """The residual stream and the logits are float32; every other activation is bf16."""
+    return np.float32 if name in FLOAT32_BUFFERS else np.uint16
 
 
 def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
