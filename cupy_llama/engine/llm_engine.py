@@ -18,20 +18,33 @@ from .sequence import Sequence, SequenceStatus
 class _Request:
     """A sequence plus its text: incremental detokenizer and what was already streamed."""
 
-    def __init__(self, seq: Sequence, detokenizer, vocab_size: int):
+    def __init__(self, seq: Sequence, tokenizer, stream: bool):
+        from ..tokenizer import IncrementalDetokenizer
         self.seq = seq
-        self.detokenizer = detokenizer
-        self.vocab_size = vocab_size  # the tokenizer's; a padded model vocabulary is larger
+        self.stream = stream  # False: only the final output is wanted (no per-token outputs)
+        self.tokenizer = tokenizer
+        # text is needed token by token only to stream it or to watch for stop strings;
+        # otherwise it is decoded once at the end (same text: the detokenizer's deltas
+        # concatenate to the one-shot decode)
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if stream or seq.params.stop else None
+        self.text_ids: list[int] = []
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
 
     def add_text(self, token_id: int) -> None:
-        if token_id < self.vocab_size:  # ids past the tokenizer's vocabulary have no text
+        if token_id >= self.tokenizer.vocab_size:
+            return  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+        if self.detokenizer is None:
+            self.text_ids.append(token_id)
+        else:
             self.text += self.detokenizer.add(token_id)
 
     def flush_text(self) -> None:
-        self.text += self.detokenizer.flush()
+        if self.detokenizer is None:
+            self.text = self.tokenizer.decode(self.text_ids)
+        else:
+            self.text += self.detokenizer.flush()
 
     def output(self, hold_back: int) -> RequestOutput:
         """Deltas hold back the last `hold_back` characters while a stop string could still
@@ -69,7 +82,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """stream=False: step() reports this request only when it finishes."""
         prompt_ids = self.encode_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -77,9 +91,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(request_id, prompt_ids, params, seed, next(self._arrivals))
         self.scheduler.add(seq)
-        from ..tokenizer import IncrementalDetokenizer
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer),
-                                             self.tokenizer.vocab_size)
+        self.requests[request_id] = _Request(seq, self.tokenizer, stream)
         return request_id
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -100,6 +112,7 @@ class LLMEngine:
             return None
         if not request.seq.is_finished:
             self.scheduler.abort(request.seq.request_id)
+        request.flush_text()
         return request.output(hold_back=0)
 
     def has_unfinished_requests(self) -> bool:
@@ -107,8 +120,9 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, post-process. Returns an output for every request that got a new
-        token this step; finished requests are dropped from the engine after this."""
+        """Schedule, run, post-process. Returns an output for every streamed request that got
+        a new token this step and for every request that finished; finished requests are
+        dropped from the engine after this."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -117,10 +131,12 @@ class LLMEngine:
         outputs = []
         for seq, token_id in zip(batch.seqs, sampled.tolist()):
             if id(seq) in ready:
-                outputs.append(self._append_token(seq, int(token_id)))
+                output = self._append_token(seq, token_id)
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput | None:
         request = self.requests[seq.request_id]
         params = seq.params
         seq.output_token_ids.append(token_id)
@@ -142,6 +158,8 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(seq, status)
             del self.requests[seq.request_id]
+        elif not request.stream:
+            return None
         hold_back = max((len(s) for s in params.stop), default=1) - 1
         return request.output(hold_back)
 
@@ -149,7 +167,7 @@ class LLMEngine:
     def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
         """Add all prompts, then yield outputs as steps produce them. Requests still running
         when the caller stops iterating are aborted."""
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp, stream=True) for p, sp in zip(prompts, params)]
         try:
             while self.has_unfinished_requests():
                 yield from self.step()
@@ -161,7 +179,7 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         ids = []
         try:
-            ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+            ids = [self.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
             while self.has_unfinished_requests():
                 for output in self.step():
                     if output.finished:
@@ -175,6 +193,8 @@ class LLMEngine:
 def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:
     """Where the earliest stop string starts, looking only where a new match can be: one
     that ends in the text added since num_old_chars."""
+    if not stops:
+        return None
     positions = [i for i in (text.find(s, max(0, num_old_chars - len(s) + 1)) for s in stops)
                  if i >= 0]
     return min(positions) if positions else None

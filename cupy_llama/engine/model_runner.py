@@ -15,26 +15,27 @@ class ModelRunner:
         self.block_size = backend.block_size
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        token_ids, positions, slots, seq_lens = [], [], [], []
-        query_start_loc = [0]
+        # plain Python lists, one numpy conversion each at the end: at a few hundred
+        # sequences per decode step, per-sequence numpy calls would cost milliseconds
+        bs = self.block_size
+        token_ids, positions, slots, seq_lens, query_start_loc = [], [], [], [], [0]
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = np.full((len(batch.seqs), max_blocks), -1, dtype=np.int32)
         for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            new_positions = np.arange(start, start + n, dtype=np.int32)
-            table = np.asarray(seq.block_table, dtype=np.int32)
-            token_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int32))
-            positions.append(new_positions)
-            slots.append(table[new_positions // self.block_size] * self.block_size
-                         + new_positions % self.block_size)
+            start, table = seq.num_computed_tokens, seq.block_table
+            token_ids += seq.token_slice(start, start + n)
+            new_positions = range(start, start + n)
+            positions += new_positions
+            slots += [table[p // bs] * bs + p % bs for p in new_positions]
             seq_lens.append(start + n)
             query_start_loc.append(query_start_loc[-1] + n)
             block_tables[b, :len(table)] = table
         return ForwardBatch(
-            token_ids=np.concatenate(token_ids), positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots).astype(np.int32),
-            query_start_loc=np.asarray(query_start_loc, dtype=np.int32),
-            seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=block_tables,
+            token_ids=np.array(token_ids, dtype=np.int32),
+            positions=np.array(positions, dtype=np.int32),
+            slot_mapping=np.array(slots, dtype=np.int32),
+            query_start_loc=np.array(query_start_loc, dtype=np.int32),
+            seq_lens=np.array(seq_lens, dtype=np.int32), block_tables=block_tables,
             max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens))
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
