@@ -209,8 +209,8 @@ def _parse_rope_scaling(scaling) -> RopeScaling | None:
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine uses its device. None means: choose from the model and the device."""
-    max_num_seqs: int = 64            # sequences decoded together in one step
-    max_num_batched_tokens: int = 4096  # new tokens per step (prefill chunks + decodes)
+    max_num_seqs: int = 256           # sequences decoded together in one step
+    max_num_batched_tokens: int = 8192  # new tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # context limit; default min(model's, 8192)
     block_size: int = 16              # tokens per KV block
     num_kv_blocks: int | None = None  # default: sized from gpu_memory_utilization
