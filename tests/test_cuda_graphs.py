@@ -15,6 +15,9 @@ Needs CuPy and a CUDA GPU for everything marked gpu."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -292,3 +295,292 @@ def test_gemv_against_numpy(rng, k, n, out_dtype):
         assert not np.isnan(got).any(), f"gemv [{m},{k}]x[{n},{k}]^T left NaN in the output"
         rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
         assert rel < 1e-2, f"gemv [{m},{k}]x[{n},{k}]^T: relative Frobenius error {rel:.3g}"
+
+
+# ------------------------------------------------------ tensor-core skinny kernel (mma)
+
+MMA_ROWS = (1, 2, 3, 4, 8, 16)
+# (K, N): K not a multiple of 64 (a partial last k step), N not a multiple of 16 (a partial
+# last tile), tiny shapes where most warps of a block own no k step
+ODD_SHAPES = [(200, 1001), (8, 17), (72, 5), (1000, 33), (4104, 31), (64, 16)]
+
+
+def _x(rng, m: int, k: int):
+    bits = float32_to_bf16_bits(rng.standard_normal((m, k), dtype=np.float32))
+    return bits, bf16_bits_to_float32(bits)
+
+
+def _run_product(cp, fn, x_bits, w_dev, n, out_dtype):
+    """fn(x, w, out) into a NaN-poisoned output; the result as float64 on the host."""
+    m = x_bits.shape[0]
+    out = cp.full((m, n), NAN_BITS if out_dtype == np.uint16 else np.nan, dtype=out_dtype)
+    fn(cp.asarray(x_bits), w_dev, out)
+    host = cp.asnumpy(out)
+    return (bf16_bits_to_float32(host) if out_dtype == np.uint16 else host).astype(np.float64)
+
+
+def _assert_product(got, expected, what):
+    assert not np.isnan(got).any(), f"{what}: NaN left in the output"
+    rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert rel < 1e-2, f"{what}: relative Frobenius error {rel:.3g}"
+
+
+def _mma_or_linear(cp, x_bits, w_dev, n, out_dtype, what):
+    """The mma kernel where it takes the product; where it refuses (shared memory), the
+    refusal is a clear ValueError and linear() under the "mma" switch still computes it."""
+    from cupy_llama.backends.cuda import gemm
+    x_dev = cp.asarray(x_bits)
+    reason = gemm.mma_unsupported(x_dev, w_dev)
+    if reason is None:
+        return _run_product(cp, gemm.mma, x_bits, w_dev, n, out_dtype)
+    assert "shared memory" in reason, f"{what}: unexpected refusal: {reason}"
+    out = cp.empty((x_bits.shape[0], n), out_dtype)
+    with pytest.raises(ValueError, match="cuBLAS"):
+        gemm.mma(x_dev, w_dev, out)
+    previous = gemm.skinny_gemm()
+    gemm.set_skinny_gemm("mma")
+    try:
+        return _run_product(cp, gemm.linear, x_bits, w_dev, n, out_dtype)
+    finally:
+        gemm.set_skinny_gemm(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("k,n,_", REAL_SHAPES)
+def test_mma_against_numpy(rng, k, n, _):
+    import cupy as cp
+    w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+    w_dev = cp.asarray(w_bits)
+    for m in MMA_ROWS:
+        x_bits, x = _x(rng, m, k)
+        expected = (x @ w.T).astype(np.float64)
+        for out_dtype in (np.uint16, np.float32):
+            what = f"mma [{m},{k}]x[{n},{k}]^T -> {np.dtype(out_dtype).name}"
+            _assert_product(_mma_or_linear(cp, x_bits, w_dev, n, out_dtype, what), expected, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("k,n", ODD_SHAPES)
+def test_mma_odd_shapes(rng, k, n):
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+    w_dev = cp.asarray(w_bits)
+    for m in range(1, gemm.SKINNY_MAX_ROWS + 1):
+        x_bits, x = _x(rng, m, k)
+        expected = (x @ w.T).astype(np.float64)
+        for out_dtype in (np.uint16, np.float32):
+            what = f"mma [{m},{k}]x[{n},{k}]^T -> {np.dtype(out_dtype).name}"
+            _assert_product(_run_product(cp, gemm.mma, x_bits, w_dev, n, out_dtype), expected, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_mma_writes_only_its_output(rng):
+    """Rows past M and columns past N of the last tile are never stored: the output is a
+    view into a larger poisoned buffer whose tail must come back untouched."""
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    k, n, m = 256, 37, 5
+    w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+    x_bits, x = _x(rng, m, k)
+    buffer = cp.full(m * n + 4096, -7.0, np.float32)
+    out = buffer[:m * n].reshape(m, n)
+    gemm.mma(cp.asarray(x_bits), cp.asarray(w_bits), out)
+    assert (cp.asnumpy(buffer[m * n:]) == -7.0).all(), "mma wrote past its output"
+    _assert_product(cp.asnumpy(out).astype(np.float64), x @ w.T, "mma into a view")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_mma_refuses_what_it_cannot_take_and_linear_falls_back(rng):
+    """K % 8 != 0 and x rows not 16-byte aligned: mma raises a one-line ValueError, linear
+    under the "mma" switch computes the product with cuBLAS."""
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    previous = gemm.skinny_gemm()
+    gemm.set_skinny_gemm("mma")
+    try:
+        for k, n, m, offset in ((1001, 64, 3, 0), (256, 48, 2, 1)):
+            w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+            x_bits, x = _x(rng, m, k)
+            flat = cp.zeros(m * k + offset, np.uint16)
+            flat[offset:] = cp.asarray(x_bits.reshape(-1))
+            x_dev = flat[offset:].reshape(m, k)  # offset 1: 2-byte aligned rows
+            w_dev = cp.asarray(w_bits)
+            out = cp.full((m, n), NAN_BITS, np.uint16)
+            with pytest.raises(ValueError, match="skinny mma: needs"):
+                gemm.mma(x_dev, w_dev, out)
+            gemm.linear(x_dev, w_dev, out)
+            got = bf16_bits_to_float32(cp.asnumpy(out)).astype(np.float64)
+            _assert_product(got, x @ w.T, f"linear fallback K={k} offset={offset}")
+    finally:
+        gemm.set_skinny_gemm(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_mma_replays_from_a_graph_bit_identically(rng):
+    """The kernel allocates nothing and never synchronizes: it captures, and the replay
+    equals the eager launch bit for bit (deterministic sums)."""
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    k, n, m = 2048, 3072, 4
+    w_dev = cp.asarray(_weight(k, n, int(rng.integers(0, 2 ** 31)))[0])
+    x_dev = cp.asarray(_x(rng, m, k)[0])
+    eager = cp.empty((m, n), np.uint16)
+    replayed = cp.full((m, n), NAN_BITS, np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        gemm.mma(x_dev, w_dev, eager)  # compiles and sets kernel attributes outside the capture
+        stream.begin_capture()
+        gemm.mma(x_dev, w_dev, replayed)
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(replayed), cp.asnumpy(eager))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["mma", "gemv", "cublas"])
+def test_linear_auto_follows_the_choice_table(rng, kernel):
+    """Under "auto", linear runs the kernel the table names for (N, K, M): its output equals
+    that kernel's, bit for bit."""
+    import cupy as cp
+    from cupy_llama.backends.cuda import gemm
+    k, n, m = 512, 96, 3
+    w_dev = cp.asarray(_weight(k, n, int(rng.integers(0, 2 ** 31)))[0])
+    x_dev = cp.asarray(_x(rng, m, k)[0])
+    direct = cp.empty((m, n), np.float32)
+    {"mma": gemm.mma, "gemv": gemm.gemv, "cublas": gemm.cublas_linear}[kernel](x_dev, w_dev, direct)
+    previous = gemm.skinny_gemm()
+    gemm.set_skinny_gemm("auto")
+    gemm.set_choice_table({(n, k): {m: kernel}})
+    try:
+        routed = cp.full((m, n), np.nan, np.float32)
+        gemm.linear(x_dev, w_dev, routed)
+        np.testing.assert_array_equal(cp.asnumpy(routed), cp.asnumpy(direct))
+    finally:
+        gemm.set_choice_table(None)
+        gemm.set_skinny_gemm(previous)
+
+
+# ------------------------------------------- choosing the kernel (no GPU needed)
+
+def test_choose_follows_the_switch_then_the_table_then_the_rule():
+    from cupy_llama.backends.cuda import gemm
+    table = {(3072, 2048): {1: "gemv", 8: "cublas", 16: "mma"}}
+    assert gemm.choose("cublas", 3072, 2048, 1, table) == "cublas"
+    assert gemm.choose("gemv", 3072, 2048, 8, table) == "gemv"
+    assert gemm.choose("mma", 3072, 2048, 8, table) == "mma"
+    assert gemm.choose("custom", 3072, 2048, 8, table) == "mma"
+    assert gemm.choose("auto", 3072, 2048, 1, table) == "gemv"
+    assert gemm.choose("auto", 3072, 2048, 8, table) == "cublas"
+    assert gemm.choose("auto", 3072, 2048, 16, table) == "mma"
+    # shapes or row counts the table does not list: mma up to 4 rows, cuBLAS above
+    assert gemm.choose("auto", 3072, 2048, 3, table) == "mma"
+    assert gemm.choose("auto", 2048, 2048, 4, table) == "mma"
+    assert gemm.choose("auto", 2048, 2048, 5, table) == "cublas"
+    assert gemm.choose("auto", 2048, 2048, 1, {}) == "mma"
+    # past 16 rows it is always cuBLAS, whatever the switch
+    for switch in ("auto", "mma", "gemv"):
+        assert gemm.choose(switch, 3072, 2048, 17, table) == "cublas"
+
+
+def test_set_skinny_gemm_rejects_unknown_choices():
+    from cupy_llama.backends.cuda import gemm
+    with pytest.raises(ValueError, match="skinny GEMM must be one of"):
+        gemm.set_skinny_gemm("fast")
+
+
+def test_choice_table_files(tmp_path):
+    from cupy_llama.backends.cuda import gemm
+    (tmp_path / "gemm_choice_a100.json").write_text(
+        '{"gpu": "NVIDIA A100", "choices": {"2048x2048": {"1": "cublas"}}}')
+    (tmp_path / "gemm_choice_h200.json").write_text(
+        '{"gpu": "NVIDIA H200", "choices": {"2048x2048": {"1": "mma", "2": "gemv"}, '
+        '"128256x2048": {"16": "cublas"}}}')
+    table = gemm.load_choice_table("NVIDIA H200", tmp_path)
+    assert table == {(2048, 2048): {1: "mma", 2: "gemv"}, (128256, 2048): {16: "cublas"}}
+    assert gemm.load_choice_table("NVIDIA B200", tmp_path) == {}
+    with pytest.raises(ValueError, match="kernels one of"):
+        gemm.parse_choice_table({"choices": {"2048x2048": {"1": "fast"}}})
+    with pytest.raises(ValueError, match="shape keys"):
+        gemm.parse_choice_table({"choices": {"2048-2048": {"1": "mma"}}})
+
+
+def test_committed_choice_tables_parse():
+    from cupy_llama.backends.cuda import gemm
+    for path in sorted(gemm.CHOICE_DIR.glob("gemm_choice_*.json")):
+        import json
+        data = json.loads(path.read_text())
+        assert data.get("gpu"), f"{path.name}: no gpu name"
+        gemm.parse_choice_table(data, path.name)
+
+
+def test_perf_choice_table_round_trip():
+    """perf's measured rows -> the JSON it writes -> the table gemm reads: the fastest
+    kernel per shape and row count."""
+    from cupy_llama.backends.cuda import gemm, perf
+    rows = [{"weight": "qkv", "n": 3072, "k": 2048, "m": 1, "cublas_us": 9.0, "gemv_us": 7.0,
+             "mma_us": 4.0, "best": "mma"},
+            {"weight": "qkv", "n": 3072, "k": 2048, "m": 16, "cublas_us": 5.0, "gemv_us": 30.0,
+             "mma_us": float("nan"), "best": "cublas"}]
+    data = perf.choice_table("NVIDIA H200", rows)
+    assert data["us_per_call"]["3072x2048"]["16"]["mma"] is None
+    assert gemm.parse_choice_table(data) == {(3072, 2048): {1: "mma", 16: "cublas"}}
+    assert perf.choice_file_name("NVIDIA H200") == "gemm_choice_h200.json"
+    assert perf.choice_file_name("NVIDIA H100 80GB HBM3") == "gemm_choice_h100_80gb_hbm3.json"
+
+
+H200_LIMITS = {"sms": 132, "max_shared_per_block": 232448, "shared_per_sm": 233472,
+               "regs_per_sm": 65536, "threads_per_sm": 2048}
+
+
+def test_mma_shared_memory_and_residency():
+    from cupy_llama.backends.cuda import gemm
+    # staged x rows: a multiple of 64 bf16 plus the pad, so the row stride is 64 mod 128
+    # bytes (the fragment reads of one quarter warp hit 32 distinct banks)
+    for m, k in ((2, 2048), (3, 200), (8, 8192), (16, 8)):  # m - 1 rows use as many x tiles
+        per_row = gemm.mma_shared_bytes(m, k) - gemm.mma_shared_bytes(m - 1, k)
+        assert per_row % 128 == 64 and per_row >= 2 * k, (m, k, per_row)
+    # the decode shapes fit a block on an H200, except 16 rows of the 8192-wide down_proj
+    for m in (1, 8, 16):
+        assert gemm.mma_shared_bytes(m, 2048) <= H200_LIMITS["max_shared_per_block"]
+    assert gemm.mma_shared_bytes(8, 8192) <= H200_LIMITS["max_shared_per_block"]
+    assert gemm.mma_shared_bytes(16, 8192) > H200_LIMITS["max_shared_per_block"]
+    # two blocks of 256 threads per SM at <= 128 registers, one when x fills shared memory
+    assert gemm.mma_blocks_per_sm(96, gemm.mma_shared_bytes(1, 2048), H200_LIMITS) == 2
+    assert gemm.mma_blocks_per_sm(128, gemm.mma_shared_bytes(16, 2048), H200_LIMITS) == 2
+    assert gemm.mma_blocks_per_sm(104, gemm.mma_shared_bytes(8, 8192), H200_LIMITS) == 1
+    assert gemm.mma_blocks_per_sm(200, 1024, H200_LIMITS) == 1
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_mma_kernels_compile_without_spills(tmp_path, arch):
+    """Both variants exist, fit the 2-blocks-per-SM register budget and keep their
+    per-row registers in registers (no stack frame, no spills)."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.backends.cuda.kernels import module_source
+    source = tmp_path / "gemv.cu"
+    source.write_text(module_source("gemv"))
+    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "gemv.cubin"), str(source)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = result.stderr + result.stdout
+    for kernel in gemm.MMA_VARIANTS.values():
+        match = re.search(rf"Function properties for {kernel}\s*\n\s*(\d+) bytes stack frame, "
+                          rf"(\d+) bytes spill stores, (\d+) bytes spill loads.*?\n.*?Used "
+                          rf"(\d+) registers", report)
+        assert match, f"{kernel} missing from the ptxas report:\n{report}"
+        stack, stores, loads, registers = map(int, match.groups())
+        assert stack == stores == loads == 0, f"{kernel} ({arch}): stack/spills {match.groups()}"
+        assert registers <= 65536 // (2 * gemm.MMA_WARPS * 32), f"{kernel} ({arch}): {registers} registers"

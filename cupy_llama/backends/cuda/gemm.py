@@ -1,5 +1,8 @@
 """out = x @ weight.T: cuBLAS (bf16 in, fp32 compute, bf16 or fp32 out) or, for the skinny
-products of decode (at most 16 rows), the custom kernels of gemv.cu.
+products of decode (at most 16 rows), one of the custom kernels of gemv.cu:
+  - "mma": the tensor-core streaming kernel (skinny_mma_n1/_n2), built to read the weights
+    at HBM speed for every weight shape;
+  - "gemv": the first SIMT kernel (gemv_m*), kept for comparison.
 
 cuBLAS is called through ctypes on a handle of this module's own: CuPy's binding refuses
 every cuBLAS call while a stream is being captured into a CUDA graph (it checks in
@@ -7,13 +10,22 @@ setStream). The handle gets a fixed workspace, set again after each stream chang
 resets it there), so captured products never allocate. Where the library cannot be found
 through ctypes, eager products fall back to CuPy's binding and graphs stay off.
 
-Which kernel serves the skinny products is a switch, so both can be timed in one process:
-`set_skinny_gemm("custom" | "cublas")`, or the CUPY_LLAMA_SKINNY_GEMM environment variable."""
+Who serves a skinny product is a switch, `set_skinny_gemm(...)` or the environment variable
+CUPY_LLAMA_SKINNY_GEMM:
+  - "auto" (default): per weight shape and row count, the kernel a measured choice table
+    for this GPU names (gemm_choice_*.json beside this file, written by
+    `python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune`); for a GPU without a
+    table, "mma" up to FALLBACK_MMA_MAX_ROWS rows and cuBLAS above;
+  - "mma" (alias "custom"), "gemv" or "cublas": that kernel wherever it applies.
+A custom kernel that cannot take a product (alignment, K, shared memory) hands it to cuBLAS.
+Graphs bake in the kernels chosen when they are captured: reset them after a switch."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -27,63 +39,162 @@ CUBLAS_OP_T = 1
 CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommendation for Hopper
 
-# skinny products: variant rows -> weight rows per warp (gemv.cu DEFINE_GEMV lines)
+# first SIMT kernels: variant rows -> weight rows per warp (gemv.cu DEFINE_GEMV lines)
 GEMV_VARIANTS = {1: 2, 2: 2, 4: 2, 8: 4, 16: 4}
 GEMV_WARPS = 4
 SKINNY_MAX_ROWS = max(GEMV_VARIANTS)
-SKINNY_CHOICES = ("custom", "cublas")
+
+# tensor-core kernels (gemv.cu SKINNY_* constants): x tiles of 8 rows -> kernel name
+MMA_VARIANTS = {1: "skinny_mma_n1", 2: "skinny_mma_n2"}
+MMA_WARPS = 8
+MMA_TILE_ROWS = 16      # weight rows per tile
+MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multiple of this
+MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
+MMA_PARTIAL_BYTES = 2 * MMA_WARPS * 4 * 32 * 4  # per x tile: two buffers of warp partials
+
+KERNELS = ("cublas", "gemv", "mma")
+SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
+FALLBACK_MMA_MAX_ROWS = 4
+CHOICE_DIR = Path(__file__).resolve().parent
 
 # alpha and beta live in host memory for the whole process (pointer mode host)
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 
-_skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "cublas")
+_skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "auto")
 _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load it
+_table = None   # choice table of this GPU: {(n, k): {m: kernel}}, {} when there is none
+_choice_cache = {}  # (n, k, m) -> kernel under the current switch and table
 
 
 def set_skinny_gemm(choice: str) -> None:
-    """Who computes products with at most SKINNY_MAX_ROWS rows: "custom" or "cublas"."""
+    """Who computes products with at most SKINNY_MAX_ROWS rows (see the module doc)."""
     global _skinny
     if choice not in SKINNY_CHOICES:
         raise ValueError(f"skinny GEMM must be one of {SKINNY_CHOICES}, got {choice!r}")
     _skinny = choice
+    _choice_cache.clear()
 
 
 def skinny_gemm() -> str:
-    return _skinny if _skinny in SKINNY_CHOICES else "cublas"
+    return _skinny if _skinny in SKINNY_CHOICES else "auto"
 
 
 def linear(x, weight, out):
     """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major."""
-    m_rows, k = check("x", x, BF16, ndim=2).shape
-    n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
-    if out.dtype not in (BF16, F32):
-        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
-    check("out", out, out.dtype, shape=(m_rows, n_cols))
+    m_rows, n_cols = check_product(x, weight, out)
+    k = x.shape[1]
     if m_rows == 0 or n_cols == 0:
         return
-    if skinny_gemm() == "custom" and gemv_supported(x, weight, out):
+    kernel = chosen_kernel(n_cols, k, m_rows)
+    if kernel == "mma" and mma_unsupported(x, weight) is None:
+        _launch_mma(x, weight, out)
+    elif kernel == "gemv" and gemv_supported(x, weight, out):
         _launch_gemv(x, weight, out)
     else:
         cublas_linear(x, weight, out)
 
 
-# ---------------------------------------------------------------- custom skinny kernels
+def check_product(x, weight, out):
+    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32; returns (M, N)."""
+    m_rows, k = check("x", x, BF16, ndim=2).shape
+    n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
+    if out.dtype not in (BF16, F32):
+        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
+    check("out", out, out.dtype, shape=(m_rows, n_cols))
+    return m_rows, n_cols
+
+
+# ------------------------------------------------------------------- choosing a kernel
+
+def chosen_kernel(n: int, k: int, m: int) -> str:
+    """The kernel the switch (and, for "auto", this GPU's choice table) names for an
+    [m, k] x [n, k]^T product."""
+    if m > SKINNY_MAX_ROWS:
+        return "cublas"
+    key = (n, k, m)
+    kernel = _choice_cache.get(key)
+    if kernel is None:
+        kernel = choose(skinny_gemm(), n, k, m, _device_table() if skinny_gemm() == "auto" else {})
+        _choice_cache[key] = kernel
+    return kernel
+
+
+def choose(switch: str, n: int, k: int, m: int, table: dict) -> str:
+    """The kernel for an [m, k] x [n, k]^T product: the switch's, or for "auto" the table's
+    entry, else "mma" up to FALLBACK_MMA_MAX_ROWS rows; cuBLAS past SKINNY_MAX_ROWS."""
+    if m > SKINNY_MAX_ROWS or switch == "cublas":
+        return "cublas"
+    if switch in ("mma", "custom"):
+        return "mma"
+    if switch == "gemv":
+        return "gemv"
+    entry = table.get((n, k), {}).get(m)
+    if entry is not None:
+        return entry
+    return "mma" if m <= FALLBACK_MMA_MAX_ROWS else "cublas"
+
+
+def parse_choice_table(data: dict, source: str = "choice table") -> dict:
+    """{"choices": {"NxK": {"M": kernel}}} -> {(n, k): {m: kernel}}; ValueError naming the
+    bad entry."""
+    table = {}
+    for shape, per_rows in data.get("choices", {}).items():
+        match = re.fullmatch(r"(\d+)x(\d+)", shape)
+        if match is None or not isinstance(per_rows, dict):
+            raise ValueError(f"{source}: shape keys must look like '3072x2048' with a "
+                             f"{{rows: kernel}} object, got {shape!r}")
+        rows = table.setdefault((int(match[1]), int(match[2])), {})
+        for m, kernel in per_rows.items():
+            if not str(m).isdigit() or kernel not in KERNELS:
+                raise ValueError(f"{source}: {shape} row count {m!r} -> {kernel!r}: row counts "
+                                 f"must be integers and kernels one of {KERNELS}")
+            rows[int(m)] = kernel
+    return table
+
+
+def load_choice_table(gpu_name: str, directory: Path = CHOICE_DIR) -> dict:
+    """The table of the first gemm_choice_*.json in `directory` whose "gpu" is gpu_name, or
+    {} when none is."""
+    for path in sorted(directory.glob("gemm_choice_*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("gpu") == gpu_name:
+            return parse_choice_table(data, str(path))
+    return {}
+
+
+def set_choice_table(table: dict | None) -> None:
+    """Use `table` ({(n, k): {m: kernel}}) for "auto"; None: load this GPU's file again."""
+    global _table
+    _table = table
+    _choice_cache.clear()
+
+
+def _device_table() -> dict:
+    global _table
+    if _table is None:
+        _table = load_choice_table(device_name())
+    return _table
+
+
+def device_name() -> str:
+    import cupy
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+# ------------------------------------------------------------ first SIMT skinny kernels
 
 def gemv_supported(x, weight, out) -> bool:
-    """The custom kernels need at most 16 rows, K % 8 == 0 and 16-byte aligned rows."""
+    """The SIMT kernels need at most 16 rows, K % 8 == 0 and 16-byte aligned rows."""
     m_rows, k = x.shape
     return (m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and x.data.ptr % 16 == 0
             and weight.data.ptr % 16 == 0)
 
 
 def gemv(x, weight, out):
-    """The custom kernel whatever the switch says (tests, timing); same shapes as linear."""
-    m_rows, k = check("x", x, BF16, ndim=2).shape
-    n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
-    if out.dtype not in (BF16, F32):
-        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
-    check("out", out, out.dtype, shape=(m_rows, n_cols))
+    """The SIMT kernel whatever the switch says (tests, timing); same shapes as linear."""
+    m_rows, n_cols = check_product(x, weight, out)
     if not gemv_supported(x, weight, out):
         raise ValueError(f"gemv: needs at most {SKINNY_MAX_ROWS} rows, K a multiple of 8 and "
                          f"16-byte aligned x and weight (got x {x.shape}, weight {weight.shape})")
@@ -99,6 +210,100 @@ def _launch_gemv(x, weight, out):
     get_kernel("gemv", f"gemv_m{variant}")(
         (-(-n_cols // rows_per_block),), (GEMV_WARPS * 32,),
         (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)))
+
+
+# ------------------------------------------------------------ tensor-core skinny kernel
+
+def mma_shared_bytes(m_rows: int, k: int) -> int:
+    """Dynamic shared memory of skinny_mma for m_rows x rows of length k: the staged x rows
+    (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp partials."""
+    x_tiles = -(-m_rows // 8)
+    x_stride_bytes = (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
+    return m_rows * x_stride_bytes + x_tiles * MMA_PARTIAL_BYTES
+
+
+def mma_unsupported(x, weight) -> str | None:
+    """Why skinny_mma cannot take this product, or None when it can."""
+    m_rows, k = x.shape
+    if m_rows > SKINNY_MAX_ROWS:
+        return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
+    if k % 8:
+        return f"K a multiple of 8 (got {k})"
+    if x.data.ptr % 16 or weight.data.ptr % 16:
+        return "16-byte aligned x and weight"
+    limit = _device_limits()["max_shared_per_block"]
+    if mma_shared_bytes(m_rows, k) > limit:
+        return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
+                f"(needs {mma_shared_bytes(m_rows, k)})")
+    return None
+
+
+def mma(x, weight, out):
+    """The tensor-core skinny kernel whatever the switch says (tests, timing); same shapes
+    as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
+    m_rows, n_cols = check_product(x, weight, out)
+    reason = mma_unsupported(x, weight)
+    if reason is not None:
+        raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
+    if m_rows and n_cols:
+        _launch_mma(x, weight, out)
+
+
+def _launch_mma(x, weight, out):
+    m_rows, k = x.shape
+    n_cols = weight.shape[0]
+    kernel, grid, shared = _mma_launch_shape(n_cols, k, m_rows)
+    kernel((grid,), (MMA_WARPS * 32,),
+           (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)),
+           shared_mem=shared)
+
+
+_mma_shapes = {}  # (n, k, m) -> (kernel, grid, shared bytes)
+
+
+def _mma_launch_shape(n: int, k: int, m_rows: int):
+    """Kernel, grid and shared memory of a product, computed once per shape: enough blocks
+    to fill every SM as far as registers and shared memory allow, at most one per tile."""
+    key = (n, k, m_rows)
+    if key not in _mma_shapes:
+        kernel = get_kernel("gemv", MMA_VARIANTS[-(-m_rows // 8)])
+        shared = mma_shared_bytes(m_rows, k)
+        if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        limits = _device_limits()
+        per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits)
+        tiles = -(-n // MMA_TILE_ROWS)
+        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), shared)
+    return _mma_shapes[key]
+
+
+def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict) -> int:
+    """Resident skinny_mma blocks per SM: registers (allocated per warp in units of 256),
+    shared memory (1 KB reserved per block) and threads; at least 1."""
+    threads = MMA_WARPS * 32
+    regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
+    by_regs = limits["regs_per_sm"] // (regs_per_warp * MMA_WARPS)
+    by_shared = limits["shared_per_sm"] // (shared + 1024)
+    by_threads = limits["threads_per_sm"] // threads
+    return max(1, min(by_regs, by_shared, by_threads))
+
+
+_limits = {}  # device id -> limits
+
+
+def _device_limits() -> dict:
+    import cupy
+    device = cupy.cuda.Device()
+    if device.id not in _limits:
+        attributes = device.attributes
+        _limits[device.id] = {
+            "sms": attributes["MultiProcessorCount"],
+            "max_shared_per_block": attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024),
+            "shared_per_sm": attributes.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
+            "regs_per_sm": attributes.get("MaxRegistersPerMultiprocessor", 65536),
+            "threads_per_sm": attributes.get("MaxThreadsPerMultiProcessor", 2048),
+        }
+    return _limits[device.id]
 
 
 # ------------------------------------------------------------------ cuBLAS via ctypes

@@ -20,7 +20,7 @@ MODULES = {
     "attention": ("paged_attention_dpl1", "paged_attention_dpl2", "paged_attention_dpl4",
                   "paged_attention_dpl8", "attention_combine_kernel"),
     "sampling": ("sample_kernel",),
-    "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16"),
+    "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16", "skinny_mma_n1", "skinny_mma_n2"),
 }
 
 

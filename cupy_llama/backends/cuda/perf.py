@@ -1,6 +1,6 @@
 """Timings of the CUDA hot path, in one command on the GPU machine:
 
-    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512]
+    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512] [--tune]
 
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
@@ -8,16 +8,24 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      runs after warm-up; every product by its weight shape, attention, norms, sampling);
   2. the time of one decode step replayed from a CUDA graph at batch 1, 8, 64 and 256,
      beside the eager step;
-  3. cuBLAS against the custom skinny kernels (gemv.cu) for every weight shape, M = 1..16;
+  3. cuBLAS against both custom skinny kernels of gemv.cu (the SIMT "gemv" and the
+     tensor-core "mma") for every weight shape and M = 1..16, each timed as a CUDA graph
+     of back-to-back calls over enough weight copies that every call reads its weight from
+     HBM (as in a decode step, and without host launch overhead in the number); the
+     fastest per shape and M is the choice table that gemm's "auto" switch reads;
   4. end-to-end batch-1 greedy decode (host batch building, step, sampling, token
-     readback), tok/s with graphs (cuBLAS and custom skinny products) and eager;
-then a short table. With $OUT set, everything also goes to $OUT/perf.json.
+     readback), tok/s with graphs (cuBLAS and "auto" skinny products) and eager;
+then a short table. With $OUT set, everything also goes to $OUT/perf.json and the choice
+table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With --tune only step 3
+runs (no weights are loaded; the model directory gives the shapes).
 The KV cache is zeroed instead of prefilled: timings do not depend on its values."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -34,7 +42,12 @@ from . import gemm
 RUNS, WARMUP = 20, 3
 OP_BATCHES = (1, 64)
 GRAPH_BATCHES = (1, 8, 64, 256)
-GEMV_ROWS = (1, 2, 4, 8, 16)
+GEMV_ROWS = tuple(range(1, gemm.SKINNY_MAX_ROWS + 1))
+GEMV_PRINT_ROWS = (1, 2, 4, 8, 16)
+GEMV_CALLS = 16       # calls per captured graph
+GEMV_REPLAYS = 10     # timed replays of it (median)
+FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
+SKINNY_STEP_CHOICES = ("cublas", "mma", "auto")
 E2E_STEPS = 256
 
 
@@ -128,28 +141,92 @@ def per_op_times(cupy, backend, config, batch) -> dict:
             for label, v in per_label.items()}
 
 
+def gemv_shapes(config) -> dict:
+    return {"qkv": (config.q_size + 2 * config.kv_size, config.hidden_size),
+            "o_proj": (config.hidden_size, config.q_size),
+            "gate_up": (2 * config.intermediate_size, config.hidden_size),
+            "down": (config.hidden_size, config.intermediate_size),
+            "lm_head": (config.vocab_size, config.hidden_size)}
+
+
+def graph_us_per_call(cupy, launch, weights) -> float:
+    """Microseconds per call of GEMV_CALLS launches cycling over `weights`, replayed from
+    one CUDA graph (median of GEMV_REPLAYS); NaN where the kernel refuses the product or
+    cannot be captured."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            for weight in weights[:2]:  # compile, set kernel attributes, outside the capture
+                launch(weight)
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                for call in range(GEMV_CALLS):
+                    launch(weights[call % len(weights)])
+            finally:
+                graph = stream.end_capture()
+            ms = event_time(cupy, graph.launch, runs=GEMV_REPLAYS, warmup=1)
+    except (ValueError, NotImplementedError, RuntimeError, cupy.cuda.runtime.CUDARuntimeError):
+        return float("nan")
+    return ms * 1e3 / GEMV_CALLS
+
+
 def gemv_comparison(cupy, config) -> list:
-    shapes = {"qkv": (config.q_size + 2 * config.kv_size, config.hidden_size),
-              "o_proj": (config.hidden_size, config.q_size),
-              "gate_up": (2 * config.intermediate_size, config.hidden_size),
-              "down": (config.hidden_size, config.intermediate_size),
-              "lm_head": (config.vocab_size, config.hidden_size)}
+    """Every skinny kernel for every weight shape and M in GEMV_ROWS."""
+    l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
+    launchers = {"cublas": gemm.cublas_linear, "gemv": gemm.gemv, "mma": gemm.mma}
     rows = []
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in gemv_shapes(config).items():
+        nbytes = 2 * n * k
+        copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // nbytes))
         # random bf16 bit patterns of values in [2^-7, 2^-5): finite, no denormals
-        weight = cupy.random.randint(0x3C00, 0x3D00, (n, k), dtype=np.int32).astype(np.uint16)
+        pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
+        weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
         out_dtype = np.float32 if name == "lm_head" else np.uint16
         for m in GEMV_ROWS:
             x = cupy.full((m, k), 0x3F80, np.uint16)  # bf16 1.0
             out = cupy.empty((m, n), out_dtype)
-            cublas_ms = event_time(cupy, lambda: gemm.cublas_linear(x, weight, out), runs=50)
-            custom_ms = event_time(cupy, lambda: gemm.gemv(x, weight, out), runs=50)
-            gbytes = 2 * n * k / 1e9
-            rows.append({"weight": name, "n": n, "k": k, "m": m, "cublas_us": cublas_ms * 1e3,
-                         "custom_us": custom_ms * 1e3,
-                         "cublas_tb_s": gbytes / cublas_ms, "custom_tb_s": gbytes / custom_ms})
-        del weight
+            row = {"weight": name, "n": n, "k": k, "m": m}
+            for kernel, launcher in launchers.items():
+                us = graph_us_per_call(cupy, lambda w: launcher(x, w, out), weights)
+                row[f"{kernel}_us"] = us
+                row[f"{kernel}_tb_s"] = nbytes / us / 1e6
+            timed = [kernel for kernel in launchers if not math.isnan(row[f"{kernel}_us"])]
+            row["best"] = min(timed, key=lambda kernel: row[f"{kernel}_us"]) if timed else "cublas"
+            rows.append(row)
+        del weights, pool
     return rows
+
+
+def choice_table(gpu: str, rows: list) -> dict:
+    """The JSON gemm.load_choice_table reads: the fastest kernel per shape and M."""
+    choices, timings = {}, {}
+    for row in rows:
+        shape = f"{row['n']}x{row['k']}"
+        choices.setdefault(shape, {})[str(row["m"])] = row["best"]
+        timings.setdefault(shape, {})[str(row["m"])] = {
+            kernel: None if math.isnan(row[f"{kernel}_us"]) else round(row[f"{kernel}_us"], 2)
+            for kernel in gemm.KERNELS}
+    return {"gpu": gpu, "measured_by": "python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune",
+            "choices": choices, "us_per_call": timings}
+
+
+def choice_file_name(gpu: str) -> str:
+    """"NVIDIA H200" -> gemm_choice_h200.json"""
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu.lower().replace("nvidia", "")).strip("_")
+    return f"gemm_choice_{slug or 'gpu'}.json"
+
+
+def tune(cupy, config, gpu: str) -> tuple[list, dict]:
+    """Time the skinny kernels, use the result for "auto" in this process, write it to
+    $OUT when set."""
+    rows = gemv_comparison(cupy, config)
+    table = choice_table(gpu, rows)
+    gemm.set_choice_table(gemm.parse_choice_table(table))
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, choice_file_name(gpu)).write_text(json.dumps(table, indent=2) + "\n")
+    return rows, table
 
 
 def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
@@ -171,12 +248,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    parser.add_argument("--tune", action="store_true",
+                        help="only time the skinny products and write the choice table")
     args = parser.parse_args(argv)
     import cupy
     from .backend import CudaBackend
 
     rng = np.random.default_rng(0)
     config = ModelConfig.from_dir(args.model_dir)
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    if args.tune:
+        started = time.perf_counter()
+        rows, _ = tune(cupy, config, gpu)
+        print_gemv_table(rows)
+        print(f"tuned in {time.perf_counter() - started:.1f} s")
+        return 0
     checkpoint = open_checkpoint(args.model_dir, config)
     max_num_seqs = max(GRAPH_BATCHES)
     max_model_len = max(2048, args.context + E2E_STEPS + 16)
@@ -187,7 +273,7 @@ def main(argv=None) -> int:
                           num_kv_blocks=max_num_seqs * blocks_per_seq, log=lambda m: print(m, file=sys.stderr))
     checkpoint.close()
     result = {"model_dir": str(args.model_dir), "context": args.context,
-              "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+              "gpu": gpu,
               "start_seconds": round(time.perf_counter() - started, 2),
               "graphs_off_reason": backend.graphs_off_reason,
               "weight_bytes": int(backend._blob.nbytes)}
@@ -198,8 +284,10 @@ def main(argv=None) -> int:
         batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
         result["per_op_ms"][b] = per_op_times(cupy, backend, config, batch)
 
+    result["gemv"], result["gemm_choice"] = tune(cupy, config, gpu)
+
     result["step_ms"] = {}
-    for skinny in ("cublas", "custom"):
+    for skinny in SKINNY_STEP_CHOICES:
         gemm.set_skinny_gemm(skinny)
         if backend.graphs is not None:
             backend.graphs.reset()
@@ -210,16 +298,14 @@ def main(argv=None) -> int:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{skinny} b={b}"] = row
 
-    result["gemv"] = gemv_comparison(cupy, config)
-
     result["e2e_batch1_tok_s"] = {}
-    for skinny in ("cublas", "custom"):
+    for skinny in ("cublas", "auto"):
         gemm.set_skinny_gemm(skinny)
         if backend.graphs is not None:
             backend.graphs.reset()
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
-    gemm.set_skinny_gemm("cublas")
+    gemm.set_skinny_gemm("auto")
 
     floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
     result["bandwidth_floor_ms"] = floor_ms
@@ -238,11 +324,7 @@ def print_table(result) -> None:
         cells = [result["per_op_ms"][b].get(label, {}) for b in result["per_op_ms"]]
         print(f"{label:<24}" + "".join(
             f"{c.get('ms_per_step', float('nan')):>9.3f}x{c.get('calls_per_step', 0):<2}" for c in cells))
-    print("\n== gemv: us (TB/s of weight read), cuBLAS vs custom ==")
-    for row in result["gemv"]:
-        print(f"{row['weight']:<8} {row['n']:>6}x{row['k']:<5} M={row['m']:<3} cublas "
-              f"{row['cublas_us']:8.1f} ({row['cublas_tb_s']:.2f})  custom {row['custom_us']:8.1f} "
-              f"({row['custom_tb_s']:.2f})")
+    print_gemv_table(result["gemv"])
     print("\n== decode step ms: eager vs graph replay ==")
     for key, row in result["step_ms"].items():
         print(f"{key:<16} eager {row['eager']:8.3f}  graph {row.get('graph', float('nan')):8.3f}")
@@ -252,6 +334,19 @@ def print_table(result) -> None:
         f"{k} {v:.0f}" for k, v in result["e2e_batch1_tok_s"].items()))
     if result["graphs_off_reason"]:
         print(f"CUDA graphs were OFF: {result['graphs_off_reason']}")
+
+
+def print_gemv_table(rows) -> None:
+    print("\n== skinny products: us per call (TB/s of weight read), graph-timed, weights from HBM ==")
+    for row in rows:
+        if row["m"] in GEMV_PRINT_ROWS:
+            print(f"{row['weight']:<8} {row['n']:>6}x{row['k']:<5} M={row['m']:<3}" + "".join(
+                f" {kernel} {row[kernel + '_us']:7.1f} ({row[kernel + '_tb_s']:.2f})"
+                for kernel in gemm.KERNELS) + f"  best {row['best']}")
+    print("fastest by M = 1..16 (c cublas, g gemv, m mma):")
+    for name in dict.fromkeys(row["weight"] for row in rows):
+        picks = "".join(row["best"][0] for row in rows if row["weight"] == name)
+        print(f"  {name:<8} {picks}")
 
 
 if __name__ == "__main__":
