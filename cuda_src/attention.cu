@@ -1,28 +1,38 @@
-// Causal attention over the paged KV cache: one kernel for prefill (variable-length,
-// chunked, prefix reuse) and decode (split over the key range), plus the split combine.
+// Causal attention over the paged KV cache, plus the split combine of decode.
 //
 // Layouts: q [T, nh, d]; caches [num_blocks, block_size, nkv, d]; block_tables [B, W];
 // out [T, nh * d]. Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1];
 // its new tokens are positions seq_lens[b] - num_new .. seq_lens[b] - 1, and a query at
 // position p attends to cache positions 0 .. p. GQA: query head h reads kv head h / group.
 //
-// Launch (paged_attention_*): grid (num_row_tiles * num_splits, nkv, B), block (128),
+// Three kernels (the launcher in cupy_llama/backends/cuda/attention.py picks one):
+// - decode_attention_d{64,128}_g{1,2,4,8}: one new token per sequence, vectorized fp32
+//   CUDA cores, split-KV;
+// - prefill_attention_d{64,128}: any number of new tokens, tensor cores (mma.sync bf16);
+// - paged_attention_dpl*: the scalar fallback for every other shape (any head_dim <= 256,
+//   any block size, any group), prefill and decode.
+// All three write 0, never NaN, for a query row that sees no key (padding rows of a graph
+// batch have seq_len 0), and never read a cache slot at or past seq_len (never-written
+// slots may hold NaN).
+//
+// Split-KV decode (num_splits > 1; every sequence has exactly one new token, so token
+// index == b): split s covers keys [s * split_len, (s + 1) * split_len) and writes its
+// normalized partial output and natural-log log-sum-exp to partial_out [B, nh, splits, d] /
+// partial_lse [B, nh, splits] for attention_combine_kernel. split_len == 0 (CUDA-graph
+// decode, where the host does not know the lengths) derives each sequence's split length
+// on the device from its seq_len, so splits past a short sequence's end see no key and
+// only write lse = -inf.
+
+// ======================================================================== scalar fallback
+// Launch (paged_attention_dpl*): grid (num_row_tiles * num_splits, nkv, B), block (128),
 // dynamic shared memory attention_smem_bytes(d) (see the launcher).
 // A CTA serves one sequence, one kv head and ROWS_PER_CTA "rows", a row being a
 // (new token, query head of this kv head's group) pair: row = token * group + g. Warp w
 // owns rows w, w + 4, w + 8, w + 12. The CTA walks its key range in tiles of 32 keys
 // (loaded to shared memory as fp32); lane j scores key j of the tile for each row, and the
 // warp keeps a flash-style online softmax per row (fp32 running max m, sum l; each lane
-// accumulates output dims lane, lane + 32, ...).
-// With num_splits == 1 the CTA covers keys 0 .. (its latest query position) and writes the
-// normalized output. With num_splits > 1 (decode batches only: one new token per sequence,
-// so token index == b) split s covers keys [s * split_len, (s + 1) * split_len) and writes
-// its normalized partial output and log-sum-exp for attention_combine_kernel.
-// split_len == 0 (CUDA-graph decode, where the host does not know the lengths) derives each
-// sequence's split length on the device: ceil(seq_len / num_splits) rounded up to KEY_TILE,
-// so splits past a short sequence's end see no key.
-// Keys past the range are loaded as zeros (never-written slots hold NaN), and a row that
-// sees no key writes 0, never NaN (padding rows of a graph batch have seq_len 0).
+// accumulates output dims lane, lane + 32, ...). With split_len == 0 the split length is
+// ceil(seq_len / num_splits) rounded up to KEY_TILE.
 
 #define ATTN_WARPS 4
 #define ROWS_PER_WARP 4
@@ -210,3 +220,535 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
         dst[c] = to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
     }
 }
+
+// ============================================================ helpers of the fast kernels
+
+#define LOG2_E 1.4426950408889634f
+#define LN_2 0.6931471805599453f
+#define SPLIT_ALIGN 64  // device-derived split lengths are multiples of this (launcher: SPLIT_ALIGN)
+
+// ceil(seq_len / num_splits) rounded up to SPLIT_ALIGN: num_splits * result >= seq_len
+__device__ __forceinline__ int device_split_len(int seq_len, int num_splits) {
+    const int per_split = (seq_len + num_splits - 1) / num_splits;
+    return max(SPLIT_ALIGN, (per_split + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN);
+}
+
+// 8 bf16 (16 bytes, 16-byte aligned) -> 8 floats; element 0 is the low half of word 0
+__device__ __forceinline__ uint4 load16(const bf16* p) {
+    return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(words[i] << 16);
+        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// two floats -> bf16x2 (round to nearest even); lo in the low half
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+
+// cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
+__device__ __forceinline__ long long cache_slot(const int* table, int pos, int block_shift) {
+    return ((long long)table[pos >> block_shift] << block_shift) + (pos & ((1 << block_shift) - 1));
+}
+
+// ====================================================================== decode (CUDA cores)
+// Launch: grid (num_splits, nkv, B), block (DECODE_THREADS), no dynamic shared memory.
+// Every sequence has at most one new token (a sequence with none is skipped). A CTA serves
+// one (sequence, kv head, split) and all `group` query heads of that kv head, so each K/V
+// row is read once. A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte
+// load each (lane `sub` holds dims sub*8 .. sub*8+7); a warp holds 32/(D/8) slots. Slot s
+// takes keys base + u * SLOTS + s (u < UNROLL: that many loads in flight per lane), scores
+// them against all query heads (dot products reduced over the slot's lanes by xor
+// shuffles, so every lane of a slot holds the same score), and keeps its own online
+// softmax per head (base-2: q is pre-scaled by scale * log2(e)). At the end the slots of a
+// warp merge through shuffles and the warps through shared memory.
+
+#define DECODE_THREADS 128
+// CTAs per SM the register budget must allow (at most 128 registers per thread below 8
+// heads per group; without the hint ptxas picks 64 for some variants and spills)
+#define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
+
+template <int D, int MAXG>
+__device__ __forceinline__ void decode_attention_body(
+        const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+        const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+        bf16* __restrict__ out, float* __restrict__ partial_out,
+        float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int block_shift,
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {
+    constexpr int LANES_PER_KEY = D / 8;
+    constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
+    constexpr int NUM_WARPS = DECODE_THREADS / WARP_SIZE;
+    constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;
+    constexpr int UNROLL = MAXG >= 8 ? 2 : 4;  // keys per slot per step (register budget)
+    constexpr int STEP = SLOTS * UNROLL;       // keys per CTA per step
+    __shared__ float merge_m[NUM_WARPS][MAXG];
+    __shared__ float merge_l[NUM_WARPS][MAXG];
+    __shared__ float merge_acc[NUM_WARPS][MAXG][D];
+
+    const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    const int group = num_heads / num_kv_heads;
+    const int head0 = kv_head * group;  // first query head of this kv head
+    const int q_row = query_start_loc[b];
+    if (query_start_loc[b + 1] == q_row) return;  // no new token
+    const int seq_len = seq_lens[b];
+    int key_begin = 0, key_end = seq_len;
+    if (num_splits > 1) {
+        if (split_len == 0) split_len = device_split_len(seq_len, num_splits);
+        key_begin = split * split_len;
+        key_end = min(seq_len, key_begin + split_len);
+    }
+    if (key_begin >= key_end) {  // no key: output 0 / an empty split (uniform per CTA)
+        if (num_splits == 1) {
+            for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS)
+                out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
+        } else if (threadIdx.x < group) {
+            const long long part = ((long long)b * num_heads + head0 + threadIdx.x) * num_splits + split;
+            partial_lse[part] = neg_inf();
+        }
+        return;
+    }
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int sub = lane % LANES_PER_KEY;
+    const int slot = warp * SLOTS_PER_WARP + lane / LANES_PER_KEY;
+
+    float q_reg[MAXG][8];  // this lane's 8 dims of each query head, times scale * log2(e)
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+            unpack_bf16x8(load16(q + ((long long)q_row * num_heads + head0 + g) * D + sub * 8), q_reg[g]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q_reg[g][i] = 0.0f;
+        }
+    }
+    float m[MAXG], l[MAXG], acc[MAXG][8];  // per slot: running max (base 2), sum, output
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        m[g] = neg_inf();
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+    }
+
+    const int* table = block_tables + (long long)b * max_blocks_per_seq;
+    const long long row_stride = (long long)num_kv_heads * D;  // elements per cache slot
+    const int head_offset = kv_head * D + sub * 8;
+    for (int base = key_begin; base < key_end; base += STEP) {
+        uint4 k_raw[UNROLL], v_raw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int pos = base + u * SLOTS + slot;
+            k_raw[u] = make_uint4(0u, 0u, 0u, 0u);  // keys past the range: zeros, masked below
+            v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (pos < key_end) {
+                const long long offset = cache_slot(table, pos, block_shift) * row_stride + head_offset;
+                k_raw[u] = load16(k_cache + offset);
+                v_raw[u] = load16(v_cache + offset);
+            }
+        }
+        float p[UNROLL][MAXG];  // scores, then probabilities
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float k_val[8];
+            unpack_bf16x8(k_raw[u], k_val);
+            const bool visible = base + u * SLOTS + slot < key_end;
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                float dot = 0.0f;
+                if (g < group) {  // uniform: the shuffles below stay warp-wide
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) dot = fmaf(q_reg[g][i], k_val[i], dot);
+#pragma unroll
+                    for (int offset = LANES_PER_KEY / 2; offset > 0; offset >>= 1)
+                        dot += __shfl_xor_sync(FULL_MASK, dot, offset);
+                }
+                p[u][g] = visible ? dot : neg_inf();
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g >= group) continue;
+            float step_max = p[0][g];
+#pragma unroll
+            for (int u = 1; u < UNROLL; ++u) step_max = fmaxf(step_max, p[u][g]);
+            const float m_new = fmaxf(m[g], step_max);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+            const float correction = exp2f(m[g] - m_use);           // 0 while m was -inf
+            m[g] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                p[u][g] = exp2f(p[u][g] - m_use);  // 0 for keys past the range
+                sum += p[u][g];
+            }
+            l[g] = l[g] * correction + sum;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] *= correction;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float v_val[8];
+            unpack_bf16x8(v_raw[u], v_val);  // zeros past the range: p * v stays finite
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g >= group) continue;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[u][g], v_val[i], acc[g][i]);
+            }
+        }
+    }
+
+    // merge the slots of this warp: lanes holding the same dims differ in the slot bits
+#pragma unroll
+    for (int offset = LANES_PER_KEY; offset < WARP_SIZE; offset <<= 1) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g >= group) continue;
+            const float m_other = __shfl_xor_sync(FULL_MASK, m[g], offset);
+            const float l_other = __shfl_xor_sync(FULL_MASK, l[g], offset);
+            const float m_new = fmaxf(m[g], m_other);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+            const float w_self = exp2f(m[g] - m_use), w_other = exp2f(m_other - m_use);
+            l[g] = l[g] * w_self + l_other * w_other;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float a_other = __shfl_xor_sync(FULL_MASK, acc[g][i], offset);
+                acc[g][i] = acc[g][i] * w_self + a_other * w_other;
+            }
+            m[g] = m_new;
+        }
+    }
+    if (lane < LANES_PER_KEY) {  // slot 0 of each warp now holds the warp's result
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g >= group) continue;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) merge_acc[warp][g][sub * 8 + i] = acc[g][i];
+            if (lane == 0) {
+                merge_m[warp][g] = m[g];
+                merge_l[warp][g] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+    // merge the warps: thread i writes dim i % D of head i / D
+    for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS) {
+        const int g = i / D, c = i % D;
+        float m_max = neg_inf();
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, merge_m[w][g]);
+        // m_max is finite: the range holds at least one key, and its slot has l >= 1
+        float sum_l = 0.0f, sum_acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float weight = exp2f(merge_m[w][g] - m_max);  // 0 for a warp without keys
+            sum_l += merge_l[w][g] * weight;
+            sum_acc += merge_acc[w][g][c] * weight;
+        }
+        const float value = sum_acc / sum_l;
+        if (num_splits == 1) {
+            out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(value);
+        } else {
+            const long long part = ((long long)b * num_heads + head0 + g) * num_splits + split;
+            partial_out[part * D + c] = value;
+            if (c == 0) partial_lse[part] = (m_max + log2f(sum_l)) * LN_2;
+        }
+    }
+}
+
+#define DEFINE_DECODE_ATTENTION(D, MAXG)                                                   \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS(MAXG)) \
+    decode_attention_d##D##_g##MAXG(                                                      \
+        const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
+        const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
+        float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
+        decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
+                                       query_start_loc, out, partial_out, partial_lse,    \
+                                       num_heads, num_kv_heads, block_shift,              \
+                                       max_blocks_per_seq, scale_log2, num_splits,        \
+                                       split_len);                                        \
+    }
+
+// group <= MAXG (query heads per kv head)
+DEFINE_DECODE_ATTENTION(64, 1)
+DEFINE_DECODE_ATTENTION(64, 2)
+DEFINE_DECODE_ATTENTION(64, 4)
+DEFINE_DECODE_ATTENTION(64, 8)
+DEFINE_DECODE_ATTENTION(128, 1)
+DEFINE_DECODE_ATTENTION(128, 2)
+DEFINE_DECODE_ATTENTION(128, 4)
+DEFINE_DECODE_ATTENTION(128, 8)
+
+// ================================================================== prefill (tensor cores)
+// Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory
+// prefill_smem_bytes(D) = (PREFILL_ROWS + 4 * PREFILL_KEYS) * (D + 8) * 2 (the launcher).
+// Flash-attention 2. A CTA owns PREFILL_ROWS rows of one sequence and one kv head, a row
+// being a (new token, query head of the group) pair, row = token * group + g, so the K/V
+// tiles serve the whole group; warp w owns rows 16w .. 16w + 15. Row tiles run in reverse
+// order of blockIdx.x so the longest (latest) ones start first. The CTA streams tiles of
+// PREFILL_KEYS keys, gathered from the paged cache by cp.async into a double buffer
+// (keys past the tile's range are zero-filled: never-written slots hold NaN, and 0 * NaN
+// would poison P V). S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, fp32
+// accumulate); the online softmax is in fp32 registers, base 2, P rounded to bf16 for
+// the second product. The causal mask is applied only to tiles that reach past a warp's
+// first row; the CTA reads no tile past its last row's position. Shared rows are padded by
+// 16 bytes, so the 8 rows an ldmatrix phase reads fall in distinct banks.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
+// A (16x16): reg0 (row g, cols 2t, 2t+1), reg1 (row g+8, same), reg2 (row g, cols 2t+8,
+// 2t+9), reg3 (row g+8, same); B (16x8, k x n): reg0 (k 2t, 2t+1; n g), reg1 (k 2t+8,
+// 2t+9; n g); C (16x8): c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same). The lower
+// index sits in the low 16 bits.
+
+#define PREFILL_ROWS 64     // query rows per CTA, 16 per warp
+#define PREFILL_KEYS 64     // keys per K/V tile
+#define PREFILL_THREADS 128
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned address;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
+    return address;
+}
+
+__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 :: "r"(shared_address(shared_dst)), "l"(global_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// wait until at most one committed group (the newest) is still in flight
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// four 8x8 bf16 matrices; lanes 8i .. 8i+7 give the row addresses of matrix i, and lane L
+// receives (row L/4, cols 2(L%4), 2(L%4)+1) of each: r[i] from matrix i
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const bf16* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row_address)) : "memory");
+}
+
+// the same, transposed: lane L receives (rows 2(L%4), 2(L%4)+1; col L/4) of each matrix
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row_address)) : "memory");
+}
+
+// c += a b (16x16 bf16 times 16x8 bf16, fp32 accumulate)
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__device__ __forceinline__ void prefill_attention_body(
+        const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+        const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+        bf16* __restrict__ out, int num_heads, int num_kv_heads, int block_shift,
+        int max_blocks_per_seq, float scale_log2, int num_row_tiles) {
+    constexpr int STRIDE = D + 8;          // bf16 per shared row (16 bytes of padding)
+    constexpr int CHUNKS = D / 8;          // 16-byte pieces per row
+    constexpr int KEY_NTILES = PREFILL_KEYS / 8;  // 8-key column tiles of S
+    constexpr int DIM_NTILES = D / 8;             // 8-dim column tiles of O
+    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    bf16* q_s = reinterpret_cast<bf16*>(prefill_smem);  // [PREFILL_ROWS][STRIDE]
+    bf16* k_s = q_s + PREFILL_ROWS * STRIDE;             // [2][PREFILL_KEYS][STRIDE]
+    bf16* v_s = k_s + 2 * PREFILL_KEYS * STRIDE;         // [2][PREFILL_KEYS][STRIDE]
+
+    const int b = blockIdx.z, kv_head = blockIdx.y;
+    const int row_tile = num_row_tiles - 1 - blockIdx.x;
+    const int group = num_heads / num_kv_heads;
+    const int q_start = query_start_loc[b];
+    const int num_new = query_start_loc[b + 1] - q_start;
+    const int context_start = seq_lens[b] - num_new;  // position of the first new token
+    const int num_rows = num_new * group;
+    const int first_row = row_tile * PREFILL_ROWS;
+    if (first_row >= num_rows) return;  // the same for the whole CTA
+    const int last_row = min(first_row + PREFILL_ROWS, num_rows) - 1;
+    const int key_end = context_start + last_row / group + 1;  // keys 0 .. the last row's position
+    const int num_tiles = (key_end + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int* table = block_tables + (long long)b * max_blocks_per_seq;
+
+    for (int idx = tid; idx < PREFILL_ROWS * CHUNKS; idx += PREFILL_THREADS) {
+        const int r = idx / CHUNKS, c = idx % CHUNKS;
+        const int row = first_row + r;
+        uint4 value = make_uint4(0u, 0u, 0u, 0u);  // rows past the sequence: zeros, never written
+        if (row < num_rows) {
+            const int token = row / group, head = kv_head * group + row % group;
+            value = load16(q + ((long long)(q_start + token) * num_heads + head) * D + c * 8);
+        }
+        *reinterpret_cast<uint4*>(q_s + r * STRIDE + c * 8) = value;
+    }
+
+    auto load_tile = [&](int tile, int buffer) {
+        for (int idx = tid; idx < PREFILL_KEYS * CHUNKS; idx += PREFILL_THREADS) {
+            const int j = idx / CHUNKS, c = idx % CHUNKS;
+            const int pos = tile * PREFILL_KEYS + j;
+            bf16* k_dst = k_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
+            bf16* v_dst = v_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
+            if (pos < key_end) {
+                const long long offset =
+                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
+                cp_async16(k_dst, k_cache + offset);
+                cp_async16(v_dst, v_cache + offset);
+            } else {
+                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+
+    load_tile(0, 0);
+    cp_async_commit();
+    __syncthreads();  // q_s written
+
+    unsigned q_frag[D / 16][4];  // A fragments of this warp's 16 rows, one per 16 dims
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(q_frag[kk], q_s + r * STRIDE + kk * 16 + (lane >> 4) * 8);
+    }
+    float o[DIM_NTILES][4];
+#pragma unroll
+    for (int n = 0; n < DIM_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.0f, 0.0f};  // rows g, g + 8
+    const int row0 = first_row + warp * 16 + (lane >> 2);
+    // positions of this thread's two rows; -1: no such row (every key masked)
+    const int pos_row[2] = {row0 < num_rows ? context_start + row0 / group : -1,
+                            row0 + 8 < num_rows ? context_start + (row0 + 8) / group : -1};
+    const int warp_first_pos = context_start + (first_row + warp * 16) / group;
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
+        cp_async_commit();  // possibly empty: keeps the group count regular
+        cp_async_wait_all_but_newest();  // this tile has landed (for this thread)
+        __syncthreads();                 // ... and for every thread
+        const bf16* k_tile = k_s + (tile & 1) * PREFILL_KEYS * STRIDE;
+        const bf16* v_tile = v_s + (tile & 1) * PREFILL_KEYS * STRIDE;
+
+        float s[KEY_NTILES][4];  // S: [16 rows, PREFILL_KEYS keys] of this warp
+#pragma unroll
+        for (int j = 0; j < KEY_NTILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int jj = 0; jj < KEY_NTILES / 2; ++jj) {  // 16 keys: two column tiles
+                unsigned k_frag[4];
+                const int key = jj * 16 + (lane & 7) + (lane >> 4) * 8;
+                ldmatrix_x4(k_frag, k_tile + key * STRIDE + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma_bf16(s[2 * jj], q_frag[kk], k_frag[0], k_frag[1]);
+                mma_bf16(s[2 * jj + 1], q_frag[kk], k_frag[2], k_frag[3]);
+            }
+        }
+
+        const int key0 = tile * PREFILL_KEYS;
+        const bool needs_mask = key0 + PREFILL_KEYS - 1 > warp_first_pos;  // uniform per warp
+#pragma unroll
+        for (int j = 0; j < KEY_NTILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[j][e] * scale_log2;
+                if (needs_mask && key0 + j * 8 + (lane & 3) * 2 + (e & 1) > pos_row[e >> 1])
+                    x = neg_inf();
+                s[j][e] = x;
+            }
+        }
+
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
+            float tile_max = neg_inf();
+#pragma unroll
+            for (int j = 0; j < KEY_NTILES; ++j)
+                tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+            const float m_new = fmaxf(m_row[r], tile_max);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+            const float correction = exp2f(m_row[r] - m_use);
+            m_row[r] = m_new;
+            float sum = 0.0f;  // this thread's columns only; the quad is summed at the end
+#pragma unroll
+            for (int j = 0; j < KEY_NTILES; ++j) {
+                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
+                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+                sum += s[j][2 * r] + s[j][2 * r + 1];
+            }
+            l_row[r] = l_row[r] * correction + sum;
+#pragma unroll
+            for (int n = 0; n < DIM_NTILES; ++n) {
+                o[n][2 * r] *= correction;
+                o[n][2 * r + 1] *= correction;
+            }
+        }
+
+#pragma unroll
+        for (int kk = 0; kk < PREFILL_KEYS / 16; ++kk) {  // O += P V, 16 keys at a time
+            const unsigned p_frag[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                        pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
+                unsigned v_frag[4];
+                ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
+                mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
+                mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_row[r];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        const int row = row0 + 8 * r;
+        if (row >= num_rows) continue;
+        const int token = row / group, head = kv_head * group + row % group;
+        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+        bf16* dst = out + ((long long)(q_start + token) * num_heads + head) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < DIM_NTILES; ++n)
+            *reinterpret_cast<unsigned*>(dst + n * 8) =
+                pack_bf16x2(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+    }
+}
+
+#define DEFINE_PREFILL_ATTENTION(D)                                                        \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)                      \
+    prefill_attention_d##D(                                                               \
+        const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
+        const int* seq_lens, const int* query_start_loc, bf16* out, int num_heads,        \
+        int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,      \
+        int num_row_tiles) {                                                              \
+        prefill_attention_body<D>(q, k_cache, v_cache, block_tables, seq_lens,            \
+                                  query_start_loc, out, num_heads, num_kv_heads,          \
+                                  block_shift, max_blocks_per_seq, scale_log2,            \
+                                  num_row_tiles);                                         \
+    }
+
+DEFINE_PREFILL_ATTENTION(64)
+DEFINE_PREFILL_ATTENTION(128)

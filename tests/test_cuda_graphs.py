@@ -36,7 +36,7 @@ def _gpu_available() -> bool:
 
 
 BLOCK_SIZE = 16
-MAX_MODEL_LEN = 1024  # 4 decode splits at most: long contexts below use several
+MAX_MODEL_LEN = 1024  # up to 16 decode splits: long contexts below use several
 NAN_BITS = 0x7FC0
 EAGER_TOLERANCE = 2e-2
 REFERENCE_TOLERANCE = 5e-2

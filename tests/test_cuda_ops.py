@@ -221,20 +221,21 @@ def test_rope_and_cache(cp, rng, head_dim, group):
 
 # ------------------------------------------------------------------------- attention
 
-def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group):
+def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, block_size=BLOCK_SIZE,
+                         q_scale=1.0):
     """seqs: [(cached prefix length, new tokens)]. Returns host reference inputs and the GPU
     caches: the GPU blocks are scattered over a pool of NUM_POOL_BLOCKS, the reference uses
     a compact copy holding only the used blocks."""
     num_heads = num_kv_heads * group
     seq_lens = np.array([c + n for c, n in seqs], np.int32)
     num_new = np.array([n for _, n in seqs], np.int32)
-    blocks_per_seq = -(-seq_lens // BLOCK_SIZE)
+    blocks_per_seq = -(-seq_lens // block_size)
     total_blocks = int(blocks_per_seq.sum())
     width = int(blocks_per_seq.max())
     pool_ids = rng.choice(NUM_POOL_BLOCKS, total_blocks, replace=False).astype(np.int32)
     compact_tables = np.full((len(seqs), width), -1, np.int32)
     gpu_tables = np.full((len(seqs), width), -1, np.int32)
-    shape = (total_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    shape = (total_blocks, block_size, num_kv_heads, head_dim)
     k_host = np.full(shape, np.nan, np.float32)
     v_host = np.full(shape, np.nan, np.float32)
     next_block = 0
@@ -243,18 +244,18 @@ def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group):
         compact_tables[b, :n] = np.arange(next_block, next_block + n)
         gpu_tables[b, :n] = pool_ids[next_block:next_block + n]
         positions = np.arange(seq_len)
-        blocks = compact_tables[b][positions // BLOCK_SIZE]
-        k_host[blocks, positions % BLOCK_SIZE] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
-        v_host[blocks, positions % BLOCK_SIZE] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
+        blocks = compact_tables[b][positions // block_size]
+        k_host[blocks, positions % block_size] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
+        v_host[blocks, positions % block_size] = random_bf16(rng, (seq_len, num_kv_heads, head_dim))[1]
         next_block += n
-    pool_shape = (NUM_POOL_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    pool_shape = (NUM_POOL_BLOCKS, block_size, num_kv_heads, head_dim)
     k_gpu, v_gpu = poisoned(cp, pool_shape), poisoned(cp, pool_shape)
     ids = cp.asarray(pool_ids)
     k_gpu[ids] = cp.asarray(float32_to_bf16_bits(k_host))
     v_gpu[ids] = cp.asarray(float32_to_bf16_bits(v_host))
     query_start_loc = np.concatenate([[0], np.cumsum(num_new)]).astype(np.int32)
     num_tokens = int(query_start_loc[-1])
-    q_bits, q = random_bf16(rng, (num_tokens, num_heads, head_dim))
+    q_bits, q = random_bf16(rng, (num_tokens, num_heads, head_dim), scale=q_scale)
     positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, num_new)]).astype(np.int32)
 
     def batch(tables):
@@ -328,6 +329,96 @@ def test_attention_decode_splits(cp, rng, num_splits):
         scale=head_dim ** -0.5, max_query_len=1, max_seq_len=batch.max_seq_len,
         num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse)
     assert_close(to_float(cp, out), case["expected"], 1.5e-2, 1e-2, f"decode with {num_splits} splits")
+
+
+def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch", kernel="auto"):
+    """attention.paged_attention on a case, outputs and workspaces poisoned first.
+    max_seq_len="batch" passes the batch's longest sequence; None derives split lengths on
+    the device (as CUDA-graph decode does)."""
+    from cupy_llama.backends.cuda import attention
+    batch = case["gpu_batch"]
+    if max_seq_len == "batch":
+        max_seq_len = batch.max_seq_len
+    out = poisoned(cp, case["expected"].shape)
+    parts = batch.num_seqs * case["num_heads"] * num_splits
+    partial_out = poisoned(cp, parts * head_dim, np.float32)
+    partial_lse = poisoned(cp, parts, np.float32)
+    attention.paged_attention(
+        cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], cp.asarray(batch.block_tables),
+        cp.asarray(batch.seq_lens), cp.asarray(batch.query_start_loc), out,
+        scale=head_dim ** -0.5, max_query_len=batch.max_query_len, max_seq_len=max_seq_len,
+        num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse, kernel=kernel)
+    return to_float(cp, out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqs", [MIXED_PREFILL, DECODE], ids=["prefill", "decode"])
+def test_attention_scalar_fallback(cp, rng, seqs, head_dim):
+    """The scalar kernel (other head dims, block sizes, unaligned arrays) stays correct."""
+    case = build_attention_case(cp, rng, seqs, 2, head_dim, 4)
+    got = run_paged_attention(cp, case, head_dim, kernel="scalar")
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"scalar kernel d={head_dim}")
+
+
+# prefill rows and keys on both sides of the 64-row / 64-key tile edges, decode rows mixed in
+TILE_EDGES = [(0, 64), (0, 65), (0, 63), (64, 64), (1, 127), (63, 1), (128, 3), (0, 1), (191, 66),
+              (0, 2)]
+
+
+@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_prefill_tile_edges(cp, rng, head_dim, group):
+    case = build_attention_case(cp, rng, TILE_EDGES, 2, head_dim, group)
+    got = run_paged_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"tile edges d={head_dim} group={group}")
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 12])
+@pytest.mark.parametrize("seqs", [MIXED_PREFILL, DECODE], ids=["prefill", "decode"])
+def test_attention_block_sizes(cp, rng, seqs, block_size):
+    """Powers of two take the fast kernels; 12 takes the scalar fallback."""
+    head_dim = 64
+    case = build_attention_case(cp, rng, seqs, 2, head_dim, 4, block_size=block_size)
+    got = run_paged_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"block size {block_size}")
+    if seqs is DECODE:
+        got = run_paged_attention(cp, case, head_dim, num_splits=5, max_seq_len=None)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"block size {block_size}, 5 device splits")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 32])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
+    """Every decode kernel variant (groups up to 8, more falls back), host-chosen and
+    device-derived split lengths."""
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    for max_seq_len in ("batch", None):
+        got = run_paged_attention(cp, case, head_dim, num_splits=num_splits, max_seq_len=max_seq_len)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                     f"decode d={head_dim} group={group} splits={num_splits} max_seq_len={max_seq_len}")
+
+
+def test_attention_decode_rows_without_new_tokens(cp, rng):
+    """A sequence with no new token owns no output row and must not disturb the others."""
+    head_dim = 64
+    seqs = [(100, 1), (300, 0), (0, 1), (77, 0), (2047, 1)]
+    case = build_attention_case(cp, rng, seqs, 2, head_dim, 4)
+    got = run_paged_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, "decode with empty sequences")
+
+
+def test_attention_large_values(cp, rng):
+    """Scores far from 0 (q scaled up 12x): the online softmax must not overflow or lose
+    the maximum between tiles, slots and splits."""
+    head_dim = 128
+    case = build_attention_case(cp, rng, [(0, 300), (2000, 1), (500, 40)], 2, head_dim, 4,
+                                q_scale=12.0)
+    got = run_paged_attention(cp, case, head_dim)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, "prefill attention with large scores")
+    decode = build_attention_case(cp, rng, DECODE, 2, head_dim, 4, q_scale=12.0)
+    got = run_paged_attention(cp, decode, head_dim, num_splits=7)
+    assert_close(got, decode["expected"], 1.5e-2, 1e-2, "decode attention with large scores")
 
 
 def test_upload_round_trip(cp, rng):

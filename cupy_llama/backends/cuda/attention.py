@@ -1,15 +1,38 @@
 """Launchers for attention.cu: paged causal attention (prefill and decode) and the
-combine step of split-KV decode."""
+combine step of split-KV decode.
+
+Which kernel runs (`attention_plan`):
+- decode batches (at most one new token per sequence), head_dim 64/128, at most 8 query
+  heads per kv head: decode_attention_d{D}_g{G} (one CTA per sequence, kv head and split;
+  16-byte K/V loads; fp32 online softmax);
+- every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
+  cores, flash-attention 2 over K/V tiles gathered from the paged cache);
+- anything else (other head dims, block sizes that are not powers of two, unaligned
+  arrays): the scalar paged_attention_dpl* kernel, which handles every shape."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
 
-ROWS_PER_CTA = 16   # attention.cu: ATTN_WARPS * ROWS_PER_WARP
-KEY_TILE = 32       # attention.cu: KEY_TILE
-THREADS = 128       # attention.cu: ATTN_WARPS * 32
-MIN_SPLIT_LEN = 256  # a decode split covers at least this many keys
+# scalar fallback (attention.cu: ATTN_WARPS * ROWS_PER_WARP, KEY_TILE, ATTN_WARPS * 32)
+ROWS_PER_CTA = 16
+KEY_TILE = 32
+THREADS = 128
+# fast kernels (attention.cu: DECODE_THREADS, PREFILL_*, SPLIT_ALIGN)
+DECODE_THREADS = 128
+DECODE_GROUPS = (1, 2, 4, 8)  # instantiated upper bounds on the group size
+PREFILL_THREADS = 128
+PREFILL_ROWS = 64
+PREFILL_KEYS = 64
+FAST_HEAD_DIMS = (64, 128)
+SPLIT_ALIGN = 64     # split lengths are multiples of this many keys
+MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 MAX_SPLITS = 32      # and there are at most this many (bounds the workspace)
+CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
 DEFAULT_SMEM_LIMIT = 48 * 1024
+LOG2_E = 1.4426950408889634
+KERNEL_CHOICES = ("auto", "scalar")
 
 
 def dims_per_lane(head_dim: int) -> int:
@@ -20,8 +43,14 @@ def dims_per_lane(head_dim: int) -> int:
 
 
 def smem_bytes(head_dim: int) -> int:
-    """q rows, the padded K tile and the V tile, all fp32 (attention.cu)."""
+    """Scalar kernel: q rows, the padded K tile and the V tile, all fp32 (attention.cu)."""
     return 4 * (ROWS_PER_CTA * head_dim + KEY_TILE * (head_dim + 1) + KEY_TILE * head_dim)
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    """Tensor-core prefill: the Q tile and double-buffered K and V tiles, bf16 rows padded
+    by 8 elements (attention.cu)."""
+    return 2 * (PREFILL_ROWS + 4 * PREFILL_KEYS) * (head_dim + 8)
 
 
 def max_decode_splits(max_model_len: int) -> int:
@@ -36,23 +65,74 @@ def workspace_sizes(max_num_seqs: int, num_heads: int, head_dim: int, max_model_
 
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int,
                          num_sms: int, max_splits: int) -> int:
-    """How many key ranges each sequence of a decode batch is split into: enough CTAs to
-    fill the GPU about twice, each range at least MIN_SPLIT_LEN keys."""
-    ctas = num_seqs * num_kv_heads * -(-group // ROWS_PER_CTA)
-    wanted = -(-2 * num_sms // ctas)
+    """How many key ranges each sequence of a decode batch is split into: enough CTAs for
+    about CTAS_PER_SM per SM (the decode kernel runs one CTA per sequence and kv head, for
+    every group size), each range at least MIN_SPLIT_LEN keys."""
+    ctas = max(1, num_seqs * num_kv_heads)
+    wanted = -(-CTAS_PER_SM * num_sms // ctas)
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
+
+
+def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
+    """(split_len, num_splits) for a decode batch whose longest sequence is known: ranges
+    of a multiple of SPLIT_ALIGN keys, no range wholly past max_seq_len."""
+    per_split = -(-max(1, max_seq_len) // num_splits)
+    split_len = max(SPLIT_ALIGN, -(-per_split // SPLIT_ALIGN) * SPLIT_ALIGN)
+    return split_len, max(1, -(-max_seq_len // split_len))
+
+
+class AttentionPlan(NamedTuple):
+    kernel: str      # kernel name in attention.cu
+    grid: tuple
+    block: int
+    shared_mem: int  # dynamic shared memory bytes
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
+                   kernel: str = "auto") -> AttentionPlan:
+    """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
+    aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
+    16-byte loads). kernel="scalar" forces the scalar fallback (tests, benchmarks)."""
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    group = num_heads // num_kv_heads
+    fast = (kernel == "auto" and aligned and head_dim in FAST_HEAD_DIMS
+            and _is_power_of_two(block_size))
+    if fast and max_query_len == 1 and group <= DECODE_GROUPS[-1]:
+        bound = next(g for g in DECODE_GROUPS if g >= group)
+        return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}",
+                             (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
+    if fast and num_splits == 1:
+        row_tiles = max(1, -(-max_query_len * group // PREFILL_ROWS))
+        return AttentionPlan(f"prefill_attention_d{head_dim}", (row_tiles, num_kv_heads, num_seqs),
+                             PREFILL_THREADS, prefill_smem_bytes(head_dim))
+    row_tiles = max(1, -(-max_query_len * group // ROWS_PER_CTA))
+    return AttentionPlan(f"paged_attention_dpl{dims_per_lane(head_dim)}",
+                         (row_tiles * num_splits, num_kv_heads, num_seqs), THREADS,
+                         smem_bytes(head_dim))
+
+
+def _aligned(*arrays) -> bool:
+    return all(a.data.ptr % 16 == 0 for a in arrays)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
-                    num_splits: int = 1, partial_out=None, partial_lse=None):
+                    num_splits: int = 1, partial_out=None, partial_lse=None,
+                    kernel: str = "auto"):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
     into num_splits ranges of split_len keys, written to the flat float32 workspaces
     partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
     that changes between steps may be baked into the launch) keeps num_splits as given and
-    lets the kernel derive each sequence's split length from its seq_len."""
+    lets the kernel derive each sequence's split length from its seq_len.
+    kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
                                            shape=(None, None, None, head_dim)).shape
@@ -63,23 +143,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     check("out", out, BF16, shape=(num_tokens, num_heads * head_dim))
     if num_heads % num_kv_heads:
         raise ValueError(f"q: {num_heads} heads is not a multiple of {num_kv_heads} kv heads")
+    dims_per_lane(head_dim)  # rejects head_dim > 256
     if num_tokens == 0 or num_seqs == 0:
         return
-    group = num_heads // num_kv_heads
-    dpl = dims_per_lane(head_dim)
-    kernel = get_kernel("attention", f"paged_attention_dpl{dpl}")
-    smem = smem_bytes(head_dim)
-    if smem > DEFAULT_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    row_tiles = max(1, -(-max_query_len * group // ROWS_PER_CTA))
     split_len = 0
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
             raise ValueError("num_splits > 1 needs a decode batch (one new token per sequence)")
         if max_seq_len is not None:
-            split_len = -(-max_seq_len // num_splits)
-            split_len = -(-split_len // KEY_TILE) * KEY_TILE
-            num_splits = -(-max_seq_len // split_len)
+            split_len, num_splits = split_length(max_seq_len, num_splits)
     if num_splits > 1:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)
@@ -88,13 +160,29 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
             raise ValueError(f"partial_out/partial_lse: workspace too small for {num_seqs} "
                              f"sequences x {num_heads} heads x {num_splits} splits")
     else:
-        partial_out = partial_lse = out  # not read by the kernel
-    grid = (row_tiles * num_splits, num_kv_heads, num_seqs)
-    kernel(grid, (THREADS,),
-           (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,
-            partial_lse, i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(block_size),
-            i32(max_blocks), f32(scale), i32(row_tiles), i32(num_splits), i32(split_len)),
-           shared_mem=smem)
+        partial_out = partial_lse = out  # not read by the kernels
+
+    plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, block_size=block_size,
+                          max_query_len=max_query_len, num_splits=num_splits,
+                          aligned=_aligned(q, k_cache, v_cache, out), kernel=kernel)
+    function = get_kernel("attention", plan.kernel)
+    if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
+        function.max_dynamic_shared_size_bytes = plan.shared_mem
+    tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if plan.kernel.startswith("decode_"):
+        args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
+                         i32(block_size.bit_length() - 1), i32(max_blocks),
+                         f32(scale * LOG2_E), i32(num_splits), i32(split_len))
+    elif plan.kernel.startswith("prefill_"):
+        args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
+                         i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]))
+    else:
+        row_tiles = plan.grid[0] // num_splits
+        args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
+                         i32(head_dim), i32(block_size), i32(max_blocks), f32(scale),
+                         i32(row_tiles), i32(num_splits), i32(split_len))
+    function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
     if num_splits > 1:
         get_kernel("attention", "attention_combine_kernel")(
             (num_heads, num_seqs), (min(128, -(-head_dim // 32) * 32),),

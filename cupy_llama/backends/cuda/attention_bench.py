@@ -1,0 +1,326 @@
+"""The scalar attention kernel against the decode and tensor-core prefill kernels, on the
+Llama-3.2-1B attention shape (32 query heads, 8 kv heads, head_dim 64, bf16 paged KV
+cache, block size 16), in one command on the GPU machine:
+
+    python3 -m cupy_llama.backends.cuda.attention_bench [--runs 20] [--seed 0]
+
+Decode: batch 1, 8, 64 and 256, every sequence at context 512 and 2048, four ways: the
+scalar kernel and the decode kernel, each with the split count an eager step picks
+(from the batch's longest context) and with the one a captured CUDA graph uses (its
+bucket's count for max_model_len 8192, split lengths derived on the device).
+Prefill: one sequence of 1,024 new tokens, one of 4,096, and a chunk of 1,024 new tokens
+after 3,072 cached ones (scalar kernel vs tensor-core kernel).
+Random data in a random paged cache (each sequence's blocks scattered over the pool).
+Times are GPU times from CUDA events, the median of --runs after warm-up, taken while a
+spin kernel holds the GPU so the host's launch overhead stays out of the number (it is in
+the eager per-op timings of perf.py). Every output is compared with the scalar kernel's
+(max |new - old|) and, up to batch 64 and for every prefill, with a float32 dense
+reference computed with CuPy. A table is printed last; with $OUT set, everything also
+goes to $OUT/attention_bench.json."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
+MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split counts
+DECODE_BATCHES = (1, 8, 64, 256)
+DECODE_CONTEXTS = (512, 2048)
+PREFILLS = ((0, 1024), (0, 4096), (3072, 1024))  # (cached tokens, new tokens)
+REFERENCE_MAX_BATCH = 64
+WARMUP = 3
+SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to queue the runs
+DECODE_VARIANTS = ("old", "new", "old graph", "new graph")
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin_kernel(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+# ------------------------------------------------------------------- split rules
+
+def old_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int,
+                      num_sms: int, max_model_len: int = MAX_MODEL_LEN) -> int:
+    """The split rule the scalar kernel shipped with: CTAs of 16 rows, about 2 per SM,
+    at least 256 keys per split, at most 32 splits."""
+    max_splits = max(1, min(32, -(-max_model_len // 256)))
+    ctas = num_seqs * num_kv_heads * -(-group // 16)
+    wanted = -(-2 * num_sms // ctas)
+    return max(1, min(wanted, max_splits, max_seq_len // 256))
+
+
+def new_decode_splits(num_seqs: int, max_seq_len: int, num_sms: int) -> int:
+    return attention.choose_decode_splits(num_seqs, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS,
+                                          max_seq_len, num_sms,
+                                          attention.max_decode_splits(MAX_MODEL_LEN))
+
+
+# ----------------------------------------------------------- dense references (xp)
+
+def bits_to_float32(xp, bits):
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def gather_dense(xp, pool_bits, tables, length: int):
+    """[B, length, nkv, d] float32 of sequences whose blocks are tables [B, W] in a pool
+    [num_blocks, block_size, nkv, d] of bf16 bits."""
+    blocks = pool_bits[tables]  # [B, W, block_size, nkv, d]
+    num_seqs, width, block_size = blocks.shape[:3]
+    dense = blocks.reshape(num_seqs, width * block_size, *blocks.shape[3:])[:, :length]
+    return bits_to_float32(xp, xp.ascontiguousarray(dense))
+
+
+def _softmax(xp, scores):
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    probs = xp.exp(scores)
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def decode_reference(xp, q, keys, values, scale: float):
+    """q [B, nh, d], keys/values [B, S, nkv, d] (float32, every sequence S long) ->
+    [B, nh * d]: the last position attends to all S keys."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    probs = _softmax(xp, xp.einsum("bkgd,bskd->bkgs", grouped, keys) * np.float32(scale))
+    return xp.einsum("bkgs,bskd->bkgd", probs, values).reshape(num_seqs, num_heads * head_dim)
+
+
+def prefill_reference(xp, q, keys, values, scale: float):
+    """One sequence: q [T, nh, d] are the last T positions of keys/values [S, nkv, d]
+    (float32) -> [T, nh * d], causal."""
+    num_new, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = keys.shape[:2]
+    group = num_heads // num_kv_heads
+    positions = xp.arange(seq_len - num_new, seq_len)
+    visible = xp.arange(seq_len)[None, :] <= positions[:, None]  # [T, S]
+    out = xp.empty((num_new, num_heads, head_dim), xp.float32)
+    for h in range(num_kv_heads):  # one kv head at a time bounds the score memory
+        heads = slice(h * group, (h + 1) * group)
+        scores = xp.einsum("tgd,sd->gts", q[:, heads], keys[:, h]) * np.float32(scale)
+        probs = _softmax(xp, xp.where(visible[None], scores, -xp.inf))
+        out[:, heads] = xp.einsum("gts,sd->tgd", probs, values[:, h])
+    return out.reshape(num_new, num_heads * head_dim)
+
+
+def max_abs_diff(xp, a, b) -> float:
+    """max |a - b| over float arrays; NaN anywhere gives NaN."""
+    return float(xp.abs(a.astype(xp.float32) - b.astype(xp.float32)).max())
+
+
+# ------------------------------------------------------------------------ the GPU
+
+class Bench:
+    def __init__(self, cupy, runs: int, seed: int):
+        self.cp = cupy
+        self.runs = runs
+        self.rng = np.random.default_rng(seed)
+        self.device_rng = cupy.random.RandomState(seed)
+        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._spin = cupy.RawKernel(SPIN_SOURCE, "spin_kernel")
+        splits = attention.max_decode_splits(MAX_MODEL_LEN)
+        max_parts = max(DECODE_BATCHES) * NUM_HEADS * max(32, splits)
+        self.partial_out = cupy.empty(max_parts * HEAD_DIM, np.float32)
+        self.partial_lse = cupy.empty(max_parts, np.float32)
+        needed = max(max(DECODE_BATCHES) * -(-max(DECODE_CONTEXTS) // BLOCK_SIZE),
+                     max(-(-(c + n) // BLOCK_SIZE) for c, n in PREFILLS))
+        self.num_blocks = needed + 1024
+        shape = (self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.k_pool = self.random_bf16(shape)
+        self.v_pool = self.random_bf16(shape)
+
+    def random_bf16(self, shape):
+        """Standard normal values as bf16 bits (round to nearest even), made on the GPU in
+        chunks."""
+        cp = self.cp
+        out = cp.empty(shape, np.uint16)
+        flat = out.reshape(-1)
+        chunk = 1 << 24
+        for start in range(0, flat.size, chunk):
+            n = min(chunk, flat.size - start)
+            bits = self.device_rng.standard_normal(n, dtype=np.float32).view(np.uint32)
+            flat[start:start + n] = ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
+        return out
+
+    def scattered_tables(self, num_seqs: int, seq_len: int):
+        width = -(-seq_len // BLOCK_SIZE)
+        ids = self.rng.permutation(self.num_blocks)[:num_seqs * width]
+        return ids.reshape(num_seqs, width).astype(np.int32)
+
+    def gpu_time_us(self, launch) -> float:
+        """Median GPU time of one launch() in microseconds."""
+        cp = self.cp
+        for _ in range(WARMUP):
+            launch()
+        stream = cp.cuda.get_current_stream()
+        stream.synchronize()
+        self._spin((1,), (1,), (np.int64(SPIN_CYCLES),))  # the runs queue up behind it
+        pairs = []
+        for _ in range(self.runs):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            launch()
+            end.record(stream)
+            pairs.append((start, end))
+        pairs[-1][1].synchronize()
+        return 1000.0 * statistics.median(cp.cuda.get_elapsed_time(s, e) for s, e in pairs)
+
+    def run_attention(self, inputs, out, *, kernel, num_splits, max_seq_len, max_query_len):
+        q, tables, seq_lens, query_start_loc = inputs
+        attention.paged_attention(q, self.k_pool, self.v_pool, tables, seq_lens, query_start_loc,
+                                  out, scale=HEAD_DIM ** -0.5, max_query_len=max_query_len,
+                                  max_seq_len=max_seq_len, num_splits=num_splits,
+                                  partial_out=self.partial_out, partial_lse=self.partial_lse,
+                                  kernel=kernel)
+
+    # ---- cases -----------------------------------------------------------------------
+    def decode_case(self, num_seqs: int, context: int) -> dict:
+        cp = self.cp
+        tables_host = self.scattered_tables(num_seqs, context)
+        q = self.random_bf16((num_seqs, NUM_HEADS, HEAD_DIM))
+        inputs = (q, cp.asarray(tables_host), cp.full(num_seqs, context, np.int32),
+                  cp.arange(num_seqs + 1, dtype=np.int32))
+        group = NUM_HEADS // NUM_KV_HEADS
+        variants = {  # name: (kernel, num_splits, max_seq_len)
+            "old": ("scalar", old_decode_splits(num_seqs, NUM_KV_HEADS, group, context, self.num_sms), context),
+            "new": ("auto", new_decode_splits(num_seqs, context, self.num_sms), context),
+            "old graph": ("scalar", old_decode_splits(num_seqs, NUM_KV_HEADS, group, MAX_MODEL_LEN,
+                                                      self.num_sms), None),
+            "new graph": ("auto", new_decode_splits(num_seqs, MAX_MODEL_LEN, self.num_sms), None),
+        }
+        result = dict(case=f"decode b={num_seqs} ctx={context}", kind="decode", batch=num_seqs,
+                      context=context, new_tokens=1, splits={}, us={}, max_diff_vs_old={},
+                      max_err_vs_reference={})
+        outputs = {}
+        for name, (kernel, splits, max_seq_len) in variants.items():
+            out = cp.empty((num_seqs, NUM_HEADS * HEAD_DIM), np.uint16)
+            def launch(out=out, kernel=kernel, splits=splits, max_seq_len=max_seq_len):
+                self.run_attention(inputs, out, kernel=kernel, num_splits=splits,
+                                   max_seq_len=max_seq_len, max_query_len=1)
+            result["splits"][name] = splits
+            result["us"][name] = self.gpu_time_us(launch)
+            outputs[name] = bits_to_float32(cp, out)
+        self.compare(result, outputs, lambda: decode_reference(
+            cp, bits_to_float32(cp, q), gather_dense(cp, self.k_pool, inputs[1], context),
+            gather_dense(cp, self.v_pool, inputs[1], context), HEAD_DIM ** -0.5)
+            if num_seqs <= REFERENCE_MAX_BATCH else None)
+        return result
+
+    def prefill_case(self, cached: int, num_new: int) -> dict:
+        cp = self.cp
+        seq_len = cached + num_new
+        tables = cp.asarray(self.scattered_tables(1, seq_len))
+        q = self.random_bf16((num_new, NUM_HEADS, HEAD_DIM))
+        inputs = (q, tables, cp.full(1, seq_len, np.int32), cp.asarray(np.array([0, num_new], np.int32)))
+        name = f"prefill {num_new}" + (f" after {cached}" if cached else "")
+        result = dict(case=name, kind="prefill", batch=1, context=seq_len, new_tokens=num_new,
+                      splits={}, us={}, max_diff_vs_old={}, max_err_vs_reference={})
+        outputs = {}
+        for variant, kernel in (("old", "scalar"), ("new", "auto")):
+            out = cp.empty((num_new, NUM_HEADS * HEAD_DIM), np.uint16)
+            def launch(out=out, kernel=kernel):
+                self.run_attention(inputs, out, kernel=kernel, num_splits=1,
+                                   max_seq_len=seq_len, max_query_len=num_new)
+            result["splits"][variant] = 1
+            result["us"][variant] = self.gpu_time_us(launch)
+            outputs[variant] = bits_to_float32(cp, out)
+        self.compare(result, outputs, lambda: prefill_reference(
+            cp, bits_to_float32(cp, q), gather_dense(cp, self.k_pool, tables, seq_len)[0],
+            gather_dense(cp, self.v_pool, tables, seq_len)[0], HEAD_DIM ** -0.5))
+        return result
+
+    def compare(self, result, outputs, reference):
+        cp = self.cp
+        for name, out in outputs.items():
+            if name != "old":
+                result["max_diff_vs_old"][name] = max_abs_diff(cp, out, outputs["old"])
+        expected = reference()
+        if expected is not None:
+            for name, out in outputs.items():
+                result["max_err_vs_reference"][name] = max_abs_diff(cp, out, expected)
+
+
+# ------------------------------------------------------------------------ report
+
+def print_table(results, file=None):
+    file = file or sys.stdout
+    print("\nattention kernels, GPU us per call (median); diff: max |new - old| of the bf16 "
+          "outputs; err: max |x - float32 reference|", file=file)
+    header = (f"{'case':<24}{'old':>10}{'new':>10}{'speedup':>9}{'old graph':>11}{'new graph':>11}"
+              f"{'speedup':>9}{'splits o/n/og/ng':>18}{'diff':>9}{'err old':>9}{'err new':>9}")
+    print(header, file=file)
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
+            continue
+        us, splits = r["us"], r["splits"]
+        speed = us["old"] / us["new"] if us.get("new") else float("nan")
+        graph = (us["old graph"] / us["new graph"]) if "new graph" in us else None
+        split_text = "/".join(str(splits[v]) for v in DECODE_VARIANTS if v in splits)
+        err = r["max_err_vs_reference"]
+        print(f"{r['case']:<24}{us['old']:>10.1f}{us['new']:>10.1f}{speed:>8.1f}x"
+              f"{(format(us['old graph'], '.1f') if 'old graph' in us else '-'):>11}"
+              f"{(format(us['new graph'], '.1f') if 'new graph' in us else '-'):>11}"
+              f"{(format(graph, '.1f') + 'x' if graph else '-'):>9}{split_text:>18}"
+              f"{max(r['max_diff_vs_old'].values()):>9.2g}"
+              f"{(format(err['old'], '.2g') if 'old' in err else '-'):>9}"
+              f"{(format(max(v for k, v in err.items() if k != 'old'), '.2g') if len(err) > 1 else '-'):>9}",
+              file=file)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per kernel (median)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from .device import check_cuda_device, device_name, import_cupy
+    check_cuda_device()
+    cupy = import_cupy()
+    started = time.perf_counter()
+    bench = Bench(cupy, args.runs, args.seed)
+    report = dict(gpu=device_name(cupy.cuda.Device()), num_sms=bench.num_sms,
+                  shape=dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                             block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN),
+                  runs=args.runs, seed=args.seed, setup_s=None, results=[])
+    compile_started = time.perf_counter()
+    for name in ("paged_attention_dpl2", "decode_attention_d64_g4", "prefill_attention_d64",
+                 "attention_combine_kernel"):
+        attention.get_kernel("attention", name)
+    report["compile_s"] = time.perf_counter() - compile_started
+    report["setup_s"] = time.perf_counter() - started
+    print(f"{report['gpu']}: {bench.num_sms} SMs; setup {report['setup_s']:.1f} s (attention.cu "
+          f"compile {report['compile_s']:.1f} s)", file=sys.stderr)
+    cases = [("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+    cases += [("prefill", cached, n) for cached, n in PREFILLS]
+    for kind, x, y in cases:
+        try:
+            result = bench.decode_case(x, y) if kind == "decode" else bench.prefill_case(x, y)
+        except Exception as e:  # keep going: one failing case must not hide the others
+            label = f"decode b={x} ctx={y}" if kind == "decode" else f"prefill {y} after {x}"
+            result = dict(case=label, kind=kind, error=f"{type(e).__name__}: {e}"[:300])
+        report["results"].append(result)
+        print(json.dumps(result), file=sys.stderr)
+    report["total_s"] = time.perf_counter() - started
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        path = Path(out_dir) / "attention_bench.json"
+        path.write_text(json.dumps(report, indent=1))
+        print(f"wrote {path}", file=sys.stderr)
+    print_table(report["results"])
+    return 1 if any("error" in r for r in report["results"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Attention kernel selection, split arithmetic and the build of attention.cu (registers,
+spills), without a GPU. The kernels' numbers are tested against the reference in
+test_cuda_ops.py on a GPU machine."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cupy_llama.backends.cuda import attention
+from cupy_llama.backends.cuda.attention import attention_plan, choose_decode_splits, split_length
+from cupy_llama.backends.cuda.kernels import CUDA_SRC, module_source
+
+H200_SMS = 132
+
+
+def plan(**overrides):
+    """Llama-3.2-1B shape by default: 32 query heads, 8 kv heads, head_dim 64, block 16."""
+    args = dict(num_seqs=4, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16,
+                max_query_len=1, num_splits=1)
+    args.update(overrides)
+    return attention_plan(**args)
+
+
+def test_decode_batches_take_the_decode_kernel():
+    p = plan(num_seqs=3, num_splits=5)
+    assert p.kernel == "decode_attention_d64_g4"
+    assert p.grid == (5, 8, 3) and p.block == 128 and p.shared_mem == 0
+    # the smallest instantiated group bound that holds the group
+    for group, bound in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
+        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128).kernel
+        assert got == f"decode_attention_d128_g{bound}", (group, got)
+
+
+def test_prefill_batches_take_the_tensor_core_kernel():
+    p = plan(num_seqs=2, max_query_len=1000)
+    assert p.kernel == "prefill_attention_d64"
+    assert p.grid == (-(-1000 * 4 // 64), 8, 2)  # rows are (token, head of the group) pairs
+    assert p.shared_mem == 2 * (64 + 4 * 64) * (64 + 8) <= 48 * 1024
+    p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
+    assert p.kernel == "prefill_attention_d128" and p.grid[0] == 1
+    assert p.shared_mem == 2 * (64 + 4 * 64) * (128 + 8)
+    # more than 8 heads per kv head: decode rows go through the prefill kernel ...
+    assert plan(num_heads=32, num_kv_heads=2).kernel == "prefill_attention_d64"
+    # ... except when split (the scalar kernel splits any shape)
+    assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=256),
+    dict(block_size=12), dict(block_size=24), dict(aligned=False), dict(kernel="scalar"),
+    dict(kernel="scalar", max_query_len=300)])
+def test_other_shapes_fall_back_to_the_scalar_kernel(overrides):
+    p = plan(**overrides)
+    head_dim = overrides.get("head_dim", 64)
+    assert p.kernel == f"paged_attention_dpl{attention.dims_per_lane(head_dim)}"
+    assert p.shared_mem == attention.smem_bytes(head_dim)
+
+
+def test_plan_rejects_an_unknown_kernel_choice():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        plan(kernel="fast")
+
+
+def test_decode_split_choice():
+    # batch 1, context 512: 8 ranges of 64 keys (64 CTAs), not 32 nearly empty ones
+    assert choose_decode_splits(1, 8, 4, 512, H200_SMS, 32) == 8
+    assert choose_decode_splits(1, 8, 4, 8192, H200_SMS, 32) == 32    # graph bucket 1
+    assert choose_decode_splits(8, 8, 4, 2048, H200_SMS, 32) == 9     # ~4 CTAs per SM
+    assert choose_decode_splits(256, 8, 4, 2048, H200_SMS, 32) == 1   # the batch fills the GPU
+    assert choose_decode_splits(4, 8, 4, 40, H200_SMS, 32) == 1       # too short to split
+    for num_seqs in (1, 2, 7, 64, 300):
+        for max_seq_len in (1, 63, 64, 1000, 131072):
+            n = choose_decode_splits(num_seqs, 8, 4, max_seq_len, H200_SMS, 16)
+            assert 1 <= n <= 16 and (n == 1 or n * attention.MIN_SPLIT_LEN <= max_seq_len)
+
+
+def test_split_lengths_cover_every_key_without_empty_splits():
+    for max_seq_len in list(range(0, 300)) + [1327, 2047, 4098, 4099, 8192, 131071]:
+        for wanted in (1, 2, 3, 7, 8, 32):
+            split_len, num_splits = split_length(max_seq_len, wanted)
+            assert split_len % attention.SPLIT_ALIGN == 0 and split_len > 0
+            assert 1 <= num_splits <= wanted
+            assert split_len * num_splits >= max_seq_len
+            assert (num_splits - 1) * split_len < max(1, max_seq_len), (max_seq_len, wanted)
+
+
+def test_workspace_holds_the_largest_split_count():
+    for max_model_len in (16, 64, 1000, 1024, 8192, 131072):
+        splits = attention.max_decode_splits(max_model_len)
+        assert 1 <= splits <= attention.MAX_SPLITS
+        out, lse = attention.workspace_sizes(3, 32, 64, max_model_len)
+        assert (out, lse) == (3 * 32 * splits * 64, 3 * 32 * splits)
+        # the graph path asks for choose_decode_splits(..., max_model_len, ..., splits)
+        assert choose_decode_splits(1, 1, 1, max_model_len, H200_SMS, splits) <= splits
+
+
+def test_python_constants_match_the_cuda_source():
+    source = (CUDA_SRC / "attention.cu").read_text()
+    defines = dict(re.findall(r"^#define (\w+) (\d+)\b", source, flags=re.M))
+    assert int(defines["SPLIT_ALIGN"]) == attention.SPLIT_ALIGN
+    assert int(defines["DECODE_THREADS"]) == attention.DECODE_THREADS
+    assert int(defines["PREFILL_THREADS"]) == attention.PREFILL_THREADS
+    assert int(defines["PREFILL_ROWS"]) == attention.PREFILL_ROWS
+    assert int(defines["PREFILL_KEYS"]) == attention.PREFILL_KEYS
+    assert int(defines["KEY_TILE"]) == attention.KEY_TILE
+    for group in attention.DECODE_GROUPS:
+        for head_dim in attention.FAST_HEAD_DIMS:
+            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group})" in source
+    for head_dim in attention.FAST_HEAD_DIMS:
+        assert f"DEFINE_PREFILL_ATTENTION({head_dim})" in source
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fast_kernels_build_without_spills(tmp_path, arch):
+    source = tmp_path / "attention.cu"
+    source.write_text(module_source("attention"))
+    cubin = tmp_path / "attention.cubin"
+    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+                             "-o", str(cubin), str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = {}  # kernel -> (registers, spill store bytes)
+    for name, body in re.findall(r"Function properties for (\w+)\n(.*?)(?=ptxas info\s+: Function|\Z)",
+                                 result.stderr, flags=re.S):
+        spills = int(re.search(r"(\d+) bytes spill stores", body).group(1))
+        registers = int(re.search(r"Used (\d+) registers", body).group(1))
+        report[name] = (registers, spills)
+    symbols = cubin.read_bytes()
+    wanted = [f"decode_attention_d{d}_g{g}" for d in attention.FAST_HEAD_DIMS
+              for g in attention.DECODE_GROUPS]
+    wanted += [f"prefill_attention_d{d}" for d in attention.FAST_HEAD_DIMS]
+    for kernel in wanted:
+        assert kernel.encode() + b"\0" in symbols, f"{kernel} missing from the {arch} build"
+        assert kernel in report, f"no ptxas report for {kernel}: {result.stderr[-2000:]}"
+        registers, spills = report[kernel]
+        assert spills == 0, f"{kernel} ({arch}) spills {spills} bytes with {registers} registers"
+
+
+# ------------------------------------------------ attention_bench's pure parts on NumPy
+
+def test_bench_references_match_the_numpy_ops():
+    import numpy as np
+    from cupy_llama.backends.base import ForwardBatch
+    from cupy_llama.backends.cuda import attention_bench as bench
+    from cupy_llama.backends.numpy_ops import NumpyOps
+    from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, nkv, nh, d = 40, 16, 2, 6, 16
+    k_bits = float32_to_bf16_bits(rng.standard_normal((num_blocks, block_size, nkv, d), dtype=np.float32))
+    v_bits = float32_to_bf16_bits(rng.standard_normal((num_blocks, block_size, nkv, d), dtype=np.float32))
+    k, v = bf16_bits_to_float32(k_bits), bf16_bits_to_float32(v_bits)
+    tables = rng.permutation(num_blocks)[:3 * 5].reshape(3, 5).astype(np.int32)
+
+    def reference(q, seq_lens, starts, table_rows):
+        batch = ForwardBatch(token_ids=np.zeros(q.shape[0], np.int32), positions=np.zeros(q.shape[0], np.int32),
+                             slot_mapping=np.zeros(q.shape[0], np.int32), query_start_loc=starts,
+                             seq_lens=seq_lens, block_tables=table_rows,
+                             max_query_len=int(np.diff(starts).max()), max_seq_len=int(seq_lens.max()))
+        out = np.empty((q.shape[0], nh * d), np.float32)
+        NumpyOps().attention(q, k, v, batch, d ** -0.5, out)
+        return out
+
+    q = rng.standard_normal((3, nh, d), dtype=np.float32)
+    got = bench.decode_reference(np, q, bench.gather_dense(np, k_bits, tables, 70),
+                                 bench.gather_dense(np, v_bits, tables, 70), d ** -0.5)
+    expected = reference(q, np.full(3, 70, np.int32), np.arange(4, dtype=np.int32), tables)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    q = rng.standard_normal((30, nh, d), dtype=np.float32)  # the last 30 of 75 positions
+    got = bench.prefill_reference(np, q, bench.gather_dense(np, k_bits, tables[:1], 75)[0],
+                                  bench.gather_dense(np, v_bits, tables[:1], 75)[0], d ** -0.5)
+    expected = reference(q, np.array([75], np.int32), np.array([0, 30], np.int32), tables[:1])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_split_rules_and_table(capsys):
+    from cupy_llama.backends.cuda import attention_bench as bench
+    # the rule the scalar kernel shipped with (16 rows per CTA, 256 keys per split, 2 CTAs per SM)
+    assert bench.old_decode_splits(1, 8, 4, 512, H200_SMS) == 2
+    assert bench.old_decode_splits(1, 8, 4, 8192, H200_SMS) == 32
+    assert bench.old_decode_splits(64, 8, 4, 2048, H200_SMS) == 1
+    assert bench.new_decode_splits(1, 512, H200_SMS) == 8
+    results = [
+        dict(case="decode b=1 ctx=512", us={"old": 40.0, "new": 5.0, "old graph": 30.0, "new graph": 6.0},
+             splits={"old": 2, "new": 8, "old graph": 32, "new graph": 32},
+             max_diff_vs_old={"new": 0.004, "new graph": 0.004},
+             max_err_vs_reference={"old": 0.003, "new": 0.002, "new graph": 0.002}),
+        dict(case="prefill 1024", us={"old": 900.0, "new": 30.0}, splits={"old": 1, "new": 1},
+             max_diff_vs_old={"new": 0.004}, max_err_vs_reference={}),
+        dict(case="decode b=256 ctx=2048", error="CUDARuntimeError: out of memory"),
+    ]
+    bench.print_table(results)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5
+    assert "8.0x" in lines[2] and "5.0x" in lines[2] and "2/8/32/32" in lines[2]
+    assert "30.0x" in lines[3]
+    assert "FAILED" in lines[4]
