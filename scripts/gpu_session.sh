@@ -5,7 +5,8 @@
 #
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
-# Steps: selftest gpu_tests compare_1b engine_1b info_1b perf bench bench_hf demo
+# Steps: selftest gpu_tests attention_bench perf bench compare_1b engine_1b info_1b demo
+# bench_hf
 # (demo needs DEMO_GGUF: builds the demo model, compares it with transformers, runs the
 # engine checks and the CLI on it).
 OUT=${OUT:-out}
@@ -35,12 +36,12 @@ M1B=$WORK/m1b
 [ -d "$M1B" ] || step make_1b 300 python3 scripts/make_random_model.py "$M1B" --preset llama-3.2-1b
 wants selftest && step selftest 300 python3 -m cupy_llama.backends.cuda.selftest
 wants gpu_tests && step gpu_tests 400 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider
+wants attention_bench && step attention_bench 240 python3 -m cupy_llama.backends.cuda.attention_bench
+wants perf && step perf 300 python3 -m cupy_llama.backends.cuda.perf "$M1B"
+wants bench && step bench 300 python3 -m cupy_llama.cli bench all --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
 wants compare_1b && step compare_1b 400 python3 scripts/compare_hf.py "$M1B" --json "$OUT/compare_1b.json"
 wants engine_1b && step engine_1b 300 python3 scripts/gpu_engine_checks.py "$M1B" --json "$OUT/engine_1b.json"
 wants info_1b && step info_1b 120 python3 -m cupy_llama.cli info --model "$M1B" --device cuda
-wants perf && step perf 300 python3 -m cupy_llama.backends.cuda.perf "$M1B"
-wants bench && step bench 400 python3 -m cupy_llama.cli bench all --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
-wants bench_hf && step bench_hf 560 python3 -m cupy_llama.cli bench all --hf --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_hf_h200.json"
 if wants demo && [ -n "$DEMO_GGUF" ]; then
   [ -d "$WORK/demo" ] || step fetch_demo 300 python3 -m cupy_llama.cli fetch-demo --gguf "$DEMO_GGUF" --out "$WORK/demo" --no-check
   step compare_demo 300 python3 scripts/compare_hf.py "$WORK/demo" --chat --json "$OUT/compare_demo.json"
@@ -48,5 +49,6 @@ if wants demo && [ -n "$DEMO_GGUF" ]; then
   step cli_chat 120 bash -c "echo 'What is the capital of France?' | python3 -m cupy_llama.cli chat --model '$WORK/demo' --temperature 0"
   step cli_generate 120 python3 -m cupy_llama.cli generate --model "$WORK/demo" --input examples/requests.jsonl --temperature 0
 fi
+wants bench_hf && step bench_hf 240 bash -c "python3 -m cupy_llama.cli bench latency --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_latency_hf_h200.json' && python3 -m cupy_llama.cli bench ttft --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_ttft_hf_h200.json'"
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
