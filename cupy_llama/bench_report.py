@@ -1,0 +1,175 @@
+"""The report of `cupy-llama bench`: speed-ups, where the run happened, and the table."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+def add_ratios(results: dict) -> None:
+    """How many times faster cupy-llama is, per mode (None where a side is missing)."""
+    def ratio(ours, theirs):
+        return ours / theirs if ours and theirs else None
+
+    for mode, sides in results.items():
+        ours, theirs = sides["cupy_llama"], sides.get("transformers") or {}
+        if "error" in theirs:
+            continue
+        if mode == "throughput":
+            sides["speedup"] = ratio(ours["output_tok_s"], theirs.get("output_tok_s"))
+        elif mode == "latency":
+            sides["speedup"] = ratio(ours["tok_s"], theirs.get("tok_s"))
+        elif mode == "ttft":
+            sides["speedup"] = {str(a["prompt_tokens"]): ratio(b["ttft_ms"], a["ttft_ms"])
+                                for a, b in zip(ours["prompts"], theirs.get("prompts", []))}
+        elif mode == "decode-sweep":
+            sides["speedup"] = {str(a["batch"]): ratio(a["tok_s"], b["tok_s"])
+                                for a, b in zip(ours["rows"], theirs.get("rows", []))}
+
+
+# ---- what the report says about the run ---------------------------------------------------
+
+def commit_info(explicit: str | None) -> dict:
+    """The commit: `git rev-parse HEAD` of this source tree (marked -dirty with uncommitted
+    changes), else --commit, else $CUPY_LLAMA_COMMIT."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / ".git").exists():
+        try:
+            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                                  capture_output=True, text=True, timeout=10)
+            status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                     "--untracked-files=no"], capture_output=True, text=True,
+                                    timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            head = None
+        if head is not None and head.returncode == 0 and head.stdout.strip():
+            dirty = "-dirty" if status.returncode == 0 and status.stdout.strip() else ""
+            return {"commit": head.stdout.strip() + dirty, "commit_source": "git"}
+    if explicit:
+        return {"commit": explicit, "commit_source": "--commit"}
+    if os.environ.get("CUPY_LLAMA_COMMIT"):
+        return {"commit": os.environ["CUPY_LLAMA_COMMIT"], "commit_source": "CUPY_LLAMA_COMMIT"}
+    return {"commit": "unknown", "commit_source": "none"}
+
+
+def environment(device: str, hf: bool) -> dict:
+    from . import __version__
+    env = {"cupy_llama": __version__, "python": platform.python_version(),
+           "numpy": np.__version__, "platform": platform.platform()}
+    if device == "cuda":
+        import cupy
+        env.update(cupy=cupy.__version__, cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(),
+                   cuda_driver=cupy.cuda.runtime.driverGetVersion())
+    if hf:
+        import torch
+        import transformers
+        env.update(torch=torch.__version__, transformers=transformers.__version__,
+                   torch_cuda=torch.version.cuda)
+    return env
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+def format_table(report: dict) -> str:
+    """A short summary of the report: one row per number, both engines side by side."""
+    rows = [("", "", "cupy-llama", "transformers", "speed-up")]
+    results, timings = report["results"], report["timings"]
+    for mode in results:  # in the order the modes ran
+        rows += TABLE_ROWS[mode](results[mode])
+    hf = report.get("transformers")
+    columns = 5 if hf else 3
+    width = [max(len(r[i]) for r in rows) for i in range(columns)]
+    lines = [f"cupy-llama bench on {report['device']['name']} ({report['device']['kind']}), "
+             f"commit {_short(report['commit'])}, model {_model_name(report['model'])}",
+             f"load {timings['load_s']:.2f} s, warm-up {timings['warmup_s']:.2f} s"]
+    if hf:
+        lines.append(f"transformers {hf['version']} ({hf['attn_implementation']} attention, "
+                     f"{hf['dtype']}), loaded in {hf['load_s']:.2f} s")
+    for r in rows:
+        cells = [f"{r[0]:<{width[0]}}", f"{r[1]:<{width[1]}}"]
+        cells += [f"{r[i]:>{width[i]}}" for i in range(2, columns)]
+        lines.append("  ".join(cells).rstrip())
+    lines += _memory_lines(report["memory"])
+    return "\n".join(lines)
+
+
+def _short(commit: str) -> str:
+    sha, dirty, _ = commit.partition("-dirty")
+    return sha[:12] + dirty
+
+
+def _model_name(model: dict) -> str:
+    kind = f"random {model['random_preset']}" if model["random_preset"] else model["dir"]
+    n = model["num_parameters"]
+    size = f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    return f"{kind} ({size} parameters)"
+
+
+def _num(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _throughput_rows(r: dict) -> list:
+    ours, theirs = r["cupy_llama"], r.get("transformers") or {}
+    return [("throughput", "output tok/s", _num(ours["output_tok_s"]),
+             _num(theirs.get("output_tok_s")) if "error" not in theirs else "failed",
+             _x(r.get("speedup"))),
+            ("", "total tok/s", _num(ours["total_tok_s"]), _num(theirs.get("total_tok_s")), ""),
+            ("", "requests/s", _num(ours["requests_s"], 2), _num(theirs.get("requests_s"), 2), ""),
+            ("", "wall time (s)", _num(ours["wall_s"], 2), _num(theirs.get("wall_s"), 2), "")]
+
+
+def _latency_rows(r: dict) -> list:
+    ours, theirs = r["cupy_llama"], r.get("transformers") or {}
+    return [("latency", "decode tok/s, batch 1", _num(ours["tok_s"], 1),
+             _num(theirs.get("tok_s"), 1) if "error" not in theirs else "failed",
+             _x(r.get("speedup"))),
+            ("", "ms per token", _num(ours["ms_per_token"], 3),
+             _num(theirs.get("ms_per_token"), 3), ""),
+            ("", f"of the bandwidth floor ({_num(ours['floor_tok_s'])} tok/s)",
+             f"{100 * ours['fraction_of_floor']:.1f}%", "", "")]
+
+
+def _ttft_rows(r: dict) -> list:
+    ours, theirs = r["cupy_llama"], r.get("transformers") or {}
+    speedup = r.get("speedup") or {}
+    theirs_ms = {row["prompt_tokens"]: row["ttft_ms"] for row in theirs.get("prompts", [])}
+    return [("ttft" if i == 0 else "", f"{row['prompt_tokens']}-token prompt (ms)",
+             _num(row["ttft_ms"], 2), _num(theirs_ms.get(row["prompt_tokens"]), 2),
+             _x(speedup.get(str(row["prompt_tokens"]))))
+            for i, row in enumerate(ours["prompts"])]
+
+
+def _sweep_rows(r: dict) -> list:
+    ours, theirs = r["cupy_llama"], r.get("transformers") or {}
+    speedup = r.get("speedup") or {}
+    theirs_rate = {row["batch"]: row["tok_s"] for row in theirs.get("rows", [])}
+    return [("decode-sweep" if i == 0 else "", f"batch {row['batch']} tok/s", _num(row["tok_s"]),
+             _num(theirs_rate.get(row["batch"])), _x(speedup.get(str(row["batch"]))))
+            for i, row in enumerate(ours["rows"])]
+
+
+TABLE_ROWS = {"throughput": _throughput_rows, "latency": _latency_rows, "ttft": _ttft_rows,
+              "decode-sweep": _sweep_rows}
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _memory_lines(memory: dict) -> list[str]:
+    plan = ", ".join(f"{row['name']} {_gib(row['bytes'])}" for row in memory["plan"]
+                     if not row["name"].startswith("pool: "))
+    pool = sum(row["bytes"] for row in memory["plan"] if row["name"].startswith("pool: "))
+    if memory.get("peak_used_bytes") is not None:
+        return [f"memory: peak {_gib(memory['peak_used_bytes'])} in use on the device "
+                f"({_gib(memory['used_before_load_bytes'])} before load): {plan}, buffers "
+                f"{_gib(pool)}, other {_gib(memory['unplanned_bytes'])} (CUDA graphs, cuBLAS, "
+                "kernels)"]
+    return [f"memory: peak RSS {_gib(memory.get('peak_rss_bytes'))}: {plan}"]
