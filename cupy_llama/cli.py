@@ -136,8 +136,9 @@ def chat(model_dir, device, system, **options):
     from .chat_ui import ChatSession, run_once, run_terminal
     from .sampling import SamplingParams, model_sampling_defaults
 
-    llm = _load(model_dir or _demo_model_dir(), device, _given(options, ENGINE_NAMES))
     values = {"max_tokens": CHAT_MAX_TOKENS, **_given(options, SAMPLING_NAMES)}
+    SamplingParams.from_dict(values)  # a bad option fails here, before the model loads
+    llm = _load(model_dir or _demo_model_dir(), device, _given(options, ENGINE_NAMES))
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
     session = ChatSession(llm, params, system)
     if not sys.stdin.isatty():
@@ -185,11 +186,13 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
     format = format_of(input_path, input_format)
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
     requests = read_requests(data, format)
-    llm = _load(model_dir, device, _given(options, ENGINE_NAMES))
     defaults = _given(options, SAMPLING_NAMES)
     defaults["stop"] = list(defaults.get("stop", ()))
     if not defaults["stop"]:
         del defaults["stop"]
+    from .sampling import SamplingParams
+    SamplingParams.from_dict(defaults)  # a bad option fails here, before the model loads
+    llm = _load(model_dir, device, _given(options, ENGINE_NAMES))
     if output_path == "-":
         return _run_generate(llm, requests, sys.stdout, defaults)
     try:
@@ -386,6 +389,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return EXIT_INTERRUPTED
+    except SystemExit as e:
+        # click ends with exit(1) when stdout is a closed pipe (`... | head -1`), after
+        # wrapping stdout so later flushes stay quiet; the reader has what it wanted,
+        # which is not an error
+        if type(sys.stdout).__name__.endswith("PacifyFlushWrapper"):
+            return EXIT_OK
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
     except click.ClickException as e:
         e.show()
         return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code

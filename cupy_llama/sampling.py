@@ -4,10 +4,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from .errors import RequestError
 
 # Fields a request may set; a request that leaves one out takes the model's default
 # (generation_config.json) or, failing that, the dataclass default.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 
 
@@ -32,11 +35,16 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
                 raise RequestError(f"{name} must be {rule}, got {value!r}")
 
-        number("temperature", self.temperature, lambda v: v >= 0, "a number >= 0 (0 means greedy)")
-        number("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
+        # the device works in float32 and int32: a value must survive that conversion
+        number("temperature", self.temperature, lambda v: 0 <= v <= FLOAT32_MAX,
+               "a number >= 0 (0 means greedy) that fits a float32")
+        number("top_p", self.top_p, lambda v: 0 < np.float32(v) and v <= 1,
+               "in (0, 1] and not so small that float32 rounds it to 0")
         number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0 (0 means off), got {self.top_k!r}")
+        if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                or not 0 <= self.top_k < 2**31):
+            raise RequestError(f"top_k must be an integer in [0, 2^31) (0 means off), "
+                               f"got {self.top_k!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

@@ -166,6 +166,7 @@ class Tokenizer:
         split_special_tokens=True reads special-token spellings as ordinary text."""
         if not isinstance(text, str):
             raise RequestError(f"prompt must be a string, got {type(text).__name__}")
+        check_unicode(text, "the prompt")
         backend = self._plain if split_special_tokens else self._backend
         ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._add_bos:
@@ -304,7 +305,18 @@ def validate_messages(messages) -> list[dict]:
             if not isinstance(message[key], str):
                 raise RequestError(f"messages[{index}][{key!r}] must be a string, got "
                                    f"{type(message[key]).__name__}")
+            check_unicode(message[key], f"messages[{index}][{key!r}]")
     return list(messages)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Text must be valid Unicode (no lone surrogates, as undecodable input bytes become)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid text: character {e.start} is "
+                           f"{text[e.start]!r}, which is not valid Unicode (is the input "
+                           f"UTF-8?)") from None
 
 
 # ---- chat template environment (what transformers provides when it renders) -------------

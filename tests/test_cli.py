@@ -163,3 +163,35 @@ def test_unknown_input_format_is_exit_1(model_dir, tmp_path, capsys):
     path.write_text("hi\n")
     assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU]) == 1
     assert "--format" in capsys.readouterr().err
+
+
+def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
+    """Lone surrogates (undecodable input) and out-of-range values are one-line errors for
+    their own line; a bad command-line value fails before the model loads; a closed
+    output pipe is not an error."""
+    import subprocess
+    import sys as _sys
+    from cupy_llama.random_model import make_random_model
+    model = make_random_model(tmp_path / "m", "tiny", seed=0, num_hidden_layers=1)
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"prompt":"ok"}\n{"prompt":"bad \\ud800"}\n{"prompt":"b","top_k":4294967296}\n'
+                     '{"prompt":"c","top_p":1e-46}\n')
+    run = [_sys.executable, "-m", "cupy_llama.cli", "generate", "--model", str(model),
+           "--device", "cpu", "--max-tokens", "2", "--input"]
+    result = subprocess.run(run + [str(jsonl)], capture_output=True, text=True)
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "text" in lines[0]
+    assert "not valid Unicode" in lines[1]["error"]
+    assert "top_k" in lines[2]["error"] and "top_p" in lines[3]["error"]
+
+    bad = subprocess.run(run + [str(jsonl), "--top-k", "3000000000"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: top_k")
+    assert "loading" not in bad.stderr  # refused before the model was read
+
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"prompt {i}\n" for i in range(40)))
+    piped = subprocess.run(" ".join(run + [str(many)]) + " 2>/dev/null | head -1; "
+                           "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
+                           capture_output=True, text=True)
+    assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1

@@ -228,3 +228,38 @@ def test_bad_requests_name_the_value(llm):
         llm.engine.add_request([1], SamplingParams(), request_id="x")
     llm.engine.abort("x")
     assert_all_blocks_free(llm)
+
+
+def test_a_rejected_prompt_leaves_no_request_behind(model_dir):
+    llm = LLM(model_dir, device="cpu", max_model_len=64, log=None)
+    with pytest.raises(RequestError):
+        llm.generate([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4, **GREEDY))
+    assert_all_blocks_free(llm)
+    with pytest.raises(RequestError):
+        list(llm.stream([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4, **GREEDY)))
+    assert_all_blocks_free(llm)
+    outputs = list(llm.stream([5, 6, 7], SamplingParams(max_tokens=3, **GREEDY)))
+    assert {o.request_id for o in outputs} == {outputs[-1].request_id}
+
+
+def test_a_half_read_stream_survives_a_generate_in_between(llm):
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    first, second = prompts(2, seed=11)
+    expected = solo(llm, first, max_tokens=12, **GREEDY)
+    stream = llm.stream(first, params)
+    head = next(stream)
+    other = llm.generate(second, params)
+    assert other.token_ids == solo(llm, second, max_tokens=12, **GREEDY)
+    rest = list(stream)
+    assert rest and rest[-1].finished
+    assert head.delta_token_ids + [t for o in rest for t in o.delta_token_ids] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_abort_from_outside_ends_a_stream(llm):
+    stream = llm.stream(prompts(1, seed=12)[0], SamplingParams(max_tokens=50, **GREEDY))
+    head = next(stream)
+    llm.engine.abort(head.request_id)
+    rest = list(stream)  # must end, not wait forever
+    assert rest[-1].finish_reason == "abort"
+    assert_all_blocks_free(llm)

@@ -115,5 +115,6 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
         keep[order[before >= top_p]] = False
     if min_p > 0.0:
         keep &= probs >= min_p * probs.max()
+    keep[order[0]] = True  # the most likely token always survives
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()

@@ -77,6 +77,8 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
         self.requests: dict[str, _Request] = {}
+        self._undelivered: dict[str, list[RequestOutput]] = {}
+        self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -113,7 +115,10 @@ class LLMEngine:
         if not request.seq.is_finished:
             self.scheduler.abort(request.seq.request_id)
         request.flush_text()
-        return request.output(hold_back=0)
+        output = request.output(hold_back=0)
+        if output.request_id in self._owned:  # a stream()/generate() waits on it: tell it
+            self._undelivered.setdefault(output.request_id, []).append(output)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -164,29 +169,62 @@ class LLMEngine:
         return request.output(hold_back)
 
     # ---- whole requests -------------------------------------------------------------
+    # stream() and generate() may run interleaved on one engine (a stream left half-read
+    # while generate() runs): each takes the outputs of its own requests and leaves the
+    # others' in self._undelivered for their owner.
+    def _add_all(self, prompts: list, params: list[SamplingParams], stream: bool,
+                 ids: list[str]) -> None:
+        for prompt, sampling in zip(prompts, params):
+            ids.append(self.add_request(prompt, sampling, stream=stream))  # ids seen by finally
+            self._owned.add(ids[-1])
+
+    def _outputs_for(self, ids: set[str]) -> list[RequestOutput]:
+        """The next outputs of these requests: waiting ones first, else one engine step."""
+        waiting = [o for rid in ids for o in self._undelivered.pop(rid, [])]
+        if waiting:
+            return waiting
+        mine = []
+        for output in self.step():
+            if output.request_id in ids:
+                mine.append(output)
+            elif output.request_id in self._owned:
+                self._undelivered.setdefault(output.request_id, []).append(output)
+        return mine
+
+    def _close(self, ids: list[str]) -> None:
+        for request_id in ids:
+            self._owned.discard(request_id)
+            self.abort(request_id)
+            self._undelivered.pop(request_id, None)
+
     def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
-        """Add all prompts, then yield outputs as steps produce them. Requests still running
-        when the caller stops iterating are aborted."""
-        ids = [self.add_request(p, sp, stream=True) for p, sp in zip(prompts, params)]
+        """Add all prompts, then yield their outputs as steps produce them. Requests still
+        running when the caller stops iterating are aborted."""
+        ids: list[str] = []
         try:
-            while self.has_unfinished_requests():
-                yield from self.step()
+            self._add_all(prompts, params, True, ids)
+            unfinished = set(ids)
+            while unfinished:
+                for output in self._outputs_for(unfinished):
+                    if output.finished:
+                        unfinished.discard(output.request_id)
+                    yield output
         finally:
-            for request_id in ids:
-                self.abort(request_id)
+            self._close(ids)
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        ids = []
+        ids: list[str] = []
         try:
-            ids = [self.add_request(p, sp, stream=False) for p, sp in zip(prompts, params)]
-            while self.has_unfinished_requests():
-                for output in self.step():
+            self._add_all(prompts, params, False, ids)
+            unfinished = set(ids)
+            while unfinished:
+                for output in self._outputs_for(unfinished):
                     if output.finished:
                         final[output.request_id] = output
+                        unfinished.discard(output.request_id)
         finally:
-            for request_id in ids:
-                self.abort(request_id)
+            self._close(ids)
         return [final[request_id] for request_id in ids]
 
 
