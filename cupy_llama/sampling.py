@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field, fields
-
-import numpy as np
 
 from .errors import RequestError
 
 # Fields a request may set; a request that leaves one out takes the model's default
 # (generation_config.json) or, failing that, the dataclass default.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
+def as_float32(value: float) -> float:
+    """value rounded to float32 (without numpy: the scheduler side imports no numpy)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 
 
@@ -38,7 +43,7 @@ class SamplingParams:
         # the device works in float32 and int32: a value must survive that conversion
         number("temperature", self.temperature, lambda v: 0 <= v <= FLOAT32_MAX,
                "a number >= 0 (0 means greedy) that fits a float32")
-        number("top_p", self.top_p, lambda v: 0 < np.float32(v) and v <= 1,
+        number("top_p", self.top_p, lambda v: v <= 1 and as_float32(v) > 0,
                "in (0, 1] and not so small that float32 rounds it to 0")
         number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
