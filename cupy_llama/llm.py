@@ -10,7 +10,7 @@ from typing import Iterator
 from .config import EngineConfig, ModelConfig
 from .engine.llm_engine import LLMEngine
 from .errors import ConfigError, RequestError
-from .outputs import RequestOutput
+from .outputs import RequestOutput, is_token_id
 from .sampling import SamplingParams, model_sampling_defaults
 from .weights import open_checkpoint
 
@@ -127,8 +127,7 @@ class LLM:
 def _as_prompt_list(prompts) -> tuple[bool, list]:
     if isinstance(prompts, str):
         return True, [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if isinstance(prompts, (list, tuple)) and prompts and all(is_token_id(t) for t in prompts):
         return True, [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return False, list(prompts)

@@ -17,3 +17,8 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def is_token_id(value) -> bool:
+    """An int (Python or NumPy), not a bool."""
+    return not isinstance(value, bool) and hasattr(value, "__index__") and not isinstance(value, str)

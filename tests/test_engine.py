@@ -263,3 +263,11 @@ def test_abort_from_outside_ends_a_stream(llm):
     rest = list(stream)  # must end, not wait forever
     assert rest[-1].finish_reason == "abort"
     assert_all_blocks_free(llm)
+
+
+def test_numpy_integers_are_token_ids(llm):
+    import numpy as np
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    prompt = prompts(1, seed=13)[0]
+    assert llm.generate(list(np.array(prompt, dtype=np.int64)), params).token_ids == \
+        llm.generate(prompt, params).token_ids

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, is_token_id
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -99,14 +99,14 @@ class LLMEngine:
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(is_token_id(t) for t in prompt):
             raise RequestError("a prompt must be a string or a list of token ids (ints)")
+        prompt = [int(t) for t in prompt]
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return list(prompt)
+        return prompt
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(str(request_id), None)
