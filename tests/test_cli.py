@@ -3,23 +3,11 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from cupy_llama import LLM, SamplingParams
+from cupy_llama import SamplingParams
 from cupy_llama.cli import main
 from cupy_llama.random_model import make_random_model
 
 CPU = ["--device", "cpu"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0, std=0.15)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, device="cpu", log=None)
 
 
 def run_generate(model_dir, tmp_path, content: bytes, name="in.jsonl", *extra):
@@ -171,7 +159,6 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
     output pipe is not an error."""
     import subprocess
     import sys as _sys
-    from cupy_llama.random_model import make_random_model
     model = make_random_model(tmp_path / "m", "tiny", seed=0, num_hidden_layers=1)
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text('{"prompt":"ok"}\n{"prompt":"bad \\ud800"}\n{"prompt":"b","top_k":4294967296}\n'

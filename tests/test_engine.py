@@ -7,19 +7,8 @@ import pytest
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import RequestError
-from cupy_llama.random_model import make_random_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0, std=0.15)
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model_dir, device="cpu", log=None)
 
 
 def prompts(count, seed=0, min_len=3, max_len=40):

@@ -28,6 +28,7 @@ class _Request:
         # concatenate to the one-shot decode)
         self.detokenizer = IncrementalDetokenizer(tokenizer) if stream or seq.params.stop else None
         self.text_ids: list[int] = []
+        self.hold_back = max((len(s) for s in seq.params.stop), default=1) - 1
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
@@ -46,11 +47,13 @@ class _Request:
         else:
             self.text += self.detokenizer.flush()
 
-    def output(self, hold_back: int) -> RequestOutput:
-        """Deltas hold back the last `hold_back` characters while a stop string could still
-        be forming, so the user never sees part of one."""
+    def output(self) -> RequestOutput:
+        """Deltas hold back the last `hold_back` characters (one less than the longest stop
+        string) while a stop string could still be forming, so the user never sees part of
+        one."""
         seq = self.seq
-        visible = len(self.text) if seq.is_finished else max(self.num_emitted_chars, len(self.text) - hold_back)
+        visible = len(self.text) if seq.is_finished else max(
+            self.num_emitted_chars, len(self.text) - self.hold_back)
         delta = self.text[self.num_emitted_chars:visible]
         delta_ids = seq.output_token_ids[self.num_emitted_tokens:]
         self.num_emitted_chars = visible
@@ -115,7 +118,7 @@ class LLMEngine:
         if not request.seq.is_finished:
             self.scheduler.abort(request.seq.request_id)
         request.flush_text()
-        output = request.output(hold_back=0)
+        output = request.output()  # finished: nothing is held back
         if output.request_id in self._owned:  # a stream()/generate() waits on it: tell it
             self._undelivered.setdefault(output.request_id, []).append(output)
         return output
@@ -165,8 +168,7 @@ class LLMEngine:
             del self.requests[seq.request_id]
         elif not request.stream:
             return None
-        hold_back = max((len(s) for s in params.stop), default=1) - 1
-        return request.output(hold_back)
+        return request.output()
 
     # ---- whole requests -------------------------------------------------------------
     # stream() and generate() may run interleaved on one engine (a stream left half-read

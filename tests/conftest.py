@@ -1,0 +1,16 @@
+"""Fixtures shared by the engine and CLI tests: one tiny random model per test module and
+an LLM on the NumPy backend."""
+import pytest
+
+from cupy_llama import LLM
+from cupy_llama.random_model import make_random_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("tiny") / "model", "tiny", seed=0, std=0.15)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, device="cpu", log=None)
