@@ -78,8 +78,10 @@ class SamplingParams:
 
 
 def model_sampling_defaults(generation_defaults: dict) -> dict:
-    """generation_config.json's sampling fields as SamplingParams values."""
+    """generation_config.json's sampling fields as SamplingParams values. As in
+    transformers, a model samples only when the file says `do_sample: true`; otherwise
+    (no file, or no do_sample) it decodes greedily."""
     defaults = {k: generation_defaults[k] for k in GENERATION_DEFAULT_FIELDS if k in generation_defaults}
-    if generation_defaults.get("do_sample") is False:
+    if not generation_defaults.get("do_sample", False):
         defaults["temperature"] = 0.0
     return defaults

@@ -260,3 +260,16 @@ def test_numpy_integers_are_token_ids(llm):
     prompt = prompts(1, seed=13)[0]
     assert llm.generate(list(np.array(prompt, dtype=np.int64)), params).token_ids == \
         llm.generate(prompt, params).token_ids
+
+
+def test_model_defaults_sample_only_when_generation_config_says_do_sample(model_dir, llm, tmp_path):
+    """As in transformers: generation_config.json's temperature/top_p apply with
+    do_sample true; without do_sample (or without the file) decoding is greedy."""
+    assert llm.default_sampling_params().temperature == 0.6  # the tiny model says do_sample
+    assert llm.default_sampling_params().top_p == 0.9
+    quiet = tmp_path / "model"
+    shutil.copytree(model_dir, quiet)
+    (quiet / "generation_config.json").write_text(json.dumps({"eos_token_id": 257, "temperature": 0.6}))
+    assert LLM(quiet, device="cpu", log=None).default_sampling_params().temperature == 0
+    (quiet / "generation_config.json").unlink()
+    assert LLM(quiet, device="cpu", log=None).default_sampling_params().temperature == 0
