@@ -1,8 +1,7 @@
 // SiLU-and-mul for the gated MLP.
 // Launch: grid-stride, block (256), grid (min(ceil(T*I/256), 65535)).
 
-// gate_up [T, 2I] (gate first, then up); out [T, I] = silu(gate) * up, with silu(gate)
-// rounded to bf16 before the product, as transformers' bf16 MLP computes it
+// gate_up [T, 2I] (gate first, then up); out [T, I] = silu(gate) * up
 extern "C" __global__ void silu_and_mul_kernel(const bf16* __restrict__ gate_up,
                                                bf16* __restrict__ out, int inter,
                                                long long total) {
@@ -12,6 +11,6 @@ extern "C" __global__ void silu_and_mul_kernel(const bf16* __restrict__ gate_up,
         const int i = (int)(idx - t * inter);
         const float gate = to_float(gate_up[t * 2 * inter + i]);
         const float up = to_float(gate_up[t * 2 * inter + inter + i]);
-        out[idx] = to_bf16(to_float(to_bf16(gate / (1.0f + expf(-gate)))) * up);
+        out[idx] = to_bf16(gate / (1.0f + expf(-gate)) * up);
     }
 }

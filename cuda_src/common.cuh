@@ -13,7 +13,6 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
 
 // round to nearest, ties to even (the same rule as cupy_llama.bf16.float32_to_bf16_bits)
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }

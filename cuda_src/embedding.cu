@@ -18,6 +18,19 @@ extern "C" __global__ void embedding_kernel(const int* __restrict__ token_ids,
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
 }
 
+// The same lookup into a float32 row (the model's residual stream is float32).
+extern "C" __global__ void embedding_f32_kernel(const int* __restrict__ token_ids,
+                                                const bf16* __restrict__ table,
+                                                float* __restrict__ out, int hidden, int vocab) {
+    const int t = blockIdx.x;
+    const int id = token_ids[t];
+    float* dst = out + (long long)t * hidden;
+    const bool valid = id >= 0 && id < vocab;
+    const bf16* src = table + (long long)(valid ? id : 0) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        dst[i] = valid ? to_float(src[i]) : __int_as_float(0x7FC00000);
+}
+
 // out[b, :] = x[indices[b], :] for rows of `width` 16-bit units (a float32 row counts as
 // two units), so one kernel serves bf16 and float32 rows.
 extern "C" __global__ void gather_rows_kernel(const unsigned short* __restrict__ x,

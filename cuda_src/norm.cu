@@ -3,44 +3,69 @@
 // `out` may alias `x`: every element is read (pass 1) before the block barrier inside
 // block_sum, and pass 2 reads and writes each element from the same thread.
 //
-// Rounding follows transformers' bf16 Llama, so greedy decoding picks the same tokens:
-// the residual stream is bf16 (each add rounds), the normalized value is rounded to bf16
-// before it is multiplied by the bf16 weight, and that product is rounded again.
+// The residual stream may be bf16 or float32 (R). The model keeps it in float32: a
+// sublayer's small update added to a large bf16 residual would lose most of its bits.
 
-__device__ __forceinline__ bf16 scale_row_value(float v, float inv_rms, bf16 weight) {
-    return to_bf16(to_float(to_bf16(v * inv_rms)) * to_float(weight));
-}
+__device__ __forceinline__ float load_f(const bf16* p) { return to_float(*p); }
+__device__ __forceinline__ float load_f(const float* p) { return *p; }
+__device__ __forceinline__ void store_f(bf16* p, float v) { *p = to_bf16(v); }
+__device__ __forceinline__ void store_f(float* p, float v) { *p = v; }
+// what a stored value reads back as (the rounding the next layer will see)
+__device__ __forceinline__ float stored(bf16*, float v) { return to_float(to_bf16(v)); }
+__device__ __forceinline__ float stored(float*, float v) { return v; }
 
 // out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H], weight [H]
-extern "C" __global__ void rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
-                                           bf16* out, int hidden, float eps) {
+template <typename R>
+__device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* out,
+                             int hidden, float eps) {
     __shared__ float scratch[WARP_SIZE];
     const long long row = (long long)blockIdx.x * hidden;
     float sum_sq = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = to_float(x[row + i]);
+        const float v = load_f(x + row + i);
         sum_sq += v * v;
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        out[row + i] = scale_row_value(to_float(x[row + i]), inv_rms, weight[i]);
+        out[row + i] = to_bf16(load_f(x + row + i) * inv_rms * to_float(weight[i]));
 }
 
-// residual += x (rounded to bf16), then out = rms_norm(residual) * weight, computed from
-// the stored residual so the next layer sees exactly what was normalized.
+// residual += x, then out = rms_norm(residual) * weight, computed from the stored residual
+// so the next layer sees exactly what was normalized.
+template <typename R>
+__device__ void add_rms_norm_row(const bf16* x, R* residual, const bf16* __restrict__ weight,
+                                 bf16* out, int hidden, float eps) {
+    __shared__ float scratch[WARP_SIZE];
+    const long long row = (long long)blockIdx.x * hidden;
+    float sum_sq = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = stored(residual, load_f(residual + row + i) + to_float(x[row + i]));
+        store_f(residual + row + i, v);
+        sum_sq += v * v;
+    }
+    const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        out[row + i] = to_bf16(load_f(residual + row + i) * inv_rms * to_float(weight[i]));
+}
+
+extern "C" __global__ void rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
+                                           bf16* out, int hidden, float eps) {
+    rms_norm_row(x, weight, out, hidden, eps);
+}
+
+extern "C" __global__ void rms_norm_f32_kernel(const float* x, const bf16* __restrict__ weight,
+                                               bf16* out, int hidden, float eps) {
+    rms_norm_row(x, weight, out, hidden, eps);
+}
+
 extern "C" __global__ void add_rms_norm_kernel(const bf16* x, bf16* residual,
                                                const bf16* __restrict__ weight, bf16* out,
                                                int hidden, float eps) {
-    __shared__ float scratch[WARP_SIZE];
-    const long long row = (long long)blockIdx.x * hidden;
-    float sum_sq = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const bf16 sum = to_bf16(to_float(residual[row + i]) + to_float(x[row + i]));
-        residual[row + i] = sum;
-        const float v = to_float(sum);
-        sum_sq += v * v;
-    }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        out[row + i] = scale_row_value(to_float(residual[row + i]), inv_rms, weight[i]);
+    add_rms_norm_row(x, residual, weight, out, hidden, eps);
+}
+
+extern "C" __global__ void add_rms_norm_f32_kernel(const bf16* x, float* residual,
+                                                   const bf16* __restrict__ weight, bf16* out,
+                                                   int hidden, float eps) {
+    add_rms_norm_row(x, residual, weight, out, hidden, eps);
 }

@@ -1,6 +1,5 @@
 // Token sampling on the device: one CTA per sequence, only the chosen ids leave the GPU.
-// Launch: grid (B), block (SAMPLE_THREADS = 1024). Kernels: sample_kernel (float32 logits),
-// sample_bf16_kernel (bf16 logits).
+// Launch: grid (B), block (SAMPLE_THREADS = 1024).
 //
 // Greedy (temperature <= 0): argmax, lowest index on ties. Otherwise, with
 // w_i = exp((logit_i - max) / temperature) (unnormalized probabilities, max 1), the same
@@ -148,24 +147,21 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
     return result;
 }
 
-// Logits are float32 or bf16 (L); bf16 logits are what a bf16 LM head produces, so ties
-// at bf16 precision resolve to the lowest index as they do in transformers.
-template <typename L>
-__device__ void sample_row(SampleShared& sh, const L* __restrict__ logits, int vocab,
-                           const float* __restrict__ temperature,
-                           const int* __restrict__ top_k, const float* __restrict__ top_p,
-                           const float* __restrict__ min_p,
-                           const unsigned long long* __restrict__ seeds,
-                           const int* __restrict__ steps, int* __restrict__ out_tokens) {
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(
+        const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
+        const int* __restrict__ top_k, const float* __restrict__ top_p,
+        const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
+        const int* __restrict__ steps, int* __restrict__ out_tokens) {
+    __shared__ SampleShared sh;
     const int b = blockIdx.x;
-    const L* row = logits + (long long)b * vocab;
+    const float* row = logits + (long long)b * vocab;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
 
     // argmax, lowest index on ties (NaN never wins)
     float best = neg_inf();
     int best_i = 0x7FFFFFFF;
     for (int i = tid; i < vocab; i += blockDim.x) {
-        const float v = to_float(row[i]);
+        const float v = row[i];
         if (v > best) { best = v; best_i = i; }  // i increases: keeps the first maximum
     }
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -198,11 +194,11 @@ __device__ void sample_row(SampleShared& sh, const L* __restrict__ logits, int v
     const float inv_temp = 1.0f / temp;
     __syncthreads();  // sh.scratch is reused below
 
-    auto key_of = [&](int i) { return order_key(to_float(row[i])); };
+    auto key_of = [&](int i) { return order_key(row[i]); };
     auto weight_of_key = [&](unsigned int key) {
         return expf((key_to_float(key) - max_logit) * inv_temp);
     };
-    auto weight_of = [&](int i) { return expf((to_float(row[i]) - max_logit) * inv_temp); };
+    auto weight_of = [&](int i) { return expf((row[i] - max_logit) * inv_temp); };
     auto every = [](int) { return true; };
 
     // top-k: keep key > k_key, or key == k_key and index <= k_last
@@ -307,17 +303,3 @@ __device__ void sample_row(SampleShared& sh, const L* __restrict__ logits, int v
         if (chosen >= 0) out_tokens[b] = chosen;
     }
 }
-
-#define SAMPLE_KERNEL(name, L)                                                              \
-    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) name(                      \
-            const L* __restrict__ logits, int vocab, const float* __restrict__ temperature, \
-            const int* __restrict__ top_k, const float* __restrict__ top_p,                 \
-            const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,  \
-            const int* __restrict__ steps, int* __restrict__ out_tokens) {                  \
-        __shared__ SampleShared sh;                                                         \
-        sample_row(sh, logits, vocab, temperature, top_k, top_p, min_p, seeds, steps,       \
-                   out_tokens);                                                             \
-    }
-
-SAMPLE_KERNEL(sample_kernel, float)
-SAMPLE_KERNEL(sample_bf16_kernel, bf16)

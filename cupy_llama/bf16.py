@@ -22,10 +22,3 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 values that bf16 can represent exactly (the nearest ones)."""
     return bf16_bits_to_float32(float32_to_bf16_bits(x))
-
-
-def to_host_float32(array) -> np.ndarray:
-    """A NumPy float32 copy of a host or device array holding float32 or bf16 bits (the
-    CUDA backend's activations and logits are bf16)."""
-    host = array.get() if hasattr(array, "get") else np.asarray(array)
-    return bf16_bits_to_float32(host) if host.dtype == np.uint16 else host.astype(np.float32)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from cupy_llama.backends.base import ForwardBatch
-from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits, to_host_float32
+from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.backends.cuda.graphs import decode_buckets
 
 
@@ -187,11 +187,11 @@ def test_graph_decode_matches_eager(model, rng, skinny):
                 batch = seqs.batch(counts)
                 what = f"{skinny}: {len(members)} sequences, step {step}"
                 expected = cpu.forward(config, batch)
-                replayed = to_host_float32(gpu_backend.forward(config, batch))
-                uncaptured = to_host_float32(gpu_backend.graphs.run_uncaptured(config, batch))
+                replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
+                uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(config, batch))
                 np.testing.assert_array_equal(replayed, uncaptured,
                                               err_msg=f"{what}: replay vs the same launches run eagerly")
-                eager = to_host_float32(eager_forward(gpu_backend, config, batch))
+                eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))
                 assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
                 assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
                 seqs.advance(counts, np.argmax(expected, axis=-1))
@@ -210,6 +210,7 @@ def test_graph_decode_matches_eager(model, rng, skinny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_enforce_eager(model, rng):
+    import cupy
     from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     cpu, gpu_backend = make_backends(model, enforce_eager=True)
@@ -220,8 +221,8 @@ def test_enforce_eager(model, rng):
         counts = {0: 1, 1: 1, 2: 1}
         batch = seqs.batch(counts)
         expected = cpu.forward(config, batch)
-        got = to_host_float32(gpu_backend.forward(config, batch))
-        again = to_host_float32(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
+        got = cupy.asnumpy(gpu_backend.forward(config, batch))
+        again = cupy.asnumpy(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
         np.testing.assert_array_equal(got, again, err_msg="enforce_eager: forward is not the eager pass")
         assert_logits_close(got, expected, REFERENCE_TOLERANCE, "enforce_eager vs CPU")
         seqs.advance(counts, np.argmax(expected, axis=-1))

@@ -117,5 +117,4 @@ class Ops(Protocol):
     def gather_rows(self, x, indices, out) -> None:
         """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
-        """logits [B, V] (what forward returned: float32, or bf16 bits on the GPU) -> host
-        numpy int32 [B] token ids."""
+        """logits [B, V] float32 -> host numpy int32 [B] token ids."""

@@ -18,7 +18,7 @@ def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[s
     qkv_width = config.q_size + 2 * config.kv_size
     return {
         "x": (T, H),                      # a sublayer's output (attention or MLP)
-        "residual": (T, H),               # the residual stream
+        "residual": (T, H),               # the residual stream (float32 on every backend)
         "h": (T, H),                      # normalized input of a sublayer
         "qkv": (T, qkv_width),            # fused projection output
         "q": (T, config.num_attention_heads, config.head_dim),  # rotated queries
@@ -26,14 +26,13 @@ def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[s
         "gate_up": (T, 2 * config.intermediate_size),
         "act": (T, config.intermediate_size),
         "last_h": (B, H),                 # each sequence's last hidden state
-        "last_residual": (B, H),          # and its residual stream
-        "logits": (B, config.vocab_size),
+        "last_residual": (B, H),          # and its residual stream (float32)
+        "logits": (B, config.vocab_size),  # float32
     }
 
 
 def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
-    """Returns logits [B, V] (a backend array, a view of the pool): float32 on the NumPy
-    backend, bf16 on the CUDA backend, whose buffers are all bf16."""
+    """Returns logits [B, V] float32 (a backend array, a view of the pool)."""
     ops, w = backend.ops, backend.weights
     meta = ops.upload(batch)
     buf = backend.buffers(batch.num_tokens, batch.num_seqs)
@@ -59,5 +58,5 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
     ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
     ops.add_rms_norm(buf["last_h"], buf["last_residual"], w["final_norm"], eps, buf["last_h"])
     lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
-    ops.linear(buf["last_h"], lm_head, buf["logits"])  # logits: [B, V]
+    ops.linear(buf["last_h"], lm_head, buf["logits"])  # logits: [B, V] float32
     return buf["logits"]

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...bf16 import round_to_bf16
 from ...config import ModelConfig
 from ...errors import DeviceError
 from ...model.llama import buffer_shapes
@@ -40,9 +39,12 @@ def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-# Every activation, the residual stream and the logits included, is bf16 (uint16 bits):
-# transformers' bf16 Llama rounds there too, and greedy decoding should pick its tokens.
-ACTIVATION_DTYPE = np.uint16
+FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
+
+
+def buffer_dtype(name: str):
+    """The residual stream and the logits are float32; every other activation is bf16."""
+    return np.float32 if name in FLOAT32_BUFFERS else np.uint16
 
 
 def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
@@ -50,7 +52,7 @@ def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
     """Regions of the activation pool by buffer name (shared buffers map to one region),
     plus the split-KV decode workspace; returns (regions, total bytes)."""
     shapes = buffer_shapes(config, max_num_tokens, max_num_seqs)
-    sizes = {name: int(np.prod(shape)) * np.dtype(ACTIVATION_DTYPE).itemsize
+    sizes = {name: int(np.prod(shape)) * np.dtype(buffer_dtype(name)).itemsize
              for name, shape in shapes.items()}
     partial_out, partial_lse = attention_kernels.workspace_sizes(
         max_num_seqs, config.num_attention_heads, config.head_dim, max_model_len)
@@ -91,8 +93,7 @@ class CudaBackend:
         plan, weight_bytes = plan_weight_blob(config)
         self._regions, pool_bytes = plan_pool(config, self.max_num_tokens, max_num_seqs,
                                               max_model_len)
-        # transformers casts cos/sin to the model's dtype before rotating: so do we
-        cos_sin = round_to_bf16(rope_cos_sin(config, max_model_len))
+        cos_sin = rope_cos_sin(config, max_model_len)
         needed = weight_bytes + pool_bytes + cos_sin.nbytes
         if needed > free:
             raise DeviceError(
@@ -160,7 +161,7 @@ class CudaBackend:
 
     def forward(self, config: ModelConfig, batch):
         """One step (model/llama.py): decode batches replay a CUDA graph when graphs are
-        on, everything else runs eagerly. Returns logits [B, V] bf16 (uint16 bits, a pool view)."""
+        on, everything else runs eagerly. Returns logits [B, V] float32 (a pool view)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(config, batch)
         return llama_forward(self, config, batch)
@@ -219,7 +220,7 @@ class CudaBackend:
             if len(self._buffer_views) >= 512:
                 self._buffer_views.clear()
             shapes = buffer_shapes(self.config, num_tokens, num_seqs)
-            views = {name: self._region_view(name, ACTIVATION_DTYPE, shape)
+            views = {name: self._region_view(name, buffer_dtype(name), shape)
                      for name, shape in shapes.items()}
             self._buffer_views[key] = views
         return dict(views)
@@ -229,7 +230,7 @@ class CudaBackend:
         config = self.config
         rows = [("weights", int(self._blob.nbytes),
                  f"{config.num_parameters / 1e9:.3f} B parameters, bf16, one allocation"),
-                ("rope cos/sin", int(self.cos_sin.nbytes), f"[{self.max_model_len}, {config.head_dim}] float32 (bf16 values)")]
+                ("rope cos/sin", int(self.cos_sin.nbytes), f"[{self.max_model_len}, {config.head_dim}] float32")]
         shapes = buffer_shapes(config, self.max_num_tokens, self.max_num_seqs)
         seen = set()
         for name, region in self._regions.items():
@@ -240,7 +241,7 @@ class CudaBackend:
                 note = "shared by " + " and ".join(
                     f"{n} {list(shapes[n])}" for n in region.names) + " (disjoint lifetimes)"
             elif name in shapes:
-                note = f"{list(shapes[name])} bf16"
+                note = f"{list(shapes[name])} {np.dtype(buffer_dtype(name)).name}"
             else:
                 note = "split-KV decode workspace, float32"
             rows.append(("pool: " + "/".join(region.names), region.nbytes, note))

@@ -10,12 +10,14 @@ ROW_THREADS = 256
 
 
 def embedding(token_ids, table, out):
-    """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H], bf16."""
+    """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H] bf16
+    or float32."""
     check("token_ids", token_ids, I32, ndim=1)
     vocab, hidden = check("table", table, BF16, ndim=2).shape
-    check("out", out, BF16, shape=(token_ids.shape[0], hidden))
+    check("out", out, _bf16_or_f32("out", out), shape=(token_ids.shape[0], hidden))
+    kernel = "embedding_kernel" if out.dtype == BF16 else "embedding_f32_kernel"
     if out.shape[0]:
-        get_kernel("embedding", "embedding_kernel")(
+        get_kernel("embedding", kernel)(
             (out.shape[0],), (ROW_THREADS,), (token_ids, table, out, i32(hidden), i32(vocab)))
 
 
@@ -37,25 +39,34 @@ def _norm_threads(hidden: int) -> int:
     return min(1024, max(32, -(-hidden // 128) * 32))
 
 
+def _bf16_or_f32(name, array):
+    if array.dtype not in (BF16, F32):
+        raise ValueError(f"{name}: expected dtype uint16 (bf16) or float32, got {array.dtype.name}")
+    return array.dtype
+
+
 def rms_norm(x, weight, eps, out):
-    """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H] bf16 (out may be x)."""
-    rows, hidden = check("x", x, BF16, ndim=2).shape
+    """out = x / sqrt(mean(x^2) + eps) * weight; x [T, H] bf16 or float32, out [T, H] bf16
+    (out may be x when both are bf16)."""
+    rows, hidden = check("x", x, _bf16_or_f32("x", x), ndim=2).shape
     check("weight", weight, BF16, shape=(hidden,))
     check("out", out, BF16, shape=(rows, hidden))
+    kernel = "rms_norm_kernel" if x.dtype == BF16 else "rms_norm_f32_kernel"
     if rows:
-        get_kernel("norm", "rms_norm_kernel")(
+        get_kernel("norm", kernel)(
             (rows,), (_norm_threads(hidden),), (x, weight, out, i32(hidden), f32(eps)))
 
 
 def add_rms_norm(x, residual, weight, eps, out):
-    """residual += x, then out = rms_norm(residual) * weight; all [T, H] bf16 (out may be
-    x). Rounds where transformers' bf16 Llama rounds (norm.cu)."""
+    """residual += x, then out = rms_norm(residual) * weight; all [T, H], x and out bf16
+    (out may be x), residual bf16 or float32."""
     rows, hidden = check("x", x, BF16, ndim=2).shape
-    check("residual", residual, BF16, shape=(rows, hidden))
+    check("residual", residual, _bf16_or_f32("residual", residual), shape=(rows, hidden))
     check("weight", weight, BF16, shape=(hidden,))
     check("out", out, BF16, shape=(rows, hidden))
+    kernel = "add_rms_norm_kernel" if residual.dtype == BF16 else "add_rms_norm_f32_kernel"
     if rows:
-        get_kernel("norm", "add_rms_norm_kernel")(
+        get_kernel("norm", kernel)(
             (rows,), (_norm_threads(hidden),), (x, residual, weight, out, i32(hidden), f32(eps)))
 
 

@@ -132,7 +132,7 @@ class DecodeGraphs:
                 and batch.block_tables.shape[1] <= self.width)
 
     def run(self, config, batch: ForwardBatch):
-        """Logits [B, V] bf16 of a decode batch (a view of the pool)."""
+        """Logits [B, V] float32 of a decode batch (a view of the pool)."""
         if not self.can_run(batch):
             raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
                              f"sequences (block tables {batch.block_tables.shape}) is not a "
