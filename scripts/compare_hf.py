@@ -1,7 +1,9 @@
 """Whole model on one device against Hugging Face transformers with the same weights
 (DESIGN "Correctness bars"): 8 prompts, greedy 32 tokens each; at least 7 of 8 must be
 identical to transformers' float32 run, and at the first divergence each side's token must
-be in the other's top-5. Agreement with transformers' bf16 run is reported beside it.
+be in the other's top-5. Agreement with transformers' bf16 run is reported beside it, and
+so is teacher-forced agreement along the float32 greedy path, for this engine and for
+transformers bf16 alike (a fair measure of bf16 noise: one near-tie ends a greedy match).
 
     python scripts/compare_hf.py MODEL_DIR [--device cuda] [--chat] [--json OUT]
 
@@ -79,9 +81,10 @@ def main():
     with torch.no_grad():
         hf_bf16 = load(torch.bfloat16)
         greedy_bf16 = [hf_greedy(hf_bf16, torch, device, p) for p in prompts]
-        del hf_bf16
         hf32 = load(torch.float32)
         greedy_fp32 = [hf_greedy(hf32, torch, device, p) for p in prompts]
+        along = along_reference_path(llm, hf_bf16, hf32, torch, device, prompts, greedy_fp32)
+        del hf_bf16
 
     def hf_logits(ids):
         with torch.no_grad():
@@ -120,11 +123,41 @@ def main():
                "passed": passed,
                "identical_to_hf_bf16": sum(r["identical_to_hf_bf16"] for r in rows),
                "hf_bf16_identical_to_hf_fp32": sum(r["hf_bf16_identical_to_hf_fp32"] for r in rows),
-               "our_generate_seconds": round(ours_seconds, 3)}
+               "our_generate_seconds": round(ours_seconds, 3),
+               "along_fp32_path": along}
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=2, ensure_ascii=False))
     sys.exit(0 if passed else 1)
+
+
+def along_reference_path(llm, hf_bf16, hf32, torch, device, prompts, paths) -> dict:
+    """Teacher-forced agreement: at every position of transformers float32's greedy path,
+    does each bf16 engine pick the same next token? A greedy continuation diverges for good
+    at its first near-tie; this counts every position, and records the float32 margin by
+    which the reference preferred its token wherever an engine chose otherwise."""
+    result = {}
+    for name in ("cupy-llama", "transformers bf16"):
+        agree, total, margins = 0, 0, []
+        for prompt, path in zip(prompts, paths):
+            sequence = prompt + path
+            with torch.no_grad():
+                ids = torch.tensor([sequence[:-1]], device=device)
+                ref = hf32(ids).logits[0, len(prompt) - 1:].float().cpu().numpy()
+                if name == "transformers bf16":
+                    picks = hf_bf16(ids).logits[0, len(prompt) - 1:].float().argmax(-1).tolist()
+            if name == "cupy-llama":
+                picks = [int(np.argmax(our_logits(llm, sequence[:len(prompt) + j])))
+                         for j in range(len(path))]
+            for j, (pick, want) in enumerate(zip(picks, path)):
+                total += 1
+                if pick == want:
+                    agree += 1
+                else:
+                    margins.append(float(ref[j, want] - ref[j, pick]))
+        result[name] = {"agree": agree, "positions": total,
+                        "max_fp32_margin_where_different": round(max(margins), 4) if margins else None}
+    return result
 
 
 def hf_greedy(hf, torch, device, prompt):
