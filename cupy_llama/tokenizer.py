@@ -181,6 +181,11 @@ class Tokenizer:
                                    f"(0..{self._vocab_size - 1})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_unchecked(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """decode() for ids known to be in the vocabulary (the engine's own sampled ids):
+        no per-id checks, which cost as much as decoding a few ids."""
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
     # ---- chat ------------------------------------------------------------------------
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
@@ -259,8 +264,10 @@ class IncrementalDetokenizer:
     ids: `prefix_offset..read_offset` is text already emitted, used as context so that
     tokenizers which drop a leading space at the start of a decode stay exact."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 checked: bool = True):
+        """checked=False: the ids are known to be in the vocabulary; skip decode()'s checks."""
+        self._decode = tokenizer.decode if checked else tokenizer.decode_unchecked
         self._skip = skip_special_tokens
         self.token_ids: list[int] = []
         self._prefix_offset = 0
@@ -269,7 +276,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Text newly completed by this token ('' while a character is still partial)."""
         self.token_ids.append(token_id)
-        decode = self._tokenizer.decode
+        decode = self._decode
         prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -280,7 +287,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever was held back (an incomplete character decodes as U+FFFD here)."""
-        decode = self._tokenizer.decode
+        decode = self._decode
         prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
         self._prefix_offset = self._read_offset = len(self.token_ids)

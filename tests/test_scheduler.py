@@ -78,9 +78,14 @@ class Simulation:
         owners = [b for seq in live for b in seq.block_table]
         assert len(owners) == len(set(owners)), "a block is owned twice"
         for seq in self.scheduler.waiting:
-            assert seq.block_table == [] and seq.num_computed_tokens == 0
+            assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.slot is None
         for seq in self.finished:
-            assert seq.block_table == [] and seq.is_finished
+            assert seq.block_table == [] and seq.is_finished and seq.slot is None
+        # each running sequence holds its own slot; the free ones are the rest
+        s = self.scheduler
+        slots = [seq.slot for seq in s.running]
+        assert len(set(slots)) == len(slots) and all(0 <= slot < s.max_num_seqs for slot in slots)
+        assert sorted(slots + s.free_slots) == list(range(s.max_num_seqs))
         assert set(self.live) == {s.request_id for s in self.scheduler.running} | \
             {s.request_id for s in self.scheduler.waiting}
 

@@ -264,6 +264,17 @@ def test_stream_deltas_concatenate_to_decode(named, text):
     assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_unchecked_stream_equals_the_checked_one(named, text):
+    """The engine's detokenizer skips decode()'s id checks (its ids are its own)."""
+    _, tok = named
+    ids = tok.encode(text, add_special_tokens=False)
+    checked = IncrementalDetokenizer(tok)
+    unchecked = IncrementalDetokenizer(tok, checked=False)
+    assert [unchecked.add(i) for i in ids] == [checked.add(i) for i in ids]
+    assert unchecked.flush() == checked.flush()
+
+
 def test_stream_holds_back_split_characters(demo):
     ids = demo.encode("🌍", add_special_tokens=False)
     assert len(ids) > 1  # the emoji spans several byte-level tokens

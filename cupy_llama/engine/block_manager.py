@@ -1,7 +1,9 @@
 """Paged-KV block accounting: a free list, per-sequence block tables, reference counts.
 
 Plain Python; the KV memory itself belongs to the backend. Block i of the backend's cache
-holds tokens of whichever sequence lists i in its block table.
+holds tokens of whichever sequence lists i in its block table. A block table only grows
+(`grow` appends) until `free` replaces it with a new empty list: the model runner keeps a
+copy per running sequence and copies only the entries added since the last step.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks.append(block)
-        seq.block_table = []
+        seq.block_table = []  # a new list, never cleared in place (see the module docstring)
         seq.num_computed_tokens = 0
 
     def check_invariants(self, live: list[Sequence]) -> None:

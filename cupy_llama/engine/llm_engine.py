@@ -26,20 +26,30 @@ class _Request:
         # text is needed token by token only to stream it or to watch for stop strings;
         # otherwise it is decoded once at the end (same text: the detokenizer's deltas
         # concatenate to the one-shot decode)
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if stream or seq.params.stop else None
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, checked=False)
+                            if stream or seq.params.stop else None)
+        self.vocab_size = tokenizer.vocab_size
         self.text_ids: list[int] = []
         self.hold_back = max((len(s) for s in seq.params.stop), default=1) - 1
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
 
-    def add_text(self, token_id: int) -> None:
-        if token_id >= self.tokenizer.vocab_size:
-            return  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+    def add_text(self, token_id: int) -> bool:
+        """Adds the token's text; True when that completes a stop string (the text is then
+        cut where the stop string starts: it is not shown)."""
+        if token_id >= self.vocab_size:
+            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
         if self.detokenizer is None:
             self.text_ids.append(token_id)
-        else:
-            self.text += self.detokenizer.add(token_id)
+            return False
+        num_old_chars = len(self.text)
+        self.text += self.detokenizer.add(token_id)
+        stop_at = _find_stop(self.text, self.seq.params.stop, num_old_chars)
+        if stop_at is None:
+            return False
+        self.text = self.text[:stop_at]
+        return True
 
     def flush_text(self) -> None:
         if self.detokenizer is None:
@@ -149,13 +159,8 @@ class LLMEngine:
         params = seq.params
         seq.output_token_ids.append(token_id)
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        num_old_chars = len(request.text)
-        if not is_eos:
-            request.add_text(token_id)
         status = None
-        stop_at = _find_stop(request.text, params.stop, num_old_chars)
-        if stop_at is not None:
-            request.text = request.text[:stop_at]  # the stop string is not shown
+        if not is_eos and request.add_text(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED
         elif is_eos:
             request.flush_text()

@@ -1,4 +1,9 @@
-"""Turns a scheduled batch into one forward pass and one sampling call on a backend."""
+"""Turns a scheduled batch into one forward pass and one sampling call on a backend.
+
+What changes slowly per sequence (its block table, its sampling settings) is kept in host
+tables with one row per scheduler slot (`Sequence.slot`), written when it changes; a step
+gathers the rows of its sequences with one NumPy indexing each. At a few hundred sequences
+per decode step, per-sequence NumPy calls or list conversions would cost milliseconds."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,6 +11,77 @@ import numpy as np
 from ..backends.base import ForwardBatch, SamplingTensors
 from ..config import ModelConfig
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+class SlotTables:
+    """Per-slot host rows: block tables ([slots, blocks] int32, unused entries -1) and
+    sampling settings. Grown on demand."""
+
+    def __init__(self):
+        self.block_tables = np.full((0, 0), -1, np.int32)
+        # the block_table list each row copies and how many of its entries it holds (a list
+        # only grows until BlockManager.free replaces it, so this says what is new)
+        self._table_source: list[list[int] | None] = []
+        self._table_length: list[int] = []
+        self._sampling_owner: list[Sequence | None] = []
+        self.temperature = np.zeros(0, np.float32)
+        self.top_k = np.zeros(0, np.int32)
+        self.top_p = np.zeros(0, np.float32)
+        self.min_p = np.zeros(0, np.float32)
+        self.seeds = np.zeros(0, np.uint64)
+
+    def _grow(self, num_slots: int, num_blocks: int) -> None:
+        """Room for slots [0, num_slots) and num_blocks blocks per row (at least doubling
+        what grows, so growing is rare)."""
+        old_slots, old_blocks = self.block_tables.shape
+        slots = old_slots if num_slots <= old_slots else max(num_slots, 2 * old_slots)
+        blocks = old_blocks if num_blocks <= old_blocks else max(num_blocks, 2 * old_blocks)
+        if (slots, blocks) != (old_slots, old_blocks):
+            tables = np.full((slots, blocks), -1, np.int32)
+            tables[:old_slots, :old_blocks] = self.block_tables
+            self.block_tables = tables
+        new = self.block_tables.shape[0] - old_slots
+        if new:
+            self._table_source += [None] * new
+            self._table_length += [0] * new
+            self._sampling_owner += [None] * new
+            for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros(new, old.dtype)]))
+
+    def update_block_table(self, seq: Sequence) -> None:
+        """Make seq's row equal its block table, copying only what changed."""
+        slot, table = seq.slot, seq.block_table
+        if slot >= len(self._table_source) or len(table) > self.block_tables.shape[1]:
+            self._grow(slot + 1, len(table))
+        row = self.block_tables[slot]
+        if self._table_source[slot] is table:
+            row[self._table_length[slot]:len(table)] = table[self._table_length[slot]:]
+        else:  # another sequence's row, or this one's before it was preempted
+            row[:len(table)] = table
+            row[len(table):self._table_length[slot]] = -1
+            self._table_source[slot] = table
+        self._table_length[slot] = len(table)
+
+    def update_sampling(self, seq: Sequence) -> None:
+        slot, params = seq.slot, seq.params
+        if slot >= len(self._sampling_owner):
+            self._grow(slot + 1, 0)
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.seeds[slot] = seq.seed
+        self._sampling_owner[slot] = seq
+
+    def block_table_is_current(self, seq: Sequence) -> bool:
+        slot = seq.slot
+        return (slot < len(self._table_source) and self._table_source[slot] is seq.block_table
+                and self._table_length[slot] == len(seq.block_table))
+
+    def sampling_is_current(self, seq: Sequence) -> bool:
+        return seq.slot < len(self._sampling_owner) and self._sampling_owner[seq.slot] is seq
 
 
 class ModelRunner:
@@ -13,46 +89,51 @@ class ModelRunner:
         self.config = config
         self.backend = backend
         self.block_size = backend.block_size
+        self.slots = SlotTables()
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        # plain Python lists, one numpy conversion each at the end: at a few hundred
-        # sequences per decode step, per-sequence numpy calls would cost milliseconds
-        bs = self.block_size
-        token_ids, positions, slots, seq_lens, query_start_loc = [], [], [], [], [0]
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = np.full((len(batch.seqs), max_blocks), -1, dtype=np.int32)
-        for b, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, table = seq.num_computed_tokens, seq.block_table
+        slots = self.slots
+        token_ids, starts, rows, max_blocks = [], [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if not slots.block_table_is_current(seq):
+                slots.update_block_table(seq)
+            start = seq.num_computed_tokens
             token_ids += seq.token_slice(start, start + n)
-            new_positions = range(start, start + n)
-            positions += new_positions
-            slots += [table[p // bs] * bs + p % bs for p in new_positions]
-            seq_lens.append(start + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            block_tables[b, :len(table)] = table
+            starts.append(start)
+            rows.append(seq.slot)
+            max_blocks = max(max_blocks, len(seq.block_table))
+        num_new = np.array(batch.num_new_tokens, dtype=np.int32)
+        starts = np.array(starts, dtype=np.int32)
+        rows = np.array(rows, dtype=np.intp)
+        seq_lens = starts + num_new
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        # token t of sequence b sits at position starts[b] + (t - query_start_loc[b])
+        positions = (np.arange(len(token_ids), dtype=np.int32)
+                     + np.repeat(starts - query_start_loc[:-1], num_new))
+        bs = self.block_size
+        blocks = slots.block_tables[np.repeat(rows, num_new), positions // bs]
         return ForwardBatch(
-            token_ids=np.array(token_ids, dtype=np.int32),
-            positions=np.array(positions, dtype=np.int32),
-            slot_mapping=np.array(slots, dtype=np.int32),
-            query_start_loc=np.array(query_start_loc, dtype=np.int32),
-            seq_lens=np.array(seq_lens, dtype=np.int32), block_tables=block_tables,
-            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens))
+            token_ids=np.array(token_ids, dtype=np.int32), positions=positions,
+            slot_mapping=blocks * bs + positions % bs, query_start_loc=query_start_loc,
+            seq_lens=seq_lens, block_tables=slots.block_tables[rows, :max_blocks],
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+
+    def sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
+        slots = self.slots
+        for seq in batch.seqs:
+            if not slots.sampling_is_current(seq):
+                slots.update_sampling(seq)
+        rows = np.array([seq.slot for seq in batch.seqs], dtype=np.intp)
+        return SamplingTensors(
+            temperature=slots.temperature[rows], top_k=slots.top_k[rows],
+            top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
+            # the step index is the number of tokens generated so far, so a recomputed
+            # (preempted) sequence draws the same random numbers again
+            steps=np.array([len(seq.output_token_ids) for seq in batch.seqs], dtype=np.int32))
 
     def run(self, batch: ScheduledBatch) -> np.ndarray:
         """One forward pass; returns a sampled token id for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed)."""
         logits = self.backend.forward(self.config, self.build_batch(batch))
-        return self.backend.ops.sample(logits, sampling_tensors(batch))
-
-
-def sampling_tensors(batch: ScheduledBatch) -> SamplingTensors:
-    params = [seq.params for seq in batch.seqs]
-    return SamplingTensors(
-        temperature=np.array([p.temperature for p in params], dtype=np.float32),
-        top_k=np.array([p.top_k for p in params], dtype=np.int32),
-        top_p=np.array([p.top_p for p in params], dtype=np.float32),
-        min_p=np.array([p.min_p for p in params], dtype=np.float32),
-        seeds=np.array([seq.seed for seq in batch.seqs], dtype=np.uint64),
-        # the step index is the number of tokens generated so far, so a recomputed
-        # (preempted) sequence draws the same random numbers again
-        steps=np.array([len(seq.output_token_ids) for seq in batch.seqs], dtype=np.int32))
+        return self.backend.ops.sample(logits, self.sampling_tensors(batch))

@@ -5,6 +5,9 @@ chunk of an unfinished prefill) within the token budget; then free slots are ref
 from the waiting queue with prefill chunks. When KV blocks run out, the most recently
 admitted running sequence is preempted: its blocks are freed and it waits at the head of
 the queue to be recomputed from its tokens so far.
+
+A running sequence holds one of max_num_seqs slots (`Sequence.slot`) from admission until
+it finishes or is preempted: the model runner keeps its per-sequence rows there.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order, oldest first
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest
         self.num_preemptions = 0
 
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -78,7 +82,13 @@ class Scheduler:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
+        self._free_slot(seq)
         self.blocks.free(seq)
+
+    def _free_slot(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
@@ -87,7 +97,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for an older one
+            if seq.status is not SequenceStatus.RUNNING:  # preempted making room for an older one
                 continue
             take = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + take):
@@ -104,6 +114,7 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.grow(seq, seq.num_computed_tokens + take)
             seq.status = SequenceStatus.RUNNING
+            seq.slot = self.free_slots.pop()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(take)
@@ -113,6 +124,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
         seq had to be preempted itself."""
+        if len(seq.block_table) * self.blocks.block_size >= num_tokens:
+            return True  # most decode steps: the last block has room
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
@@ -123,6 +136,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._free_slot(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

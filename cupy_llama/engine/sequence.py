@@ -34,6 +34,7 @@ class Sequence:
         self.arrival = arrival      # admission order: later arrivals are preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.slot: int | None = None  # while running: a row of its own in the model runner's tables
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
 
