@@ -230,6 +230,49 @@ def test_enforce_eager(model, rng):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_placeholder_tokens_are_read_on_the_device(model, rng):
+    """A step launched before the previous step's tokens reach the host names them as
+    -(row + 1): graph replay and the eager pass must give exactly the logits of the same
+    step with the token ids written out, in a decode step and in a prefill chunk."""
+    from dataclasses import replace
+
+    import cupy
+    from cupy_llama.backends.base import SamplingTensors
+    from cupy_llama.model.llama import forward as eager_forward
+    config = model[0]
+    cpu, gpu_backend = make_backends(model)
+    seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in (40, 300, 3, 77)],
+                     NUM_KV_BLOCKS, rng)
+    prefill(cpu, gpu_backend, config, seqs)
+    counts = {b: 1 for b in range(4)}
+    greedy = SamplingTensors(temperature=np.zeros(4, np.float32), top_k=np.zeros(4, np.int32),
+                             top_p=np.ones(4, np.float32), min_p=np.zeros(4, np.float32),
+                             seeds=np.zeros(4, np.uint64), steps=np.zeros(4, np.int32))
+    for _ in range(3):
+        logits = gpu_backend.forward(config, seqs.batch(counts))
+        sampled = gpu_backend.ops.sample_async(logits, greedy).get()
+        seqs.advance(counts, sampled)
+        written = seqs.batch(counts)  # the sampled tokens, as the host now knows them
+        named = replace(written, token_ids=-np.arange(1, 5, dtype=np.int32))  # rows 0..3
+        for run in (gpu_backend.forward, lambda c, b: eager_forward(gpu_backend, c, b)):
+            expected = cupy.asnumpy(run(config, written))
+            got = cupy.asnumpy(run(config, named))  # rewrites the same KV slots
+            np.testing.assert_array_equal(got, expected, err_msg="placeholders vs written ids")
+    # a prefill chunk whose last token is a placeholder (a preempted sequence recomputed)
+    logits = gpu_backend.forward(config, seqs.batch(counts))
+    sampled = gpu_backend.ops.sample_async(logits, greedy).get()
+    seqs.advance(counts, sampled)
+    seqs.computed[1] -= 5  # recompute its last five tokens as one chunk
+    chunk = seqs.batch({1: 6})
+    ids = chunk.token_ids.copy()
+    ids[-1] = -2  # row 1 of the last sampling call
+    expected = cupy.asnumpy(eager_forward(gpu_backend, config, chunk))
+    got = cupy.asnumpy(eager_forward(gpu_backend, config, replace(chunk, token_ids=ids)))
+    np.testing.assert_array_equal(got, expected, err_msg="placeholder inside a prefill chunk")
+
+
 # ------------------------------------------------ attention with device-derived splits
 
 @pytest.mark.gpu

@@ -115,6 +115,28 @@ def test_embedding_and_gather_rows(cp, rng, num_tokens):
                                       err_msg=f"gather_rows {np.dtype(dtype).name}")
 
 
+@pytest.mark.parametrize("out_dtype", [np.uint16, np.float32])
+def test_embedding_reads_placeholders_from_the_pending_tokens(cp, rng, out_dtype):
+    """An id -(r + 1) names pending_tokens[r] (a token sampled on the device, not yet on the
+    host); past the pending rows, or past the vocabulary, the row is NaN."""
+    from cupy_llama.backends.cuda import elementwise
+    vocab, hidden, num_pending = 1000, 576, 8
+    table_bits, table = random_bf16(rng, (vocab, hidden))
+    pending = rng.integers(0, vocab, num_pending).astype(np.int32)
+    ids = rng.integers(0, vocab, 40).astype(np.int32)
+    rows = rng.integers(0, num_pending, 40)
+    named = rng.random(40) < 0.5
+    ids[named] = -(rows[named] + 1)
+    ids[0], ids[1] = -(num_pending + 1), vocab  # a row that is not pending; an id too large
+    out = poisoned(cp, (40, hidden), out_dtype)
+    elementwise.embedding(cp.asarray(ids), cp.asarray(table_bits), out,
+                          pending_tokens=cp.asarray(pending))
+    got = to_float(cp, out)
+    resolved = np.where(ids < 0, pending[np.clip(-ids - 1, 0, num_pending - 1)], ids)
+    assert np.isnan(got[:2]).all(), "bad ids must give NaN rows"
+    np.testing.assert_array_equal(got[2:], table[resolved[2:]])
+
+
 @pytest.mark.parametrize("hidden", [64, 576, 2048, 8192])
 @pytest.mark.parametrize("num_tokens", [1, 17, 129])
 def test_rms_norm(cp, rng, num_tokens, hidden):

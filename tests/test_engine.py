@@ -273,3 +273,68 @@ def test_model_defaults_sample_only_when_generation_config_says_do_sample(model_
     assert LLM(quiet, device="cpu", log=None).default_sampling_params().temperature == 0
     (quiet / "generation_config.json").unlink()
     assert LLM(quiet, device="cpu", log=None).default_sampling_params().temperature == 0
+
+
+def test_steps_are_pipelined(llm):
+    """Step k is launched before step k-1's tokens are read, so the device never waits for
+    the host; the outputs are those of a plain greedy run all the same."""
+    engine, events = llm.engine, []
+    run, finish = engine.runner.run, engine._finish_step
+
+    def traced_run(batch):
+        events.append("launch")
+        return run(batch)
+
+    def traced_finish(launched):
+        events.append("read")
+        return finish(launched)
+
+    engine.runner.run, engine._finish_step = traced_run, traced_finish
+    try:
+        outputs = llm.generate(prompts(3, seed=9), SamplingParams(max_tokens=6, **GREEDY))
+    finally:
+        engine.runner.run, engine._finish_step = run, finish
+    assert all(len(o.token_ids) == 6 for o in outputs)
+    # launch 1; then each step: launch k, read k-1; the last read has nothing to launch
+    assert events[:3] == ["launch", "launch", "read"]
+    assert events[-1] == "read" and events.count("launch") == events.count("read")
+    assert_all_blocks_free(llm)
+
+
+def test_a_sequence_preempted_while_its_token_is_coming_gets_that_token(model_dir, llm):
+    """With steps pipelined, the scheduler may preempt a sequence whose last token is still
+    on its way (a placeholder); recomputing it must use the real token."""
+    batch = prompts(34, seed=1, min_len=5, max_len=30)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    ample = llm.generate(batch, params)
+    small = LLM(model_dir, device="cpu", log=None, num_kv_blocks=32, block_size=16,
+                max_num_seqs=64)
+    scheduler, pending_victims = small.engine.scheduler, []
+    preempt = scheduler._preempt
+
+    def traced_preempt(seq):
+        pending_victims.append(any(t < 0 for t in seq.output_token_ids))
+        preempt(seq)
+
+    scheduler._preempt = traced_preempt
+    tight = small.generate(batch, params)
+    assert any(pending_victims), "no sequence was preempted with a token in flight"
+    assert [o.token_ids for o in tight] == [o.token_ids for o in ample]
+    assert all(t >= 0 for o in tight for t in o.token_ids)
+    assert_all_blocks_free(small)
+
+
+def test_a_stop_found_one_step_late_shows_nothing_after_it(llm):
+    """EOS and stop strings are seen only when the next step is already queued: its token
+    must not reach the output."""
+    prompt = prompts(1, seed=4)[0]
+    free = solo(llm, prompt, max_tokens=12, **GREEDY)
+    eos = free[5]
+    llm.engine.eos_token_ids.add(eos)
+    try:
+        out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0))
+    finally:
+        llm.engine.eos_token_ids.discard(eos)
+    first = free.index(eos)
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+    assert_all_blocks_free(llm)

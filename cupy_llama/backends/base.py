@@ -26,12 +26,16 @@ class ForwardBatch:
     the model runner.
 
     The arrays here are host numpy int32; a backend copies them to its own memory with
-    `Ops.upload` before the forward pass (the CUDA backend into fixed buffers).
+    `Ops.upload` before the forward pass (the CUDA backend into fixed buffers). A step may
+    be launched before the previous step's tokens reach the host: a token id -(r + 1)
+    stands for the token that the previous `sample_async` call picked for its row r, and
+    the embedding lookup reads it where it already is (on the device).
     Sequence b owns query rows query_start_loc[b]:query_start_loc[b+1]; its new tokens
     sit at the END of its context: they are positions seq_lens[b]-num_new .. seq_lens[b]-1,
     and each attends causally to every cached position <= its own.
     """
-    token_ids: np.ndarray        # [T] int32, the new tokens of all sequences, concatenated
+    token_ids: np.ndarray        # [T] int32, the new tokens of all sequences, concatenated;
+                                 # -(r + 1): the token sampled for row r of the previous step
     positions: np.ndarray        # [T] int32, position of each token in its sequence
     slot_mapping: np.ndarray     # [T] int32, flat KV slot each token's K/V are written to
     query_start_loc: np.ndarray  # [B+1] int32, prefix sums of new tokens per sequence
@@ -73,6 +77,17 @@ class SamplingTensors:
         return bool(np.all(self.temperature == 0))
 
 
+class SampledTokens:
+    """Token ids of one sampling call, ready now (`get` returns them)."""
+
+    def __init__(self, tokens: np.ndarray):
+        self._tokens = tokens
+
+    def get(self) -> np.ndarray:
+        """Host numpy int32 [B]; waits for the device where the tokens are still coming."""
+        return self._tokens
+
+
 class Backend(Protocol):
     """A loaded model on one device: ops, weights, KV cache and the activation pool."""
     ops: "Ops"
@@ -97,7 +112,8 @@ class Ops(Protocol):
         """Copy the batch's arrays to backend memory; the result is what the ops below take
         as `meta` (same field names; host ints stay host ints)."""
     def embedding(self, token_ids, table, out) -> None:
-        """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H]."""
+        """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H]. An id
+        -(r + 1) is the token the latest sample_async call picked for row r."""
     def rms_norm(self, x, weight, eps: float, out) -> None:
         """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H]."""
     def add_rms_norm(self, x, residual, weight, eps: float, out) -> None:
@@ -118,3 +134,6 @@ class Ops(Protocol):
         """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
+    def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
+        """sample() without waiting: the tokens come back while the host prepares the next
+        step, which may already name them (token id -(r + 1), see ForwardBatch)."""

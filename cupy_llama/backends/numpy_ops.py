@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ForwardBatch, SamplingTensors
+from .base import ForwardBatch, SampledTokens, SamplingTensors
 
 
 class NumpyOps:
     act_dtype = np.float32
+    _last_sampled = np.zeros(0, np.int32)  # the tokens of the latest sample call
 
     def empty(self, shape, dtype=np.float32):
         return np.empty(shape, dtype=dtype)
@@ -20,7 +21,12 @@ class NumpyOps:
         return batch
 
     def embedding(self, token_ids, table, out):
-        out[...] = table[token_ids]
+        ids = np.asarray(token_ids)
+        pending = ids < 0  # the token sampled for row -id - 1 of the previous sample call
+        if pending.any():
+            ids = ids.copy()
+            ids[pending] = self._last_sampled[-ids[pending] - 1]
+        out[...] = table[ids]
 
     def rms_norm(self, x, weight, eps, out):
         variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
@@ -83,13 +89,18 @@ class NumpyOps:
         out[...] = x[indices]
 
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
+        return self.sample_async(logits, sampling).get()
+
+    def sample_async(self, logits, sampling: SamplingTensors) -> "SampledTokens":
+        """The CPU computes synchronously: the tokens are ready when this returns."""
         tokens = np.argmax(logits, axis=-1).astype(np.int32)
         for b in np.flatnonzero(sampling.temperature > 0):
             probs = filtered_probs(logits[b], float(sampling.temperature[b]), int(sampling.top_k[b]),
                                    float(sampling.top_p[b]), float(sampling.min_p[b]))
             rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
             tokens[b] = rng.choice(probs.shape[0], p=probs)
-        return tokens
+        self._last_sampled = tokens
+        return SampledTokens(tokens)
 
 
 def rotate(x, cos, sin):

@@ -34,6 +34,12 @@ class _Request:
         self.text = ""
         self.num_emitted_chars = 0
         self.num_emitted_tokens = 0
+        # output tokens known on the host; the sequence may also hold placeholders for
+        # tokens of steps still running (see LLMEngine.step)
+        self.num_resolved = 0
+        # why the request ended, once its last known token says so (the sequence itself
+        # may finish earlier in the scheduler, when its length is reached at launch)
+        self.finish_reason: str | None = None
 
     def add_text(self, token_id: int) -> bool:
         """Adds the token's text; True when that completes a stop string (the text is then
@@ -62,16 +68,17 @@ class _Request:
         string) while a stop string could still be forming, so the user never sees part of
         one."""
         seq = self.seq
-        visible = len(self.text) if seq.is_finished else max(
+        visible = len(self.text) if self.finish_reason is not None else max(
             self.num_emitted_chars, len(self.text) - self.hold_back)
         delta = self.text[self.num_emitted_chars:visible]
-        delta_ids = seq.output_token_ids[self.num_emitted_tokens:]
+        token_ids = seq.output_token_ids[:self.num_resolved]
+        delta_ids = token_ids[self.num_emitted_tokens:]
         self.num_emitted_chars = visible
-        self.num_emitted_tokens = len(seq.output_token_ids)
+        self.num_emitted_tokens = len(token_ids)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=self.text[:visible],
-            finish_reason=seq.status.finish_reason, delta=delta, delta_token_ids=delta_ids)
+            token_ids=token_ids, text=self.text[:visible],
+            finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids)
 
 
 class LLMEngine:
@@ -90,6 +97,7 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
         self.requests: dict[str, _Request] = {}
+        self._in_flight: _Launched | None = None  # the step whose tokens are still coming
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
@@ -127,6 +135,8 @@ class LLMEngine:
             return None
         if not request.seq.is_finished:
             self.scheduler.abort(request.seq.request_id)
+        del request.seq.output_token_ids[request.num_resolved:]  # tokens still coming
+        request.finish_reason = request.seq.status.finish_reason
         request.flush_text()
         output = request.output()  # finished: nothing is held back
         if output.request_id in self._owned:  # a stream()/generate() waits on it: tell it
@@ -134,30 +144,60 @@ class LLMEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # a step still running counts while some request waits for its tokens
+        return self.scheduler.has_unfinished() or (self._in_flight is not None and bool(self.requests))
 
     # ---- one step -------------------------------------------------------------------
+    # Steps are pipelined one deep, so the GPU never waits for Python: step() schedules
+    # and launches step k while step k-1 still runs, then waits for k-1's tokens and
+    # handles them (text, stop rules, outputs) while step k runs. A sequence that needs
+    # k-1's token in step k gets a placeholder, -(row + 1), that the device resolves from
+    # k-1's sampled tokens (backends/base.py ForwardBatch). A sequence that turns out to
+    # stop at k-1's token (EOS, stop string) already has step k queued: that extra token
+    # is dropped and never shown. Blocks freed meanwhile are safe to hand out again: every
+    # later use is queued behind step k on the same stream.
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, post-process. Returns an output for every streamed request that got
-        a new token this step and for every request that finished; finished requests are
-        dropped from the engine after this."""
+        """Launch the next step, finish the previous one. Returns an output for every
+        streamed request that got a new token and for every request that finished;
+        finished requests are dropped from the engine after this."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        launched = self._launch(batch) if batch else None
+        previous, self._in_flight = self._in_flight, launched
+        return self._finish_step(previous) if previous is not None else []
+
+    def _launch(self, batch) -> "_Launched":
         sampled = self.runner.run(batch)
         ready = {id(seq) for seq in self.scheduler.update_after_step(batch)}
+        waiting_for = []
+        for row, seq in enumerate(batch.seqs):
+            if id(seq) not in ready:
+                continue  # a prompt chunk that is not the last: its token is not wanted
+            seq.output_token_ids.append(-(row + 1))
+            waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
+            if (len(seq.output_token_ids) >= seq.params.max_tokens
+                    or seq.num_tokens >= self.max_model_len):
+                # known before the token is: schedule nothing more for it
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        return _Launched(sampled, waiting_for)
+
+    def _finish_step(self, launched: "_Launched") -> list[RequestOutput]:
+        tokens = launched.sampled.get().tolist()
         outputs = []
-        for seq, token_id in zip(batch.seqs, sampled.tolist()):
-            if id(seq) in ready:
-                output = self._append_token(seq, token_id)
-                if output is not None:
-                    outputs.append(output)
+        for seq, row, index in launched.waiting_for:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.seq is not seq or index >= len(seq.output_token_ids):
+                continue  # aborted, or stopped at an earlier token: this one is dropped
+            seq.output_token_ids[index] = tokens[row]
+            output = self._append_token(request, index)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
-    def _append_token(self, seq: Sequence, token_id: int) -> RequestOutput | None:
-        request = self.requests[seq.request_id]
-        params = seq.params
-        seq.output_token_ids.append(token_id)
+    def _append_token(self, request: _Request, index: int) -> RequestOutput | None:
+        """Output token `index` of the request is now known: apply the stopping rules."""
+        seq, params = request.seq, request.seq.params
+        token_id = seq.output_token_ids[index]
+        request.num_resolved = index + 1
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         status = None
         if not is_eos and request.add_text(token_id):  # a stop string
@@ -165,11 +205,14 @@ class LLMEngine:
         elif is_eos:
             request.flush_text()
             status = SequenceStatus.FINISHED_STOPPED
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (index + 1 >= params.max_tokens
+              or seq.num_prompt_tokens + index + 1 >= self.max_model_len):
             request.flush_text()
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
+            del seq.output_token_ids[index + 1:]  # a token of a step still running
             self.scheduler.finish(seq, status)
+            request.finish_reason = status.finish_reason
             del self.requests[seq.request_id]
         elif not request.stream:
             return None
@@ -233,6 +276,15 @@ class LLMEngine:
         finally:
             self._close(ids)
         return [final[request_id] for request_id in ids]
+
+
+class _Launched:
+    """A step on its way: the handle of its sampled tokens, and for each sequence that
+    wants one of them (sequence, row in the step, index in its output tokens)."""
+
+    def __init__(self, sampled, waiting_for: list):
+        self.sampled = sampled
+        self.waiting_for = waiting_for
 
 
 def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:

@@ -132,8 +132,10 @@ class ModelRunner:
             # (preempted) sequence draws the same random numbers again
             steps=np.array([len(seq.output_token_ids) for seq in batch.seqs], dtype=np.int32))
 
-    def run(self, batch: ScheduledBatch) -> np.ndarray:
-        """One forward pass; returns a sampled token id for every scheduled sequence
-        (the caller keeps only those of sequences whose prompt is fully computed)."""
+    def run(self, batch: ScheduledBatch):
+        """Queue one forward pass and the sampling of a token for every scheduled sequence
+        (the caller keeps only those of sequences whose prompt is fully computed). Returns
+        at once with a handle whose get() waits for the tokens (backends/base.py
+        SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r."""
         logits = self.backend.forward(self.config, self.build_batch(batch))
-        return self.backend.ops.sample(logits, self.sampling_tensors(batch))
+        return self.backend.ops.sample_async(logits, self.sampling_tensors(batch))

@@ -72,16 +72,19 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
-                    queue.remove(seq)
                     self.finish(seq, SequenceStatus.FINISHED_ABORTED)
                     return seq
         return None
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Release a finished sequence's blocks at once."""
-        seq.status = status
-        if seq in self.running:
+        """Release a finished sequence's blocks at once. A sequence may finish while it
+        waits (preempted, its last token still coming) and may finish twice (first for
+        its length, then with the reason its last token gives)."""
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
         self._free_slot(seq)
         self.blocks.free(seq)
 

@@ -65,11 +65,15 @@ class CudaOps:
         self._meta_device = cupy.empty(capacity, np.int32)
         self._meta_copied = None  # event: the last metadata copy finished reading the host
         # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each
+        # Two host buffers of each, used in turn: while step k runs, the host already writes
+        # step k + 1's settings and step k's tokens are still to be read.
         n = max_num_seqs
-        self._sampling_host = pinned_array(cupy, 28 * n, np.uint8)
+        self._sampling_host = [pinned_array(cupy, 28 * n, np.uint8) for _ in range(2)]
+        self._sampling_copied = [None, None]  # events: each buffer's copy has read it
         self._sampling_device = cupy.empty(28 * n, np.uint8)
-        self._tokens_device = cupy.empty(n, np.int32)
-        self._tokens_host = pinned_array(cupy, n, np.int32)
+        self._tokens_device = cupy.zeros(n, np.int32)  # the latest step's tokens, kept for the next
+        self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
+        self._turn = 0
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
         if workspace is None:
@@ -117,7 +121,7 @@ class CudaOps:
                            is_decode_only=bool(batch.is_decode_only))
 
     def embedding(self, token_ids, table, out):
-        elementwise.embedding(token_ids, table, out)
+        elementwise.embedding(token_ids, table, out, pending_tokens=self._tokens_device)
 
     def rms_norm(self, x, weight, eps, out):
         elementwise.rms_norm(x, weight, eps, out)
@@ -165,10 +169,19 @@ class CudaOps:
         elementwise.gather_rows(x, indices, out)
 
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
+        return self.sample_async(logits, sampling).get()
+
+    def sample_async(self, logits, sampling: SamplingTensors) -> "PendingTokens":
+        """Queue the sampling kernel and the copy of its tokens to the host; returns at once.
+        The tokens stay on the device too, where the next step's embedding reads them."""
         B, n = logits.shape[0], self.max_num_seqs
         if B > n:
             raise ValueError(f"logits: {B} rows exceeds max_num_seqs {n}")
-        host, device = self._sampling_host, self._sampling_device
+        turn = self._turn
+        self._turn ^= 1
+        host, device = self._sampling_host[turn], self._sampling_device
+        if self._sampling_copied[turn] is not None:
+            self._sampling_copied[turn].synchronize()  # two steps ago: long done
         # [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 | steps i32]
         fields = ((sampling.seeds, np.uint64, 0), (sampling.temperature, np.float32, 8 * n),
                   (sampling.top_k, np.int32, 12 * n), (sampling.top_p, np.float32, 16 * n),
@@ -181,9 +194,25 @@ class CudaOps:
         stream = self._cupy.cuda.get_current_stream()
         runtime = self._cupy.cuda.runtime
         runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, stream.ptr)
+        self._sampling_copied[turn] = stream.record()
         seeds, temperature, top_k, top_p, min_p, steps = on_device
         tokens = self._tokens_device[:B]
         sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
-        runtime.memcpyAsync(self._tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, stream.ptr)
-        stream.synchronize()
-        return self._tokens_host[:B].copy()
+        tokens_host = self._tokens_host[turn]
+        runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, stream.ptr)
+        return PendingTokens(stream.record(), tokens_host[:B])
+
+
+class PendingTokens:
+    """Token ids on their way to a pinned host buffer; `get` waits for them."""
+
+    def __init__(self, copied, host_tokens: np.ndarray):
+        self._copied = copied  # event recorded after the device-to-host copy
+        self._host = host_tokens
+        self._tokens = None
+
+    def get(self) -> np.ndarray:
+        if self._tokens is None:
+            self._copied.synchronize()
+            self._tokens = self._host.copy()  # the buffer is reused two steps later
+        return self._tokens
