@@ -184,10 +184,8 @@ class CudaBackend:
             if needed > free:
                 raise DeviceError(f"num_kv_blocks={num_kv_blocks} needs {needed / GiB:.2f} GiB "
                                   f"of KV cache but {free / GiB:.2f} GiB is free; lower it")
-            if num_kv_blocks < one_sequence:
-                raise DeviceError(f"num_kv_blocks={num_kv_blocks} cannot hold one sequence of "
-                                  f"max_model_len {self.max_model_len} ({one_sequence} blocks "
-                                  f"of {self.block_size}); raise it or lower max_model_len")
+            # as on the CPU: a pool smaller than one max_model_len sequence is allowed, the
+            # engine then stops each sequence when it would outgrow the pool
             return num_kv_blocks
         if not 0 < gpu_memory_utilization <= 1:
             raise DeviceError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
