@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cupy_llama.backends.base import SampledTokens  # noqa: E402
 from cupy_llama.bench import THROUGHPUT_TEMPERATURE, offline_workload  # noqa: E402
 from cupy_llama.config import EngineConfig, ModelConfig  # noqa: E402
 from cupy_llama.engine import model_runner  # noqa: E402
@@ -56,7 +57,10 @@ class StubOps:
         self._rng = np.random.default_rng(seed)
 
     def sample(self, logits, sampling) -> np.ndarray:
-        return self._rng.integers(0, MAX_PLAIN_TOKEN_ID, size=logits, dtype=np.int32)
+        return self.sample_async(logits, sampling).get()
+
+    def sample_async(self, logits, sampling) -> SampledTokens:
+        return SampledTokens(self._rng.integers(0, MAX_PLAIN_TOKEN_ID, size=logits, dtype=np.int32))
 
 
 class StubBackend:
@@ -123,7 +127,7 @@ def make_engine(args, folder: Path) -> tuple[LLMEngine, PhaseTimer]:
     else:  # up to commit 31ec5fe it was a module-level function
         model_runner.sampling_tensors = timer.wrap("sampling", model_runner.sampling_tensors)
     backend.forward = timer.wrap("backend", backend.forward)
-    backend.ops.sample = timer.wrap("backend", backend.ops.sample)
+    backend.ops.sample_async = timer.wrap("backend", backend.ops.sample_async)
     return engine, timer
 
 

@@ -218,3 +218,16 @@ def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):
     assert main(["bench", "latency", "--preset", "tiny"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_host_path_profiler_runs_the_real_engine():
+    """scripts/profile_host_path.py drives the engine through a stub backend: it breaks
+    when the engine's backend interface changes, so it runs here, small."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_host_path.py"
+    done = subprocess.run([sys.executable, str(script), "--num-requests", "4", "--scale", "0.05"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "whole run, seconds:" in done.stdout and "total" in done.stdout

@@ -338,3 +338,60 @@ def test_a_stop_found_one_step_late_shows_nothing_after_it(llm):
     first = free.index(eos)
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
     assert_all_blocks_free(llm)
+
+
+def test_abort_before_the_last_token_arrives_says_abort(llm):
+    engine = llm.engine
+    request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))
+    for _ in range(3):  # the third launch is the last token: the sequence ends at launch
+        engine.step()
+    output = engine.abort(request_id)
+    assert output.finish_reason == "abort" and len(output.token_ids) == 2
+    assert all(t >= 0 for t in output.token_ids)
+    engine.step()  # the step still running finds nothing to hand out
+    assert_all_blocks_free(llm)
+
+
+def test_an_interrupted_step_loses_no_token(llm):
+    """Ctrl-C while step() waits for the device: the next step() hands out those tokens
+    before launching anything, and the result is the uninterrupted one."""
+    prompt = prompts(1, seed=5)[0]
+    expected = solo(llm, prompt, max_tokens=8, **GREEDY)
+    engine = llm.engine
+
+    class InterruptedOnce:  # the first wait for these tokens is interrupted
+        def __init__(self, sampled):
+            self.sampled, self.raised = sampled, False
+
+        def get(self):
+            if not self.raised:
+                self.raised = True
+                raise KeyboardInterrupt
+            return self.sampled.get()
+
+    launch, launches = engine._launch, []
+
+    def launch_and_wrap(batch):
+        launched = launch(batch)
+        launches.append(launched)
+        if len(launches) == 3:
+            launched.sampled = InterruptedOnce(launched.sampled)
+        return launched
+
+    engine._launch = launch_and_wrap
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY))
+    final, interruptions = None, 0
+    try:
+        while final is None and len(launches) < 50:
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                interruptions += 1
+                continue
+            final = next((o for o in outputs if o.finished), None)
+    finally:
+        engine._launch = launch
+    assert interruptions == 1
+    assert final is not None and final.request_id == request_id
+    assert final.token_ids == expected and final.finish_reason == "length"
+    assert_all_blocks_free(llm)

@@ -98,6 +98,7 @@ class LLMEngine:
             getattr(tokenizer, "eos_token_ids", ()))
         self.requests: dict[str, _Request] = {}
         self._in_flight: _Launched | None = None  # the step whose tokens are still coming
+        self._unhandled: _Launched | None = None  # tokens an interrupted step() left behind
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
@@ -136,7 +137,8 @@ class LLMEngine:
         if not request.seq.is_finished:
             self.scheduler.abort(request.seq.request_id)
         del request.seq.output_token_ids[request.num_resolved:]  # tokens still coming
-        request.finish_reason = request.seq.status.finish_reason
+        request.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not "length":
+        # the scheduler may have finished it already, at the launch of its last token
         request.flush_text()
         output = request.output()  # finished: nothing is held back
         if output.request_id in self._owned:  # a stream()/generate() waits on it: tell it
@@ -145,7 +147,8 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # a step still running counts while some request waits for its tokens
-        return self.scheduler.has_unfinished() or (self._in_flight is not None and bool(self.requests))
+        steps_left = self._in_flight is not None or self._unhandled is not None
+        return self.scheduler.has_unfinished() or (steps_left and bool(self.requests))
 
     # ---- one step -------------------------------------------------------------------
     # Steps are pipelined one deep, so the GPU never waits for Python: step() schedules
@@ -160,10 +163,17 @@ class LLMEngine:
         """Launch the next step, finish the previous one. Returns an output for every
         streamed request that got a new token and for every request that finished;
         finished requests are dropped from the engine after this."""
+        if self._unhandled is not None:
+            # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
+            # placeholders name rows of that step, so it is finished before any launch
+            return self._finish_step(self._unhandled)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         previous, self._in_flight = self._in_flight, launched
-        return self._finish_step(previous) if previous is not None else []
+        if previous is None:
+            return []
+        self._unhandled = previous
+        return self._finish_step(previous)
 
     def _launch(self, batch) -> "_Launched":
         sampled = self.runner.run(batch)
@@ -181,9 +191,13 @@ class LLMEngine:
         return _Launched(sampled, waiting_for)
 
     def _finish_step(self, launched: "_Launched") -> list[RequestOutput]:
+        """Handle a launched step's tokens; entries are taken off as they are handled, so an
+        interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
         outputs = []
-        for seq, row, index in launched.waiting_for:
+        waiting_for = launched.waiting_for
+        while waiting_for:
+            seq, row, index = waiting_for.pop()
             request = self.requests.get(seq.request_id)
             if request is None or request.seq is not seq or index >= len(seq.output_token_ids):
                 continue  # aborted, or stopped at an earlier token: this one is dropped
@@ -191,6 +205,7 @@ class LLMEngine:
             output = self._append_token(request, index)
             if output is not None:
                 outputs.append(output)
+        self._unhandled = None
         return outputs
 
     def _append_token(self, request: _Request, index: int) -> RequestOutput | None:
@@ -284,7 +299,7 @@ class _Launched:
 
     def __init__(self, sampled, waiting_for: list):
         self.sampled = sampled
-        self.waiting_for = waiting_for
+        self.waiting_for = waiting_for[::-1]  # last first: pop() hands them out in order
 
 
 def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:
