@@ -129,10 +129,7 @@ def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=prin
     reader, source = _open_gguf(gguf_path, log)
 
     def write(tmp: Path):
-        config = demo_config(reader)
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", _generation_config(config))
-        write_demo_tokenizer_files(reader, tmp, log)
+        config = _write_small_files(reader, tmp, log)
         weights_start = time.perf_counter()
         tensors = convert_weights(reader, config)
         write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
@@ -149,15 +146,17 @@ def build_demo_tokenizer(out_dir, gguf_path=None, log=print) -> Path:
     """Only the small files (tokenizer, chat template, configs): no weights."""
     out_dir = Path(out_dir).expanduser()
     reader, _ = _open_gguf(gguf_path, log)
-
-    def write(tmp: Path):
-        config = demo_config(reader)
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", _generation_config(config))
-        write_demo_tokenizer_files(reader, tmp, log)
-
-    _write_atomically(out_dir, write)
+    _write_atomically(out_dir, lambda tmp: _write_small_files(reader, tmp, log))
     return out_dir
+
+
+def _write_small_files(reader, out_dir: Path, log) -> dict:
+    """config.json, generation_config.json and the tokenizer files; returns the config."""
+    config = demo_config(reader)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", _generation_config(config))
+    write_demo_tokenizer_files(reader, out_dir, log)
+    return config
 
 
 def _open_gguf(gguf_path, log):

@@ -135,7 +135,7 @@ class LLMEngine:
         if request is None:
             return None
         if not request.seq.is_finished:
-            self.scheduler.abort(request.seq.request_id)
+            self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
         del request.seq.output_token_ids[request.num_resolved:]  # tokens still coming
         request.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not "length":
         # the scheduler may have finished it already, at the launch of its last token
@@ -262,12 +262,13 @@ class LLMEngine:
             self.abort(request_id)
             self._undelivered.pop(request_id, None)
 
-    def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
-        """Add all prompts, then yield their outputs as steps produce them. Requests still
-        running when the caller stops iterating are aborted."""
-        ids: list[str] = []
+    def _run(self, prompts: list, params: list[SamplingParams], stream: bool,
+             ids: list[str]) -> Iterator[RequestOutput]:
+        """Add all prompts (their request ids go to `ids`), then yield their outputs as
+        steps produce them (stream=False: only the final ones). Requests still running
+        when the caller stops iterating are aborted."""
         try:
-            self._add_all(prompts, params, True, ids)
+            self._add_all(prompts, params, stream, ids)
             unfinished = set(ids)
             while unfinished:
                 for output in self._outputs_for(unfinished):
@@ -277,19 +278,14 @@ class LLMEngine:
         finally:
             self._close(ids)
 
+    def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
+        """Add all prompts, then yield their outputs as steps produce them. Requests still
+        running when the caller stops iterating are aborted."""
+        return self._run(prompts, params, True, [])
+
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
         ids: list[str] = []
-        try:
-            self._add_all(prompts, params, False, ids)
-            unfinished = set(ids)
-            while unfinished:
-                for output in self._outputs_for(unfinished):
-                    if output.finished:
-                        final[output.request_id] = output
-                        unfinished.discard(output.request_id)
-        finally:
-            self._close(ids)
+        final = {output.request_id: output for output in self._run(prompts, params, False, ids)}
         return [final[request_id] for request_id in ids]
 
 
