@@ -201,6 +201,7 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
                                                     const float* __restrict__ partial_lse,
                                                     bf16* __restrict__ out, int num_heads,
                                                     int head_dim, int num_splits) {
+    let_next_kernel_start();  // the next product may load its weights meanwhile
     const int head = blockIdx.x, b = blockIdx.y;
     const long long base = ((long long)b * num_heads + head) * num_splits;
     float max_lse = neg_inf();
@@ -473,6 +474,7 @@ __device__ __forceinline__ void decode_attention_body(
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
+        let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
                                        query_start_loc, out, partial_out, partial_lse,    \
                                        num_heads, num_kv_heads, block_shift,              \

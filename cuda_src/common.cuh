@@ -52,3 +52,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < num_warps ? scratch[lane] : neg_inf();
     return warp_max(v);
 }
+
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the
+// programmatic-serialization attribute may start while the kernel before it still runs.
+// It must wait before touching anything that kernel writes or reads; the kernel before it
+// lets it start early by calling let_next_kernel_start.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

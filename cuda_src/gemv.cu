@@ -101,7 +101,20 @@ DEFINE_GEMV(16, 4, 2)
 
 // ------------------------------------------------------------------------------------------
 // Tensor-core skinny products: the same out[M, N] = x[M, K] w[N, K]^T, M <= 16, built to
-// stream the weights at HBM speed whatever N and K are.
+// stream the weights at HBM speed whatever N and K are, with the small ops around a
+// decode-step product folded in, so a layer of a small step is five kernels (see
+// model/llama.py) instead of ten:
+//   prologue PRO_PLAIN  x is bf16 [M, K];
+//            PRO_NORM   x is the float32 residual stream [M, K]; the kernel stages
+//                       bf16(x / rms(x) * norm_weight), what rms_norm_f32_kernel writes;
+//   epilogue EPI_STORE  out [M, N]: bf16 (out_mode OUT_BF16), float32 (OUT_F32) or added
+//                       to a float32 out (OUT_F32_ADD: the residual stream);
+//            EPI_SILU   w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
+//                       silu(gate) * up, both rounded to bf16 first as silu_and_mul sees
+//                       them;
+//            EPI_ROPE   w is qkv [(nh + 2 nkv) d, K]; RoPE and the paged KV-cache write of
+//                       rope_and_cache_kernel (rope.cu, the same arithmetic): rotated q ->
+//                       out [M, nh, d], rotated k and plain v -> the caches at slot_mapping.
 //
 // A weight tile of 16 rows is the A operand of mma.m16n8k16 (bf16 in, fp32 sums) and up to
 // 8 x rows are its B operand (M > 8: two of them), so the products cost next to nothing and
@@ -109,22 +122,35 @@ DEFINE_GEMV(16, 4, 2)
 // summed, so every lane loads whole 16-byte chunks (8 consecutive k) of its two weight rows
 // and feeds them to the mma as if they were the k slots the fragment layout assigns it,
 // reading x from the same k positions: lane (g = lane / 4, t = lane % 4) of a warp holds,
-// for one 64-wide k step s, chunks s*8 + t and s*8 + 4 + t of weight rows g and g + 8 and
-// of x row g. The four lanes of one row read 64 contiguous bytes per load, the warp's two
-// loads per row cover a whole 128-byte line.
+// for one 64-wide k step s, chunks s*8 + t and s*8 + 4 + t of the tile's weight rows
+// lo(g) and hi(g) and of x row g. The four lanes of one row read 64 contiguous bytes per
+// load, the warp's two loads per row cover a whole 128-byte line.
 //
-// A block of SKINNY_WARPS warps owns one 16-row tile at a time and splits K among its warps
-// (warp w takes k steps w, w + SKINNY_WARPS, ...; SKINNY_UNROLL steps, i.e. 16 loads of
-// 16 bytes per lane, in flight before the first use); the warps' partial tiles are summed
-// through shared memory in a fixed order (deterministic). Blocks stride over the tiles, so
-// a grid of a few blocks per SM covers any N; x is staged once per block into shared
-// memory, each row padded so the warp's fragment reads hit distinct banks.
-// Weights go through the non-coherent path without L1 allocation: they are read once.
+// Which weight rows a tile holds (tile_rows) is what lets an epilogue see the values it
+// combines in one thread: for EPI_STORE lo(g) = 16 tile + g and hi(g) = lo(g) + 8; for
+// EPI_SILU the pair (gate j, up j), j = 8 tile + g; for EPI_ROPE the rotation pair
+// (i, i + d/2) of a q or k head, then plain 16-row tiles over v. The mma leaves the sums of
+// lo(g) and hi(g) for one x row in the same lane.
 //
-// Needs K % 8 == 0 and 16-byte aligned x and w; any N (rows of the last tile past N re-read
-// row N - 1 and are never stored); shared memory m_rows * x_stride * 16 + SKINNY_PARTIAL
-// bytes (gemm.py computes it). Launch: grid (min(tiles, resident blocks)), block
-// (SKINNY_WARPS * 32), dynamic shared memory as above.
+// A block of SKINNY_WARPS warps owns one tile at a time and splits K among its warps (warp
+// w takes k steps w, w + SKINNY_WARPS, ...; SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes
+// per lane, in flight before the first use); the warps' partial tiles are summed through
+// shared memory in a fixed order (deterministic). Blocks stride over the tiles, so a grid
+// of one or two blocks per SM covers any N; x is staged once per block into shared
+// memory, each row padded so the warp's fragment reads hit distinct banks. Weights go
+// through the non-coherent path without L1 allocation: they are read once.
+//
+// Latency: the weights do not depend on the kernel before, so every block loads the first
+// k steps of its first tile into registers, then lets the next kernel start and waits for
+// the one before (programmatic dependent launch, see launch.py; no-ops when launched
+// plainly), and stages x while its loads arrive. Likewise the first k steps of a block's
+// next tile are loaded before the current tile's sums are reduced.
+//
+// Needs K % 8 == 0, 16-byte aligned x and w, for EPI_SILU N % 16 == 0, for EPI_ROPE
+// (d / 2) % 8 == 0; any N for EPI_STORE (rows of the last tile past N re-read row N - 1 and
+// are never stored); shared memory m_rows * x_stride * 16 + partials (gemm.py computes it).
+// Launch: grid (min(tiles, resident blocks)), block (SKINNY_WARPS * 32), dynamic shared
+// memory as above, one SkinnyArgs by value.
 
 #define SKINNY_WARPS 8
 #define SKINNY_TILE 16     // weight rows per tile: the mma's M
@@ -132,12 +158,53 @@ DEFINE_GEMV(16, 4, 2)
 #define SKINNY_UNROLL 4    // steps per warp loaded before any is used
 #define SKINNY_X_PAD 4     // 16-byte chunks after each staged x row: row stride = 64 mod 128 B
 
+#define PRO_PLAIN 0
+#define PRO_NORM 1
+#define EPI_STORE 0
+#define EPI_SILU 1
+#define EPI_ROPE 2
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_F32_ADD 2
+
+// keep in step with gemm.SkinnyArgs (pointers first, then 4-byte fields: no padding inside)
+struct SkinnyArgs {
+    const void* x;            // bf16 [M, K] (PRO_PLAIN) or float32 [M, K] (PRO_NORM)
+    const bf16* norm_weight;  // [K] (PRO_NORM)
+    const bf16* w;            // [N, K]
+    void* out;                // see the epilogues
+    const int* positions;     // [M] (EPI_ROPE, as the rest of this block)
+    const int* slot_mapping;  // [M]; slot < 0: nothing written to the caches
+    const float* cos_sin;     // [max_pos, d]: cos in columns [0, d/2), sin in [d/2, d)
+    bf16* k_cache;            // [num_blocks, block_size, nkv, d]
+    bf16* v_cache;
+    int m_rows, n, k;
+    int out_mode;             // EPI_STORE
+    int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
+    float eps;                // PRO_NORM
+};
+
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
         : "l"(p));
     return v;
+}
+
+// one group of SKINNY_UNROLL k steps of a warp (steps first, first + SKINNY_WARPS, ...):
+// chunks c and c + 4 of weight rows lo and hi per step, zero past the row's end
+__device__ __forceinline__ void load_group(uint4 (&wv)[SKINNY_UNROLL][4], const uint4* w_lo,
+                                           const uint4* w_hi, int first, int t, int chunks) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < SKINNY_UNROLL; ++u) {
+        const int c = (first + u * SKINNY_WARPS) * (SKINNY_STEP / 8) + t;
+        wv[u][0] = c < chunks ? load_streaming(w_lo + c) : zero;
+        wv[u][1] = c + 4 < chunks ? load_streaming(w_lo + c + 4) : zero;
+        wv[u][2] = c < chunks ? load_streaming(w_hi + c) : zero;
+        wv[u][3] = c + 4 < chunks ? load_streaming(w_hi + c + 4) : zero;
+    }
 }
 
 // d[16 x 8] += a[16 x 16] b[16 x 8]: a0..a3 and b0, b1 in the m16n8k16 fragment layout
@@ -151,7 +218,7 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], unsigned a0, uns
 }
 
 // one 64-wide k step of one 8-column x tile: w_lo / w_hi are the chunks c and c + 4 of
-// weight rows g and g + 8, xa / xb the same chunks of x row g
+// weight rows lo(g) and hi(g), xa / xb the same chunks of x row g
 __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo_a, const uint4& lo_b,
                                          const uint4& hi_a, const uint4& hi_b, const uint4& xa,
                                          const uint4& xb) {
@@ -161,38 +228,176 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo_a, const
     mma_bf16_16x8x16(d, lo_b.z, hi_b.z, lo_b.w, hi_b.w, xb.z, xb.w);
 }
 
+// the weight rows lo(g) and hi(g) of a tile (see the top of this section)
+template <int EPI>
+__device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, int& lo,
+                                          int& hi) {
+    if (EPI == EPI_SILU) {
+        lo = tile * 8 + g;
+        hi = lo + a.n / 2;
+    } else if (EPI == EPI_ROPE) {
+        const int half = a.head_dim / 2;
+        const int pair_tiles = (a.num_heads + a.num_kv_heads) * half / 8;
+        if (tile < pair_tiles) {
+            const int pair = tile * 8 + g, head = pair / half;
+            lo = head * a.head_dim + pair - head * half;
+            hi = lo + half;
+        } else {
+            lo = (a.num_heads + a.num_kv_heads) * a.head_dim + (tile - pair_tiles) * SKINNY_TILE + g;
+            hi = lo + 8;
+        }
+    } else {
+        lo = tile * SKINNY_TILE + g;
+        hi = lo + 8;
+    }
+}
+
+// x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks
+template <int PRO>
+__device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
+                                        int x_stride) {
+    const int chunks = a.k / 8;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    if (PRO == PRO_PLAIN) {
+        const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
+        for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
+            const int m = i / x_chunks, c = i - m * x_chunks;
+            xs[m * x_stride + c] = c < chunks ? __ldg(x4 + (long long)m * chunks + c) : zero;
+        }
+        return;
+    }
+    // PRO_NORM: every thread sums squares over a slice of each row, the block adds the
+    // warps' sums per row, then every thread writes its slice of the scaled rows
+    __shared__ float row_sums[16][SKINNY_WARPS];  // [x row][warp]; m_rows <= 16
+    __shared__ float inv_rms[16];
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const float4* x4 = reinterpret_cast<const float4*>(a.x);
+    const int quads = a.k / 4;
+    for (int m = 0; m < a.m_rows; ++m) {
+        float sum_sq = 0.0f;
+        for (int c = threadIdx.x; c < quads; c += blockDim.x) {
+            const float4 v = x4[(long long)m * quads + c];
+            sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        sum_sq = warp_sum(sum_sq);
+        if (lane == 0) row_sums[m][warp] = sum_sq;
+    }
+    __syncthreads();
+    if (threadIdx.x < a.m_rows) {
+        float sum_sq = 0.0f;
+#pragma unroll
+        for (int v = 0; v < SKINNY_WARPS; ++v) sum_sq += row_sums[threadIdx.x][v];
+        inv_rms[threadIdx.x] = rsqrtf(sum_sq / a.k + a.eps);
+    }
+    __syncthreads();
+    const uint4* weight4 = reinterpret_cast<const uint4*>(a.norm_weight);
+    for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
+        const int m = i / x_chunks, c = i - m * x_chunks;
+        uint4 packed = zero;
+        if (c < chunks) {
+            const float4 v0 = x4[(long long)m * quads + 2 * c], v1 = x4[(long long)m * quads + 2 * c + 1];
+            const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+            float weight[8];
+            bf16x8_to_float(__ldg(weight4 + c), weight);
+            const float scale = inv_rms[m];
+            __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                pairs[j] = __halves2bfloat162(to_bf16(v[2 * j] * scale * weight[2 * j]),
+                                              to_bf16(v[2 * j + 1] * scale * weight[2 * j + 1]));
+        }
+        xs[m * x_stride + c] = packed;
+    }
+}
+
+__device__ __forceinline__ float bf16_rounded(float v) { return to_float(to_bf16(v)); }
+
+__device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, float sum) {
+    if (col >= a.n) return;
+    const long long idx = (long long)m * a.n + col;
+    if (a.out_mode == OUT_BF16) static_cast<bf16*>(a.out)[idx] = to_bf16(sum);
+    else if (a.out_mode == OUT_F32) static_cast<float*>(a.out)[idx] = sum;
+    else static_cast<float*>(a.out)[idx] += sum;
+}
+
+// x row m's sums of the tile's weight rows lo(g) and hi(g) -> memory
+template <int EPI>
+__device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int g,
+                                       float lo_sum, float hi_sum) {
+    int lo, hi;
+    tile_rows<EPI>(a, tile, g, lo, hi);
+    if (EPI == EPI_STORE) {
+        store_out(a, m, lo, lo_sum);
+        store_out(a, m, hi, hi_sum);
+    } else if (EPI == EPI_SILU) {
+        const float gate = bf16_rounded(lo_sum), up = bf16_rounded(hi_sum);
+        static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] =
+            to_bf16(gate / (1.0f + expf(-gate)) * up);
+    } else {
+        const int d = a.head_dim, half = d / 2, nh = a.num_heads, nkv = a.num_kv_heads;
+        const long long slot = a.slot_mapping[m];
+        const long long cache_row = slot * nkv * d;
+        const int v_start = (nh + nkv) * d;
+        if (lo < v_start) {
+            const int head = lo / d, i = lo - head * d;
+            const float* table = a.cos_sin + (long long)a.positions[m] * d;
+            const float x1 = bf16_rounded(lo_sum), x2 = bf16_rounded(hi_sum);
+            const float c = table[i], s = table[half + i];
+            const bf16 o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+            const bf16 o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+            bf16* dst = nullptr;
+            if (head < nh) dst = static_cast<bf16*>(a.out) + ((long long)m * nh + head) * d;
+            else if (slot >= 0) dst = a.k_cache + cache_row + (long long)(head - nh) * d;
+            if (dst != nullptr) {
+                dst[i] = o1;
+                dst[i + half] = o2;
+            }
+        } else if (slot >= 0) {
+            a.v_cache[cache_row + lo - v_start] = to_bf16(lo_sum);
+            a.v_cache[cache_row + hi - v_start] = to_bf16(hi_sum);
+        }
+    }
+}
+
 // NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16)
-template <int NT>
-__device__ __forceinline__ void skinny_mma_body(const bf16* __restrict__ x,
-                                                const bf16* __restrict__ w,
-                                                void* __restrict__ out, int m_rows, int n, int k,
-                                                int out_f32) {
+template <int NT, int PRO, int EPI>
+__device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     extern __shared__ uint4 skinny_smem[];
     constexpr int PARTIAL_FLOATS = SKINNY_WARPS * NT * 4 * WARP_SIZE;  // one buffer
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    const int chunks = k / 8;                                   // 16-byte chunks per row
-    const int steps = (k + SKINNY_STEP - 1) / SKINNY_STEP;
+    const int n = a.n, m_rows = a.m_rows;
+    const int chunks = a.k / 8;                                 // 16-byte chunks per row
+    const int steps = (a.k + SKINNY_STEP - 1) / SKINNY_STEP;
     const int x_chunks = steps * (SKINNY_STEP / 8);             // staged row, zero past k
     const int x_stride = x_chunks + SKINNY_X_PAD;
     uint4* xs = skinny_smem;                                    // [m_rows][x_stride]
     float* partial = reinterpret_cast<float*>(skinny_smem + m_rows * x_stride);  // [2][...]
     const uint4 zero = make_uint4(0, 0, 0, 0);
+    const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
+    const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
 
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    for (int i = threadIdx.x; i < m_rows * x_chunks; i += blockDim.x) {
-        const int m = i / x_chunks, c = i - m * x_chunks;
-        xs[m * x_stride + c] = c < chunks ? __ldg(x4 + (long long)m * chunks + c) : zero;
+    // the first k steps of the first tile do not depend on the kernel before: load them,
+    // then wait for that kernel and stage x while they arrive
+    uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
+    bool preloaded = blockIdx.x < tiles;  // wv holds the first group of the first tile
+    if (preloaded) {
+        int lo, hi;
+        tile_rows<EPI>(a, blockIdx.x, g, lo, hi);
+        load_group(wv, w4 + (long long)min(lo, n - 1) * chunks,
+                   w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
     }
+    let_next_kernel_start();
+    wait_for_previous_kernel();
+    stage_x<PRO>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
-    const uint4* w4 = reinterpret_cast<const uint4*>(w);
-    const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = tile * SKINNY_TILE;
-        const uint4* w_lo = w4 + (long long)min(row0 + g, n - 1) * chunks;
-        const uint4* w_hi = w4 + (long long)min(row0 + g + 8, n - 1) * chunks;
+        int lo, hi;
+        tile_rows<EPI>(a, tile, g, lo, hi);
+        const uint4* w_lo = w4 + (long long)min(lo, n - 1) * chunks;
+        const uint4* w_hi = w4 + (long long)min(hi, n - 1) * chunks;
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -200,15 +405,8 @@ __device__ __forceinline__ void skinny_mma_body(const bf16* __restrict__ x,
             for (int j = 0; j < 4; ++j) acc[nt][j] = 0.0f;
 
         for (int first = warp; first < steps; first += SKINNY_WARPS * SKINNY_UNROLL) {
-            uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
-#pragma unroll
-            for (int u = 0; u < SKINNY_UNROLL; ++u) {
-                const int c = (first + u * SKINNY_WARPS) * (SKINNY_STEP / 8) + t;
-                wv[u][0] = c < chunks ? load_streaming(w_lo + c) : zero;
-                wv[u][1] = c + 4 < chunks ? load_streaming(w_lo + c + 4) : zero;
-                wv[u][2] = c < chunks ? load_streaming(w_hi + c) : zero;
-                wv[u][3] = c + 4 < chunks ? load_streaming(w_hi + c + 4) : zero;
-            }
+            if (!preloaded) load_group(wv, w_lo, w_hi, first, t, chunks);
+            preloaded = false;
 #pragma unroll
             for (int u = 0; u < SKINNY_UNROLL; ++u) {
                 const int step = first + u * SKINNY_WARPS;
@@ -227,6 +425,14 @@ __device__ __forceinline__ void skinny_mma_body(const bf16* __restrict__ x,
             }
         }
 
+        // the next tile's first k steps: in flight while this tile's sums are reduced
+        if (tile + gridDim.x < tiles) {
+            tile_rows<EPI>(a, tile + gridDim.x, g, lo, hi);
+            load_group(wv, w4 + (long long)min(lo, n - 1) * chunks,
+                       w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
+            preloaded = true;
+        }
+
         // sum the warps' partial tiles; two buffers, so one barrier per tile suffices
         float* part = partial + buffer * PARTIAL_FLOATS;
 #pragma unroll
@@ -235,31 +441,35 @@ __device__ __forceinline__ void skinny_mma_body(const bf16* __restrict__ x,
             for (int j = 0; j < 4; ++j)
                 part[((warp * NT + nt) * 4 + j) * WARP_SIZE + lane] = acc[nt][j];
         __syncthreads();
-        for (int e = threadIdx.x; e < NT * 4 * WARP_SIZE; e += blockDim.x) {
-            float sum = 0.0f;
+        // fragment element j of lane `owner` in x tile nt: x row nt * 8 + 2 (owner % 4) +
+        // (j & 1), weight row lo(owner / 4) for j < 2, hi(owner / 4) for j >= 2
+        for (int e = threadIdx.x; e < NT * 2 * WARP_SIZE; e += blockDim.x) {
+            const int owner = e % WARP_SIZE, j = (e / WARP_SIZE) % 2, nt = e / (2 * WARP_SIZE);
+            float lo_sum = 0.0f, hi_sum = 0.0f;
 #pragma unroll
-            for (int v = 0; v < SKINNY_WARPS; ++v) sum += part[v * NT * 4 * WARP_SIZE + e];
-            // e = (nt * 4 + j) * 32 + owner lane: fragment element j of x tile nt
-            const int owner = e % WARP_SIZE, j = (e / WARP_SIZE) % 4, nt = e / (4 * WARP_SIZE);
-            const int m = nt * 8 + (owner % 4) * 2 + (j & 1);
-            const int col = row0 + owner / 4 + (j >= 2 ? 8 : 0);
-            if (m < m_rows && col < n) {
-                const long long idx = (long long)m * n + col;
-                if (out_f32) static_cast<float*>(out)[idx] = sum;
-                else static_cast<bf16*>(out)[idx] = to_bf16(sum);
+            for (int v = 0; v < SKINNY_WARPS; ++v) {
+                lo_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j) * WARP_SIZE + owner];
+                hi_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j + 2) * WARP_SIZE + owner];
             }
+            const int m = nt * 8 + (owner % 4) * 2 + j;
+            if (m < m_rows) finish<EPI>(a, m, tile, owner / 4, lo_sum, hi_sum);
         }
         buffer ^= 1;
     }
 }
 
-#define DEFINE_SKINNY_MMA(NT)                                                                \
+#define DEFINE_SKINNY(NAME, NT, PRO, EPI)                                                    \
     extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * WARP_SIZE, 2)                 \
-        skinny_mma_n##NT(const bf16* x, const bf16* w, void* out, int m_rows, int n, int k,  \
-                         int out_f32) {                                                      \
-        skinny_mma_body<NT>(x, w, out, m_rows, n, k, out_f32);                               \
+        NAME(const SkinnyArgs args) {                                                        \
+        skinny_body<NT, PRO, EPI>(args);                                                     \
     }
 
-// keep in step with gemm.MMA_VARIANTS (NT: 8-column x tiles)
-DEFINE_SKINNY_MMA(1)
-DEFINE_SKINNY_MMA(2)
+// keep in step with gemm.SKINNY_KERNELS (NT: 8-column x tiles)
+DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE)
+DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE)
+DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE)
+DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE)
+DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU)
+DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU)
+DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE)
+DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE)

@@ -608,8 +608,9 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_mma_kernels_compile_without_spills(tmp_path, arch):
-    """Both variants exist, fit the 2-blocks-per-SM register budget and keep their
-    per-row registers in registers (no stack frame, no spills)."""
+    """Every skinny kernel (plain and fused, both variants) exists, fits the 2-blocks-per-SM
+    register budget and keeps its per-row registers in registers (no stack frame, no
+    spills)."""
     from cupy_llama.backends.cuda import gemm
     from cupy_llama.backends.cuda.kernels import module_source
     source = tmp_path / "gemv.cu"
@@ -619,7 +620,7 @@ def test_mma_kernels_compile_without_spills(tmp_path, arch):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = result.stderr + result.stdout
-    for kernel in gemm.MMA_VARIANTS.values():
+    for kernel in (f"{family}_n{nt}" for family in gemm.SKINNY_FAMILIES for nt in (1, 2)):
         match = re.search(rf"Function properties for {kernel}\s*\n\s*(\d+) bytes stack frame, "
                           rf"(\d+) bytes spill stores, (\d+) bytes spill loads.*?\n.*?Used "
                           rf"(\d+) registers", report)

@@ -118,8 +118,9 @@ class Ops(Protocol):
         """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H]."""
     def add_rms_norm(self, x, residual, weight, eps: float, out) -> None:
         """residual += x (in place), then out = rms_norm(residual); all [T, H]."""
-    def linear(self, x, weight, out) -> None:
-        """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32."""
+    def linear(self, x, weight, out, accumulate: bool = False) -> None:
+        """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32;
+        accumulate: out (float32) += x @ weight.T."""
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out) -> None:
         """qkv [T, (nh + 2 nkv) d]: rotate q and k with RoPE at meta.positions (half-split
         pairs (i, i + d/2)), write rotated q to q_out [T, nh, d], write rotated k and plain v
@@ -132,8 +133,39 @@ class Ops(Protocol):
         """gate_up [T, 2 I] (gate first); out [T, I] = silu(gate) * up."""
     def gather_rows(self, x, indices, out) -> None:
         """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
+    def norm_linear(self, x, norm_weight, eps: float, weight, out, h) -> None:
+        """out = rms_norm(x) @ weight.T (SublayerOps)."""
+    def norm_gate_up_silu(self, x, norm_weight, eps: float, weight, out, h, gate_up) -> None:
+        """out = silu_and_mul(rms_norm(x) @ weight.T) (SublayerOps)."""
+    def norm_qkv_rope(self, x, norm_weight, eps: float, weight, meta, cos_sin, k_cache,
+                      v_cache, q_out, h, qkv) -> None:
+        """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
         """sample() without waiting: the tokens come back while the host prepares the next
         step, which may already name them (token id -(r + 1), see ForwardBatch)."""
+
+
+class SublayerOps:
+    """The ops that open a sublayer (a norm, a product, and what follows the product),
+    composed of the primitive ops. A backend may run any of them as one kernel: CudaOps
+    does for steps of at most 16 tokens. `h` (the normalized x) and `qkv` / `gate_up` (the
+    raw product) are scratch buffers only the composed form writes."""
+
+    def norm_linear(self, x, norm_weight, eps, weight, out, h):
+        """out = rms_norm(x) @ weight.T; x [T, H], out [T, N]."""
+        self.rms_norm(x, norm_weight, eps, h)
+        self.linear(h, weight, out)
+
+    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
+        """out [T, I] = silu(gate) * up of rms_norm(x) @ weight.T (gate rows first)."""
+        self.norm_linear(x, norm_weight, eps, weight, gate_up, h)
+        self.silu_and_mul(gate_up, out)
+
+    def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
+                      q_out, h, qkv):
+        """rms_norm(x) @ weight.T, then rope_and_cache: rotated q -> q_out [T, nh, d],
+        rotated k and plain v -> the caches."""
+        self.norm_linear(x, norm_weight, eps, weight, qkv, h)
+        self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ForwardBatch, SampledTokens, SamplingTensors
+from .base import ForwardBatch, SampledTokens, SamplingTensors, SublayerOps
 
 
-class NumpyOps:
+class NumpyOps(SublayerOps):
     act_dtype = np.float32
     _last_sampled = np.zeros(0, np.int32)  # the tokens of the latest sample call
 
@@ -36,8 +36,11 @@ class NumpyOps:
         residual += x
         self.rms_norm(residual, weight, eps, out)
 
-    def linear(self, x, weight, out):
-        np.matmul(x, weight.T, out=out)
+    def linear(self, x, weight, out, accumulate=False):
+        if accumulate:
+            out += x @ weight.T
+        else:
+            np.matmul(x, weight.T, out=out)
 
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
         num_tokens = qkv.shape[0]

@@ -12,12 +12,12 @@ from ..config import ModelConfig
 # Activation buffers of one step, name -> shape as a function of (T tokens, B sequences).
 # The CUDA backend carves these out of one pool planned from max_num_batched_tokens and
 # max_num_seqs; `qkv`/`gate_up` and `q`/`act` never live at the same time, so each pair
-# may share memory (`x` and `attn` do: o_proj reads one while writing the other).
+# may share memory. `h`, `qkv`, `gate_up` and `last_h` are scratch of the composed
+# sublayer ops (backends/base.py SublayerOps); a fused kernel never writes them.
 def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[str, tuple]:
     T, B, H = num_tokens, num_seqs, config.hidden_size
     qkv_width = config.q_size + 2 * config.kv_size
     return {
-        "x": (T, H),                      # a sublayer's output (attention or MLP)
         "residual": (T, H),               # the residual stream (float32 on every backend)
         "h": (T, H),                      # normalized input of a sublayer
         "qkv": (T, qkv_width),            # fused projection output
@@ -39,24 +39,23 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
     eps = config.rms_norm_eps
     scale = config.head_dim ** -0.5
 
-    ops.embedding(meta.token_ids, w["embed"], buf["residual"])  # residual: [T, H]
-    ops.rms_norm(buf["residual"], w["layers.0.input_norm"], eps, buf["h"])
+    ops.embedding(meta.token_ids, w["embed"], buf["residual"])  # residual: [T, H] float32
     for i in range(config.num_hidden_layers):
         k_cache, v_cache = backend.kv_caches[i]
-        if i > 0:
-            ops.add_rms_norm(buf["x"], buf["residual"], w[f"layers.{i}.input_norm"], eps, buf["h"])
-        ops.linear(buf["h"], w[f"layers.{i}.qkv"], buf["qkv"])      # qkv: [T, (nh+2nkv) d]
-        ops.rope_and_cache(buf["qkv"], meta, backend.cos_sin, k_cache, v_cache, buf["q"])
+        layer = f"layers.{i}"
+        # attention: norm, qkv product, RoPE and the cache write (q: [T, nh, d]), then the
+        # output product added straight into the residual stream
+        ops.norm_qkv_rope(buf["residual"], w[f"{layer}.input_norm"], eps, w[f"{layer}.qkv"],
+                          meta, backend.cos_sin, k_cache, v_cache, buf["q"], buf["h"], buf["qkv"])
         ops.attention(buf["q"], k_cache, v_cache, meta, scale, buf["attn"])  # attn: [T, nh d]
-        ops.linear(buf["attn"], w[f"layers.{i}.o_proj"], buf["x"])
-        ops.add_rms_norm(buf["x"], buf["residual"], w[f"layers.{i}.post_norm"], eps, buf["h"])
-        ops.linear(buf["h"], w[f"layers.{i}.gate_up"], buf["gate_up"])  # gate_up: [T, 2I]
-        ops.silu_and_mul(buf["gate_up"], buf["act"])                     # act: [T, I]
-        ops.linear(buf["act"], w[f"layers.{i}.down"], buf["x"])
+        ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
+        # MLP: norm, gate/up product and SiLU-and-mul (act: [T, I]), then the down product
+        ops.norm_gate_up_silu(buf["residual"], w[f"{layer}.post_norm"], eps, w[f"{layer}.gate_up"],
+                              buf["act"], buf["h"], buf["gate_up"])
+        ops.linear(buf["act"], w[f"{layer}.down"], buf["residual"], accumulate=True)
     # only the last token of each sequence needs the final norm and the LM head
-    ops.gather_rows(buf["x"], meta.last_token_indices, buf["last_h"])
     ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
-    ops.add_rms_norm(buf["last_h"], buf["last_residual"], w["final_norm"], eps, buf["last_h"])
     lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
-    ops.linear(buf["last_h"], lm_head, buf["logits"])  # logits: [B, V] float32
+    ops.norm_linear(buf["last_residual"], w["final_norm"], eps, lm_head, buf["logits"],
+                    buf["last_h"])  # logits: [B, V] float32
     return buf["logits"]

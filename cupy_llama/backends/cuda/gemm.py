@@ -1,7 +1,11 @@
 """out = x @ weight.T: cuBLAS (bf16 in, fp32 compute, bf16 or fp32 out) or, for the skinny
 products of decode (at most 16 rows), one of the custom kernels of gemv.cu:
-  - "mma": the tensor-core streaming kernel (skinny_mma_n1/_n2), built to read the weights
-    at HBM speed for every weight shape;
+  - "mma": the tensor-core streaming kernels (skinny_*), built to read the weights at HBM
+    speed for every weight shape; their fused variants also take the RMSNorm before a
+    product and the SiLU-and-mul, RoPE and KV-cache write or residual add after it
+    (norm_linear, norm_gate_up_silu, norm_qkv_rope, linear(accumulate=True)), and they
+    launch programmatically (launch.py) so each starts streaming its weights while the
+    kernel before it drains;
   - "gemv": the first SIMT kernel (gemv_m*), kept for comparison.
 
 cuBLAS is called through ctypes on a handle of this module's own: CuPy's binding refuses
@@ -17,6 +21,9 @@ CUPY_LLAMA_SKINNY_GEMM:
     `python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune`); for a GPU without a
     table, "mma" up to FALLBACK_MMA_MAX_ROWS rows and cuBLAS above;
   - "mma" (alias "custom"), "gemv" or "cublas": that kernel wherever it applies.
+Under "auto" the fused products and accumulating products of at most 16 rows always take
+the skinny kernels (the table times plain products); under "cublas" they are composed of
+cuBLAS and the separate small kernels.
 A custom kernel that cannot take a product (alignment, K, shared memory) hands it to cuBLAS.
 Graphs bake in the kernels chosen when they are captured: reset them after a switch."""
 from __future__ import annotations
@@ -29,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .kernels import BF16, F32, check, get_kernel, i32
+from . import launch
+from .kernels import BF16, F32, I32, check, get_kernel, i32
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
@@ -44,13 +52,16 @@ GEMV_VARIANTS = {1: 2, 2: 2, 4: 2, 8: 4, 16: 4}
 GEMV_WARPS = 4
 SKINNY_MAX_ROWS = max(GEMV_VARIANTS)
 
-# tensor-core kernels (gemv.cu SKINNY_* constants): x tiles of 8 rows -> kernel name
-MMA_VARIANTS = {1: "skinny_mma_n1", 2: "skinny_mma_n2"}
+# tensor-core kernels (gemv.cu SKINNY_* constants): kernel families, each with variants
+# _n1 (up to 8 x rows) and _n2 (up to 16)
+SKINNY_FAMILIES = ("skinny", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
+OUT_BF16, OUT_F32, OUT_F32_ADD = 0, 1, 2  # gemv.cu out_mode
 MMA_WARPS = 8
 MMA_TILE_ROWS = 16      # weight rows per tile
 MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multiple of this
 MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = 2 * MMA_WARPS * 4 * 32 * 4  # per x tile: two buffers of warp partials
+MMA_STATIC_SHARED = (16 * MMA_WARPS + 16) * 4    # the norm prologue's row sums (static)
 
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
@@ -80,27 +91,33 @@ def skinny_gemm() -> str:
     return _skinny if _skinny in SKINNY_CHOICES else "auto"
 
 
-def linear(x, weight, out):
-    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major."""
-    m_rows, n_cols = check_product(x, weight, out)
+def linear(x, weight, out, accumulate: bool = False):
+    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major.
+    accumulate: out (float32) += x @ weight.T (the residual stream takes a sublayer's
+    output this way, with no rounding to bf16 in between)."""
+    m_rows, n_cols = check_product(x, weight, out, accumulate)
     k = x.shape[1]
     if m_rows == 0 or n_cols == 0:
         return
     kernel = chosen_kernel(n_cols, k, m_rows)
+    if accumulate and m_rows <= SKINNY_MAX_ROWS and skinny_gemm() != "cublas":
+        kernel = "mma"  # see the module doc (and the SIMT kernel only stores)
     if kernel == "mma" and mma_unsupported(x, weight) is None:
-        _launch_mma(x, weight, out)
+        _launch_mma(x, weight, out, accumulate)
     elif kernel == "gemv" and gemv_supported(x, weight, out):
         _launch_gemv(x, weight, out)
     else:
-        cublas_linear(x, weight, out)
+        cublas_linear(x, weight, out, accumulate)
 
 
-def check_product(x, weight, out):
-    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32; returns (M, N)."""
+def check_product(x, weight, out, accumulate: bool = False):
+    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32 (float32 when
+    accumulating); returns (M, N)."""
     m_rows, k = check("x", x, BF16, ndim=2).shape
     n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
-    if out.dtype not in (BF16, F32):
-        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
+    if out.dtype not in (BF16, F32) or (accumulate and out.dtype != F32):
+        allowed = "float32" if accumulate else "uint16 (bf16) or float32"
+        raise ValueError(f"out: expected dtype {allowed}, got {out.dtype.name}")
     check("out", out, out.dtype, shape=(m_rows, n_cols))
     return m_rows, n_cols
 
@@ -212,18 +229,32 @@ def _launch_gemv(x, weight, out):
         (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)))
 
 
-# ------------------------------------------------------------ tensor-core skinny kernel
+# ------------------------------------------------------------ tensor-core skinny kernels
+
+class SkinnyArgs(ctypes.Structure):
+    """The one by-value parameter of every skinny_* kernel (gemv.cu struct SkinnyArgs)."""
+    _fields_ = [("x", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
+                ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p),
+                ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
+                ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("eps", ctypes.c_float)]
+
 
 def mma_shared_bytes(m_rows: int, k: int) -> int:
-    """Dynamic shared memory of skinny_mma for m_rows x rows of length k: the staged x rows
-    (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp partials."""
+    """Dynamic shared memory of a skinny kernel for m_rows x rows of length k: the staged x
+    rows (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp
+    partials."""
     x_tiles = -(-m_rows // 8)
     x_stride_bytes = (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
     return m_rows * x_stride_bytes + x_tiles * MMA_PARTIAL_BYTES
 
 
 def mma_unsupported(x, weight) -> str | None:
-    """Why skinny_mma cannot take this product, or None when it can."""
+    """Why the skinny kernels cannot take this product, or None when they can."""
     m_rows, k = x.shape
     if m_rows > SKINNY_MAX_ROWS:
         return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
@@ -231,59 +262,161 @@ def mma_unsupported(x, weight) -> str | None:
         return f"K a multiple of 8 (got {k})"
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
-    limit = _device_limits()["max_shared_per_block"]
+    limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
     if mma_shared_bytes(m_rows, k) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
                 f"(needs {mma_shared_bytes(m_rows, k)})")
+    if not launch.available():
+        return "the CUDA driver's cuLaunchKernelEx"
     return None
 
 
-def mma(x, weight, out):
+def mma(x, weight, out, accumulate: bool = False):
     """The tensor-core skinny kernel whatever the switch says (tests, timing); same shapes
     as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
-    m_rows, n_cols = check_product(x, weight, out)
+    m_rows, n_cols = check_product(x, weight, out, accumulate)
     reason = mma_unsupported(x, weight)
     if reason is not None:
         raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
     if m_rows and n_cols:
-        _launch_mma(x, weight, out)
+        _launch_mma(x, weight, out, accumulate)
 
 
-def _launch_mma(x, weight, out):
-    m_rows, k = x.shape
-    n_cols = weight.shape[0]
-    kernel, grid, shared = _mma_launch_shape(n_cols, k, m_rows)
-    kernel((grid,), (MMA_WARPS * 32,),
-           (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)),
-           shared_mem=shared)
+def _launch_mma(x, weight, out, accumulate=False):
+    mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
+    args = SkinnyArgs(x=x.data.ptr, w=weight.data.ptr, out=out.data.ptr, out_mode=mode)
+    _launch_skinny("skinny", x.shape[0], weight.shape[0], x.shape[1], args)
 
 
-_mma_shapes = {}  # (n, k, m) -> (kernel, grid, shared bytes)
+# fused variants (gemv.cu): the x rows are the float32 residual stream, normalized by the
+# kernel on the way into shared memory; the epilogue stores, applies SiLU-and-mul, or RoPE
+# and the KV-cache write
+
+def fused_unsupported(x, weight, norm_weight) -> str | None:
+    """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T, or None."""
+    if x.dtype != F32:
+        return "a float32 x (the residual stream)"
+    reason = mma_unsupported(x, weight)
+    if reason is None and (x.shape[1] % 8 or norm_weight.data.ptr % 16):
+        reason = "16-byte aligned norm weights"
+    return reason
 
 
-def _mma_launch_shape(n: int, k: int, m_rows: int):
+def _norm_args(x, norm_weight, eps, weight, out) -> SkinnyArgs:
+    _check_norm_product(x, norm_weight, weight)
+    return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=weight.data.ptr,
+                      out=out.data.ptr, eps=float(eps))
+
+
+def _check_norm_product(x, norm_weight, weight):
+    m_rows, k = check("x", x, F32, ndim=2).shape
+    check("norm_weight", norm_weight, BF16, shape=(k,))
+    check("weight", weight, BF16, shape=(None, k))
+    return m_rows, k
+
+
+def norm_linear(x, norm_weight, eps, weight, out) -> bool:
+    """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K], weight
+    [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused kernel
+    cannot take it, or the switch says cuBLAS: the caller composes the two ops."""
+    m_rows, k = _check_norm_product(x, norm_weight, weight)
+    n = weight.shape[0]
+    check("out", out, out.dtype, shape=(m_rows, n))
+    if skinny_gemm() == "cublas" or fused_unsupported(x, weight, norm_weight) is not None:
+        return False
+    args = _norm_args(x, norm_weight, eps, weight, out)
+    args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
+    if m_rows:
+        _launch_skinny("skinny_norm", m_rows, n, k, args)
+    return True
+
+
+def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
+    """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
+    rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
+    m_rows, k = _check_norm_product(x, norm_weight, weight)
+    n = weight.shape[0]
+    check("out", out, BF16, shape=(m_rows, n // 2))
+    if (skinny_gemm() == "cublas" or n % MMA_TILE_ROWS
+            or fused_unsupported(x, weight, norm_weight) is not None):
+        return False
+    if m_rows:
+        _launch_skinny("skinny_norm_silu", m_rows, n, k,
+                       _norm_args(x, norm_weight, eps, weight, out))
+    return True
+
+
+def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin, k_cache,
+                  v_cache, q_out) -> bool:
+    """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py), in
+    one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d]. False where
+    it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
+    m_rows, k = _check_norm_product(x, norm_weight, weight)
+    _, num_heads, head_dim = check("q_out", q_out, BF16, shape=(m_rows, None, None)).shape
+    num_kv_heads = check("k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape[2]
+    check("v_cache", v_cache, BF16, shape=k_cache.shape)
+    check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
+    check("positions", positions, I32, shape=(m_rows,))
+    check("slot_mapping", slot_mapping, I32, shape=(m_rows,))
+    check("cos_sin", cos_sin, F32, shape=(None, head_dim))
+    if (skinny_gemm() == "cublas" or head_dim % 16
+            or fused_unsupported(x, weight, norm_weight) is not None):
+        return False
+    args = _norm_args(x, norm_weight, eps, weight, q_out)
+    args.positions, args.slot_mapping = positions.data.ptr, slot_mapping.data.ptr
+    args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+    args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
+    if m_rows:
+        _launch_skinny("skinny_norm_rope", m_rows, weight.shape[0], k, args)
+    return True
+
+
+def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
+    import cupy
+    kernel, grid, shared = _mma_launch_shape(family, n, k, m_rows)
+    programmatic = launch.programmatic() and _device_limits()["capability"] >= 90
+    args.m_rows, args.n, args.k = m_rows, n, k
+    launch.launch(kernel, grid, MMA_WARPS * 32, shared, cupy.cuda.get_current_stream().ptr,
+                  args, programmatic)
+
+
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
+_blocks_per_sm_cap = None  # set_skinny_blocks_per_sm
+
+
+def set_skinny_blocks_per_sm(cap: int | None) -> None:
+    """At most this many skinny blocks per SM (None: as many as fit); for timing. Graphs
+    bake in the grids of their capture."""
+    global _blocks_per_sm_cap
+    _blocks_per_sm_cap = cap
+    _mma_shapes.clear()
+
+
+def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     """Kernel, grid and shared memory of a product, computed once per shape: enough blocks
     to fill every SM as far as registers and shared memory allow, at most one per tile."""
-    key = (n, k, m_rows)
+    key = (family, n, k, m_rows)
     if key not in _mma_shapes:
-        kernel = get_kernel("gemv", MMA_VARIANTS[-(-m_rows // 8)])
+        kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
         shared = mma_shared_bytes(m_rows, k)
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
         limits = _device_limits()
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits)
+        if _blocks_per_sm_cap is not None:
+            per_sm = max(1, min(per_sm, _blocks_per_sm_cap))
         tiles = -(-n // MMA_TILE_ROWS)
         _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), shared)
     return _mma_shapes[key]
 
 
 def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict) -> int:
-    """Resident skinny_mma blocks per SM: registers (allocated per warp in units of 256),
+    """Resident skinny blocks per SM: registers (allocated per warp in units of 256),
     shared memory (1 KB reserved per block) and threads; at least 1."""
     threads = MMA_WARPS * 32
     regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
     by_regs = limits["regs_per_sm"] // (regs_per_warp * MMA_WARPS)
-    by_shared = limits["shared_per_sm"] // (shared + 1024)
+    by_shared = limits["shared_per_sm"] // (shared + MMA_STATIC_SHARED + 1024)
     by_threads = limits["threads_per_sm"] // threads
     return max(1, min(by_regs, by_shared, by_threads))
 
@@ -302,23 +435,24 @@ def _device_limits() -> dict:
             "shared_per_sm": attributes.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
             "regs_per_sm": attributes.get("MaxRegistersPerMultiprocessor", 65536),
             "threads_per_sm": attributes.get("MaxThreadsPerMultiProcessor", 2048),
+            "capability": int(device.compute_capability),
         }
     return _limits[device.id]
 
 
 # ------------------------------------------------------------------ cuBLAS via ctypes
 
-def cublas_linear(x, weight, out):
+def cublas_linear(x, weight, out, accumulate: bool = False):
     """Row-major out = x W^T is column-major out^T = W x^T: op(A) = W^T read as [K, N]
     column-major transposed (transa=T, lda=K), B = x^T ([K, M] column-major, ldb=K),
-    m=N, n=M, ldc=N."""
+    m=N, n=M, ldc=N; accumulate: beta = 1 (out float32)."""
     import cupy
     m_rows, k = x.shape
     n_cols = weight.shape[0]
     out_type = CUDA_R_16BF if out.dtype == BF16 else CUDA_R_32F
     args = (CUBLAS_OP_T, CUBLAS_OP_N, n_cols, m_rows, k,
             _ONE.ctypes.data, weight.data.ptr, CUDA_R_16BF, k, x.data.ptr, CUDA_R_16BF, k,
-            _ZERO.ctypes.data, out.data.ptr, out_type, n_cols,
+            (_ONE if accumulate else _ZERO).ctypes.data, out.data.ptr, out_type, n_cols,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     library = cublas_library()
     stream = cupy.cuda.get_current_stream().ptr

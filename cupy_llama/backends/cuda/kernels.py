@@ -22,7 +22,9 @@ MODULES = {
                   *(f"decode_attention_d{d}_g{g}" for d in (64, 128) for g in (1, 2, 4, 8)),
                   "prefill_attention_d64", "prefill_attention_d128"),
     "sampling": ("sample_kernel",),
-    "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16", "skinny_mma_n1", "skinny_mma_n2"),
+    "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16",
+             *(f"{family}_n{nt}" for family in ("skinny", "skinny_norm", "skinny_norm_silu",
+                                                "skinny_norm_rope") for nt in (1, 2))),
 }
 
 

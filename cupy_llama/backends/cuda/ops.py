@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import ForwardBatch, SamplingTensors
+from ..base import ForwardBatch, SamplingTensors, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, gemm
 from . import sampling as sampling_kernels
@@ -45,7 +45,7 @@ def pinned_array(cupy, count: int, dtype) -> np.ndarray:
     return np.frombuffer(memory, dtype, count)
 
 
-class CudaOps:
+class CudaOps(SublayerOps):
     act_dtype = np.uint16
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
@@ -129,8 +129,25 @@ class CudaOps:
     def add_rms_norm(self, x, residual, weight, eps, out):
         elementwise.add_rms_norm(x, residual, weight, eps, out)
 
-    def linear(self, x, weight, out):
-        gemm.linear(x, weight, out)
+    def linear(self, x, weight, out, accumulate=False):
+        gemm.linear(x, weight, out, accumulate)
+
+    # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
+    # else composed (SublayerOps)
+    def norm_linear(self, x, norm_weight, eps, weight, out, h):
+        if not gemm.norm_linear(x, norm_weight, eps, weight, out):
+            super().norm_linear(x, norm_weight, eps, weight, out, h)
+
+    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
+        if not gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out):
+            super().norm_gate_up_silu(x, norm_weight, eps, weight, out, h, gate_up)
+
+    def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
+                      q_out, h, qkv):
+        if not gemm.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
+                                  meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
+            super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
+                                  v_cache, q_out, h, qkv)
 
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,

@@ -37,7 +37,7 @@ from ...backends.base import ForwardBatch, SamplingTensors
 from ...config import ModelConfig
 from ...model.llama import forward as eager_forward
 from ...weights import open_checkpoint
-from . import gemm
+from . import gemm, launch
 
 RUNS, WARMUP = 20, 3
 OP_BATCHES = (1, 64)
@@ -47,7 +47,10 @@ GEMV_PRINT_ROWS = (1, 2, 4, 8, 16)
 GEMV_CALLS = 16       # calls per captured graph
 GEMV_REPLAYS = 10     # timed replays of it (median)
 FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
-SKINNY_STEP_CHOICES = ("cublas", "mma", "auto")
+# decode-step variants: name -> (skinny switch, programmatic launches, skinny blocks per
+# SM cap); "cublas" composes every sublayer of cuBLAS and the separate small kernels
+STEP_VARIANTS = {"cublas": ("cublas", False, None), "fused": ("auto", False, None),
+                 "fused+pdl": ("auto", True, None), "fused+pdl 1/SM": ("auto", True, 1)}
 E2E_STEPS = 256
 
 
@@ -198,6 +201,53 @@ def gemv_comparison(cupy, config) -> list:
     return rows
 
 
+SUBLAYER_ROWS = (1, 8)
+
+
+def sublayer_comparison(cupy, backend, config) -> list:
+    """Each op of a decode layer at M = 1 and 8 rows, as the model runs it, composed of
+    cuBLAS and the small kernels ("cublas") against the fused skinny kernels with plain
+    and programmatic launches; graph-timed like gemv_comparison (weights from HBM)."""
+    ops = backend.ops
+    l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
+    H = config.hidden_size
+    k_cache, v_cache = backend.kv_caches[0]
+    norm_w = backend.weights["final_norm"]
+    rows = []
+    for m in SUBLAYER_ROWS:
+        residual = cupy.random.standard_normal((m, H), np.float32)
+        buf = backend.buffers(m, m)
+        meta = ops.upload(decode_batch(m, 16, backend.block_size, 4, np.random.default_rng(0)))
+        cases = {
+            "qkv+rope": (gemv_shapes(config)["qkv"], lambda w: ops.norm_qkv_rope(
+                residual, norm_w, 1e-5, w, meta, backend.cos_sin, k_cache, v_cache, buf["q"],
+                buf["h"], buf["qkv"])),
+            "o_proj+add": (gemv_shapes(config)["o_proj"],
+                           lambda w: ops.linear(buf["attn"], w, residual, accumulate=True)),
+            "gate_up+silu": (gemv_shapes(config)["gate_up"], lambda w: ops.norm_gate_up_silu(
+                residual, norm_w, 1e-5, w, buf["act"], buf["h"], buf["gate_up"])),
+            "down+add": (gemv_shapes(config)["down"],
+                         lambda w: ops.linear(buf["act"], w, residual, accumulate=True)),
+            "lm_head+norm": (gemv_shapes(config)["lm_head"], lambda w: ops.norm_linear(
+                residual, norm_w, 1e-5, w, buf["logits"], buf["last_h"])),
+        }
+        buf["attn"].fill(0x3C00)
+        buf["act"].fill(0x3C00)
+        for name, ((n, k), run) in cases.items():
+            copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // (2 * n * k)))
+            pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
+            weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
+            row = {"op": name, "m": m, "n": n, "k": k}
+            for variant in ("cublas", "fused", "fused+pdl"):
+                skinny, programmatic, _ = STEP_VARIANTS[variant]
+                gemm.set_skinny_gemm(skinny)
+                launch.set_programmatic(programmatic)
+                row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
+            rows.append(row)
+            del weights, pool
+    return rows
+
+
 def choice_table(gpu: str, rows: list) -> dict:
     """The JSON gemm.load_choice_table reads: the fastest kernel per shape and M."""
     choices, timings = {}, {}
@@ -229,6 +279,15 @@ def tune(cupy, config, gpu: str) -> tuple[list, dict]:
     return rows, table
 
 
+def set_step_variant(backend, skinny: str, programmatic: bool, blocks_per_sm) -> None:
+    """Switch the product kernels (STEP_VARIANTS) and drop the graphs captured before."""
+    gemm.set_skinny_gemm(skinny)
+    launch.set_programmatic(programmatic)
+    gemm.set_skinny_blocks_per_sm(blocks_per_sm)
+    if backend.graphs is not None:
+        backend.graphs.reset()
+
+
 def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
     """Batch-1 greedy decode tok/s: host batch, step, sampling, token readback per step."""
     bps = -(-backend.max_model_len // backend.block_size)
@@ -250,6 +309,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     parser.add_argument("--tune", action="store_true",
                         help="only time the skinny products and write the choice table")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="skip the skinny-product table (per-op and step times only)")
     args = parser.parse_args(argv)
     import cupy
     from .backend import CudaBackend
@@ -284,19 +345,20 @@ def main(argv=None) -> int:
         batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
         result["per_op_ms"][b] = per_op_times(cupy, backend, config, batch)
 
-    result["gemv"], result["gemm_choice"] = tune(cupy, config, gpu)
+    result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
 
+    initial_programmatic = launch.programmatic()
+    result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
-    for skinny in SKINNY_STEP_CHOICES:
-        gemm.set_skinny_gemm(skinny)
-        if backend.graphs is not None:
-            backend.graphs.reset()
+    for name, (skinny, programmatic, blocks_per_sm) in STEP_VARIANTS.items():
+        set_step_variant(backend, skinny, programmatic, blocks_per_sm)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
-            result["step_ms"][f"{skinny} b={b}"] = row
+            result["step_ms"][f"{name} b={b}"] = row
+    set_step_variant(backend, "auto", initial_programmatic, None)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
@@ -325,6 +387,10 @@ def print_table(result) -> None:
         print(f"{label:<24}" + "".join(
             f"{c.get('ms_per_step', float('nan')):>9.3f}x{c.get('calls_per_step', 0):<2}" for c in cells))
     print_gemv_table(result["gemv"])
+    print("\n== decode layer ops: us per call, graph-timed, weights from HBM ==")
+    for row in result.get("sublayer_us", []):
+        print(f"{row['op']:<14} M={row['m']:<3}" + "".join(
+            f" {v} {row[v + '_us']:7.1f}" for v in ("cublas", "fused", "fused+pdl")))
     print("\n== decode step ms: eager vs graph replay ==")
     for key, row in result["step_ms"].items():
         print(f"{key:<16} eager {row['eager']:8.3f}  graph {row.get('graph', float('nan')):8.3f}")

@@ -1,0 +1,105 @@
+"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for the two things
+CuPy's RawKernel call cannot do: pass one C struct by value (the skinny kernels' SkinnyArgs)
+and launch programmatically (programmatic dependent launch, sm_90+): the kernel may start
+while the kernel before it on the stream still runs, and waits for it on the device
+(`wait_for_previous_kernel` in common.cuh). Launches captured into a CUDA graph keep that
+overlap as programmatic edges.
+
+`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off; graphs bake in
+what was set when they were captured."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: a 4-byte id, padding to 8, a 64-byte value union whose first
+    # member is the int this module sets
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_ubyte * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_programmatic = os.environ.get("CUPY_LLAMA_PDL", "1") != "0"
+_driver = None  # _Driver once loaded; False where it could not be
+
+
+def set_programmatic(on: bool) -> None:
+    """Launch the kernels that support it programmatically (where the GPU can)."""
+    global _programmatic
+    _programmatic = bool(on)
+
+
+def programmatic() -> bool:
+    return _programmatic
+
+
+def available() -> bool:
+    """Whether cuLaunchKernelEx could be loaded (else callers use other kernels)."""
+    return _load() is not None
+
+
+def launch(kernel, grid: int, block: int, shared_bytes: int, stream_ptr: int, args,
+           programmatic_ok: bool) -> None:
+    """Launch a CuPy RawKernel `kernel` whose only parameter is the ctypes struct `args`.
+    programmatic_ok: the kernel waits for the previous one before touching its results
+    (and the GPU supports it); it then launches programmatically unless turned off."""
+    driver = _load()
+    if driver is None:
+        raise RuntimeError("cuLaunchKernelEx is not available")
+    driver.launch(kernel.kernel.ptr, grid, block, shared_bytes, stream_ptr, args,
+                  programmatic_ok and _programmatic)
+
+
+def _load():
+    global _driver
+    if _driver is None:
+        try:
+            _driver = _Driver()
+        except (OSError, AttributeError):
+            _driver = False
+    return _driver or None
+
+
+class _Driver:
+    def __init__(self):
+        lib = ctypes.CDLL(_libcuda_path())
+        self._launch = lib.cuLaunchKernelEx
+        self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        self._attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                                      value=1)
+
+    def launch(self, function: int, grid: int, block: int, shared_bytes: int, stream: int,
+               args, programmatic: bool) -> None:
+        config = _LaunchConfig(grid, 1, 1, block, 1, 1, shared_bytes, stream,
+                               ctypes.pointer(self._attr) if programmatic else None,
+                               1 if programmatic else 0)
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(args), ctypes.c_void_p))
+        status = self._launch(ctypes.byref(config), ctypes.c_void_p(function), params, None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA driver error {status}")
+
+
+def _libcuda_path() -> str:
+    """The libcuda already in the process (CuPy loaded it), else the usual soname."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.strip() else ""
+                if re.search(r"/libcuda\.so(\.\d+)*$", path):
+                    return path
+    except OSError:
+        pass
+    return "libcuda.so.1"
