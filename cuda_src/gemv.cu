@@ -132,8 +132,9 @@ DEFINE_GEMV(16, 4, 2)
 // (i, i + d/2) of a q or k head, then plain 16-row tiles over v. The mma leaves the sums of
 // lo(g) and hi(g) for one x row in the same lane.
 //
-// A block of SKINNY_WARPS warps owns one tile at a time and splits K among its warps (warp
-// w takes k steps w, w + SKINNY_WARPS, ...; SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes
+// A block of WARPS warps (SKINNY_WARPS; SKINNY_WIDE_WARPS for the wide variant) owns one
+// tile at a time and splits K among its warps (warp w takes k steps w, w + WARPS, ...;
+// SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes
 // per lane, in flight before the first use); the warps' partial tiles are summed through
 // shared memory in a fixed order (deterministic). Blocks stride over the tiles, so a grid
 // of one or two blocks per SM covers any N; x is staged once per block into shared
@@ -149,10 +150,11 @@ DEFINE_GEMV(16, 4, 2)
 // Needs K % 8 == 0, 16-byte aligned x and w, for EPI_SILU N % 16 == 0, for EPI_ROPE
 // (d / 2) % 8 == 0; any N for EPI_STORE (rows of the last tile past N re-read row N - 1 and
 // are never stored); shared memory m_rows * x_stride * 16 + partials (gemm.py computes it).
-// Launch: grid (min(tiles, resident blocks)), block (SKINNY_WARPS * 32), dynamic shared
+// Launch: grid (min(tiles, resident blocks)), block (WARPS * 32), dynamic shared
 // memory as above, one SkinnyArgs by value.
 
 #define SKINNY_WARPS 8
+#define SKINNY_WIDE_WARPS 16
 #define SKINNY_TILE 16     // weight rows per tile: the mma's M
 #define SKINNY_STEP 64     // k per step: 4 mma of k16
 #define SKINNY_UNROLL 4    // steps per warp loaded before any is used
@@ -192,14 +194,15 @@ __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
     return v;
 }
 
-// one group of SKINNY_UNROLL k steps of a warp (steps first, first + SKINNY_WARPS, ...):
-// chunks c and c + 4 of weight rows lo and hi per step, zero past the row's end
+// one group of SKINNY_UNROLL k steps of a warp (steps first, first + WARPS, ...): chunks
+// c and c + 4 of weight rows lo and hi per step, zero past the row's end
+template <int WARPS>
 __device__ __forceinline__ void load_group(uint4 (&wv)[SKINNY_UNROLL][4], const uint4* w_lo,
                                            const uint4* w_hi, int first, int t, int chunks) {
     const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < SKINNY_UNROLL; ++u) {
-        const int c = (first + u * SKINNY_WARPS) * (SKINNY_STEP / 8) + t;
+        const int c = (first + u * WARPS) * (SKINNY_STEP / 8) + t;
         wv[u][0] = c < chunks ? load_streaming(w_lo + c) : zero;
         wv[u][1] = c + 4 < chunks ? load_streaming(w_lo + c + 4) : zero;
         wv[u][2] = c < chunks ? load_streaming(w_hi + c) : zero;
@@ -253,7 +256,7 @@ __device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, 
 }
 
 // x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks
-template <int PRO>
+template <int PRO, int WARPS>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
     const int chunks = a.k / 8;
@@ -268,7 +271,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     }
     // PRO_NORM: every thread sums squares over a slice of each row, the block adds the
     // warps' sums per row, then every thread writes its slice of the scaled rows
-    __shared__ float row_sums[16][SKINNY_WARPS];  // [x row][warp]; m_rows <= 16
+    __shared__ float row_sums[16][WARPS];  // [x row][warp]; m_rows <= 16
     __shared__ float inv_rms[16];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
@@ -286,7 +289,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     if (threadIdx.x < a.m_rows) {
         float sum_sq = 0.0f;
 #pragma unroll
-        for (int v = 0; v < SKINNY_WARPS; ++v) sum_sq += row_sums[threadIdx.x][v];
+        for (int v = 0; v < WARPS; ++v) sum_sq += row_sums[threadIdx.x][v];
         inv_rms[threadIdx.x] = rsqrtf(sum_sq / a.k + a.eps);
     }
     __syncthreads();
@@ -359,11 +362,11 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int
     }
 }
 
-// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16)
-template <int NT, int PRO, int EPI>
+// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block
+template <int NT, int PRO, int EPI, int WARPS>
 __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     extern __shared__ uint4 skinny_smem[];
-    constexpr int PARTIAL_FLOATS = SKINNY_WARPS * NT * 4 * WARP_SIZE;  // one buffer
+    constexpr int PARTIAL_FLOATS = WARPS * NT * 4 * WARP_SIZE;  // one buffer
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int n = a.n, m_rows = a.m_rows;
@@ -384,12 +387,12 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     if (preloaded) {
         int lo, hi;
         tile_rows<EPI>(a, blockIdx.x, g, lo, hi);
-        load_group(wv, w4 + (long long)min(lo, n - 1) * chunks,
+        load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
                    w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
     }
     let_next_kernel_start();
     wait_for_previous_kernel();
-    stage_x<PRO>(a, xs, x_chunks, x_stride);
+    stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
     int buffer = 0;
@@ -404,12 +407,12 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[nt][j] = 0.0f;
 
-        for (int first = warp; first < steps; first += SKINNY_WARPS * SKINNY_UNROLL) {
-            if (!preloaded) load_group(wv, w_lo, w_hi, first, t, chunks);
+        for (int first = warp; first < steps; first += WARPS * SKINNY_UNROLL) {
+            if (!preloaded) load_group<WARPS>(wv, w_lo, w_hi, first, t, chunks);
             preloaded = false;
 #pragma unroll
             for (int u = 0; u < SKINNY_UNROLL; ++u) {
-                const int step = first + u * SKINNY_WARPS;
+                const int step = first + u * WARPS;
                 if (step >= steps) continue;  // the same for the whole warp
                 const int c = step * (SKINNY_STEP / 8) + t;
 #pragma unroll
@@ -428,7 +431,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         // the next tile's first k steps: in flight while this tile's sums are reduced
         if (tile + gridDim.x < tiles) {
             tile_rows<EPI>(a, tile + gridDim.x, g, lo, hi);
-            load_group(wv, w4 + (long long)min(lo, n - 1) * chunks,
+            load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
                        w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
             preloaded = true;
         }
@@ -447,7 +450,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             const int owner = e % WARP_SIZE, j = (e / WARP_SIZE) % 2, nt = e / (2 * WARP_SIZE);
             float lo_sum = 0.0f, hi_sum = 0.0f;
 #pragma unroll
-            for (int v = 0; v < SKINNY_WARPS; ++v) {
+            for (int v = 0; v < WARPS; ++v) {
                 lo_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j) * WARP_SIZE + owner];
                 hi_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j + 2) * WARP_SIZE + owner];
             }
@@ -458,18 +461,22 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
 }
 
-#define DEFINE_SKINNY(NAME, NT, PRO, EPI)                                                    \
-    extern "C" __global__ void __launch_bounds__(SKINNY_WARPS * WARP_SIZE, 2)                 \
+#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS)                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
         NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI>(args);                                                     \
+        skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
     }
 
-// keep in step with gemm.SKINNY_KERNELS (NT: 8-column x tiles)
-DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE)
-DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE)
-DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE)
-DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE)
-DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU)
-DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU)
-DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE)
-DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE)
+// keep in step with gemm.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
+// block twice the warps (and loads in flight): for long rows in too few tiles to give
+// every SM two blocks, such as the down projection.
+DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
+DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
+DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)

@@ -19,6 +19,15 @@ ROWS = (1, 2, 7, 8, 9, 16)
 EPS = 1e-5
 
 
+@pytest.fixture
+def skinny_mma():
+    from cupy_llama.backends.cuda import gemm
+    previous = gemm.skinny_gemm()
+    gemm.set_skinny_gemm("mma")
+    yield
+    gemm.set_skinny_gemm(previous)
+
+
 def _relative_error(got, expected) -> float:
     got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
     assert not np.isnan(got).any(), "NaN left in the output"
@@ -57,7 +66,9 @@ def test_linear_accumulates_into_float32(cp, rng, m, k, n):
 
 @pytest.mark.parametrize("out_dtype", [np.uint16, np.float32])
 @pytest.mark.parametrize("k,n", [(2048, 3072), (576, 49152), (64, 37)])
-def test_norm_linear(cp, rng, k, n, out_dtype):
+def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
+    """Under "mma" the fused kernel runs (under "auto" it runs where the choice table names
+    the skinny kernel for the product)."""
     from cupy_llama.backends.cuda import gemm
     norm_bits, norm_w = random_bf16(rng, (k,))
     w_bits, w = random_bf16(rng, (n, k), scale=0.02)

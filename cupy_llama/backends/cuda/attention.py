@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
+from . import gemm, launch
 from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
 
 # scalar fallback (attention.cu: ATTN_WARPS * ROWS_PER_WARP, KEY_TILE, ATTN_WARPS * 32)
@@ -124,14 +127,16 @@ def _aligned(*arrays) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    kernel: str = "auto"):
+                    split_counters=None, kernel: str = "auto"):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
     into num_splits ranges of split_len keys, written to the flat float32 workspaces
     partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
     that changes between steps may be baked into the launch) keeps num_splits as given and
-    lets the kernel derive each sequence's split length from its seq_len.
+    lets the kernel derive each sequence's split length from its seq_len. split_counters
+    (int32, at least num_seqs * num_kv_heads, all zero between calls): the decode kernel
+    merges the splits itself, without the combine launch, and leaves them zero again.
     kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
@@ -146,6 +151,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     dims_per_lane(head_dim)  # rejects head_dim > 256
     if num_tokens == 0 or num_seqs == 0:
         return
+    import cupy
     split_len = 0
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
@@ -170,10 +176,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
         function.max_dynamic_shared_size_bytes = plan.shared_mem
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    merged = False  # by the decode kernel itself
     if plan.kernel.startswith("decode_"):
+        counters = np.uint64(0)  # a null pointer: the combine kernel merges
+        if num_splits > 1 and split_counters is not None:
+            check("split_counters", split_counters, I32, ndim=1)
+            if split_counters.size < num_seqs * num_kv_heads:
+                raise ValueError(f"split_counters: {split_counters.size} counters for "
+                                 f"{num_seqs} sequences x {num_kv_heads} kv heads")
+            counters, merged = split_counters, True
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
-                         f32(scale * LOG2_E), i32(num_splits), i32(split_len))
+                         f32(scale * LOG2_E), i32(num_splits), i32(split_len), counters)
     elif plan.kernel.startswith("prefill_"):
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
                          i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]))
@@ -182,8 +196,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(head_dim), i32(block_size), i32(max_blocks), f32(scale),
                          i32(row_tiles), i32(num_splits), i32(split_len))
-    function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
-    if num_splits > 1:
+    if plan.kernel.startswith("decode_") and gemm.programmatic_launches() and launch.available():
+        # it may start while the qkv product drains, and waits for it on the device
+        launch.launch(function, plan.grid, plan.block, plan.shared_mem,
+                      cupy.cuda.get_current_stream().ptr, launch.kernel_args(*args), True)
+    else:
+        function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
+    if num_splits > 1 and not merged:
         get_kernel("attention", "attention_combine_kernel")(
             (num_heads, num_seqs), (min(128, -(-head_dim // 32) * 32),),
             (partial_out, partial_lse, out, i32(num_heads), i32(head_dim), i32(num_splits)))

@@ -21,9 +21,10 @@ CUPY_LLAMA_SKINNY_GEMM:
     `python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune`); for a GPU without a
     table, "mma" up to FALLBACK_MMA_MAX_ROWS rows and cuBLAS above;
   - "mma" (alias "custom"), "gemv" or "cublas": that kernel wherever it applies.
-Under "auto" the fused products and accumulating products of at most 16 rows always take
-the skinny kernels (the table times plain products); under "cublas" they are composed of
-cuBLAS and the separate small kernels.
+Under "auto" the fused products and accumulating products of at most 16 rows take the
+skinny kernels (the table times plain products; norm_linear, where only a norm is at
+stake, follows it); under "gemv" and "cublas" they are composed of that kernel and the
+separate small kernels.
 A custom kernel that cannot take a product (alignment, K, shared memory) hands it to cuBLAS.
 Graphs bake in the kernels chosen when they are captured: reset them after a switch."""
 from __future__ import annotations
@@ -54,14 +55,16 @@ SKINNY_MAX_ROWS = max(GEMV_VARIANTS)
 
 # tensor-core kernels (gemv.cu SKINNY_* constants): kernel families, each with variants
 # _n1 (up to 8 x rows) and _n2 (up to 16)
-SKINNY_FAMILIES = ("skinny", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
+SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
 OUT_BF16, OUT_F32, OUT_F32_ADD = 0, 1, 2  # gemv.cu out_mode
 MMA_WARPS = 8
+MMA_WIDE_WARPS = 16     # skinny_wide: plain products of long rows in few tiles
+WIDE_MIN_K = 4096
 MMA_TILE_ROWS = 16      # weight rows per tile
 MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multiple of this
 MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
-MMA_PARTIAL_BYTES = 2 * MMA_WARPS * 4 * 32 * 4  # per x tile: two buffers of warp partials
-MMA_STATIC_SHARED = (16 * MMA_WARPS + 16) * 4    # the norm prologue's row sums (static)
+MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
+MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
 
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
@@ -100,11 +103,11 @@ def linear(x, weight, out, accumulate: bool = False):
     if m_rows == 0 or n_cols == 0:
         return
     kernel = chosen_kernel(n_cols, k, m_rows)
-    if accumulate and m_rows <= SKINNY_MAX_ROWS and skinny_gemm() != "cublas":
-        kernel = "mma"  # see the module doc (and the SIMT kernel only stores)
+    if accumulate and m_rows <= SKINNY_MAX_ROWS and skinny_gemm() == "auto":
+        kernel = "mma"  # see the module doc
     if kernel == "mma" and mma_unsupported(x, weight) is None:
         _launch_mma(x, weight, out, accumulate)
-    elif kernel == "gemv" and gemv_supported(x, weight, out):
+    elif kernel == "gemv" and not accumulate and gemv_supported(x, weight, out):
         _launch_gemv(x, weight, out)
     else:
         cublas_linear(x, weight, out, accumulate)
@@ -244,13 +247,13 @@ class SkinnyArgs(ctypes.Structure):
                 ("eps", ctypes.c_float)]
 
 
-def mma_shared_bytes(m_rows: int, k: int) -> int:
+def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     """Dynamic shared memory of a skinny kernel for m_rows x rows of length k: the staged x
     rows (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp
     partials."""
     x_tiles = -(-m_rows // 8)
     x_stride_bytes = (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
-    return m_rows * x_stride_bytes + x_tiles * MMA_PARTIAL_BYTES
+    return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
 def mma_unsupported(x, weight) -> str | None:
@@ -263,9 +266,9 @@ def mma_unsupported(x, weight) -> str | None:
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
     limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
-    if mma_shared_bytes(m_rows, k) > limit:
+    if mma_shared_bytes(m_rows, k, MMA_WIDE_WARPS) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
-                f"(needs {mma_shared_bytes(m_rows, k)})")
+                f"(needs {mma_shared_bytes(m_rows, k, MMA_WIDE_WARPS)})")
     if not launch.available():
         return "the CUDA driver's cuLaunchKernelEx"
     return None
@@ -302,6 +305,12 @@ def fused_unsupported(x, weight, norm_weight) -> str | None:
     return reason
 
 
+def _fusing() -> bool:
+    """Whether the switch lets the fused kernels run ("gemv" and "cublas" name one kernel
+    for every product, so the sublayer ops are composed around it)."""
+    return skinny_gemm() in ("auto", "mma", "custom")
+
+
 def _norm_args(x, norm_weight, eps, weight, out) -> SkinnyArgs:
     _check_norm_product(x, norm_weight, weight)
     return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=weight.data.ptr,
@@ -318,11 +327,14 @@ def _check_norm_product(x, norm_weight, weight):
 def norm_linear(x, norm_weight, eps, weight, out) -> bool:
     """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K], weight
     [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused kernel
-    cannot take it, or the switch says cuBLAS: the caller composes the two ops."""
+    cannot take it, or where the switch (or under "auto" the choice table) names another
+    kernel for the product: the caller then composes the two ops."""
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
     check("out", out, out.dtype, shape=(m_rows, n))
-    if skinny_gemm() == "cublas" or fused_unsupported(x, weight, norm_weight) is not None:
+    if chosen_kernel(n, k, m_rows) != "mma":
+        return False  # only the norm is at stake: the faster product wins
+    if fused_unsupported(x, weight, norm_weight) is not None:
         return False
     args = _norm_args(x, norm_weight, eps, weight, out)
     args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
@@ -337,7 +349,7 @@ def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
     check("out", out, BF16, shape=(m_rows, n // 2))
-    if (skinny_gemm() == "cublas" or n % MMA_TILE_ROWS
+    if (not _fusing() or n % MMA_TILE_ROWS
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
     if m_rows:
@@ -359,7 +371,7 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     check("positions", positions, I32, shape=(m_rows,))
     check("slot_mapping", slot_mapping, I32, shape=(m_rows,))
     check("cos_sin", cos_sin, F32, shape=(None, head_dim))
-    if (skinny_gemm() == "cublas" or head_dim % 16
+    if (not _fusing() or head_dim % 16
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
     args = _norm_args(x, norm_weight, eps, weight, q_out)
@@ -371,13 +383,18 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     return True
 
 
+def programmatic_launches() -> bool:
+    """Launch the kernels that wait on the device programmatically: switched on
+    (launch.py) and an sm_90+ GPU."""
+    return launch.programmatic() and _device_limits()["capability"] >= 90
+
+
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
-    kernel, grid, shared = _mma_launch_shape(family, n, k, m_rows)
-    programmatic = launch.programmatic() and _device_limits()["capability"] >= 90
+    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
-    launch.launch(kernel, grid, MMA_WARPS * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, programmatic)
+    launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
+                  args, programmatic_launches())
 
 
 _mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
@@ -393,29 +410,35 @@ def set_skinny_blocks_per_sm(cap: int | None) -> None:
 
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
-    """Kernel, grid and shared memory of a product, computed once per shape: enough blocks
-    to fill every SM as far as registers and shared memory allow, at most one per tile."""
+    """Kernel, grid, warps per block and shared memory of a product, computed once per
+    shape: enough blocks to fill every SM as far as registers and shared memory allow, at
+    most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
+    SMs take the wide variant (twice the loads in flight per block)."""
     key = (family, n, k, m_rows)
     if key not in _mma_shapes:
+        limits = _device_limits()
+        tiles = -(-n // MMA_TILE_ROWS)
+        warps = MMA_WARPS
+        if family == "skinny" and k >= WIDE_MIN_K and tiles <= limits["sms"]:
+            family, warps = "skinny_wide", MMA_WIDE_WARPS
         kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
-        shared = mma_shared_bytes(m_rows, k)
+        shared = mma_shared_bytes(m_rows, k, warps)
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
-        limits = _device_limits()
-        per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits)
+        per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
         if _blocks_per_sm_cap is not None:
             per_sm = max(1, min(per_sm, _blocks_per_sm_cap))
-        tiles = -(-n // MMA_TILE_ROWS)
-        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), shared)
+        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]
 
 
-def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict) -> int:
+def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict,
+                      warps: int = MMA_WARPS) -> int:
     """Resident skinny blocks per SM: registers (allocated per warp in units of 256),
     shared memory (1 KB reserved per block) and threads; at least 1."""
-    threads = MMA_WARPS * 32
+    threads = warps * 32
     regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
-    by_regs = limits["regs_per_sm"] // (regs_per_warp * MMA_WARPS)
+    by_regs = limits["regs_per_sm"] // (regs_per_warp * warps)
     by_shared = limits["shared_per_sm"] // (shared + MMA_STATIC_SHARED + 1024)
     by_threads = limits["threads_per_sm"] // threads
     return max(1, min(by_regs, by_shared, by_threads))

@@ -1,5 +1,5 @@
 """Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for the two things
-CuPy's RawKernel call cannot do: pass one C struct by value (the skinny kernels' SkinnyArgs)
+CuPy's RawKernel call cannot do: pass a C struct by value (the skinny kernels' SkinnyArgs)
 and launch programmatically (programmatic dependent launch, sm_90+): the kernel may start
 while the kernel before it on the stream still runs, and waits for it on the device
 (`wait_for_previous_kernel` in common.cuh). Launches captured into a CUDA graph keep that
@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+
+import numpy as np
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -49,16 +51,37 @@ def available() -> bool:
     return _load() is not None
 
 
-def launch(kernel, grid: int, block: int, shared_bytes: int, stream_ptr: int, args,
-           programmatic_ok: bool) -> None:
-    """Launch a CuPy RawKernel `kernel` whose only parameter is the ctypes struct `args`.
-    programmatic_ok: the kernel waits for the previous one before touching its results
-    (and the GPU supports it); it then launches programmatically unless turned off."""
+def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
+           programmatic: bool) -> None:
+    """Launch the CuPy RawKernel `kernel` (grid: an int or up to three ints) with `args`,
+    one ctypes struct passed by value or a list of ctypes values, one per parameter.
+    programmatic: the kernel waits for the one before before touching its results, and
+    the GPU can (sm_90+); the caller also checks programmatic()."""
     driver = _load()
     if driver is None:
         raise RuntimeError("cuLaunchKernelEx is not available")
-    driver.launch(kernel.kernel.ptr, grid, block, shared_bytes, stream_ptr, args,
-                  programmatic_ok and _programmatic)
+    grid = (grid,) if isinstance(grid, int) else tuple(grid)
+    values = args if isinstance(args, (list, tuple)) else [args]
+    driver.launch(kernel.kernel.ptr, grid + (1,) * (3 - len(grid)), block, shared_bytes,
+                  stream_ptr, values, programmatic)
+
+
+def kernel_args(*values) -> list:
+    """CuPy arrays and NumPy scalars (int32, float32; uint64 for a null pointer) as the
+    ctypes values launch() takes."""
+    converted = []
+    for value in values:
+        if hasattr(value, "data") and hasattr(value.data, "ptr"):
+            converted.append(ctypes.c_void_p(value.data.ptr))
+        elif isinstance(value, np.int32):
+            converted.append(ctypes.c_int(int(value)))
+        elif isinstance(value, np.float32):
+            converted.append(ctypes.c_float(float(value)))
+        elif isinstance(value, np.uint64):
+            converted.append(ctypes.c_void_p(int(value)))
+        else:
+            raise TypeError(f"kernel argument of type {type(value).__name__}")
+    return converted
 
 
 def _load():
@@ -81,12 +104,13 @@ class _Driver:
         self._attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
                                       value=1)
 
-    def launch(self, function: int, grid: int, block: int, shared_bytes: int, stream: int,
-               args, programmatic: bool) -> None:
-        config = _LaunchConfig(grid, 1, 1, block, 1, 1, shared_bytes, stream,
+    def launch(self, function: int, grid: tuple, block: int, shared_bytes: int, stream: int,
+               values: list, programmatic: bool) -> None:
+        config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream,
                                ctypes.pointer(self._attr) if programmatic else None,
                                1 if programmatic else 0)
-        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(args), ctypes.c_void_p))
+        params = (ctypes.c_void_p * len(values))(
+            *[ctypes.cast(ctypes.byref(value), ctypes.c_void_p) for value in values])
         status = self._launch(ctypes.byref(config), ctypes.c_void_p(function), params, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUDA driver error {status}")
