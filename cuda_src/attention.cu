@@ -18,11 +18,10 @@
 // Split-KV decode (num_splits > 1; every sequence has exactly one new token, so token
 // index == b): split s covers keys [s * split_len, (s + 1) * split_len) and writes its
 // normalized partial output and natural-log log-sum-exp to partial_out [B, nh, splits, d] /
-// partial_lse [B, nh, splits] for attention_combine_kernel, or, given split counters, for
-// the last split CTA of its (sequence, kv head) to merge (merge_if_last_split). split_len
-// == 0 (CUDA-graph decode, where the host does not know the lengths) derives each
-// sequence's split length on the device from its seq_len, so splits past a short
-// sequence's end see no key and only write lse = -inf.
+// partial_lse [B, nh, splits] for attention_combine_kernel. split_len == 0 (CUDA-graph
+// decode, where the host does not know the lengths) derives each sequence's split length
+// on the device from its seq_len, so splits past a short sequence's end see no key and
+// only write lse = -inf.
 
 // ======================================================================== scalar fallback
 // Launch (paged_attention_dpl*): grid (num_row_tiles * num_splits, nkv, B), block (128),
@@ -195,66 +194,33 @@ DEFINE_PAGED_ATTENTION(2)
 DEFINE_PAGED_ATTENTION(4)
 DEFINE_PAGED_ATTENTION(8)
 
-// Merge the splits of one (sequence b, query head): out[b, head] = sum_s w_s o_s / sum_s
-// w_s with w_s = exp(lse_s - max lse), 0 where every split was empty. partial_out [B, nh,
-// num_splits, d], partial_lse [B, nh, num_splits]; out [B, nh * d]. The block's threads
-// stride over the dims. Partials are read past L1: in the decode kernel's own merge they
-// come from other CTAs of the same launch.
-__device__ __forceinline__ void combine_head(const float* partial_out, const float* partial_lse,
-                                             bf16* out, int b, int head, int num_heads,
-                                             int head_dim, int num_splits) {
+// Merge the splits of a decode batch: out[b, h] = sum_s w_s o_s / sum_s w_s with
+// w_s = exp(lse_s - max lse). partial_out [B, nh, num_splits, d], partial_lse
+// [B, nh, num_splits]; out [B, nh * d]. Launch: grid (nh, B), block (128).
+extern "C" __global__ void attention_combine_kernel(const float* __restrict__ partial_out,
+                                                    const float* __restrict__ partial_lse,
+                                                    bf16* __restrict__ out, int num_heads,
+                                                    int head_dim, int num_splits) {
+    let_next_kernel_start();     // the next product may load its weights meanwhile
+    wait_for_previous_kernel();  // launched programmatically: the partials are not written yet
+    const int head = blockIdx.x, b = blockIdx.y;
     const long long base = ((long long)b * num_heads + head) * num_splits;
     float max_lse = neg_inf();
-    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, __ldcg(partial_lse + base + s));
+    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, partial_lse[base + s]);
     bf16* dst = out + ((long long)b * num_heads + head) * head_dim;
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
         float numerator = 0.0f, denominator = 0.0f;
         if (max_lse != neg_inf()) {
             for (int s = 0; s < num_splits; ++s) {
-                const float lse = __ldcg(partial_lse + base + s);
+                const float lse = partial_lse[base + s];
                 if (lse == neg_inf()) continue;  // an empty split
                 const float w = expf(lse - max_lse);
-                numerator += w * __ldcg(partial_out + (base + s) * head_dim + c);
+                numerator += w * partial_out[(base + s) * head_dim + c];
                 denominator += w;
             }
         }
         dst[c] = to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
     }
-}
-
-// Launch: grid (nh, B), block (128).
-extern "C" __global__ void attention_combine_kernel(const float* __restrict__ partial_out,
-                                                    const float* __restrict__ partial_lse,
-                                                    bf16* __restrict__ out, int num_heads,
-                                                    int head_dim, int num_splits) {
-    let_next_kernel_start();  // the next product may load its weights meanwhile
-    combine_head(partial_out, partial_lse, out, blockIdx.y, blockIdx.x, num_heads, head_dim,
-                 num_splits);
-}
-
-// The split CTAs of one (sequence, kv head) count themselves in split_counters[b * nkv +
-// kv_head] once their partials are written; the last to arrive merges the group's heads
-// (as attention_combine_kernel would, in the same order: the same bits) and sets the
-// counter back to 0 for the next launch. Saves the combine launch.
-__device__ __forceinline__ void merge_if_last_split(
-        int* split_counters, const float* partial_out, const float* partial_lse, bf16* out,
-        int num_heads, int num_kv_heads, int head_dim, int num_splits) {
-    __shared__ int last;
-    const int b = blockIdx.z, kv_head = blockIdx.y;
-    __threadfence();  // this CTA's partials are visible to whoever merges
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* counter = split_counters + (long long)b * num_kv_heads + kv_head;
-        last = atomicAdd(counter, 1) == num_splits - 1;
-        if (last) *counter = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int group = num_heads / num_kv_heads;
-    for (int g = 0; g < group; ++g)
-        combine_head(partial_out, partial_lse, out, b, kv_head * group + g, num_heads, head_dim,
-                     num_splits);
 }
 
 // ============================================================ helpers of the fast kernels
@@ -508,8 +474,7 @@ __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
-        int* split_counters) {                                                            \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         wait_for_previous_kernel(); /* launched programmatically: q is not written yet */ \
         decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
@@ -517,9 +482,6 @@ __device__ __forceinline__ void decode_attention_body(
                                        num_heads, num_kv_heads, block_shift,              \
                                        max_blocks_per_seq, scale_log2, num_splits,        \
                                        split_len);                                        \
-        if (num_splits > 1 && split_counters != nullptr)                                  \
-            merge_if_last_split(split_counters, partial_out, partial_lse, out, num_heads, \
-                                num_kv_heads, D, num_splits);                             \
     }
 
 // group <= MAXG (query heads per kv head)

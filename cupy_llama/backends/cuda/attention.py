@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from . import gemm, launch
 from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
 
@@ -127,16 +125,14 @@ def _aligned(*arrays) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    split_counters=None, kernel: str = "auto"):
+                    kernel: str = "auto"):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
     into num_splits ranges of split_len keys, written to the flat float32 workspaces
     partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
     that changes between steps may be baked into the launch) keeps num_splits as given and
-    lets the kernel derive each sequence's split length from its seq_len. split_counters
-    (int32, at least num_seqs * num_kv_heads, all zero between calls): the decode kernel
-    merges the splits itself, without the combine launch, and leaves them zero again.
+    lets the kernel derive each sequence's split length from its seq_len.
     kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
@@ -176,18 +172,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
         function.max_dynamic_shared_size_bytes = plan.shared_mem
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    merged = False  # by the decode kernel itself
     if plan.kernel.startswith("decode_"):
-        counters = np.uint64(0)  # a null pointer: the combine kernel merges
-        if num_splits > 1 and split_counters is not None:
-            check("split_counters", split_counters, I32, ndim=1)
-            if split_counters.size < num_seqs * num_kv_heads:
-                raise ValueError(f"split_counters: {split_counters.size} counters for "
-                                 f"{num_seqs} sequences x {num_kv_heads} kv heads")
-            counters, merged = split_counters, True
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
-                         f32(scale * LOG2_E), i32(num_splits), i32(split_len), counters)
+                         f32(scale * LOG2_E), i32(num_splits), i32(split_len))
     elif plan.kernel.startswith("prefill_"):
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
                          i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]))
@@ -196,13 +184,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(head_dim), i32(block_size), i32(max_blocks), f32(scale),
                          i32(row_tiles), i32(num_splits), i32(split_len))
-    if plan.kernel.startswith("decode_") and gemm.programmatic_launches() and launch.available():
-        # it may start while the qkv product drains, and waits for it on the device
-        launch.launch(function, plan.grid, plan.block, plan.shared_mem,
-                      cupy.cuda.get_current_stream().ptr, launch.kernel_args(*args), True)
+    # decode kernels wait for the kernel before on the device, so they may launch
+    # programmatically: start while the qkv product (or the split kernel) drains
+    programmatic = gemm.programmatic_launches() and launch.available()
+    stream = cupy.cuda.get_current_stream().ptr
+    if plan.kernel.startswith("decode_") and programmatic:
+        launch.launch(function, plan.grid, plan.block, plan.shared_mem, stream,
+                      launch.kernel_args(*args), True)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
-    if num_splits > 1 and not merged:
-        get_kernel("attention", "attention_combine_kernel")(
-            (num_heads, num_seqs), (min(128, -(-head_dim // 32) * 32),),
-            (partial_out, partial_lse, out, i32(num_heads), i32(head_dim), i32(num_splits)))
+    if num_splits > 1:
+        combine = get_kernel("attention", "attention_combine_kernel")
+        grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
+        args = (partial_out, partial_lse, out, i32(num_heads), i32(head_dim), i32(num_splits))
+        if programmatic:
+            launch.launch(combine, grid, block, 0, stream, launch.kernel_args(*args), True)
+        else:
+            combine(grid, (block,), args)

@@ -79,10 +79,6 @@ class CudaOps(SublayerOps):
         if workspace is None:
             workspace = (cupy.empty(sizes[0], np.float32), cupy.empty(sizes[1], np.float32))
         self._partial_out, self._partial_lse = workspace
-        # split-KV decode merges in its last split CTA, counting arrivals here (at most one
-        # counter per sequence and query head; zero between launches)
-        self._split_counters = cupy.zeros(max_num_seqs * num_heads, np.int32)
-        self.merge_splits_in_kernel = True  # False: the combine kernel merges (timing)
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -170,7 +166,7 @@ class CudaOps(SublayerOps):
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 out, scale=scale, max_query_len=1, max_seq_len=None,
                 num_splits=meta.graph_splits, partial_out=self._partial_out,
-                partial_lse=self._partial_lse, split_counters=self._counters())
+                partial_lse=self._partial_lse)
             return
         num_splits = 1
         if meta.is_decode_only:
@@ -181,11 +177,7 @@ class CudaOps(SublayerOps):
         attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             scale=scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
-            split_counters=self._counters())
-
-    def _counters(self):
-        return self._split_counters if self.merge_splits_in_kernel else None
+            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse)
 
     def silu_and_mul(self, gate_up, out):
         elementwise.silu_and_mul(gate_up, out)

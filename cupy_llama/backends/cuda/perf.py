@@ -50,8 +50,7 @@ FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L
 # decode-step variants: name -> (skinny switch, programmatic launches, skinny blocks per
 # SM cap); "cublas" composes every sublayer of cuBLAS and the separate small kernels
 STEP_VARIANTS = {"cublas": ("cublas", False, None), "fused": ("auto", False, None),
-                 "fused+pdl": ("auto", True, None), "fused+pdl 1/SM": ("auto", True, 1),
-                 "fused+pdl combine": ("auto", True, None)}  # the split combine kernel on
+                 "fused+pdl": ("auto", True, None), "fused+pdl 1/SM": ("auto", True, 1)}
 E2E_STEPS = 256
 
 
@@ -280,12 +279,11 @@ def tune(cupy, config, gpu: str) -> tuple[list, dict]:
     return rows, table
 
 
-def set_step_variant(backend, name: str, skinny: str, programmatic: bool, blocks_per_sm) -> None:
+def set_step_variant(backend, skinny: str, programmatic: bool, blocks_per_sm) -> None:
     """Switch the product kernels (STEP_VARIANTS) and drop the graphs captured before."""
     gemm.set_skinny_gemm(skinny)
     launch.set_programmatic(programmatic)
     gemm.set_skinny_blocks_per_sm(blocks_per_sm)
-    backend.ops.merge_splits_in_kernel = not name.endswith("combine")
     if backend.graphs is not None:
         backend.graphs.reset()
 
@@ -353,14 +351,14 @@ def main(argv=None) -> int:
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
     for name, (skinny, programmatic, blocks_per_sm) in STEP_VARIANTS.items():
-        set_step_variant(backend, name, skinny, programmatic, blocks_per_sm)
+        set_step_variant(backend, skinny, programmatic, blocks_per_sm)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{name} b={b}"] = row
-    set_step_variant(backend, "fused", "auto", initial_programmatic, None)
+    set_step_variant(backend, "auto", initial_programmatic, None)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
