@@ -42,9 +42,11 @@ struct Selected {
     bool found;                // (mass select) false: the target was never reached
 };
 
+#define MASS_ONE 1099511627776.0f  // 2^40: a weight of 1 in the fixed-point mass histogram
+
 struct SampleShared {
     unsigned int count_hist[RADIX_BINS];
-    float mass_hist[RADIX_BINS];
+    unsigned long long mass_hist[RADIX_BINS];  // fixed point (MASS_ONE): order-free sums
     float scratch[WARP_SIZE];
     float prefix[SAMPLE_THREADS + 1];
     int best_index[WARP_SIZE];
@@ -95,7 +97,7 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) {
             sh.count_hist[i] = 0;
-            sh.mass_hist[i] = 0.0f;
+            sh.mass_hist[i] = 0ull;
         }
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -104,7 +106,9 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
             if ((key & mask) != prefix) continue;
             const int digit = (key >> shift) & 0xFF;
             atomicAdd(&sh.count_hist[digit], 1u);
-            atomicAdd(&sh.mass_hist[digit], weight_of(i));
+            // integer sums do not depend on the order the threads arrive in, so the same
+            // seed draws the same token every time (weights are at most 1)
+            atomicAdd(&sh.mass_hist[digit], (unsigned long long)__float2ull_rn(weight_of(i) * MASS_ONE));
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -116,7 +120,7 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
             int chosen = -1;
             bool reached = false;
             for (int digit = RADIX_BINS - 1; digit >= 0; --digit) {
-                const float mass = sh.mass_hist[digit];
+                const float mass = (float)sh.mass_hist[digit] * (1.0f / MASS_ONE);
                 if (!(mass > 0.0f)) continue;
                 chosen = digit;
                 above_chosen = above;
