@@ -398,16 +398,6 @@ def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -
 
 
 _mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
-_blocks_per_sm_cap = None  # set_skinny_blocks_per_sm
-
-
-def set_skinny_blocks_per_sm(cap: int | None) -> None:
-    """At most this many skinny blocks per SM (None: as many as fit); for timing. Graphs
-    bake in the grids of their capture."""
-    global _blocks_per_sm_cap
-    _blocks_per_sm_cap = cap
-    _mma_shapes.clear()
-
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     """Kernel, grid, warps per block and shared memory of a product, computed once per
@@ -426,8 +416,6 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
-        if _blocks_per_sm_cap is not None:
-            per_sm = max(1, min(per_sm, _blocks_per_sm_cap))
         _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]
 

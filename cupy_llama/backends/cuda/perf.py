@@ -47,10 +47,10 @@ GEMV_PRINT_ROWS = (1, 2, 4, 8, 16)
 GEMV_CALLS = 16       # calls per captured graph
 GEMV_REPLAYS = 10     # timed replays of it (median)
 FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
-# decode-step variants: name -> (skinny switch, programmatic launches, skinny blocks per
-# SM cap); "cublas" composes every sublayer of cuBLAS and the separate small kernels
-STEP_VARIANTS = {"cublas": ("cublas", False, None), "fused": ("auto", False, None),
-                 "fused+pdl": ("auto", True, None), "fused+pdl 1/SM": ("auto", True, 1)}
+# decode-step variants: name -> (skinny switch, programmatic launches); "cublas" composes
+# every sublayer of cuBLAS and the separate small kernels
+STEP_VARIANTS = {"cublas": ("cublas", False), "fused": ("auto", False),
+                 "fused+pdl": ("auto", True)}
 E2E_STEPS = 256
 
 
@@ -239,7 +239,7 @@ def sublayer_comparison(cupy, backend, config) -> list:
             weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
             row = {"op": name, "m": m, "n": n, "k": k}
             for variant in ("cublas", "fused", "fused+pdl"):
-                skinny, programmatic, _ = STEP_VARIANTS[variant]
+                skinny, programmatic = STEP_VARIANTS[variant]
                 gemm.set_skinny_gemm(skinny)
                 launch.set_programmatic(programmatic)
                 row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
@@ -279,11 +279,10 @@ def tune(cupy, config, gpu: str) -> tuple[list, dict]:
     return rows, table
 
 
-def set_step_variant(backend, skinny: str, programmatic: bool, blocks_per_sm) -> None:
+def set_step_variant(backend, skinny: str, programmatic: bool) -> None:
     """Switch the product kernels (STEP_VARIANTS) and drop the graphs captured before."""
     gemm.set_skinny_gemm(skinny)
     launch.set_programmatic(programmatic)
-    gemm.set_skinny_blocks_per_sm(blocks_per_sm)
     if backend.graphs is not None:
         backend.graphs.reset()
 
@@ -350,15 +349,15 @@ def main(argv=None) -> int:
     initial_programmatic = launch.programmatic()
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
-    for name, (skinny, programmatic, blocks_per_sm) in STEP_VARIANTS.items():
-        set_step_variant(backend, skinny, programmatic, blocks_per_sm)
+    for name, (skinny, programmatic) in STEP_VARIANTS.items():
+        set_step_variant(backend, skinny, programmatic)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{name} b={b}"] = row
-    set_step_variant(backend, "auto", initial_programmatic, None)
+    set_step_variant(backend, "auto", initial_programmatic)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
