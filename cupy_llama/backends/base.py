@@ -116,8 +116,6 @@ class Ops(Protocol):
         -(r + 1) is the token the latest sample_async call picked for row r."""
     def rms_norm(self, x, weight, eps: float, out) -> None:
         """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H]."""
-    def add_rms_norm(self, x, residual, weight, eps: float, out) -> None:
-        """residual += x (in place), then out = rms_norm(residual); all [T, H]."""
     def linear(self, x, weight, out, accumulate: bool = False) -> None:
         """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32;
         accumulate: out (float32) += x @ weight.T."""

@@ -32,10 +32,6 @@ class NumpyOps(SublayerOps):
         variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
         out[...] = x / np.sqrt(variance + np.float32(eps)) * weight
 
-    def add_rms_norm(self, x, residual, weight, eps, out):
-        residual += x
-        self.rms_norm(residual, weight, eps, out)
-
     def linear(self, x, weight, out, accumulate=False):
         if accumulate:
             out += x @ weight.T

@@ -63,19 +63,6 @@ def rms_norm(x, weight, eps, out):
             (rows,), (_norm_threads(hidden),), (x, weight, out, i32(hidden), f32(eps)))
 
 
-def add_rms_norm(x, residual, weight, eps, out):
-    """residual += x, then out = rms_norm(residual) * weight; all [T, H], x and out bf16
-    (out may be x), residual bf16 or float32."""
-    rows, hidden = check("x", x, BF16, ndim=2).shape
-    check("residual", residual, _bf16_or_f32("residual", residual), shape=(rows, hidden))
-    check("weight", weight, BF16, shape=(hidden,))
-    check("out", out, BF16, shape=(rows, hidden))
-    kernel = "add_rms_norm_kernel" if residual.dtype == BF16 else "add_rms_norm_f32_kernel"
-    if rows:
-        get_kernel("norm", kernel)(
-            (rows,), (_norm_threads(hidden),), (x, residual, weight, out, i32(hidden), f32(eps)))
-
-
 def silu_and_mul(gate_up, out):
     """gate_up [T, 2I] (gate first); out [T, I] = silu(gate) * up."""
     rows, width = check("gate_up", gate_up, BF16, ndim=2).shape

@@ -14,7 +14,7 @@ COMPILE_OPTIONS = ("-std=c++17",)  # CuPy adds -arch=sm_XX for the current devic
 # every kernel module and the kernels it defines
 MODULES = {
     "embedding": ("embedding_kernel", "gather_rows_kernel"),
-    "norm": ("rms_norm_kernel", "add_rms_norm_kernel"),
+    "norm": ("rms_norm_kernel", "rms_norm_f32_kernel"),
     "activation": ("silu_and_mul_kernel",),
     "rope": ("rope_and_cache_kernel",),
     "attention": ("paged_attention_dpl1", "paged_attention_dpl2", "paged_attention_dpl4",

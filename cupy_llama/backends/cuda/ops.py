@@ -126,9 +126,6 @@ class CudaOps(SublayerOps):
     def rms_norm(self, x, weight, eps, out):
         elementwise.rms_norm(x, weight, eps, out)
 
-    def add_rms_norm(self, x, residual, weight, eps, out):
-        elementwise.add_rms_norm(x, residual, weight, eps, out)
-
     def linear(self, x, weight, out, accumulate=False):
         gemm.linear(x, weight, out, accumulate)
 
