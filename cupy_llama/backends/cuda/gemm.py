@@ -533,14 +533,9 @@ class _CublasLibrary:
 
 def _loaded_library_path() -> str:
     """The libcublas CuPy loaded (so both use one copy), else the first soname found."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.split()[-1] if line.strip() else ""
-                if re.search(r"/libcublas\.so(\.\d+)*$", path):
-                    return path
-    except OSError:
-        pass
+    loaded = launch.loaded_library_path("cublas")
+    if loaded is not None:
+        return loaded
     for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"):
         try:
             ctypes.CDLL(name)

@@ -118,12 +118,17 @@ class _Driver:
 
 def _libcuda_path() -> str:
     """The libcuda already in the process (CuPy loaded it), else the usual soname."""
+    return loaded_library_path("cuda") or "libcuda.so.1"
+
+
+def loaded_library_path(stem: str) -> str | None:
+    """The path of lib<stem>.so* already loaded into this process, or None."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
                 path = line.split()[-1] if line.strip() else ""
-                if re.search(r"/libcuda\.so(\.\d+)*$", path):
+                if re.search(rf"/lib{stem}\.so(\.\d+)*$", path):
                     return path
     except OSError:
         pass
-    return "libcuda.so.1"
+    return None

@@ -1,0 +1,52 @@
+"""The host side of the programmatic launches and of the skinny kernels' by-value argument,
+checked without a GPU: the ctypes layouts against the C declarations they mirror."""
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupy_llama.backends.cuda import gemm, launch
+
+CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+
+
+def test_skinny_args_mirror_the_struct_in_gemv_cu():
+    """Same fields in the same order, pointers before 4-byte fields (no padding inside)."""
+    source = (CUDA_SRC / "gemv.cu").read_text()
+    body = re.search(r"struct SkinnyArgs \{(.*?)\};", source, re.S).group(1)
+    fields = []
+    for declaration in re.sub(r"//[^\n]*", "", body).split(";"):
+        names = re.findall(r"\*?\s*(\w+)\s*(?=,|$)", declaration.strip())
+        fields += [n for n in names if n not in ("int", "float", "bf16", "void", "const")]
+    assert [name for name, _ in gemm.SkinnyArgs._fields_] == fields
+    pointers = sum(1 for _, kind in gemm.SkinnyArgs._fields_ if kind is ctypes.c_void_p)
+    assert ctypes.sizeof(gemm.SkinnyArgs) == 8 * pointers + 4 * (len(fields) - pointers)
+
+
+def test_launch_structs_have_the_driver_layout():
+    """CUlaunchAttribute: 4-byte id, 4 bytes of padding, a 64-byte value union whose first
+    int is the value; CUlaunchConfig: seven uints, stream, attrs pointer, count."""
+    attribute = launch._LaunchAttribute(id=6, value=1)
+    assert ctypes.sizeof(attribute) == 72
+    assert bytes(attribute)[:12] == b"\x06\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert ctypes.sizeof(launch._LaunchConfig) == 56
+    assert launch._LaunchConfig.stream.offset == 32
+
+
+def test_kernel_args_convert_each_kind():
+    class FakeArray:
+        class data:
+            ptr = 0x1000
+    values = launch.kernel_args(FakeArray(), np.int32(-3), np.float32(0.5), np.uint64(0))
+    assert [type(v) for v in values] == [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    assert values[0].value == 0x1000 and values[1].value == -3 and values[2].value == 0.5
+    assert not values[3].value  # a null pointer
+    with pytest.raises(TypeError, match="int"):
+        launch.kernel_args(7)  # a Python int has no fixed width: refused
+
+
+def test_loaded_library_path_finds_what_the_process_loaded():
+    assert launch.loaded_library_path("c") is not None  # libc is in every process
+    assert launch.loaded_library_path("no_such_library_xyz") is None
