@@ -206,16 +206,18 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
     const int head = blockIdx.x, b = blockIdx.y;
     const long long base = ((long long)b * num_heads + head) * num_splits;
     float max_lse = neg_inf();
-    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, partial_lse[base + s]);
+    // the partials come from the kernel before (read at L2: it may still have been running
+    // when this one started)
+    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, __ldcg(partial_lse + base + s));
     bf16* dst = out + ((long long)b * num_heads + head) * head_dim;
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
         float numerator = 0.0f, denominator = 0.0f;
         if (max_lse != neg_inf()) {
             for (int s = 0; s < num_splits; ++s) {
-                const float lse = partial_lse[base + s];
+                const float lse = __ldcg(partial_lse + base + s);
                 if (lse == neg_inf()) continue;  // an empty split
                 const float w = expf(lse - max_lse);
-                numerator += w * partial_out[(base + s) * head_dim + c];
+                numerator += w * __ldcg(partial_out + (base + s) * head_dim + c);
                 denominator += w;
             }
         }

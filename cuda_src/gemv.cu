@@ -255,7 +255,9 @@ __device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, 
     }
 }
 
-// x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks
+// x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks. x was
+// written by the kernel before, which may have been running when this one started: it is
+// read at L2 (ld.global.cg), never through a cache this SM filled earlier.
 template <int PRO, int WARPS>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
@@ -265,7 +267,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
         for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
             const int m = i / x_chunks, c = i - m * x_chunks;
-            xs[m * x_stride + c] = c < chunks ? __ldg(x4 + (long long)m * chunks + c) : zero;
+            xs[m * x_stride + c] = c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
         }
         return;
     }
@@ -279,7 +281,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     for (int m = 0; m < a.m_rows; ++m) {
         float sum_sq = 0.0f;
         for (int c = threadIdx.x; c < quads; c += blockDim.x) {
-            const float4 v = x4[(long long)m * quads + c];
+            const float4 v = __ldcg(x4 + (long long)m * quads + c);
             sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
         sum_sq = warp_sum(sum_sq);
@@ -298,7 +300,8 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
         const int m = i / x_chunks, c = i - m * x_chunks;
         uint4 packed = zero;
         if (c < chunks) {
-            const float4 v0 = x4[(long long)m * quads + 2 * c], v1 = x4[(long long)m * quads + 2 * c + 1];
+            const float4 v0 = __ldcg(x4 + (long long)m * quads + 2 * c);
+            const float4 v1 = __ldcg(x4 + (long long)m * quads + 2 * c + 1);
             const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
             float weight[8];
             bf16x8_to_float(__ldg(weight4 + c), weight);

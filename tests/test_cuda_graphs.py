@@ -612,7 +612,7 @@ def test_mma_kernels_compile_without_spills(tmp_path, arch):
     register budget and keeps its per-row registers in registers (no stack frame, no
     spills)."""
     from cupy_llama.backends.cuda import gemm
-    from cupy_llama.backends.cuda.kernels import module_source
+    from cupy_llama.backends.cuda.kernels import SKINNY_FAMILIES, module_source
     source = tmp_path / "gemv.cu"
     source.write_text(module_source("gemv"))
     result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
@@ -620,7 +620,7 @@ def test_mma_kernels_compile_without_spills(tmp_path, arch):
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = result.stderr + result.stdout
-    for kernel in (f"{family}_n{nt}" for family in gemm.SKINNY_FAMILIES for nt in (1, 2)):
+    for kernel in (f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2)):
         match = re.search(rf"Function properties for {kernel}\s*\n\s*(\d+) bytes stack frame, "
                           rf"(\d+) bytes spill stores, (\d+) bytes spill loads.*?\n.*?Used "
                           rf"(\d+) registers", report)

@@ -53,9 +53,7 @@ GEMV_VARIANTS = {1: 2, 2: 2, 4: 2, 8: 4, 16: 4}
 GEMV_WARPS = 4
 SKINNY_MAX_ROWS = max(GEMV_VARIANTS)
 
-# tensor-core kernels (gemv.cu SKINNY_* constants): kernel families, each with variants
-# _n1 (up to 8 x rows) and _n2 (up to 16)
-SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
+# tensor-core kernels (gemv.cu SKINNY_* constants; the families in kernels.SKINNY_FAMILIES)
 OUT_BF16, OUT_F32, OUT_F32_ADD = 0, 1, 2  # gemv.cu out_mode
 MMA_WARPS = 8
 MMA_WIDE_WARPS = 16     # skinny_wide: plain products of long rows in few tiles
@@ -256,9 +254,10 @@ def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
-def mma_unsupported(x, weight) -> str | None:
-    """Why the skinny kernels cannot take this product, or None when they can."""
+def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
+    """Why the skinny kernels of `family` cannot take this product, or None when they can."""
     m_rows, k = x.shape
+    warps = _skinny_warps(family, weight.shape[0], k)
     if m_rows > SKINNY_MAX_ROWS:
         return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
     if k % 8:
@@ -266,9 +265,9 @@ def mma_unsupported(x, weight) -> str | None:
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
     limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
-    if mma_shared_bytes(m_rows, k, MMA_WIDE_WARPS) > limit:
+    if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
-                f"(needs {mma_shared_bytes(m_rows, k, MMA_WIDE_WARPS)})")
+                f"(needs {mma_shared_bytes(m_rows, k, warps)})")
     if not launch.available():
         return "the CUDA driver's cuLaunchKernelEx"
     return None
@@ -299,7 +298,7 @@ def fused_unsupported(x, weight, norm_weight) -> str | None:
     """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T, or None."""
     if x.dtype != F32:
         return "a float32 x (the residual stream)"
-    reason = mma_unsupported(x, weight)
+    reason = mma_unsupported(x, weight, "skinny_norm")
     if reason is None and (x.shape[1] % 8 or norm_weight.data.ptr % 16):
         reason = "16-byte aligned norm weights"
     return reason
@@ -331,6 +330,8 @@ def norm_linear(x, norm_weight, eps, weight, out) -> bool:
     kernel for the product: the caller then composes the two ops."""
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
+    if out.dtype not in (BF16, F32):
+        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
     check("out", out, out.dtype, shape=(m_rows, n))
     if chosen_kernel(n, k, m_rows) != "mma":
         return False  # only the norm is at stake: the faster product wins
@@ -408,16 +409,25 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     if key not in _mma_shapes:
         limits = _device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
-        warps = MMA_WARPS
-        if family == "skinny" and k >= WIDE_MIN_K and tiles <= limits["sms"]:
-            family, warps = "skinny_wide", MMA_WIDE_WARPS
+        warps = _skinny_warps(family, n, k)
+        if warps == MMA_WIDE_WARPS:
+            family = "skinny_wide"
         kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
         shared = mma_shared_bytes(m_rows, k, warps)
-        if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        # past 48 KB of static and dynamic shared memory a kernel must opt in
+        if shared + MMA_STATIC_SHARED > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
         _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]
+
+
+def _skinny_warps(family: str, n: int, k: int) -> int:
+    """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
+    SMs take the wide variant."""
+    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= _device_limits()["sms"]:
+        return MMA_WIDE_WARPS
+    return MMA_WARPS
 
 
 def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict,
