@@ -1,13 +1,16 @@
 """Timings of the CUDA hot path, in one command on the GPU machine:
 
-    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512] [--tune]
+    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512] [--tune | --steps-only]
 
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
   1. per-op CUDA-event times of one eager decode step at batch 1 and 64 (median of 20
      runs after warm-up; every product by its weight shape, attention, norms, sampling);
-  2. the time of one decode step replayed from a CUDA graph at batch 1, 8, 64 and 256,
-     beside the eager step;
+  2. each op of a decode layer at 1 and 8 rows (sublayer_comparison), composed of cuBLAS
+     and the small kernels against the fused skinny kernels with plain and programmatic
+     launches, graph-timed with weights from HBM, and the time of one decode step
+     replayed from a CUDA graph at batch 1, 8, 64 and 256 beside the eager step, for each
+     of those variants (STEP_VARIANTS);
   3. cuBLAS against both custom skinny kernels of gemv.cu (the SIMT "gemv" and the
      tensor-core "mma") for every weight shape and M = 1..16, each timed as a CUDA graph
      of back-to-back calls over enough weight copies that every call reads its weight from
@@ -17,7 +20,7 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      readback), tok/s with graphs (cuBLAS and "auto" skinny products) and eager;
 then a short table. With $OUT set, everything also goes to $OUT/perf.json and the choice
 table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With --tune only step 3
-runs (no weights are loaded; the model directory gives the shapes).
+runs (no weights are loaded; the model directory gives the shapes); --steps-only skips it.
 The KV cache is zeroed instead of prefilled: timings do not depend on its values."""
 from __future__ import annotations
 
