@@ -311,7 +311,6 @@ def _fusing() -> bool:
 
 
 def _norm_args(x, norm_weight, eps, weight, out) -> SkinnyArgs:
-    _check_norm_product(x, norm_weight, weight)
     return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=weight.data.ptr,
                       out=out.data.ptr, eps=float(eps))
 
@@ -328,6 +327,8 @@ def norm_linear(x, norm_weight, eps, weight, out) -> bool:
     [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused kernel
     cannot take it, or where the switch (or under "auto" the choice table) names another
     kernel for the product: the caller then composes the two ops."""
+    if x.shape[0] > SKINNY_MAX_ROWS:
+        return False  # a prefill step: composed, without checking twice
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
     if out.dtype not in (BF16, F32):
@@ -347,6 +348,8 @@ def norm_linear(x, norm_weight, eps, weight, out) -> bool:
 def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
     """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
     rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
+    if x.shape[0] > SKINNY_MAX_ROWS:
+        return False  # a prefill step: composed, without checking twice
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
     check("out", out, BF16, shape=(m_rows, n // 2))
@@ -364,6 +367,8 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py), in
     one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d]. False where
     it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
+    if x.shape[0] > SKINNY_MAX_ROWS:
+        return False  # a prefill step: composed, without checking twice
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     _, num_heads, head_dim = check("q_out", q_out, BF16, shape=(m_rows, None, None)).shape
     num_kv_heads = check("k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape[2]

@@ -67,8 +67,7 @@ def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
 
 
 def kernel_args(*values) -> list:
-    """CuPy arrays and NumPy scalars (int32, float32; uint64 for a null pointer) as the
-    ctypes values launch() takes."""
+    """CuPy arrays and NumPy int32 / float32 scalars as the ctypes values launch() takes."""
     converted = []
     for value in values:
         if hasattr(value, "data") and hasattr(value.data, "ptr"):
@@ -77,8 +76,6 @@ def kernel_args(*values) -> list:
             converted.append(ctypes.c_int(int(value)))
         elif isinstance(value, np.float32):
             converted.append(ctypes.c_float(float(value)))
-        elif isinstance(value, np.uint64):
-            converted.append(ctypes.c_void_p(int(value)))
         else:
             raise TypeError(f"kernel argument of type {type(value).__name__}")
     return converted

@@ -131,23 +131,18 @@ class CudaOps(SublayerOps):
 
     # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
     # else composed (SublayerOps)
-    # (the row count is checked first: a prefill step goes straight to the composed ops)
     def norm_linear(self, x, norm_weight, eps, weight, out, h):
-        small = x.shape[0] <= gemm.SKINNY_MAX_ROWS
-        if not (small and gemm.norm_linear(x, norm_weight, eps, weight, out)):
+        if not gemm.norm_linear(x, norm_weight, eps, weight, out):
             super().norm_linear(x, norm_weight, eps, weight, out, h)
 
     def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
-        small = x.shape[0] <= gemm.SKINNY_MAX_ROWS
-        if not (small and gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out)):
+        if not gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out):
             super().norm_gate_up_silu(x, norm_weight, eps, weight, out, h, gate_up)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
                       q_out, h, qkv):
-        small = x.shape[0] <= gemm.SKINNY_MAX_ROWS
-        if not (small and gemm.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
-                                             meta.slot_mapping, cos_sin, k_cache, v_cache,
-                                             q_out)):
+        if not gemm.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
+                                  meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv)
 
