@@ -189,38 +189,14 @@ __device__ __forceinline__ void paged_attention_body(
     }
 
 // head_dim <= 32 * DPL
-#ifndef DEVICE_FUNCTIONS_ONLY  // (see kernels.MODULE_BASES)
 DEFINE_PAGED_ATTENTION(1)
 DEFINE_PAGED_ATTENTION(2)
 DEFINE_PAGED_ATTENTION(4)
 DEFINE_PAGED_ATTENTION(8)
-#endif
 
 // Merge the splits of a decode batch: out[b, h] = sum_s w_s o_s / sum_s w_s with
 // w_s = exp(lse_s - max lse). partial_out [B, nh, num_splits, d], partial_lse
-// [B, nh, num_splits]; out [B, nh * d]. combine_value is dim c of one (b, h), whose
-// partials start at base = (b * nh + h) * num_splits. The partials come from another
-// kernel or block, which may still have been running when this one started: read at L2.
-__device__ __forceinline__ float combine_value(const float* __restrict__ partial_out,
-                                               const float* __restrict__ partial_lse,
-                                               long long base, int num_splits, int head_dim,
-                                               int c) {
-    float max_lse = neg_inf();
-    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, __ldcg(partial_lse + base + s));
-    if (max_lse == neg_inf()) return 0.0f;  // no split saw a key
-    float numerator = 0.0f, denominator = 0.0f;
-    for (int s = 0; s < num_splits; ++s) {
-        const float lse = __ldcg(partial_lse + base + s);
-        if (lse == neg_inf()) continue;  // an empty split
-        const float w = expf(lse - max_lse);
-        numerator += w * __ldcg(partial_out + (base + s) * head_dim + c);
-        denominator += w;
-    }
-    return denominator > 0.0f ? numerator / denominator : 0.0f;
-}
-
-#ifndef DEVICE_FUNCTIONS_ONLY
-// Launch: grid (nh, B), block (128).
+// [B, nh, num_splits]; out [B, nh * d]. Launch: grid (nh, B), block (128).
 extern "C" __global__ void attention_combine_kernel(const float* __restrict__ partial_out,
                                                     const float* __restrict__ partial_lse,
                                                     bf16* __restrict__ out, int num_heads,
@@ -229,11 +205,25 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
     wait_for_previous_kernel();  // launched programmatically: the partials are not written yet
     const int head = blockIdx.x, b = blockIdx.y;
     const long long base = ((long long)b * num_heads + head) * num_splits;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x)
-        out[(base / num_splits) * head_dim + c] =
-            to_bf16(combine_value(partial_out, partial_lse, base, num_splits, head_dim, c));
+    float max_lse = neg_inf();
+    // the partials come from the kernel before (read at L2: it may still have been running
+    // when this one started)
+    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, __ldcg(partial_lse + base + s));
+    bf16* dst = out + ((long long)b * num_heads + head) * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float numerator = 0.0f, denominator = 0.0f;
+        if (max_lse != neg_inf()) {
+            for (int s = 0; s < num_splits; ++s) {
+                const float lse = __ldcg(partial_lse + base + s);
+                if (lse == neg_inf()) continue;  // an empty split
+                const float w = expf(lse - max_lse);
+                numerator += w * __ldcg(partial_out + (base + s) * head_dim + c);
+                denominator += w;
+            }
+        }
+        dst[c] = to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
+    }
 }
-#endif
 
 // ============================================================ helpers of the fast kernels
 
@@ -247,10 +237,9 @@ __device__ __forceinline__ int device_split_len(int seq_len, int num_splits) {
     return max(SPLIT_ALIGN, (per_split + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN);
 }
 
-// 8 bf16 (16 bytes, 16-byte aligned), read at L2: the persistent decode kernel (layers.cu)
-// reads q and K/V that other blocks of it wrote, which an SM's L1 may hold stale
+// 8 bf16 (16 bytes, 16-byte aligned) -> 8 floats; element 0 is the low half of word 0
 __device__ __forceinline__ uint4 load16(const bf16* p) {
-    return __ldcg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<const uint4*>(p);
 }
 
 __device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
@@ -274,9 +263,8 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 }
 
 // ====================================================================== decode (CUDA cores)
-// Launch: grid (num_splits, nkv, B), block (DECODE_THREADS), no dynamic shared memory;
-// the body serves the CTA's (b, kv_head, split) with NUM_WARPS warps (layers.cu runs it
-// with 8). Every sequence has at most one new token (a sequence with none is skipped). A CTA serves
+// Launch: grid (num_splits, nkv, B), block (DECODE_THREADS), no dynamic shared memory.
+// Every sequence has at most one new token (a sequence with none is skipped). A CTA serves
 // one (sequence, kv head, split) and all `group` query heads of that kv head, so each K/V
 // row is read once. A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte
 // load each (lane `sub` holds dims sub*8 .. sub*8+7); a warp holds 32/(D/8) slots. Slot s
@@ -291,8 +279,8 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // heads per group; without the hint ptxas picks 64 for some variants and spills)
 #define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
 
-template <int D, int MAXG, int NUM_WARPS>
-__device__ __forceinline__ void decode_attention_body(int b, int kv_head, int split,
+template <int D, int MAXG>
+__device__ __forceinline__ void decode_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
         const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
@@ -301,16 +289,15 @@ __device__ __forceinline__ void decode_attention_body(int b, int kv_head, int sp
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
-    constexpr int THREADS = NUM_WARPS * WARP_SIZE;
+    constexpr int NUM_WARPS = DECODE_THREADS / WARP_SIZE;
     constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;
-    // keys per slot per step (the register budget): as many loads per CTA in flight
-    // whatever the warp count
-    constexpr int UNROLL = (MAXG >= 8 ? 2 : 4) * 4 / NUM_WARPS;
+    constexpr int UNROLL = MAXG >= 8 ? 2 : 4;  // keys per slot per step (register budget)
     constexpr int STEP = SLOTS * UNROLL;       // keys per CTA per step
     __shared__ float merge_m[NUM_WARPS][MAXG];
     __shared__ float merge_l[NUM_WARPS][MAXG];
     __shared__ float merge_acc[NUM_WARPS][MAXG][D];
 
+    const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
     const int group = num_heads / num_kv_heads;
     const int head0 = kv_head * group;  // first query head of this kv head
     const int q_row = query_start_loc[b];
@@ -324,7 +311,7 @@ __device__ __forceinline__ void decode_attention_body(int b, int kv_head, int sp
     }
     if (key_begin >= key_end) {  // no key: output 0 / an empty split (uniform per CTA)
         if (num_splits == 1) {
-            for (int i = threadIdx.x; i < group * D; i += THREADS)
+            for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS)
                 out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
         } else if (threadIdx.x < group) {
             const long long part = ((long long)b * num_heads + head0 + threadIdx.x) * num_splits + split;
@@ -459,7 +446,7 @@ __device__ __forceinline__ void decode_attention_body(int b, int kv_head, int sp
     }
     __syncthreads();
     // merge the warps: thread i writes dim i % D of head i / D
-    for (int i = threadIdx.x; i < group * D; i += THREADS) {
+    for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS) {
         const int g = i / D, c = i % D;
         float m_max = neg_inf();
 #pragma unroll
@@ -492,14 +479,14 @@ __device__ __forceinline__ void decode_attention_body(int b, int kv_head, int sp
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         wait_for_previous_kernel(); /* launched programmatically: q is not written yet */ \
-        decode_attention_body<D, MAXG, DECODE_THREADS / WARP_SIZE>(                       \
-            blockIdx.z, blockIdx.y, blockIdx.x, q, k_cache, v_cache, block_tables, seq_lens,  \
-            query_start_loc, out, partial_out, partial_lse, num_heads, num_kv_heads,          \
-            block_shift, max_blocks_per_seq, scale_log2, num_splits, split_len);              \
+        decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
+                                       query_start_loc, out, partial_out, partial_lse,    \
+                                       num_heads, num_kv_heads, block_shift,              \
+                                       max_blocks_per_seq, scale_log2, num_splits,        \
+                                       split_len);                                        \
     }
 
 // group <= MAXG (query heads per kv head)
-#ifndef DEVICE_FUNCTIONS_ONLY  // (see kernels.MODULE_BASES)
 DEFINE_DECODE_ATTENTION(64, 1)
 DEFINE_DECODE_ATTENTION(64, 2)
 DEFINE_DECODE_ATTENTION(64, 4)
@@ -508,7 +495,6 @@ DEFINE_DECODE_ATTENTION(128, 1)
 DEFINE_DECODE_ATTENTION(128, 2)
 DEFINE_DECODE_ATTENTION(128, 4)
 DEFINE_DECODE_ATTENTION(128, 8)
-#endif
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory
@@ -770,7 +756,5 @@ __device__ __forceinline__ void prefill_attention_body(
                                   num_row_tiles);                                         \
     }
 
-#ifndef DEVICE_FUNCTIONS_ONLY  // (see kernels.MODULE_BASES)
 DEFINE_PREFILL_ATTENTION(64)
 DEFINE_PREFILL_ATTENTION(128)
-#endif

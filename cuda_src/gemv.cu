@@ -93,13 +93,11 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16
     }
 
 // keep in step with gemm.GEMV_VARIANTS (M: weight rows per warp)
-#ifndef DEVICE_FUNCTIONS_ONLY  // (see kernels.MODULE_BASES)
 DEFINE_GEMV(1, 2, 4)
 DEFINE_GEMV(2, 2, 4)
 DEFINE_GEMV(4, 2, 4)
 DEFINE_GEMV(8, 4, 2)
 DEFINE_GEMV(16, 4, 2)
-#endif
 
 // ------------------------------------------------------------------------------------------
 // Tensor-core skinny products: the same out[M, N] = x[M, K] w[N, K]^T, M <= 16, built to
@@ -146,7 +144,7 @@ DEFINE_GEMV(16, 4, 2)
 // Latency: the weights do not depend on the kernel before, so every block loads the first
 // k steps of its first tile into registers, then lets the next kernel start and waits for
 // the one before (programmatic dependent launch, see launch.py; no-ops when launched
-// plainly; in layers.cu: waits for the phase before), and stages x while its loads arrive. Likewise the first k steps of a block's
+// plainly), and stages x while its loads arrive. Likewise the first k steps of a block's
 // next tile are loaded before the current tile's sums are reduced.
 //
 // Needs K % 8 == 0, 16-byte aligned x and w, for EPI_SILU N % 16 == 0, for EPI_ROPE
@@ -323,14 +321,9 @@ __device__ __forceinline__ float bf16_rounded(float v) { return to_float(to_bf16
 __device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, float sum) {
     if (col >= a.n) return;
     const long long idx = (long long)m * a.n + col;
-    if (a.out_mode == OUT_BF16) {
-        static_cast<bf16*>(a.out)[idx] = to_bf16(sum);
-    } else if (a.out_mode == OUT_F32) {
-        static_cast<float*>(a.out)[idx] = sum;
-    } else {  // the residual stream: at L2, where other blocks of layers.cu wrote it
-        float* p = static_cast<float*>(a.out) + idx;
-        __stcg(p, __ldcg(p) + sum);
-    }
+    if (a.out_mode == OUT_BF16) static_cast<bf16*>(a.out)[idx] = to_bf16(sum);
+    else if (a.out_mode == OUT_F32) static_cast<float*>(a.out)[idx] = sum;
+    else static_cast<float*>(a.out)[idx] += sum;
 }
 
 // x row m's sums of the tile's weight rows lo(g) and hi(g) -> memory
@@ -372,18 +365,9 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int
     }
 }
 
-// What a product waits for before it reads x: a kernel of its own waits for the kernel
-// before it (programmatic dependent launch), a phase of layers.cu for the phase before.
-struct AfterPreviousKernel {
-    __device__ __forceinline__ void wait() const {
-        let_next_kernel_start();
-        wait_for_previous_kernel();
-    }
-};
-
 // NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block
-template <int NT, int PRO, int EPI, int WARPS, class After>
-__device__ __forceinline__ void skinny_body(const SkinnyArgs& a, const After& after) {
+template <int NT, int PRO, int EPI, int WARPS>
+__device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     extern __shared__ uint4 skinny_smem[];
     constexpr int PARTIAL_FLOATS = WARPS * NT * 4 * WARP_SIZE;  // one buffer
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -409,7 +393,8 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a, const After& af
         load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
                    w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
     }
-    after.wait();
+    let_next_kernel_start();
+    wait_for_previous_kernel();
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
@@ -482,13 +467,12 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a, const After& af
 #define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS)                               \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
         NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI, WARPS>(args, AfterPreviousKernel());                                              \
+        skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
     }
 
 // keep in step with gemm.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
 // every SM two blocks, such as the down projection.
-#ifndef DEVICE_FUNCTIONS_ONLY
 DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
@@ -499,4 +483,3 @@ DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
-#endif

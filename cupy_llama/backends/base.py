@@ -167,10 +167,3 @@ class SublayerOps:
         rotated k and plain v -> the caches."""
         self.norm_linear(x, norm_weight, eps, weight, qkv, h)
         self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out)
-
-    def decode_layers(self, config, weights, kv_caches, meta, cos_sin, buffers) -> bool:
-        """Run every layer of the step in one go, if this backend can for this step: the
-        residual stream buffers["residual"] goes in as the embeddings and comes out as the
-        last layer's output, as model/llama.forward's layer loop leaves it. False (nothing
-        run) where it cannot: the forward pass then runs the layers one op at a time."""
-        return False

@@ -40,9 +40,7 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
     scale = config.head_dim ** -0.5
 
     ops.embedding(meta.token_ids, w["embed"], buf["residual"])  # residual: [T, H] float32
-    # a small decode step may run every layer in one kernel (CUDA: cuda_src/layers.cu)
-    all_done = ops.decode_layers(config, w, backend.kv_caches, meta, backend.cos_sin, buf)
-    for i in range(0 if all_done else config.num_hidden_layers):
+    for i in range(config.num_hidden_layers):
         k_cache, v_cache = backend.kv_caches[i]
         layer = f"layers.{i}"
         # attention: norm, qkv product, RoPE and the cache write (q: [T, nh, d]), then the

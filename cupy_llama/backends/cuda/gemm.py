@@ -264,7 +264,7 @@ def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
         return f"K a multiple of 8 (got {k})"
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
-    limit = device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
+    limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
     if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
                 f"(needs {mma_shared_bytes(m_rows, k, warps)})")
@@ -304,7 +304,7 @@ def fused_unsupported(x, weight, norm_weight) -> str | None:
     return reason
 
 
-def fusing() -> bool:
+def _fusing() -> bool:
     """Whether the switch lets the fused kernels run ("gemv" and "cublas" name one kernel
     for every product, so the sublayer ops are composed around it)."""
     return skinny_gemm() in ("auto", "mma", "custom")
@@ -353,7 +353,7 @@ def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
     check("out", out, BF16, shape=(m_rows, n // 2))
-    if (not fusing() or n % MMA_TILE_ROWS
+    if (not _fusing() or n % MMA_TILE_ROWS
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
     if m_rows:
@@ -377,7 +377,7 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     check("positions", positions, I32, shape=(m_rows,))
     check("slot_mapping", slot_mapping, I32, shape=(m_rows,))
     check("cos_sin", cos_sin, F32, shape=(None, head_dim))
-    if (not fusing() or head_dim % 16
+    if (not _fusing() or head_dim % 16
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
     args = _norm_args(x, norm_weight, eps, weight, q_out)
@@ -392,7 +392,7 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
 def programmatic_launches() -> bool:
     """Launch the kernels that wait on the device programmatically: switched on
     (launch.py) and an sm_90+ GPU."""
-    return launch.programmatic() and device_limits()["capability"] >= 90
+    return launch.programmatic() and _device_limits()["capability"] >= 90
 
 
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
@@ -412,7 +412,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     SMs take the wide variant (twice the loads in flight per block)."""
     key = (family, n, k, m_rows)
     if key not in _mma_shapes:
-        limits = device_limits()
+        limits = _device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
         warps = _skinny_warps(family, n, k)
         if warps == MMA_WIDE_WARPS:
@@ -430,7 +430,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
 def _skinny_warps(family: str, n: int, k: int) -> int:
     """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant."""
-    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= device_limits()["sms"]:
+    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= _device_limits()["sms"]:
         return MMA_WIDE_WARPS
     return MMA_WARPS
 
@@ -450,7 +450,7 @@ def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict,
 _limits = {}  # device id -> limits
 
 
-def device_limits() -> dict:
+def _device_limits() -> dict:
     import cupy
     device = cupy.cuda.Device()
     if device.id not in _limits:

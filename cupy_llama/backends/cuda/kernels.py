@@ -28,31 +28,18 @@ MODULES = {
     "sampling": ("sample_kernel",),
     "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16",
              *(f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2))),
-    "layers": ("decode_layers_d64_g4", "decode_layers_d128_g4"),
 }
-
-# modules built on the device functions of others: their sources come first, with
-# DEVICE_FUNCTIONS_ONLY defined so that their own kernels are not compiled again
-MODULE_BASES = {"layers": ("gemv", "attention")}
 
 
 def module_source(name: str) -> str:
-    """common.cuh, the sources of the module's bases (MODULE_BASES), then cuda_src/<name>.cu:
-    the text NVRTC compiles (and CuPy's kernel cache keys on, so an edit to any of them
-    recompiles)."""
+    """common.cuh followed by cuda_src/<name>.cu: the text NVRTC compiles (and CuPy's
+    kernel cache keys on, so an edit to the header recompiles)."""
     if not CUDA_SRC.is_dir():
         raise FileNotFoundError(f"CUDA kernel sources not found at {CUDA_SRC}; the cuda_src/ "
                                 "folder must sit next to the cupy_llama package")
-    parts = [(CUDA_SRC / "common.cuh").read_text(encoding="utf-8")]
-    bases = MODULE_BASES.get(name, ())
-    if bases:
-        parts.append("#define DEVICE_FUNCTIONS_ONLY")
-    for stem in bases:
-        parts.append(f"#line 1 \"{stem}.cu\"\n" + (CUDA_SRC / f"{stem}.cu").read_text(encoding="utf-8"))
-    if bases:
-        parts.append("#undef DEVICE_FUNCTIONS_ONLY")
-    parts.append(f"#line 1 \"{name}.cu\"\n" + (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8"))
-    return "\n".join(parts)
+    header = (CUDA_SRC / "common.cuh").read_text(encoding="utf-8")
+    body = (CUDA_SRC / f"{name}.cu").read_text(encoding="utf-8")
+    return f"{header}\n#line 1 \"{name}.cu\"\n{body}"
 
 
 @lru_cache(maxsize=None)

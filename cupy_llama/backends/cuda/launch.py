@@ -1,10 +1,9 @@
-"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for what CuPy's
-RawKernel call cannot do: pass a C struct by value (the skinny kernels' SkinnyArgs),
-launch programmatically (programmatic dependent launch, sm_90+): the kernel may start
+"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for the two things
+CuPy's RawKernel call cannot do: pass a C struct by value (the skinny kernels' SkinnyArgs)
+and launch programmatically (programmatic dependent launch, sm_90+): the kernel may start
 while the kernel before it on the stream still runs, and waits for it on the device
-(`wait_for_previous_kernel` in common.cuh), and launch cooperatively: every block resident
-at once, or an error (layers.cu's blocks wait for each other). Launches captured into a
-CUDA graph keep these attributes.
+(`wait_for_previous_kernel` in common.cuh). Launches captured into a CUDA graph keep that
+overlap as programmatic edges.
 
 `set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off; graphs bake in
 what was set when they were captured."""
@@ -16,7 +15,6 @@ import re
 
 import numpy as np
 
-CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -54,19 +52,18 @@ def available() -> bool:
 
 
 def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
-           programmatic: bool, cooperative: bool = False) -> None:
+           programmatic: bool) -> None:
     """Launch the CuPy RawKernel `kernel` (grid: an int or up to three ints) with `args`,
     one ctypes struct passed by value or a list of ctypes values, one per parameter.
     programmatic: the kernel waits for the one before before touching its results, and
-    the GPU can (sm_90+); the caller also checks programmatic(). cooperative: all blocks
-    must be resident at once (the driver refuses a grid that cannot be)."""
+    the GPU can (sm_90+); the caller also checks programmatic()."""
     driver = _load()
     if driver is None:
         raise RuntimeError("cuLaunchKernelEx is not available")
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     values = args if isinstance(args, (list, tuple)) else [args]
     driver.launch(kernel.kernel.ptr, grid + (1,) * (3 - len(grid)), block, shared_bytes,
-                  stream_ptr, values, programmatic, cooperative)
+                  stream_ptr, values, programmatic)
 
 
 def kernel_args(*values) -> list:
@@ -101,43 +98,19 @@ class _Driver:
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
-        self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
-        self._occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int,
-                                    ctypes.c_size_t]
-        self._occupancy.restype = ctypes.c_int
+        self._attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                                      value=1)
 
     def launch(self, function: int, grid: tuple, block: int, shared_bytes: int, stream: int,
-               values: list, programmatic: bool, cooperative: bool) -> None:
-        wanted = [(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, programmatic),
-                  (CU_LAUNCH_ATTRIBUTE_COOPERATIVE, cooperative)]
-        attrs = [_LaunchAttribute(id=key, value=1) for key, on in wanted if on]
-        array = (_LaunchAttribute * max(1, len(attrs)))(*attrs)
+               values: list, programmatic: bool) -> None:
         config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream,
-                               array if attrs else None, len(attrs))
+                               ctypes.pointer(self._attr) if programmatic else None,
+                               1 if programmatic else 0)
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(value), ctypes.c_void_p) for value in values])
         status = self._launch(ctypes.byref(config), ctypes.c_void_p(function), params, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUDA driver error {status}")
-
-    def blocks_per_sm(self, function: int, block: int, shared_bytes: int) -> int:
-        count = ctypes.c_int(0)
-        status = self._occupancy(ctypes.byref(count), ctypes.c_void_p(function), block,
-                                 shared_bytes)
-        if status != 0:
-            raise RuntimeError("cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA "
-                               f"driver error {status}")
-        return count.value
-
-
-def resident_blocks_per_sm(kernel, block: int, shared_bytes: int) -> int:
-    """How many blocks of `kernel` (CuPy RawKernel) with `block` threads and that much
-    dynamic shared memory fit on one SM at once, as the driver computes it (0 where the
-    driver could not be loaded)."""
-    driver = _load()
-    if driver is None:
-        return 0
-    return driver.blocks_per_sm(kernel.kernel.ptr, block, shared_bytes)
 
 
 def _libcuda_path() -> str:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..base import ForwardBatch, SamplingTensors, SublayerOps
 from . import attention as attention_kernels
-from . import elementwise, gemm, layers
+from . import elementwise, gemm
 from . import sampling as sampling_kernels
 from .device import import_cupy
 
@@ -81,7 +81,6 @@ class CudaOps(SublayerOps):
         self._partial_out, self._partial_lse = workspace
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
         self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self._decode_layers = {}  # (id(weights), id(kv_caches)) -> (layers.DecodeLayers, both)
 
     def empty(self, shape, dtype=None):
         return self._cupy.empty(shape, dtype=self.act_dtype if dtype is None else dtype)
@@ -146,27 +145,6 @@ class CudaOps(SublayerOps):
                                   meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv)
-
-    def decode_layers(self, config, weights, kv_caches, meta, cos_sin, buffers) -> bool:
-        """One persistent kernel for every layer of a decode step of at most
-        layers.MAX_ROWS sequences, where it can (layers.py)."""
-        if not (layers.enabled() and gemm.fusing() and meta.is_decode_only
-                and meta.num_seqs <= layers.MAX_ROWS):
-            return False
-        key = (id(weights), id(kv_caches))
-        if key not in self._decode_layers:  # the entry keeps both alive: ids stay unique
-            block_size = kv_caches[0][0].shape[1]
-            runner = layers.DecodeLayers(config, weights, kv_caches, block_size)
-            self._decode_layers[key] = (runner, weights, kv_caches)
-        runner = self._decode_layers[key][0]
-        if runner.unsupported(meta) is not None:
-            return False
-        splits = meta.graph_splits or attention_kernels.choose_decode_splits(
-            meta.num_seqs, config.num_key_value_heads,
-            config.num_attention_heads // config.num_key_value_heads, meta.max_seq_len,
-            self.num_sms, self.max_decode_splits)
-        runner.run(meta, cos_sin, buffers, self._partial_out, self._partial_lse, splits)
-        return True
 
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,

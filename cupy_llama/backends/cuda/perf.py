@@ -10,8 +10,7 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      and the small kernels against the fused skinny kernels with plain and programmatic
      launches, graph-timed with weights from HBM, and the time of one decode step
      replayed from a CUDA graph at batch 1, 8, 64 and 256 beside the eager step, for each
-     of those variants and the persistent layers kernel (STEP_VARIANTS), with the time of
-     each of that kernel's phases at batch 1 and 8 (layer_phase_us);
+     of those variants (STEP_VARIANTS);
   3. cuBLAS against both custom skinny kernels of gemv.cu (the SIMT "gemv" and the
      tensor-core "mma") for every weight shape and M = 1..16, each timed as a CUDA graph
      of back-to-back calls over enough weight copies that every call reads its weight from
@@ -41,7 +40,7 @@ from ...backends.base import ForwardBatch, SamplingTensors
 from ...config import ModelConfig
 from ...model.llama import forward as eager_forward
 from ...weights import open_checkpoint
-from . import gemm, launch, layers
+from . import gemm, launch
 
 RUNS, WARMUP = 20, 3
 OP_BATCHES = (1, 64)
@@ -51,11 +50,10 @@ GEMV_PRINT_ROWS = (1, 2, 4, 8, 16)
 GEMV_CALLS = 16       # calls per captured graph
 GEMV_REPLAYS = 10     # timed replays of it (median)
 FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
-# decode-step variants: name -> (skinny switch, programmatic launches, the persistent
-# layers kernel); "cublas" composes every sublayer of cuBLAS and the separate small kernels
-STEP_VARIANTS = {"cublas": ("cublas", False, False), "fused": ("auto", False, False),
-                 "fused+pdl": ("auto", True, False), "layers": ("auto", True, True)}
-PHASE_NAMES = ("qkv+rope", "attention", "o_proj+add", "gate_up+silu", "down+add")
+# decode-step variants: name -> (skinny switch, programmatic launches); "cublas" composes
+# every sublayer of cuBLAS and the separate small kernels
+STEP_VARIANTS = {"cublas": ("cublas", False), "fused": ("auto", False),
+                 "fused+pdl": ("auto", True)}
 E2E_STEPS = 256
 
 
@@ -244,7 +242,7 @@ def sublayer_comparison(cupy, backend, config) -> list:
             weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
             row = {"op": name, "m": m, "n": n, "k": k}
             for variant in ("cublas", "fused", "fused+pdl"):
-                skinny, programmatic, _ = STEP_VARIANTS[variant]
+                skinny, programmatic = STEP_VARIANTS[variant]
                 gemm.set_skinny_gemm(skinny)
                 launch.set_programmatic(programmatic)
                 row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
@@ -284,38 +282,12 @@ def tune(cupy, config, gpu: str) -> tuple[list, dict]:
     return rows, table
 
 
-def set_step_variant(backend, skinny: str, programmatic: bool, layers_kernel: bool) -> None:
-    """Switch the kernels (STEP_VARIANTS) and drop the graphs captured before."""
+def set_step_variant(backend, skinny: str, programmatic: bool) -> None:
+    """Switch the product kernels (STEP_VARIANTS) and drop the graphs captured before."""
     gemm.set_skinny_gemm(skinny)
     launch.set_programmatic(programmatic)
-    layers.set_enabled(layers_kernel)
     if backend.graphs is not None:
         backend.graphs.reset()
-
-
-def layer_phase_us(cupy, backend, config, batch) -> dict:
-    """Microseconds of each phase of the persistent layers kernel (as its block 0 saw the
-    phases end, median over runs, summed over the layers), and of the whole kernel; {}
-    where the step does not take it."""
-    count = config.num_hidden_layers * layers.LAYER_PHASES + 1
-    timings = cupy.zeros(count, np.uint64)
-    layers.record_phase_ends(timings)
-    runs = []
-    try:
-        for run in range(WARMUP + RUNS):
-            timings.fill(0)
-            eager_forward(backend, config, batch)
-            ends = cupy.asnumpy(timings).astype(np.int64)
-            if run >= WARMUP and ends.all():
-                runs.append(np.diff(ends) / 1e3)
-    finally:
-        layers.record_phase_ends(None)
-    if not runs:
-        return {}
-    per_phase = np.median(np.stack(runs), axis=0).reshape(config.num_hidden_layers, -1)
-    result = {name: float(per_phase[:, i].sum()) for i, name in enumerate(PHASE_NAMES)}
-    result["kernel"] = float(np.median([r.sum() for r in runs]))
-    return result
 
 
 def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
@@ -377,22 +349,18 @@ def main(argv=None) -> int:
 
     result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
 
-    initial = (gemm.skinny_gemm(), launch.programmatic(), layers.enabled())
+    initial_programmatic = launch.programmatic()
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
-    set_step_variant(backend, "auto", True, True)
-    result["layer_phase_us"] = {
-        b: layer_phase_us(cupy, backend, config, decode_batch(b, args.context, 16, blocks_per_seq, rng))
-        for b in (1, layers.MAX_ROWS)}
     result["step_ms"] = {}
-    for name, variant in STEP_VARIANTS.items():
-        set_step_variant(backend, *variant)
+    for name, (skinny, programmatic) in STEP_VARIANTS.items():
+        set_step_variant(backend, skinny, programmatic)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{name} b={b}"] = row
-    set_step_variant(backend, *initial)
+    set_step_variant(backend, "auto", initial_programmatic)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
@@ -401,7 +369,7 @@ def main(argv=None) -> int:
             backend.graphs.reset()
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
-    gemm.set_skinny_gemm(initial[0])
+    gemm.set_skinny_gemm("auto")
 
     floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
     result["bandwidth_floor_ms"] = floor_ms
@@ -425,10 +393,6 @@ def print_table(result) -> None:
     for row in result.get("sublayer_us", []):
         print(f"{row['op']:<14} M={row['m']:<3}" + "".join(
             f" {v} {row[v + '_us']:7.1f}" for v in ("cublas", "fused", "fused+pdl")))
-    for b, phases in result.get("layer_phase_us", {}).items():
-        if phases:
-            print(f"\n== persistent layers kernel at b={b}: us per step (block 0's view) ==")
-            print("  ".join(f"{name} {us:.1f}" for name, us in phases.items()))
     print("\n== decode step ms: eager vs graph replay ==")
     for key, row in result["step_ms"].items():
         print(f"{key:<16} eager {row['eager']:8.3f}  graph {row.get('graph', float('nan')):8.3f}")
