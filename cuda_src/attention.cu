@@ -195,31 +195,49 @@ DEFINE_PAGED_ATTENTION(4)
 DEFINE_PAGED_ATTENTION(8)
 
 // Merge the splits of a decode batch: out[b, h] = sum_s w_s o_s / sum_s w_s with
-// w_s = exp(lse_s - max lse). partial_out [B, nh, num_splits, d], partial_lse
-// [B, nh, num_splits]; out [B, nh * d]. Launch: grid (nh, B), block (128).
+// w_s = exp(lse_s - max lse), over the splits that saw a key (lse > -inf), in split order.
+// partial_out [B, nh, num_splits, d], partial_lse [B, nh, num_splits]; out [B, nh * d].
+// Launch: grid (nh, B), block (128); num_splits <= COMBINE_MAX_SPLITS (the launcher
+// checks). This sits between attention and the o_proj product on the critical path of
+// every decode layer, so nothing waits on one load before issuing the next: warp 0 reads
+// every split's lse at once (one per lane) and leaves the weights in shared memory, then
+// each thread issues the loads of all non-empty splits for its dim before it sums them.
+#define COMBINE_MAX_SPLITS 32  // one lse per lane of warp 0 (launcher: MAX_SPLITS)
+
 extern "C" __global__ void attention_combine_kernel(const float* __restrict__ partial_out,
                                                     const float* __restrict__ partial_lse,
                                                     bf16* __restrict__ out, int num_heads,
                                                     int head_dim, int num_splits) {
+    __shared__ float weight[COMBINE_MAX_SPLITS];
+    __shared__ unsigned seen_keys;  // bit s: split s saw a key
     let_next_kernel_start();     // the next product may load its weights meanwhile
     wait_for_previous_kernel();  // launched programmatically: the partials are not written yet
     const int head = blockIdx.x, b = blockIdx.y;
     const long long base = ((long long)b * num_heads + head) * num_splits;
-    float max_lse = neg_inf();
     // the partials come from the kernel before (read at L2: it may still have been running
     // when this one started)
-    for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, __ldcg(partial_lse + base + s));
+    if (threadIdx.x < WARP_SIZE) {
+        const int s = threadIdx.x;
+        const float lse = s < num_splits ? __ldcg(partial_lse + base + s) : neg_inf();
+        const float max_lse = warp_max(lse);
+        const unsigned mask = __ballot_sync(FULL_MASK, lse != neg_inf());
+        weight[s] = mask ? expf(lse - max_lse) : 0.0f;  // max_lse finite where mask != 0
+        if (s == 0) seen_keys = mask;
+    }
+    __syncthreads();
+    const unsigned mask = seen_keys;
     bf16* dst = out + ((long long)b * num_heads + head) * head_dim;
     for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float value[COMBINE_MAX_SPLITS];
+#pragma unroll
+        for (int s = 0; s < COMBINE_MAX_SPLITS; ++s)
+            value[s] = mask >> s & 1u ? __ldcg(partial_out + (base + s) * head_dim + c) : 0.0f;
         float numerator = 0.0f, denominator = 0.0f;
-        if (max_lse != neg_inf()) {
-            for (int s = 0; s < num_splits; ++s) {
-                const float lse = __ldcg(partial_lse + base + s);
-                if (lse == neg_inf()) continue;  // an empty split
-                const float w = expf(lse - max_lse);
-                numerator += w * __ldcg(partial_out + (base + s) * head_dim + c);
-                denominator += w;
-            }
+#pragma unroll
+        for (int s = 0; s < COMBINE_MAX_SPLITS; ++s) {
+            if (!(mask >> s & 1u)) continue;  // an empty split (or past num_splits)
+            numerator += weight[s] * value[s];
+            denominator += weight[s];
         }
         dst[c] = to_bf16(denominator > 0.0f ? numerator / denominator : 0.0f);
     }
@@ -310,6 +328,7 @@ __device__ __forceinline__ void decode_attention_body(
         key_end = min(seq_len, key_begin + split_len);
     }
     if (key_begin >= key_end) {  // no key: output 0 / an empty split (uniform per CTA)
+        wait_for_previous_kernel();  // which may still read the outputs
         if (num_splits == 1) {
             for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS)
                 out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
@@ -322,6 +341,25 @@ __device__ __forceinline__ void decode_attention_body(
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int sub = lane % LANES_PER_KEY;
     const int slot = warp * SLOTS_PER_WARP + lane / LANES_PER_KEY;
+    const int* table = block_tables + (long long)b * max_blocks_per_seq;
+    const long long row_stride = (long long)num_kv_heads * D;  // elements per cache slot
+    const int head_offset = kv_head * D + sub * 8;
+
+    // The first step's cache slots come from the metadata, copied before this step's first
+    // kernel: they are looked up before waiting for the kernel before (the qkv product,
+    // which writes q and the new token's K/V), so that q and the first keys are then read
+    // in one round trip. Kept in shared memory (registers are at their budget); -1: past
+    // the range (slots fit an int: the KV pool's size).
+    __shared__ int first_slot[UNROLL][SLOTS];
+    if (sub == 0) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int pos = key_begin + u * SLOTS + slot;
+            first_slot[u][slot] = pos < key_end ? (int)cache_slot(table, pos, block_shift) : -1;
+        }
+    }
+    __syncwarp();  // a slot's lanes are in one warp
+    wait_for_previous_kernel();
 
     float q_reg[MAXG][8];  // this lane's 8 dims of each query head, times scale * log2(e)
 #pragma unroll
@@ -344,18 +382,17 @@ __device__ __forceinline__ void decode_attention_body(
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
     }
 
-    const int* table = block_tables + (long long)b * max_blocks_per_seq;
-    const long long row_stride = (long long)num_kv_heads * D;  // elements per cache slot
-    const int head_offset = kv_head * D + sub * 8;
     for (int base = key_begin; base < key_end; base += STEP) {
         uint4 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int pos = base + u * SLOTS + slot;
+            long long cached = first_slot[u][slot];
+            if (base != key_begin) cached = pos < key_end ? cache_slot(table, pos, block_shift) : -1;
             k_raw[u] = make_uint4(0u, 0u, 0u, 0u);  // keys past the range: zeros, masked below
             v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (pos < key_end) {
-                const long long offset = cache_slot(table, pos, block_shift) * row_stride + head_offset;
+            if (cached >= 0) {
+                const long long offset = cached * row_stride + head_offset;
                 k_raw[u] = load16(k_cache + offset);
                 v_raw[u] = load16(v_cache + offset);
             }
@@ -478,7 +515,7 @@ __device__ __forceinline__ void decode_attention_body(
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
-        wait_for_previous_kernel(); /* launched programmatically: q is not written yet */ \
+        /* launched programmatically: the body waits before it reads q or writes */       \
         decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
                                        query_start_loc, out, partial_out, partial_lse,    \
                                        num_heads, num_kv_heads, block_shift,              \

@@ -99,6 +99,7 @@ def test_python_constants_match_the_cuda_source():
     source = (CUDA_SRC / "attention.cu").read_text()
     defines = dict(re.findall(r"^#define (\w+) (\d+)\b", source, flags=re.M))
     assert int(defines["SPLIT_ALIGN"]) == attention.SPLIT_ALIGN
+    assert int(defines["COMBINE_MAX_SPLITS"]) == attention.MAX_SPLITS
     assert int(defines["DECODE_THREADS"]) == attention.DECODE_THREADS
     assert int(defines["PREFILL_THREADS"]) == attention.PREFILL_THREADS
     assert int(defines["PREFILL_ROWS"]) == attention.PREFILL_ROWS

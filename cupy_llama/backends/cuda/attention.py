@@ -154,6 +154,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
             raise ValueError("num_splits > 1 needs a decode batch (one new token per sequence)")
         if max_seq_len is not None:
             split_len, num_splits = split_length(max_seq_len, num_splits)
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: at most {MAX_SPLITS} (the combine kernel), got {num_splits}")
     if num_splits > 1:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)
@@ -164,6 +166,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     else:
         partial_out = partial_lse = out  # not read by the kernels
 
+    if k_cache.shape[0] * block_size >= 2 ** 31:
+        kernel = "scalar"  # the decode kernel keeps cache slot numbers in 32 bits
     plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, block_size=block_size,
                           max_query_len=max_query_len, num_splits=num_splits,

@@ -349,7 +349,7 @@ def main(argv=None) -> int:
 
     result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
 
-    initial_programmatic = launch.programmatic()
+    initial = (gemm.skinny_gemm(), launch.programmatic())  # restored afterwards
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
     for name, (skinny, programmatic) in STEP_VARIANTS.items():
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{name} b={b}"] = row
-    set_step_variant(backend, "auto", initial_programmatic)
+    set_step_variant(backend, *initial)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
             backend.graphs.reset()
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
-    gemm.set_skinny_gemm("auto")
+    gemm.set_skinny_gemm(initial[0])
 
     floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
     result["bandwidth_floor_ms"] = floor_ms
