@@ -298,9 +298,12 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 #define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
 
 template <int D, int MAXG>
+// q and the caches are not __restrict__: with it the compiler may read them through the
+// read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
+// known before it), reading q and K/V the kernel before has not written yet.
 __device__ __forceinline__ void decode_attention_body(
-        const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-        const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
+        const bf16* q, const bf16* k_cache, const bf16* v_cache,
+        const int* __restrict__ block_tables,
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int block_shift,
