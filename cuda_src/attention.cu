@@ -297,10 +297,10 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // heads per group; without the hint ptxas picks 64 for some variants and spills)
 #define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
 
-template <int D, int MAXG>
 // q and the caches are not __restrict__: with it the compiler may read them through the
 // read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
 // known before it), reading q and K/V the kernel before has not written yet.
+template <int D, int MAXG>
 __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache,
         const int* __restrict__ block_tables,
