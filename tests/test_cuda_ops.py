@@ -137,20 +137,24 @@ def test_embedding_reads_placeholders_from_the_pending_tokens(cp, rng, out_dtype
     np.testing.assert_array_equal(got[2:], table[resolved[2:]])
 
 
+@pytest.mark.parametrize("x_dtype", ["bf16", "float32"])  # float32: the residual stream
 @pytest.mark.parametrize("hidden", [64, 576, 2048, 8192])
 @pytest.mark.parametrize("num_tokens", [1, 17, 129])
-def test_rms_norm(cp, rng, num_tokens, hidden):
+def test_rms_norm(cp, rng, num_tokens, hidden, x_dtype):
     from cupy_llama.backends.cuda import elementwise
     x_bits, x = random_bf16(rng, (num_tokens, hidden), scale=3.0)
+    if x_dtype == "float32":  # values bf16 cannot hold, passed as they are
+        x = x_bits = rng.standard_normal((num_tokens, hidden), dtype=np.float32) * 3
     w_bits, w = random_bf16(rng, (hidden,))
     expected = np.empty_like(x)
     REF.rms_norm(x, w, 1e-5, expected)
     out = poisoned(cp, x.shape)
     elementwise.rms_norm(cp.asarray(x_bits), cp.asarray(w_bits), 1e-5, out)
-    assert_close(to_float(cp, out), expected, 1e-2, 1e-2, "rms_norm")
-    in_place = cp.asarray(x_bits)  # out aliasing x
-    elementwise.rms_norm(in_place, cp.asarray(w_bits), 1e-5, in_place)
-    assert_close(to_float(cp, in_place), expected, 1e-2, 1e-2, "rms_norm in place")
+    assert_close(to_float(cp, out), expected, 1e-2, 1e-2, f"rms_norm ({x_dtype} input)")
+    if x_dtype == "bf16":  # out aliasing x (a float32 x cannot share a bf16 out)
+        in_place = cp.asarray(x_bits)
+        elementwise.rms_norm(in_place, cp.asarray(w_bits), 1e-5, in_place)
+        assert_close(to_float(cp, in_place), expected, 1e-2, 1e-2, "rms_norm in place")
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (17, 1536), (129, 8192)])
