@@ -59,7 +59,7 @@ class _Request:
 
     def flush_text(self) -> None:
         if self.detokenizer is None:
-            self.text = self.tokenizer.decode(self.text_ids)
+            self.text = self.tokenizer.decode_unchecked(self.text_ids)  # ids < vocab_size
         else:
             self.text += self.detokenizer.flush()
 
@@ -245,7 +245,9 @@ class LLMEngine:
 
     def _outputs_for(self, ids: set[str]) -> list[RequestOutput]:
         """The next outputs of these requests: waiting ones first, else one engine step."""
-        waiting = [o for rid in ids for o in self._undelivered.pop(rid, [])]
+        waiting = []
+        if self._undelivered:  # almost always empty: no pop per request on every step
+            waiting = [o for rid in ids for o in self._undelivered.pop(rid, [])]
         if waiting:
             return waiting
         mine = []

@@ -121,16 +121,19 @@ class ModelRunner:
 
     def sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
         slots = self.slots
-        for seq in batch.seqs:
+        rows, steps = [], []
+        for seq in batch.seqs:  # one pass: this runs every step
             if not slots.sampling_is_current(seq):
                 slots.update_sampling(seq)
-        rows = np.array([seq.slot for seq in batch.seqs], dtype=np.intp)
+            rows.append(seq.slot)
+            # the step index is the number of tokens generated so far, so a recomputed
+            # (preempted) sequence draws the same random numbers again
+            steps.append(len(seq.output_token_ids))
+        rows = np.array(rows, dtype=np.intp)
         return SamplingTensors(
             temperature=slots.temperature[rows], top_k=slots.top_k[rows],
             top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
-            # the step index is the number of tokens generated so far, so a recomputed
-            # (preempted) sequence draws the same random numbers again
-            steps=np.array([len(seq.output_token_ids) for seq in batch.seqs], dtype=np.int32))
+            steps=np.array(steps, dtype=np.int32))
 
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence

@@ -17,7 +17,7 @@ SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "
 
 # every kernel module and the kernels it defines
 MODULES = {
-    "embedding": ("embedding_kernel", "gather_rows_kernel"),
+    "embedding": ("embedding_kernel", "embedding_f32_kernel", "gather_rows_kernel"),
     "norm": ("rms_norm_kernel", "rms_norm_f32_kernel"),
     "activation": ("silu_and_mul_kernel",),
     "rope": ("rope_and_cache_kernel",),
