@@ -105,7 +105,7 @@ def linear(x, weight, out, accumulate: bool = False):
         kernel = "mma"  # see the module doc
     if kernel == "mma" and mma_unsupported(x, weight) is None:
         _launch_mma(x, weight, out, accumulate)
-    elif kernel == "gemv" and not accumulate and gemv_supported(x, weight, out):
+    elif kernel == "gemv" and not accumulate and gemv_supported(x, weight):
         _launch_gemv(x, weight, out)
     else:
         cublas_linear(x, weight, out, accumulate)
@@ -203,7 +203,7 @@ def device_name() -> str:
 
 # ------------------------------------------------------------ first SIMT skinny kernels
 
-def gemv_supported(x, weight, out) -> bool:
+def gemv_supported(x, weight) -> bool:
     """The SIMT kernels need at most 16 rows, K % 8 == 0 and 16-byte aligned rows."""
     m_rows, k = x.shape
     return (m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and x.data.ptr % 16 == 0
@@ -213,7 +213,7 @@ def gemv_supported(x, weight, out) -> bool:
 def gemv(x, weight, out):
     """The SIMT kernel whatever the switch says (tests, timing); same shapes as linear."""
     m_rows, n_cols = check_product(x, weight, out)
-    if not gemv_supported(x, weight, out):
+    if not gemv_supported(x, weight):
         raise ValueError(f"gemv: needs at most {SKINNY_MAX_ROWS} rows, K a multiple of 8 and "
                          f"16-byte aligned x and weight (got x {x.shape}, weight {weight.shape})")
     if m_rows and n_cols:

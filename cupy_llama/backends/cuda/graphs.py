@@ -81,7 +81,6 @@ class DecodeGraphs:
         self._copied = None  # event: the last metadata copy has read the host buffer
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}  # bucket -> (graph, logits [bucket, V])
-        self.capture_seconds = 0.0
 
     # ---- metadata ----------------------------------------------------------------------
     def _field(self, name: str, count: int) -> np.ndarray:
@@ -171,7 +170,6 @@ class DecodeGraphs:
         """Capture the decode graph of one bucket (an all-padding warm-up run first, so every
         kernel is compiled and loaded and no KV slot is touched)."""
         cupy = self._cupy
-        started = time.perf_counter()
         caller = cupy.cuda.get_current_stream()
         stream = self._capture_stream
         stream.wait_event(caller.record())
@@ -191,7 +189,6 @@ class DecodeGraphs:
             graph = stream.end_capture()
         caller.wait_event(stream.record())
         self._graphs[bucket] = (graph, logits)
-        self.capture_seconds += time.perf_counter() - started
         return graph, logits
 
     def capture_all(self, config) -> None:
@@ -206,7 +203,6 @@ class DecodeGraphs:
         """Drop every captured graph (after a kernel switch such as gemm.set_skinny_gemm)."""
         self._cupy.cuda.get_current_stream().synchronize()
         self._graphs.clear()
-        self.capture_seconds = 0.0
 
     @property
     def metadata_bytes(self) -> int:
