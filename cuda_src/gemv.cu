@@ -107,10 +107,6 @@ DEFINE_GEMV(16, 4, 2)
 //   prologue PRO_PLAIN  x is bf16 [M, K];
 //            PRO_NORM   x is the float32 residual stream [M, K]; the kernel stages
 //                       bf16(x / rms(x) * norm_weight), what rms_norm_f32_kernel writes;
-//            PRO_COMBINE x is split-KV decode attention's float32 partial outputs (one
-//                       token per sequence, K = nh d); the kernel stages their merge,
-//                       what attention_combine_kernel writes (attention.cu, the same
-//                       arithmetic in the same order), so o_proj needs no merge kernel;
 //   epilogue EPI_STORE  out [M, N]: bf16 (out_mode OUT_BF16), float32 (OUT_F32) or added
 //                       to a float32 out (OUT_F32_ADD: the residual stream);
 //            EPI_SILU   w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
@@ -166,9 +162,6 @@ DEFINE_GEMV(16, 4, 2)
 
 #define PRO_PLAIN 0
 #define PRO_NORM 1
-#define PRO_COMBINE 2
-#define COMBINE_MAX_SPLITS 32  // attention.cu's bound: one split per lane
-#define COMBINE_BATCH 8        // splits whose partials a thread loads before summing any
 #define EPI_STORE 0
 #define EPI_SILU 1
 #define EPI_ROPE 2
@@ -178,10 +171,8 @@ DEFINE_GEMV(16, 4, 2)
 
 // keep in step with gemm.SkinnyArgs (pointers first, then 4-byte fields: no padding inside)
 struct SkinnyArgs {
-    const void* x;            // bf16 [M, K] (PRO_PLAIN), float32 [M, K] (PRO_NORM),
-                              // float32 [M, nh, splits, d] (PRO_COMBINE)
+    const void* x;            // bf16 [M, K] (PRO_PLAIN) or float32 [M, K] (PRO_NORM)
     const bf16* norm_weight;  // [K] (PRO_NORM)
-    const float* partial_lse; // [M, nh, splits] (PRO_COMBINE)
     const bf16* w;            // [N, K]
     void* out;                // see the epilogues
     const int* positions;     // [M] (EPI_ROPE, as the rest of this block)
@@ -191,9 +182,8 @@ struct SkinnyArgs {
     bf16* v_cache;
     int m_rows, n, k;
     int out_mode;             // EPI_STORE
-    int num_heads, num_kv_heads, head_dim;  // EPI_ROPE; PRO_COMBINE: num_heads, head_dim
+    int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
-    int num_splits;           // PRO_COMBINE
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -268,106 +258,11 @@ __device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, 
 // x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks. x was
 // written by the kernel before, which may have been running when this one started: it is
 // read at L2 (ld.global.cg), never through a cache this SM filled earlier.
-// PRO_COMBINE: first every (row, head) pair's split weights, as attention_combine_kernel
-// computes them, into `scratch` ([M nh][splits] floats, then [M nh] masks of the splits
-// that saw a key): a warp holds 32 / seg pairs, seg lanes each (seg: the power of two >=
-// splits; lane s of a segment split s), and a thread loads COMBINE_ROUNDS pairs' lse
-// before reducing any. Then each thread merges 4 columns of a row: the partials of
-// COMBINE_BATCH splits loaded before any is summed, summed in split order.
-#define COMBINE_ROUNDS 8
-
-template <int WARPS>
-__device__ __forceinline__ void stage_combined(const SkinnyArgs& a, uint4* xs, int x_chunks,
-                                               int x_stride, float* scratch) {
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int splits = a.num_splits, d = a.head_dim, pairs = a.m_rows * a.num_heads;
-    float* weights = scratch;
-    unsigned* masks = reinterpret_cast<unsigned*>(scratch + pairs * splits);
-    const int seg = splits <= 1 ? 1 : 1 << (32 - __clz(splits - 1));
-    const int per_round = WARP_SIZE / seg * WARPS;  // pairs the block holds at once
-    const int s = lane % seg, own = warp * (WARP_SIZE / seg) + lane / seg;
-    const unsigned seg_bits = seg == WARP_SIZE ? FULL_MASK : (1u << seg) - 1u;
-    for (int first = 0; first < pairs; first += COMBINE_ROUNDS * per_round) {
-        float lse[COMBINE_ROUNDS];
-#pragma unroll
-        for (int r = 0; r < COMBINE_ROUNDS; ++r) {
-            // loaded unconditionally (clamped into the workspace), so all are in flight
-            // at once; a conditional load would wait for the one before
-            const int pair = first + r * per_round + own;
-            const float value = __ldcg(a.partial_lse + min(pair, pairs - 1) * splits +
-                                       min(s, splits - 1));
-            lse[r] = pair < pairs && s < splits ? value : neg_inf();
-        }
-#pragma unroll
-        for (int r = 0; r < COMBINE_ROUNDS; ++r) {
-            const int pair = first + r * per_round + own;
-            float max_lse = lse[r];
-            for (int offset = seg / 2; offset > 0; offset >>= 1)
-                max_lse = fmaxf(max_lse, __shfl_xor_sync(FULL_MASK, max_lse, offset));
-            const unsigned seen = __ballot_sync(FULL_MASK, lse[r] != neg_inf());
-            const unsigned mask = seen >> (lane / seg * seg) & seg_bits;
-            if (pair < pairs && s < splits)
-                weights[pair * splits + s] = mask ? expf(lse[r] - max_lse) : 0.0f;
-            if (pair < pairs && s == 0) masks[pair] = mask;
-        }
-    }
-    __syncthreads();
-    const float4* partial = static_cast<const float4*>(a.x);
-    const int quads = x_chunks * 2, k_quads = a.k / 4;  // 4 columns each
-    for (int i = threadIdx.x; i < a.m_rows * quads; i += blockDim.x) {
-        const int m = i / quads, q = i - m * quads;
-        float numerator[4] = {0.0f, 0.0f, 0.0f, 0.0f}, denominator = 0.0f;
-        if (q < k_quads) {
-            const int head = q * 4 / d, pair = m * a.num_heads + head;
-            // split s of this head and row: partial[((pair * splits + s) * d + column) / 4]
-            const float4* src = partial + ((long long)pair * splits * d + q * 4 - head * d) / 4;
-            // the splits that saw a key, in order, COMBINE_BATCH at a time; a batch's loads
-            // are unconditional (past the last such split they repeat the first) so that
-            // all are in flight at once
-            unsigned left = masks[pair];
-            while (left != 0u) {
-                const int repeat = __ffs(left) - 1;
-                float4 value[COMBINE_BATCH];
-                float weight[COMBINE_BATCH];
-                bool seen[COMBINE_BATCH];
-#pragma unroll
-                for (int j = 0; j < COMBINE_BATCH; ++j) {
-                    seen[j] = left != 0u;
-                    const int split = seen[j] ? __ffs(left) - 1 : repeat;
-                    left &= left - 1u;
-                    value[j] = __ldcg(src + split * d / 4);
-                    weight[j] = weights[pair * splits + split];
-                }
-#pragma unroll
-                for (int j = 0; j < COMBINE_BATCH; ++j) {
-                    if (!seen[j]) continue;
-                    numerator[0] += weight[j] * value[j].x;
-                    numerator[1] += weight[j] * value[j].y;
-                    numerator[2] += weight[j] * value[j].z;
-                    numerator[3] += weight[j] * value[j].w;
-                    denominator += weight[j];
-                }
-            }
-        }
-        __nv_bfloat162 packed[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-            packed[j] = __halves2bfloat162(
-                to_bf16(denominator > 0.0f ? numerator[2 * j] / denominator : 0.0f),
-                to_bf16(denominator > 0.0f ? numerator[2 * j + 1] / denominator : 0.0f));
-        reinterpret_cast<uint2*>(xs + m * x_stride)[q] = *reinterpret_cast<const uint2*>(packed);
-    }
-}
-
 template <int PRO, int WARPS>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
-                                        int x_stride, float* scratch) {
+                                        int x_stride) {
     const int chunks = a.k / 8;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    if (PRO == PRO_COMBINE) {
-        stage_combined<WARPS>(a, xs, x_chunks, x_stride, scratch);
-        return;
-    }
     if (PRO == PRO_PLAIN) {
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
         for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
@@ -484,7 +379,6 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const int x_stride = x_chunks + SKINNY_X_PAD;
     uint4* xs = skinny_smem;                                    // [m_rows][x_stride]
     float* partial = reinterpret_cast<float*>(skinny_smem + m_rows * x_stride);  // [2][...]
-    // then PRO_COMBINE's split weights and masks (stage_combined)
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
     const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
@@ -501,7 +395,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
     let_next_kernel_start();
     wait_for_previous_kernel();
-    stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride, partial + 2 * PARTIAL_FLOATS);
+    stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
     int buffer = 0;
@@ -589,5 +483,3 @@ DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_combine_n1, 1, PRO_COMBINE, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_combine_n2, 2, PRO_COMBINE, EPI_STORE, SKINNY_WARPS, 2)

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-from test_cuda_ops import (BLOCK_SIZE, REF, _gpu_available, assert_close,
-                           build_attention_case, make_ops, poisoned, random_bf16, rope_table,
-                           to_float)
+from test_cuda_ops import (BLOCK_SIZE, REF, _gpu_available, assert_close, poisoned,
+                           random_bf16, rope_table, to_float)
 from test_cuda_ops import cp, rng  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.gpu,
@@ -188,78 +187,3 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     assert not np.isnan(reference).any()
     for key, value in results.items():
         np.testing.assert_array_equal(value, reference, err_msg=f"{key} differs from eager, plain launches")
-
-
-COMBINE_BATCHES = {
-    "one": [(287, 1)],
-    "three": [(5, 1), (900, 1), (0, 1)],
-    "sixteen": [(c, 1) for c in (0, 3, 64, 65, 127, 128, 300, 511, 700, 1, 33, 250, 999, 64, 2, 400)],
-}
-
-
-@pytest.mark.parametrize("num_splits", [2, 7, 32])
-@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 2)])
-@pytest.mark.parametrize("batch_name", list(COMBINE_BATCHES))
-def test_combine_linear_adds_what_the_merge_kernel_then_the_product_add(cp, rng, batch_name,
-                                                                         head_dim, group,
-                                                                         num_splits):
-    """o_proj with the split merge in its prologue adds the same bits as the merge kernel
-    followed by the skinny product, with the batch's split lengths and with lengths derived
-    on the device (CUDA graphs: empty splits past short sequences)."""
-    from cupy_llama.backends.cuda import attention, gemm
-    case = build_attention_case(cp, rng, COMBINE_BATCHES[batch_name], 2, head_dim, group)
-    batch, num_heads = case["gpu_batch"], case["num_heads"]
-    num_seqs, n = batch.num_seqs, 384
-    w_bits, _ = random_bf16(rng, (n, num_heads * head_dim), scale=0.02)
-    weight = cp.asarray(w_bits)
-    start = _residual(rng, num_seqs, n)
-    tables, seq_lens = cp.asarray(batch.block_tables), cp.asarray(batch.seq_lens)
-    query_start_loc = cp.asarray(batch.query_start_loc)
-    combined = 0
-    for max_seq_len in (batch.max_seq_len, None):
-        parts = num_seqs * num_heads * num_splits
-        partial_out = poisoned(cp, parts * head_dim, np.float32)
-        partial_lse = poisoned(cp, parts, np.float32)
-        attn = poisoned(cp, case["expected"].shape)
-        splits = attention.paged_attention(
-            cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], tables, seq_lens,
-            query_start_loc, attn, scale=head_dim ** -0.5, max_query_len=1,
-            max_seq_len=max_seq_len, num_splits=num_splits, partial_out=partial_out,
-            partial_lse=partial_lse)
-        assert_close(to_float(cp, attn), case["expected"], 1.5e-2, 1e-2, "attention")
-        if splits == 1:
-            continue  # contexts too short to split: nothing to merge
-        expected = cp.asarray(start)
-        gemm.mma(attn, weight, expected, accumulate=True)
-        got = cp.asarray(start)
-        gemm.combine_linear(partial_out, partial_lse, num_seqs, num_heads, head_dim, splits,
-                            weight, got)
-        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(expected),
-                                      err_msg=f"{splits} splits, max_seq_len={max_seq_len}")
-        combined += 1
-    assert combined, "no case had splits to merge"
-
-
-def test_attention_output_fused_matches_composed(cp, rng):
-    """CudaOps.attention_output (the merge in o_proj's prologue for split decode steps)
-    adds the same bits as attention and then linear(accumulate=True), and leaves `attn`
-    alone."""
-    from cupy_llama.backends.base import SublayerOps
-    head_dim, group = 64, 4
-    case = build_attention_case(cp, rng, [(1500, 1), (40, 1), (3000, 1)], 2, head_dim, group)
-    batch, num_heads = case["gpu_batch"], case["num_heads"]
-    ops = make_ops(batch.num_tokens, batch.num_seqs, case["width"], num_heads, head_dim,
-                   max_model_len=case["width"] * BLOCK_SIZE)
-    meta = ops.upload(batch)
-    q = cp.asarray(case["q_bits"])
-    assert ops._decode_splits(q, case["k_gpu"], meta) > 1, "the step should split"
-    w_bits, _ = random_bf16(rng, (256, num_heads * head_dim), scale=0.02)
-    weight = cp.asarray(w_bits)
-    start = _residual(rng, batch.num_tokens, 256)
-    fused, composed = cp.asarray(start), cp.asarray(start)
-    attn = poisoned(cp, case["expected"].shape)
-    ops.attention_output(q, case["k_gpu"], case["v_gpu"], meta, head_dim ** -0.5, weight, attn, fused)
-    assert np.isnan(to_float(cp, attn)).all(), "the fused path wrote attn"
-    SublayerOps.attention_output(ops, q, case["k_gpu"], case["v_gpu"], meta, head_dim ** -0.5,
-                                 weight, poisoned(cp, case["expected"].shape), composed)
-    np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(composed))

@@ -21,10 +21,8 @@ def test_skinny_args_mirror_the_struct_in_gemv_cu():
         names = re.findall(r"\*?\s*(\w+)\s*(?=,|$)", declaration.strip())
         fields += [n for n in names if n not in ("int", "float", "bf16", "void", "const")]
     assert [name for name, _ in gemm.SkinnyArgs._fields_] == fields
-    offset = 0  # each field right after the one before: C lays them out the same way
-    for name, kind in gemm.SkinnyArgs._fields_:
-        assert getattr(gemm.SkinnyArgs, name).offset == offset, name
-        offset += ctypes.sizeof(kind)
+    pointers = sum(1 for _, kind in gemm.SkinnyArgs._fields_ if kind is ctypes.c_void_p)
+    assert ctypes.sizeof(gemm.SkinnyArgs) == 8 * pointers + 4 * (len(fields) - pointers)
 
 
 def test_launch_structs_have_the_driver_layout():
@@ -51,4 +49,3 @@ def test_kernel_args_convert_each_kind():
 def test_loaded_library_path_finds_what_the_process_loaded():
     assert launch.loaded_library_path("c") is not None  # libc is in every process
     assert launch.loaded_library_path("no_such_library_xyz") is None
-

@@ -138,9 +138,6 @@ class Ops(Protocol):
     def norm_qkv_rope(self, x, norm_weight, eps: float, weight, meta, cos_sin, k_cache,
                       v_cache, q_out, h, qkv) -> None:
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
-    def attention_output(self, q, k_cache, v_cache, meta, scale: float, weight, attn,
-                         residual) -> None:
-        """residual += attention(q) @ weight.T (SublayerOps)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
@@ -170,9 +167,3 @@ class SublayerOps:
         rotated k and plain v -> the caches."""
         self.norm_linear(x, norm_weight, eps, weight, qkv, h)
         self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out)
-
-    def attention_output(self, q, k_cache, v_cache, meta, scale, weight, attn, residual):
-        """The attention sublayer's end: attention of q [T, nh, d] (out: attn [T, nh d]),
-        then residual [T, H] (float32) += attn @ weight.T."""
-        self.attention(q, k_cache, v_cache, meta, scale, attn)
-        self.linear(attn, weight, residual, accumulate=True)

@@ -12,8 +12,8 @@ from ..config import ModelConfig
 # Activation buffers of one step, name -> shape as a function of (T tokens, B sequences).
 # The CUDA backend carves these out of one pool planned from max_num_batched_tokens and
 # max_num_seqs; `qkv`/`gate_up` and `q`/`act` never live at the same time, so each pair
-# may share memory. `h`, `qkv`, `gate_up`, `attn` and `last_h` are scratch of the
-# composed sublayer ops (backends/base.py SublayerOps); a fused kernel never writes them.
+# may share memory. `h`, `qkv`, `gate_up` and `last_h` are scratch of the composed
+# sublayer ops (backends/base.py SublayerOps); a fused kernel never writes them.
 def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[str, tuple]:
     T, B, H = num_tokens, num_seqs, config.hidden_size
     qkv_width = config.q_size + 2 * config.kv_size
@@ -47,8 +47,8 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
         # output product added straight into the residual stream
         ops.norm_qkv_rope(buf["residual"], w[f"{layer}.input_norm"], eps, w[f"{layer}.qkv"],
                           meta, backend.cos_sin, k_cache, v_cache, buf["q"], buf["h"], buf["qkv"])
-        ops.attention_output(buf["q"], k_cache, v_cache, meta, scale, w[f"{layer}.o_proj"],
-                             buf["attn"], buf["residual"])  # attn: [T, nh d]
+        ops.attention(buf["q"], k_cache, v_cache, meta, scale, buf["attn"])  # attn: [T, nh d]
+        ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
         # MLP: norm, gate/up product and SiLU-and-mul (act: [T, I]), then the down product
         ops.norm_gate_up_silu(buf["residual"], w[f"{layer}.post_norm"], eps, w[f"{layer}.gate_up"],
                               buf["act"], buf["h"], buf["gate_up"])

@@ -125,17 +125,14 @@ def _aligned(*arrays) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    kernel: str = "auto", combine: bool = True) -> int:
+                    kernel: str = "auto"):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
     into num_splits ranges of split_len keys, written to the flat float32 workspaces
-    partial_out / partial_lse ([T, nh, splits, d] and [T, nh, splits]), then merged into
-    out; combine=False leaves the merge to the caller (gemm.combine_linear merges them on
-    the way into o_proj). max_seq_len=None (CUDA-graph decode: nothing that changes between
-    steps may be baked into the launch) keeps num_splits as given and lets the kernel derive
-    each sequence's split length from its seq_len. Returns the number of splits written
-    (1: out holds the result).
+    partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
+    that changes between steps may be baked into the launch) keeps num_splits as given and
+    lets the kernel derive each sequence's split length from its seq_len.
     kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
@@ -149,7 +146,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         raise ValueError(f"q: {num_heads} heads is not a multiple of {num_kv_heads} kv heads")
     dims_per_lane(head_dim)  # rejects head_dim > 256
     if num_tokens == 0 or num_seqs == 0:
-        return num_splits
+        return
     import cupy
     split_len = 0
     if num_splits > 1:
@@ -200,12 +197,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                       launch.kernel_args(*args), True)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
-    if num_splits > 1 and combine:
-        kernel = get_kernel("attention", "attention_combine_kernel")
+    if num_splits > 1:
+        combine = get_kernel("attention", "attention_combine_kernel")
         grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
         args = (partial_out, partial_lse, out, i32(num_heads), i32(head_dim), i32(num_splits))
         if programmatic:
-            launch.launch(kernel, grid, block, 0, stream, launch.kernel_args(*args), True)
+            launch.launch(combine, grid, block, 0, stream, launch.kernel_args(*args), True)
         else:
-            kernel(grid, (block,), args)
-    return num_splits
+            combine(grid, (block,), args)

@@ -64,8 +64,6 @@ MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
 MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
 
-COMBINE_MAX_SPLITS = 32  # gemv.cu: one split per lane (attention.MAX_SPLITS)
-
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
 FALLBACK_MMA_MAX_ROWS = 4
@@ -237,24 +235,23 @@ def _launch_gemv(x, weight, out):
 class SkinnyArgs(ctypes.Structure):
     """The one by-value parameter of every skinny_* kernel (gemv.cu struct SkinnyArgs)."""
     _fields_ = [("x", ctypes.c_void_p), ("norm_weight", ctypes.c_void_p),
-                ("partial_lse", ctypes.c_void_p), ("w", ctypes.c_void_p),
-                ("out", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
                 ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
                 ("v_cache", ctypes.c_void_p),
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float), ("num_splits", ctypes.c_int)]
+                ("eps", ctypes.c_float)]
 
 
-def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS, extra: int = 0) -> int:
+def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     """Dynamic shared memory of a skinny kernel for m_rows x rows of length k: the staged x
-    rows (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS), the warp partials
-    and `extra` bytes (the split weights of combine_linear)."""
+    rows (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp
+    partials."""
     x_tiles = -(-m_rows // 8)
     x_stride_bytes = (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
-    return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES + extra
+    return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
 def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
@@ -392,85 +389,28 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     return True
 
 
-def combine_shared_bytes(m_rows: int, num_heads: int, num_splits: int) -> int:
-    """combine_linear's split weights and masks in shared memory (gemv.cu stage_combined)."""
-    return 4 * m_rows * num_heads * (num_splits + 1)
-
-
-def combine_linear_unsupported(m_rows: int, num_heads: int, head_dim: int, num_splits: int,
-                               weight) -> str | None:
-    """Why combine_linear cannot take this product, or None when it can."""
-    k = num_heads * head_dim
-    if not _fusing():
-        return f"the fused kernels (the switch names {skinny_gemm()!r})"
-    if m_rows > SKINNY_MAX_ROWS:
-        return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
-    if not 1 < num_splits <= COMBINE_MAX_SPLITS:
-        return f"2 to {COMBINE_MAX_SPLITS} splits (got {num_splits})"
-    if head_dim % 8:
-        return f"head_dim a multiple of 8 (got {head_dim})"
-    if weight.shape[1] != k or weight.data.ptr % 16:
-        return f"a 16-byte aligned weight of {k} columns"
-    limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
-    needed = mma_shared_bytes(m_rows, k, MMA_WARPS,
-                              combine_shared_bytes(m_rows, num_heads, num_splits))
-    if needed > limit:
-        return f"{needed} bytes of shared memory ({limit} available)"
-    if not launch.available():
-        return "the CUDA driver's cuLaunchKernelEx"
-    return None
-
-
-def combine_linear(partial_out, partial_lse, num_seqs: int, num_heads: int, head_dim: int,
-                   num_splits: int, weight, out) -> None:
-    """out (float32 [num_seqs, N]) += merge(partials) @ weight.T in one kernel: the merge
-    of split-KV decode attention (one token per sequence; partial_out [num_seqs, nh,
-    num_splits, d] and partial_lse [num_seqs, nh, num_splits], flat float32 workspaces)
-    that attention_combine_kernel would write, then the product, as linear(accumulate=True)
-    computes it. The caller checks combine_linear_unsupported first."""
-    n = check("weight", weight, BF16, ndim=2).shape[0]
-    check("out", out, F32, shape=(num_seqs, n))
-    check("partial_out", partial_out, F32, ndim=1)
-    check("partial_lse", partial_lse, F32, ndim=1)
-    parts = num_seqs * num_heads * num_splits
-    if partial_out.size < parts * head_dim or partial_lse.size < parts:
-        raise ValueError(f"partial_out/partial_lse: too small for {num_seqs} sequences x "
-                         f"{num_heads} heads x {num_splits} splits")
-    reason = combine_linear_unsupported(num_seqs, num_heads, head_dim, num_splits, weight)
-    if reason is not None:
-        raise ValueError(f"combine_linear: needs {reason}")
-    if num_seqs == 0 or n == 0:
-        return
-    args = SkinnyArgs(x=partial_out.data.ptr, partial_lse=partial_lse.data.ptr,
-                      w=weight.data.ptr, out=out.data.ptr, out_mode=OUT_F32_ADD,
-                      num_heads=num_heads, head_dim=head_dim, num_splits=num_splits)
-    _launch_skinny("skinny_combine", num_seqs, n, num_heads * head_dim, args,
-                   combine_shared_bytes(num_seqs, num_heads, num_splits))
-
-
 def programmatic_launches() -> bool:
     """Launch the kernels that wait on the device programmatically: switched on
     (launch.py) and an sm_90+ GPU."""
     return launch.programmatic() and _device_limits()["capability"] >= 90
 
 
-def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs,
-                   extra_shared: int = 0) -> None:
+def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
-    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows, extra_shared)
+    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
                   args, programmatic_launches())
 
 
-_mma_shapes = {}  # (family, n, k, m, extra shared) -> (kernel, grid, warps, shared bytes)
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
 
-def _mma_launch_shape(family: str, n: int, k: int, m_rows: int, extra_shared: int = 0):
+def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     """Kernel, grid, warps per block and shared memory of a product, computed once per
     shape: enough blocks to fill every SM as far as registers and shared memory allow, at
     most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant (twice the loads in flight per block)."""
-    key = (family, n, k, m_rows, extra_shared)
+    key = (family, n, k, m_rows)
     if key not in _mma_shapes:
         limits = _device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
@@ -478,7 +418,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int, extra_shared: in
         if warps == MMA_WIDE_WARPS:
             family = "skinny_wide"
         kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
-        shared = mma_shared_bytes(m_rows, k, warps, extra_shared)
+        shared = mma_shared_bytes(m_rows, k, warps)
         # past 48 KB of static and dynamic shared memory a kernel must opt in
         if shared + MMA_STATIC_SHARED > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared

@@ -13,8 +13,7 @@ COMPILE_OPTIONS = ("-std=c++17",)  # CuPy adds -arch=sm_XX for the current devic
 
 # the tensor-core skinny kernels of gemv.cu (DEFINE_SKINNY lines), each with variants _n1
 # (up to 8 x rows) and _n2 (up to 16)
-SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope",
-                   "skinny_combine")
+SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
 
 # every kernel module and the kernels it defines
 MODULES = {

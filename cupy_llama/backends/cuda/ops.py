@@ -158,44 +158,23 @@ class CudaOps(SublayerOps):
             self.num_sms, self.max_decode_splits)
 
     def attention(self, q, k_cache, v_cache, meta, scale, out):
-        self._attention(q, k_cache, v_cache, meta, scale, out, combine=True)
-
-    def attention_output(self, q, k_cache, v_cache, meta, scale, weight, attn, residual):
-        """Split-KV decode attention of at most 16 sequences merges its splits in o_proj's
-        prologue (gemm.combine_linear): one kernel less per layer. Else composed."""
-        num_seqs, num_heads, head_dim = meta.num_seqs, q.shape[1], q.shape[2]
-        splits = self._decode_splits(q, k_cache, meta)
-        if (splits > 1 and q.shape[0] == num_seqs and gemm.combine_linear_unsupported(
-                num_seqs, num_heads, head_dim, splits, weight) is None):
-            splits = self._attention(q, k_cache, v_cache, meta, scale, attn, combine=False)
-            if splits > 1:
-                gemm.combine_linear(self._partial_out, self._partial_lse, num_seqs, num_heads,
-                                    head_dim, splits, weight, residual)
-            else:  # the batch's contexts were too short to split: attn holds the output
-                self.linear(attn, weight, residual, accumulate=True)
-            return
-        super().attention_output(q, k_cache, v_cache, meta, scale, weight, attn, residual)
-
-    def _decode_splits(self, q, k_cache, meta) -> int:
-        """The split count of this step's attention (1: no split)."""
         if meta.graph_splits:
-            return meta.graph_splits
-        if not meta.is_decode_only:
-            return 1
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-        return attention_kernels.choose_decode_splits(
-            meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, meta.max_seq_len,
-            self.num_sms, self.max_decode_splits)
-
-    def _attention(self, q, k_cache, v_cache, meta, scale, out, combine: bool) -> int:
-        """paged_attention with this step's split count; returns the splits written."""
-        graph = bool(meta.graph_splits)
-        return attention_kernels.paged_attention(
+            attention_kernels.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                out, scale=scale, max_query_len=1, max_seq_len=None,
+                num_splits=meta.graph_splits, partial_out=self._partial_out,
+                partial_lse=self._partial_lse)
+            return
+        num_splits = 1
+        if meta.is_decode_only:
+            num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+            num_splits = attention_kernels.choose_decode_splits(
+                meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, meta.max_seq_len,
+                self.num_sms, self.max_decode_splits)
+        attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            scale=scale, max_query_len=1 if graph else meta.max_query_len,
-            max_seq_len=None if graph else meta.max_seq_len,
-            num_splits=self._decode_splits(q, k_cache, meta), partial_out=self._partial_out,
-            partial_lse=self._partial_lse, combine=combine)
+            scale=scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse)
 
     def silu_and_mul(self, gate_up, out):
         elementwise.silu_and_mul(gate_up, out)
