@@ -318,37 +318,75 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
 
 __device__ __forceinline__ float bf16_rounded(float v) { return to_float(to_bf16(v)); }
 
-__device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, float sum) {
+// What an epilogue reads besides the sums, loaded long before the sums are ready, so that
+// the end of a tile costs no round trip to memory: the values an accumulating product adds
+// to (OUT_F32_ADD: the residual stream, written by the kernel before, so loaded after
+// waiting for it) and RoPE's cache slot and rotation (step metadata, copied before the
+// step's first kernel, and a constant table: loaded before the wait).
+struct EpilogueInputs {
+    float prior_lo, prior_hi;  // OUT_F32_ADD: out[m, lo], out[m, hi]
+    int slot;                  // EPI_ROPE: slot_mapping[m]
+    float cos, sin;            // EPI_ROPE: the rotation of row lo's pair at positions[m]
+};
+
+template <int EPI>
+__device__ __forceinline__ void load_metadata_inputs(const SkinnyArgs& a, int m, int tile,
+                                                     int g, EpilogueInputs& in) {
+    if (EPI != EPI_ROPE) return;
+    int lo, hi;
+    tile_rows<EPI>(a, tile, g, lo, hi);
+    const int d = a.head_dim;
+    in.slot = a.slot_mapping[m];
+    if (lo < (a.num_heads + a.num_kv_heads) * d) {  // a q or k row: rotated
+        const float* table = a.cos_sin + (long long)a.positions[m] * d;
+        const int i = lo % d;
+        in.cos = table[i];
+        in.sin = table[d / 2 + i];
+    }
+}
+
+template <int EPI>
+__device__ __forceinline__ void load_residual_inputs(const SkinnyArgs& a, int m, int tile,
+                                                     int g, EpilogueInputs& in) {
+    if (EPI != EPI_STORE || a.out_mode != OUT_F32_ADD) return;
+    int lo, hi;
+    tile_rows<EPI>(a, tile, g, lo, hi);
+    const float* row = static_cast<const float*>(a.out) + (long long)m * a.n;
+    in.prior_lo = lo < a.n ? __ldcg(row + lo) : 0.0f;
+    in.prior_hi = hi < a.n ? __ldcg(row + hi) : 0.0f;
+}
+
+__device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, float sum,
+                                          float prior) {
     if (col >= a.n) return;
     const long long idx = (long long)m * a.n + col;
     if (a.out_mode == OUT_BF16) static_cast<bf16*>(a.out)[idx] = to_bf16(sum);
     else if (a.out_mode == OUT_F32) static_cast<float*>(a.out)[idx] = sum;
-    else static_cast<float*>(a.out)[idx] += sum;
+    else static_cast<float*>(a.out)[idx] = prior + sum;
 }
 
 // x row m's sums of the tile's weight rows lo(g) and hi(g) -> memory
 template <int EPI>
 __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int g,
-                                       float lo_sum, float hi_sum) {
+                                       float lo_sum, float hi_sum, const EpilogueInputs& in) {
     int lo, hi;
     tile_rows<EPI>(a, tile, g, lo, hi);
     if (EPI == EPI_STORE) {
-        store_out(a, m, lo, lo_sum);
-        store_out(a, m, hi, hi_sum);
+        store_out(a, m, lo, lo_sum, in.prior_lo);
+        store_out(a, m, hi, hi_sum, in.prior_hi);
     } else if (EPI == EPI_SILU) {
         const float gate = bf16_rounded(lo_sum), up = bf16_rounded(hi_sum);
         static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] =
             to_bf16(gate / (1.0f + expf(-gate)) * up);
     } else {
         const int d = a.head_dim, half = d / 2, nh = a.num_heads, nkv = a.num_kv_heads;
-        const long long slot = a.slot_mapping[m];
+        const long long slot = in.slot;
         const long long cache_row = slot * nkv * d;
         const int v_start = (nh + nkv) * d;
         if (lo < v_start) {
             const int head = lo / d, i = lo - head * d;
-            const float* table = a.cos_sin + (long long)a.positions[m] * d;
             const float x1 = bf16_rounded(lo_sum), x2 = bf16_rounded(hi_sum);
-            const float c = table[i], s = table[half + i];
+            const float c = in.cos, s = in.sin;
             const bf16 o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
             const bf16 o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
             bf16* dst = nullptr;
@@ -382,6 +420,13 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const uint4 zero = make_uint4(0, 0, 0, 0);
     const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
     const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
+    // the element of every tile this thread finishes, if any: fragment element e_j of lane
+    // `owner` in x tile e_nt, i.e. x row e_m and weight rows lo(owner / 4), hi(owner / 4)
+    static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
+    const int owner = threadIdx.x % WARP_SIZE, e_j = (threadIdx.x / WARP_SIZE) % 2;
+    const int e_nt = threadIdx.x / (2 * WARP_SIZE), e_m = e_nt * 8 + (owner % 4) * 2 + e_j;
+    const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
+    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0.0f, 0.0f};  // of the tile being computed
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
@@ -392,9 +437,11 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         tile_rows<EPI>(a, blockIdx.x, g, lo, hi);
         load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
                    w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
+        if (finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
     }
     let_next_kernel_start();
     wait_for_previous_kernel();
+    if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
@@ -404,6 +451,10 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         tile_rows<EPI>(a, tile, g, lo, hi);
         const uint4* w_lo = w4 + (long long)min(lo, n - 1) * chunks;
         const uint4* w_hi = w4 + (long long)min(hi, n - 1) * chunks;
+        if (tile != blockIdx.x && finisher) {  // in flight while the tile streams
+            load_metadata_inputs<EPI>(a, e_m, tile, owner / 4, inputs);
+            load_residual_inputs<EPI>(a, e_m, tile, owner / 4, inputs);
+        }
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -449,16 +500,14 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         __syncthreads();
         // fragment element j of lane `owner` in x tile nt: x row nt * 8 + 2 (owner % 4) +
         // (j & 1), weight row lo(owner / 4) for j < 2, hi(owner / 4) for j >= 2
-        for (int e = threadIdx.x; e < NT * 2 * WARP_SIZE; e += blockDim.x) {
-            const int owner = e % WARP_SIZE, j = (e / WARP_SIZE) % 2, nt = e / (2 * WARP_SIZE);
+        if (finisher) {
             float lo_sum = 0.0f, hi_sum = 0.0f;
 #pragma unroll
             for (int v = 0; v < WARPS; ++v) {
-                lo_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j) * WARP_SIZE + owner];
-                hi_sum += part[v * NT * 4 * WARP_SIZE + (nt * 4 + j + 2) * WARP_SIZE + owner];
+                lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + owner];
+                hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + owner];
             }
-            const int m = nt * 8 + (owner % 4) * 2 + j;
-            if (m < m_rows) finish<EPI>(a, m, tile, owner / 4, lo_sum, hi_sum);
+            finish<EPI>(a, e_m, tile, owner / 4, lo_sum, hi_sum, inputs);
         }
         buffer ^= 1;
     }
