@@ -528,6 +528,13 @@ def test_choose_follows_the_switch_then_the_table_then_the_rule():
     assert gemm.choose("auto", 2048, 2048, 4, table) == "mma"
     assert gemm.choose("auto", 2048, 2048, 5, table) == "cublas"
     assert gemm.choose("auto", 2048, 2048, 1, {}) == "mma"
+    # accumulating products: the skinny kernel under "auto" whatever the table says (it
+    # times plain products), never the SIMT gemv kernel (it cannot add to its output)
+    assert gemm.choose("auto", 3072, 2048, 8, table, accumulate=True) == "mma"
+    assert gemm.choose("auto", 3072, 2048, 17, table, accumulate=True) == "cublas"
+    assert gemm.choose("gemv", 3072, 2048, 8, table, accumulate=True) == "cublas"
+    assert gemm.choose("cublas", 3072, 2048, 8, table, accumulate=True) == "cublas"
+    assert gemm.choose("mma", 3072, 2048, 8, table, accumulate=True) == "mma"
     # past 16 rows it is always cuBLAS, whatever the switch
     for switch in ("auto", "mma", "gemv"):
         assert gemm.choose(switch, 3072, 2048, 17, table) == "cublas"

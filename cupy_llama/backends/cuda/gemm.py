@@ -100,12 +100,10 @@ def linear(x, weight, out, accumulate: bool = False):
     k = x.shape[1]
     if m_rows == 0 or n_cols == 0:
         return
-    kernel = chosen_kernel(n_cols, k, m_rows)
-    if accumulate and m_rows <= SKINNY_MAX_ROWS and skinny_gemm() == "auto":
-        kernel = "mma"  # see the module doc
+    kernel = chosen_kernel(n_cols, k, m_rows, accumulate)
     if kernel == "mma" and mma_unsupported(x, weight) is None:
         _launch_mma(x, weight, out, accumulate)
-    elif kernel == "gemv" and not accumulate and gemv_supported(x, weight):
+    elif kernel == "gemv" and gemv_supported(x, weight):
         _launch_gemv(x, weight, out)
     else:
         cublas_linear(x, weight, out, accumulate)
@@ -125,28 +123,32 @@ def check_product(x, weight, out, accumulate: bool = False):
 
 # ------------------------------------------------------------------- choosing a kernel
 
-def chosen_kernel(n: int, k: int, m: int) -> str:
+def chosen_kernel(n: int, k: int, m: int, accumulate: bool = False) -> str:
     """The kernel the switch (and, for "auto", this GPU's choice table) names for an
-    [m, k] x [n, k]^T product."""
+    [m, k] x [n, k]^T product (accumulate: added to a float32 out, see choose)."""
     if m > SKINNY_MAX_ROWS:
         return "cublas"
-    key = (n, k, m)
+    key = (n, k, m, accumulate)
     kernel = _choice_cache.get(key)
     if kernel is None:
-        kernel = choose(skinny_gemm(), n, k, m, _device_table() if skinny_gemm() == "auto" else {})
+        table = _device_table() if skinny_gemm() == "auto" else {}
+        kernel = choose(skinny_gemm(), n, k, m, table, accumulate)
         _choice_cache[key] = kernel
     return kernel
 
 
-def choose(switch: str, n: int, k: int, m: int, table: dict) -> str:
+def choose(switch: str, n: int, k: int, m: int, table: dict, accumulate: bool = False) -> str:
     """The kernel for an [m, k] x [n, k]^T product: the switch's, or for "auto" the table's
-    entry, else "mma" up to FALLBACK_MMA_MAX_ROWS rows; cuBLAS past SKINNY_MAX_ROWS."""
+    entry, else "mma" up to FALLBACK_MMA_MAX_ROWS rows; cuBLAS past SKINNY_MAX_ROWS. An
+    accumulating product takes "mma" under "auto" (the table times plain products; the
+    fused residual add is what the skinny kernel adds), and never the SIMT gemv kernel,
+    which cannot add to its output."""
     if m > SKINNY_MAX_ROWS or switch == "cublas":
         return "cublas"
-    if switch in ("mma", "custom"):
+    if switch in ("mma", "custom") or (accumulate and switch == "auto"):
         return "mma"
     if switch == "gemv":
-        return "gemv"
+        return "cublas" if accumulate else "gemv"
     entry = table.get((n, k), {}).get(m)
     if entry is not None:
         return entry
