@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import gemm, launch
+from . import launch
 from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
 
 # scalar fallback (attention.cu: ATTN_WARPS * ROWS_PER_WARP, KEY_TILE, ATTN_WARPS * 32)
@@ -190,7 +190,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                          i32(row_tiles), i32(num_splits), i32(split_len))
     # decode kernels wait for the kernel before on the device, so they may launch
     # programmatically: start while the qkv product (or the split kernel) drains
-    programmatic = gemm.programmatic_launches() and launch.available()
+    programmatic = launch.programmatic_launches()
     stream = cupy.cuda.get_current_stream().ptr
     if plan.kernel.startswith("decode_") and programmatic:
         launch.launch(function, plan.grid, plan.block, plan.shared_mem, stream,

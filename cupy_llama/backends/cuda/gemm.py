@@ -391,18 +391,12 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     return True
 
 
-def programmatic_launches() -> bool:
-    """Launch the kernels that wait on the device programmatically: switched on
-    (launch.py) and an sm_90+ GPU."""
-    return launch.programmatic() and _device_limits()["capability"] >= 90
-
-
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
     kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, programmatic_launches())
+                  args, launch.programmatic_launches())
 
 
 _mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
@@ -463,7 +457,6 @@ def _device_limits() -> dict:
             "shared_per_sm": attributes.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
             "regs_per_sm": attributes.get("MaxRegistersPerMultiprocessor", 65536),
             "threads_per_sm": attributes.get("MaxThreadsPerMultiProcessor", 2048),
-            "capability": int(device.compute_capability),
         }
     return _limits[device.id]
 

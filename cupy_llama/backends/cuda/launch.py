@@ -46,6 +46,23 @@ def programmatic() -> bool:
     return _programmatic
 
 
+def programmatic_launches() -> bool:
+    """Launch the kernels that wait on the device programmatically: switched on, the
+    driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
+    return _programmatic and available() and _capability() >= 90
+
+
+_capabilities = {}  # device id -> compute capability as an int (90 for sm_90)
+
+
+def _capability() -> int:
+    import cupy
+    device = cupy.cuda.Device()
+    if device.id not in _capabilities:
+        _capabilities[device.id] = int(device.compute_capability)
+    return _capabilities[device.id]
+
+
 def available() -> bool:
     """Whether cuLaunchKernelEx could be loaded (else callers use other kernels)."""
     return _load() is not None
