@@ -102,7 +102,9 @@ class DecodeGraphs:
 
     def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
-        device on the current stream (batch None: all padding)."""
+        device on the current stream (batch None: all padding). Only the batch's own rows
+        of the block tables are written and copied: a padding row has sequence length 0,
+        so nothing reads its table, whatever an earlier step left there."""
         num_seqs = 0 if batch is None else batch.num_seqs
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the host buffer
@@ -111,11 +113,12 @@ class DecodeGraphs:
             if batch is not None:
                 field[:num_seqs] = getattr(batch, name)
             field[num_seqs:] = pad
-        tables = self._field("block_tables", bucket * self.width).reshape(bucket, self.width)
-        tables.fill(-1)
         if batch is not None:
-            tables[:num_seqs, :batch.block_tables.shape[1]] = batch.block_tables
-        nbytes = 4 * (self._offsets["block_tables"] + bucket * self.width)
+            tables = self._field("block_tables", num_seqs * self.width).reshape(num_seqs, self.width)
+            width = batch.block_tables.shape[1]
+            tables[:, :width] = batch.block_tables
+            tables[:, width:] = -1  # past every sequence's length: never read
+        nbytes = 4 * (self._offsets["block_tables"] + num_seqs * self.width)
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, self._host.ctypes.data,
                                             nbytes, H2D, stream.ptr)
