@@ -11,6 +11,6 @@ extern "C" __global__ void silu_and_mul_kernel(const bf16* __restrict__ gate_up,
         const int i = (int)(idx - t * inter);
         const float gate = to_float(gate_up[t * 2 * inter + i]);
         const float up = to_float(gate_up[t * 2 * inter + inter + i]);
-        out[idx] = to_bf16(gate / (1.0f + expf(-gate)) * up);
+        out[idx] = silu_mul(gate, up);
     }
 }

@@ -255,18 +255,9 @@ __device__ __forceinline__ int device_split_len(int seq_len, int num_splits) {
     return max(SPLIT_ALIGN, (per_split + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN);
 }
 
-// 8 bf16 (16 bytes, 16-byte aligned) -> 8 floats; element 0 is the low half of word 0
+// 8 bf16 (16 bytes, 16-byte aligned) in one load (unpack_bf16x8 in common.cuh splits them)
 __device__ __forceinline__ uint4 load16(const bf16* p) {
     return *reinterpret_cast<const uint4*>(p);
-}
-
-__device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(words[i] << 16);
-        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    }
 }
 
 // two floats -> bf16x2 (round to nearest even); lo in the low half

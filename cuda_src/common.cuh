@@ -17,6 +17,34 @@ __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); 
 // round to nearest, ties to even (the same rule as cupy_llama.bf16.float32_to_bf16_bits)
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16_rn(x); }
 
+// 8 bf16 (one 16-byte load) -> 8 floats, exactly; element 0 is the low half of word 0
+__device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(words[i] << 16);
+        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// The elementwise math that both a separate kernel and a fused epilogue compute, written
+// once so that the two give the same bits.
+
+// silu(gate) * up, rounded to bf16 (silu_and_mul_kernel; the gate/up product's epilogue)
+__device__ __forceinline__ bf16 silu_mul(float gate, float up) {
+    return to_bf16(gate / (1.0f + expf(-gate)) * up);
+}
+
+// RoPE of the half-split pair (x1, x2) = (x[i], x[i + d/2]) by the angle with cos c and
+// sin s: o1 = x1 c - x2 s, o2 = x2 c + x1 s, with explicit round-to-nearest products and
+// sums (no FMA contraction), so the result is the fp32 value the NumPy reference
+// computes, rounded once to bf16 (rope_and_cache_kernel; the qkv product's epilogue)
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, bf16& o1,
+                                            bf16& o2) {
+    o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
         v += __shfl_xor_sync(FULL_MASK, v, offset);

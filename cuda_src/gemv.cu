@@ -9,16 +9,6 @@
 
 #define GEMV_WARPS 4
 
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* f) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 t = __bfloat1622float2(pairs[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-
 // M: x rows this variant handles (m_rows <= M are present); R: weight rows per warp;
 // U: chunks per lane loaded before any is used
 template <int M, int R, int U>
@@ -56,12 +46,12 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16
             if (c >= chunks) break;
             float wf[R][8];
 #pragma unroll
-            for (int r = 0; r < R; ++r) bf16x8_to_float(wv[u][r], wf[r]);
+            for (int r = 0; r < R; ++r) unpack_bf16x8(wv[u][r], wf[r]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 if (m >= m_rows) break;
                 float xf[8];
-                bf16x8_to_float(__ldg(x4 + (long long)m * chunks + c), xf);
+                unpack_bf16x8(__ldg(x4 + (long long)m * chunks + c), xf);
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -304,7 +294,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
             const float4 v1 = __ldcg(x4 + (long long)m * quads + 2 * c + 1);
             const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
             float weight[8];
-            bf16x8_to_float(__ldg(weight4 + c), weight);
+            unpack_bf16x8(__ldg(weight4 + c), weight);
             const float scale = inv_rms[m];
             __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
@@ -376,8 +366,7 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int
         store_out(a, m, hi, hi_sum, in.prior_hi);
     } else if (EPI == EPI_SILU) {
         const float gate = bf16_rounded(lo_sum), up = bf16_rounded(hi_sum);
-        static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] =
-            to_bf16(gate / (1.0f + expf(-gate)) * up);
+        static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] = silu_mul(gate, up);
     } else {
         const int d = a.head_dim, half = d / 2, nh = a.num_heads, nkv = a.num_kv_heads;
         const long long slot = in.slot;
@@ -387,8 +376,8 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int
             const int head = lo / d, i = lo - head * d;
             const float x1 = bf16_rounded(lo_sum), x2 = bf16_rounded(hi_sum);
             const float c = in.cos, s = in.sin;
-            const bf16 o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-            const bf16 o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+            bf16 o1, o2;
+            rotate_pair(x1, x2, c, s, o1, o2);
             bf16* dst = nullptr;
             if (head < nh) dst = static_cast<bf16*>(a.out) + ((long long)m * nh + head) * d;
             else if (slot >= 0) dst = a.k_cache + cache_row + (long long)(head - nh) * d;

@@ -4,9 +4,7 @@
 //
 // qkv [T, (nh + 2 nkv) d]: q heads, then k heads, then v heads.
 // cos_sin [max_pos, d] float32: cos in columns [0, d/2), sin in [d/2, d).
-// Half-split pairs (i, i + d/2): o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin.
-// The products and sums use explicit round-to-nearest intrinsics (no FMA contraction), so
-// the result is the fp32 value the NumPy reference computes, rounded once to bf16.
+// Half-split pairs (i, i + d/2), rotated by rotate_pair (common.cuh).
 // Caches [num_blocks, block_size, nkv, d]: flat slot s = block * block_size + row starts at
 // element s * nkv * d. Tokens with slot < 0 are not written (padding).
 extern "C" __global__ void rope_and_cache_kernel(
@@ -29,8 +27,8 @@ extern "C" __global__ void rope_and_cache_kernel(
         const float x1 = to_float(row[head * head_dim + i]);
         const float x2 = to_float(row[head * head_dim + i + half]);
         const float c = table[i], s = table[half + i];
-        const bf16 o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-        const bf16 o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+        bf16 o1, o2;
+        rotate_pair(x1, x2, c, s, o1, o2);
         if (head < num_heads) {
             bf16* dst = q_out + ((long long)t * num_heads + head) * head_dim;
             dst[i] = o1;
