@@ -87,7 +87,7 @@ class DecodeGraphs:
         start = self._offsets[name]
         return self._host[start:start + count]
 
-    def _device_batch(self, bucket: int, splits: int) -> DeviceBatch:
+    def _device_batch(self, bucket: int) -> DeviceBatch:
         views = {}
         for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "last_token_indices"):
             start = self._offsets[name]
@@ -98,7 +98,7 @@ class DecodeGraphs:
         views["block_tables"] = self._device[start:start + bucket * self.width].reshape(bucket, self.width)
         return DeviceBatch(**views, num_tokens=bucket, num_seqs=bucket, max_query_len=1,
                            max_seq_len=self._backend.max_model_len, is_decode_only=True,
-                           graph_splits=splits)
+                           lengths_on_device=True)
 
     def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
@@ -156,10 +156,7 @@ class DecodeGraphs:
 
     # ---- capture -----------------------------------------------------------------------
     def _forward(self, config, bucket: int):
-        ops = self._backend.ops
-        splits = ops.graph_decode_splits(bucket, config.num_attention_heads,
-                                         config.num_key_value_heads)
-        meta = self._device_batch(bucket, splits)
+        meta = self._device_batch(bucket)
         placeholder = ForwardBatch(
             token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
             slot_mapping=np.full(bucket, -1, np.int32),

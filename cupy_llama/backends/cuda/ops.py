@@ -34,8 +34,10 @@ class DeviceBatch:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool
-    # CUDA-graph decode: the fixed split count of the bucket (0: choose from max_seq_len)
-    graph_splits: int = 0
+    # CUDA-graph decode: max_seq_len is max_model_len (so the split count is the one the
+    # longest context would get) and each sequence's split length comes from its seq_len
+    # on the device, since the graph bakes in every launch argument
+    lengths_on_device: bool = False
 
 
 def pinned_array(cupy, count: int, dtype) -> np.ndarray:
@@ -150,21 +152,7 @@ class CudaOps(SublayerOps):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
                                    k_cache, v_cache, q_out)
 
-    def graph_decode_splits(self, num_seqs: int, num_heads: int, num_kv_heads: int) -> int:
-        """Split count for a captured decode step of num_seqs sequences: what the longest
-        context (max_model_len) would get; shorter ones leave the extra splits idle."""
-        return attention_kernels.choose_decode_splits(
-            num_seqs, num_kv_heads, num_heads // num_kv_heads, self.max_model_len,
-            self.num_sms, self.max_decode_splits)
-
     def attention(self, q, k_cache, v_cache, meta, scale, out):
-        if meta.graph_splits:
-            attention_kernels.paged_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                out, scale=scale, max_query_len=1, max_seq_len=None,
-                num_splits=meta.graph_splits, partial_out=self._partial_out,
-                partial_lse=self._partial_lse)
-            return
         num_splits = 1
         if meta.is_decode_only:
             num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -173,7 +161,8 @@ class CudaOps(SublayerOps):
                 self.num_sms, self.max_decode_splits)
         attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            scale=scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            scale=scale, max_query_len=meta.max_query_len,
+            max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse)
 
     def silu_and_mul(self, gate_up, out):

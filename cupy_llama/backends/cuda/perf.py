@@ -70,7 +70,7 @@ class TimedOps:
 
     def __getattr__(self, name):
         target = getattr(self._ops, name)
-        if not callable(target) or name in ("empty", "upload", "graph_decode_splits"):
+        if not callable(target) or name in ("empty", "upload"):
             return target
 
         def timed(*args, **kwargs):
