@@ -33,9 +33,15 @@ def buffer_shapes(config: ModelConfig, num_tokens: int, num_seqs: int) -> dict[s
 
 def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
     """Returns logits [B, V] float32 (a backend array, a view of the pool)."""
+    return forward_uploaded(backend, config, backend.ops.upload(batch))
+
+
+def forward_uploaded(backend: Backend, config: ModelConfig, meta):
+    """forward() of a step whose metadata is already where the ops read it: `meta` is what
+    ops.upload returned (CUDA graphs pass their fixed device buffers). Reads its
+    num_tokens and num_seqs."""
     ops, w = backend.ops, backend.weights
-    meta = ops.upload(batch)
-    buf = backend.buffers(batch.num_tokens, batch.num_seqs)
+    buf = backend.buffers(meta.num_tokens, meta.num_seqs)
     eps = config.rms_norm_eps
     scale = config.head_dim ** -0.5
 

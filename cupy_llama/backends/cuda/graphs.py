@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ...model.llama import forward as llama_forward
+from ...model.llama import forward_uploaded
 from ..base import ForwardBatch
 from .ops import H2D, DeviceBatch, pinned_array
 
@@ -32,30 +32,6 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
         buckets.append(next_bucket)
         next_bucket += BUCKET_STEP
     return buckets + [max_num_seqs]
-
-
-class _FixedMetaOps:
-    """The backend's ops, except that `upload` hands out the graph's fixed metadata."""
-
-    def __init__(self, ops, meta: DeviceBatch):
-        self._ops, self._meta = ops, meta
-
-    def upload(self, batch) -> DeviceBatch:
-        return self._meta
-
-    def __getattr__(self, name):
-        return getattr(self._ops, name)
-
-
-class _CaptureView:
-    """What model/llama.forward reads from a backend, with _FixedMetaOps as its ops."""
-
-    def __init__(self, backend, meta: DeviceBatch):
-        self.ops = _FixedMetaOps(backend.ops, meta)
-        self.weights = backend.weights
-        self.kv_caches = backend.kv_caches
-        self.cos_sin = backend.cos_sin
-        self.buffers = backend.buffers
 
 
 class DecodeGraphs:
@@ -156,15 +132,7 @@ class DecodeGraphs:
 
     # ---- capture -----------------------------------------------------------------------
     def _forward(self, config, bucket: int):
-        meta = self._device_batch(bucket)
-        placeholder = ForwardBatch(
-            token_ids=np.zeros(bucket, np.int32), positions=np.zeros(bucket, np.int32),
-            slot_mapping=np.full(bucket, -1, np.int32),
-            query_start_loc=np.arange(bucket + 1, dtype=np.int32),
-            seq_lens=np.zeros(bucket, np.int32),
-            block_tables=np.full((bucket, self.width), -1, np.int32),
-            max_query_len=1, max_seq_len=0)
-        return llama_forward(_CaptureView(self._backend, meta), config, placeholder)
+        return forward_uploaded(self._backend, config, self._device_batch(bucket))
 
     def capture(self, config, bucket: int):
         """Capture the decode graph of one bucket (an all-padding warm-up run first, so every
