@@ -135,7 +135,9 @@ DEFINE_GEMV(16, 4, 2)
 // k steps of its first tile into registers, then lets the next kernel start and waits for
 // the one before (programmatic dependent launch, see launch.py; no-ops when launched
 // plainly), and stages x while its loads arrive. Likewise the first k steps of a block's
-// next tile are loaded before the current tile's sums are reduced.
+// next tile are loaded before the current tile's sums are reduced, and what a tile's
+// epilogue reads besides the sums is loaded when the tile starts (EpilogueInputs: RoPE's
+// step metadata before the wait, the residual after it).
 //
 // Needs K % 8 == 0, 16-byte aligned x and w, for EPI_SILU N % 16 == 0, for EPI_ROPE
 // (d / 2) % 8 == 0; any N for EPI_STORE (rows of the last tile past N re-read row N - 1 and

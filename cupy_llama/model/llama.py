@@ -38,8 +38,8 @@ def forward(backend: Backend, config: ModelConfig, batch: ForwardBatch):
 
 def forward_uploaded(backend: Backend, config: ModelConfig, meta):
     """forward() of a step whose metadata is already where the ops read it: `meta` is what
-    ops.upload returned (CUDA graphs pass their fixed device buffers). Reads its
-    num_tokens and num_seqs."""
+    ops.upload returned (CUDA graphs pass their fixed device buffers); the ops take it as
+    it is, and the step's sizes are its num_tokens and num_seqs."""
     ops, w = backend.ops, backend.weights
     buf = backend.buffers(meta.num_tokens, meta.num_seqs)
     eps = config.rms_norm_eps

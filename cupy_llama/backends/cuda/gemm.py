@@ -24,7 +24,8 @@ CUPY_LLAMA_SKINNY_GEMM:
 Under "auto" the fused products and accumulating products of at most 16 rows take the
 skinny kernels (the table times plain products; norm_linear, where only a norm is at
 stake, follows it); under "gemv" and "cublas" they are composed of that kernel and the
-separate small kernels.
+separate small kernels (an accumulating product under "gemv" goes to cuBLAS: the SIMT
+kernel cannot add to its output).
 A custom kernel that cannot take a product (alignment, K, shared memory) hands it to cuBLAS.
 Graphs bake in the kernels chosen when they are captured: reset them after a switch."""
 from __future__ import annotations
@@ -76,7 +77,7 @@ _ZERO = np.zeros(1, np.float32)
 _skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "auto")
 _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load it
 _table = None   # choice table of this GPU: {(n, k): {m: kernel}}, {} when there is none
-_choice_cache = {}  # (n, k, m) -> kernel under the current switch and table
+_choice_cache = {}  # (n, k, m, accumulate) -> kernel under the current switch and table
 
 
 def set_skinny_gemm(choice: str) -> None:

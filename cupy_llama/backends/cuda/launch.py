@@ -73,7 +73,7 @@ def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
     """Launch the CuPy RawKernel `kernel` (grid: an int or up to three ints) with `args`,
     one ctypes struct passed by value or a list of ctypes values, one per parameter.
     programmatic: the kernel waits for the one before before touching its results, and
-    the GPU can (sm_90+); the caller also checks programmatic()."""
+    the GPU can (sm_90+): callers pass programmatic_launches()."""
     driver = _load()
     if driver is None:
         raise RuntimeError("cuLaunchKernelEx is not available")
