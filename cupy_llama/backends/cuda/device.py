@@ -49,6 +49,28 @@ def cuda_usable() -> tuple[bool, str]:
     return True, f"GPU {device.id}: {device_name(device)} (sm_{capability})"
 
 
+_limits = {}  # device id -> device_limits()
+
+
+def device_limits() -> dict:
+    """What the current device offers the kernel launchers (read once per device): SMs,
+    shared memory per block (opt-in) and per SM, registers and threads per SM, and the
+    compute capability as an int (90 for sm_90)."""
+    import cupy
+    device = cupy.cuda.Device()
+    if device.id not in _limits:
+        attributes = device.attributes
+        _limits[device.id] = {
+            "sms": attributes["MultiProcessorCount"],
+            "max_shared_per_block": attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024),
+            "shared_per_sm": attributes.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
+            "regs_per_sm": attributes.get("MaxRegistersPerMultiprocessor", 65536),
+            "threads_per_sm": attributes.get("MaxThreadsPerMultiProcessor", 2048),
+            "capability": int(device.compute_capability),
+        }
+    return _limits[device.id]
+
+
 def device_name(device) -> str:
     import cupy
     try:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from . import launch
+from .device import device_limits
 from .kernels import BF16, F32, I32, check, get_kernel, i32
 
 CUDA_R_32F = 0
@@ -267,7 +268,7 @@ def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
         return f"K a multiple of 8 (got {k})"
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
-    limit = _device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
+    limit = device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
     if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
                 f"(needs {mma_shared_bytes(m_rows, k, warps)})")
@@ -409,7 +410,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     SMs take the wide variant (twice the loads in flight per block)."""
     key = (family, n, k, m_rows)
     if key not in _mma_shapes:
-        limits = _device_limits()
+        limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
         warps = _skinny_warps(family, n, k)
         if warps == MMA_WIDE_WARPS:
@@ -427,7 +428,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
 def _skinny_warps(family: str, n: int, k: int) -> int:
     """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant."""
-    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= _device_limits()["sms"]:
+    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= device_limits()["sms"]:
         return MMA_WIDE_WARPS
     return MMA_WARPS
 
@@ -442,24 +443,6 @@ def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict,
     by_shared = limits["shared_per_sm"] // (shared + MMA_STATIC_SHARED + 1024)
     by_threads = limits["threads_per_sm"] // threads
     return max(1, min(by_regs, by_shared, by_threads))
-
-
-_limits = {}  # device id -> limits
-
-
-def _device_limits() -> dict:
-    import cupy
-    device = cupy.cuda.Device()
-    if device.id not in _limits:
-        attributes = device.attributes
-        _limits[device.id] = {
-            "sms": attributes["MultiProcessorCount"],
-            "max_shared_per_block": attributes.get("MaxSharedMemoryPerBlockOptin", 48 * 1024),
-            "shared_per_sm": attributes.get("MaxSharedMemoryPerMultiprocessor", 100 * 1024),
-            "regs_per_sm": attributes.get("MaxRegistersPerMultiprocessor", 65536),
-            "threads_per_sm": attributes.get("MaxThreadsPerMultiProcessor", 2048),
-        }
-    return _limits[device.id]
 
 
 # ------------------------------------------------------------------ cuBLAS via ctypes

@@ -15,6 +15,8 @@ import re
 
 import numpy as np
 
+from .device import device_limits
+
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -49,18 +51,7 @@ def programmatic() -> bool:
 def programmatic_launches() -> bool:
     """Launch the kernels that wait on the device programmatically: switched on, the
     driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
-    return _programmatic and available() and _capability() >= 90
-
-
-_capabilities = {}  # device id -> compute capability as an int (90 for sm_90)
-
-
-def _capability() -> int:
-    import cupy
-    device = cupy.cuda.Device()
-    if device.id not in _capabilities:
-        _capabilities[device.id] = int(device.compute_capability)
-    return _capabilities[device.id]
+    return _programmatic and available() and device_limits()["capability"] >= 90
 
 
 def available() -> bool:
