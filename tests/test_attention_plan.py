@@ -46,6 +46,14 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
 
 
+def test_a_pool_of_2_31_slots_or_more_keeps_decode_off_the_decode_kernel():
+    """The decode kernel keeps cache slot numbers in 32 bits: past that, an unsplit decode
+    batch takes the prefill kernel (64-bit slots), a split one the scalar kernel."""
+    assert plan(num_slots=2 ** 31 - 1).kernel == "decode_attention_d64_g4"
+    assert plan(num_slots=2 ** 31).kernel == "prefill_attention_d64"
+    assert plan(num_slots=2 ** 31, num_splits=4).kernel == "paged_attention_dpl2"
+
+
 @pytest.mark.parametrize("overrides", [
     dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=256),
     dict(block_size=12), dict(block_size=24), dict(aligned=False), dict(kernel="scalar"),

@@ -95,16 +95,18 @@ def _is_power_of_two(n: int) -> bool:
 
 def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
-                   kernel: str = "auto") -> AttentionPlan:
+                   num_slots: int = 0, kernel: str = "auto") -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
-    16-byte loads). kernel="scalar" forces the scalar fallback (tests, benchmarks)."""
+    16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the decode
+    kernel keeps slot numbers in 32 bits, so a pool of 2^31 or more takes another kernel.
+    kernel="scalar" forces the scalar fallback (tests, benchmarks)."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
     fast = (kernel == "auto" and aligned and head_dim in FAST_HEAD_DIMS
             and _is_power_of_two(block_size))
-    if fast and max_query_len == 1 and group <= DECODE_GROUPS[-1]:
+    if fast and max_query_len == 1 and group <= DECODE_GROUPS[-1] and num_slots < 2 ** 31:
         bound = next(g for g in DECODE_GROUPS if g >= group)
         return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}",
                              (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
@@ -147,7 +149,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     dims_per_lane(head_dim)  # rejects head_dim > 256
     if num_tokens == 0 or num_seqs == 0:
         return
-    import cupy
     split_len = 0
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
@@ -166,12 +167,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     else:
         partial_out = partial_lse = out  # not read by the kernels
 
-    if k_cache.shape[0] * block_size >= 2 ** 31:
-        kernel = "scalar"  # the decode kernel keeps cache slot numbers in 32 bits
     plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, block_size=block_size,
                           max_query_len=max_query_len, num_splits=num_splits,
-                          aligned=_aligned(q, k_cache, v_cache, out), kernel=kernel)
+                          aligned=_aligned(q, k_cache, v_cache, out),
+                          num_slots=k_cache.shape[0] * block_size, kernel=kernel)
     function = get_kernel("attention", plan.kernel)
     if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
         function.max_dynamic_shared_size_bytes = plan.shared_mem
@@ -188,20 +188,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(head_dim), i32(block_size), i32(max_blocks), f32(scale),
                          i32(row_tiles), i32(num_splits), i32(split_len))
-    # decode kernels wait for the kernel before on the device, so they may launch
-    # programmatically: start while the qkv product (or the split kernel) drains
-    programmatic = launch.programmatic_launches()
-    stream = cupy.cuda.get_current_stream().ptr
-    if plan.kernel.startswith("decode_") and programmatic:
-        launch.launch(function, plan.grid, plan.block, plan.shared_mem, stream,
-                      launch.kernel_args(*args), True)
+    # decode kernels and the split combine wait for the kernel before on the device, so
+    # they may launch programmatically: start while the qkv product (or the split kernel)
+    # drains
+    if plan.kernel.startswith("decode_"):
+        launch.launch_waiting(function, plan.grid, plan.block, args, plan.shared_mem)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
     if num_splits > 1:
         combine = get_kernel("attention", "attention_combine_kernel")
         grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
-        args = (partial_out, partial_lse, out, i32(num_heads), i32(head_dim), i32(num_splits))
-        if programmatic:
-            launch.launch(combine, grid, block, 0, stream, launch.kernel_args(*args), True)
-        else:
-            combine(grid, (block,), args)
+        launch.launch_waiting(combine, grid, block, (partial_out, partial_lse, out,
+                                                     i32(num_heads), i32(head_dim),
+                                                     i32(num_splits)))

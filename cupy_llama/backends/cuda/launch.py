@@ -74,6 +74,18 @@ def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
                   stream_ptr, values, programmatic)
 
 
+def launch_waiting(kernel, grid: tuple, block: int, args: tuple, shared_bytes: int = 0) -> None:
+    """Launch a RawKernel that calls wait_for_previous_kernel on the current stream:
+    programmatically where programmatic_launches(), else with CuPy's plain call. args: CuPy
+    arrays and NumPy int32 / float32 scalars, as CuPy's call takes them."""
+    if programmatic_launches():
+        import cupy
+        launch(kernel, grid, block, shared_bytes, cupy.cuda.get_current_stream().ptr,
+               kernel_args(*args), True)
+    else:
+        kernel(grid, (block,), args, shared_mem=shared_bytes)
+
+
 def kernel_args(*values) -> list:
     """CuPy arrays and NumPy int32 / float32 scalars as the ctypes values launch() takes."""
     converted = []
