@@ -79,21 +79,32 @@ def silu_and_mul(gate_up, out):
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out):
     """Rotate q and k (half-split pairs), q -> q_out [T, nh, d]; rotated k and plain v ->
     the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped)."""
-    num_tokens, num_heads, head_dim = check("q_out", q_out, BF16, ndim=3).shape
-    num_blocks, block_size, num_kv_heads, _ = check(
-        "k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape
-    check("v_cache", v_cache, BF16, shape=k_cache.shape)
+    num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
+        q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
     check("qkv", qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
-    check("positions", positions, I32, shape=(num_tokens,))
-    check("slot_mapping", slot_mapping, I32, shape=(num_tokens,))
-    check("cos_sin", cos_sin, F32, shape=(None, head_dim))
-    if head_dim % 2:
-        raise ValueError(f"q_out: head_dim must be even for RoPE, got {head_dim}")
     if num_tokens:
         get_kernel("rope", "rope_and_cache_kernel")(
             (num_tokens,), (128,),
             (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
              i32(num_heads), i32(num_kv_heads), i32(head_dim)))
+
+
+def check_rope_operands(q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+                        num_tokens: int | None = None) -> tuple[int, int, int, int]:
+    """What rope_and_cache and the fused qkv product (gemm.norm_qkv_rope) share: q_out
+    [T, nh, d] bf16 (T = num_tokens where given), caches [num_blocks, block_size, nkv, d]
+    bf16, positions and slot_mapping [T] int32, cos_sin [max_pos, d] float32, d even;
+    returns (T, nh, nkv, d)."""
+    num_tokens, num_heads, head_dim = check("q_out", q_out, BF16,
+                                            shape=(num_tokens, None, None)).shape
+    num_kv_heads = check("k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape[2]
+    check("v_cache", v_cache, BF16, shape=k_cache.shape)
+    check("positions", positions, I32, shape=(num_tokens,))
+    check("slot_mapping", slot_mapping, I32, shape=(num_tokens,))
+    check("cos_sin", cos_sin, F32, shape=(None, head_dim))
+    if head_dim % 2:
+        raise ValueError(f"q_out: head_dim must be even for RoPE, got {head_dim}")
+    return num_tokens, num_heads, num_kv_heads, head_dim
 
 
 def _i64(value) -> np.int64:

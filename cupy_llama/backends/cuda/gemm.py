@@ -40,7 +40,8 @@ import numpy as np
 
 from . import launch
 from .device import device_limits
-from .kernels import BF16, F32, I32, check, get_kernel, i32
+from .elementwise import check_rope_operands
+from .kernels import BF16, F32, check, get_kernel, i32
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
@@ -116,11 +117,16 @@ def check_product(x, weight, out, accumulate: bool = False):
     accumulating); returns (M, N)."""
     m_rows, k = check("x", x, BF16, ndim=2).shape
     n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
+    _check_out(out, m_rows, n_cols, accumulate)
+    return m_rows, n_cols
+
+
+def _check_out(out, m_rows: int, n_cols: int, accumulate: bool = False) -> None:
+    """out [m_rows, n_cols], bf16 or float32 (float32 when accumulating)."""
     if out.dtype not in (BF16, F32) or (accumulate and out.dtype != F32):
         allowed = "float32" if accumulate else "uint16 (bf16) or float32"
         raise ValueError(f"out: expected dtype {allowed}, got {out.dtype.name}")
     check("out", out, out.dtype, shape=(m_rows, n_cols))
-    return m_rows, n_cols
 
 
 # ------------------------------------------------------------------- choosing a kernel
@@ -277,15 +283,15 @@ def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
     return None
 
 
-def mma(x, weight, out, accumulate: bool = False):
+def mma(x, weight, out):
     """The tensor-core skinny kernel whatever the switch says (tests, timing); same shapes
     as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
-    m_rows, n_cols = check_product(x, weight, out, accumulate)
+    m_rows, n_cols = check_product(x, weight, out)
     reason = mma_unsupported(x, weight)
     if reason is not None:
         raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
     if m_rows and n_cols:
-        _launch_mma(x, weight, out, accumulate)
+        _launch_mma(x, weight, out)
 
 
 def _launch_mma(x, weight, out, accumulate=False):
@@ -299,11 +305,10 @@ def _launch_mma(x, weight, out, accumulate=False):
 # and the KV-cache write
 
 def fused_unsupported(x, weight, norm_weight) -> str | None:
-    """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T, or None."""
-    if x.dtype != F32:
-        return "a float32 x (the residual stream)"
+    """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T (the callers have
+    checked the operands: _check_norm_product), or None."""
     reason = mma_unsupported(x, weight, "skinny_norm")
-    if reason is None and (x.shape[1] % 8 or norm_weight.data.ptr % 16):
+    if reason is None and norm_weight.data.ptr % 16:
         reason = "16-byte aligned norm weights"
     return reason
 
@@ -335,9 +340,7 @@ def norm_linear(x, norm_weight, eps, weight, out) -> bool:
         return False  # a prefill step: composed, without checking twice
     m_rows, k = _check_norm_product(x, norm_weight, weight)
     n = weight.shape[0]
-    if out.dtype not in (BF16, F32):
-        raise ValueError(f"out: expected dtype uint16 (bf16) or float32, got {out.dtype.name}")
-    check("out", out, out.dtype, shape=(m_rows, n))
+    _check_out(out, m_rows, n)
     if chosen_kernel(n, k, m_rows) != "mma":
         return False  # only the norm is at stake: the faster product wins
     if fused_unsupported(x, weight, norm_weight) is not None:
@@ -374,13 +377,9 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     if x.shape[0] > SKINNY_MAX_ROWS:
         return False  # a prefill step: composed, without checking twice
     m_rows, k = _check_norm_product(x, norm_weight, weight)
-    _, num_heads, head_dim = check("q_out", q_out, BF16, shape=(m_rows, None, None)).shape
-    num_kv_heads = check("k_cache", k_cache, BF16, shape=(None, None, None, head_dim)).shape[2]
-    check("v_cache", v_cache, BF16, shape=k_cache.shape)
+    _, num_heads, num_kv_heads, head_dim = check_rope_operands(
+        q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
     check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
-    check("positions", positions, I32, shape=(m_rows,))
-    check("slot_mapping", slot_mapping, I32, shape=(m_rows,))
-    check("cos_sin", cos_sin, F32, shape=(None, head_dim))
     if (not _fusing() or head_dim % 16
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
