@@ -92,11 +92,12 @@ DEFINE_GEMV(16, 4, 2)
 // ------------------------------------------------------------------------------------------
 // Tensor-core skinny products: the same out[M, N] = x[M, K] w[N, K]^T, M <= 16, built to
 // stream the weights at HBM speed whatever N and K are, with the small ops around a
-// decode-step product folded in, so a layer of a small step is five kernels (see
-// model/llama.py) instead of ten:
+// decode-step product folded in, so a layer of a small step is four products and the
+// attention kernels (see model/llama.py) instead of ten kernels:
 //   prologue PRO_PLAIN  x is bf16 [M, K];
 //            PRO_NORM   x is the float32 residual stream [M, K]; the kernel stages
-//                       bf16(x / rms(x) * norm_weight), what rms_norm_f32_kernel writes;
+//                       bf16(x / rms(x) * norm_weight), rms_norm_f32_kernel's formula
+//                       (its sum of squares in another order: the last bit may differ);
 //   epilogue EPI_STORE  out [M, N]: bf16 (out_mode OUT_BF16), float32 (OUT_F32) or added
 //                       to a float32 out (OUT_F32_ADD: the residual stream);
 //            EPI_SILU   w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
@@ -510,7 +511,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
     }
 
-// keep in step with gemm.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
+// keep in step with kernels.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
 // every SM two blocks, such as the down projection.
 DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)

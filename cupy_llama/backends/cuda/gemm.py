@@ -400,7 +400,7 @@ def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -
                   args, launch.programmatic_launches())
 
 
-_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, shared bytes)
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes)
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     """Kernel, grid, warps per block and shared memory of a product, computed once per

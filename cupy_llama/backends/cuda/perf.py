@@ -177,6 +177,15 @@ def graph_us_per_call(cupy, launch, weights) -> float:
     return ms * 1e3 / GEMV_CALLS
 
 
+def weight_copies(cupy, n: int, k: int, l2_bytes: int) -> list:
+    """Copies of an [n, k] bf16 weight that together hold FLUSH_L2_TIMES L2 sizes, so that
+    calls cycling over them read every weight from HBM: random bit patterns of values in
+    [2^-7, 2^-5) (finite, no denormals), views of one allocation."""
+    copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // (2 * n * k)))
+    pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
+    return [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
+
+
 def gemv_comparison(cupy, config) -> list:
     """Every skinny kernel for every weight shape and M in GEMV_ROWS."""
     l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
@@ -184,10 +193,7 @@ def gemv_comparison(cupy, config) -> list:
     rows = []
     for name, (n, k) in gemv_shapes(config).items():
         nbytes = 2 * n * k
-        copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // nbytes))
-        # random bf16 bit patterns of values in [2^-7, 2^-5): finite, no denormals
-        pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
-        weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
+        weights = weight_copies(cupy, n, k, l2_bytes)
         out_dtype = np.float32 if name == "lm_head" else np.uint16
         for m in GEMV_ROWS:
             x = cupy.full((m, k), 0x3F80, np.uint16)  # bf16 1.0
@@ -200,7 +206,7 @@ def gemv_comparison(cupy, config) -> list:
             timed = [kernel for kernel in launchers if not math.isnan(row[f"{kernel}_us"])]
             row["best"] = min(timed, key=lambda kernel: row[f"{kernel}_us"]) if timed else "cublas"
             rows.append(row)
-        del weights, pool
+        del weights
     return rows
 
 
@@ -237,9 +243,7 @@ def sublayer_comparison(cupy, backend, config) -> list:
         buf["attn"].fill(0x3C00)
         buf["act"].fill(0x3C00)
         for name, ((n, k), run) in cases.items():
-            copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // (2 * n * k)))
-            pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
-            weights = [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
+            weights = weight_copies(cupy, n, k, l2_bytes)
             row = {"op": name, "m": m, "n": n, "k": k}
             for variant in ("cublas", "fused", "fused+pdl"):
                 skinny, programmatic = STEP_VARIANTS[variant]
@@ -247,7 +251,7 @@ def sublayer_comparison(cupy, backend, config) -> list:
                 launch.set_programmatic(programmatic)
                 row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
             rows.append(row)
-            del weights, pool
+            del weights
     return rows
 
 
