@@ -179,7 +179,7 @@ class Tokenizer:
             if not (isinstance(token_id, int) and 0 <= token_id < self._vocab_size):
                 raise RequestError(f"token id {token_id!r} is outside the vocabulary "
                                    f"(0..{self._vocab_size - 1})")
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.decode_unchecked(ids, skip_special_tokens)
 
     def decode_unchecked(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """decode() for ids known to be in the vocabulary (the engine's own sampled ids):

@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cupy_llama.backends.base import SampledTokens  # noqa: E402
 from cupy_llama.bench import THROUGHPUT_TEMPERATURE, offline_workload  # noqa: E402
 from cupy_llama.config import EngineConfig, ModelConfig  # noqa: E402
-from cupy_llama.engine import model_runner  # noqa: E402
 from cupy_llama.engine.llm_engine import LLMEngine  # noqa: E402
 from cupy_llama.random_model import LLAMA_3_2_1B, config_json, write_tokenizer  # noqa: E402
 from cupy_llama.sampling import SamplingParams  # noqa: E402
@@ -56,16 +55,12 @@ class StubOps:
     def __init__(self, seed: int):
         self._rng = np.random.default_rng(seed)
 
-    def sample(self, logits, sampling) -> np.ndarray:
-        return self.sample_async(logits, sampling).get()
-
     def sample_async(self, logits, sampling) -> SampledTokens:
         return SampledTokens(self._rng.integers(0, MAX_PLAIN_TOKEN_ID, size=logits, dtype=np.int32))
 
 
 class StubBackend:
     """What the engine needs from a backend; forward returns the row count as 'logits'."""
-    device = "stub"
 
     def __init__(self, num_kv_blocks: int, block_size: int, seed: int):
         self.num_kv_blocks = num_kv_blocks
@@ -122,10 +117,7 @@ def make_engine(args, folder: Path) -> tuple[LLMEngine, PhaseTimer]:
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     runner = engine.runner
     runner.build_batch = timer.wrap("batch", runner.build_batch)
-    if hasattr(runner, "sampling_tensors"):
-        runner.sampling_tensors = timer.wrap("sampling", runner.sampling_tensors)
-    else:  # up to commit 31ec5fe it was a module-level function
-        model_runner.sampling_tensors = timer.wrap("sampling", model_runner.sampling_tensors)
+    runner.sampling_tensors = timer.wrap("sampling", runner.sampling_tensors)
     backend.forward = timer.wrap("backend", backend.forward)
     backend.ops.sample_async = timer.wrap("backend", backend.ops.sample_async)
     return engine, timer

@@ -177,10 +177,10 @@ class LLMEngine:
 
     def _launch(self, batch) -> "_Launched":
         sampled = self.runner.run(batch)
-        ready = {id(seq) for seq in self.scheduler.update_after_step(batch)}
+        self.scheduler.update_after_step(batch)
         waiting_for = []
         for row, seq in enumerate(batch.seqs):
-            if id(seq) not in ready:
+            if seq.num_uncomputed_tokens:
                 continue  # a prompt chunk that is not the last: its token is not wanted
             seq.output_token_ids.append(-(row + 1))
             waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
@@ -226,7 +226,10 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             del seq.output_token_ids[index + 1:]  # a token of a step still running
-            self.scheduler.finish(seq, status)
+            if seq.is_finished:  # finished at launch for its length: released already
+                seq.status = status
+            else:
+                self.scheduler.finish(seq, status)
             request.finish_reason = status.finish_reason
             del self.requests[seq.request_id]
         elif not request.stream:

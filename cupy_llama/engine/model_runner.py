@@ -93,7 +93,7 @@ class ModelRunner:
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         slots = self.slots
-        token_ids, starts, rows, max_blocks = [], [], [], 0
+        token_ids, starts, rows = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if not slots.block_table_is_current(seq):
                 slots.update_block_table(seq)
@@ -101,7 +101,6 @@ class ModelRunner:
             token_ids += seq.token_slice(start, start + n)
             starts.append(start)
             rows.append(seq.slot)
-            max_blocks = max(max_blocks, len(seq.block_table))
         num_new = np.array(batch.num_new_tokens, dtype=np.int32)
         starts = np.array(starts, dtype=np.int32)
         rows = np.array(rows, dtype=np.intp)
@@ -112,6 +111,7 @@ class ModelRunner:
         positions = (np.arange(len(token_ids), dtype=np.int32)
                      + np.repeat(starts - query_start_loc[:-1], num_new))
         bs = self.block_size
+        max_blocks = -(-int(seq_lens.max()) // bs)  # the columns any position of the step reads
         blocks = slots.block_tables[np.repeat(rows, num_new), positions // bs]
         return ForwardBatch(
             token_ids=np.array(token_ids, dtype=np.int32), positions=positions,

@@ -78,8 +78,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Release a finished sequence's blocks at once. A sequence may finish while it
-        waits (preempted, its last token still coming) and may finish twice (first for
-        its length, then with the reason its last token gives)."""
+        waits (preempted, its last token still coming)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
@@ -127,7 +126,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
         seq had to be preempted itself."""
-        if len(seq.block_table) * self.blocks.block_size >= num_tokens:
+        if not self.blocks.num_new_blocks(seq, num_tokens):
             return True  # most decode steps: the last block has room
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
