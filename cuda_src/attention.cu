@@ -266,6 +266,29 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&pair);
 }
 
+// Thread-block clusters (sm_90+; the launcher uses the clustered kernels only there).
+// Every thread of the CTA calls cluster_barrier; it orders shared-memory writes before it
+// with the other CTAs' reads after it (release / acquire).
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// the float at `local` (a __shared__ address of this CTA) in the shared memory of the
+// cluster's CTA `rank`
+__device__ __forceinline__ float cluster_load(const float* local, int rank) {
+    float value = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#endif
+    return value;
+}
+
 // cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
 __device__ __forceinline__ long long cache_slot(const int* table, int pos, int block_shift) {
     return ((long long)table[pos >> block_shift] << block_shift) + (pos & ((1 << block_shift) - 1));
@@ -284,6 +307,7 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // warp merge through shuffles and the warps through shared memory.
 
 #define DECODE_THREADS 128
+#define DECODE_CLUSTER 8  // CTAs per cluster of the clustered variant (launcher: DECODE_CLUSTER)
 // CTAs per SM the register budget must allow (at most 128 registers per thread below 8
 // heads per group; without the hint ptxas picks 64 for some variants and spills)
 #define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
@@ -291,7 +315,7 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // q and the caches are not __restrict__: with it the compiler may read them through the
 // read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
 // known before it), reading q and K/V the kernel before has not written yet.
-template <int D, int MAXG>
+template <int D, int MAXG, int CLUSTER>
 __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache,
         const int* __restrict__ block_tables,
@@ -308,20 +332,30 @@ __device__ __forceinline__ void decode_attention_body(
     __shared__ float merge_m[NUM_WARPS][MAXG];
     __shared__ float merge_l[NUM_WARPS][MAXG];
     __shared__ float merge_acc[NUM_WARPS][MAXG][D];
+    // CLUSTER: this CTA's result for its key range (running max, sum, unnormalized
+    // output), read by the other CTAs of its cluster
+    __shared__ float cta_m[CLUSTER > 0 ? MAXG : 1], cta_l[CLUSTER > 0 ? MAXG : 1];
+    __shared__ float cta_acc[CLUSTER > 0 ? MAXG : 1][CLUSTER > 0 ? D : 1];
 
     const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
     const int group = num_heads / num_kv_heads;
     const int head0 = kv_head * group;  // first query head of this kv head
     const int q_row = query_start_loc[b];
-    if (query_start_loc[b + 1] == q_row) return;  // no new token
+    if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
     const int seq_len = seq_lens[b];
     int key_begin = 0, key_end = seq_len;
-    if (num_splits > 1) {
+    if (CLUSTER > 0) {  // CTA `split` of the cluster takes the split-th range of this length
+        split_len = device_split_len(seq_len, CLUSTER);
+        key_begin = min(seq_len, split * split_len);
+        key_end = min(seq_len, key_begin + split_len);
+    } else if (num_splits > 1) {
         if (split_len == 0) split_len = device_split_len(seq_len, num_splits);
         key_begin = split * split_len;
         key_end = min(seq_len, key_begin + split_len);
     }
-    if (key_begin >= key_end) {  // no key: output 0 / an empty split (uniform per CTA)
+    // no key: output 0 / an empty split (uniform per CTA). A CTA of a cluster goes on with
+    // an empty range: the others read its (empty) result
+    if (CLUSTER == 0 && key_begin >= key_end) {
         wait_for_previous_kernel();  // which may still read the outputs
         if (num_splits == 1) {
             for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS)
@@ -482,13 +516,23 @@ __device__ __forceinline__ void decode_attention_body(
         float m_max = neg_inf();
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, merge_m[w][g]);
-        // m_max is finite: the range holds at least one key, and its slot has l >= 1
+        // m_max is finite where the range holds a key (its slot has l >= 1); -inf only for
+        // an empty range of a cluster CTA, whose sums then stay 0
+        const float m_use = m_max == neg_inf() ? 0.0f : m_max;
         float sum_l = 0.0f, sum_acc = 0.0f;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w) {
-            const float weight = exp2f(merge_m[w][g] - m_max);  // 0 for a warp without keys
+            const float weight = exp2f(merge_m[w][g] - m_use);  // 0 for a warp without keys
             sum_l += merge_l[w][g] * weight;
             sum_acc += merge_acc[w][g][c] * weight;
+        }
+        if (CLUSTER > 0) {
+            cta_acc[g][c] = sum_acc;
+            if (c == 0) {
+                cta_m[g] = m_max;
+                cta_l[g] = sum_l;
+            }
+            continue;
         }
         const float value = sum_acc / sum_l;
         if (num_splits == 1) {
@@ -499,33 +543,77 @@ __device__ __forceinline__ void decode_attention_body(
             if (c == 0) partial_lse[part] = (m_max + log2f(sum_l)) * LN_2;
         }
     }
+    if constexpr (CLUSTER > 0) {
+        // merge the cluster's CTAs through distributed shared memory: CTA r writes outputs
+        // [r * per, (r + 1) * per) of the group's heads, reading every CTA's result in rank
+        // order (the same sums whichever CTA computes them)
+        cluster_barrier();  // every CTA's result is in its shared memory
+        const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
+        const int end = min(total, (split + 1) * per);
+        for (int i = split * per + threadIdx.x; i < end; i += DECODE_THREADS) {
+            const int g = i / D, c = i % D;
+            float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
+                m_r[r] = cluster_load(&cta_m[g], r);
+                l_r[r] = cluster_load(&cta_l[g], r);
+                acc_r[r] = cluster_load(&cta_acc[g][c], r);
+            }
+            float m_max = neg_inf();
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) m_max = fmaxf(m_max, m_r[r]);
+            // -inf only without any key (seq_len 0: a padding row of a CUDA graph): output 0
+            const float m_use = m_max == neg_inf() ? 0.0f : m_max;
+            float sum_l = 0.0f, sum_acc = 0.0f;
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) {
+                const float weight = exp2f(m_r[r] - m_use);  // 0 for an empty range
+                sum_l += l_r[r] * weight;
+                sum_acc += acc_r[r] * weight;
+            }
+            out[((long long)q_row * num_heads + head0) * D + i] =
+                to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+        }
+        cluster_barrier();  // no CTA leaves while another still reads its shared memory
+    }
 }
 
-#define DEFINE_DECODE_ATTENTION(D, MAXG)                                                   \
+#define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER)                                    \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS(MAXG)) \
-    decode_attention_d##D##_g##MAXG(                                                      \
+    NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         /* launched programmatically: the body waits before it reads q or writes */       \
-        decode_attention_body<D, MAXG>(q, k_cache, v_cache, block_tables, seq_lens,       \
-                                       query_start_loc, out, partial_out, partial_lse,    \
-                                       num_heads, num_kv_heads, block_shift,              \
-                                       max_blocks_per_seq, scale_log2, num_splits,        \
-                                       split_len);                                        \
+        decode_attention_body<D, MAXG, CLUSTER>(                                          \
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,   \
+            partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
+            scale_log2, num_splits, split_len);                                               \
     }
 
 // group <= MAXG (query heads per kv head)
-DEFINE_DECODE_ATTENTION(64, 1)
-DEFINE_DECODE_ATTENTION(64, 2)
-DEFINE_DECODE_ATTENTION(64, 4)
-DEFINE_DECODE_ATTENTION(64, 8)
-DEFINE_DECODE_ATTENTION(128, 1)
-DEFINE_DECODE_ATTENTION(128, 2)
-DEFINE_DECODE_ATTENTION(128, 4)
-DEFINE_DECODE_ATTENTION(128, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1, 64, 1, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2, 64, 2, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4, 64, 4, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8, 64, 8, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
+// Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
+// CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
+// results through distributed shared memory, so no partials go through global memory and
+// no combine kernel follows. num_splits and split_len are not read.
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8_cluster, 64, 8, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1_cluster, 128, 1, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2_cluster, 128, 2, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4_cluster, 128, 4, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER)
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory

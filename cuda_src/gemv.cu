@@ -429,9 +429,11 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         tile_rows<EPI>(a, blockIdx.x, g, lo, hi);
         load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
                    w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
-        if (finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
     }
     let_next_kernel_start();
+    // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
+    // next kernel's launch does not wait for them
+    if (preloaded && finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);

@@ -32,6 +32,46 @@ def test_decode_batches_take_the_decode_kernel():
         assert got == f"decode_attention_d128_g{bound}", (group, got)
 
 
+def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
+    """One cluster of DECODE_CLUSTER CTAs per sequence and kv head replaces the splits
+    (and the combine kernel); an unsplit batch keeps the plain kernel."""
+    p = plan(num_seqs=3, num_splits=5, clusters=True)
+    assert p.kernel == "decode_attention_d64_g4_cluster"
+    assert p.grid == (attention.DECODE_CLUSTER, 8, 3) and p.block == 128 and p.shared_mem == 0
+    assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_d64_g4"
+    assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
+    # the other kernels do not change with it
+    assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64"
+    assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "paged_attention_dpl2"
+
+
+def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
+    """The measured rule (NOTES change 14): contexts whose keys each CTA of the cluster
+    scores in one step, and clusters of all sequences and kv heads within one CTA per SM."""
+    def pay(num_seqs, max_seq_len, num_heads=32, num_kv_heads=8, head_dim=64):
+        return attention.decode_clusters_pay(num_seqs=num_seqs, num_heads=num_heads,
+                                             num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                             max_seq_len=max_seq_len, num_sms=H200_SMS)
+    # one step: 16 slots x 4 keys (head_dim 64), 8 slots x 4 (128), 2 keys per slot past
+    # 4 query heads per kv head (attention.cu: SLOTS * UNROLL)
+    assert attention.cluster_max_keys(64, 4) == 512 and attention.cluster_max_keys(64, 1) == 512
+    assert attention.cluster_max_keys(128, 4) == 256 and attention.cluster_max_keys(64, 8) == 256
+    assert pay(1, 289) and pay(2, 512)
+    assert not pay(1, 513)  # two steps per CTA
+    assert not pay(4, 289)  # 256 CTAs on 132 SMs
+    assert pay(8, 289, num_kv_heads=2, num_heads=8) and not pay(9, 289, num_kv_heads=2, num_heads=8)
+    assert pay(1, 256, head_dim=128) and not pay(1, 257, head_dim=128)
+    assert not pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: no decode kernel
+    assert not pay(1, 100, head_dim=96)
+
+
+def test_decode_step_matches_the_cuda_source():
+    source = (CUDA_SRC / "attention.cu").read_text()
+    assert "constexpr int UNROLL = MAXG >= 8 ? 2 : 4;" in source
+    assert "constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;" in source
+    assert "constexpr int STEP = SLOTS * UNROLL;" in source
+
+
 def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(num_seqs=2, max_query_len=1000)
     assert p.kernel == "prefill_attention_d64"
@@ -113,9 +153,13 @@ def test_python_constants_match_the_cuda_source():
     assert int(defines["PREFILL_ROWS"]) == attention.PREFILL_ROWS
     assert int(defines["PREFILL_KEYS"]) == attention.PREFILL_KEYS
     assert int(defines["KEY_TILE"]) == attention.KEY_TILE
+    assert int(defines["DECODE_CLUSTER"]) == attention.DECODE_CLUSTER
     for group in attention.DECODE_GROUPS:
         for head_dim in attention.FAST_HEAD_DIMS:
-            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group})" in source
+            name = f"decode_attention_d{head_dim}_g{group}"
+            assert f"DEFINE_DECODE_ATTENTION({name}, {head_dim}, {group}, 0)" in source
+            assert (f"DEFINE_DECODE_ATTENTION({name}_cluster, {head_dim}, {group}, "
+                    "DECODE_CLUSTER)") in source
     for head_dim in attention.FAST_HEAD_DIMS:
         assert f"DEFINE_PREFILL_ATTENTION({head_dim})" in source
 
@@ -139,8 +183,8 @@ def test_fast_kernels_build_without_spills(tmp_path, arch):
         registers = int(re.search(r"Used (\d+) registers", body).group(1))
         report[name] = (registers, spills)
     symbols = cubin.read_bytes()
-    wanted = [f"decode_attention_d{d}_g{g}" for d in attention.FAST_HEAD_DIMS
-              for g in attention.DECODE_GROUPS]
+    wanted = [f"decode_attention_d{d}_g{g}{c}" for d in attention.FAST_HEAD_DIMS
+              for g in attention.DECODE_GROUPS for c in ("", "_cluster")]
     wanted += [f"prefill_attention_d{d}" for d in attention.FAST_HEAD_DIMS]
     for kernel in wanted:
         assert kernel.encode() + b"\0" in symbols, f"{kernel} missing from the {arch} build"

@@ -156,10 +156,13 @@ def assert_logits_close(got, expected, tolerance, what):
     assert diff <= tolerance * scale, f"{what}: max |diff| {diff:.3e} > {tolerance} x {scale:.3e}"
 
 
-# decode steps: the sequences in each (sizes 1, 3, 5, 11, 9: buckets 1, 4, 8, 12, 12 with
-# padding), several steps each so block tables and sequence lengths change between replays;
-# the last round's padding rows hold what the round before left in its block tables
-DECODE_ROUNDS = [[7], [0, 5, 9], [1, 2, 3, 4, 11], list(range(11)), [0, 2, 4, 6, 8, 10, 1, 3, 5]]
+# decode steps: the sequences in each (sizes 1, 3, 5, 1, 3, 5, 11, 9: buckets 1, 4, 8, 1, 4,
+# 8, 12, 12 with padding; the first three rounds within 512 tokens, so they replay the
+# short-context graphs), several steps each so block tables and sequence lengths
+# change between replays; the last round's padding rows hold what the round before left in
+# its block tables
+DECODE_ROUNDS = [[3], [1, 4, 6], [5, 9, 10, 11, 3], [7], [0, 5, 9], [1, 2, 3, 4, 11],
+                 list(range(11)), [0, 2, 4, 6, 8, 10, 1, 3, 5]]
 STEPS_PER_ROUND = 3
 
 
@@ -168,7 +171,7 @@ STEPS_PER_ROUND = 3
 @pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_graph_decode_matches_eager(model, rng, skinny):
     import cupy
-    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.backends.cuda import gemm, launch
     from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     previous = gemm.skinny_gemm()
@@ -176,7 +179,14 @@ def test_graph_decode_matches_eager(model, rng, skinny):
     try:
         cpu, gpu_backend = make_backends(model)
         assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
-        assert gpu_backend.graphs.num_captured == len(gpu_backend.graphs.buckets)
+        graphs = gpu_backend.graphs
+        assert graphs.num_captured == len(graphs.graph_keys())
+        if launch.cluster_launches():  # clustered attention: short-context graphs at 1 to 8
+            assert graphs.short_limit == 512  # head_dim 64, 4 query heads per kv head
+            assert graphs.limit_for(1, 16) == graphs.limit_for(8, 300) == 512
+            assert graphs.limit_for(1, 513) == MAX_MODEL_LEN
+            assert graphs.limit_for(12, 16) == MAX_MODEL_LEN
+            assert graphs.num_captured == len(graphs.buckets) + 4
         # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
         lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
         prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]

@@ -340,7 +340,8 @@ def test_attention_decode_splits(cp, rng, num_splits):
     assert_close(to_float(cp, out), case["expected"], 1.5e-2, 1e-2, f"decode with {num_splits} splits")
 
 
-def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch", kernel="auto"):
+def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch", kernel="auto",
+                        clusters=False):
     """attention.paged_attention on a case, outputs and workspaces poisoned first.
     max_seq_len="batch" passes the batch's longest sequence; None derives split lengths on
     the device (as CUDA-graph decode does)."""
@@ -356,7 +357,8 @@ def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch"
         cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], cp.asarray(batch.block_tables),
         cp.asarray(batch.seq_lens), cp.asarray(batch.query_start_loc), out,
         scale=head_dim ** -0.5, max_query_len=batch.max_query_len, max_seq_len=max_seq_len,
-        num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse, kernel=kernel)
+        num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse, kernel=kernel,
+        clusters=clusters)
     return to_float(cp, out)
 
 
@@ -406,6 +408,36 @@ def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
         got = run_paged_attention(cp, case, head_dim, num_splits=num_splits, max_seq_len=max_seq_len)
         assert_close(got, case["expected"], 1.5e-2, 1e-2,
                      f"decode d={head_dim} group={group} splits={num_splits} max_seq_len={max_seq_len}")
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decode_clusters(cp, rng, head_dim, group):
+    """The clustered decode kernel (sm_90+): contexts from 1 key (seven of the cluster's
+    eight CTAs without a key) to 4,098 (several steps per CTA), host- and device-derived
+    lengths alike, and large scores."""
+    from cupy_llama.backends.cuda import launch
+    if not launch.cluster_launches():
+        pytest.skip("this GPU (or driver) does not launch thread-block clusters")
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    for max_seq_len in ("batch", None):
+        got = run_paged_attention(cp, case, head_dim, num_splits=32, max_seq_len=max_seq_len,
+                                  clusters=True)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                     f"cluster decode d={head_dim} group={group} max_seq_len={max_seq_len}")
+    # a CUDA graph's padding row (a query, no key: sequence length 0) gives zeros, as the
+    # split kernels do, and leaves the other rows alone
+    from dataclasses import replace
+    batch = case["gpu_batch"]
+    padded = replace(batch, seq_lens=np.concatenate([[0], batch.seq_lens[1:]]).astype(np.int32))
+    got = run_paged_attention(cp, {**case, "gpu_batch": padded}, head_dim, num_splits=32,
+                              max_seq_len=None, clusters=True)
+    expected = case["expected"].copy()
+    expected[0] = 0.0
+    assert_close(got, expected, 1.5e-2, 1e-2, "cluster decode with a padding row")
+    large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
+    got = run_paged_attention(cp, large, head_dim, num_splits=3, clusters=True)
+    assert_close(got, large["expected"], 1.5e-2, 1e-2, "cluster decode with large scores")
 
 
 def test_attention_decode_rows_without_new_tokens(cp, rng):

@@ -26,11 +26,16 @@ def test_skinny_args_mirror_the_struct_in_gemv_cu():
 
 
 def test_launch_structs_have_the_driver_layout():
-    """CUlaunchAttribute: 4-byte id, 4 bytes of padding, a 64-byte value union whose first
-    int is the value; CUlaunchConfig: seven uints, stream, attrs pointer, count."""
-    attribute = launch._LaunchAttribute(id=6, value=1)
-    assert ctypes.sizeof(attribute) == 72
-    assert bytes(attribute)[:12] == b"\x06\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00"
+    """CUlaunchAttribute: 4-byte id, 4 bytes of padding, a 64-byte value union (an int for
+    programmatic serialization, x, y, z for the cluster dimension); CUlaunchConfig: seven
+    uints, stream, attrs pointer, count."""
+    programmatic = launch.attribute(6, 1)
+    assert ctypes.sizeof(programmatic) == 72
+    assert bytes(programmatic)[:12] == b"\x06\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00"
+    assert bytes(programmatic)[12:] == bytes(60)
+    cluster = launch.attribute(launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 8, 1, 1)
+    assert bytes(cluster)[:20] == (b"\x04\x00\x00\x00\x00\x00\x00\x00\x08\x00\x00\x00"
+                                   b"\x01\x00\x00\x00\x01\x00\x00\x00")
     assert ctypes.sizeof(launch._LaunchConfig) == 56
     assert launch._LaunchConfig.stream.offset == 32
 

@@ -4,7 +4,10 @@ combine step of split-KV decode.
 Which kernel runs (`attention_plan`):
 - decode batches (at most one new token per sequence), head_dim 64/128, at most 8 query
   heads per kv head: decode_attention_d{D}_g{G} (one CTA per sequence, kv head and split;
-  16-byte K/V loads; fp32 online softmax);
+  16-byte K/V loads; fp32 online softmax). Where the keys are split and the GPU launches
+  thread-block clusters (sm_90+), decode_attention_d{D}_g{G}_cluster instead: a cluster of
+  DECODE_CLUSTER CTAs per sequence and kv head splits the keys and merges on chip, with no
+  combine kernel after it;
 - every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
   cores, flash-attention 2 over K/V tiles gathered from the paged cache);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
@@ -22,6 +25,7 @@ KEY_TILE = 32
 THREADS = 128
 # fast kernels (attention.cu: DECODE_THREADS, PREFILL_*, SPLIT_ALIGN)
 DECODE_THREADS = 128
+DECODE_CLUSTER = 8  # CTAs per cluster of the clustered decode kernels
 DECODE_GROUPS = (1, 2, 4, 8)  # instantiated upper bounds on the group size
 PREFILL_THREADS = 128
 PREFILL_ROWS = 64
@@ -74,6 +78,34 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_l
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
 
 
+def decode_step_keys(head_dim: int, group: int) -> int:
+    """Keys a decode CTA scores per step of its loop (attention.cu: SLOTS * UNROLL), for
+    the kernel variant of this group size (at most DECODE_GROUPS[-1])."""
+    bound = next(g for g in DECODE_GROUPS if g >= group)
+    slots = DECODE_THREADS // 32 * (32 // (head_dim // 8))
+    return slots * (2 if bound >= 8 else 4)
+
+
+def cluster_max_keys(head_dim: int, group: int) -> int:
+    """The longest context the clustered kernel takes: one step of keys per CTA (512 for
+    the Llama-3.2-1B shape: head_dim 64, 4 query heads per kv head)."""
+    return DECODE_CLUSTER * decode_step_keys(head_dim, group)
+
+
+def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        max_seq_len: int, num_sms: int) -> bool:
+    """Whether a split decode batch runs faster clustered than split and combined, as
+    measured on the H200 for the Llama-3.2-1B shape (benchmarks/NOTES.md change 14): where
+    each CTA of a cluster takes one step of keys (cluster_max_keys) and the clusters take
+    at most one CTA per SM. Per layer at batch 1 (qkv, attention, o_proj in a graph chain):
+    context 288 14.0 against 15.3 us; 513 keys (two steps per CTA) 17.1 against 15.7;
+    batch 2 at context 288 16.2 against 16.3."""
+    group = num_heads // num_kv_heads
+    return (group <= DECODE_GROUPS[-1] and head_dim in FAST_HEAD_DIMS
+            and max_seq_len <= cluster_max_keys(head_dim, group)
+            and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
+
+
 def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
     """(split_len, num_splits) for a decode batch whose longest sequence is known: ranges
     of a multiple of SPLIT_ALIGN keys, no range wholly past max_seq_len."""
@@ -95,12 +127,14 @@ def _is_power_of_two(n: int) -> bool:
 
 def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
-                   num_slots: int = 0, kernel: str = "auto") -> AttentionPlan:
+                   num_slots: int = 0, kernel: str = "auto",
+                   clusters: bool = False) -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
     16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the decode
     kernel keeps slot numbers in 32 bits, so a pool of 2^31 or more takes another kernel.
-    kernel="scalar" forces the scalar fallback (tests, benchmarks)."""
+    kernel="scalar" forces the scalar fallback (tests, benchmarks). clusters: the GPU can
+    launch thread-block clusters; a split decode batch then takes the clustered kernel."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
@@ -108,6 +142,9 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
             and _is_power_of_two(block_size))
     if fast and max_query_len == 1 and group <= DECODE_GROUPS[-1] and num_slots < 2 ** 31:
         bound = next(g for g in DECODE_GROUPS if g >= group)
+        if clusters and num_splits > 1:
+            return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}_cluster",
+                                 (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0)
         return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}",
                              (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
     if fast and num_splits == 1:
@@ -127,7 +164,7 @@ def _aligned(*arrays) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    kernel: str = "auto"):
+                    kernel: str = "auto", clusters: bool = False):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
@@ -135,6 +172,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
     that changes between steps may be baked into the launch) keeps num_splits as given and
     lets the kernel derive each sequence's split length from its seq_len.
+    clusters (sm_90+, launch.cluster_launches()): a split decode batch runs the clustered
+    kernel instead, which needs no workspace and no combine kernel.
     kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
@@ -157,7 +196,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
             split_len, num_splits = split_length(max_seq_len, num_splits)
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits: at most {MAX_SPLITS} (the combine kernel), got {num_splits}")
-    if num_splits > 1:
+    plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, block_size=block_size,
+                          max_query_len=max_query_len, num_splits=num_splits,
+                          aligned=_aligned(q, k_cache, v_cache, out),
+                          num_slots=k_cache.shape[0] * block_size, kernel=kernel,
+                          clusters=clusters)
+    clustered = plan.kernel.endswith("_cluster")
+    if num_splits > 1 and not clustered:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)
         check("partial_lse", partial_lse, F32, ndim=1)
@@ -166,12 +212,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                              f"sequences x {num_heads} heads x {num_splits} splits")
     else:
         partial_out = partial_lse = out  # not read by the kernels
-
-    plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, block_size=block_size,
-                          max_query_len=max_query_len, num_splits=num_splits,
-                          aligned=_aligned(q, k_cache, v_cache, out),
-                          num_slots=k_cache.shape[0] * block_size, kernel=kernel)
     function = get_kernel("attention", plan.kernel)
     if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
         function.max_dynamic_shared_size_bytes = plan.shared_mem
@@ -192,10 +232,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     # they may launch programmatically: start while the qkv product (or the split kernel)
     # drains
     if plan.kernel.startswith("decode_"):
-        launch.launch_waiting(function, plan.grid, plan.block, args, plan.shared_mem)
+        launch.launch_waiting(function, plan.grid, plan.block, args, plan.shared_mem,
+                              cluster=DECODE_CLUSTER if clustered else 1)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
-    if num_splits > 1:
+    if num_splits > 1 and not clustered:
         combine = get_kernel("attention", "attention_combine_kernel")
         grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
         launch.launch_waiting(combine, grid, block, (partial_out, partial_lse, out,

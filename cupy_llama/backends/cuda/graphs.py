@@ -8,8 +8,10 @@ max_model_len. Rows past B are padding: token 0 at position 0, KV slot -1 (nothi
 written), sequence length 0 (attention writes zeros and reads no block). Nothing that
 changes between steps is baked into a graph: the attention split count is the bucket's
 fixed maximum and the kernel derives each sequence's split length from seq_lens on the
-device. Capturing runs on a side stream; replays run on the caller's stream, so they
-order with the eager work around them."""
+device. A bucket whose attention runs as thread-block clusters at short contexts
+(CudaOps.decode_clusters) has a second graph, replayed while every sequence of the step
+has at most attention.cluster_max_keys tokens. Capturing runs on a side stream; replays run on the
+caller's stream, so they order with the eager work around them."""
 from __future__ import annotations
 
 import time
@@ -18,6 +20,7 @@ import numpy as np
 
 from ...model.llama import forward_uploaded
 from ..base import ForwardBatch
+from .attention import cluster_max_keys
 from .ops import H2D, DeviceBatch, pinned_array
 
 FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
@@ -43,6 +46,9 @@ class DecodeGraphs:
         self.buckets = decode_buckets(backend.max_num_seqs)
         n = self.max_bucket = self.buckets[-1]
         self.width = width = backend.ops.max_blocks_per_seq
+        config = backend.config
+        self.short_limit = cluster_max_keys(config.head_dim, config.num_attention_heads
+                                            // config.num_key_value_heads)
         # fixed layout (int32): token_ids [n] | positions [n] | slot_mapping [n] |
         # query_start_loc [n + 1] | seq_lens [n] | last_token_indices [n] | block_tables [n, W]
         self._offsets = {"token_ids": 0, "positions": n, "slot_mapping": 2 * n,
@@ -56,14 +62,14 @@ class DecodeGraphs:
         self._field("last_token_indices", n)[:] = np.arange(n, dtype=np.int32)
         self._copied = None  # event: the last metadata copy has read the host buffer
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
-        self._graphs = {}  # bucket -> (graph, logits [bucket, V])
+        self._graphs = {}  # (bucket, context limit) -> (graph, logits [bucket, V])
 
     # ---- metadata ----------------------------------------------------------------------
     def _field(self, name: str, count: int) -> np.ndarray:
         start = self._offsets[name]
         return self._host[start:start + count]
 
-    def _device_batch(self, bucket: int) -> DeviceBatch:
+    def _device_batch(self, bucket: int, limit: int) -> DeviceBatch:
         views = {}
         for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "last_token_indices"):
             start = self._offsets[name]
@@ -73,8 +79,7 @@ class DecodeGraphs:
         start = self._offsets["block_tables"]
         views["block_tables"] = self._device[start:start + bucket * self.width].reshape(bucket, self.width)
         return DeviceBatch(**views, num_tokens=bucket, num_seqs=bucket, max_query_len=1,
-                           max_seq_len=self._backend.max_model_len, is_decode_only=True,
-                           lengths_on_device=True)
+                           max_seq_len=limit, is_decode_only=True, lengths_on_device=True)
 
     def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
@@ -104,6 +109,23 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
+    def limit_for(self, bucket: int, max_seq_len: int) -> int:
+        """The longest context the bucket's graph for a step of max_seq_len tokens was
+        captured for: short_limit where that graph's attention runs clustered (and the
+        bucket's other graph's does not), else max_model_len."""
+        backend, config, short = self._backend, self._backend.config, self.short_limit
+        if (max_seq_len <= short < backend.max_model_len and backend.ops.decode_clusters(
+                bucket, config.num_attention_heads, config.num_key_value_heads,
+                config.head_dim, short)):
+            return short
+        return backend.max_model_len
+
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """(bucket, context limit) of every graph capture_all captures."""
+        return [(bucket, limit) for bucket in self.buckets
+                for limit in sorted({self.limit_for(bucket, 1),
+                                     self.limit_for(bucket, self._backend.max_model_len)})]
+
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.is_decode_only and batch.num_tokens == batch.num_seqs
                 and 0 < batch.num_seqs <= self.max_bucket and batch.block_tables.ndim == 2
@@ -116,7 +138,8 @@ class DecodeGraphs:
                              f"sequences (block tables {batch.block_tables.shape}) is not a "
                              f"decode batch of at most {self.max_bucket} sequences")
         bucket = self.bucket_for(batch.num_seqs)
-        entry = self._graphs.get(bucket) or self.capture(config, bucket)
+        limit = self.limit_for(bucket, batch.max_seq_len)
+        entry = self._graphs.get((bucket, limit)) or self.capture(config, bucket, limit)
         graph, logits = entry
         stream = self._cupy.cuda.get_current_stream()
         self._stage(batch, bucket)
@@ -128,26 +151,27 @@ class DecodeGraphs:
         replay must give exactly these logits)."""
         bucket = self.bucket_for(batch.num_seqs)
         self._stage(batch, bucket)
-        return self._forward(config, bucket)[:batch.num_seqs]
+        return self._forward(config, bucket, self.limit_for(bucket, batch.max_seq_len))[:batch.num_seqs]
 
     # ---- capture -----------------------------------------------------------------------
-    def _forward(self, config, bucket: int):
-        return forward_uploaded(self._backend, config, self._device_batch(bucket))
+    def _forward(self, config, bucket: int, limit: int):
+        return forward_uploaded(self._backend, config, self._device_batch(bucket, limit))
 
-    def capture(self, config, bucket: int):
-        """Capture the decode graph of one bucket (an all-padding warm-up run first, so every
-        kernel is compiled and loaded and no KV slot is touched)."""
+    def capture(self, config, bucket: int, limit: int):
+        """Capture the decode graph of one bucket for steps of at most `limit` tokens per
+        sequence (an all-padding warm-up run first, so every kernel is compiled and loaded
+        and no KV slot is touched)."""
         cupy = self._cupy
         caller = cupy.cuda.get_current_stream()
         stream = self._capture_stream
         stream.wait_event(caller.record())
         with stream:
             self._stage(None, bucket)
-            self._forward(config, bucket)  # warm-up, not captured
+            self._forward(config, bucket, limit)  # warm-up, not captured
             stream.synchronize()
             stream.begin_capture()
             try:
-                logits = self._forward(config, bucket)
+                logits = self._forward(config, bucket, limit)
             except BaseException:
                 try:
                     stream.end_capture()
@@ -156,16 +180,21 @@ class DecodeGraphs:
                 raise
             graph = stream.end_capture()
         caller.wait_event(stream.record())
-        self._graphs[bucket] = (graph, logits)
+        self._graphs[(bucket, limit)] = (graph, logits)
         return graph, logits
 
     def capture_all(self, config) -> None:
         started = time.perf_counter()
-        for bucket in self.buckets:
-            if bucket not in self._graphs:
-                self.capture(config, bucket)
+        keys = self.graph_keys()
+        for bucket, limit in keys:
+            if (bucket, limit) not in self._graphs:
+                self.capture(config, bucket, limit)
+        short = sorted({b for b, limit in keys if limit < self._backend.max_model_len})
+        extra = (f", and for contexts up to {self.short_limit} tokens at batch sizes "
+                 f"{', '.join(map(str, short))}" if short else "")
         self._log(f"CUDA graphs: captured {len(self.buckets)} decode batch sizes "
-                  f"({', '.join(map(str, self.buckets))}) in {time.perf_counter() - started:.2f} s")
+                  f"({', '.join(map(str, self.buckets))}){extra} in "
+                  f"{time.perf_counter() - started:.2f} s")
 
     def reset(self) -> None:
         """Drop every captured graph (after a kernel switch such as gemm.set_skinny_gemm)."""

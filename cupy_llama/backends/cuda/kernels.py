@@ -23,7 +23,8 @@ MODULES = {
     "rope": ("rope_and_cache_kernel",),
     "attention": ("paged_attention_dpl1", "paged_attention_dpl2", "paged_attention_dpl4",
                   "paged_attention_dpl8", "attention_combine_kernel",
-                  *(f"decode_attention_d{d}_g{g}" for d in (64, 128) for g in (1, 2, 4, 8)),
+                  *(f"decode_attention_d{d}_g{g}{c}" for d in (64, 128) for g in (1, 2, 4, 8)
+                    for c in ("", "_cluster")),
                   "prefill_attention_d64", "prefill_attention_d128"),
     "sampling": ("sample_kernel",),
     "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16",

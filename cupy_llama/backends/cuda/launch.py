@@ -17,14 +17,14 @@ import numpy as np
 
 from .device import device_limits
 
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):
-    # CUlaunchAttribute: a 4-byte id, padding to 8, a 64-byte value union whose first
-    # member is the int this module sets
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int),
-                ("value_rest", ctypes.c_ubyte * 60)]
+    # CUlaunchAttribute: a 4-byte id, padding to 8, a 64-byte value union (an int for
+    # programmatic serialization, three unsigned ints x, y, z for the cluster dimension)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -34,7 +34,13 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+def attribute(attribute_id: int, *values: int) -> _LaunchAttribute:
+    """A CUlaunchAttribute whose value starts with the given unsigned ints."""
+    return _LaunchAttribute(id=attribute_id, value=(ctypes.c_uint * 16)(*values))
+
+
 _programmatic = os.environ.get("CUPY_LLAMA_PDL", "1") != "0"
+_clusters = os.environ.get("CUPY_LLAMA_CLUSTERS", "1") != "0"
 _driver = None  # _Driver once loaded; False where it could not be
 
 
@@ -54,34 +60,50 @@ def programmatic_launches() -> bool:
     return _programmatic and available() and device_limits()["capability"] >= 90
 
 
+def set_clusters(on: bool) -> None:
+    """Use the kernels launched as thread-block clusters (where the GPU can)."""
+    global _clusters
+    _clusters = bool(on)
+
+
+def cluster_launches() -> bool:
+    """Launch cluster kernels (decode attention merging its key ranges on chip): switched
+    on, the driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
+    return _clusters and available() and device_limits()["capability"] >= 90
+
+
 def available() -> bool:
     """Whether cuLaunchKernelEx could be loaded (else callers use other kernels)."""
     return _load() is not None
 
 
 def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
-           programmatic: bool) -> None:
+           programmatic: bool, cluster: int = 1) -> None:
     """Launch the CuPy RawKernel `kernel` (grid: an int or up to three ints) with `args`,
     one ctypes struct passed by value or a list of ctypes values, one per parameter.
     programmatic: the kernel waits for the one before before touching its results, and
-    the GPU can (sm_90+): callers pass programmatic_launches()."""
+    the GPU can (sm_90+): callers pass programmatic_launches(). cluster > 1: launch
+    clusters of that many CTAs along x (grid x a multiple of it; sm_90+)."""
     driver = _load()
     if driver is None:
         raise RuntimeError("cuLaunchKernelEx is not available")
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     values = args if isinstance(args, (list, tuple)) else [args]
     driver.launch(kernel.kernel.ptr, grid + (1,) * (3 - len(grid)), block, shared_bytes,
-                  stream_ptr, values, programmatic)
+                  stream_ptr, values, programmatic, cluster)
 
 
-def launch_waiting(kernel, grid: tuple, block: int, args: tuple, shared_bytes: int = 0) -> None:
+def launch_waiting(kernel, grid: tuple, block: int, args: tuple, shared_bytes: int = 0,
+                   cluster: int = 1) -> None:
     """Launch a RawKernel that calls wait_for_previous_kernel on the current stream:
-    programmatically where programmatic_launches(), else with CuPy's plain call. args: CuPy
+    programmatically where programmatic_launches(), else with CuPy's plain call (or the
+    driver's, for clusters: cluster > 1 CTAs along x, where cluster_launches()). args: CuPy
     arrays and NumPy int32 / float32 scalars, as CuPy's call takes them."""
-    if programmatic_launches():
+    programmatic = programmatic_launches()
+    if programmatic or cluster > 1:
         import cupy
         launch(kernel, grid, block, shared_bytes, cupy.cuda.get_current_stream().ptr,
-               kernel_args(*args), True)
+               kernel_args(*args), programmatic, cluster)
     else:
         kernel(grid, (block,), args, shared_mem=shared_bytes)
 
@@ -118,14 +140,19 @@ class _Driver:
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
-        self._attr = _LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                                      value=1)
+        self._attrs = (_LaunchAttribute * 2)()
 
     def launch(self, function: int, grid: tuple, block: int, shared_bytes: int, stream: int,
-               values: list, programmatic: bool) -> None:
+               values: list, programmatic: bool, cluster: int = 1) -> None:
+        count = 0
+        if programmatic:
+            self._attrs[count] = attribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+            count += 1
+        if cluster > 1:
+            self._attrs[count] = attribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster, 1, 1)
+            count += 1
         config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream,
-                               ctypes.pointer(self._attr) if programmatic else None,
-                               1 if programmatic else 0)
+                               self._attrs if count else None, count)
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(value), ctypes.c_void_p) for value in values])
         status = self._launch(ctypes.byref(config), ctypes.c_void_p(function), params, None)

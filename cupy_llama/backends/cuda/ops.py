@@ -12,7 +12,7 @@ import numpy as np
 
 from ..base import ForwardBatch, SamplingTensors, SublayerOps
 from . import attention as attention_kernels
-from . import elementwise, gemm
+from . import elementwise, gemm, launch
 from . import sampling as sampling_kernels
 from .device import import_cupy
 
@@ -153,17 +153,28 @@ class CudaOps(SublayerOps):
                                    k_cache, v_cache, q_out)
 
     def attention(self, q, k_cache, v_cache, meta, scale, out):
-        num_splits = 1
+        num_splits, clusters = 1, False
         if meta.is_decode_only:
             num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
             num_splits = attention_kernels.choose_decode_splits(
                 meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, meta.max_seq_len,
                 self.num_sms, self.max_decode_splits)
+            clusters = self.decode_clusters(meta.num_seqs, num_heads, num_kv_heads, q.shape[2],
+                                            meta.max_seq_len)
         attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             scale=scale, max_query_len=meta.max_query_len,
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
-            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse)
+            num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
+            clusters=clusters)
+
+    def decode_clusters(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        max_seq_len: int) -> bool:
+        """Whether a decode batch whose longest sequence has max_seq_len tokens runs its
+        attention as thread-block clusters (where it splits the keys at all)."""
+        return launch.cluster_launches() and attention_kernels.decode_clusters_pay(
+            num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, max_seq_len=max_seq_len, num_sms=self.num_sms)
 
     def silu_and_mul(self, gate_up, out):
         elementwise.silu_and_mul(gate_up, out)
