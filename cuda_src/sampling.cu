@@ -16,6 +16,7 @@
 // its tokens whatever the batch.
 
 #define SAMPLE_THREADS 1024
+#define ARGMAX_UNROLL 8  // 16-byte loads in flight per thread in the argmax pass
 #define RADIX_BINS 256
 
 __device__ __forceinline__ unsigned int order_key(float f) {
@@ -53,6 +54,31 @@ struct SampleShared {
     Selected selected;
 };
 
+// Histogram adds with one shared-memory atomic per distinct digit in the warp: the
+// passes' first digit (sign and top exponent bits) is the same for almost every logit, and
+// 32 lanes adding to one bin one after another made the passes the sampler's cost. Every
+// lane of the warp calls these together; `active` lanes add. The mass is fixed point
+// below 2^41 per lane, summed over a digit's lanes in two parts that cannot overflow 32
+// bits (21 low bits, the rest), so the total is exact and order-free.
+__device__ __forceinline__ unsigned digit_peers(bool active, int digit) {
+    const unsigned active_lanes = __ballot_sync(FULL_MASK, active);
+    return active ? __match_any_sync(active_lanes, digit) : 0u;
+}
+
+__device__ __forceinline__ void add_count(unsigned int* hist, unsigned peers, int digit) {
+    if (peers != 0u && (threadIdx.x % WARP_SIZE) == __ffs(peers) - 1)
+        atomicAdd(&hist[digit], (unsigned int)__popc(peers));
+}
+
+__device__ __forceinline__ void add_mass(unsigned long long* hist, unsigned peers, int digit,
+                                         unsigned long long mass) {
+    if (peers == 0u) return;
+    const unsigned low = __reduce_add_sync(peers, (unsigned int)(mass & 0x1FFFFFull));
+    const unsigned high = __reduce_add_sync(peers, (unsigned int)(mass >> 21));
+    if ((threadIdx.x % WARP_SIZE) == __ffs(peers) - 1)
+        atomicAdd(&hist[digit], ((unsigned long long)high << 21) + low);
+}
+
 // The rank-th largest key (1-based) among candidates i < n.
 template <typename Candidate, typename KeyOf>
 __device__ Selected select_by_count(SampleShared& sh, int n, Candidate is_candidate,
@@ -61,10 +87,13 @@ __device__ Selected select_by_count(SampleShared& sh, int n, Candidate is_candid
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) sh.count_hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            if (!is_candidate(i)) continue;
-            const unsigned int key = key_of(i);
-            if ((key & mask) == prefix) atomicAdd(&sh.count_hist[(key >> shift) & 0xFF], 1u);
+        // the lanes of a warp go through the loop together (add_count is warp-wide)
+        for (int start = threadIdx.x - threadIdx.x % WARP_SIZE; start < n; start += blockDim.x) {
+            const int i = start + threadIdx.x % WARP_SIZE;
+            const bool candidate = i < n && is_candidate(i);
+            const unsigned int key = candidate ? key_of(i) : 0u;
+            const int digit = (key >> shift) & 0xFF;
+            add_count(sh.count_hist, digit_peers(candidate && (key & mask) == prefix, digit), digit);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -100,15 +129,18 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
             sh.mass_hist[i] = 0ull;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            if (!is_candidate(i)) continue;
-            const unsigned int key = key_of(i);
-            if ((key & mask) != prefix) continue;
+        for (int start = threadIdx.x - threadIdx.x % WARP_SIZE; start < n; start += blockDim.x) {
+            const int i = start + threadIdx.x % WARP_SIZE;
+            const bool candidate = i < n && is_candidate(i);
+            const unsigned int key = candidate ? key_of(i) : 0u;
+            const bool counted = candidate && (key & mask) == prefix;
             const int digit = (key >> shift) & 0xFF;
-            atomicAdd(&sh.count_hist[digit], 1u);
+            const unsigned peers = digit_peers(counted, digit);
+            add_count(sh.count_hist, peers, digit);
             // integer sums do not depend on the order the threads arrive in, so the same
             // seed draws the same token every time (weights are at most 1)
-            atomicAdd(&sh.mass_hist[digit], (unsigned long long)__float2ull_rn(weight_of(i) * MASS_ONE));
+            add_mass(sh.mass_hist, peers, digit,
+                     counted ? (unsigned long long)__float2ull_rn(weight_of(i) * MASS_ONE) : 0ull);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -151,7 +183,9 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
     return result;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(
+// one CTA per SM is enough (min blocks 1): ptxas may then use up to 64 registers per
+// thread, which the argmax pass's loads in flight need (else it aims at 32 and spills)
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
         const int* __restrict__ top_k, const float* __restrict__ top_p,
         const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
@@ -161,12 +195,32 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(
     const float* row = logits + (long long)b * vocab;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
 
-    // argmax, lowest index on ties (NaN never wins)
+    // argmax, lowest index on ties (NaN never wins). A 16-byte aligned row is read four
+    // floats per load, ARGMAX_UNROLL loads in flight per thread (one CTA reads the whole
+    // row: at batch 1 the latency of this loop is the kernel's); each thread visits its
+    // elements in increasing index order, so `>` keeps its first maximum
     float best = neg_inf();
     int best_i = 0x7FFFFFFF;
-    for (int i = tid; i < vocab; i += blockDim.x) {
+    const int vectors = ((unsigned long long)row & 15u) == 0 ? vocab / 4 : 0;
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int first = tid; first < vectors; first += ARGMAX_UNROLL * blockDim.x) {
+        float4 v[ARGMAX_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_UNROLL; ++u)  // clamped, not skipped: all loads issue at once
+            v[u] = row4[min(first + u * (int)blockDim.x, vectors - 1)];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_UNROLL; ++u) {
+            const int j = first + u * blockDim.x;
+            const bool in_row = j < vectors;  // a clamped load past the row: ignored
+            const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (in_row && values[e] > best) { best = values[e]; best_i = 4 * j + e; }
+        }
+    }
+    for (int i = 4 * vectors + tid; i < vocab; i += blockDim.x) {  // the rest, in order
         const float v = row[i];
-        if (v > best) { best = v; best_i = i; }  // i increases: keeps the first maximum
+        if (v > best) { best = v; best_i = i; }
     }
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
         const float other = __shfl_xor_sync(FULL_MASK, best, offset);

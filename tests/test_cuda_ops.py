@@ -502,6 +502,16 @@ def test_greedy_is_argmax(cp, rng):
     top1 = ops.sample(cp.asarray(logits), sampling_tensors(
         num_seqs, temperature=1.0, top_k=1, seeds=rng.integers(0, 2**63, num_seqs)))
     np.testing.assert_array_equal(top1, np.argmax(logits, axis=-1), err_msg="top_k=1 vs greedy")
+    # a vocabulary that is not a multiple of 4: rows at a 16-byte boundary (0, 4) read four
+    # logits per load and their last three one by one; the others (2) one by one
+    odd = rng.standard_normal((num_seqs, vocab - 1), dtype=np.float32)
+    odd[0, -1] = odd[0].max() + 1                # the maximum in the last, unaligned part
+    odd[4, 7] = odd[4, -2] = odd[4].max() + 1    # a tie across both parts: the lower index
+    odd[2, 5] = np.nan                           # NaN never wins
+    odd[2, 3] = odd[2, 130] = np.nanmax(odd[2]) + 1
+    tokens = ops.sample(cp.asarray(odd), sampling_tensors(num_seqs))
+    np.testing.assert_array_equal(tokens, np.nanargmax(odd, axis=-1), err_msg="odd vocabulary")
+    assert tokens[0] == vocab - 2 and tokens[4] == 7 and tokens[2] == 3
 
 
 def test_seeded_sampling_is_reproducible(cp, rng):
