@@ -11,12 +11,14 @@
 // Thresholds are found without sorting: radix select over the order-preserving 32-bit key
 // of each fp32 logit (four 8-bit passes over the row, counting or summing mass per digit).
 // A kept set is "key > threshold, or key == threshold and index <= last_index", which
-// handles ties exactly like a stable sort. The token is then drawn by inverse CDF in index
-// order with u = hash(seed, step) in [0, 1) (splitmix64), so a request's seed reproduces
+// handles ties exactly like a stable sort. The token is then drawn by inverse CDF with
+// u = hash(seed, step) in [0, 1) (splitmix64) over the kept tokens in a fixed order (thread
+// t's tokens t, t + 1024, ... in turn: coalesced reads), so a request's seed reproduces
 // its tokens whatever the batch.
 
 #define SAMPLE_THREADS 1024
 #define ARGMAX_UNROLL 8  // 16-byte loads in flight per thread in the argmax pass
+#define CDF_UNROLL 8     // token weights computed together in the inverse-CDF walk
 #define RADIX_BINS 256
 
 __device__ __forceinline__ unsigned int order_key(float f) {
@@ -312,11 +314,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         return w >= mp ? w : 0.0f;
     };
 
-    // inverse CDF in index order: thread t owns the contiguous chunk [t * chunk, ...)
-    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-    const int begin = min(vocab, tid * chunk), end = min(vocab, begin + chunk);
+    // inverse CDF: thread t owns tokens t, t + blockDim.x, ... (its "chunk"; the order is
+    // thread by thread, each thread's tokens in increasing index)
     float chunk_mass = 0.0f;
-    for (int i = begin; i < end; ++i) chunk_mass += kept_weight(i);
+    for (int first = tid; first < vocab; first += CDF_UNROLL * blockDim.x) {
+        float w[CDF_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CDF_UNROLL; ++u) {  // clamped: the loads issue together
+            const int i = first + u * blockDim.x;
+            w[u] = kept_weight(min(i, vocab - 1));
+            if (i >= vocab) w[u] = 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < CDF_UNROLL; ++u) chunk_mass += w[u];  // in index order
+    }
     // exclusive scan of chunk masses into sh.prefix[0 .. blockDim.x]
     float inclusive = chunk_mass;
     for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
@@ -349,14 +360,26 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     // exactly one thread owns the target: ranges [lo, hi) tile [0, total); when rounding
     // puts the target at or past the total, the last chunk with mass owns it
     if (lo < hi && lo <= target && (target < hi || hi >= total)) {
+        // the same sums as chunk_mass, CDF_UNROLL tokens' weights computed at a time (their
+        // loads in flight together: the tokens are a row's length apart)
         float cumulative = lo;
         int chosen = -1;
-        for (int i = begin; i < end; ++i) {
-            const float w = kept_weight(i);
-            if (w <= 0.0f) continue;
-            chosen = i;
-            cumulative += w;
-            if (cumulative > target) break;
+        bool reached = false;
+        for (int first = tid; first < vocab && !reached; first += CDF_UNROLL * blockDim.x) {
+            float w[CDF_UNROLL];
+#pragma unroll
+            for (int u = 0; u < CDF_UNROLL; ++u) {
+                const int i = first + u * blockDim.x;
+                w[u] = kept_weight(min(i, vocab - 1));  // clamped: issued together
+                if (i >= vocab) w[u] = 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < CDF_UNROLL; ++u) {
+                if (reached || w[u] <= 0.0f) continue;
+                chosen = first + u * blockDim.x;
+                cumulative += w[u];
+                reached = cumulative > target;
+            }
         }
         if (chosen >= 0) out_tokens[b] = chosen;
     }
