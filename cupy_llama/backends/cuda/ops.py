@@ -67,14 +67,20 @@ class CudaOps(SublayerOps):
         self._meta_device = cupy.empty(capacity, np.int32)
         self._meta_copied = None  # event: the last metadata copy finished reading the host
         # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each
-        # Two host buffers of each, used in turn: while step k runs, the host already writes
-        # step k + 1's settings and step k's tokens are still to be read.
+        # Two host and two device buffers of each, used in turn: while step k runs, the host
+        # already writes step k + 1's settings and step k's tokens are still to be read.
+        # Both copies run on a stream of their own, off the steps' stream: the settings are
+        # copied a step ahead of the sampling kernel that reads them, and the tokens go back
+        # while the next step runs (sample_async).
         n = max_num_seqs
+        self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._sampling_host = [pinned_array(cupy, 28 * n, np.uint8) for _ in range(2)]
-        self._sampling_copied = [None, None]  # events: each buffer's copy has read it
-        self._sampling_device = cupy.empty(28 * n, np.uint8)
+        self._sampling_copied = [None, None]  # events (copy stream): each buffer copied
+        self._sampling_device = [cupy.empty(28 * n, np.uint8) for _ in range(2)]
+        self._sampling_read = [None, None]  # events (step stream): each device buffer read
         self._tokens_device = cupy.zeros(n, np.int32)  # the latest step's tokens, kept for the next
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
+        self._tokens_copied = None  # event (copy stream): the last token copy has read them
         self._turn = 0
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
@@ -193,7 +199,7 @@ class CudaOps(SublayerOps):
             raise ValueError(f"logits: {B} rows exceeds max_num_seqs {n}")
         turn = self._turn
         self._turn ^= 1
-        host, device = self._sampling_host[turn], self._sampling_device
+        host, device = self._sampling_host[turn], self._sampling_device[turn]
         if self._sampling_copied[turn] is not None:
             self._sampling_copied[turn].synchronize()  # two steps ago: long done
         # [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 | steps i32]
@@ -205,16 +211,27 @@ class CudaOps(SublayerOps):
             itemsize = np.dtype(dtype).itemsize
             host[start:start + B * itemsize].view(dtype)[:] = np.asarray(values).reshape(B)
             on_device.append(device[start:start + B * itemsize].view(dtype))
-        stream = self._cupy.cuda.get_current_stream()
+        stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
-        runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, stream.ptr)
-        self._sampling_copied[turn] = stream.record()
+        # the settings: copied once the sampling kernel two steps ago has read this device
+        # buffer (long done), so the copy is over before this step's kernel comes up
+        if self._sampling_read[turn] is not None:
+            copy.wait_event(self._sampling_read[turn])
+        runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, copy.ptr)
+        self._sampling_copied[turn] = copy.record()
+        stream.wait_event(self._sampling_copied[turn])
+        if self._tokens_copied is not None:
+            stream.wait_event(self._tokens_copied)  # the last token copy has read the tokens
         seeds, temperature, top_k, top_p, min_p, steps = on_device
         tokens = self._tokens_device[:B]
         sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+        sampled = self._sampling_read[turn] = stream.record()
+        # the tokens: copied back while the step stream goes on to the next step
+        copy.wait_event(sampled)
         tokens_host = self._tokens_host[turn]
-        runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, stream.ptr)
-        return PendingTokens(stream.record(), tokens_host[:B])
+        runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, copy.ptr)
+        self._tokens_copied = copy.record()
+        return PendingTokens(self._tokens_copied, tokens_host[:B])
 
 
 class PendingTokens:
