@@ -266,13 +266,16 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&pair);
 }
 
-// Thread-block clusters (sm_90+; the launcher uses the clustered kernels only there).
+// Thread-block clusters (sm_90+; the launcher uses the clustered kernels only there, and
+// a build for an older GPU traps if one is launched anyway).
 // Every thread of the CTA calls cluster_barrier; it orders shared-memory writes before it
 // with the other CTAs' reads after it (release / acquire).
 __device__ __forceinline__ void cluster_barrier() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
 #endif
 }
 
@@ -285,6 +288,8 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#else
+    __trap();
 #endif
     return value;
 }

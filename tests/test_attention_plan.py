@@ -54,13 +54,18 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
                                              max_seq_len=max_seq_len, num_sms=H200_SMS)
     # one step: 16 slots x 4 keys (head_dim 64), 8 slots x 4 (128), 2 keys per slot past
     # 4 query heads per kv head (attention.cu: SLOTS * UNROLL)
-    assert attention.cluster_max_keys(64, 4) == 512 and attention.cluster_max_keys(64, 1) == 512
-    assert attention.cluster_max_keys(128, 4) == 256 and attention.cluster_max_keys(64, 8) == 256
+    step = attention.decode_step_keys
+    assert step(64, 4) == step(64, 1) == 64 and step(128, 4) == step(64, 8) == 32
+    assert step(128, 8) == 16
+    # a CTA's range is a multiple of SPLIT_ALIGN (64) keys: only 64-key steps give one step
+    assert attention.cluster_max_keys(64, 4) == attention.cluster_max_keys(64, 1) == 512
+    for head_dim, group in ((128, 4), (64, 8), (128, 8), (64, 16), (96, 4)):
+        assert attention.cluster_max_keys(head_dim, group) == 0, (head_dim, group)
     assert pay(1, 289) and pay(2, 512)
     assert not pay(1, 513)  # two steps per CTA
     assert not pay(4, 289)  # 256 CTAs on 132 SMs
     assert pay(8, 289, num_kv_heads=2, num_heads=8) and not pay(9, 289, num_kv_heads=2, num_heads=8)
-    assert pay(1, 256, head_dim=128) and not pay(1, 257, head_dim=128)
+    assert not pay(1, 100, head_dim=128)  # 32-key steps: two per CTA
     assert not pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: no decode kernel
     assert not pay(1, 100, head_dim=96)
 

@@ -87,22 +87,26 @@ def decode_step_keys(head_dim: int, group: int) -> int:
 
 
 def cluster_max_keys(head_dim: int, group: int) -> int:
-    """The longest context the clustered kernel takes: one step of keys per CTA (512 for
-    the Llama-3.2-1B shape: head_dim 64, 4 query heads per kv head)."""
-    return DECODE_CLUSTER * decode_step_keys(head_dim, group)
+    """The longest context the clustered kernel runs at: one step of keys per CTA (512 for
+    the Llama-3.2-1B shape: head_dim 64, 4 query heads per kv head). The kernel rounds each
+    CTA's range up to SPLIT_ALIGN keys, so a variant whose step covers fewer (head_dim 128,
+    or 8 query heads per kv head) would take several steps per CTA, where the cluster was
+    measured to lose: 0 for those, and for shapes without a decode kernel."""
+    if group > DECODE_GROUPS[-1] or head_dim not in FAST_HEAD_DIMS:
+        return 0
+    step = decode_step_keys(head_dim, group)
+    return DECODE_CLUSTER * step if step >= SPLIT_ALIGN else 0
 
 
 def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                         max_seq_len: int, num_sms: int) -> bool:
     """Whether a split decode batch runs faster clustered than split and combined, as
     measured on the H200 for the Llama-3.2-1B shape (benchmarks/NOTES.md change 14): where
-    each CTA of a cluster takes one step of keys (cluster_max_keys) and the clusters take
-    at most one CTA per SM. Per layer at batch 1 (qkv, attention, o_proj in a graph chain):
+    each CTA of a cluster takes one step of keys (cluster_max_keys; none for shapes where it
+    cannot) and the clusters take at most one CTA per SM. Per layer at batch 1 (qkv, attention, o_proj in a graph chain):
     context 288 14.0 against 15.3 us; 513 keys (two steps per CTA) 17.1 against 15.7;
     batch 2 at context 288 16.2 against 16.3."""
-    group = num_heads // num_kv_heads
-    return (group <= DECODE_GROUPS[-1] and head_dim in FAST_HEAD_DIMS
-            and max_seq_len <= cluster_max_keys(head_dim, group)
+    return (max_seq_len <= cluster_max_keys(head_dim, num_heads // num_kv_heads)
             and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
 
 

@@ -1,12 +1,14 @@
-"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for the two things
-CuPy's RawKernel call cannot do: pass a C struct by value (the skinny kernels' SkinnyArgs)
-and launch programmatically (programmatic dependent launch, sm_90+): the kernel may start
-while the kernel before it on the stream still runs, and waits for it on the device
-(`wait_for_previous_kernel` in common.cuh). Launches captured into a CUDA graph keep that
-overlap as programmatic edges.
+"""Kernel launches through the CUDA driver's cuLaunchKernelEx (ctypes), for the three things
+CuPy's RawKernel call cannot do: pass a C struct by value (the skinny kernels' SkinnyArgs),
+launch programmatically (programmatic dependent launch, sm_90+: the kernel may start
+while the kernel before it on the stream still runs, and waits for it on the device,
+`wait_for_previous_kernel` in common.cuh; launches captured into a CUDA graph keep that
+overlap as programmatic edges), and launch thread-block clusters (sm_90+: decode
+attention's clustered kernels).
 
-`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off; graphs bake in
-what was set when they were captured."""
+`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off, `set_clusters(False)`
+(or CUPY_LLAMA_CLUSTERS=0) the clusters; graphs bake in what was set when they were
+captured. Launches share one attribute array: launch from one thread at a time."""
 from __future__ import annotations
 
 import ctypes
@@ -61,7 +63,8 @@ def programmatic_launches() -> bool:
 
 
 def set_clusters(on: bool) -> None:
-    """Use the kernels launched as thread-block clusters (where the GPU can)."""
+    """Use the kernels launched as thread-block clusters (where the GPU can). CUDA graphs
+    keep what was set when they were captured (DecodeGraphs.reset drops them)."""
     global _clusters
     _clusters = bool(on)
 

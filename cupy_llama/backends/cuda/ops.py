@@ -69,9 +69,9 @@ class CudaOps(SublayerOps):
         # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each
         # Two host and two device buffers of each, used in turn: while step k runs, the host
         # already writes step k + 1's settings and step k's tokens are still to be read.
-        # Both copies run on a stream of their own, off the steps' stream: the settings are
-        # copied a step ahead of the sampling kernel that reads them, and the tokens go back
-        # while the next step runs (sample_async).
+        # Both copies run on a stream of their own, off the steps' stream: the settings copy
+        # is issued while the step's forward pass still runs, before the sampling kernel
+        # that reads them, and the tokens go back while the next step runs (sample_async).
         n = max_num_seqs
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._sampling_host = [pinned_array(cupy, 28 * n, np.uint8) for _ in range(2)]
@@ -213,8 +213,10 @@ class CudaOps(SublayerOps):
             on_device.append(device[start:start + B * itemsize].view(dtype))
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
-        # the settings: copied once the sampling kernel two steps ago has read this device
-        # buffer (long done), so the copy is over before this step's kernel comes up
+        # the settings: copied (behind the last token copy, on the copy stream) once the
+        # sampling kernel two steps ago has read this device buffer; the forward pass
+        # queued before this call is still running, so the copy is over before this
+        # step's sampling kernel comes up
         if self._sampling_read[turn] is not None:
             copy.wait_event(self._sampling_read[turn])
         runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, copy.ptr)
