@@ -316,15 +316,20 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
 
     // inverse CDF: thread t owns tokens t, t + blockDim.x, ... (its "chunk"; the order is
     // thread by thread, each thread's tokens in increasing index)
-    float chunk_mass = 0.0f;
-    for (int first = tid; first < vocab; first += CDF_UNROLL * blockDim.x) {
-        float w[CDF_UNROLL];
+    // kept weights of CDF_UNROLL of this thread's tokens from `first` on, computed together
+    // (clamped indices, so their loads issue at once; 0 past the row)
+    auto kept_weights = [&](int first, float (&w)[CDF_UNROLL]) {
 #pragma unroll
-        for (int u = 0; u < CDF_UNROLL; ++u) {  // clamped: the loads issue together
+        for (int u = 0; u < CDF_UNROLL; ++u) {
             const int i = first + u * blockDim.x;
             w[u] = kept_weight(min(i, vocab - 1));
             if (i >= vocab) w[u] = 0.0f;
         }
+    };
+    float chunk_mass = 0.0f;
+    for (int first = tid; first < vocab; first += CDF_UNROLL * blockDim.x) {
+        float w[CDF_UNROLL];
+        kept_weights(first, w);
 #pragma unroll
         for (int u = 0; u < CDF_UNROLL; ++u) chunk_mass += w[u];  // in index order
     }
@@ -360,19 +365,13 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     // exactly one thread owns the target: ranges [lo, hi) tile [0, total); when rounding
     // puts the target at or past the total, the last chunk with mass owns it
     if (lo < hi && lo <= target && (target < hi || hi >= total)) {
-        // the same sums as chunk_mass, CDF_UNROLL tokens' weights computed at a time (their
-        // loads in flight together: the tokens are a row's length apart)
+        // the same tokens in the same order as chunk_mass
         float cumulative = lo;
         int chosen = -1;
         bool reached = false;
         for (int first = tid; first < vocab && !reached; first += CDF_UNROLL * blockDim.x) {
             float w[CDF_UNROLL];
-#pragma unroll
-            for (int u = 0; u < CDF_UNROLL; ++u) {
-                const int i = first + u * blockDim.x;
-                w[u] = kept_weight(min(i, vocab - 1));  // clamped: issued together
-                if (i >= vocab) w[u] = 0.0f;
-            }
+            kept_weights(first, w);
 #pragma unroll
             for (int u = 0; u < CDF_UNROLL; ++u) {
                 if (reached || w[u] <= 0.0f) continue;
