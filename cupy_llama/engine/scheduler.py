@@ -145,12 +145,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_after_step(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Mark this step's tokens computed; return the sequences that now need a sampled
-        token (those whose every known token is in the cache)."""
-        ready = []
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """Mark this step's tokens computed. The sequences that now need a sampled token
+        are those with num_uncomputed_tokens == 0 (every known token in the cache)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.num_uncomputed_tokens == 0:
-                ready.append(seq)
-        return ready
