@@ -38,6 +38,8 @@ def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
     p = plan(num_seqs=3, num_splits=5, clusters=True)
     assert p.kernel == "decode_attention_d64_g4_cluster"
     assert p.grid == (attention.DECODE_CLUSTER, 8, 3) and p.block == 128 and p.shared_mem == 0
+    assert p.cluster == attention.DECODE_CLUSTER
+    assert plan(num_seqs=3, num_splits=5).cluster == 1
     assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_d64_g4"
     assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
     # the other kernels do not change with it

@@ -78,10 +78,16 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_l
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
 
 
+def decode_group_bound(group: int) -> int | None:
+    """The decode kernel variant for `group` query heads per kv head: the smallest
+    instantiated bound that holds it (DECODE_GROUPS), None past the largest."""
+    return next((g for g in DECODE_GROUPS if g >= group), None)
+
+
 def decode_step_keys(head_dim: int, group: int) -> int:
     """Keys a decode CTA scores per step of its loop (attention.cu: SLOTS * UNROLL), for
     the kernel variant of this group size (at most DECODE_GROUPS[-1])."""
-    bound = next(g for g in DECODE_GROUPS if g >= group)
+    bound = decode_group_bound(group)
     slots = DECODE_THREADS // 32 * (32 // (head_dim // 8))
     return slots * (2 if bound >= 8 else 4)
 
@@ -92,7 +98,7 @@ def cluster_max_keys(head_dim: int, group: int) -> int:
     CTA's range up to SPLIT_ALIGN keys, so a variant whose step covers fewer (head_dim 128,
     or 8 query heads per kv head) would take several steps per CTA, where the cluster was
     measured to lose: 0 for those, and for shapes without a decode kernel."""
-    if group > DECODE_GROUPS[-1] or head_dim not in FAST_HEAD_DIMS:
+    if decode_group_bound(group) is None or head_dim not in FAST_HEAD_DIMS:
         return 0
     step = decode_step_keys(head_dim, group)
     return DECODE_CLUSTER * step if step >= SPLIT_ALIGN else 0
@@ -103,9 +109,9 @@ def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, hea
     """Whether a split decode batch runs faster clustered than split and combined, as
     measured on the H200 for the Llama-3.2-1B shape (benchmarks/NOTES.md change 14): where
     each CTA of a cluster takes one step of keys (cluster_max_keys; none for shapes where it
-    cannot) and the clusters take at most one CTA per SM. Per layer at batch 1 (qkv, attention, o_proj in a graph chain):
-    context 288 14.0 against 15.3 us; 513 keys (two steps per CTA) 17.1 against 15.7;
-    batch 2 at context 288 16.2 against 16.3."""
+    cannot) and the clusters take at most one CTA per SM. Per layer at batch 1 (qkv,
+    attention, o_proj in a graph chain): context 288 14.0 against 15.3 us; 513 keys (two
+    steps per CTA) 17.1 against 15.7; batch 2 at context 288 16.2 against 16.3."""
     return (max_seq_len <= cluster_max_keys(head_dim, num_heads // num_kv_heads)
             and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
 
@@ -123,6 +129,7 @@ class AttentionPlan(NamedTuple):
     grid: tuple
     block: int
     shared_mem: int  # dynamic shared memory bytes
+    cluster: int = 1  # CTAs per thread-block cluster along x (1: a plain launch)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -144,11 +151,12 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     group = num_heads // num_kv_heads
     fast = (kernel == "auto" and aligned and head_dim in FAST_HEAD_DIMS
             and _is_power_of_two(block_size))
-    if fast and max_query_len == 1 and group <= DECODE_GROUPS[-1] and num_slots < 2 ** 31:
-        bound = next(g for g in DECODE_GROUPS if g >= group)
+    bound = decode_group_bound(group)
+    if fast and max_query_len == 1 and bound is not None and num_slots < 2 ** 31:
         if clusters and num_splits > 1:
             return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}_cluster",
-                                 (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0)
+                                 (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0,
+                                 DECODE_CLUSTER)
         return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}",
                              (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
     if fast and num_splits == 1:
@@ -206,7 +214,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                           aligned=_aligned(q, k_cache, v_cache, out),
                           num_slots=k_cache.shape[0] * block_size, kernel=kernel,
                           clusters=clusters)
-    clustered = plan.kernel.endswith("_cluster")
+    clustered = plan.cluster > 1
     if num_splits > 1 and not clustered:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)
@@ -237,7 +245,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     # drains
     if plan.kernel.startswith("decode_"):
         launch.launch_waiting(function, plan.grid, plan.block, args, plan.shared_mem,
-                              cluster=DECODE_CLUSTER if clustered else 1)
+                              cluster=plan.cluster)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
     if num_splits > 1 and not clustered:

@@ -6,9 +6,9 @@ while the kernel before it on the stream still runs, and waits for it on the dev
 overlap as programmatic edges), and launch thread-block clusters (sm_90+: decode
 attention's clustered kernels).
 
-`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off, `set_clusters(False)`
-(or CUPY_LLAMA_CLUSTERS=0) the clusters; graphs bake in what was set when they were
-captured. Launches share one attribute array: launch from one thread at a time."""
+`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off, CUPY_LLAMA_CLUSTERS=0
+the clusters; graphs bake in what was set when they were captured. Launches share one
+attribute array: launch from one thread at a time."""
 from __future__ import annotations
 
 import ctypes
@@ -60,13 +60,6 @@ def programmatic_launches() -> bool:
     """Launch the kernels that wait on the device programmatically: switched on, the
     driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
     return _programmatic and available() and device_limits()["capability"] >= 90
-
-
-def set_clusters(on: bool) -> None:
-    """Use the kernels launched as thread-block clusters (where the GPU can). CUDA graphs
-    keep what was set when they were captured (DecodeGraphs.reset drops them)."""
-    global _clusters
-    _clusters = bool(on)
 
 
 def cluster_launches() -> bool:
