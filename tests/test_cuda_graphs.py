@@ -42,6 +42,17 @@ EAGER_TOLERANCE = 2e-2
 REFERENCE_TOLERANCE = 5e-2
 
 
+def test_short_graph_buckets():
+    """A second graph only where clustered attention runs at a context shorter than the
+    graphs' own (the rule itself: test_attention_plan)."""
+    from cupy_llama.backends.cuda.graphs import short_graph_buckets
+    buckets = [1, 2, 4, 8, 12]
+    clustered = lambda bucket, limit: bucket * 16 <= 132 and limit == 512
+    assert short_graph_buckets(buckets, 512, 1024, clustered) == {1, 2, 4, 8}
+    assert short_graph_buckets(buckets, 512, 512, clustered) == set()  # nothing shorter
+    assert short_graph_buckets(buckets, 0, 1024, lambda b, limit: True) == set()  # no cluster shape
+
+
 def test_decode_buckets():
     assert decode_buckets(1) == [1]
     assert decode_buckets(10) == [1, 2, 4, 8, 10]
@@ -180,13 +191,13 @@ def test_graph_decode_matches_eager(model, rng, skinny):
         cpu, gpu_backend = make_backends(model)
         assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
         graphs = gpu_backend.graphs
-        assert graphs.num_captured == len(graphs.graph_keys())
-        if launch.cluster_launches():  # clustered attention: short-context graphs at 1 to 8
+        clustered = launch.cluster_launches()  # then short-context graphs at buckets 1 to 8
+        assert graphs.num_captured == len(graphs.buckets) + (4 if clustered else 0)
+        if clustered:
             assert graphs.short_limit == 512  # head_dim 64, 4 query heads per kv head
             assert graphs.limit_for(1, 16) == graphs.limit_for(8, 300) == 512
             assert graphs.limit_for(1, 513) == MAX_MODEL_LEN
             assert graphs.limit_for(12, 16) == MAX_MODEL_LEN
-            assert graphs.num_captured == len(graphs.buckets) + 4
         # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
         lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
         prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]

@@ -37,6 +37,16 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
+def short_graph_buckets(buckets: list[int], short_limit: int, max_model_len: int,
+                        clustered) -> frozenset:
+    """The buckets that get a second graph for steps of at most short_limit tokens per
+    sequence: those whose attention runs clustered there (clustered(bucket, short_limit),
+    CudaOps.decode_clusters) where that is a shorter context than the graphs' own."""
+    if not 0 < short_limit < max_model_len:
+        return frozenset()
+    return frozenset(b for b in buckets if clustered(b, short_limit))
+
+
 class DecodeGraphs:
     def __init__(self, backend, log=None):
         import cupy
@@ -49,6 +59,11 @@ class DecodeGraphs:
         config = backend.config
         self.short_limit = cluster_max_keys(config.head_dim, config.num_attention_heads
                                             // config.num_key_value_heads)
+        self.short_buckets = short_graph_buckets(
+            self.buckets, self.short_limit, backend.max_model_len,
+            lambda bucket, limit: backend.ops.decode_clusters(
+                bucket, config.num_attention_heads, config.num_key_value_heads,
+                config.head_dim, limit))
         # fixed layout (int32): token_ids [n] | positions [n] | slot_mapping [n] |
         # query_start_loc [n + 1] | seq_lens [n] | last_token_indices [n] | block_tables [n, W]
         self._offsets = {"token_ids": 0, "positions": n, "slot_mapping": 2 * n,
@@ -111,20 +126,15 @@ class DecodeGraphs:
 
     def limit_for(self, bucket: int, max_seq_len: int) -> int:
         """The longest context the bucket's graph for a step of max_seq_len tokens was
-        captured for: short_limit where that graph's attention runs clustered (and the
-        bucket's other graph's does not), else max_model_len."""
-        backend, config, short = self._backend, self._backend.config, self.short_limit
-        if (max_seq_len <= short < backend.max_model_len and backend.ops.decode_clusters(
-                bucket, config.num_attention_heads, config.num_key_value_heads,
-                config.head_dim, short)):
-            return short
-        return backend.max_model_len
+        captured for: short_limit for a short bucket's short steps, else max_model_len."""
+        if bucket in self.short_buckets and max_seq_len <= self.short_limit:
+            return self.short_limit
+        return self._backend.max_model_len
 
     def graph_keys(self) -> list[tuple[int, int]]:
         """(bucket, context limit) of every graph capture_all captures."""
-        return [(bucket, limit) for bucket in self.buckets
-                for limit in sorted({self.limit_for(bucket, 1),
-                                     self.limit_for(bucket, self._backend.max_model_len)})]
+        return ([(bucket, self._backend.max_model_len) for bucket in self.buckets]
+                + [(bucket, self.short_limit) for bucket in sorted(self.short_buckets)])
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.is_decode_only and batch.num_tokens == batch.num_seqs
@@ -185,11 +195,10 @@ class DecodeGraphs:
 
     def capture_all(self, config) -> None:
         started = time.perf_counter()
-        keys = self.graph_keys()
-        for bucket, limit in keys:
+        for bucket, limit in self.graph_keys():
             if (bucket, limit) not in self._graphs:
                 self.capture(config, bucket, limit)
-        short = sorted({b for b, limit in keys if limit < self._backend.max_model_len})
+        short = sorted(self.short_buckets)
         extra = (f", and for contexts up to {self.short_limit} tokens at batch sizes "
                  f"{', '.join(map(str, short))}" if short else "")
         self._log(f"CUDA graphs: captured {len(self.buckets)} decode batch sizes "
