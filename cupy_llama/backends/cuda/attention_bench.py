@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from . import attention
+from .device import device_limits
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split counts
@@ -128,7 +129,7 @@ class Bench:
         self.runs = runs
         self.rng = np.random.default_rng(seed)
         self.device_rng = cupy.random.RandomState(seed)
-        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.num_sms = device_limits()["sms"]
         self._spin = cupy.RawKernel(SPIN_SOURCE, "spin_kernel")
         splits = attention.max_decode_splits(MAX_MODEL_LEN)
         max_parts = max(DECODE_BATCHES) * NUM_HEADS * max(32, splits)

@@ -14,7 +14,7 @@ from ..base import ForwardBatch, SamplingTensors, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, gemm, launch
 from . import sampling as sampling_kernels
-from .device import import_cupy
+from .device import device_limits, import_cupy
 
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
@@ -88,7 +88,7 @@ class CudaOps(SublayerOps):
             workspace = (cupy.empty(sizes[0], np.float32), cupy.empty(sizes[1], np.float32))
         self._partial_out, self._partial_lse = workspace
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
-        self.num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.num_sms = device_limits()["sms"]
 
     def empty(self, shape, dtype=None):
         return self._cupy.empty(shape, dtype=self.act_dtype if dtype is None else dtype)
