@@ -7,7 +7,8 @@
 //
 // Three kernels (the launcher in cupy_llama/backends/cuda/attention.py picks one):
 // - decode_attention_d{64,128}_g{1,2,4,8}: one new token per sequence, vectorized fp32
-//   CUDA cores, split-KV;
+//   CUDA cores, split-KV (the _cluster variants, sm_90+, merge the splits of a cluster
+//   on chip, without the combine kernel);
 // - prefill_attention_d{64,128}: any number of new tokens, tensor cores (mma.sync bf16);
 // - paged_attention_dpl*: the scalar fallback for every other shape (any head_dim <= 256,
 //   any block size, any group), prefill and decode.
@@ -245,7 +246,6 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
 
 // ============================================================ helpers of the fast kernels
 
-#define LOG2_E 1.4426950408889634f
 #define LN_2 0.6931471805599453f
 #define SPLIT_ALIGN 64  // device-derived split lengths are multiples of this (launcher: SPLIT_ALIGN)
 
@@ -258,12 +258,6 @@ __device__ __forceinline__ int device_split_len(int seq_len, int num_splits) {
 // 8 bf16 (16 bytes, 16-byte aligned) in one load (unpack_bf16x8 in common.cuh splits them)
 __device__ __forceinline__ uint4 load16(const bf16* p) {
     return *reinterpret_cast<const uint4*>(p);
-}
-
-// two floats -> bf16x2 (round to nearest even); lo in the low half
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&pair);
 }
 
 // Thread-block clusters (sm_90+; the launcher uses the clustered kernels only there, and
@@ -292,6 +286,26 @@ __device__ __forceinline__ float cluster_load(const float* local, int rank) {
     __trap();
 #endif
     return value;
+}
+
+// Merge N partial results of an online softmax in order: part r has running max m(r)
+// (base 2), sum l(r) and unnormalized output acc(r). m_max is -inf only when no part saw
+// a key; the sums are then 0.
+template <int N, typename M, typename L, typename Acc>
+__device__ __forceinline__ void merge_parts(M m, L l, Acc acc, float& m_max, float& sum_l,
+                                            float& sum_acc) {
+    m_max = neg_inf();
+#pragma unroll
+    for (int r = 0; r < N; ++r) m_max = fmaxf(m_max, m(r));
+    const float m_use = m_max == neg_inf() ? 0.0f : m_max;  // avoid inf - inf
+    sum_l = 0.0f;
+    sum_acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+        const float weight = exp2f(m(r) - m_use);  // 0 for a part without keys
+        sum_l += l(r) * weight;
+        sum_acc += acc(r) * weight;
+    }
 }
 
 // cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
@@ -518,19 +532,12 @@ __device__ __forceinline__ void decode_attention_body(
     // merge the warps: thread i writes dim i % D of head i / D
     for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS) {
         const int g = i / D, c = i % D;
-        float m_max = neg_inf();
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, merge_m[w][g]);
         // m_max is finite where the range holds a key (its slot has l >= 1); -inf only for
         // an empty range of a cluster CTA, whose sums then stay 0
-        const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-        float sum_l = 0.0f, sum_acc = 0.0f;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            const float weight = exp2f(merge_m[w][g] - m_use);  // 0 for a warp without keys
-            sum_l += merge_l[w][g] * weight;
-            sum_acc += merge_acc[w][g][c] * weight;
-        }
+        float m_max, sum_l, sum_acc;
+        merge_parts<NUM_WARPS>([&](int w) { return merge_m[w][g]; },
+                               [&](int w) { return merge_l[w][g]; },
+                               [&](int w) { return merge_acc[w][g][c]; }, m_max, sum_l, sum_acc);
         if (CLUSTER > 0) {
             cta_acc[g][c] = sum_acc;
             if (c == 0) {
@@ -564,18 +571,10 @@ __device__ __forceinline__ void decode_attention_body(
                 l_r[r] = cluster_load(&cta_l[g], r);
                 acc_r[r] = cluster_load(&cta_acc[g][c], r);
             }
-            float m_max = neg_inf();
-#pragma unroll
-            for (int r = 0; r < CLUSTER; ++r) m_max = fmaxf(m_max, m_r[r]);
-            // -inf only without any key (seq_len 0: a padding row of a CUDA graph): output 0
-            const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-            float sum_l = 0.0f, sum_acc = 0.0f;
-#pragma unroll
-            for (int r = 0; r < CLUSTER; ++r) {
-                const float weight = exp2f(m_r[r] - m_use);  // 0 for an empty range
-                sum_l += l_r[r] * weight;
-                sum_acc += acc_r[r] * weight;
-            }
+            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
+            float m_max, sum_l, sum_acc;
+            merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
+                                 [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
             out[((long long)q_row * num_heads + head0) * D + i] =
                 to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
         }
@@ -610,7 +609,8 @@ DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
 // Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
 // CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
 // results through distributed shared memory, so no partials go through global memory and
-// no combine kernel follows. num_splits and split_len are not read.
+// no combine kernel follows. num_splits, split_len, partial_out and partial_lse are not
+// read.
 DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER)
 DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER)
 DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER)

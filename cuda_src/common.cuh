@@ -27,6 +27,12 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
     }
 }
 
+// two floats -> bf16x2 (round to nearest even); lo in the low half
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&pair);
+}
+
 // The elementwise math that both a separate kernel and a fused epilogue compute, written
 // once so that the two give the same bits.
 
@@ -43,6 +49,16 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
                                             bf16& o2) {
     o1 = to_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
     o2 = to_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
+// RMSNorm (rms_norm_row; the norm prologue of the products): 1 / sqrt(mean(x^2) + eps)
+// from a row's sum of squares, and one element's x * inv_rms * weight before rounding
+__device__ __forceinline__ float rms_inv(float sum_sq, int hidden, float eps) {
+    return rsqrtf(sum_sq / hidden + eps);
+}
+
+__device__ __forceinline__ float rms_scaled(float x, float inv_rms, float weight) {
+    return x * inv_rms * weight;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -82,7 +82,7 @@ __device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16
         gemv_body<M, R, U>(x, w, out, m_rows, n, k, out_f32);                               \
     }
 
-// keep in step with gemm.GEMV_VARIANTS (M: weight rows per warp)
+// keep in step with gemm.GEMV_VARIANTS (M: x rows; R: weight rows per warp)
 DEFINE_GEMV(1, 2, 4)
 DEFINE_GEMV(2, 2, 4)
 DEFINE_GEMV(4, 2, 4)
@@ -125,8 +125,8 @@ DEFINE_GEMV(16, 4, 2)
 //
 // A block of WARPS warps (SKINNY_WARPS; SKINNY_WIDE_WARPS for the wide variant) owns one
 // tile at a time and splits K among its warps (warp w takes k steps w, w + WARPS, ...;
-// SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes
-// per lane, in flight before the first use); the warps' partial tiles are summed through
+// SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes per lane, in flight before the first
+// use); the warps' partial tiles are summed through
 // shared memory in a fixed order (deterministic). Blocks stride over the tiles, so a grid
 // of one or two blocks per SM covers any N; x is staged once per block into shared
 // memory, each row padded so the warp's fragment reads hit distinct banks. Weights go
@@ -248,6 +248,18 @@ __device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, 
     }
 }
 
+// the weight rows lo(g) and hi(g) of a tile as 16-byte chunks (rows past n re-read row n - 1)
+template <int EPI>
+__device__ __forceinline__ void tile_weights(const SkinnyArgs& a, int tile, int g,
+                                             const uint4*& w_lo, const uint4*& w_hi) {
+    int lo, hi;
+    tile_rows<EPI>(a, tile, g, lo, hi);
+    const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
+    const int chunks = a.k / 8;
+    w_lo = w4 + (long long)min(lo, a.n - 1) * chunks;
+    w_hi = w4 + (long long)min(hi, a.n - 1) * chunks;
+}
+
 // x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks. x was
 // written by the kernel before, which may have been running when this one started: it is
 // read at L2 (ld.global.cg), never through a cache this SM filled earlier.
@@ -285,13 +297,13 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
         float sum_sq = 0.0f;
 #pragma unroll
         for (int v = 0; v < WARPS; ++v) sum_sq += row_sums[threadIdx.x][v];
-        inv_rms[threadIdx.x] = rsqrtf(sum_sq / a.k + a.eps);
+        inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
     }
     __syncthreads();
     const uint4* weight4 = reinterpret_cast<const uint4*>(a.norm_weight);
     for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
         const int m = i / x_chunks, c = i - m * x_chunks;
-        uint4 packed = zero;
+        unsigned packed[4] = {0u, 0u, 0u, 0u};
         if (c < chunks) {
             const float4 v0 = __ldcg(x4 + (long long)m * quads + 2 * c);
             const float4 v1 = __ldcg(x4 + (long long)m * quads + 2 * c + 1);
@@ -299,13 +311,12 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
             float weight[8];
             unpack_bf16x8(__ldg(weight4 + c), weight);
             const float scale = inv_rms[m];
-            __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                pairs[j] = __halves2bfloat162(to_bf16(v[2 * j] * scale * weight[2 * j]),
-                                              to_bf16(v[2 * j + 1] * scale * weight[2 * j + 1]));
+                packed[j] = pack_bf16x2(rms_scaled(v[2 * j], scale, weight[2 * j]),
+                                        rms_scaled(v[2 * j + 1], scale, weight[2 * j + 1]));
         }
-        xs[m * x_stride + c] = packed;
+        xs[m * x_stride + c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
 }
 
@@ -410,13 +421,11 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     uint4* xs = skinny_smem;                                    // [m_rows][x_stride]
     float* partial = reinterpret_cast<float*>(skinny_smem + m_rows * x_stride);  // [2][...]
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
     const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
     // the element of every tile this thread finishes, if any: fragment element e_j of lane
-    // `owner` in x tile e_nt, i.e. x row e_m and weight rows lo(owner / 4), hi(owner / 4)
+    // `lane` in x tile e_nt, i.e. x row e_m and weight rows lo(g), hi(g)
     static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
-    const int owner = threadIdx.x % WARP_SIZE, e_j = (threadIdx.x / WARP_SIZE) % 2;
-    const int e_nt = threadIdx.x / (2 * WARP_SIZE), e_m = e_nt * 8 + (owner % 4) * 2 + e_j;
+    const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0.0f, 0.0f};  // of the tile being computed
 
@@ -425,29 +434,26 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
     bool preloaded = blockIdx.x < tiles;  // wv holds the first group of the first tile
     if (preloaded) {
-        int lo, hi;
-        tile_rows<EPI>(a, blockIdx.x, g, lo, hi);
-        load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
-                   w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
+        const uint4 *w_lo, *w_hi;
+        tile_weights<EPI>(a, blockIdx.x, g, w_lo, w_hi);
+        load_group<WARPS>(wv, w_lo, w_hi, warp, t, chunks);
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
     // next kernel's launch does not wait for them
-    if (preloaded && finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
+    if (preloaded && finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, g, inputs);
     wait_for_previous_kernel();
-    if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, blockIdx.x, owner / 4, inputs);
+    if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, blockIdx.x, g, inputs);
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int lo, hi;
-        tile_rows<EPI>(a, tile, g, lo, hi);
-        const uint4* w_lo = w4 + (long long)min(lo, n - 1) * chunks;
-        const uint4* w_hi = w4 + (long long)min(hi, n - 1) * chunks;
+        const uint4 *w_lo, *w_hi;
+        tile_weights<EPI>(a, tile, g, w_lo, w_hi);
         if (tile != blockIdx.x && finisher) {  // in flight while the tile streams
-            load_metadata_inputs<EPI>(a, e_m, tile, owner / 4, inputs);
-            load_residual_inputs<EPI>(a, e_m, tile, owner / 4, inputs);
+            load_metadata_inputs<EPI>(a, e_m, tile, g, inputs);
+            load_residual_inputs<EPI>(a, e_m, tile, g, inputs);
         }
         float acc[NT][4];
 #pragma unroll
@@ -478,9 +484,9 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 
         // the next tile's first k steps: in flight while this tile's sums are reduced
         if (tile + gridDim.x < tiles) {
-            tile_rows<EPI>(a, tile + gridDim.x, g, lo, hi);
-            load_group<WARPS>(wv, w4 + (long long)min(lo, n - 1) * chunks,
-                       w4 + (long long)min(hi, n - 1) * chunks, warp, t, chunks);
+            const uint4 *next_lo, *next_hi;
+            tile_weights<EPI>(a, tile + gridDim.x, g, next_lo, next_hi);
+            load_group<WARPS>(wv, next_lo, next_hi, warp, t, chunks);
             preloaded = true;
         }
 
@@ -492,16 +498,16 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             for (int j = 0; j < 4; ++j)
                 part[((warp * NT + nt) * 4 + j) * WARP_SIZE + lane] = acc[nt][j];
         __syncthreads();
-        // fragment element j of lane `owner` in x tile nt: x row nt * 8 + 2 (owner % 4) +
-        // (j & 1), weight row lo(owner / 4) for j < 2, hi(owner / 4) for j >= 2
+        // fragment element j of this lane in x tile nt: x row nt * 8 + 2 t + (j & 1), weight
+        // row lo(g) for j < 2, hi(g) for j >= 2
         if (finisher) {
             float lo_sum = 0.0f, hi_sum = 0.0f;
 #pragma unroll
             for (int v = 0; v < WARPS; ++v) {
-                lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + owner];
-                hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + owner];
+                lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + lane];
+                hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + lane];
             }
-            finish<EPI>(a, e_m, tile, owner / 4, lo_sum, hi_sum, inputs);
+            finish<EPI>(a, e_m, tile, g, lo_sum, hi_sum, inputs);
         }
         buffer ^= 1;
     }

@@ -20,7 +20,7 @@ __device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* 
         const float v = load_f(x + row + i);
         sum_sq += v * v;
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / hidden + eps);
+    const float inv_rms = rms_inv(block_sum(sum_sq, scratch), hidden, eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         out[row + i] = to_bf16(load_f(x + row + i) * inv_rms * to_float(weight[i]));
 }

@@ -89,7 +89,7 @@ __device__ Selected select_by_count(SampleShared& sh, int n, Candidate is_candid
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) sh.count_hist[i] = 0;
         __syncthreads();
-        // the lanes of a warp go through the loop together (add_count is warp-wide)
+        // the lanes of a warp go through the loop together (digit_peers is warp-wide)
         for (int start = threadIdx.x - threadIdx.x % WARP_SIZE; start < n; start += blockDim.x) {
             const int i = start + threadIdx.x % WARP_SIZE;
             const bool candidate = i < n && is_candidate(i);
