@@ -1,25 +1,39 @@
 // Token sampling on the device: one CTA per sequence, only the chosen ids leave the GPU.
-// Launch: grid (B), block (SAMPLE_THREADS = 1024).
+// Launch: grid (B), block (SAMPLE_THREADS = 1024), dynamic shared memory slots * 8 *
+// SAMPLE_THREADS bytes (the candidate slots below; slots may be 0).
 //
 // Greedy (temperature <= 0): argmax, lowest index on ties. Otherwise, with
-// w_i = exp((logit_i - max) / temperature) (unnormalized probabilities, max 1), the same
-// filters and order as numpy_ops.filtered_probs:
+// w_i = exp((logit_i - max) / temperature) (unnormalized probabilities, max 1; NaN counts
+// as 0), the same filters and order as numpy_ops.filtered_probs:
 //   top-k  keep the k largest (ties broken by lower index), when 0 < k < vocab;
 //   top-p  among those, in descending order, keep a token while the mass of the tokens
 //          before it is < top_p (of the top-k mass), when top_p < 1;
 //   min-p  keep w_i >= min_p (that is p_i >= min_p * p_max).
 // Thresholds are found without sorting: radix select over the order-preserving 32-bit key
-// of each fp32 logit (four 8-bit passes over the row, counting or summing mass per digit).
-// A kept set is "key > threshold, or key == threshold and index <= last_index", which
-// handles ties exactly like a stable sort. The token is then drawn by inverse CDF with
-// u = hash(seed, step) in [0, 1) (splitmix64) over the kept tokens in a fixed order (thread
-// t's tokens t, t + 1024, ... in turn: coalesced reads), so a request's seed reproduces
-// its tokens whatever the batch.
+// of each fp32 logit (four 8-bit passes, counting or summing mass per digit). A kept set
+// is "key > threshold, or key == threshold and index <= last_index", which handles ties
+// exactly like a stable sort. The token is then drawn by inverse CDF with u = hash(seed,
+// step) in [0, 1) (splitmix64) over the kept tokens in a fixed order: thread t owns the
+// groups of four tokens g = t, t + 1024, ... (tokens 4g .. 4g + 3: 16-byte loads), the
+// order is thread by thread, each thread's tokens in increasing index. A request's seed
+// reproduces its tokens whatever the batch.
+//
+// Candidates. Tokens below max - CANDIDATE_CUT * temperature weigh less than e^-16 each,
+// and a real model's next-token distribution puts a few hundred tokens at most above
+// that. The pass that sums the row's mass also writes each thread's candidates (key,
+// index) to its own shared-memory slots, in its order. When every thread's candidates fit
+// and the filters can only keep candidates (top-k with at least k of them; top-p alone
+// with their mass above the target), every later pass reads the slots instead of the
+// row. The selections see the same candidate keys, with exact integer counts and masses,
+// and each thread's CDF sum adds the same weights in the same order, so the drawn token is
+// the one the passes over the whole row would draw (a GPU test runs both).
 
 #define SAMPLE_THREADS 1024
-#define ARGMAX_UNROLL 8  // 16-byte loads in flight per thread in the argmax pass
-#define CDF_UNROLL 8     // token weights computed together in the inverse-CDF walk
+#define ARGMAX_UNROLL 8    // 16-byte loads in flight per thread in the argmax pass
+#define SELECT_UNROLL 8    // a thread's elements loaded together in the later passes (2 groups)
 #define RADIX_BINS 256
+#define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
+#define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
 
 __device__ __forceinline__ unsigned int order_key(float f) {
     const unsigned int u = __float_as_uint(f == 0.0f ? 0.0f : f);  // -0 and +0 are equal
@@ -81,21 +95,84 @@ __device__ __forceinline__ void add_mass(unsigned long long* hist, unsigned peer
         atomicAdd(&hist[digit], ((unsigned long long)high << 21) + low);
 }
 
-// The rank-th largest key (1-based) among candidates i < n.
-template <typename Candidate, typename KeyOf>
-__device__ Selected select_by_count(SampleShared& sh, int n, Candidate is_candidate,
-                                    KeyOf key_of, unsigned int rank) {
+// SELECT_UNROLL of a thread's elements: their keys, token indices and whether they exist
+struct Elements {
+    unsigned int key[SELECT_UNROLL];
+    int index[SELECT_UNROLL];
+    bool valid[SELECT_UNROLL];
+};
+
+// The whole row: element r of thread t is token 4 g + r % 4 of group g = t + (r / 4) T.
+struct RowView {
+    const float* row;
+    int vocab;
+    bool aligned;    // the row starts at a 16-byte boundary
+    int per_thread;  // elements per thread (the same for every thread)
+
+    // elements r0 .. r0 + SELECT_UNROLL - 1 (r0 a multiple of SELECT_UNROLL); loads issue
+    // together
+    __device__ __forceinline__ void load(int r0, Elements& e) const {
+#pragma unroll
+        for (int h = 0; h < SELECT_UNROLL / 4; ++h) {
+            const int g = threadIdx.x + (r0 / 4 + h) * blockDim.x, first = 4 * g;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (aligned && first + 3 < vocab) {
+                const float4 q = reinterpret_cast<const float4*>(row)[g];
+                v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (first + j < vocab) v[j] = row[first + j];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                e.key[4 * h + j] = order_key(v[j]);
+                e.index[4 * h + j] = first + j;
+                e.valid[4 * h + j] = first + j < vocab;
+            }
+        }
+    }
+};
+
+// A thread's candidates in its shared-memory slots: slot r of thread t at r * T + t.
+struct SlotView {
+    const uint2* slots;  // (key, index)
+    int count;           // this thread's candidates
+    int per_thread;      // the most any thread has (the same for every thread)
+
+    __device__ __forceinline__ void load(int r0, Elements& e) const {
+#pragma unroll
+        for (int u = 0; u < SELECT_UNROLL; ++u) {
+            const int r = r0 + u;
+            const uint2 slot = r < count ? slots[r * blockDim.x + threadIdx.x] : make_uint2(0u, 0u);
+            e.key[u] = slot.x;
+            e.index[u] = (int)slot.y;
+            e.valid[u] = r < count;
+        }
+    }
+};
+
+// The rank-th largest key_of(key, index) (1-based) among the view's elements with
+// keep(key, index).
+template <typename View, typename Keep, typename KeyOf>
+__device__ Selected select_by_count(SampleShared& sh, const View& view, Keep keep, KeyOf key_of,
+                                    unsigned int rank) {
     unsigned int prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) sh.count_hist[i] = 0;
         __syncthreads();
-        // the lanes of a warp go through the loop together (digit_peers is warp-wide)
-        for (int start = threadIdx.x - threadIdx.x % WARP_SIZE; start < n; start += blockDim.x) {
-            const int i = start + threadIdx.x % WARP_SIZE;
-            const bool candidate = i < n && is_candidate(i);
-            const unsigned int key = candidate ? key_of(i) : 0u;
-            const int digit = (key >> shift) & 0xFF;
-            add_count(sh.count_hist, digit_peers(candidate && (key & mask) == prefix, digit), digit);
+        // every thread goes through the same loop (digit_peers is warp-wide)
+        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
+            Elements e;
+            view.load(r0, e);
+#pragma unroll
+            for (int u = 0; u < SELECT_UNROLL; ++u) {
+                const bool candidate = e.valid[u] && keep(e.key[u], e.index[u]);
+                const unsigned int key = candidate ? key_of(e.key[u], e.index[u]) : 0u;
+                const int digit = (key >> shift) & 0xFF;
+                add_count(sh.count_hist, digit_peers(candidate && (key & mask) == prefix, digit),
+                          digit);
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -119,11 +196,11 @@ __device__ Selected select_by_count(SampleShared& sh, int n, Candidate is_candid
     return result;
 }
 
-// The key where the descending cumulative mass of the candidates first reaches `target`:
-// mass(keys > key) < target <= mass(keys >= key).
-template <typename Candidate, typename KeyOf, typename WeightOf>
-__device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candidate,
-                                   KeyOf key_of, WeightOf weight_of, float target) {
+// The key where the descending cumulative mass of the view's elements with keep(key,
+// index) first reaches `target`: mass(keys > key) < target <= mass(keys >= key).
+template <typename View, typename Keep, typename WeightOf>
+__device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep,
+                                   WeightOf weight_of, float target) {
     unsigned int prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) {
@@ -131,18 +208,21 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
             sh.mass_hist[i] = 0ull;
         }
         __syncthreads();
-        for (int start = threadIdx.x - threadIdx.x % WARP_SIZE; start < n; start += blockDim.x) {
-            const int i = start + threadIdx.x % WARP_SIZE;
-            const bool candidate = i < n && is_candidate(i);
-            const unsigned int key = candidate ? key_of(i) : 0u;
-            const bool counted = candidate && (key & mask) == prefix;
-            const int digit = (key >> shift) & 0xFF;
-            const unsigned peers = digit_peers(counted, digit);
-            add_count(sh.count_hist, peers, digit);
-            // integer sums do not depend on the order the threads arrive in, so the same
-            // seed draws the same token every time (weights are at most 1)
-            add_mass(sh.mass_hist, peers, digit,
-                     counted ? (unsigned long long)__float2ull_rn(weight_of(i) * MASS_ONE) : 0ull);
+        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
+            Elements e;
+            view.load(r0, e);
+#pragma unroll
+            for (int u = 0; u < SELECT_UNROLL; ++u) {
+                const unsigned int key = e.key[u];
+                const bool counted = e.valid[u] && keep(key, e.index[u]) && (key & mask) == prefix;
+                const int digit = (key >> shift) & 0xFF;
+                const unsigned peers = digit_peers(counted, digit);
+                add_count(sh.count_hist, peers, digit);
+                // integer sums do not depend on the order the threads arrive in, so the
+                // same seed draws the same token every time (weights are at most 1)
+                add_mass(sh.mass_hist, peers, digit,
+                         counted ? (unsigned long long)__float2ull_rn(weight_of(key) * MASS_ONE) : 0ull);
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -185,14 +265,159 @@ __device__ Selected select_by_mass(SampleShared& sh, int n, Candidate is_candida
     return result;
 }
 
+// What the filters and the draw need besides the view.
+struct DrawInputs {
+    int vocab, top_k;
+    float top_p, min_p, max_logit, inv_temp;
+    float row_mass;        // the sum of every weight (block total)
+    float thread_mass;     // this thread's share of it, summed in its order
+    unsigned long long bits;  // the draw's random bits
+};
+
+// The filters, then the inverse-CDF draw over the kept elements of the view; returns the
+// token in the thread that owns the draw, -1 elsewhere.
+template <typename View>
+__device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInputs& in) {
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    auto weight_of = [&](unsigned int key) {
+        const float w = expf((key_to_float(key) - in.max_logit) * in.inv_temp);
+        return w >= 0.0f ? w : 0.0f;  // NaN: 0
+    };
+    auto every = [](unsigned int, int) { return true; };
+    auto own_key = [](unsigned int key, int) { return key; };
+    auto by_index = [](unsigned int, int i) { return ~(unsigned int)i; };  // lower index first
+
+    // top-k: keep key > k_key, or key == k_key and index <= k_last
+    unsigned int k_key = 0;
+    int k_last = in.vocab;
+    const bool top_k = in.top_k > 0 && in.top_k < in.vocab;
+    if (top_k) {
+        const Selected s = select_by_count(sh, view, every, own_key, (unsigned int)in.top_k);
+        k_key = s.key;
+        if (s.count_equal > s.rank) {  // a tie at the boundary: the lowest indices win
+            const Selected idx = select_by_count(
+                sh, view, [&](unsigned int key, int) { return key == k_key; }, by_index, s.rank);
+            k_last = (int)~idx.key;
+        }
+    }
+    auto in_top_k = [&](unsigned int key, int i) {
+        return key > k_key || (key == k_key && i <= k_last);
+    };
+
+    // top-p over the top-k set
+    unsigned int p_key = 0;
+    int p_last = in.vocab;
+    if (in.top_p < 1.0f) {
+        float mass = in.row_mass;
+        if (top_k) {
+            float own = 0.0f;
+            for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
+                Elements e;
+                view.load(r0, e);
+#pragma unroll
+                for (int u = 0; u < SELECT_UNROLL; ++u)
+                    if (e.valid[u] && in_top_k(e.key[u], e.index[u])) own += weight_of(e.key[u]);
+            }
+            mass = block_sum(own, sh.scratch);
+        }
+        const float target = fmaxf(in.top_p, 0.0f) * mass;
+        const Selected s = select_by_mass(sh, view, in_top_k, weight_of, target);
+        if (s.found) {
+            p_key = s.key;
+            // tokens with the threshold key, in index order, are kept while the mass before
+            // them (mass_above + j * w) is below the target
+            const float w = weight_of(p_key);
+            const float wanted = ceilf((target - s.mass_above) / w);
+            const unsigned int keep_equal =
+                wanted >= (float)s.count_equal ? s.count_equal : (unsigned int)fmaxf(wanted, 1.0f);
+            if (keep_equal < s.count_equal) {
+                const Selected idx = select_by_count(
+                    sh, view, [&](unsigned int key, int i) { return in_top_k(key, i) && key == p_key; },
+                    by_index, keep_equal);
+                p_last = (int)~idx.key;
+            }
+        }
+    }
+    auto kept_weight = [&](unsigned int key, int i) {
+        if (!in_top_k(key, i) || !(key > p_key || (key == p_key && i <= p_last))) return 0.0f;
+        const float w = weight_of(key);
+        return w >= in.min_p ? w : 0.0f;
+    };
+
+    // inverse CDF: this thread's kept mass, in its order (with no filter, the row's pass
+    // summed it already)
+    float chunk_mass = in.thread_mass;
+    if (top_k || in.top_p < 1.0f || in.min_p > 0.0f) {
+        chunk_mass = 0.0f;
+        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
+            Elements e;
+            view.load(r0, e);
+#pragma unroll
+            for (int u = 0; u < SELECT_UNROLL; ++u)
+                if (e.valid[u]) chunk_mass += kept_weight(e.key[u], e.index[u]);
+        }
+    }
+    // exclusive scan of the threads' masses into sh.prefix[0 .. blockDim.x]
+    float inclusive = chunk_mass;
+    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+        const float other = __shfl_up_sync(FULL_MASK, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    if (lane == WARP_SIZE - 1) sh.scratch[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int num_warps = blockDim.x / WARP_SIZE;
+        float total = lane < num_warps ? sh.scratch[lane] : 0.0f;
+        for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+            const float other = __shfl_up_sync(FULL_MASK, total, offset);
+            if (lane >= offset) total += other;
+        }
+        __syncwarp();
+        if (lane < num_warps) sh.scratch[lane] = total;  // inclusive warp totals
+    }
+    __syncthreads();
+    const float warp_offset = warp > 0 ? sh.scratch[warp - 1] : 0.0f;
+    sh.prefix[tid + 1] = warp_offset + inclusive;
+    if (tid == 0) sh.prefix[0] = 0.0f;
+    __syncthreads();
+
+    const float total = sh.prefix[blockDim.x];
+    const float target = (float)(in.bits >> 40) * (1.0f / 16777216.0f) * total;  // u in [0, 1)
+    const float lo = sh.prefix[tid], hi = sh.prefix[tid + 1];
+    // exactly one thread owns the target: ranges [lo, hi) tile [0, total); when rounding
+    // puts the target at or past the total, the last thread with mass owns it
+    if (!(lo < hi && lo <= target && (target < hi || hi >= total))) return -1;
+    // the same elements in the same order as chunk_mass
+    float cumulative = lo;
+    int chosen = -1;
+    bool reached = false;
+    for (int r0 = 0; r0 < view.per_thread && !reached; r0 += SELECT_UNROLL) {
+        Elements e;
+        view.load(r0, e);
+#pragma unroll
+        for (int u = 0; u < SELECT_UNROLL; ++u) {
+            const float w = e.valid[u] ? kept_weight(e.key[u], e.index[u]) : 0.0f;
+            if (reached || w <= 0.0f) continue;
+            chosen = e.index[u];
+            cumulative += w;
+            reached = cumulative > target;
+        }
+    }
+    return chosen;
+}
+
 // one CTA per SM is enough (min blocks 1): ptxas may then use up to 64 registers per
-// thread, which the argmax pass's loads in flight need (else it aims at 32 and spills)
+// thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
+// slots: candidate slots per thread in the dynamic shared memory (0: always the row);
+// used_slots (may be null): [B], 1 where the slots served the draw, else 0.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
         const int* __restrict__ top_k, const float* __restrict__ top_p,
         const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
-        const int* __restrict__ steps, int* __restrict__ out_tokens) {
+        const int* __restrict__ steps, int* __restrict__ out_tokens, int slots,
+        int* __restrict__ used_slots) {
     __shared__ SampleShared sh;
+    extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]
     const int b = blockIdx.x;
     const float* row = logits + (long long)b * vocab;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
@@ -203,7 +428,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     // elements in increasing index order, so `>` keeps its first maximum
     float best = neg_inf();
     int best_i = 0x7FFFFFFF;
-    const int vectors = ((unsigned long long)row & 15u) == 0 ? vocab / 4 : 0;
+    const bool aligned = ((unsigned long long)row & 15u) == 0;
+    const int vectors = aligned ? vocab / 4 : 0;
     const float4* row4 = reinterpret_cast<const float4*>(row);
     for (int first = tid; first < vectors; first += ARGMAX_UNROLL * blockDim.x) {
         float4 v[ARGMAX_UNROLL];
@@ -249,137 +475,62 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     }
     __syncthreads();
     const float temp = temperature[b];
+    if (used_slots != nullptr && tid == 0) used_slots[b] = 0;
     if (!(temp > 0.0f)) return;
-    const float max_logit = sh.scratch[0];
-    const float inv_temp = 1.0f / temp;
+    DrawInputs in;
+    in.vocab = vocab;
+    in.top_k = top_k[b];
+    in.top_p = top_p[b];
+    in.min_p = min_p[b];
+    in.max_logit = sh.scratch[0];
+    in.inv_temp = 1.0f / temp;
+    in.bits = splitmix64(splitmix64((unsigned long long)seeds[b]) ^
+                         (unsigned long long)(unsigned int)steps[b]);
     __syncthreads();  // sh.scratch is reused below
 
-    auto key_of = [&](int i) { return order_key(row[i]); };
-    auto weight_of_key = [&](unsigned int key) {
-        return expf((key_to_float(key) - max_logit) * inv_temp);
-    };
-    auto weight_of = [&](int i) { return expf((row[i] - max_logit) * inv_temp); };
-    auto every = [](int) { return true; };
-
-    // top-k: keep key > k_key, or key == k_key and index <= k_last
-    unsigned int k_key = 0;
-    int k_last = vocab;
-    const int k = top_k[b];
-    if (k > 0 && k < vocab) {
-        const Selected s = select_by_count(sh, vocab, every, key_of, (unsigned int)k);
-        k_key = s.key;
-        if (s.count_equal > s.rank) {  // a tie at the boundary: the lowest indices win
-            const Selected idx = select_by_count(
-                sh, vocab, [&](int i) { return key_of(i) == k_key; },
-                [](int i) { return ~(unsigned int)i; }, s.rank);
-            k_last = (int)~idx.key;
-        }
-    }
-    auto in_top_k = [&](int i) {
-        const unsigned int key = key_of(i);
-        return key > k_key || (key == k_key && i <= k_last);
-    };
-
-    // top-p over the top-k set
-    unsigned int p_key = 0;
-    int p_last = vocab;
-    const float p = top_p[b];
-    if (p < 1.0f) {
-        float mass = 0.0f;
-        for (int i = tid; i < vocab; i += blockDim.x)
-            if (in_top_k(i)) mass += weight_of(i);
-        const float target = fmaxf(p, 0.0f) * block_sum(mass, sh.scratch);
-        const Selected s = select_by_mass(sh, vocab, in_top_k, key_of, weight_of, target);
-        if (s.found) {
-            p_key = s.key;
-            // tokens with the threshold key, in index order, are kept while the mass before
-            // them (mass_above + j * w) is below the target
-            const float w = weight_of_key(p_key);
-            const float wanted = ceilf((target - s.mass_above) / w);
-            const unsigned int keep_equal =
-                wanted >= (float)s.count_equal ? s.count_equal : (unsigned int)fmaxf(wanted, 1.0f);
-            if (keep_equal < s.count_equal) {
-                const Selected idx = select_by_count(
-                    sh, vocab, [&](int i) { return in_top_k(i) && key_of(i) == p_key; },
-                    [](int i) { return ~(unsigned int)i; }, keep_equal);
-                p_last = (int)~idx.key;
+    // the row's pass: every weight summed in this thread's order, the candidates written
+    // to this thread's slots (counted past the slots, so an overflow is seen)
+    const RowView row_view = {row, vocab, aligned,
+                              4 * (((vocab + 3) / 4 + (int)blockDim.x - 1) / (int)blockDim.x)};
+    const unsigned int cut_key = order_key(in.max_logit - CANDIDATE_CUT * temp);
+    float mass = 0.0f, candidate_mass = 0.0f;
+    int candidates = 0;
+    for (int r0 = 0; r0 < row_view.per_thread; r0 += SELECT_UNROLL) {
+        Elements e;
+        row_view.load(r0, e);
+#pragma unroll
+        for (int u = 0; u < SELECT_UNROLL; ++u) {
+            if (!e.valid[u]) continue;
+            const float w = expf((key_to_float(e.key[u]) - in.max_logit) * in.inv_temp);
+            const float weight = w >= 0.0f ? w : 0.0f;  // as filter_and_draw's weight_of
+            mass += weight;
+            if (e.key[u] >= cut_key) {
+                candidate_mass += weight;
+                if (candidates < slots)
+                    candidate_slots[candidates * blockDim.x + tid] = make_uint2(e.key[u], (unsigned)e.index[u]);
+                ++candidates;
             }
         }
     }
-    const float mp = min_p[b];
-    auto kept_weight = [&](int i) {
-        const unsigned int key = key_of(i);
-        if (!in_top_k(i) || !(key > p_key || (key == p_key && i <= p_last))) return 0.0f;
-        const float w = weight_of(i);
-        return w >= mp ? w : 0.0f;
-    };
+    in.thread_mass = mass;
+    in.row_mass = block_sum(mass, sh.scratch);
+    const float all_candidate_mass = block_sum(candidate_mass, sh.scratch);
+    const float all_candidates = block_sum((float)candidates, sh.scratch);
+    const float most = block_max((float)candidates, sh.scratch);
 
-    // inverse CDF: thread t owns tokens t, t + blockDim.x, ... (its "chunk"; the order is
-    // thread by thread, each thread's tokens in increasing index)
-    // kept weights of CDF_UNROLL of this thread's tokens from `first` on, computed together
-    // (clamped indices, so their loads issue at once; 0 past the row)
-    auto kept_weights = [&](int first, float (&w)[CDF_UNROLL]) {
-#pragma unroll
-        for (int u = 0; u < CDF_UNROLL; ++u) {
-            const int i = first + u * blockDim.x;
-            w[u] = kept_weight(min(i, vocab - 1));
-            if (i >= vocab) w[u] = 0.0f;
-        }
-    };
-    float chunk_mass = 0.0f;
-    for (int first = tid; first < vocab; first += CDF_UNROLL * blockDim.x) {
-        float w[CDF_UNROLL];
-        kept_weights(first, w);
-#pragma unroll
-        for (int u = 0; u < CDF_UNROLL; ++u) chunk_mass += w[u];  // in index order
+    // the slots serve when they hold every candidate and the filters keep only candidates
+    const bool k_active = in.top_k > 0 && in.top_k < vocab;
+    const bool covered =
+        (k_active && all_candidates >= (float)in.top_k) ||
+        (!k_active && in.top_p < 1.0f &&
+         all_candidate_mass >= fmaxf(in.top_p, 0.0f) * in.row_mass * CANDIDATE_MARGIN);
+    int chosen;
+    if (most <= (float)slots && covered) {
+        if (used_slots != nullptr && tid == 0) used_slots[b] = 1;
+        const SlotView slot_view = {candidate_slots, candidates, (int)most};
+        chosen = filter_and_draw(sh, slot_view, in);
+    } else {
+        chosen = filter_and_draw(sh, row_view, in);
     }
-    // exclusive scan of chunk masses into sh.prefix[0 .. blockDim.x]
-    float inclusive = chunk_mass;
-    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-        const float other = __shfl_up_sync(FULL_MASK, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-    }
-    if (lane == WARP_SIZE - 1) sh.scratch[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        const int num_warps = blockDim.x / WARP_SIZE;
-        float total = lane < num_warps ? sh.scratch[lane] : 0.0f;
-        for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-            const float other = __shfl_up_sync(FULL_MASK, total, offset);
-            if (lane >= offset) total += other;
-        }
-        __syncwarp();
-        if (lane < num_warps) sh.scratch[lane] = total;  // inclusive warp totals
-    }
-    __syncthreads();
-    const float warp_offset = warp > 0 ? sh.scratch[warp - 1] : 0.0f;
-    sh.prefix[tid + 1] = warp_offset + inclusive;
-    if (tid == 0) sh.prefix[0] = 0.0f;
-    __syncthreads();
-
-    const float total = sh.prefix[blockDim.x];
-    const unsigned long long bits =
-        splitmix64(splitmix64((unsigned long long)seeds[b]) ^ (unsigned long long)(unsigned int)steps[b]);
-    const float target = (float)(bits >> 40) * (1.0f / 16777216.0f) * total;  // u in [0, 1)
-    const float lo = sh.prefix[tid], hi = sh.prefix[tid + 1];
-    // exactly one thread owns the target: ranges [lo, hi) tile [0, total); when rounding
-    // puts the target at or past the total, the last chunk with mass owns it
-    if (lo < hi && lo <= target && (target < hi || hi >= total)) {
-        // the same tokens in the same order as chunk_mass
-        float cumulative = lo;
-        int chosen = -1;
-        bool reached = false;
-        for (int first = tid; first < vocab && !reached; first += CDF_UNROLL * blockDim.x) {
-            float w[CDF_UNROLL];
-            kept_weights(first, w);
-#pragma unroll
-            for (int u = 0; u < CDF_UNROLL; ++u) {
-                if (reached || w[u] <= 0.0f) continue;
-                chosen = first + u * blockDim.x;
-                cumulative += w[u];
-                reached = cumulative > target;
-            }
-        }
-        if (chosen >= 0) out_tokens[b] = chosen;
-    }
+    if (chosen >= 0) out_tokens[b] = chosen;
 }

@@ -562,6 +562,70 @@ def test_filters_never_pick_a_filtered_token(cp, rng):
                 f"{support[b].sum()})")
 
 
+def peaked_logits(rng, rows, vocab):
+    """Rows shaped like a trained model's next-token logits: a wide low bulk and from a few
+    to a few hundred tokens near the top, some of them tied."""
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 1.5
+    for r in range(rows):
+        near = int(rng.integers(60, 400))
+        top = rng.choice(vocab, near, replace=False)
+        logits[r, top] = 25 + np.round(rng.exponential(2.0, near) * 4) / 4  # steps of 0.25: ties
+    return logits
+
+
+SLOT_CASES = [  # (temperature, top_k, top_p, min_p)
+    (0.6, 0, 0.9, 0.0), (0.8, 50, 0.9, 0.0), (1.0, 20, 1.0, 0.0), (0.7, 0, 0.5, 0.05),
+    (1.0, 3, 1.0, 0.0), (1.2, 0, 0.0, 0.0), (0.6, 0, 0.98, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SLOT_CASES)))
+def test_candidate_slots_draw_what_the_row_draws(cp, rng, case):
+    """The passes over the candidate slots pick the very token the passes over the whole row
+    pick, for every seed and step, and serve every row of a peaked batch."""
+    from cupy_llama.backends.cuda import sampling
+    temperature, top_k, top_p, min_p = SLOT_CASES[case]
+    num_seqs, vocab = 16, 128256
+    logits = cp.asarray(peaked_logits(rng, num_seqs, vocab))
+    seeds = cp.asarray(rng.integers(0, 2**64, num_seqs, dtype=np.uint64))
+    f32 = lambda v: cp.full(num_seqs, v, np.float32)
+    settings = (f32(temperature), cp.full(num_seqs, top_k, np.int32), f32(top_p), f32(min_p), seeds)
+    assert sampling.default_slots() > 0
+    for step in range(6):
+        steps = cp.full(num_seqs, step, np.int32)
+        drawn = {}
+        for slots in (None, 0):
+            out, used = cp.full(num_seqs, -1, np.int32), cp.full(num_seqs, -1, np.int32)
+            sampling.sample(logits, *settings, steps, out, slots=slots, used_slots=used)
+            drawn[slots] = cp.asnumpy(out)
+            assert (cp.asnumpy(used) == (1 if slots is None else 0)).all(), (slots, cp.asnumpy(used))
+        np.testing.assert_array_equal(drawn[None], drawn[0], err_msg=f"step {step}")
+
+
+def test_candidate_slots_step_aside_when_they_cannot_serve(cp, rng):
+    """Flat rows overflow the slots, a top-k larger than the candidates needs the whole row,
+    and greedy rows never use them: each still draws from the right set."""
+    from cupy_llama.backends.cuda import sampling
+    num_seqs, vocab = 3, 128256
+    logits = peaked_logits(rng, num_seqs, vocab)
+    logits[0] = rng.standard_normal(vocab) * 0.1  # flat: tens of thousands of candidates
+    temperature = np.array([1.0, 0.6, 0.0], np.float32)
+    top_k = np.array([0, 5000, 0], np.int32)
+    top_p = np.array([0.9, 1.0, 1.0], np.float32)
+    out, used = cp.full(num_seqs, -1, np.int32), cp.full(num_seqs, -1, np.int32)
+    sampling.sample(cp.asarray(logits), cp.asarray(temperature), cp.asarray(top_k),
+                    cp.asarray(top_p), cp.zeros(num_seqs, np.float32),
+                    cp.arange(num_seqs, dtype=np.uint64), cp.zeros(num_seqs, np.int32), out,
+                    used_slots=used)
+    np.testing.assert_array_equal(cp.asnumpy(used), [0, 0, 0])
+    tokens = cp.asnumpy(out)
+    for b in range(2):
+        support = filtered_probs(logits[b], float(temperature[b]), int(top_k[b]),
+                                 min(1.0, float(top_p[b]) + 1e-4), 0.0) > 0
+        assert support[tokens[b]], f"row {b}: token {tokens[b]} is filtered out"
+    assert tokens[2] == int(np.argmax(logits[2]))
+
+
 SMALL_VOCAB_CASES = [
     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     dict(temperature=0.7, top_k=12, top_p=1.0, min_p=0.0),
@@ -571,11 +635,13 @@ SMALL_VOCAB_CASES = [
 ]
 
 
+@pytest.mark.parametrize("slots", [None, 0])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("case", range(len(SMALL_VOCAB_CASES)))
-def test_sampling_distribution(cp, rng, case, ties):
+def test_sampling_distribution(cp, rng, case, ties, slots):
     """Many seeds on one small-vocabulary row: the token frequencies match filtered_probs
-    (tokens outside its support never appear; chi-square over the support)."""
+    (tokens outside its support never appear; chi-square over the support), with the
+    candidate slots (every token of this row is a candidate) and without."""
     from cupy_llama.backends.cuda import sampling
     params = SMALL_VOCAB_CASES[case]
     vocab, draws = 40, 40000
@@ -590,7 +656,7 @@ def test_sampling_distribution(cp, rng, case, ties):
                     f32(params["temperature"]), cp.full(draws, params["top_k"], np.int32),
                     f32(params["top_p"]), f32(params["min_p"]),
                     cp.asarray(rng.integers(0, 2**64, draws, dtype=np.uint64)),
-                    cp.zeros(draws, np.int32), out)
+                    cp.zeros(draws, np.int32), out, slots=slots)
     tokens = cp.asnumpy(out)
     counts = np.bincount(tokens, minlength=vocab)
     assert counts.size == vocab, f"token ids out of range: max {tokens.max()}"

@@ -3,22 +3,49 @@ from __future__ import annotations
 
 import numpy as np
 
+from .device import device_limits
 from .kernels import F32, I32, check, get_kernel, i32
 
 THREADS = 1024  # sampling.cu: SAMPLE_THREADS
 U64 = np.dtype(np.uint64)
+# Candidate slots per thread (sampling.cu, "Candidates"): 8 bytes per slot and thread, so
+# 8 slots take 64 KiB of shared memory and hold up to 8,192 candidates, with room for
+# more than eight times the mean in any one thread when a row has 1,000 of them.
+SLOTS = 8
+SLOT_BYTES = 8 * THREADS
+STATIC_SHARED = 8 * 1024  # sampling.cu's SampleShared (7,456 bytes on sm_90), rounded up
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens):
+def default_slots() -> int:
+    """SLOTS, or as many as the device's shared memory per block holds."""
+    room = device_limits()["max_shared_per_block"] - STATIC_SHARED
+    return max(0, min(SLOTS, room // SLOT_BYTES))
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, slots=None,
+           used_slots=None):
     """logits [B, V] float32; per-sequence settings [B] (float32 temperature / top_p /
-    min_p, int32 top_k / steps, uint64 seeds) -> out_tokens [B] int32, on the device."""
+    min_p, int32 top_k / steps, uint64 seeds) -> out_tokens [B] int32, on the device.
+    slots: candidate slots per thread (default_slots(); 0 makes every pass read the whole
+    row, which draws the same tokens); used_slots: None or [B] int32, set to 1 where the
+    candidate slots served the draw."""
     num_seqs, vocab = check("logits", logits, F32, ndim=2).shape
     for name, array, dtype in (("temperature", temperature, F32), ("top_k", top_k, I32),
                                ("top_p", top_p, F32), ("min_p", min_p, F32),
                                ("seeds", seeds, U64), ("steps", steps, I32),
                                ("out_tokens", out_tokens, I32)):
         check(name, array, dtype, shape=(num_seqs,))
-    if num_seqs:
-        get_kernel("sampling", "sample_kernel")(
-            (num_seqs,), (THREADS,),
-            (logits, i32(vocab), temperature, top_k, top_p, min_p, seeds, steps, out_tokens))
+    if used_slots is not None:
+        check("used_slots", used_slots, I32, shape=(num_seqs,))
+    slots = default_slots() if slots is None else int(slots)
+    if slots < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
+    if not num_seqs:
+        return
+    kernel = get_kernel("sampling", "sample_kernel")
+    shared = slots * SLOT_BYTES
+    if shared + STATIC_SHARED > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    kernel((num_seqs,), (THREADS,),
+           (logits, i32(vocab), temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
+            i32(slots), used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)
