@@ -30,8 +30,11 @@
 
 #define SAMPLE_THREADS 1024
 #define ARGMAX_UNROLL 8    // 16-byte loads in flight per thread in the argmax pass
-#define SELECT_UNROLL 8    // a thread's elements loaded together in the later passes (2 groups)
+#define SELECT_UNROLL 8    // a thread's elements loaded together in the radix passes (2 groups)
+#define ROW_GROUPS 4       // groups of 4 loaded together in the row's mass pass (4 16-byte loads)
+#define CDF_UNROLL 16      // a thread's elements loaded together in the draw's passes
 #define RADIX_BINS 256
+#define LOG2_E 1.4426950408889634f
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
 #define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
 
@@ -55,7 +58,8 @@ struct Selected {
     unsigned int key;          // the selected key
     unsigned int rank;         // rank still wanted among the candidates with that key
     unsigned int count_equal;  // candidates with that key
-    float mass_above;          // (mass select) mass of candidates with larger keys
+    unsigned long long mass_above;  // (mass select) mass of candidates with larger keys
+                                    // (fixed point, MASS_ONE)
     bool found;                // (mass select) false: the target was never reached
 };
 
@@ -65,6 +69,7 @@ struct SampleShared {
     unsigned int count_hist[RADIX_BINS];
     unsigned long long mass_hist[RADIX_BINS];  // fixed point (MASS_ONE): order-free sums
     float scratch[WARP_SIZE];
+    float totals[WARP_SIZE][4];
     float prefix[SAMPLE_THREADS + 1];
     int best_index[WARP_SIZE];
     Selected selected;
@@ -95,11 +100,19 @@ __device__ __forceinline__ void add_mass(unsigned long long* hist, unsigned peer
         atomicAdd(&hist[digit], ((unsigned long long)high << 21) + low);
 }
 
-// SELECT_UNROLL of a thread's elements: their keys, token indices and whether they exist
+// A token's weight exp((logit - max) / temperature), as 2^((logit - max) * log2_scale)
+// (one multiply and the hardware's exp2); NaN counts as 0. Every pass computes it here.
+__device__ __forceinline__ float weight_of_logit(float logit, float max_logit, float log2_scale) {
+    const float w = exp2f((logit - max_logit) * log2_scale);
+    return w >= 0.0f ? w : 0.0f;
+}
+
+// U of a thread's elements: their keys, token indices and whether they exist
+template <int U>
 struct Elements {
-    unsigned int key[SELECT_UNROLL];
-    int index[SELECT_UNROLL];
-    bool valid[SELECT_UNROLL];
+    unsigned int key[U];
+    int index[U];
+    bool valid[U];
 };
 
 // The whole row: element r of thread t is token 4 g + r % 4 of group g = t + (r / 4) T.
@@ -109,28 +122,42 @@ struct RowView {
     bool aligned;    // the row starts at a 16-byte boundary
     int per_thread;  // elements per thread (the same for every thread)
 
-    // elements r0 .. r0 + SELECT_UNROLL - 1 (r0 a multiple of SELECT_UNROLL); loads issue
+    // the values of this thread's groups q0 .. q0 + G - 1 (0 past the row); loads issue
     // together
-    __device__ __forceinline__ void load(int r0, Elements& e) const {
+    template <int G>
+    __device__ __forceinline__ void load_values(int q0, float (&v)[G][4]) const {
 #pragma unroll
-        for (int h = 0; h < SELECT_UNROLL / 4; ++h) {
-            const int g = threadIdx.x + (r0 / 4 + h) * blockDim.x, first = 4 * g;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int h = 0; h < G; ++h) {
+            const int g = threadIdx.x + (q0 + h) * blockDim.x, first = 4 * g;
             if (aligned && first + 3 < vocab) {
                 const float4 q = reinterpret_cast<const float4*>(row)[g];
-                v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+                v[h][0] = q.x; v[h][1] = q.y; v[h][2] = q.z; v[h][3] = q.w;
             } else {
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (first + j < vocab) v[j] = row[first + j];
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                e.key[4 * h + j] = order_key(v[j]);
-                e.index[4 * h + j] = first + j;
-                e.valid[4 * h + j] = first + j < vocab;
+                for (int j = 0; j < 4; ++j) v[h][j] = first + j < vocab ? row[first + j] : 0.0f;
             }
         }
+    }
+
+    // token index of element j of this thread's group q
+    __device__ __forceinline__ int index_of(int q, int j) const {
+        return 4 * (threadIdx.x + q * blockDim.x) + j;
+    }
+
+    // elements r0 .. r0 + U - 1 (r0 a multiple of U, U of 4)
+    template <int U>
+    __device__ __forceinline__ void load(int r0, Elements<U>& e) const {
+        float v[U / 4][4];
+        load_values<U / 4>(r0 / 4, v);
+#pragma unroll
+        for (int h = 0; h < U / 4; ++h)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = index_of(r0 / 4 + h, j);
+                e.key[4 * h + j] = order_key(v[h][j]);
+                e.index[4 * h + j] = i;
+                e.valid[4 * h + j] = i < vocab;
+            }
     }
 };
 
@@ -140,9 +167,10 @@ struct SlotView {
     int count;           // this thread's candidates
     int per_thread;      // the most any thread has (the same for every thread)
 
-    __device__ __forceinline__ void load(int r0, Elements& e) const {
+    template <int U>
+    __device__ __forceinline__ void load(int r0, Elements<U>& e) const {
 #pragma unroll
-        for (int u = 0; u < SELECT_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int r = r0 + u;
             const uint2 slot = r < count ? slots[r * blockDim.x + threadIdx.x] : make_uint2(0u, 0u);
             e.key[u] = slot.x;
@@ -151,6 +179,53 @@ struct SlotView {
         }
     }
 };
+
+// Run by the 32 lanes of warp 0 on a histogram of RADIX_BINS bins, scanned from the top
+// digit down: the first digit with a nonzero bin where base + the bins down to it reach
+// target; `above` gets base + the bins above that digit. Lane l adds digits 255 - 8 l down
+// to 248 - 8 l, a scan over the lanes gives each lane what lies above it, and the lane
+// that reaches the target walks its eight bins. Not reached: the lowest digit with a
+// nonzero bin, reached false; -1 if every bin is 0. Every lane gets the result.
+template <typename T>
+__device__ __forceinline__ int find_digit(const T* hist, T base, T target, T& above,
+                                          bool& reached) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    constexpr int PER_LANE = RADIX_BINS / WARP_SIZE;
+    T bins[PER_LANE];
+    T block = 0;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+        bins[j] = hist[RADIX_BINS - 1 - PER_LANE * lane - j];
+        block += bins[j];
+    }
+    T inclusive = block;
+    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+        const T other = __shfl_up_sync(FULL_MASK, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    const T before = base + (inclusive - block);  // base + the bins of the lanes above
+    const unsigned hits = __ballot_sync(FULL_MASK, block > 0 && before + block >= target);
+    const unsigned nonzero = __ballot_sync(FULL_MASK, block > 0);
+    reached = hits != 0u;
+    above = base;
+    if (nonzero == 0u) return -1;
+    const int owner = reached ? __ffs(hits) - 1 : WARP_SIZE - 1 - __clz(nonzero);
+    int digit = -1;
+    T run = before, digit_above = before;
+    if (lane == owner) {
+#pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {
+            if (bins[j] == 0 || (reached && digit >= 0)) continue;
+            if (!reached || run + bins[j] >= target) {  // not reached: the last nonzero bin
+                digit = RADIX_BINS - 1 - PER_LANE * lane - j;
+                digit_above = run;
+            }
+            run += bins[j];
+        }
+    }
+    above = __shfl_sync(FULL_MASK, digit_above, owner);
+    return __shfl_sync(FULL_MASK, digit, owner);
+}
 
 // The rank-th largest key_of(key, index) (1-based) among the view's elements with
 // keep(key, index).
@@ -163,7 +238,7 @@ __device__ Selected select_by_count(SampleShared& sh, const View& view, Keep kee
         __syncthreads();
         // every thread goes through the same loop (digit_peers is warp-wide)
         for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-            Elements e;
+            Elements<SELECT_UNROLL> e;
             view.load(r0, e);
 #pragma unroll
             for (int u = 0; u < SELECT_UNROLL; ++u) {
@@ -175,16 +250,19 @@ __device__ Selected select_by_count(SampleShared& sh, const View& view, Keep kee
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned int above = 0;
-            int digit = RADIX_BINS - 1;
-            for (; digit > 0; --digit) {
-                if (above + sh.count_hist[digit] >= rank) break;
-                above += sh.count_hist[digit];
+        if (threadIdx.x < WARP_SIZE) {
+            unsigned int above;
+            bool reached;
+            int digit = find_digit<unsigned int>(sh.count_hist, 0u, rank, above, reached);
+            if (!reached) {  // fewer candidates than rank (never, for the callers' ranks)
+                digit = max(digit, 0);
+                above = 0;
             }
-            sh.selected.key = prefix | ((unsigned int)digit << shift);
-            sh.selected.rank = rank - above;
-            sh.selected.count_equal = sh.count_hist[digit];
+            if (threadIdx.x == 0) {
+                sh.selected.key = prefix | ((unsigned int)digit << shift);
+                sh.selected.rank = rank - above;
+                sh.selected.count_equal = sh.count_hist[digit];
+            }
         }
         __syncthreads();
         prefix = sh.selected.key;
@@ -201,6 +279,7 @@ __device__ Selected select_by_count(SampleShared& sh, const View& view, Keep kee
 template <typename View, typename Keep, typename WeightOf>
 __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep,
                                    WeightOf weight_of, float target) {
+    const unsigned long long target_fixed = __float2ull_rn(fmaxf(target, 0.0f) * MASS_ONE);
     unsigned int prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) {
@@ -209,7 +288,7 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
         }
         __syncthreads();
         for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-            Elements e;
+            Elements<SELECT_UNROLL> e;
             view.load(r0, e);
 #pragma unroll
             for (int u = 0; u < SELECT_UNROLL; ++u) {
@@ -225,32 +304,25 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            // scan digits from the largest; the first one whose mass reaches the target is
-            // chosen. If float rounding keeps the target out of reach inside the range
-            // narrowed by an earlier pass, the range's last digit with mass is chosen.
-            float above = shift == 24 ? 0.0f : sh.selected.mass_above;
-            float above_chosen = above;
-            int chosen = -1;
-            bool reached = false;
-            for (int digit = RADIX_BINS - 1; digit >= 0; --digit) {
-                const float mass = (float)sh.mass_hist[digit] * (1.0f / MASS_ONE);
-                if (!(mass > 0.0f)) continue;
-                chosen = digit;
-                above_chosen = above;
-                if (above + mass >= target) {
-                    reached = true;
-                    break;
-                }
-                above += mass;
-            }
+        if (threadIdx.x < WARP_SIZE) {
+            // the first digit from the largest whose mass reaches the target (exact fixed
+            // point sums). If the target is out of reach inside the range narrowed by an
+            // earlier pass (the fixed-point weights round), the range's last digit with
+            // mass is chosen.
+            unsigned long long above;
+            bool reached;
+            const int chosen = find_digit<unsigned long long>(
+                sh.mass_hist, shift == 24 ? 0ull : sh.selected.mass_above, target_fixed, above,
+                reached);
             // not reached on the first pass: the candidates hold less mass than the
             // target (top_p rounding to about 1), so nothing is cut
-            sh.selected.found = chosen >= 0 && (reached || shift != 24);
-            if (sh.selected.found) {
-                sh.selected.key = prefix | ((unsigned int)chosen << shift);
-                sh.selected.mass_above = above_chosen;
-                sh.selected.count_equal = sh.count_hist[chosen];
+            if (threadIdx.x == 0) {
+                sh.selected.found = chosen >= 0 && (reached || shift != 24);
+                if (sh.selected.found) {
+                    sh.selected.key = prefix | ((unsigned int)chosen << shift);
+                    sh.selected.mass_above = above;
+                    sh.selected.count_equal = sh.count_hist[chosen];
+                }
             }
         }
         __syncthreads();
@@ -265,10 +337,31 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
     return result;
 }
 
+// Block sums of v[0], v[1], v[2] and the block maximum of v[3] in one exchange, in a
+// fixed order (every thread gets them). Every thread of the block must call it.
+__device__ __forceinline__ void block_totals(SampleShared& sh, float (&v)[4]) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int num_warps = blockDim.x / WARP_SIZE;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) v[j] = warp_sum(v[j]);
+    v[3] = warp_max(v[3]);
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sh.totals[warp][j] = v[j];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        v[j] = lane < num_warps ? sh.totals[lane][j] : (j < 3 ? 0.0f : neg_inf());
+#pragma unroll
+    for (int j = 0; j < 3; ++j) v[j] = warp_sum(v[j]);
+    v[3] = warp_max(v[3]);
+}
+
 // What the filters and the draw need besides the view.
 struct DrawInputs {
     int vocab, top_k;
-    float top_p, min_p, max_logit, inv_temp;
+    float top_p, min_p, max_logit;
+    float log2_scale;      // log2(e) / temperature
     float row_mass;        // the sum of every weight (block total)
     float thread_mass;     // this thread's share of it, summed in its order
     unsigned long long bits;  // the draw's random bits
@@ -280,8 +373,7 @@ template <typename View>
 __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInputs& in) {
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     auto weight_of = [&](unsigned int key) {
-        const float w = expf((key_to_float(key) - in.max_logit) * in.inv_temp);
-        return w >= 0.0f ? w : 0.0f;  // NaN: 0
+        return weight_of_logit(key_to_float(key), in.max_logit, in.log2_scale);
     };
     auto every = [](unsigned int, int) { return true; };
     auto own_key = [](unsigned int key, int) { return key; };
@@ -311,11 +403,11 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
         float mass = in.row_mass;
         if (top_k) {
             float own = 0.0f;
-            for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-                Elements e;
+            for (int r0 = 0; r0 < view.per_thread; r0 += CDF_UNROLL) {
+                Elements<CDF_UNROLL> e;
                 view.load(r0, e);
 #pragma unroll
-                for (int u = 0; u < SELECT_UNROLL; ++u)
+                for (int u = 0; u < CDF_UNROLL; ++u)
                     if (e.valid[u] && in_top_k(e.key[u], e.index[u])) own += weight_of(e.key[u]);
             }
             mass = block_sum(own, sh.scratch);
@@ -327,7 +419,7 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
             // tokens with the threshold key, in index order, are kept while the mass before
             // them (mass_above + j * w) is below the target
             const float w = weight_of(p_key);
-            const float wanted = ceilf((target - s.mass_above) / w);
+            const float wanted = ceilf((target - (float)s.mass_above * (1.0f / MASS_ONE)) / w);
             const unsigned int keep_equal =
                 wanted >= (float)s.count_equal ? s.count_equal : (unsigned int)fmaxf(wanted, 1.0f);
             if (keep_equal < s.count_equal) {
@@ -349,11 +441,11 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     float chunk_mass = in.thread_mass;
     if (top_k || in.top_p < 1.0f || in.min_p > 0.0f) {
         chunk_mass = 0.0f;
-        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-            Elements e;
+        for (int r0 = 0; r0 < view.per_thread; r0 += CDF_UNROLL) {
+            Elements<CDF_UNROLL> e;
             view.load(r0, e);
 #pragma unroll
-            for (int u = 0; u < SELECT_UNROLL; ++u)
+            for (int u = 0; u < CDF_UNROLL; ++u)
                 if (e.valid[u]) chunk_mass += kept_weight(e.key[u], e.index[u]);
         }
     }
@@ -391,11 +483,11 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     float cumulative = lo;
     int chosen = -1;
     bool reached = false;
-    for (int r0 = 0; r0 < view.per_thread && !reached; r0 += SELECT_UNROLL) {
-        Elements e;
+    for (int r0 = 0; r0 < view.per_thread && !reached; r0 += CDF_UNROLL) {
+        Elements<CDF_UNROLL> e;
         view.load(r0, e);
 #pragma unroll
-        for (int u = 0; u < SELECT_UNROLL; ++u) {
+        for (int u = 0; u < CDF_UNROLL; ++u) {
             const float w = e.valid[u] ? kept_weight(e.key[u], e.index[u]) : 0.0f;
             if (reached || w <= 0.0f) continue;
             chosen = e.index[u];
@@ -483,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     in.top_p = top_p[b];
     in.min_p = min_p[b];
     in.max_logit = sh.scratch[0];
-    in.inv_temp = 1.0f / temp;
+    in.log2_scale = LOG2_E / temp;
     in.bits = splitmix64(splitmix64((unsigned long long)seeds[b]) ^
                          (unsigned long long)(unsigned int)steps[b]);
     __syncthreads();  // sh.scratch is reused below
@@ -495,28 +587,32 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     const unsigned int cut_key = order_key(in.max_logit - CANDIDATE_CUT * temp);
     float mass = 0.0f, candidate_mass = 0.0f;
     int candidates = 0;
-    for (int r0 = 0; r0 < row_view.per_thread; r0 += SELECT_UNROLL) {
-        Elements e;
-        row_view.load(r0, e);
+    for (int q0 = 0; q0 < row_view.per_thread / 4; q0 += ROW_GROUPS) {
+        float v[ROW_GROUPS][4];
+        row_view.load_values(q0, v);
 #pragma unroll
-        for (int u = 0; u < SELECT_UNROLL; ++u) {
-            if (!e.valid[u]) continue;
-            const float w = expf((key_to_float(e.key[u]) - in.max_logit) * in.inv_temp);
-            const float weight = w >= 0.0f ? w : 0.0f;  // as filter_and_draw's weight_of
-            mass += weight;
-            if (e.key[u] >= cut_key) {
-                candidate_mass += weight;
-                if (candidates < slots)
-                    candidate_slots[candidates * blockDim.x + tid] = make_uint2(e.key[u], (unsigned)e.index[u]);
-                ++candidates;
+        for (int h = 0; h < ROW_GROUPS; ++h)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = row_view.index_of(q0 + h, j);
+                if (i >= vocab) continue;
+                const unsigned int key = order_key(v[h][j]);
+                // filter_and_draw's weight_of (key_to_float(key) is v, or +0 for -0)
+                const float weight = weight_of_logit(v[h][j], in.max_logit, in.log2_scale);
+                mass += weight;
+                if (key >= cut_key) {
+                    candidate_mass += weight;
+                    if (candidates < slots)
+                        candidate_slots[candidates * blockDim.x + tid] = make_uint2(key, (unsigned)i);
+                    ++candidates;
+                }
             }
-        }
     }
     in.thread_mass = mass;
-    in.row_mass = block_sum(mass, sh.scratch);
-    const float all_candidate_mass = block_sum(candidate_mass, sh.scratch);
-    const float all_candidates = block_sum((float)candidates, sh.scratch);
-    const float most = block_max((float)candidates, sh.scratch);
+    float totals[4] = {mass, candidate_mass, (float)candidates, (float)candidates};
+    block_totals(sh, totals);
+    in.row_mass = totals[0];
+    const float all_candidate_mass = totals[1], all_candidates = totals[2], most = totals[3];
 
     // the slots serve when they hold every candidate and the filters keep only candidates
     const bool k_active = in.top_k > 0 && in.top_k < vocab;
