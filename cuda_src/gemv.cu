@@ -260,6 +260,23 @@ __device__ __forceinline__ void tile_weights(const SkinnyArgs& a, int tile, int 
     w_hi = w4 + (long long)min(hi, a.n - 1) * chunks;
 }
 
+// Bulk prefetch into L2 (sm_90; nothing before) of k columns [k_from, K) of a tile's 16
+// weight rows: threads 0-15 take one row each (rows past n: row n - 1). No registers or
+// shared memory hold them: the register loads of that part later find them in L2, so the
+// block's weight stream runs a tile ahead of its register loads.
+template <int EPI>
+__device__ __forceinline__ void prefetch_tile(const SkinnyArgs& a, int tile, int k_from) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x >= SKINNY_TILE || k_from >= a.k) return;
+    int lo, hi;
+    tile_rows<EPI>(a, tile, threadIdx.x % 8, lo, hi);
+    const long long row = min(threadIdx.x < 8 ? lo : hi, a.n - 1);
+    const bf16* start = a.w + row * a.k + k_from;
+    const unsigned bytes = (unsigned)(a.k - k_from) * 2u;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(start), "r"(bytes) : "memory");
+#endif
+}
+
 // x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks. x was
 // written by the kernel before, which may have been running when this one started: it is
 // read at L2 (ld.global.cg), never through a cache this SM filled earlier.
@@ -437,6 +454,9 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         const uint4 *w_lo, *w_hi;
         tile_weights<EPI>(a, blockIdx.x, g, w_lo, w_hi);
         load_group<WARPS>(wv, w_lo, w_hi, warp, t, chunks);
+        // the rest of the first tile and the block's next tile stream into L2 meanwhile
+        prefetch_tile<EPI>(a, blockIdx.x, WARPS * SKINNY_UNROLL * SKINNY_STEP);
+        if (blockIdx.x + gridDim.x < tiles) prefetch_tile<EPI>(a, blockIdx.x + gridDim.x, 0);
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
@@ -455,6 +475,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             load_metadata_inputs<EPI>(a, e_m, tile, g, inputs);
             load_residual_inputs<EPI>(a, e_m, tile, g, inputs);
         }
+        if (tile != blockIdx.x && tile + gridDim.x < tiles) prefetch_tile<EPI>(a, tile + gridDim.x, 0);
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
