@@ -19,8 +19,8 @@
 // reproduces its tokens whatever the batch.
 //
 // Candidates. Tokens below max - CANDIDATE_CUT * temperature weigh less than e^-16 each,
-// and a real model's next-token distribution puts a few hundred tokens at most above
-// that. The pass that sums the row's mass also writes each thread's candidates (key,
+// and a trained model's next-token distribution puts few tokens above that (SmolLM2-135M-
+// Instruct at temperature 0.6 over 184 chat steps: a median of 282, at most 6,539). The pass that sums the row's mass also writes each thread's candidates (key,
 // index) to its own shared-memory slots, in its order. When every thread's candidates fit
 // and the filters can only keep candidates (top-k with at least k of them; top-p alone
 // with their mass above the target), every later pass reads the slots instead of the
