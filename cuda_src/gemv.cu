@@ -260,19 +260,20 @@ __device__ __forceinline__ void tile_weights(const SkinnyArgs& a, int tile, int 
     w_hi = w4 + (long long)min(hi, a.n - 1) * chunks;
 }
 
-// Bulk prefetch into L2 (sm_90; nothing before) of k columns [k_from, K) of a tile's 16
-// weight rows: threads 0-15 take one row each (rows past n: row n - 1). No registers or
-// shared memory hold them: the register loads of that part later find them in L2, so the
-// block's weight stream runs a tile ahead of its register loads.
+// Bulk prefetch into L2 (sm_90; nothing before) of k columns [k_from, k_from + group_k)
+// (at most to K) of a tile's 16 weight rows: threads 0-15 take one row each (rows past n:
+// row n - 1). No registers or shared memory hold them: the register loads of that part
+// later find them in L2. One group of k steps at most, as much as the registers hold.
 template <int EPI>
-__device__ __forceinline__ void prefetch_tile(const SkinnyArgs& a, int tile, int k_from) {
+__device__ __forceinline__ void prefetch_group(const SkinnyArgs& a, int tile, int k_from,
+                                               int group_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x >= SKINNY_TILE || k_from >= a.k) return;
     int lo, hi;
     tile_rows<EPI>(a, tile, threadIdx.x % 8, lo, hi);
     const long long row = min(threadIdx.x < 8 ? lo : hi, a.n - 1);
     const bf16* start = a.w + row * a.k + k_from;
-    const unsigned bytes = (unsigned)(a.k - k_from) * 2u;
+    const unsigned bytes = (unsigned)(min(a.k, k_from + group_k) - k_from) * 2u;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(start), "r"(bytes) : "memory");
 #endif
 }
@@ -454,9 +455,11 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         const uint4 *w_lo, *w_hi;
         tile_weights<EPI>(a, blockIdx.x, g, w_lo, w_hi);
         load_group<WARPS>(wv, w_lo, w_hi, warp, t, chunks);
-        // the rest of the first tile and the block's next tile stream into L2 meanwhile
-        prefetch_tile<EPI>(a, blockIdx.x, WARPS * SKINNY_UNROLL * SKINNY_STEP);
-        if (blockIdx.x + gridDim.x < tiles) prefetch_tile<EPI>(a, blockIdx.x + gridDim.x, 0);
+        // the next group of k steps streams into L2 meanwhile: the first tile's second
+        // group, or where one group holds a whole tile, the block's next tile
+        constexpr int GROUP_K = WARPS * SKINNY_UNROLL * SKINNY_STEP;
+        if (GROUP_K < a.k) prefetch_group<EPI>(a, blockIdx.x, GROUP_K, GROUP_K);
+        else if (blockIdx.x + gridDim.x < tiles) prefetch_group<EPI>(a, blockIdx.x + gridDim.x, 0, GROUP_K);
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
@@ -475,7 +478,6 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             load_metadata_inputs<EPI>(a, e_m, tile, g, inputs);
             load_residual_inputs<EPI>(a, e_m, tile, g, inputs);
         }
-        if (tile != blockIdx.x && tile + gridDim.x < tiles) prefetch_tile<EPI>(a, tile + gridDim.x, 0);
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
