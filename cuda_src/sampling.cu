@@ -621,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         (!k_active && in.top_p < 1.0f &&
          all_candidate_mass >= fmaxf(in.top_p, 0.0f) * in.row_mass * CANDIDATE_MARGIN);
     int chosen;
-    if (most <= (float)slots && covered) {
+    if (slots > 0 && most <= (float)slots && covered) {
         if (used_slots != nullptr && tid == 0) used_slots[b] = 1;
         const SlotView slot_view = {candidate_slots, candidates, (int)most};
         chosen = filter_and_draw(sh, slot_view, in);

@@ -653,12 +653,15 @@ def test_sampling_distribution(cp, rng, case, ties, slots):
     expected = filtered_probs(logits, params["temperature"], params["top_k"], params["top_p"],
                               params["min_p"])
     f32 = lambda v: cp.full(draws, v, np.float32)
-    out = cp.full(draws, -1, np.int32)
+    out, used = cp.full(draws, -1, np.int32), cp.full(draws, -1, np.int32)
     sampling.sample(cp.asarray(np.broadcast_to(logits, (draws, vocab)).copy()),
                     f32(params["temperature"]), cp.full(draws, params["top_k"], np.int32),
                     f32(params["top_p"]), f32(params["min_p"]),
                     cp.asarray(rng.integers(0, 2**64, draws, dtype=np.uint64)),
-                    cp.zeros(draws, np.int32), out, slots=slots)
+                    cp.zeros(draws, np.int32), out, slots=slots, used_slots=used)
+    # every token of this row is a candidate: the slots serve top-k and top-p draws
+    filtered = params["top_k"] > 0 or params["top_p"] < 1
+    assert (cp.asnumpy(used) == int(slots is None and filtered)).all()
     tokens = cp.asnumpy(out)
     counts = np.bincount(tokens, minlength=vocab)
     assert counts.size == vocab, f"token ids out of range: max {tokens.max()}"

@@ -39,8 +39,10 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
     if used_slots is not None:
         check("used_slots", used_slots, I32, shape=(num_seqs,))
     slots = default_slots() if slots is None else int(slots)
-    if slots < 0:
-        raise ValueError(f"slots must be >= 0, got {slots}")
+    room = (device_limits()["max_shared_per_block"] - STATIC_SHARED) // SLOT_BYTES
+    if not 0 <= slots <= room:
+        raise ValueError(f"slots must be in [0, {room}] on this GPU (its shared memory per "
+                         f"block), got {slots}")
     if not num_seqs:
         return
     kernel = get_kernel("sampling", "sample_kernel")
