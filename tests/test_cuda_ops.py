@@ -580,14 +580,22 @@ SLOT_CASES = [  # (temperature, top_k, top_p, min_p)
 ]
 
 
+@pytest.mark.parametrize("vocab", [128256, 128255])
 @pytest.mark.parametrize("case", range(len(SLOT_CASES)))
-def test_candidate_slots_draw_what_the_row_draws(cp, rng, case):
+def test_candidate_slots_draw_what_the_row_draws(cp, rng, case, vocab):
     """The passes over the candidate slots pick the very token the passes over the whole row
-    pick, for every seed and step, and serve every row of a peaked batch."""
+    pick, for every seed and step, and serve every row of a peaked batch; with an odd
+    vocabulary (rows on and off 16-byte boundaries) too, and with -0.0 and NaN logits (a
+    NaN weighs 0; one with the sign bit clear sorts above every logit, so it is a
+    candidate and counts for top-k)."""
     from cupy_llama.backends.cuda import sampling
     temperature, top_k, top_p, min_p = SLOT_CASES[case]
-    num_seqs, vocab = 16, 128256
-    logits = cp.asarray(peaked_logits(rng, num_seqs, vocab))
+    num_seqs = 16
+    host = peaked_logits(rng, num_seqs, vocab)
+    host[:, :8] = -0.0
+    host[:, 8] = np.copysign(np.float32(np.nan), np.float32(-1))
+    host[::2, 9] = np.float32(np.nan)
+    logits = cp.asarray(host)
     seeds = cp.asarray(rng.integers(0, 2**64, num_seqs, dtype=np.uint64))
     f32 = lambda v: cp.full(num_seqs, v, np.float32)
     settings = (f32(temperature), cp.full(num_seqs, top_k, np.int32), f32(top_p), f32(min_p), seeds)
