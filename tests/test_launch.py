@@ -1,5 +1,6 @@
 """The host side of the programmatic launches and of the skinny kernels' by-value argument,
-checked without a GPU: the ctypes layouts against the C declarations they mirror."""
+checked without a GPU: the ctypes layouts against the C declarations they mirror; and the
+shared-memory opt-in every launcher goes through."""
 import ctypes
 import re
 from pathlib import Path
@@ -54,3 +55,37 @@ def test_kernel_args_convert_each_kind():
 def test_loaded_library_path_finds_what_the_process_loaded():
     assert launch.loaded_library_path("c") is not None  # libc is in every process
     assert launch.loaded_library_path("no_such_library_xyz") is None
+
+
+class _FakeKernel:
+    """Counts reads and writes of the one attribute opt_in_shared touches."""
+
+    def __init__(self, allowed=0):
+        self._allowed, self.reads, self.writes = allowed, 0, 0
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        self.reads += 1
+        return self._allowed
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        self.writes += 1
+        self._allowed = value
+
+
+def test_opt_in_shared_sets_once_per_size_and_only_past_the_default():
+    from cupy_llama.backends.cuda.kernels import DEFAULT_SHARED_LIMIT, opt_in_shared
+    small = _FakeKernel()
+    opt_in_shared(small, DEFAULT_SHARED_LIMIT - 1024, 1024)  # exactly the default: no opt-in
+    assert (small.reads, small.writes) == (0, 0)
+    big = _FakeKernel()
+    for _ in range(3):  # every launch calls it; the driver is asked once
+        opt_in_shared(big, 128 * 1024, 8 * 1024)
+    assert (big.reads, big.writes, big.max_dynamic_shared_size_bytes) == (1, 1, 128 * 1024)
+    opt_in_shared(big, 64 * 1024, 8 * 1024)  # less than already allowed: nothing to do
+    opt_in_shared(big, 160 * 1024)           # more: raised
+    assert big.writes == 2 and big.max_dynamic_shared_size_bytes == 160 * 1024
+    ready = _FakeKernel(allowed=200 * 1024)  # already allowed by someone else: read, not written
+    opt_in_shared(ready, 100 * 1024)
+    assert (ready.reads, ready.writes) == (1, 0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import launch
-from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
+from .kernels import BF16, F32, I32, check, f32, get_kernel, i32, opt_in_shared
 
 # scalar fallback (attention.cu: ATTN_WARPS * ROWS_PER_WARP, KEY_TILE, ATTN_WARPS * 32)
 ROWS_PER_CTA = 16
@@ -35,7 +35,6 @@ SPLIT_ALIGN = 64     # split lengths are multiples of this many keys
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 MAX_SPLITS = 32      # and there are at most this many (bounds the workspace)
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
-DEFAULT_SMEM_LIMIT = 48 * 1024
 LOG2_E = 1.4426950408889634
 KERNEL_CHOICES = ("auto", "scalar")
 
@@ -225,8 +224,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     else:
         partial_out = partial_lse = out  # not read by the kernels
     function = get_kernel("attention", plan.kernel)
-    if plan.shared_mem > DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.shared_mem:
-        function.max_dynamic_shared_size_bytes = plan.shared_mem
+    opt_in_shared(function, plan.shared_mem)
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if plan.kernel.startswith("decode_"):
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),

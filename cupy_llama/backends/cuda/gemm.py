@@ -41,7 +41,7 @@ import numpy as np
 from . import launch
 from .device import device_limits
 from .elementwise import check_rope_operands
-from .kernels import BF16, F32, check, get_kernel, i32
+from .kernels import BF16, F32, check, get_kernel, i32, opt_in_shared
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
@@ -416,9 +416,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
             family = "skinny_wide"
         kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
         shared = mma_shared_bytes(m_rows, k, warps)
-        # past 48 KB of static and dynamic shared memory a kernel must opt in
-        if shared + MMA_STATIC_SHARED > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-            kernel.max_dynamic_shared_size_bytes = shared
+        opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
         _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]

@@ -54,6 +54,23 @@ def get_kernel(module: str, kernel: str):
     return load_module(module).get_function(kernel)
 
 
+# static plus dynamic shared memory a kernel may use without opting in
+DEFAULT_SHARED_LIMIT = 48 * 1024
+_opted_in: dict = {}  # id(kernel function) -> dynamic shared bytes it is opted in for
+
+
+def opt_in_shared(kernel, dynamic: int, static: int = 0) -> None:
+    """Let `kernel` launch with `dynamic` bytes of dynamic shared memory beside `static`:
+    past DEFAULT_SHARED_LIMIT in all a kernel must opt in. The attribute is set (and read
+    from the driver) once per kernel and size; get_kernel's functions live as long as the
+    process, so the launchers call this on every launch at the cost of a dict lookup."""
+    if dynamic + static <= DEFAULT_SHARED_LIMIT or _opted_in.get(id(kernel), -1) >= dynamic:
+        return
+    if kernel.max_dynamic_shared_size_bytes < dynamic:
+        kernel.max_dynamic_shared_size_bytes = dynamic
+    _opted_in[id(kernel)] = dynamic
+
+
 def compile_all() -> dict:
     """Compile every module; returns {module: None or the compile error text}."""
     results = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .device import device_limits
-from .kernels import F32, I32, check, get_kernel, i32
+from .kernels import F32, I32, check, get_kernel, i32, opt_in_shared
 
 THREADS = 1024  # sampling.cu: SAMPLE_THREADS
 U64 = np.dtype(np.uint64)
@@ -17,10 +17,14 @@ SLOT_BYTES = 8 * THREADS
 STATIC_SHARED = 8 * 1024  # sampling.cu's SampleShared (7,984 bytes on sm_90), rounded up
 
 
+def slot_room() -> int:
+    """The most candidate slots the device's shared memory per block holds."""
+    return max(0, (device_limits()["max_shared_per_block"] - STATIC_SHARED) // SLOT_BYTES)
+
+
 def default_slots() -> int:
     """SLOTS, or as many as the device's shared memory per block holds."""
-    room = device_limits()["max_shared_per_block"] - STATIC_SHARED
-    return max(0, min(SLOTS, room // SLOT_BYTES))
+    return min(SLOTS, slot_room())
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, slots=None,
@@ -38,8 +42,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
         check(name, array, dtype, shape=(num_seqs,))
     if used_slots is not None:
         check("used_slots", used_slots, I32, shape=(num_seqs,))
-    slots = default_slots() if slots is None else int(slots)
-    room = (device_limits()["max_shared_per_block"] - STATIC_SHARED) // SLOT_BYTES
+    room = slot_room()
+    slots = min(SLOTS, room) if slots is None else int(slots)
     if not 0 <= slots <= room:
         raise ValueError(f"slots must be in [0, {room}] on this GPU (its shared memory per "
                          f"block), got {slots}")
@@ -47,8 +51,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
         return
     kernel = get_kernel("sampling", "sample_kernel")
     shared = slots * SLOT_BYTES
-    if shared + STATIC_SHARED > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
+    opt_in_shared(kernel, shared, STATIC_SHARED)
     kernel((num_seqs,), (THREADS,),
            (logits, i32(vocab), temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
             i32(slots), used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)
