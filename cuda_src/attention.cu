@@ -582,9 +582,10 @@ __device__ __forceinline__ void decode_attention_body(
     }
 }
 
-#define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER)                                    \
+// decode_attention_d{D}_g{MAXG}{SUFFIX}: the name follows from the template arguments
+#define DEFINE_DECODE_ATTENTION(D, MAXG, CLUSTER, SUFFIX)                                  \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS(MAXG)) \
-    NAME(                                                                                 \
+    decode_attention_d##D##_g##MAXG##SUFFIX(                                              \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
@@ -598,27 +599,27 @@ __device__ __forceinline__ void decode_attention_body(
     }
 
 // group <= MAXG (query heads per kv head)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g1, 64, 1, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g2, 64, 2, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g4, 64, 4, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g8, 64, 8, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
+DEFINE_DECODE_ATTENTION(64, 1, 0, )
+DEFINE_DECODE_ATTENTION(64, 2, 0, )
+DEFINE_DECODE_ATTENTION(64, 4, 0, )
+DEFINE_DECODE_ATTENTION(64, 8, 0, )
+DEFINE_DECODE_ATTENTION(128, 1, 0, )
+DEFINE_DECODE_ATTENTION(128, 2, 0, )
+DEFINE_DECODE_ATTENTION(128, 4, 0, )
+DEFINE_DECODE_ATTENTION(128, 8, 0, )
 // Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
 // CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
 // results through distributed shared memory, so no partials go through global memory and
 // no combine kernel follows. num_splits, split_len, partial_out and partial_lse are not
 // read.
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g8_cluster, 64, 8, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g1_cluster, 128, 1, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g2_cluster, 128, 2, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g4_cluster, 128, 4, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(64, 1, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(64, 2, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(64, 4, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(64, 8, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(128, 1, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(128, 2, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(128, 4, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(128, 8, DECODE_CLUSTER, _cluster)
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory

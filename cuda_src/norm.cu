@@ -22,7 +22,7 @@ __device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* 
     }
     const float inv_rms = rms_inv(block_sum(sum_sq, scratch), hidden, eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        out[row + i] = to_bf16(load_f(x + row + i) * inv_rms * to_float(weight[i]));
+        out[row + i] = to_bf16(rms_scaled(load_f(x + row + i), inv_rms, to_float(weight[i])));
 }
 
 extern "C" __global__ void rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
