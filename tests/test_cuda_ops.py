@@ -6,6 +6,7 @@ are DESIGN.md's correctness bars. Needs CuPy and a CUDA GPU; skipped elsewhere."
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -562,16 +563,20 @@ def test_filters_never_pick_a_filtered_token(cp, rng):
                 f"{support[b].sum()})")
 
 
-def peaked_logits(rng, rows, vocab):
-    """Rows shaped like a trained model's next-token logits: a wide low bulk far below 60 to
-    400 tokens near the top (within about 5 of each other, so at temperature 0.6 and more
-    all of them are candidates), some of them tied."""
-    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 1.5
-    for r in range(rows):
-        near = int(rng.integers(60, 400))
-        top = rng.choice(vocab, near, replace=False)
-        logits[r, top] = 25 + np.round(rng.exponential(0.75, near) * 4) / 4  # steps of 0.25: ties
-    return logits
+def load_script(name):
+    """A module of scripts/ (not a package), loaded from its file."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Rows shaped like a trained model's next-token logits, the rows the sampling benchmark
+# times: a wide low bulk far below 60 to 400 tokens near the top (within about 5 of each
+# other, so at temperature 0.6 and more all of them are candidates), some of them tied.
+peaked_logits = load_script("bench_sampling").peaked_rows
 
 
 SLOT_CASES = [  # (temperature, top_k, top_p, min_p)

@@ -89,3 +89,18 @@ def test_opt_in_shared_sets_once_per_size_and_only_past_the_default():
     ready = _FakeKernel(allowed=200 * 1024)  # already allowed by someone else: read, not written
     opt_in_shared(ready, 100 * 1024)
     assert (ready.reads, ready.writes) == (1, 0)
+
+
+def test_sampling_constants_mirror_sampling_cu():
+    """The launcher's block size, and the candidate cut scripts/bench_sampling.py counts
+    with on the host, are sampling.cu's."""
+    import importlib.util
+    from cupy_llama.backends.cuda import sampling
+    source = (CUDA_SRC / "sampling.cu").read_text()
+    assert sampling.THREADS == int(re.search(r"#define SAMPLE_THREADS (\d+)", source).group(1))
+    cut = float(re.search(r"#define CANDIDATE_CUT ([0-9.]+)f", source).group(1))
+    path = CUDA_SRC.parent / "scripts" / "bench_sampling.py"
+    spec = importlib.util.spec_from_file_location("bench_sampling", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.CANDIDATE_CUT == cut
