@@ -161,12 +161,12 @@ def test_python_constants_match_the_cuda_source():
     assert int(defines["PREFILL_KEYS"]) == attention.PREFILL_KEYS
     assert int(defines["KEY_TILE"]) == attention.KEY_TILE
     assert int(defines["DECODE_CLUSTER"]) == attention.DECODE_CLUSTER
+    # the macro names each kernel from its arguments, as the planner spells the names
+    assert "decode_attention_d##D##_g##MAXG##SUFFIX(" in source
     for group in attention.DECODE_GROUPS:
         for head_dim in attention.FAST_HEAD_DIMS:
-            name = f"decode_attention_d{head_dim}_g{group}"
-            assert f"DEFINE_DECODE_ATTENTION({name}, {head_dim}, {group}, 0)" in source
-            assert (f"DEFINE_DECODE_ATTENTION({name}_cluster, {head_dim}, {group}, "
-                    "DECODE_CLUSTER)") in source
+            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group}, 0, )" in source
+            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group}, DECODE_CLUSTER, _cluster)" in source
     for head_dim in attention.FAST_HEAD_DIMS:
         assert f"DEFINE_PREFILL_ATTENTION({head_dim})" in source
 
