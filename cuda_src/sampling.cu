@@ -102,9 +102,11 @@ __device__ __forceinline__ void add_mass(unsigned long long* hist, unsigned peer
 
 // A token's weight exp((logit - max) / temperature), as 2^((logit - max) * log2_scale)
 // (one multiply and the hardware's exp2); NaN counts as 0. Every pass computes it here.
+// The exponent is <= 0 for every logit but NaN, so NaN is caught there: a test on exp2f's
+// result is compiled away (ptxas takes MUFU.EX2 never to return NaN, though it does).
 __device__ __forceinline__ float weight_of_logit(float logit, float max_logit, float log2_scale) {
-    const float w = exp2f((logit - max_logit) * log2_scale);
-    return w >= 0.0f ? w : 0.0f;
+    const float exponent = (logit - max_logit) * log2_scale;
+    return exponent <= 0.0f ? exp2f(exponent) : 0.0f;
 }
 
 // U of a thread's elements: their keys, token indices and whether they exist
