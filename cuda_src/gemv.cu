@@ -225,56 +225,45 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo_a, const
 }
 
 // the weight rows lo(g) and hi(g) of a tile (see the top of this section)
+struct TileRows {
+    int lo, hi;
+};
+
 template <int EPI>
-__device__ __forceinline__ void tile_rows(const SkinnyArgs& a, int tile, int g, int& lo,
-                                          int& hi) {
-    if (EPI == EPI_SILU) {
-        lo = tile * 8 + g;
-        hi = lo + a.n / 2;
-    } else if (EPI == EPI_ROPE) {
+__device__ __forceinline__ TileRows tile_rows(const SkinnyArgs& a, int tile, int g) {
+    if (EPI == EPI_SILU) return {tile * 8 + g, tile * 8 + g + a.n / 2};
+    if (EPI == EPI_ROPE) {
         const int half = a.head_dim / 2;
         const int pair_tiles = (a.num_heads + a.num_kv_heads) * half / 8;
         if (tile < pair_tiles) {
             const int pair = tile * 8 + g, head = pair / half;
-            lo = head * a.head_dim + pair - head * half;
-            hi = lo + half;
-        } else {
-            lo = (a.num_heads + a.num_kv_heads) * a.head_dim + (tile - pair_tiles) * SKINNY_TILE + g;
-            hi = lo + 8;
+            const int lo = head * a.head_dim + pair - head * half;
+            return {lo, lo + half};
         }
-    } else {
-        lo = tile * SKINNY_TILE + g;
-        hi = lo + 8;
+        const int lo = (a.num_heads + a.num_kv_heads) * a.head_dim + (tile - pair_tiles) * SKINNY_TILE + g;
+        return {lo, lo + 8};
     }
+    return {tile * SKINNY_TILE + g, tile * SKINNY_TILE + g + 8};
 }
 
-// the weight rows lo(g) and hi(g) of a tile as 16-byte chunks (rows past n re-read row n - 1)
-template <int EPI>
-__device__ __forceinline__ void tile_weights(const SkinnyArgs& a, int tile, int g,
-                                             const uint4*& w_lo, const uint4*& w_hi) {
-    int lo, hi;
-    tile_rows<EPI>(a, tile, g, lo, hi);
-    const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
-    const int chunks = a.k / 8;
-    w_lo = w4 + (long long)min(lo, a.n - 1) * chunks;
-    w_hi = w4 + (long long)min(hi, a.n - 1) * chunks;
+// a weight row as 16-byte chunks; rows past n re-read row n - 1 (never stored)
+__device__ __forceinline__ const uint4* weight_row(const SkinnyArgs& a, int row) {
+    return reinterpret_cast<const uint4*>(a.w) + (long long)min(row, a.n - 1) * (a.k / 8);
 }
 
 // Bulk prefetch into L2 (sm_90; nothing before) of k columns [k_from, k_from + group_k)
-// (at most to K) of a tile's 16 weight rows: threads 0-15 take one row each (rows past n:
-// row n - 1). No registers or shared memory hold them: the register loads of that part
-// later find them in L2. One group of k steps at most, as much as the registers hold.
-template <int EPI>
-__device__ __forceinline__ void prefetch_group(const SkinnyArgs& a, int tile, int k_from,
-                                               int group_k) {
+// (at most to K; k_from < K) of weight rows lo and hi: the lanes with t == 0 of one warp
+// cover a tile's 16 rows. No registers or shared memory hold them: the register loads of
+// that part later find them in L2. One group of k steps at most, as much as the registers
+// hold.
+__device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows, int k_from,
+                                              int group_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x >= SKINNY_TILE || k_from >= a.k) return;
-    int lo, hi;
-    tile_rows<EPI>(a, tile, threadIdx.x % 8, lo, hi);
-    const long long row = min(threadIdx.x < 8 ? lo : hi, a.n - 1);
-    const bf16* start = a.w + row * a.k + k_from;
     const unsigned bytes = (unsigned)(min(a.k, k_from + group_k) - k_from) * 2u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(start), "r"(bytes) : "memory");
+    const uint4* starts[2] = {weight_row(a, rows.lo) + k_from / 8, weight_row(a, rows.hi) + k_from / 8};
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(starts[r]), "r"(bytes) : "memory");
 #endif
 }
 
@@ -347,35 +336,38 @@ __device__ __forceinline__ float bf16_rounded(float v) { return to_float(to_bf16
 // step's first kernel, and a constant table: loaded before the wait).
 struct EpilogueInputs {
     float prior_lo, prior_hi;  // OUT_F32_ADD: out[m, lo], out[m, hi]
-    int slot;                  // EPI_ROPE: slot_mapping[m]
-    float cos, sin;            // EPI_ROPE: the rotation of row lo's pair at positions[m]
+    int slot, position;        // EPI_ROPE: slot_mapping[m], positions[m]
+    float cos, sin;            // EPI_ROPE: the rotation of row lo's pair at that position
 };
 
+// RoPE's metadata of x row m (the same for every tile)
 template <int EPI>
-__device__ __forceinline__ void load_metadata_inputs(const SkinnyArgs& a, int m, int tile,
-                                                     int g, EpilogueInputs& in) {
+__device__ __forceinline__ void load_row_metadata(const SkinnyArgs& a, int m, EpilogueInputs& in) {
     if (EPI != EPI_ROPE) return;
-    int lo, hi;
-    tile_rows<EPI>(a, tile, g, lo, hi);
-    const int d = a.head_dim;
     in.slot = a.slot_mapping[m];
-    if (lo < (a.num_heads + a.num_kv_heads) * d) {  // a q or k row: rotated
-        const float* table = a.cos_sin + (long long)a.positions[m] * d;
-        const int i = lo % d;
+    in.position = a.positions[m];
+}
+
+// RoPE's rotation of a tile's pair (lo, hi) at the row's position
+template <int EPI>
+__device__ __forceinline__ void load_rotation(const SkinnyArgs& a, TileRows rows, EpilogueInputs& in) {
+    if (EPI != EPI_ROPE) return;
+    const int d = a.head_dim;
+    if (rows.lo < (a.num_heads + a.num_kv_heads) * d) {  // a q or k row: rotated
+        const float* table = a.cos_sin + (long long)in.position * d;
+        const int i = rows.lo % d;
         in.cos = table[i];
         in.sin = table[d / 2 + i];
     }
 }
 
 template <int EPI>
-__device__ __forceinline__ void load_residual_inputs(const SkinnyArgs& a, int m, int tile,
-                                                     int g, EpilogueInputs& in) {
+__device__ __forceinline__ void load_residual_inputs(const SkinnyArgs& a, int m, TileRows rows,
+                                                     EpilogueInputs& in) {
     if (EPI != EPI_STORE || a.out_mode != OUT_F32_ADD) return;
-    int lo, hi;
-    tile_rows<EPI>(a, tile, g, lo, hi);
     const float* row = static_cast<const float*>(a.out) + (long long)m * a.n;
-    in.prior_lo = lo < a.n ? __ldcg(row + lo) : 0.0f;
-    in.prior_hi = hi < a.n ? __ldcg(row + hi) : 0.0f;
+    in.prior_lo = rows.lo < a.n ? __ldcg(row + rows.lo) : 0.0f;
+    in.prior_hi = rows.hi < a.n ? __ldcg(row + rows.hi) : 0.0f;
 }
 
 __device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, float sum,
@@ -389,10 +381,9 @@ __device__ __forceinline__ void store_out(const SkinnyArgs& a, int m, int col, f
 
 // x row m's sums of the tile's weight rows lo(g) and hi(g) -> memory
 template <int EPI>
-__device__ __forceinline__ void finish(const SkinnyArgs& a, int m, int tile, int g,
-                                       float lo_sum, float hi_sum, const EpilogueInputs& in) {
-    int lo, hi;
-    tile_rows<EPI>(a, tile, g, lo, hi);
+__device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows, float lo_sum,
+                                       float hi_sum, const EpilogueInputs& in) {
+    const int lo = rows.lo, hi = rows.hi;
     if (EPI == EPI_STORE) {
         store_out(a, m, lo, lo_sum, in.prior_lo);
         store_out(a, m, hi, hi_sum, in.prior_hi);
@@ -445,38 +436,42 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
-    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0.0f, 0.0f};  // of the tile being computed
+    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f};  // of the tile being computed
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
     uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
+    TileRows rows = tile_rows<EPI>(a, blockIdx.x, g);  // of the tile being computed
     bool preloaded = blockIdx.x < tiles;  // wv holds the first group of the first tile
     if (preloaded) {
-        const uint4 *w_lo, *w_hi;
-        tile_weights<EPI>(a, blockIdx.x, g, w_lo, w_hi);
-        load_group<WARPS>(wv, w_lo, w_hi, warp, t, chunks);
+        load_group<WARPS>(wv, weight_row(a, rows.lo), weight_row(a, rows.hi), warp, t, chunks);
         // the next group of k steps streams into L2 meanwhile: the first tile's second
         // group, or where one group holds a whole tile, the block's next tile
         constexpr int GROUP_K = WARPS * SKINNY_UNROLL * SKINNY_STEP;
-        if (GROUP_K < a.k) prefetch_group<EPI>(a, blockIdx.x, GROUP_K, GROUP_K);
-        else if (blockIdx.x + gridDim.x < tiles) prefetch_group<EPI>(a, blockIdx.x + gridDim.x, 0, GROUP_K);
+        if (warp == 0 && t == 0) {
+            if (GROUP_K < a.k) prefetch_rows(a, rows, GROUP_K, GROUP_K);
+            else if (blockIdx.x + gridDim.x < tiles)
+                prefetch_rows(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
+        }
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
     // next kernel's launch does not wait for them
-    if (preloaded && finisher) load_metadata_inputs<EPI>(a, e_m, blockIdx.x, g, inputs);
+    if (preloaded && finisher) {
+        load_row_metadata<EPI>(a, e_m, inputs);
+        load_rotation<EPI>(a, rows, inputs);
+    }
     wait_for_previous_kernel();
-    if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, blockIdx.x, g, inputs);
+    if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const uint4 *w_lo, *w_hi;
-        tile_weights<EPI>(a, tile, g, w_lo, w_hi);
+        const uint4 *w_lo = weight_row(a, rows.lo), *w_hi = weight_row(a, rows.hi);
         if (tile != blockIdx.x && finisher) {  // in flight while the tile streams
-            load_metadata_inputs<EPI>(a, e_m, tile, g, inputs);
-            load_residual_inputs<EPI>(a, e_m, tile, g, inputs);
+            load_rotation<EPI>(a, rows, inputs);
+            load_residual_inputs<EPI>(a, e_m, rows, inputs);
         }
         float acc[NT][4];
 #pragma unroll
@@ -506,10 +501,11 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         }
 
         // the next tile's first k steps: in flight while this tile's sums are reduced
+        TileRows next_rows = rows;
         if (tile + gridDim.x < tiles) {
-            const uint4 *next_lo, *next_hi;
-            tile_weights<EPI>(a, tile + gridDim.x, g, next_lo, next_hi);
-            load_group<WARPS>(wv, next_lo, next_hi, warp, t, chunks);
+            next_rows = tile_rows<EPI>(a, tile + gridDim.x, g);
+            load_group<WARPS>(wv, weight_row(a, next_rows.lo), weight_row(a, next_rows.hi), warp,
+                              t, chunks);
             preloaded = true;
         }
 
@@ -530,8 +526,9 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
                 lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + lane];
                 hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + lane];
             }
-            finish<EPI>(a, e_m, tile, g, lo_sum, hi_sum, inputs);
+            finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
         }
+        rows = next_rows;
         buffer ^= 1;
     }
 }
