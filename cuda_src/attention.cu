@@ -273,14 +273,19 @@ __device__ __forceinline__ void cluster_barrier() {
 #endif
 }
 
+// the 32-bit shared-state-space address of a __shared__ object (what cp.async, ldmatrix
+// and mapa take)
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // the float at `local` (a __shared__ address of this CTA) in the shared memory of the
 // cluster's CTA `rank`
 __device__ __forceinline__ float cluster_load(const float* local, int rank) {
     float value = 0.0f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(local));
     unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(address), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
 #else
     __trap();
@@ -362,14 +367,13 @@ __device__ __forceinline__ void decode_attention_body(
     const int q_row = query_start_loc[b];
     if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
     const int seq_len = seq_lens[b];
+    // CTA `split` takes the split-th key range; a cluster's CTAs and graph decode (split_len
+    // 0) derive the ranges' length from seq_len
+    const int parts = CLUSTER > 0 ? CLUSTER : num_splits;
     int key_begin = 0, key_end = seq_len;
-    if (CLUSTER > 0) {  // CTA `split` of the cluster takes the split-th range of this length
-        split_len = device_split_len(seq_len, CLUSTER);
+    if (parts > 1) {
+        if (CLUSTER > 0 || split_len == 0) split_len = device_split_len(seq_len, parts);
         key_begin = min(seq_len, split * split_len);
-        key_end = min(seq_len, key_begin + split_len);
-    } else if (num_splits > 1) {
-        if (split_len == 0) split_len = device_split_len(seq_len, num_splits);
-        key_begin = split * split_len;
         key_end = min(seq_len, key_begin + split_len);
     }
     // no key: output 0 / an empty split (uniform per CTA). A CTA of a cluster goes on with
@@ -434,8 +438,8 @@ __device__ __forceinline__ void decode_attention_body(
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int pos = base + u * SLOTS + slot;
-            long long cached = first_slot[u][slot];
-            if (base != key_begin) cached = pos < key_end ? cache_slot(table, pos, block_shift) : -1;
+            const long long cached = base == key_begin ? first_slot[u][slot]
+                                     : pos < key_end ? cache_slot(table, pos, block_shift) : -1;
             k_raw[u] = make_uint4(0u, 0u, 0u, 0u);  // keys past the range: zeros, masked below
             v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
             if (cached >= 0) {
@@ -558,11 +562,12 @@ __device__ __forceinline__ void decode_attention_body(
     if constexpr (CLUSTER > 0) {
         // merge the cluster's CTAs through distributed shared memory: CTA r writes outputs
         // [r * per, (r + 1) * per) of the group's heads, reading every CTA's result in rank
-        // order (the same sums whichever CTA computes them)
+        // order (the same sums whichever CTA computes them); one output per thread at most
+        static_assert(MAXG * D <= CLUSTER * DECODE_THREADS, "a CTA's outputs fit its threads");
         cluster_barrier();  // every CTA's result is in its shared memory
         const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
-        const int end = min(total, (split + 1) * per);
-        for (int i = split * per + threadIdx.x; i < end; i += DECODE_THREADS) {
+        const int i = split * per + threadIdx.x;
+        if (i < min(total, (split + 1) * per)) {
             const int g = i / D, c = i % D;
             float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
 #pragma unroll
@@ -645,12 +650,6 @@ DEFINE_DECODE_ATTENTION(128, 8, DECODE_CLUSTER, _cluster)
 #define PREFILL_ROWS 64     // query rows per CTA, 16 per warp
 #define PREFILL_KEYS 64     // keys per K/V tile
 #define PREFILL_THREADS 128
-
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    unsigned address;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(p));
-    return address;
-}
 
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
