@@ -182,6 +182,35 @@ struct SlotView {
     }
 };
 
+// f(key, index, valid) on each of this thread's elements of the view, in its order, U
+// loaded together, while !done() (tested before each load). Every thread runs the same
+// iterations while done() stays false, so f may be warp-wide (digit_peers).
+template <int U, typename View, typename Done, typename F>
+__device__ __forceinline__ void for_each_element_until(const View& view, Done done, F f) {
+    for (int r0 = 0; r0 < view.per_thread && !done(); r0 += U) {
+        Elements<U> e;
+        view.load(r0, e);
+#pragma unroll
+        for (int u = 0; u < U; ++u) f(e.key[u], e.index[u], e.valid[u]);
+    }
+}
+
+template <int U, typename View, typename F>
+__device__ __forceinline__ void for_each_element(const View& view, F f) {
+    for_each_element_until<U>(view, [] { return false; }, f);
+}
+
+// Inclusive prefix sum over the lanes of a warp, lane 0 first (a fixed order).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+        const T other = __shfl_up_sync(FULL_MASK, v, offset);
+        if (lane >= offset) v += other;
+    }
+    return v;
+}
+
 // Run by the 32 lanes of warp 0 on a histogram of RADIX_BINS bins, scanned from the top
 // digit down: the first digit with a nonzero bin where base + the bins down to it reach
 // target; `above` gets base + the bins above that digit. Lane l adds digits 255 - 8 l down
@@ -200,12 +229,8 @@ __device__ __forceinline__ int find_digit(const T* hist, T base, T target, T& ab
         bins[j] = hist[RADIX_BINS - 1 - PER_LANE * lane - j];
         block += bins[j];
     }
-    T inclusive = block;
-    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-        const T other = __shfl_up_sync(FULL_MASK, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-    }
-    const T before = base + (inclusive - block);  // base + the bins of the lanes above
+    // base + the bins of the lanes above
+    const T before = base + (warp_inclusive_scan(block) - block);
     const unsigned hits = __ballot_sync(FULL_MASK, block > 0 && before + block >= target);
     const unsigned nonzero = __ballot_sync(FULL_MASK, block > 0);
     reached = hits != 0u;
@@ -238,19 +263,13 @@ __device__ Selected select_by_count(SampleShared& sh, const View& view, Keep kee
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) sh.count_hist[i] = 0;
         __syncthreads();
-        // every thread goes through the same loop (digit_peers is warp-wide)
-        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-            Elements<SELECT_UNROLL> e;
-            view.load(r0, e);
-#pragma unroll
-            for (int u = 0; u < SELECT_UNROLL; ++u) {
-                const bool candidate = e.valid[u] && keep(e.key[u], e.index[u]);
-                const unsigned int key = candidate ? key_of(e.key[u], e.index[u]) : 0u;
-                const int digit = (key >> shift) & 0xFF;
-                add_count(sh.count_hist, digit_peers(candidate && (key & mask) == prefix, digit),
-                          digit);
-            }
-        }
+        for_each_element<SELECT_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
+            const bool candidate = valid && keep(key, i);
+            const unsigned int radix_key = candidate ? key_of(key, i) : 0u;
+            const int digit = (radix_key >> shift) & 0xFF;
+            add_count(sh.count_hist,
+                      digit_peers(candidate && (radix_key & mask) == prefix, digit), digit);
+        });
         __syncthreads();
         if (threadIdx.x < WARP_SIZE) {
             unsigned int above;
@@ -284,27 +303,24 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
     const unsigned long long target_fixed = __float2ull_rn(fmaxf(target, 0.0f) * MASS_ONE);
     unsigned int prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
+        // only count_equal (candidates with the whole key) needs counts: the last pass
+        const bool last = shift == 0;
         for (int i = threadIdx.x; i < RADIX_BINS; i += blockDim.x) {
-            sh.count_hist[i] = 0;
+            if (last) sh.count_hist[i] = 0;
             sh.mass_hist[i] = 0ull;
         }
         __syncthreads();
-        for (int r0 = 0; r0 < view.per_thread; r0 += SELECT_UNROLL) {
-            Elements<SELECT_UNROLL> e;
-            view.load(r0, e);
-#pragma unroll
-            for (int u = 0; u < SELECT_UNROLL; ++u) {
-                const unsigned int key = e.key[u];
-                const bool counted = e.valid[u] && keep(key, e.index[u]) && (key & mask) == prefix;
-                const int digit = (key >> shift) & 0xFF;
-                const unsigned peers = digit_peers(counted, digit);
-                add_count(sh.count_hist, peers, digit);
-                // integer sums do not depend on the order the threads arrive in, so the
-                // same seed draws the same token every time (weights are at most 1)
-                add_mass(sh.mass_hist, peers, digit,
-                         counted ? (unsigned long long)__float2ull_rn(weight_of(key) * MASS_ONE) : 0ull);
-            }
-        }
+        for_each_element<SELECT_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
+            const bool in_prefix = (key & mask) == prefix;  // the digits chosen so far
+            const bool counted = valid && keep(key, i) && in_prefix;
+            const int digit = (key >> shift) & 0xFF;
+            const unsigned peers = digit_peers(counted, digit);
+            if (last) add_count(sh.count_hist, peers, digit);
+            // integer sums do not depend on the order the threads arrive in, so the
+            // same seed draws the same token every time (weights are at most 1)
+            add_mass(sh.mass_hist, peers, digit,
+                     counted ? (unsigned long long)__float2ull_rn(weight_of(key) * MASS_ONE) : 0ull);
+        });
         __syncthreads();
         if (threadIdx.x < WARP_SIZE) {
             // the first digit from the largest whose mass reaches the target (exact fixed
@@ -323,7 +339,7 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
                 if (sh.selected.found) {
                     sh.selected.key = prefix | ((unsigned int)chosen << shift);
                     sh.selected.mass_above = above;
-                    sh.selected.count_equal = sh.count_hist[chosen];
+                    if (last) sh.selected.count_equal = sh.count_hist[chosen];
                 }
             }
         }
@@ -362,6 +378,7 @@ __device__ __forceinline__ void block_totals(SampleShared& sh, float (&v)[4]) {
 // What the filters and the draw need besides the view.
 struct DrawInputs {
     int vocab, top_k;
+    bool top_k_active;     // 0 < top_k < vocab
     float top_p, min_p, max_logit;
     float log2_scale;      // log2(e) / temperature
     float row_mass;        // the sum of every weight (block total)
@@ -384,8 +401,7 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     // top-k: keep key > k_key, or key == k_key and index <= k_last
     unsigned int k_key = 0;
     int k_last = in.vocab;
-    const bool top_k = in.top_k > 0 && in.top_k < in.vocab;
-    if (top_k) {
+    if (in.top_k_active) {
         const Selected s = select_by_count(sh, view, every, own_key, (unsigned int)in.top_k);
         k_key = s.key;
         if (s.count_equal > s.rank) {  // a tie at the boundary: the lowest indices win
@@ -403,15 +419,11 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     int p_last = in.vocab;
     if (in.top_p < 1.0f) {
         float mass = in.row_mass;
-        if (top_k) {
+        if (in.top_k_active) {
             float own = 0.0f;
-            for (int r0 = 0; r0 < view.per_thread; r0 += CDF_UNROLL) {
-                Elements<CDF_UNROLL> e;
-                view.load(r0, e);
-#pragma unroll
-                for (int u = 0; u < CDF_UNROLL; ++u)
-                    if (e.valid[u] && in_top_k(e.key[u], e.index[u])) own += weight_of(e.key[u]);
-            }
+            for_each_element<CDF_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
+                if (valid && in_top_k(key, i)) own += weight_of(key);
+            });
             mass = block_sum(own, sh.scratch);
         }
         const float target = fmaxf(in.top_p, 0.0f) * mass;
@@ -441,31 +453,19 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     // inverse CDF: this thread's kept mass, in its order (with no filter, the row's pass
     // summed it already)
     float chunk_mass = in.thread_mass;
-    if (top_k || in.top_p < 1.0f || in.min_p > 0.0f) {
+    if (in.top_k_active || in.top_p < 1.0f || in.min_p > 0.0f) {
         chunk_mass = 0.0f;
-        for (int r0 = 0; r0 < view.per_thread; r0 += CDF_UNROLL) {
-            Elements<CDF_UNROLL> e;
-            view.load(r0, e);
-#pragma unroll
-            for (int u = 0; u < CDF_UNROLL; ++u)
-                if (e.valid[u]) chunk_mass += kept_weight(e.key[u], e.index[u]);
-        }
+        for_each_element<CDF_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
+            if (valid) chunk_mass += kept_weight(key, i);
+        });
     }
     // exclusive scan of the threads' masses into sh.prefix[0 .. blockDim.x]
-    float inclusive = chunk_mass;
-    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-        const float other = __shfl_up_sync(FULL_MASK, inclusive, offset);
-        if (lane >= offset) inclusive += other;
-    }
+    const float inclusive = warp_inclusive_scan(chunk_mass);
     if (lane == WARP_SIZE - 1) sh.scratch[warp] = inclusive;
     __syncthreads();
     if (warp == 0) {
         const int num_warps = blockDim.x / WARP_SIZE;
-        float total = lane < num_warps ? sh.scratch[lane] : 0.0f;
-        for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
-            const float other = __shfl_up_sync(FULL_MASK, total, offset);
-            if (lane >= offset) total += other;
-        }
+        const float total = warp_inclusive_scan(lane < num_warps ? sh.scratch[lane] : 0.0f);
         __syncwarp();
         if (lane < num_warps) sh.scratch[lane] = total;  // inclusive warp totals
     }
@@ -485,18 +485,15 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     float cumulative = lo;
     int chosen = -1;
     bool reached = false;
-    for (int r0 = 0; r0 < view.per_thread && !reached; r0 += CDF_UNROLL) {
-        Elements<CDF_UNROLL> e;
-        view.load(r0, e);
-#pragma unroll
-        for (int u = 0; u < CDF_UNROLL; ++u) {
-            const float w = e.valid[u] ? kept_weight(e.key[u], e.index[u]) : 0.0f;
-            if (reached || w <= 0.0f) continue;
-            chosen = e.index[u];
+    for_each_element_until<CDF_UNROLL>(
+        view, [&] { return reached; },
+        [&](unsigned int key, int i, bool valid) {
+            const float w = valid ? kept_weight(key, i) : 0.0f;
+            if (reached || w <= 0.0f) return;
+            chosen = i;
             cumulative += w;
             reached = cumulative > target;
-        }
-    }
+        });
     return chosen;
 }
 
@@ -574,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     DrawInputs in;
     in.vocab = vocab;
     in.top_k = top_k[b];
+    in.top_k_active = in.top_k > 0 && in.top_k < vocab;
     in.top_p = top_p[b];
     in.min_p = min_p[b];
     in.max_logit = sh.scratch[0];
@@ -617,10 +615,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     const float all_candidate_mass = totals[1], all_candidates = totals[2], most = totals[3];
 
     // the slots serve when they hold every candidate and the filters keep only candidates
-    const bool k_active = in.top_k > 0 && in.top_k < vocab;
     const bool covered =
-        (k_active && all_candidates >= (float)in.top_k) ||
-        (!k_active && in.top_p < 1.0f &&
+        (in.top_k_active && all_candidates >= (float)in.top_k) ||
+        (!in.top_k_active && in.top_p < 1.0f &&
          all_candidate_mass >= fmaxf(in.top_p, 0.0f) * in.row_mass * CANDIDATE_MARGIN);
     int chosen;
     if (slots > 0 && most <= (float)slots && covered) {
