@@ -41,6 +41,31 @@ def test_launch_structs_have_the_driver_layout():
     assert launch._LaunchConfig.stream.offset == 32
 
 
+def test_driver_builds_one_attribute_array_per_kind_of_launch():
+    """The attributes a launch passes: none for a plain launch, programmatic serialization
+    and the cluster dimension as asked, the same array again for the same kind of launch."""
+    passed = []
+
+    def fake_launch(config, function, params, extra):
+        config = config._obj
+        count = config.num_attrs
+        passed.append((ctypes.addressof(config.attrs.contents) if count else None,
+                       [bytes(config.attrs[i]) for i in range(count)]))
+        return 0
+
+    driver = object.__new__(launch._Driver)  # no libcuda needed
+    driver._launch, driver._attributes = fake_launch, {}
+    kinds = [(True, 1), (True, 8), (False, 1), (False, 8), (True, 1), (True, 8)]
+    for programmatic, cluster in kinds:
+        driver.launch(0x1000, (8, 1, 1), 128, 0, 0, [ctypes.c_int(1)], programmatic, cluster)
+    pss = bytes(launch.attribute(launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1))
+    cluster = bytes(launch.attribute(launch.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, 8, 1, 1))
+    assert [attributes for _, attributes in passed] == [
+        [pss], [pss, cluster], [], [cluster], [pss], [pss, cluster]]
+    assert passed[2][0] is None
+    assert passed[4][0] == passed[0][0] and passed[5][0] == passed[1][0]
+
+
 def test_kernel_args_convert_each_kind():
     class FakeArray:
         class data:

@@ -7,8 +7,7 @@ overlap as programmatic edges), and launch thread-block clusters (sm_90+: decode
 attention's clustered kernels).
 
 `set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off, CUPY_LLAMA_CLUSTERS=0
-the clusters; graphs bake in what was set when they were captured. Launches share one
-attribute array: launch from one thread at a time."""
+the clusters; graphs bake in what was set when they were captured."""
 from __future__ import annotations
 
 import ctypes
@@ -41,9 +40,23 @@ def attribute(attribute_id: int, *values: int) -> _LaunchAttribute:
     return _LaunchAttribute(id=attribute_id, value=(ctypes.c_uint * 16)(*values))
 
 
+def launch_attributes(programmatic: bool, cluster: int) -> tuple:
+    """(CUlaunchAttribute array or None, count) of a launch: programmatic stream
+    serialization, and the cluster dimension where cluster > 1."""
+    attributes = []
+    if programmatic:
+        attributes.append(attribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1))
+    if cluster > 1:
+        attributes.append(attribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster, 1, 1))
+    if not attributes:
+        return None, 0
+    return (_LaunchAttribute * len(attributes))(*attributes), len(attributes)
+
+
 _programmatic = os.environ.get("CUPY_LLAMA_PDL", "1") != "0"
 _clusters = os.environ.get("CUPY_LLAMA_CLUSTERS", "1") != "0"
 _driver = None  # _Driver once loaded; False where it could not be
+_attributes_usable = None  # launch_attributes_usable(), once worked out
 
 
 def set_programmatic(on: bool) -> None:
@@ -57,15 +70,24 @@ def programmatic() -> bool:
 
 
 def programmatic_launches() -> bool:
-    """Launch the kernels that wait on the device programmatically: switched on, the
-    driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
-    return _programmatic and available() and device_limits()["capability"] >= 90
+    """Launch the kernels that wait on the device programmatically: switched on and
+    launch_attributes_usable()."""
+    return _programmatic and launch_attributes_usable()
 
 
 def cluster_launches() -> bool:
     """Launch cluster kernels (decode attention merging its key ranges on chip): switched
-    on, the driver's cuLaunchKernelEx loaded, and an sm_90+ GPU (the current device)."""
-    return _clusters and available() and device_limits()["capability"] >= 90
+    on and launch_attributes_usable()."""
+    return _clusters and launch_attributes_usable()
+
+
+def launch_attributes_usable() -> bool:
+    """The driver's cuLaunchKernelEx loaded and an sm_90+ GPU. Asked at every launch, so
+    worked out once, for the device current then (the engine runs on one GPU)."""
+    global _attributes_usable
+    if _attributes_usable is None:
+        _attributes_usable = available() and device_limits()["capability"] >= 90
+    return _attributes_usable
 
 
 def available() -> bool:
@@ -136,19 +158,15 @@ class _Driver:
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
-        self._attrs = (_LaunchAttribute * 2)()
+        self._attributes = {}  # (programmatic, cluster) -> launch_attributes(): built once
 
     def launch(self, function: int, grid: tuple, block: int, shared_bytes: int, stream: int,
                values: list, programmatic: bool, cluster: int = 1) -> None:
-        count = 0
-        if programmatic:
-            self._attrs[count] = attribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
-            count += 1
-        if cluster > 1:
-            self._attrs[count] = attribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster, 1, 1)
-            count += 1
-        config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream,
-                               self._attrs if count else None, count)
+        key = (bool(programmatic), cluster)
+        if key not in self._attributes:
+            self._attributes[key] = launch_attributes(*key)
+        attrs, count = self._attributes[key]
+        config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream, attrs, count)
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(value), ctypes.c_void_p) for value in values])
         status = self._launch(ctypes.byref(config), ctypes.c_void_p(function), params, None)
