@@ -21,7 +21,7 @@ import numpy as np
 from ...model.llama import forward_uploaded
 from ..base import ForwardBatch
 from .attention import cluster_max_keys
-from .ops import H2D, DeviceBatch, pinned_array
+from .ops import H2D, DeviceBatch, pinned_array, sync_event
 
 FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 16
@@ -71,11 +71,12 @@ class DecodeGraphs:
                          "last_token_indices": 5 * n + 1, "block_tables": 6 * n + 1}
         capacity = 6 * n + 1 + n * width
         self._host = pinned_array(cupy, capacity, np.int32)
+        self._host[self._offsets["block_tables"]:] = -1  # _stage writes only a batch's columns
         self._device = cupy.zeros(capacity, np.int32)
         # one new token per sequence: these two never change
         self._field("query_start_loc", n + 1)[:] = np.arange(n + 1, dtype=np.int32)
         self._field("last_token_indices", n)[:] = np.arange(n, dtype=np.int32)
-        self._copied = None  # event: the last metadata copy has read the host buffer
+        self._copied = sync_event(cupy)  # the last metadata copy has read the host buffer
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}  # (bucket, context limit) -> (graph, logits [bucket, V])
 
@@ -98,12 +99,12 @@ class DecodeGraphs:
 
     def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
-        device on the current stream (batch None: all padding). Only the batch's own rows
-        of the block tables are written and copied: a padding row has sequence length 0,
-        so nothing reads its table, whatever an earlier step left there."""
+        device on the current stream (batch None: all padding). Of the block tables only
+        the batch's own rows are copied and only its own columns written: the kernels read
+        a row's table up to its sequence length (0 for a padding row), whatever an earlier
+        step left past that."""
         num_seqs = 0 if batch is None else batch.num_seqs
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the host buffer
+        self._copied.synchronize()  # the previous copy has read the host buffer
         for name, pad in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0)):
             field = self._field(name, bucket)
             if batch is not None:
@@ -111,14 +112,12 @@ class DecodeGraphs:
             field[num_seqs:] = pad
         if batch is not None:
             tables = self._field("block_tables", num_seqs * self.width).reshape(num_seqs, self.width)
-            width = batch.block_tables.shape[1]
-            tables[:, :width] = batch.block_tables
-            tables[:, width:] = -1  # past every sequence's length: never read
+            tables[:, :batch.block_tables.shape[1]] = batch.block_tables
         nbytes = 4 * (self._offsets["block_tables"] + num_seqs * self.width)
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, self._host.ctypes.data,
                                             nbytes, H2D, stream.ptr)
-        self._copied = stream.record()
+        self._copied.record(stream)
 
     # ---- replay ------------------------------------------------------------------------
     def bucket_for(self, num_seqs: int) -> int:

@@ -2,7 +2,9 @@
 
 Step metadata and sampling settings reach the device through pinned staging buffers and
 one asynchronous copy each; only the sampled token ids come back (pinned, then one
-synchronize). Everything here is allocated once, in the constructor."""
+synchronize). Everything here, the CUDA events included, is made once, in the constructor:
+an event is recorded again every step, and a wait or synchronize on it takes its latest
+record."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,22 +67,24 @@ class CudaOps(SublayerOps):
         capacity = 3 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * max_blocks_per_seq
         self._meta_host = pinned_array(cupy, capacity, np.int32)
         self._meta_device = cupy.empty(capacity, np.int32)
-        self._meta_copied = None  # event: the last metadata copy finished reading the host
-        # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each
-        # Two host and two device buffers of each, used in turn: while step k runs, the host
-        # already writes step k + 1's settings and step k's tokens are still to be read.
-        # Both copies run on a stream of their own, off the steps' stream: the settings copy
-        # is issued while the step's forward pass still runs, before the sampling kernel
-        # that reads them, and the tokens go back while the next step runs (sample_async).
+        self._meta_copied = sync_event(cupy)  # the last metadata copy has read the host buffer
+        # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each.
+        # Their copy and the tokens' copy back run on a stream of their own, off the steps'
+        # stream: the settings copy is issued while the step's forward pass still runs, before
+        # the sampling kernel that reads them, and the tokens go back while the next step
+        # runs (sample_async). One settings buffer on each side suffices (see sample_async);
+        # the tokens come back to two host buffers in turn, as step k's are read only after
+        # step k + 1 is queued.
         n = max_num_seqs
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._sampling_host = [pinned_array(cupy, 28 * n, np.uint8) for _ in range(2)]
-        self._sampling_copied = [None, None]  # events (copy stream): each buffer copied
-        self._sampling_device = [cupy.empty(28 * n, np.uint8) for _ in range(2)]
-        self._sampling_read = [None, None]  # events (step stream): each device buffer read
+        self._sampling_host = pinned_array(cupy, 28 * n, np.uint8)
+        self._sampling_device = cupy.empty(28 * n, np.uint8)
+        self._sampling_copied = sync_event(cupy)  # copy stream: the settings copy is done
+        self._sampled = sync_event(cupy)  # step stream: the sampling kernel is done
         self._tokens_device = cupy.zeros(n, np.int32)  # the latest step's tokens, kept for the next
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
-        self._tokens_copied = None  # event (copy stream): the last token copy has read them
+        self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
+        self._tokens_copied = None  # the one of them recorded last
         self._turn = 0
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
@@ -89,6 +93,7 @@ class CudaOps(SublayerOps):
         self._partial_out, self._partial_lse = workspace
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
         self.num_sms = device_limits()["sms"]
+        self._decode_split_key = self._decode_split = None  # the last decode_split
 
     def empty(self, shape, dtype=None):
         return self._cupy.empty(shape, dtype=self.act_dtype if dtype is None else dtype)
@@ -107,8 +112,7 @@ class CudaOps(SublayerOps):
                   ("seq_lens", batch.seq_lens, (B,)),
                   ("last_token_indices", batch.last_token_indices, (B,)),
                   ("block_tables", batch.block_tables, (B, width)))
-        if self._meta_copied is not None:
-            self._meta_copied.synchronize()  # the staging buffer is free again
+        self._meta_copied.synchronize()  # the staging buffer is free again
         views, offset = {}, 0
         for name, array, shape in fields:
             if tuple(array.shape) != shape:
@@ -120,7 +124,7 @@ class CudaOps(SublayerOps):
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._meta_device.data.ptr, self._meta_host.ctypes.data,
                                             offset * 4, H2D, stream.ptr)
-        self._meta_copied = stream.record()
+        self._meta_copied.record(stream)
         device = {name: self._meta_device[o:o + size].reshape(shape)
                   for name, (o, size, shape) in views.items()}
         return DeviceBatch(**device, num_tokens=T, num_seqs=B,
@@ -161,18 +165,28 @@ class CudaOps(SublayerOps):
     def attention(self, q, k_cache, v_cache, meta, scale, out):
         num_splits, clusters = 1, False
         if meta.is_decode_only:
-            num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-            num_splits = attention_kernels.choose_decode_splits(
-                meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, meta.max_seq_len,
-                self.num_sms, self.max_decode_splits)
-            clusters = self.decode_clusters(meta.num_seqs, num_heads, num_kv_heads, q.shape[2],
-                                            meta.max_seq_len)
+            num_splits, clusters = self.decode_split(
+                meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], meta.max_seq_len)
         attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             scale=scale, max_query_len=meta.max_query_len,
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
             clusters=clusters)
+
+    def decode_split(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     max_seq_len: int) -> tuple[int, bool]:
+        """(num_splits, clusters) of a decode batch's attention. Every layer of a step asks
+        with the same shapes: worked out once, for the first."""
+        key = (num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len)
+        if key != self._decode_split_key:
+            num_splits = attention_kernels.choose_decode_splits(
+                num_seqs, num_kv_heads, num_heads // num_kv_heads, max_seq_len, self.num_sms,
+                self.max_decode_splits)
+            clusters = self.decode_clusters(num_seqs, num_heads, num_kv_heads, head_dim,
+                                            max_seq_len)
+            self._decode_split_key, self._decode_split = key, (num_splits, clusters)
+        return self._decode_split
 
     def decode_clusters(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                         max_seq_len: int) -> bool:
@@ -197,11 +211,11 @@ class CudaOps(SublayerOps):
         B, n = logits.shape[0], self.max_num_seqs
         if B > n:
             raise ValueError(f"logits: {B} rows exceeds max_num_seqs {n}")
-        turn = self._turn
-        self._turn ^= 1
-        host, device = self._sampling_host[turn], self._sampling_device[turn]
-        if self._sampling_copied[turn] is not None:
-            self._sampling_copied[turn].synchronize()  # two steps ago: long done
+        host, device = self._sampling_host, self._sampling_device
+        # the host buffer is free once the last settings copy is done; that copy is queued
+        # right behind the token copy of two steps ago, whose tokens the caller already has
+        # (PendingTokens), so this hardly ever waits
+        self._sampling_copied.synchronize()
         # [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 | steps i32]
         fields = ((sampling.seeds, np.uint64, 0), (sampling.temperature, np.float32, 8 * n),
                   (sampling.top_k, np.int32, 12 * n), (sampling.top_p, np.float32, 16 * n),
@@ -213,31 +227,38 @@ class CudaOps(SublayerOps):
             on_device.append(device[start:start + B * itemsize].view(dtype))
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
-        # the settings: copied (behind the last token copy, on the copy stream) once the
-        # sampling kernel two steps ago has read this device buffer; the forward pass
-        # queued before this call is still running, so the copy is over before this
-        # step's sampling kernel comes up
-        if self._sampling_read[turn] is not None:
-            copy.wait_event(self._sampling_read[turn])
+        # the settings: the copy stream runs in order, and this copy is queued behind the last
+        # token copy, which waited for the last sampling kernel: no kernel still reads the
+        # device buffer when it is overwritten. The forward pass queued before this call is
+        # still running, so the copy is over before this step's sampling kernel comes up
         runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, copy.ptr)
-        self._sampling_copied[turn] = copy.record()
-        stream.wait_event(self._sampling_copied[turn])
+        self._sampling_copied.record(copy)
+        stream.wait_event(self._sampling_copied)
         if self._tokens_copied is not None:
             stream.wait_event(self._tokens_copied)  # the last token copy has read the tokens
         seeds, temperature, top_k, top_p, min_p, steps = on_device
         tokens = self._tokens_device[:B]
         sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
-        sampled = self._sampling_read[turn] = stream.record()
+        self._sampled.record(stream)
         # the tokens: copied back while the step stream goes on to the next step
-        copy.wait_event(sampled)
-        tokens_host = self._tokens_host[turn]
+        copy.wait_event(self._sampled)
+        tokens_host, copied = self._tokens_host[self._turn], self._token_copies[self._turn]
+        self._turn ^= 1
         runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, copy.ptr)
-        self._tokens_copied = copy.record()
-        return PendingTokens(self._tokens_copied, tokens_host[:B])
+        copied.record(copy)
+        self._tokens_copied = copied
+        return PendingTokens(copied, tokens_host[:B])
+
+
+def sync_event(cupy):
+    """A CUDA event to wait on, never timed (cheaper to record)."""
+    return cupy.cuda.Event(disable_timing=True)
 
 
 class PendingTokens:
-    """Token ids on their way to a pinned host buffer; `get` waits for them."""
+    """Token ids on their way to a pinned host buffer; `get` waits for them. Call it before
+    the second sample_async after this one, which fills the buffer and records the event
+    again."""
 
     def __init__(self, copied, host_tokens: np.ndarray):
         self._copied = copied  # event recorded after the device-to-host copy
