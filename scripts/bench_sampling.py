@@ -54,7 +54,6 @@ def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
     from cupy_llama.backends.cuda import perf
     reports_slots = "used_slots" in inspect.signature(sampling.sample).parameters
     logits = cupy.asarray(rows)
-    stream = cupy.cuda.Stream(non_blocking=True)
     result = {}
     for batch in (1, 16):
         views = [logits[i:i + 1] for i in range(16)] if batch == 1 else [logits] * 16
@@ -71,16 +70,9 @@ def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
                 for view in views:
                     sampling.sample(view, *settings, tokens, used_slots=used)
                     served += int(used.sum())
-            with stream:
-                for view in views:
-                    sampling.sample(view, *settings, tokens)
-                stream.synchronize()
-                stream.begin_capture()
-                for view in views:
-                    sampling.sample(view, *settings, tokens)
-                graph = stream.end_capture()
-                ms = perf.event_time(cupy, graph.launch, runs=10, warmup=2)
-            result[batch][name] = (1e3 * ms / 16, served)
+            us = perf.graph_us_per_call(
+                cupy, lambda view: sampling.sample(view, *settings, tokens), views)
+            result[batch][name] = (us, served)
     return result
 
 

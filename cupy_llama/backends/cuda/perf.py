@@ -156,9 +156,9 @@ def gemv_shapes(config) -> dict:
 
 
 def graph_us_per_call(cupy, launch, weights) -> float:
-    """Microseconds per call of GEMV_CALLS launches cycling over `weights`, replayed from
-    one CUDA graph (median of GEMV_REPLAYS); NaN where the kernel refuses the product or
-    cannot be captured."""
+    """Microseconds per call of GEMV_CALLS launches cycling over `weights` (or any other
+    inputs: scripts/bench_sampling.py passes logits rows), replayed from one CUDA graph
+    (median of GEMV_REPLAYS); NaN where the kernel refuses its input or cannot be captured."""
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
         with stream:
