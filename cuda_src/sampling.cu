@@ -102,11 +102,11 @@ __device__ __forceinline__ void add_mass(unsigned long long* hist, unsigned peer
 
 // A token's weight exp((logit - max) / temperature), as 2^((logit - max) * log2_scale)
 // (one multiply and the hardware's exp2); NaN counts as 0. Every pass computes it here.
-// The exponent is <= 0 for every logit but NaN, so NaN is caught there: a test on exp2f's
-// result is compiled away (ptxas takes MUFU.EX2 never to return NaN, though it does).
+// NaN is caught in the exponent: fmaxf takes the number over NaN, and 2^-200 rounds to 0
+// (an exponent that low gives 0 anyway). A test on exp2f's result would be compiled away:
+// ptxas takes MUFU.EX2 never to return NaN, though it does.
 __device__ __forceinline__ float weight_of_logit(float logit, float max_logit, float log2_scale) {
-    const float exponent = (logit - max_logit) * log2_scale;
-    return exponent <= 0.0f ? exp2f(exponent) : 0.0f;
+    return exp2f(fmaxf((logit - max_logit) * log2_scale, -200.0f));
 }
 
 // U of a thread's elements: their keys, token indices and whether they exist
