@@ -32,26 +32,38 @@ def add_ratios(results: dict) -> None:
 # ---- what the report says about the run ---------------------------------------------------
 
 def commit_info(explicit: str | None) -> dict:
-    """The commit: `git rev-parse HEAD` of this source tree (marked -dirty with uncommitted
-    changes), else --commit, else $CUPY_LLAMA_COMMIT."""
-    root = Path(__file__).resolve().parents[1]
-    if (root / ".git").exists():
-        try:
-            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
-                                  capture_output=True, text=True, timeout=10)
-            status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
-                                     "--untracked-files=no"], capture_output=True, text=True,
-                                    timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            head = None
-        if head is not None and head.returncode == 0 and head.stdout.strip():
-            dirty = "-dirty" if status.returncode == 0 and status.stdout.strip() else ""
-            return {"commit": head.stdout.strip() + dirty, "commit_source": "git"}
-    if explicit:
-        return {"commit": explicit, "commit_source": "--commit"}
-    if os.environ.get("CUPY_LLAMA_COMMIT"):
-        return {"commit": os.environ["CUPY_LLAMA_COMMIT"], "commit_source": "CUPY_LLAMA_COMMIT"}
+    """The commit: --commit (else $CUPY_LLAMA_COMMIT) when given, with what git says beside
+    it where that differs (a copied tree can carry a stale .git); else `git rev-parse
+    HEAD` of this source tree, marked -dirty with uncommitted changes."""
+    named = explicit or os.environ.get("CUPY_LLAMA_COMMIT")
+    source = "--commit" if explicit else "CUPY_LLAMA_COMMIT"
+    git = git_commit(Path(__file__).resolve().parents[1])
+    if named:
+        info = {"commit": named, "commit_source": source}
+        if git is not None and not git.startswith(named):
+            info["git_reported"] = git
+        return info
+    if git is not None:
+        return {"commit": git, "commit_source": "git"}
     return {"commit": "unknown", "commit_source": "none"}
+
+
+def git_commit(root: Path) -> str | None:
+    """HEAD of the git checkout at root (+ "-dirty" with uncommitted changes), or None."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True,
+                                timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0 or not head.stdout.strip():
+        return None
+    dirty = "-dirty" if status.returncode == 0 and status.stdout.strip() else ""
+    return head.stdout.strip() + dirty
 
 
 def environment(device: str, hf: bool) -> dict:

@@ -363,7 +363,7 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
                    "only).")
 @click.option("--batch-sizes", default="1,8,32,64,128,256", show_default=True,
               help="Batch sizes of decode-sweep.")
-@click.option("--commit", help="Commit to record when git cannot tell (also $CUPY_LLAMA_COMMIT).")
+@click.option("--commit", help="Commit to record (also $CUPY_LLAMA_COMMIT); else git's HEAD, which is kept beside a named commit it differs from.")
 def bench(mode, **options):
     """Measure throughput, batch-1 latency, time to first token or decode speed by batch size.
 

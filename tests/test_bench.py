@@ -84,6 +84,21 @@ def test_bandwidth_floor_of_the_1b_shape_matches_the_performance_model():
         floor["weight_bytes_per_step"]
 
 
+def test_a_named_commit_wins_and_git_is_kept_beside_it(monkeypatch):
+    from cupy_llama import bench_report
+    monkeypatch.delenv("CUPY_LLAMA_COMMIT", raising=False)
+    monkeypatch.setattr(bench_report, "git_commit", lambda root: "752737c0ffee-dirty")
+    assert bench_report.commit_info("3e80ac8") == {
+        "commit": "3e80ac8", "commit_source": "--commit", "git_reported": "752737c0ffee-dirty"}
+    assert bench_report.commit_info("752737c") == {"commit": "752737c", "commit_source": "--commit"}
+    assert bench_report.commit_info(None) == {"commit": "752737c0ffee-dirty", "commit_source": "git"}
+    monkeypatch.setenv("CUPY_LLAMA_COMMIT", "abc1234")
+    assert bench_report.commit_info(None)["commit_source"] == "CUPY_LLAMA_COMMIT"
+    monkeypatch.setattr(bench_report, "git_commit", lambda root: None)
+    monkeypatch.delenv("CUPY_LLAMA_COMMIT")
+    assert bench_report.commit_info(None) == {"commit": "unknown", "commit_source": "none"}
+
+
 # ---- a whole run --------------------------------------------------------------------------
 
 def test_all_modes_write_a_complete_report(report_all, model_dir):
