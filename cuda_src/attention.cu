@@ -279,26 +279,6 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared without registers (sm_80+); a thread sees its own copies once it
-// has waited for their group
-__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                 :: "r"(shared_address(shared_dst)), "l"(global_src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// wait until at most one committed group (the newest) is still in flight
-__device__ __forceinline__ void cp_async_wait_all_but_newest() {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
 // the float at `local` (a __shared__ address of this CTA) in the shared memory of the
 // cluster's CTA `rank`
 __device__ __forceinline__ float cluster_load(const float* local, int rank) {
@@ -416,23 +396,20 @@ __device__ __forceinline__ void decode_attention_body(
     const long long row_stride = (long long)num_kv_heads * D;  // elements per cache slot
     const int head_offset = kv_head * D + sub * 8;
 
-    // The first step's keys are copied to shared memory before waiting for the kernel before
-    // (the qkv product), all but the newest token's: that kernel writes q and the newest
-    // K/V, while the older keys were written by earlier steps and their slots come from the
-    // metadata, copied before this step's first kernel. After the wait only q and the newest
-    // key are read from global memory (at L2). Shared memory, not registers: these are at
-    // their budget.
-    __shared__ uint4 first_kv[2][UNROLL][DECODE_THREADS];  // [K, V][u][thread]
-    const int newest = seq_len - 1;  // the position of the step's token
+    // The first step's cache slots come from the metadata, copied before this step's first
+    // kernel: they are looked up before waiting for the kernel before (the qkv product,
+    // which writes q and the new token's K/V), so that q and the first keys are then read
+    // in one round trip. Kept in shared memory (registers are at their budget); -1: past
+    // the range (slots fit an int: the KV pool's size).
+    __shared__ int first_slot[UNROLL][SLOTS];
+    if (sub == 0) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int pos = key_begin + u * SLOTS + slot;
-        if (pos >= key_end || pos == newest) continue;
-        const long long offset = cache_slot(table, pos, block_shift) * row_stride + head_offset;
-        cp_async16(&first_kv[0][u][threadIdx.x], k_cache + offset);
-        cp_async16(&first_kv[1][u][threadIdx.x], v_cache + offset);
+        for (int u = 0; u < UNROLL; ++u) {
+            const int pos = key_begin + u * SLOTS + slot;
+            first_slot[u][slot] = pos < key_end ? (int)cache_slot(table, pos, block_shift) : -1;
+        }
     }
-    cp_async_commit();
+    __syncwarp();  // a slot's lanes are in one warp
     wait_for_previous_kernel();
 
     float q_reg[MAXG][8];  // this lane's 8 dims of each query head, times scale * log2(e)
@@ -456,20 +433,17 @@ __device__ __forceinline__ void decode_attention_body(
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
     }
 
-    cp_async_wait_all();  // this thread's copies of the first step's keys have landed
     for (int base = key_begin; base < key_end; base += STEP) {
         uint4 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int pos = base + u * SLOTS + slot;
+            const long long cached = base == key_begin ? first_slot[u][slot]
+                                     : pos < key_end ? cache_slot(table, pos, block_shift) : -1;
             k_raw[u] = make_uint4(0u, 0u, 0u, 0u);  // keys past the range: zeros, masked below
             v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (pos >= key_end) continue;
-            if (base == key_begin && pos != newest) {
-                k_raw[u] = first_kv[0][u][threadIdx.x];
-                v_raw[u] = first_kv[1][u][threadIdx.x];
-            } else {
-                const long long offset = cache_slot(table, pos, block_shift) * row_stride + head_offset;
+            if (cached >= 0) {
+                const long long offset = cached * row_stride + head_offset;
                 k_raw[u] = load16(k_cache + offset);
                 v_raw[u] = load16(v_cache + offset);
             }
@@ -676,6 +650,20 @@ DEFINE_DECODE_ATTENTION(128, 8, DECODE_CLUSTER, _cluster)
 #define PREFILL_ROWS 64     // query rows per CTA, 16 per warp
 #define PREFILL_KEYS 64     // keys per K/V tile
 #define PREFILL_THREADS 128
+
+__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 :: "r"(shared_address(shared_dst)), "l"(global_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// wait until at most one committed group (the newest) is still in flight
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
 
 // four 8x8 bf16 matrices; lanes 8i .. 8i+7 give the row addresses of matrix i, and lane L
 // receives (row L/4, cols 2(L%4), 2(L%4)+1) of each: r[i] from matrix i
