@@ -177,7 +177,6 @@ struct SkinnyArgs {
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
-    int then_bytes;           // bytes after w to prefetch into L2, shared among the blocks (0: none)
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -265,24 +264,6 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(starts[r]), "r"(bytes) : "memory");
-#endif
-}
-
-// The weight blob lies in the order the forward pass reads it, so the bytes after w are the
-// next product's weights: once a block has asked for its last tile, it asks for its share
-// of the first then_bytes of them (sm_90; nothing before), 4 KB per prefetch, so that the
-// next kernel, which cannot load anything before this one's blocks leave, finds them in L2.
-__device__ __forceinline__ void prefetch_following(const SkinnyArgs& a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (a.then_bytes <= 0) return;
-    constexpr long long PIECE = 4096;
-    const long long share = ((long long)a.then_bytes / gridDim.x + PIECE - 1) / PIECE * PIECE;
-    const long long first = blockIdx.x * share, end = min((long long)a.then_bytes, first + share);
-    const char* following = reinterpret_cast<const char*>(a.w) + (long long)a.n * a.k * 2;
-    for (long long at = first + threadIdx.x * PIECE; at < end; at += blockDim.x * PIECE) {
-        const unsigned bytes = (unsigned)min(PIECE, end - at);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(following + at), "r"(bytes) : "memory");
-    }
 #endif
 }
 
@@ -472,7 +453,6 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             else if (blockIdx.x + gridDim.x < tiles)
                 prefetch_rows(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
         }
-        if (blockIdx.x + gridDim.x >= tiles) prefetch_following(a);  // the only tile
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
@@ -527,7 +507,6 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             load_group<WARPS>(wv, weight_row(a, next_rows.lo), weight_row(a, next_rows.hi), warp,
                               t, chunks);
             preloaded = true;
-            if (tile + 2 * gridDim.x >= tiles) prefetch_following(a);  // that is the last tile
         }
 
         // sum the warps' partial tiles; two buffers, so one barrier per tile suffices

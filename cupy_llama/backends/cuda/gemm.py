@@ -61,7 +61,6 @@ OUT_BF16, OUT_F32, OUT_F32_ADD = 0, 1, 2  # gemv.cu out_mode
 MMA_WARPS = 8
 MMA_WIDE_WARPS = 16     # skinny_wide: plain products of long rows in few tiles
 WIDE_MIN_K = 4096
-_THEN_PREFETCH_BYTES = int(float(os.environ.get("CUPY_LLAMA_THEN_PREFETCH_MB", "0")) * 2**20)
 MMA_TILE_ROWS = 16      # weight rows per tile
 MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multiple of this
 MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
@@ -253,7 +252,7 @@ class SkinnyArgs(ctypes.Structure):
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float), ("then_bytes", ctypes.c_int)]
+                ("eps", ctypes.c_float)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -365,10 +364,8 @@ def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
             or fused_unsupported(x, weight, norm_weight) is not None):
         return False
     if m_rows:
-        args = _norm_args(x, norm_weight, eps, weight, out)
-        # what follows gate/up in the blob is the down product's weights (half its size)
-        args.then_bytes = min(_THEN_PREFETCH_BYTES, weight.nbytes // 2) // 4096 * 4096
-        _launch_skinny("skinny_norm_silu", m_rows, n, k, args)
+        _launch_skinny("skinny_norm_silu", m_rows, n, k,
+                       _norm_args(x, norm_weight, eps, weight, out))
     return True
 
 
