@@ -33,14 +33,15 @@ def add_ratios(results: dict) -> None:
 
 def commit_info(explicit: str | None) -> dict:
     """The commit: --commit (else $CUPY_LLAMA_COMMIT) when given, with what git says beside
-    it where that differs (a copied tree can carry a stale .git); else `git rev-parse
-    HEAD` of this source tree, marked -dirty with uncommitted changes."""
+    it where that differs or the tree has uncommitted changes (a copied tree can carry a
+    stale .git); else `git rev-parse HEAD` of this source tree, marked -dirty with
+    uncommitted changes."""
     named = explicit or os.environ.get("CUPY_LLAMA_COMMIT")
     source = "--commit" if explicit else "CUPY_LLAMA_COMMIT"
     git = git_commit(Path(__file__).resolve().parents[1])
     if named:
         info = {"commit": named, "commit_source": source}
-        if git is not None and not git.startswith(named):
+        if git is not None and (not git.startswith(named) or git.endswith("-dirty")):
             info["git_reported"] = git
         return info
     if git is not None:

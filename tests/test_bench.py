@@ -90,8 +90,11 @@ def test_a_named_commit_wins_and_git_is_kept_beside_it(monkeypatch):
     monkeypatch.setattr(bench_report, "git_commit", lambda root: "752737c0ffee-dirty")
     assert bench_report.commit_info("3e80ac8") == {
         "commit": "3e80ac8", "commit_source": "--commit", "git_reported": "752737c0ffee-dirty"}
-    assert bench_report.commit_info("752737c") == {"commit": "752737c", "commit_source": "--commit"}
+    # the named commit, but uncommitted changes: git's word is kept
+    assert bench_report.commit_info("752737c")["git_reported"] == "752737c0ffee-dirty"
     assert bench_report.commit_info(None) == {"commit": "752737c0ffee-dirty", "commit_source": "git"}
+    monkeypatch.setattr(bench_report, "git_commit", lambda root: "752737c0ffee")
+    assert bench_report.commit_info("752737c") == {"commit": "752737c", "commit_source": "--commit"}
     monkeypatch.setenv("CUPY_LLAMA_COMMIT", "abc1234")
     assert bench_report.commit_info(None)["commit_source"] == "CUPY_LLAMA_COMMIT"
     monkeypatch.setattr(bench_report, "git_commit", lambda root: None)
