@@ -1,0 +1,253 @@
+"""The host side of the CUDA backend's stream and event ordering, checked without a GPU:
+a fake cupy logs every stream operation, host wait and host write of a watched buffer in
+the order the code issues them, and `ordered` reads off that log what CUDA guarantees to
+be over before what (stream order, waits and synchronizes on an event's latest record).
+Copies are done at once, so the data tests also see which buffer each step used."""
+import ctypes
+import sys
+import types
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.backends.cuda import graphs, ops
+from cupy_llama.backends.cuda import sampling as sampling_kernels
+
+Op = namedtuple("Op", "who what detail")  # who: a stream's name or "host"
+H2D, D2H = ops.H2D, ops.D2H
+
+
+class DeviceArray(np.ndarray):
+    """A fake device array: host memory whose address stands in for the device pointer."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+class FakeEvent:
+    def __init__(self, cuda):
+        self.cuda, self.name = cuda, "event"  # the test names the events it checks
+
+    def record(self, stream=None):
+        self.cuda.add(Op((stream or self.cuda.current).name, "record", self.name))
+
+    def synchronize(self):
+        self.cuda.add(Op("host", "sync", self.name))
+
+
+class FakeStream:
+    def __init__(self, cuda, name):
+        self.cuda, self.name, self.ptr = cuda, name, id(self)
+        cuda.streams[self.ptr] = self
+
+    def wait_event(self, event):
+        self.cuda.add(Op(self.name, "wait", event.name))
+
+
+class FakeCuda:
+    """cupy.cuda as far as sample_async and _stage use it."""
+
+    def __init__(self):
+        self.log, self.names, self.watched, self.streams = [], {}, {}, {}
+        self.current = FakeStream(self, "step")  # the caller's stream
+        self.runtime = types.SimpleNamespace(memcpyAsync=self.memcpy_async)
+        self.alloc_pinned_memory = bytearray
+
+    def Stream(self, non_blocking=False):
+        return FakeStream(self, "copy")  # CudaOps's copy stream (DecodeGraphs: never used)
+
+    def Event(self, disable_timing=False):
+        return FakeEvent(self)
+
+    def get_current_stream(self):
+        return self.current
+
+    def name(self, array, name):
+        self.names[array.ctypes.data] = name
+
+    def watch(self, array, name):
+        self.watched[name] = (array, array.tobytes())
+
+    def add(self, op):
+        # a host write shows up before the first logged operation that follows it
+        for name, (array, seen) in self.watched.items():
+            if array.tobytes() != seen:
+                self.log.append(Op("host", "write", name))
+                self.watch(array, name)
+        self.log.append(op)
+
+    def memcpy_async(self, dst, src, nbytes, kind, stream_ptr):
+        ctypes.memmove(dst, src, nbytes)
+        direction = {H2D: "H2D", D2H: "D2H"}[kind]
+        names = (self.names.get(src, hex(src)), self.names.get(dst, hex(dst)), nbytes)
+        self.add(Op(self.streams[stream_ptr].name, direction, names))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cuda = FakeCuda()
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    cupy.empty = cupy.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(DeviceArray)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return cuda
+
+
+def ordered(log, first, then):
+    """Whether CUDA has finished log[first] before log[then] starts."""
+    seen, todo = set(), [then]
+    while todo:
+        i = todo.pop()
+        if i == first:
+            return True
+        if i not in seen:
+            seen.add(i)
+            who, what, detail = log[i]
+            todo += [j for j in range(i) if log[j].who == who][-1:]  # stream or host order
+            if what in ("wait", "sync"):  # waits for the event's latest record
+                todo += [j for j in range(i)
+                         if log[j].what == "record" and log[j].detail == detail][-1:]
+    return False
+
+
+# ---- CudaOps.sample_async and PendingTokens ---------------------------------------------
+ROWS, MAX_SEQS, STEPS = 3, 4, 5
+
+
+def settings(step):
+    """Sampling settings of one step; `steps` differs each step (the fake kernel returns it)."""
+    return SamplingTensors(
+        temperature=np.ones(ROWS, np.float32), top_k=np.zeros(ROWS, np.int32),
+        top_p=np.ones(ROWS, np.float32), min_p=np.zeros(ROWS, np.float32),
+        seeds=np.full(ROWS, 7, np.uint64), steps=np.arange(ROWS, dtype=np.int32) + 10 * step)
+
+
+@pytest.fixture
+def pipelined(fake, monkeypatch):
+    """STEPS + 1 sampling steps driven as LLMEngine.step does: launch step k + 1, then read
+    step k's tokens. Returns the log and, per read, (tokens, index of its last log entry)."""
+    def fake_sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens):
+        fake.add(Op(fake.current.name, "kernel", "sample"))
+        out_tokens[:] = steps  # reads the settings that reached the device buffer
+
+    monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
+    monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})  # the real __init__ else
+    cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
+                           num_heads=2, head_dim=64, max_model_len=64)
+    fake.name(cuda_ops._sampling_host, "settings_host")
+    fake.name(cuda_ops._sampling_device, "settings_device")
+    fake.name(cuda_ops._tokens_device, "tokens_device")
+    for turn in (0, 1):
+        fake.name(cuda_ops._tokens_host[turn], f"tokens_host{turn}")
+        cuda_ops._token_copies[turn].name = f"tokens{turn}"
+    cuda_ops._sampling_copied.name, cuda_ops._sampled.name = "settings_copied", "sampled"
+    fake.watch(cuda_ops._sampling_host, "settings")
+    logits = np.zeros((ROWS, 16), np.float32)
+    pending, reads = cuda_ops.sample_async(logits, settings(0)), []
+    for step in range(1, STEPS + 1):
+        following = cuda_ops.sample_async(logits, settings(step))
+        reads.append((pending.get(), len(fake.log) - 1))
+        pending = following
+    return fake.log, reads
+
+
+def entries(log, what):
+    """Log indices of one kind of entry, one per step."""
+    found = [i for i, op in enumerate(log) if op.what == what]
+    assert len(found) == STEPS + 1, what
+    return found
+
+
+def test_settings_copy_kernel_and_token_copy_are_ordered_across_streams(pipelined):
+    log, _ = pipelined
+    copies, kernels, backs = (entries(log, what) for what in ("H2D", "kernel", "D2H"))
+    for step, (copy, kernel, back) in enumerate(zip(copies, kernels, backs)):
+        assert (log[copy].who, log[kernel].who, log[back].who) == ("copy", "step", "copy")
+        assert log[copy].detail == ("settings_host", "settings_device", 28 * MAX_SEQS)
+        if step:
+            # the one device settings buffer is overwritten only after the last kernel that
+            # read it: behind the last token copy, which waited for that kernel
+            assert ordered(log, backs[step - 1], copy)
+            assert ordered(log, kernels[step - 1], backs[step - 1])
+            # and the kernel overwrites the device tokens only once they were copied back
+            # (its own wait, and also through the settings copy queued behind that copy)
+            assert ordered(log, backs[step - 1], kernel)
+        assert ordered(log, copy, kernel)  # the kernel reads this step's settings
+        assert ordered(log, kernel, back)  # and the copy back its tokens
+
+
+def test_token_copies_alternate_and_each_read_waits_for_its_own(pipelined):
+    log, reads = pipelined
+    backs = entries(log, "D2H")
+    for step, (back, (tokens, read)) in enumerate(zip(backs, reads)):
+        assert log[back].detail == ("tokens_device", f"tokens_host{step % 2}", 4 * ROWS)
+        # the read synchronizes the event recorded after its own copy, not the other one
+        assert log[read] == Op("host", "sync", f"tokens{step % 2}")
+        assert ordered(log, back, read)
+        # step + 1 was launched before this read: its tokens went to the other buffer
+        np.testing.assert_array_equal(tokens, settings(step).steps)
+
+
+def test_host_writes_the_settings_buffer_after_its_last_copy(pipelined):
+    log, _ = pipelined
+    copies, writes = entries(log, "H2D"), entries(log, "write")
+    for step, (copy, write) in enumerate(zip(copies, writes)):
+        assert write < copy and log[write] == Op("host", "write", "settings")
+        if step:
+            assert ordered(log, copies[step - 1], write)
+
+
+# ---- DecodeGraphs._stage -------------------------------------------------------------------
+def decode_batch(token_ids, seq_lens, block_tables):
+    num_seqs = len(token_ids)
+    return ForwardBatch(
+        token_ids=np.array(token_ids, np.int32), positions=np.array(seq_lens, np.int32) - 1,
+        slot_mapping=np.array(token_ids, np.int32) * 10,
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=np.array(seq_lens, np.int32), block_tables=np.array(block_tables, np.int32),
+        max_query_len=1, max_seq_len=max(seq_lens))
+
+
+def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fake):
+    width, bucket = 5, 4
+    # the real __init__ on the fake cupy; the backend is only what it reads
+    config = types.SimpleNamespace(head_dim=64, num_attention_heads=4, num_key_value_heads=1)
+    backend = types.SimpleNamespace(
+        max_num_seqs=bucket, max_model_len=64, config=config,
+        ops=types.SimpleNamespace(max_blocks_per_seq=width, decode_clusters=lambda *_: False))
+    decode = graphs.DecodeGraphs(backend)
+    fake.name(decode._host, "meta_host")
+    fake.name(decode._device, "meta_device")
+    decode._copied.name = "copied"
+    fake.watch(decode._host, "meta")
+    tables_at = decode._offsets["block_tables"]
+
+    decode._stage(decode_batch([11, 12], [6, 7], [[1, 2, 3], [4, 5, 6]]), bucket)
+    decode._stage(decode_batch([21], [9], [[7, 8]]), bucket)
+
+    host = {name: decode._field(name, bucket) for name in
+            ("token_ids", "positions", "slot_mapping", "seq_lens")}
+    assert host["token_ids"].tolist() == [21, 0, 0, 0]  # rows past the batch: padding
+    assert host["positions"].tolist() == [8, 0, 0, 0]
+    assert host["slot_mapping"].tolist() == [210, -1, -1, -1]  # -1: no KV write
+    assert host["seq_lens"].tolist() == [9, 0, 0, 0]  # 0: attention reads no block
+    # only the batch's own columns are written: column 2 keeps the first batch's block,
+    # row 1 the first batch's row, the rest the -1 the host table area started as
+    tables = decode._host[tables_at:].reshape(bucket, width)
+    assert tables.tolist() == [[7, 8, 3, -1, -1], [4, 5, 6, -1, -1]] + [[-1] * width] * 2
+    # only the batch's rows are copied: rows 2 and 3 never reached the device
+    device = decode._device[tables_at:].reshape(bucket, width)
+    assert device.tolist() == [[7, 8, 3, -1, -1], [4, 5, 6, -1, -1]] + [[0] * width] * 2
+    # the host buffer is written only once the previous copy has read it, and each copy
+    # is recorded on the caller's stream
+    def staged(num_seqs):
+        nbytes = 4 * (tables_at + num_seqs * width)
+        return [Op("host", "sync", "copied"), Op("host", "write", "meta"),
+                Op("step", "H2D", ("meta_host", "meta_device", nbytes)),
+                Op("step", "record", "copied")]
+    assert fake.log == staged(2) + staged(1)
+    decode._stage(None, 2)  # all padding: no table rows copied
+    assert fake.log[-4:] == staged(0)
