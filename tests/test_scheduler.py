@@ -47,7 +47,7 @@ class Simulation:
         self.queue_after_schedule = (len(self.scheduler.running), len(self.scheduler.waiting))
         self.check_batch(batch)
         self.scheduler.update_after_step(batch)
-        for seq in [s for s in batch.seqs if s.num_uncomputed_tokens == 0]:
+        for _, seq in batch.sampled_rows():
             seq.output_token_ids.append(FAKE_TOKEN)
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= self.context_limit:

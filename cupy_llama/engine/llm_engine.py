@@ -134,8 +134,7 @@ class LLMEngine:
         request = self.requests.pop(str(request_id), None)
         if request is None:
             return None
-        if not request.seq.is_finished:
-            self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
+        self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
         del request.seq.output_token_ids[request.num_resolved:]  # tokens still coming
         request.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not "length":
         # the scheduler may have finished it already, at the launch of its last token
@@ -179,9 +178,7 @@ class LLMEngine:
         sampled = self.runner.run(batch)
         self.scheduler.update_after_step(batch)
         waiting_for = []
-        for row, seq in enumerate(batch.seqs):
-            if seq.num_uncomputed_tokens:
-                continue  # a prompt chunk that is not the last: its token is not wanted
+        for row, seq in batch.sampled_rows():
             seq.output_token_ids.append(-(row + 1))
             waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
             if (len(seq.output_token_ids) >= seq.params.max_tokens
@@ -226,10 +223,7 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             del seq.output_token_ids[index + 1:]  # a token of a step still running
-            if seq.is_finished:  # finished at launch for its length: released already
-                seq.status = status
-            else:
-                self.scheduler.finish(seq, status)
+            self.scheduler.finish(seq, status)
             request.finish_reason = status.finish_reason
             del self.requests[seq.request_id]
         elif not request.stream:

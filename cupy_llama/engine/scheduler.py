@@ -31,6 +31,12 @@ class ScheduledBatch:
     def __bool__(self):
         return bool(self.seqs)
 
+    def sampled_rows(self) -> list[tuple[int, Sequence]]:
+        """(row, sequence) of the sequences whose step ends in a sampled token: every known
+        token is in the cache once update_after_step has counted this step's (a prompt chunk
+        that is not the last wants none)."""
+        return [(row, seq) for row, seq in enumerate(self.seqs) if not seq.num_uncomputed_tokens]
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
@@ -78,7 +84,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Release a finished sequence's blocks at once. A sequence may finish while it
-        waits (preempted, its last token still coming)."""
+        waits (preempted, its last token still coming), and again once it has finished
+        (for its length at the launch of its last token, then for what that token says):
+        then only its status changes, its blocks are long released."""
+        if seq.is_finished:
+            seq.status = status
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
@@ -146,7 +157,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
-        """Mark this step's tokens computed. The sequences that now need a sampled token
-        are those with num_uncomputed_tokens == 0 (every known token in the cache)."""
+        """Mark this step's tokens computed (then batch.sampled_rows() says which sequences
+        want a sampled token)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
