@@ -16,7 +16,6 @@ served. With --model also the candidate counts of every captured row (tokens wit
 tokens, end of sequence ignored), greedy and with temperature 0.6 and top-p 0.9.
 """
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cupy_llama.backends.cuda.sampling import CANDIDATE_CUT  # noqa: E402
 
 VOCAB = 128256
 CASES = {  # name: (temperature, top_k, top_p)
@@ -37,7 +38,6 @@ CASES = {  # name: (temperature, top_k, top_p)
 CHAT_PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.",
                 "Explain how a bicycle works.", "List three fruits and their colors.",
                 "Tell me a story about a dragon who learns to cook."]
-CANDIDATE_CUT = 16.0  # cuda_src/sampling.cu
 
 
 def peaked_rows(rng, rows: int, vocab: int) -> np.ndarray:
@@ -52,7 +52,6 @@ def peaked_rows(rng, rows: int, vocab: int) -> np.ndarray:
 def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
     """{batch: {case: (us per call, rows served by the slots or None)}}"""
     from cupy_llama.backends.cuda import perf
-    reports_slots = "used_slots" in inspect.signature(sampling.sample).parameters
     logits = cupy.asarray(rows)
     result = {}
     for batch in (1, 16):
@@ -63,13 +62,10 @@ def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
             settings = (cupy.full(batch, temperature, np.float32), cupy.full(batch, top_k, np.int32),
                         cupy.full(batch, top_p, np.float32), cupy.zeros(batch, np.float32),
                         cupy.arange(batch, dtype=np.uint64), cupy.zeros(batch, np.int32))
-            served = None
-            if reports_slots:
-                used = cupy.zeros(batch, np.int32)
-                served = 0
-                for view in views:
-                    sampling.sample(view, *settings, tokens, used_slots=used)
-                    served += int(used.sum())
+            used, served = cupy.zeros(batch, np.int32), 0
+            for view in views:
+                sampling.sample(view, *settings, tokens, used_slots=used)
+                served += int(used.sum())
             us = perf.graph_us_per_call(
                 cupy, lambda view: sampling.sample(view, *settings, tokens), views)
             result[batch][name] = (us, served)
@@ -115,7 +111,7 @@ def decode_rates(llm) -> dict:
                                               ignore_eos=True, seed=1))):
         bench.timed_steps(llm, [list(ids)], params)  # warm-up
         runs = [bench.decode_numbers(*bench.timed_steps(llm, [list(ids)], params), 1)["tok_s"]
-                for _ in range(3)]
+                for _ in range(bench.LATENCY_RUNS)]
         rates[name] = {"tok_s": statistics.median(runs), "runs": runs}
     return rates
 
@@ -124,7 +120,7 @@ def print_kernel(label: str, timings: dict) -> None:
     for batch, cases in timings.items():
         cells = []
         for name, (us, served) in cases.items():
-            cells.append(f"{name} {us:.1f}" + ("" if served is None else f" [{served}/{16 * batch}]"))
+            cells.append(f"{name} {us:.1f} [{served}/{16 * batch}]")
         print(f"{label} batch {batch}, us per call [rows the slots served]: " + " | ".join(cells))
 
 

@@ -74,6 +74,7 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
 
 def test_decode_step_matches_the_cuda_source():
     source = (CUDA_SRC / "attention.cu").read_text()
+    assert "constexpr int LANES_PER_KEY = D / 8;" in source  # decode_step_keys: head_dim // 8
     assert "constexpr int UNROLL = MAXG >= 8 ? 2 : 4;" in source
     assert "constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;" in source
     assert "constexpr int STEP = SLOTS * UNROLL;" in source

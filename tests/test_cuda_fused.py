@@ -152,8 +152,7 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     fused products gives the same bits with it on or off, eagerly and replayed from a
     CUDA graph."""
     from cupy_llama.backends.cuda import gemm, launch
-    from cupy_llama.backends.cuda.device import device_limits
-    if not (launch.available() and device_limits()["capability"] >= 90):
+    if not launch.launch_attributes_usable():
         pytest.skip("programmatic launches need cuLaunchKernelEx and an sm_90+ GPU")
     k, n = 2048, 2048
     norm_bits, _ = random_bf16(rng, (k,))

@@ -45,9 +45,12 @@ REFERENCE_TOLERANCE = 5e-2
 def test_short_graph_buckets():
     """A second graph only where clustered attention runs at a context shorter than the
     graphs' own (the rule itself: test_attention_plan)."""
+    from cupy_llama.backends.cuda.attention import decode_clusters_pay
     from cupy_llama.backends.cuda.graphs import short_graph_buckets
     buckets = [1, 2, 4, 8, 12]
-    clustered = lambda bucket, limit: bucket * 16 <= 132 and limit == 512
+    # 2 kv heads of 4 query heads, head_dim 64, 132 SMs: clusters up to batch 8, 512 keys
+    clustered = lambda bucket, limit: decode_clusters_pay(
+        num_seqs=bucket, num_heads=8, num_kv_heads=2, head_dim=64, max_seq_len=limit, num_sms=132)
     assert short_graph_buckets(buckets, 512, 1024, clustered) == {1, 2, 4, 8}
     assert short_graph_buckets(buckets, 512, 512, clustered) == set()  # nothing shorter
     assert short_graph_buckets(buckets, 0, 1024, lambda b, limit: True) == set()  # no cluster shape

@@ -173,10 +173,13 @@ def test_settings_copy_kernel_and_token_copy_are_ordered_across_streams(pipeline
             assert ordered(log, backs[step - 1], copy)
             assert ordered(log, kernels[step - 1], backs[step - 1])
             # and the kernel overwrites the device tokens only once they were copied back
-            # (its own wait, and also through the settings copy queued behind that copy)
+            # (through the settings copy queued behind that copy)
             assert ordered(log, backs[step - 1], kernel)
         assert ordered(log, copy, kernel)  # the kernel reads this step's settings
         assert ordered(log, kernel, back)  # and the copy back its tokens
+    # one cross-stream wait per step on the step stream: the settings copy implies the rest
+    assert [op.detail for op in log if op.who == "step" and op.what == "wait"] == \
+        ["settings_copied"] * (STEPS + 1)
 
 
 def test_token_copies_alternate_and_each_read_waits_for_its_own(pipelined):

@@ -119,13 +119,34 @@ def test_opt_in_shared_sets_once_per_size_and_only_past_the_default():
 def test_sampling_constants_mirror_sampling_cu():
     """The launcher's block size, and the candidate cut scripts/bench_sampling.py counts
     with on the host, are sampling.cu's."""
-    import importlib.util
     from cupy_llama.backends.cuda import sampling
     source = (CUDA_SRC / "sampling.cu").read_text()
     assert sampling.THREADS == int(re.search(r"#define SAMPLE_THREADS (\d+)", source).group(1))
     cut = float(re.search(r"#define CANDIDATE_CUT ([0-9.]+)f", source).group(1))
-    path = CUDA_SRC.parent / "scripts" / "bench_sampling.py"
-    spec = importlib.util.spec_from_file_location("bench_sampling", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert script.CANDIDATE_CUT == cut
+    assert sampling.CANDIDATE_CUT == cut
+
+
+def test_sampling_launcher_takes_its_slots_from_the_device_room(monkeypatch):
+    """slots=None: SLOTS, or what the device's shared memory holds; 0 and anything up to
+    that room are launched as given; more is a ValueError naming the room."""
+    from cupy_llama.backends.cuda import sampling
+    launched = []
+
+    class Kernel:
+        def __call__(self, grid, block, args, shared_mem):
+            launched.append(int(args[9]))  # sampling.cu's `slots` argument
+
+    monkeypatch.setattr(sampling, "check", lambda name, array, *a, **k: array)
+    monkeypatch.setattr(sampling, "get_kernel", lambda module, name: Kernel())
+    monkeypatch.setattr(sampling, "opt_in_shared", lambda *a: None)
+    rows = np.zeros((1, 8), np.float32)
+    settings = [np.zeros(1)] * 6
+    for shared, expected_room in ((227 * 1024, 27), (100 * 1024, 11)):
+        monkeypatch.setattr(sampling, "device_limits", lambda: {"max_shared_per_block": shared})
+        assert sampling.slot_room() == expected_room
+        launched.clear()
+        for slots in (None, 0, expected_room):
+            sampling.sample(rows, *settings, np.zeros(1, np.int32), slots=slots)
+        assert launched == [min(sampling.SLOTS, expected_room), 0, expected_room]
+        with pytest.raises(ValueError, match=rf"\[0, {expected_room}\]"):
+            sampling.sample(rows, *settings, np.zeros(1, np.int32), slots=expected_room + 1)

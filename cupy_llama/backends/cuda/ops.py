@@ -84,7 +84,6 @@ class CudaOps(SublayerOps):
         self._tokens_device = cupy.zeros(n, np.int32)  # the latest step's tokens, kept for the next
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
         self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
-        self._tokens_copied = None  # the one of them recorded last
         self._turn = 0
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
@@ -229,13 +228,13 @@ class CudaOps(SublayerOps):
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
         # token copy, which waited for the last sampling kernel: no kernel still reads the
-        # device buffer when it is overwritten. The forward pass queued before this call is
-        # still running, so the copy is over before this step's sampling kernel comes up
+        # device buffer when it is overwritten. The kernel waits for this copy, so also for
+        # that token copy: it overwrites the device tokens only once they were read. (Both
+        # copies must stay on one stream for that.) The forward pass queued before this
+        # call is still running, so the copy is over before this step's kernel comes up
         runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, copy.ptr)
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
-        if self._tokens_copied is not None:
-            stream.wait_event(self._tokens_copied)  # the last token copy has read the tokens
         seeds, temperature, top_k, top_p, min_p, steps = on_device
         tokens = self._tokens_device[:B]
         sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
@@ -246,7 +245,6 @@ class CudaOps(SublayerOps):
         self._turn ^= 1
         runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, copy.ptr)
         copied.record(copy)
-        self._tokens_copied = copied
         return PendingTokens(copied, tokens_host[:B])
 
 

@@ -7,6 +7,7 @@ from .device import device_limits
 from .kernels import F32, I32, check, get_kernel, i32, opt_in_shared
 
 THREADS = 1024  # sampling.cu: SAMPLE_THREADS
+CANDIDATE_CUT = 16.0  # sampling.cu: candidates lie within this many temperatures of the max
 U64 = np.dtype(np.uint64)
 # Candidate slots per thread (sampling.cu, "Candidates"): 8 bytes per slot and thread, so
 # 16 slots take 128 KiB of shared memory and hold up to 16,384 candidates, with room for
@@ -42,11 +43,12 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
         check(name, array, dtype, shape=(num_seqs,))
     if used_slots is not None:
         check("used_slots", used_slots, I32, shape=(num_seqs,))
-    room = slot_room()
-    slots = min(SLOTS, room) if slots is None else int(slots)
-    if not 0 <= slots <= room:
-        raise ValueError(f"slots must be in [0, {room}] on this GPU (its shared memory per "
-                         f"block), got {slots}")
+    if slots is None:
+        slots = default_slots()
+    elif not 0 <= int(slots) <= slot_room():
+        raise ValueError(f"slots must be in [0, {slot_room()}] on this GPU (its shared memory "
+                         f"per block), got {slots}")
+    slots = int(slots)
     if not num_seqs:
         return
     kernel = get_kernel("sampling", "sample_kernel")
