@@ -681,14 +681,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
 }
 
 // c += a b (16x16 bf16 times 16x8 bf16, fp32 accumulate)
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
-                                         unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int D>
 __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,

@@ -86,15 +86,14 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int num_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < num_warps ? scratch[lane] : neg_inf();
-    return warp_max(v);
+// c[16 x 8] += a[16 x 16] b[16 x 8] on the tensor cores (sm_80+): bf16 in, fp32 sums,
+// a[0..3] and b0, b1 in the mma.m16n8k16 fragment layout
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the

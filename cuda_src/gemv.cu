@@ -203,25 +203,15 @@ __device__ __forceinline__ void load_group(uint4 (&wv)[SKINNY_UNROLL][4], const 
     }
 }
 
-// d[16 x 8] += a[16 x 16] b[16 x 8]: a0..a3 and b0, b1 in the m16n8k16 fragment layout
-__device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], unsigned a0, unsigned a1,
-                                                 unsigned a2, unsigned a3, unsigned b0,
-                                                 unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // one 64-wide k step of one 8-column x tile: w_lo / w_hi are the chunks c and c + 4 of
 // weight rows lo(g) and hi(g), xa / xb the same chunks of x row g
 __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo_a, const uint4& lo_b,
                                          const uint4& hi_a, const uint4& hi_b, const uint4& xa,
                                          const uint4& xb) {
-    mma_bf16_16x8x16(d, lo_a.x, hi_a.x, lo_a.y, hi_a.y, xa.x, xa.y);
-    mma_bf16_16x8x16(d, lo_a.z, hi_a.z, lo_a.w, hi_a.w, xa.z, xa.w);
-    mma_bf16_16x8x16(d, lo_b.x, hi_b.x, lo_b.y, hi_b.y, xb.x, xb.y);
-    mma_bf16_16x8x16(d, lo_b.z, hi_b.z, lo_b.w, hi_b.w, xb.z, xb.w);
+    mma_bf16(d, {lo_a.x, hi_a.x, lo_a.y, hi_a.y}, xa.x, xa.y);
+    mma_bf16(d, {lo_a.z, hi_a.z, lo_a.w, hi_a.w}, xa.z, xa.w);
+    mma_bf16(d, {lo_b.x, hi_b.x, lo_b.y, hi_b.y}, xb.x, xb.y);
+    mma_bf16(d, {lo_b.z, hi_b.z, lo_b.w, hi_b.w}, xb.z, xb.w);
 }
 
 // the weight rows lo(g) and hi(g) of a tile (see the top of this section)
