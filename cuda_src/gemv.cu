@@ -177,6 +177,7 @@ struct SkinnyArgs {
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
+    int ring_stages;          // the ring variants: shared-memory stages (see skinny_ring_body)
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -542,3 +543,206 @@ DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
+
+// ------------------------------------------------------------------------------------------
+// Ring variants (sm_90): the products, prologues and epilogues of skinny_body for up to 8 x
+// rows, with the weights brought into shared memory by bulk copies (cp.async.bulk, the TMA
+// engine) instead of register loads. A skinny_body block holds its bytes in flight in
+// registers, so its SM has no room for the next kernel's blocks until it leaves, and each
+// product starts streaming only once the one before has drained. A ring block holds them in
+// shared memory and needs few registers: it sits beside the blocks of the kernel before
+// (programmatic launch) and fills its whole ring with that kernel's successor's weights
+// before it waits, so the weight stream goes on through the kernel boundary.
+//
+// One block per SM (RING_WARPS warps) takes tiles blockIdx.x, + gridDim.x, ..., each in
+// chunks of RING_CHUNK_K columns. A chunk is one stage of the ring: 16 weight rows, row r
+// (lo(r) for r < 8, hi(r - 8) above; see tile_rows) one bulk copy of its RING_CHUNK_K * 2
+// bytes to r * RING_ROW_BYTES, a stride of 64 mod 128 bytes so that the fragment reads of
+// rows g and g + 1 fall in different banks. Each stage has a transaction barrier
+// (mbarrier): warp 0 tells it how many bytes to expect and issues the chunk's 16 copies,
+// the block waits on it before reading the chunk, and once every warp is done with chunk i
+// (a block barrier), warp 0 issues chunk i + stages into the same stage. The warps split a
+// chunk's k steps (warp w takes steps w, w + RING_WARPS, ...) with the fragment layout of
+// skinny_body, and at a tile's last chunk sum their partial tiles through shared memory in
+// warp order.
+//
+// Needs what skinny_body needs, m_rows <= 8, and shared memory ring_stages *
+// RING_STAGE_BYTES + m_rows * x_stride * 16 + RING_PARTIAL_BYTES (gemm.py computes it).
+// Launch: grid (min(tiles, SMs)), block (RING_WARPS * 32).
+
+#define RING_WARPS 4
+#define RING_CHUNK_K 512                          // k columns per stage
+#define RING_ROW_BYTES (RING_CHUNK_K * 2 + 64)    // a row's bytes in a stage, with padding
+#define RING_STAGE_BYTES (SKINNY_TILE * RING_ROW_BYTES)
+#define RING_MAX_STAGES 16
+#define RING_PARTIAL_FLOATS (RING_WARPS * 4 * WARP_SIZE)
+
+__device__ __forceinline__ void ring_barrier_init(unsigned barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+#endif
+}
+
+// the barrier inits visible to the bulk copies (the async proxy) before any is issued
+__device__ __forceinline__ void ring_barriers_ready() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// the stage's single arrival for this use, and how many bytes its copies will bring
+__device__ __forceinline__ void ring_expect(unsigned barrier, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(barrier) : "memory");
+#endif
+}
+
+// until the barrier's phase of this parity has completed (the stage's bytes have landed)
+__device__ __forceinline__ void ring_wait(unsigned barrier, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    do {
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+    } while (!done);
+#endif
+}
+
+// Chunk i of this block's sequence (its tiles in order, each in per_tile chunks) into
+// stage i % stages; called by all of warp 0.
+template <int EPI>
+__device__ __forceinline__ void ring_issue(const SkinnyArgs& a, int i, int per_tile,
+                                           unsigned ring, unsigned barriers) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int tile = blockIdx.x + (i / per_tile) * gridDim.x;
+    const int k0 = (i % per_tile) * RING_CHUNK_K;
+    const unsigned bytes = (unsigned)min(RING_CHUNK_K, a.k - k0) * 2u;
+    const int stage = i % a.ring_stages;
+    const unsigned barrier = barriers + stage * 8u;
+    if (lane == 0) ring_expect(barrier, bytes * SKINNY_TILE);
+    __syncwarp();
+    if (lane < SKINNY_TILE) {
+        const TileRows rows = tile_rows<EPI>(a, tile, lane % 8);
+        ring_copy(ring + stage * RING_STAGE_BYTES + lane * RING_ROW_BYTES,
+                  weight_row(a, lane < 8 ? rows.lo : rows.hi) + k0 / 8, bytes, barrier);
+    }
+}
+
+template <int PRO, int EPI>
+__device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(16) unsigned char ring_smem[];
+    __shared__ __align__(8) unsigned long long full[RING_MAX_STAGES];
+    constexpr int CHUNK_STEPS = RING_CHUNK_K / SKINNY_STEP;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    const int m_rows = a.m_rows, stages = a.ring_stages;
+    const int chunks = a.k / 8;                                 // 16-byte chunks per row
+    const int steps = (a.k + SKINNY_STEP - 1) / SKINNY_STEP;
+    const int x_chunks = steps * (SKINNY_STEP / 8);
+    const int x_stride = x_chunks + SKINNY_X_PAD;
+    uint4* xs = reinterpret_cast<uint4*>(ring_smem + stages * RING_STAGE_BYTES);
+    float* partial = reinterpret_cast<float*>(xs + m_rows * x_stride);
+    const unsigned ring = shared_address(ring_smem), barriers = shared_address(full);
+    const int tiles = (a.n + SKINNY_TILE - 1) / SKINNY_TILE;
+    const int per_tile = (a.k + RING_CHUNK_K - 1) / RING_CHUNK_K;
+    const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int total = my_tiles * per_tile;                      // chunks of this block
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    // the element of every tile this thread finishes (skinny_body's, with one x tile)
+    const int e_j = warp % 2, e_m = t * 2 + e_j;
+    const bool finisher = threadIdx.x < 2 * WARP_SIZE && e_m < m_rows;
+    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f};
+
+    // the weights do not depend on the kernel before: fill the ring, then wait for it
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) ring_barrier_init(barriers + s * 8u);
+        ring_barriers_ready();
+    }
+    __syncthreads();
+    if (warp == 0)
+        for (int i = 0; i < min(stages, total); ++i) ring_issue<EPI>(a, i, per_tile, ring, barriers);
+    let_next_kernel_start();
+    if (finisher) load_row_metadata<EPI>(a, e_m, inputs);
+    wait_for_previous_kernel();
+    stage_x<PRO, RING_WARPS>(a, xs, x_chunks, x_stride);
+    __syncthreads();
+
+    TileRows rows = {0, 0};
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < total; ++i) {
+        const int kc = i % per_tile, stage = i % stages;
+        if (kc == 0) {
+            rows = tile_rows<EPI>(a, blockIdx.x + (i / per_tile) * gridDim.x, g);
+            if (finisher) {  // in flight while the tile's chunks are summed
+                load_rotation<EPI>(a, rows, inputs);
+                load_residual_inputs<EPI>(a, e_m, rows, inputs);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] = 0.0f;
+        }
+        ring_wait(barriers + stage * 8u, (unsigned)(i / stages) & 1u);
+        const unsigned char* base = ring_smem + stage * RING_STAGE_BYTES;
+        const uint4* lo_row = reinterpret_cast<const uint4*>(base + g * RING_ROW_BYTES);
+        const uint4* hi_row = reinterpret_cast<const uint4*>(base + (g + 8) * RING_ROW_BYTES);
+#pragma unroll
+        for (int local = warp; local < CHUNK_STEPS; local += RING_WARPS) {
+            const int step = kc * CHUNK_STEPS + local;
+            if (step >= steps) break;  // the same for the whole warp
+            const int c = step * (SKINNY_STEP / 8) + t, lc = local * (SKINNY_STEP / 8) + t;
+            const uint4 lo_a = c < chunks ? lo_row[lc] : zero;
+            const uint4 lo_b = c + 4 < chunks ? lo_row[lc + 4] : zero;
+            const uint4 hi_a = c < chunks ? hi_row[lc] : zero;
+            const uint4 hi_b = c + 4 < chunks ? hi_row[lc + 4] : zero;
+            uint4 xa = zero, xb = zero;
+            if (g < m_rows) {
+                xa = xs[g * x_stride + c];
+                xb = xs[g * x_stride + c + 4];
+            }
+            mma_step(acc, lo_a, lo_b, hi_a, hi_b, xa, xb);
+        }
+        __syncthreads();  // every warp is done with this stage (and with the partials)
+        if (warp == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, per_tile, ring, barriers);
+        if (kc == per_tile - 1) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * WARP_SIZE + lane] = acc[j];
+            __syncthreads();
+            if (finisher) {
+                float lo_sum = 0.0f, hi_sum = 0.0f;
+#pragma unroll
+                for (int v = 0; v < RING_WARPS; ++v) {
+                    lo_sum += partial[(v * 4 + e_j) * WARP_SIZE + lane];
+                    hi_sum += partial[(v * 4 + e_j + 2) * WARP_SIZE + lane];
+                }
+                finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define DEFINE_SKINNY_RING(NAME, PRO, EPI)                                                   \
+    extern "C" __global__ void __launch_bounds__(RING_WARPS * WARP_SIZE, 1)                   \
+        NAME(const SkinnyArgs args) {                                                        \
+        skinny_ring_body<PRO, EPI>(args);                                                    \
+    }
+
+// keep in step with kernels.SKINNY_RING_FAMILIES
+DEFINE_SKINNY_RING(skinny_ring, PRO_PLAIN, EPI_STORE)
+DEFINE_SKINNY_RING(skinny_norm_ring, PRO_NORM, EPI_STORE)
+DEFINE_SKINNY_RING(skinny_norm_silu_ring, PRO_NORM, EPI_SILU)
+DEFINE_SKINNY_RING(skinny_norm_rope_ring, PRO_NORM, EPI_ROPE)

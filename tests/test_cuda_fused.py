@@ -19,6 +19,17 @@ ROWS = (1, 2, 7, 8, 9, 16)
 EPS = 1e-5
 
 
+@pytest.fixture(autouse=True, params=[0, 8], ids=["registers", "ring"])
+def ring_rows(request):
+    """Every test twice: with the register-streaming kernels only, and with the ring
+    variants for products of up to 8 rows (on sm_90+; elsewhere they never apply)."""
+    from cupy_llama.backends.cuda import gemm
+    previous = gemm.ring_rows()
+    gemm.set_ring_rows(request.param)
+    yield request.param
+    gemm.set_ring_rows(previous)
+
+
 @pytest.fixture
 def skinny_mma():
     from cupy_llama.backends.cuda import gemm
@@ -189,3 +200,20 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     assert not np.isnan(reference).any()
     for key, value in results.items():
         np.testing.assert_array_equal(value, reference, err_msg=f"{key} differs from eager, plain launches")
+
+
+@pytest.mark.parametrize("family,k", [("skinny", 8192), ("skinny_norm_silu", 2048),
+                                      ("skinny_norm_rope", 2048), ("skinny_norm", 576)])
+def test_the_ring_variant_serves_up_to_8_rows_on_sm90(cp, family, k, ring_rows):
+    """Where the GPU has bulk copies, the tests above ran the ring variant for 1 to 8 rows
+    (with ring_rows 8) and never past 8 rows or with ring_rows 0."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.backends.cuda.device import device_limits
+    if device_limits()["capability"] < 90:
+        pytest.skip("the ring variants need sm_90+")
+    for m in (1, 8, 9, 16):
+        stages = gemm._mma_launch_shape(family, 2048, k, m)[4]
+        if ring_rows and m <= 8:
+            assert stages >= gemm.RING_MIN_STAGES, f"{family} m={m} k={k}: no ring"
+        else:
+            assert stages == 0, f"{family} m={m} k={k}: ring with ring_rows {ring_rows}"

@@ -67,6 +67,19 @@ MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
 MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
 
+# ring variants (gemv.cu RING_* constants; kernels.SKINNY_RING_FAMILIES): weights through
+# bulk copies into a ring of shared-memory stages, one block per SM, for up to
+# RING_MAX_ROWS x rows on sm_90+
+RING_WARPS = 4
+RING_CHUNK_K = 512
+RING_STAGE_BYTES = 16 * (RING_CHUNK_K * 2 + 64)
+RING_MIN_STAGES, RING_MAX_STAGES = 2, 16
+RING_PARTIAL_BYTES = RING_WARPS * 4 * 32 * 4
+RING_STATIC_SHARED = 16 * 8 + (16 * RING_WARPS + 16) * 4  # stage barriers, norm row sums
+RING_MAX_ROWS = 8
+RING_KERNELS_PER_SM = 2  # a ring block leaves room for one of the next kernel's beside it
+DEFAULT_RING_ROWS = 8
+
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
 FALLBACK_MMA_MAX_ROWS = 4
@@ -77,6 +90,7 @@ _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 
 _skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "auto")
+_ring_rows = int(os.environ.get("CUPY_LLAMA_RING_ROWS", DEFAULT_RING_ROWS) or 0)
 _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load it
 _table = None   # choice table of this GPU: {(n, k): {m: kernel}}, {} when there is none
 _choice_cache = {}  # (n, k, m, accumulate) -> kernel under the current switch and table
@@ -93,6 +107,19 @@ def set_skinny_gemm(choice: str) -> None:
 
 def skinny_gemm() -> str:
     return _skinny if _skinny in SKINNY_CHOICES else "auto"
+
+
+def set_ring_rows(rows: int) -> None:
+    """Skinny products of at most `rows` x rows (capped at RING_MAX_ROWS) take the ring
+    variants where the GPU has bulk copies (sm_90+); 0 turns them off. Also
+    CUPY_LLAMA_RING_ROWS. Graphs bake in the kernels chosen when they are captured."""
+    global _ring_rows
+    _ring_rows = max(0, int(rows))
+    _mma_shapes.clear()
+
+
+def ring_rows() -> int:
+    return _ring_rows
 
 
 def linear(x, weight, out, accumulate: bool = False):
@@ -252,7 +279,7 @@ class SkinnyArgs(ctypes.Structure):
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("ring_stages", ctypes.c_int)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -394,23 +421,32 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
 
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
-    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
-    args.m_rows, args.n, args.k = m_rows, n, k
+    kernel, grid, warps, shared, stages = _mma_launch_shape(family, n, k, m_rows)
+    args.m_rows, args.n, args.k, args.ring_stages = m_rows, n, k, stages
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
                   args, launch.programmatic_launches())
 
 
-_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes)
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes, ring stages)
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
-    """Kernel, grid, warps per block and shared memory of a product, computed once per
-    shape: enough blocks to fill every SM as far as registers and shared memory allow, at
-    most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
-    SMs take the wide variant (twice the loads in flight per block)."""
+    """Kernel, grid, warps per block, shared memory and ring stages (0: not a ring
+    variant) of a product, computed once per shape. The ring variant where it applies
+    (ring_stages_for): one block per SM, at most one per tile. Otherwise enough blocks to
+    fill every SM as far as registers and shared memory allow, at most one per tile;
+    plain products of rows of at least WIDE_MIN_K in no more tiles than SMs take the wide
+    variant (twice the loads in flight per block)."""
     key = (family, n, k, m_rows)
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
+        stages = ring_stages_for(m_rows, k, limits)
+        if stages:
+            kernel = get_kernel("gemv", f"{family}_ring")
+            shared = stages * RING_STAGE_BYTES + ring_x_bytes(m_rows, k) + RING_PARTIAL_BYTES
+            opt_in_shared(kernel, shared, RING_STATIC_SHARED)
+            _mma_shapes[key] = (kernel, min(tiles, limits["sms"]), RING_WARPS, shared, stages)
+            return _mma_shapes[key]
         warps = _skinny_warps(family, n, k)
         if warps == MMA_WIDE_WARPS:
             family = "skinny_wide"
@@ -418,8 +454,26 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
         shared = mma_shared_bytes(m_rows, k, warps)
         opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
-        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
+        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared, 0)
     return _mma_shapes[key]
+
+
+def ring_x_bytes(m_rows: int, k: int) -> int:
+    """The staged x rows of a ring variant (as mma_shared_bytes stages them)."""
+    return m_rows * (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
+
+
+def ring_stages_for(m_rows: int, k: int, limits: dict) -> int:
+    """Stages of a ring variant for m_rows x rows of length k, or 0 where it does not
+    apply: switched off (ring_rows), more rows than it takes, no bulk copies (before
+    sm_90), or fewer than RING_MIN_STAGES stages in its share of the SM's shared memory
+    (1 / RING_KERNELS_PER_SM, so that the next kernel's block fits beside it)."""
+    if m_rows > min(_ring_rows, RING_MAX_ROWS) or limits["capability"] < 90:
+        return 0
+    share = limits["shared_per_sm"] // RING_KERNELS_PER_SM - 1024 - RING_STATIC_SHARED
+    room = min(share, limits["max_shared_per_block"] - RING_STATIC_SHARED)
+    stages = (room - ring_x_bytes(m_rows, k) - RING_PARTIAL_BYTES) // RING_STAGE_BYTES
+    return min(stages, RING_MAX_STAGES) if stages >= RING_MIN_STAGES else 0
 
 
 def _skinny_warps(family: str, n: int, k: int) -> int:
