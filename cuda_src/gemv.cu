@@ -571,7 +571,9 @@ DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 // Launch: grid (min(tiles, SMs)), block (RING_WARPS * 32).
 
 #define RING_WARPS 4
+#ifndef RING_CHUNK_K
 #define RING_CHUNK_K 512                          // k columns per stage
+#endif
 #define RING_ROW_BYTES (RING_CHUNK_K * 2 + 64)    // a row's bytes in a stage, with padding
 #define RING_STAGE_BYTES (SKINNY_TILE * RING_ROW_BYTES)
 #define RING_MAX_STAGES 16

@@ -205,15 +205,20 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
 @pytest.mark.parametrize("family,k", [("skinny", 8192), ("skinny_norm_silu", 2048),
                                       ("skinny_norm_rope", 2048), ("skinny_norm", 576)])
 def test_the_ring_variant_serves_up_to_8_rows_on_sm90(cp, family, k, ring_rows):
-    """Where the GPU has bulk copies, the tests above ran the ring variant for 1 to 8 rows
-    (with ring_rows 8) and never past 8 rows or with ring_rows 0."""
+    """Where the GPU has bulk copies, the tests above ran the ring variant (with ring_rows
+    8) for 1 row and for every row count up to 8 whose x leaves room for its stages, and
+    never past 8 rows or with ring_rows 0."""
     from cupy_llama.backends.cuda import gemm
     from cupy_llama.backends.cuda.device import device_limits
-    if device_limits()["capability"] < 90:
+    limits = device_limits()
+    if limits["capability"] < 90:
         pytest.skip("the ring variants need sm_90+")
-    for m in (1, 8, 9, 16):
+    for m in (1, 2, 8, 9, 16):
+        if gemm.mma_shared_bytes(m, k) > limits["max_shared_per_block"] - gemm.MMA_STATIC_SHARED:
+            continue  # neither variant takes it (linear uses cuBLAS)
         stages = gemm._mma_launch_shape(family, 2048, k, m)[4]
-        if ring_rows and m <= 8:
+        room = gemm.ring_stages_for(m, k, limits)
+        if ring_rows and (m == 1 or (m <= 8 and room)):
             assert stages >= gemm.RING_MIN_STAGES, f"{family} m={m} k={k}: no ring"
         else:
             assert stages == 0, f"{family} m={m} k={k}: ring with ring_rows {ring_rows}"
