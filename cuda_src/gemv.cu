@@ -579,33 +579,30 @@ DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 #define RING_MAX_STAGES 16
 #define RING_PARTIAL_FLOATS (RING_WARPS * 4 * WARP_SIZE)
 
+// a stage's barrier completes a phase once every thread's copies of a chunk have landed
 __device__ __forceinline__ void ring_barrier_init(unsigned barrier) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
-#endif
-}
-
-// the barrier inits visible to the bulk copies (the async proxy) before any is issued
-__device__ __forceinline__ void ring_barriers_ready() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// the stage's single arrival for this use, and how many bytes its copies will bring
-__device__ __forceinline__ void ring_expect(unsigned barrier, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(RING_WARPS * WARP_SIZE)
                  : "memory");
 #endif
 }
 
-__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned barrier) {
+// the barrier inits visible to the copies' arrivals before any is issued
+__device__ __forceinline__ void ring_barriers_ready() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(barrier) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// 16 bytes global -> shared without registers (cp.async, L1 bypassed)
+__device__ __forceinline__ void ring_copy16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// this thread's arrival on the barrier once all its copies issued so far have landed
+__device__ __forceinline__ void ring_arrive_when_copied(unsigned barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
 #endif
 }
 
@@ -623,23 +620,22 @@ __device__ __forceinline__ void ring_wait(unsigned barrier, unsigned parity) {
 }
 
 // Chunk i of this block's sequence (its tiles in order, each in per_tile chunks) into
-// stage i % stages; called by all of warp 0.
+// stage i % stages: every thread copies its share of the 16-byte pieces, then arrives on
+// the stage's barrier once they have landed. Called by every thread.
 template <int EPI>
 __device__ __forceinline__ void ring_issue(const SkinnyArgs& a, int i, int per_tile,
                                            unsigned ring, unsigned barriers) {
-    const int lane = threadIdx.x % WARP_SIZE;
     const int tile = blockIdx.x + (i / per_tile) * gridDim.x;
     const int k0 = (i % per_tile) * RING_CHUNK_K;
-    const unsigned bytes = (unsigned)min(RING_CHUNK_K, a.k - k0) * 2u;
+    const int row_pieces = min(RING_CHUNK_K, a.k - k0) / 8;
     const int stage = i % a.ring_stages;
-    const unsigned barrier = barriers + stage * 8u;
-    if (lane == 0) ring_expect(barrier, bytes * SKINNY_TILE);
-    __syncwarp();
-    if (lane < SKINNY_TILE) {
-        const TileRows rows = tile_rows<EPI>(a, tile, lane % 8);
-        ring_copy(ring + stage * RING_STAGE_BYTES + lane * RING_ROW_BYTES,
-                  weight_row(a, lane < 8 ? rows.lo : rows.hi) + k0 / 8, bytes, barrier);
+    const unsigned base = ring + stage * RING_STAGE_BYTES;
+    for (int p = threadIdx.x; p < SKINNY_TILE * row_pieces; p += RING_WARPS * WARP_SIZE) {
+        const int r = p / row_pieces, c = p - r * row_pieces;
+        const TileRows rows = tile_rows<EPI>(a, tile, r % 8);
+        ring_copy16(base + r * RING_ROW_BYTES + c * 16, weight_row(a, r < 8 ? rows.lo : rows.hi) + k0 / 8 + c);
     }
+    ring_arrive_when_copied(barriers + stage * 8u);
 }
 
 template <int PRO, int EPI>
@@ -674,8 +670,7 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
         ring_barriers_ready();
     }
     __syncthreads();
-    if (warp == 0)
-        for (int i = 0; i < min(stages, total); ++i) ring_issue<EPI>(a, i, per_tile, ring, barriers);
+    for (int i = 0; i < min(stages, total); ++i) ring_issue<EPI>(a, i, per_tile, ring, barriers);
     let_next_kernel_start();
     if (finisher) load_row_metadata<EPI>(a, e_m, inputs);
     wait_for_previous_kernel();
@@ -716,7 +711,7 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
             mma_step(acc, lo_a, lo_b, hi_a, hi_b, xa, xb);
         }
         __syncthreads();  // every warp is done with this stage (and with the partials)
-        if (warp == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, per_tile, ring, barriers);
+        if (i + stages < total) ring_issue<EPI>(a, i + stages, per_tile, ring, barriers);
         if (kc == per_tile - 1) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * WARP_SIZE + lane] = acc[j];
