@@ -177,7 +177,9 @@ struct SkinnyArgs {
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
-    int ring_stages;          // the ring variants: shared-memory stages (see skinny_ring_body)
+    int ring_stages;          // the ring variants (skinny_ring_body): stages in shared memory,
+    int ring_chunk_rows;      // weight rows per stage (1, 2, 4 or 8),
+    int ring_prefetch;        // chunks asked for into L2 ahead of the ring (0: none)
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -551,58 +553,67 @@ DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 // registers, so its SM has no room for the next kernel's blocks until it leaves, and each
 // product starts streaming only once the one before has drained. A ring block holds them in
 // shared memory and needs few registers: it sits beside the blocks of the kernel before
-// (programmatic launch) and fills its whole ring with that kernel's successor's weights
-// before it waits, so the weight stream goes on through the kernel boundary.
+// (programmatic launch) and fills its ring before it waits, so the weight stream goes on
+// through the kernel boundary.
 //
-// One block per SM (RING_WARPS warps) takes tiles blockIdx.x, + gridDim.x, ..., each in
-// chunks of RING_CHUNK_K columns. A chunk is one stage of the ring: 16 weight rows, row r
-// (lo(r) for r < 8, hi(r - 8) above; see tile_rows) one bulk copy of its RING_CHUNK_K * 2
-// bytes to r * RING_ROW_BYTES, a stride of 64 mod 128 bytes so that the fragment reads of
-// rows g and g + 1 fall in different banks. Each stage has a transaction barrier
-// (mbarrier): warp 0 tells it how many bytes to expect and issues the chunk's 16 copies,
-// the block waits on it before reading the chunk, and once every warp is done with chunk i
-// (a block barrier), warp 0 issues chunk i + stages into the same stage. The warps split a
-// chunk's k steps (warp w takes steps w, w + RING_WARPS, ...) with the fragment layout of
-// skinny_body, and at a tile's last chunk sum their partial tiles through shared memory in
-// warp order.
+// One block per SM (RING_WARPS warps) takes tiles blockIdx.x, + gridDim.x, ... A tile's 16
+// rows are two runs of 8 consecutive weight rows (lo(0..7), then hi(0..7); see tile_rows),
+// and a chunk is R = ring_chunk_rows consecutive rows of one run, whole: one contiguous
+// bulk copy of R * K * 2 bytes into one stage of the ring (small or strided copies stream
+// far slower). Each stage has a transaction barrier (mbarrier): thread 0 tells it how many
+// bytes to expect and issues the copy, the block waits on it before reading the chunk, and
+// once every warp is done with chunk i (a block barrier) thread 0 issues chunk i + stages
+// into the same stage, and asks for chunk i + stages + ring_prefetch into L2. The warps
+// split K (warp w takes k steps w, w + RING_WARPS, ...) with the fragment layout of
+// skinny_body: lanes whose row g is in the chunk read it from the stage, as A rows g (lo
+// run) or g + 8 (hi run), every other A row is zero, so each chunk adds its rows' sums to
+// the tile's fragment; at a tile's last chunk the warps' partial tiles are summed through
+// shared memory in warp order.
 //
-// Needs what skinny_body needs, m_rows <= 8, and shared memory ring_stages *
-// RING_STAGE_BYTES + m_rows * x_stride * 16 + RING_PARTIAL_BYTES (gemm.py computes it).
+// Needs what skinny_body needs, m_rows <= 8, 8 % R == 0, and shared memory ring_stages *
+// ring_stage_bytes(R, K) + m_rows * x_stride * 16 + RING_PARTIAL_BYTES (gemm.py computes it).
 // Launch: grid (min(tiles, SMs)), block (RING_WARPS * 32).
 
 #define RING_WARPS 4
-#ifndef RING_CHUNK_K
-#define RING_CHUNK_K 512                          // k columns per stage
-#endif
-#define RING_ROW_BYTES (RING_CHUNK_K * 2 + 64)    // a row's bytes in a stage, with padding
-#define RING_STAGE_BYTES (SKINNY_TILE * RING_ROW_BYTES)
 #define RING_MAX_STAGES 16
 #define RING_PARTIAL_FLOATS (RING_WARPS * 4 * WARP_SIZE)
 
-// a stage's barrier completes a phase once every thread's copies of a chunk have landed
+// a stage's bytes: R rows of K bf16, rounded up to 128 bytes
+__device__ __forceinline__ int ring_stage_bytes(int rows, int k) { return (rows * k * 2 + 127) / 128 * 128; }
+
 __device__ __forceinline__ void ring_barrier_init(unsigned barrier) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(RING_WARPS * WARP_SIZE)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(barrier) : "memory");
+#endif
+}
+
+// the barrier inits visible to the bulk copies (the async proxy) before any is issued
+__device__ __forceinline__ void ring_barriers_ready() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// the stage's single arrival for this use, and how many bytes its copy will bring
+__device__ __forceinline__ void ring_expect(unsigned barrier, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes)
                  : "memory");
 #endif
 }
 
-// the barrier inits visible to the copies' arrivals before any is issued
-__device__ __forceinline__ void ring_barriers_ready() {
+__device__ __forceinline__ void ring_copy(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned barrier) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(barrier) : "memory");
 #endif
 }
 
-// 16 bytes global -> shared without registers (cp.async, L1 bypassed)
-__device__ __forceinline__ void ring_copy16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-// this thread's arrival on the barrier once all its copies issued so far have landed
-__device__ __forceinline__ void ring_arrive_when_copied(unsigned barrier) {
+__device__ __forceinline__ void ring_prefetch_l2(const void* src, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
 
@@ -619,43 +630,64 @@ __device__ __forceinline__ void ring_wait(unsigned barrier, unsigned parity) {
 #endif
 }
 
-// Chunk i of this block's sequence (its tiles in order, each in per_tile chunks) into
-// stage i % stages: every thread copies its share of the 16-byte pieces, then arrives on
-// the stage's barrier once they have landed. Called by every thread.
+// Chunk i of a block's sequence (its tiles in order, each in 16 / R chunks: the lo run's,
+// then the hi run's): which tile, which run, and the run's first row in it (0..7)
+struct RingChunk {
+    int tile, hi, first;
+};
+
+__device__ __forceinline__ RingChunk ring_chunk(const SkinnyArgs& a, int i) {
+    const int per_run = 8 / a.ring_chunk_rows, j = i % (2 * per_run);
+    return {(int)blockIdx.x + i / (2 * per_run) * (int)gridDim.x, j / per_run,
+            j % per_run * a.ring_chunk_rows};
+}
+
+// the chunk's first weight row and how many of its rows lie before n (the rest are not
+// copied: the stage keeps older rows there, whose sums are never stored)
 template <int EPI>
-__device__ __forceinline__ void ring_issue(const SkinnyArgs& a, int i, int per_tile,
-                                           unsigned ring, unsigned barriers) {
-    const int tile = blockIdx.x + (i / per_tile) * gridDim.x;
-    const int k0 = (i % per_tile) * RING_CHUNK_K;
-    const int row_pieces = min(RING_CHUNK_K, a.k - k0) / 8;
+__device__ __forceinline__ void ring_source(const SkinnyArgs& a, RingChunk c, int& row, int& rows) {
+    const TileRows tile = tile_rows<EPI>(a, c.tile, c.first);
+    row = c.hi ? tile.hi : tile.lo;
+    rows = max(0, min(a.ring_chunk_rows, a.n - row));
+}
+
+// thread 0: chunk i into stage i % stages, and chunk i + ring_prefetch into L2
+template <int EPI>
+__device__ __forceinline__ void ring_issue(const SkinnyArgs& a, int i, int total, unsigned ring,
+                                           unsigned barriers) {
     const int stage = i % a.ring_stages;
-    const unsigned base = ring + stage * RING_STAGE_BYTES;
-    for (int p = threadIdx.x; p < SKINNY_TILE * row_pieces; p += RING_WARPS * WARP_SIZE) {
-        const int r = p / row_pieces, c = p - r * row_pieces;
-        const TileRows rows = tile_rows<EPI>(a, tile, r % 8);
-        ring_copy16(base + r * RING_ROW_BYTES + c * 16, weight_row(a, r < 8 ? rows.lo : rows.hi) + k0 / 8 + c);
+    const unsigned barrier = barriers + stage * 8u;
+    int row, rows;
+    ring_source<EPI>(a, ring_chunk(a, i), row, rows);
+    const unsigned bytes = (unsigned)rows * a.k * 2u;
+    ring_expect(barrier, bytes);
+    if (rows > 0)
+        ring_copy(ring + stage * ring_stage_bytes(a.ring_chunk_rows, a.k), weight_row(a, row), bytes, barrier);
+    const int ahead = i + a.ring_prefetch;
+    if (a.ring_prefetch > 0 && ahead < total) {
+        ring_source<EPI>(a, ring_chunk(a, ahead), row, rows);
+        if (rows > 0) ring_prefetch_l2(weight_row(a, row), (unsigned)rows * a.k * 2u);
     }
-    ring_arrive_when_copied(barriers + stage * 8u);
 }
 
 template <int PRO, int EPI>
 __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(16) unsigned char ring_smem[];
+    extern __shared__ __align__(128) unsigned char ring_smem[];
     __shared__ __align__(8) unsigned long long full[RING_MAX_STAGES];
-    constexpr int CHUNK_STEPS = RING_CHUNK_K / SKINNY_STEP;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    const int m_rows = a.m_rows, stages = a.ring_stages;
+    const int m_rows = a.m_rows, stages = a.ring_stages, chunk_rows = a.ring_chunk_rows;
     const int chunks = a.k / 8;                                 // 16-byte chunks per row
     const int steps = (a.k + SKINNY_STEP - 1) / SKINNY_STEP;
     const int x_chunks = steps * (SKINNY_STEP / 8);
     const int x_stride = x_chunks + SKINNY_X_PAD;
-    uint4* xs = reinterpret_cast<uint4*>(ring_smem + stages * RING_STAGE_BYTES);
+    const int stage_bytes = ring_stage_bytes(chunk_rows, a.k);
+    uint4* xs = reinterpret_cast<uint4*>(ring_smem + stages * stage_bytes);
     float* partial = reinterpret_cast<float*>(xs + m_rows * x_stride);
     const unsigned ring = shared_address(ring_smem), barriers = shared_address(full);
     const int tiles = (a.n + SKINNY_TILE - 1) / SKINNY_TILE;
-    const int per_tile = (a.k + RING_CHUNK_K - 1) / RING_CHUNK_K;
+    const int per_tile = 2 * (8 / chunk_rows);
     const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     const int total = my_tiles * per_tile;                      // chunks of this block
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -668,9 +700,9 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) ring_barrier_init(barriers + s * 8u);
         ring_barriers_ready();
+        for (int i = 0; i < min(stages, total); ++i) ring_issue<EPI>(a, i, total, ring, barriers);
     }
     __syncthreads();
-    for (int i = 0; i < min(stages, total); ++i) ring_issue<EPI>(a, i, per_tile, ring, barriers);
     let_next_kernel_start();
     if (finisher) load_row_metadata<EPI>(a, e_m, inputs);
     wait_for_previous_kernel();
@@ -680,41 +712,40 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
     TileRows rows = {0, 0};
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = 0; i < total; ++i) {
-        const int kc = i % per_tile, stage = i % stages;
-        if (kc == 0) {
-            rows = tile_rows<EPI>(a, blockIdx.x + (i / per_tile) * gridDim.x, g);
+        const RingChunk chunk = ring_chunk(a, i);
+        const int j = i % per_tile, stage = i % stages;
+        if (j == 0) {
+            rows = tile_rows<EPI>(a, chunk.tile, g);
             if (finisher) {  // in flight while the tile's chunks are summed
                 load_rotation<EPI>(a, rows, inputs);
                 load_residual_inputs<EPI>(a, e_m, rows, inputs);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[j] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
         }
+        const int r = g - chunk.first;  // this lane's row in the chunk, if 0 <= r < R
+        const bool mine = r >= 0 && r < chunk_rows;
+        const uint4* row = reinterpret_cast<const uint4*>(ring_smem + stage * stage_bytes) + (mine ? r : 0) * chunks;
         ring_wait(barriers + stage * 8u, (unsigned)(i / stages) & 1u);
-        const unsigned char* base = ring_smem + stage * RING_STAGE_BYTES;
-        const uint4* lo_row = reinterpret_cast<const uint4*>(base + g * RING_ROW_BYTES);
-        const uint4* hi_row = reinterpret_cast<const uint4*>(base + (g + 8) * RING_ROW_BYTES);
-#pragma unroll
-        for (int local = warp; local < CHUNK_STEPS; local += RING_WARPS) {
-            const int step = kc * CHUNK_STEPS + local;
-            if (step >= steps) break;  // the same for the whole warp
-            const int c = step * (SKINNY_STEP / 8) + t, lc = local * (SKINNY_STEP / 8) + t;
-            const uint4 lo_a = c < chunks ? lo_row[lc] : zero;
-            const uint4 lo_b = c + 4 < chunks ? lo_row[lc + 4] : zero;
-            const uint4 hi_a = c < chunks ? hi_row[lc] : zero;
-            const uint4 hi_b = c + 4 < chunks ? hi_row[lc + 4] : zero;
-            uint4 xa = zero, xb = zero;
+        for (int step = warp; step < steps; step += RING_WARPS) {
+            const int c = step * (SKINNY_STEP / 8) + t;
+            uint4 wa = zero, wb = zero, xa = zero, xb = zero;
+            if (mine) {
+                if (c < chunks) wa = row[c];
+                if (c + 4 < chunks) wb = row[c + 4];
+            }
             if (g < m_rows) {
                 xa = xs[g * x_stride + c];
                 xb = xs[g * x_stride + c + 4];
             }
-            mma_step(acc, lo_a, lo_b, hi_a, hi_b, xa, xb);
+            if (chunk.hi) mma_step(acc, zero, zero, wa, wb, xa, xb);
+            else mma_step(acc, wa, wb, zero, zero, xa, xb);
         }
         __syncthreads();  // every warp is done with this stage (and with the partials)
-        if (i + stages < total) ring_issue<EPI>(a, i + stages, per_tile, ring, barriers);
-        if (kc == per_tile - 1) {
+        if (threadIdx.x == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, total, ring, barriers);
+        if (j == per_tile - 1) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * WARP_SIZE + lane] = acc[j];
+            for (int e = 0; e < 4; ++e) partial[(warp * 4 + e) * WARP_SIZE + lane] = acc[e];
             __syncthreads();
             if (finisher) {
                 float lo_sum = 0.0f, hi_sum = 0.0f;

@@ -69,10 +69,11 @@ MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row su
 
 # ring variants (gemv.cu RING_* constants; kernels.SKINNY_RING_FAMILIES): weights through
 # bulk copies into a ring of shared-memory stages, one block per SM, for up to
-# RING_MAX_ROWS x rows on sm_90+
+# RING_MAX_ROWS x rows on sm_90+; a stage holds 1, 2, 4 or 8 whole weight rows, as many as
+# fit in RING_CHUNK_BYTES
 RING_WARPS = 4
-RING_CHUNK_K = 512
-RING_STAGE_BYTES = 16 * (RING_CHUNK_K * 2 + 64)
+RING_CHUNK_BYTES = int(os.environ.get("CUPY_LLAMA_RING_CHUNK_KB", 16)) << 10
+RING_PREFETCH = int(os.environ.get("CUPY_LLAMA_RING_PREFETCH", 0))  # chunks into L2 ahead
 RING_MIN_STAGES, RING_MAX_STAGES = 2, 16
 RING_PARTIAL_BYTES = RING_WARPS * 4 * 32 * 4
 RING_STATIC_SHARED = 16 * 8 + (16 * RING_WARPS + 16) * 4  # stage barriers, norm row sums
@@ -279,7 +280,8 @@ class SkinnyArgs(ctypes.Structure):
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float), ("ring_stages", ctypes.c_int)]
+                ("eps", ctypes.c_float), ("ring_stages", ctypes.c_int),
+                ("ring_chunk_rows", ctypes.c_int), ("ring_prefetch", ctypes.c_int)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -421,18 +423,20 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
 
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
-    kernel, grid, warps, shared, stages = _mma_launch_shape(family, n, k, m_rows)
-    args.m_rows, args.n, args.k, args.ring_stages = m_rows, n, k, stages
+    kernel, grid, warps, shared, (stages, chunk_rows) = _mma_launch_shape(family, n, k, m_rows)
+    args.m_rows, args.n, args.k = m_rows, n, k
+    args.ring_stages, args.ring_chunk_rows, args.ring_prefetch = stages, chunk_rows, RING_PREFETCH
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
                   args, launch.programmatic_launches())
 
 
-_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes, ring stages)
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes, ring plan)
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
-    """Kernel, grid, warps per block, shared memory and ring stages (0: not a ring
-    variant) of a product, computed once per shape. The ring variant where it applies
-    (ring_stages_for): one block per SM, at most one per tile. Otherwise enough blocks to
+    """Kernel, grid, warps per block, shared memory and ring plan ((stages, rows per
+    stage); (0, 0): not a ring variant) of a product, computed once per shape. The ring
+    variant where it applies (ring_plan): one block per SM, at most one per tile. Otherwise
+    enough blocks to
     fill every SM as far as registers and shared memory allow, at most one per tile;
     plain products of rows of at least WIDE_MIN_K in no more tiles than SMs take the wide
     variant (twice the loads in flight per block)."""
@@ -440,12 +444,12 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
-        stages = ring_stages_for(m_rows, k, limits)
-        if stages:
+        plan = ring_plan(m_rows, k, limits)
+        if plan[0]:
             kernel = get_kernel("gemv", f"{family}_ring")
-            shared = stages * RING_STAGE_BYTES + ring_x_bytes(m_rows, k) + RING_PARTIAL_BYTES
+            shared = ring_shared_bytes(m_rows, k, *plan)
             opt_in_shared(kernel, shared, RING_STATIC_SHARED)
-            _mma_shapes[key] = (kernel, min(tiles, limits["sms"]), RING_WARPS, shared, stages)
+            _mma_shapes[key] = (kernel, min(tiles, limits["sms"]), RING_WARPS, shared, plan)
             return _mma_shapes[key]
         warps = _skinny_warps(family, n, k)
         if warps == MMA_WIDE_WARPS:
@@ -454,7 +458,8 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
         shared = mma_shared_bytes(m_rows, k, warps)
         opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
-        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared, 0)
+        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared,
+                            (0, 0))
     return _mma_shapes[key]
 
 
@@ -463,17 +468,31 @@ def ring_x_bytes(m_rows: int, k: int) -> int:
     return m_rows * (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
 
 
-def ring_stages_for(m_rows: int, k: int, limits: dict) -> int:
-    """Stages of a ring variant for m_rows x rows of length k, or 0 where it does not
-    apply: switched off (ring_rows), more rows than it takes, no bulk copies (before
-    sm_90), or fewer than RING_MIN_STAGES stages in its share of the SM's shared memory
-    (1 / RING_KERNELS_PER_SM, so that the next kernel's block fits beside it)."""
+def ring_stage_bytes(chunk_rows: int, k: int) -> int:
+    """A stage of the ring: chunk_rows weight rows of k bf16, rounded up to 128 bytes."""
+    return -(-chunk_rows * k * 2 // 128) * 128
+
+
+def ring_shared_bytes(m_rows: int, k: int, stages: int, chunk_rows: int) -> int:
+    return stages * ring_stage_bytes(chunk_rows, k) + ring_x_bytes(m_rows, k) + RING_PARTIAL_BYTES
+
+
+def ring_plan(m_rows: int, k: int, limits: dict) -> tuple[int, int]:
+    """(stages, weight rows per stage) of a ring variant for m_rows x rows of length k, or
+    (0, 0) where it does not apply: switched off (ring_rows), more rows than it takes, no
+    bulk copies (before sm_90), or fewer than RING_MIN_STAGES stages in its share of the
+    SM's shared memory (1 / RING_KERNELS_PER_SM, so that the next kernel's block fits
+    beside it). A stage holds as many whole rows (8, 4, 2 or 1) as fit in RING_CHUNK_BYTES,
+    at least one."""
     if m_rows > min(_ring_rows, RING_MAX_ROWS) or limits["capability"] < 90:
-        return 0
+        return 0, 0
+    chunk_rows = next((r for r in (8, 4, 2) if r * k * 2 <= RING_CHUNK_BYTES), 1)
     share = limits["shared_per_sm"] // RING_KERNELS_PER_SM - 1024 - RING_STATIC_SHARED
     room = min(share, limits["max_shared_per_block"] - RING_STATIC_SHARED)
-    stages = (room - ring_x_bytes(m_rows, k) - RING_PARTIAL_BYTES) // RING_STAGE_BYTES
-    return min(stages, RING_MAX_STAGES) if stages >= RING_MIN_STAGES else 0
+    stages = (room - ring_x_bytes(m_rows, k) - RING_PARTIAL_BYTES) // ring_stage_bytes(chunk_rows, k)
+    if stages < RING_MIN_STAGES:
+        return 0, 0
+    return min(stages, RING_MAX_STAGES), chunk_rows
 
 
 def _skinny_warps(family: str, n: int, k: int) -> int:
