@@ -574,9 +574,8 @@ DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 // ring_stage_bytes(R, K) + m_rows * x_stride * 16 + RING_PARTIAL_BYTES (gemm.py computes it).
 // Launch: grid (min(tiles, SMs)), block (RING_WARPS * 32).
 
-#define RING_WARPS 4
+#define RING_WARPS 8
 #define RING_MAX_STAGES 16
-#define RING_PARTIAL_FLOATS (RING_WARPS * 4 * WARP_SIZE)
 
 // a stage's bytes: R rows of K bf16, rounded up to 128 bytes
 __device__ __forceinline__ int ring_stage_bytes(int rows, int k) { return (rows * k * 2 + 127) / 128 * 128; }
@@ -670,29 +669,37 @@ __device__ __forceinline__ void ring_issue(const SkinnyArgs& a, int i, int total
     }
 }
 
-template <int PRO, int EPI>
+// x rows m < m_rows (at most M) of 16-byte chunk c, unpacked
+template <int M>
+__device__ __forceinline__ void ring_load_x(const uint4* xs, int x_stride, int m_rows, int c,
+                                            float (&xf)[M][8]) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+        if (m < m_rows) unpack_bf16x8(xs[m * x_stride + c], xf[m]);
+}
+
+template <int PRO, int EPI, int M>
 __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char ring_smem[];
     __shared__ __align__(8) unsigned long long full[RING_MAX_STAGES];
+    constexpr int THREADS = RING_WARPS * WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int g = lane / 4, t = lane % 4;
     const int m_rows = a.m_rows, stages = a.ring_stages, chunk_rows = a.ring_chunk_rows;
     const int chunks = a.k / 8;                                 // 16-byte chunks per row
-    const int steps = (a.k + SKINNY_STEP - 1) / SKINNY_STEP;
-    const int x_chunks = steps * (SKINNY_STEP / 8);
+    const int x_chunks = (a.k + SKINNY_STEP - 1) / SKINNY_STEP * (SKINNY_STEP / 8);
     const int x_stride = x_chunks + SKINNY_X_PAD;
     const int stage_bytes = ring_stage_bytes(chunk_rows, a.k);
     uint4* xs = reinterpret_cast<uint4*>(ring_smem + stages * stage_bytes);
+    // [2 tiles][16 rows of the tile][warp][M x rows]: each warp's sums of each chunk row
     float* partial = reinterpret_cast<float*>(xs + m_rows * x_stride);
     const unsigned ring = shared_address(ring_smem), barriers = shared_address(full);
     const int tiles = (a.n + SKINNY_TILE - 1) / SKINNY_TILE;
     const int per_tile = 2 * (8 / chunk_rows);
     const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     const int total = my_tiles * per_tile;                      // chunks of this block
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    // the element of every tile this thread finishes (skinny_body's, with one x tile)
-    const int e_j = warp % 2, e_m = t * 2 + e_j;
+    // the element of every tile this thread finishes: x row e_m, tile rows g and g + 8
+    const int g = lane / 4, e_m = lane % 4 * 2 + warp % 2;
     const bool finisher = threadIdx.x < 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f};
 
@@ -710,52 +717,62 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
     __syncthreads();
 
     TileRows rows = {0, 0};
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int i = 0; i < total; ++i) {
         const RingChunk chunk = ring_chunk(a, i);
         const int j = i % per_tile, stage = i % stages;
+        float* tile_part = partial + (i / per_tile % 2) * SKINNY_TILE * RING_WARPS * M;
         if (j == 0) {
             rows = tile_rows<EPI>(a, chunk.tile, g);
             if (finisher) {  // in flight while the tile's chunks are summed
                 load_rotation<EPI>(a, rows, inputs);
                 load_residual_inputs<EPI>(a, e_m, rows, inputs);
             }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[e] = 0.0f;
         }
-        const int r = g - chunk.first;  // this lane's row in the chunk, if 0 <= r < R
-        const bool mine = r >= 0 && r < chunk_rows;
-        const uint4* row = reinterpret_cast<const uint4*>(ring_smem + stage * stage_bytes) + (mine ? r : 0) * chunks;
+        const uint4* w = reinterpret_cast<const uint4*>(ring_smem + stage * stage_bytes);
         ring_wait(barriers + stage * 8u, (unsigned)(i / stages) & 1u);
-        for (int step = warp; step < steps; step += RING_WARPS) {
-            const int c = step * (SKINNY_STEP / 8) + t;
-            uint4 wa = zero, wb = zero, xa = zero, xb = zero;
-            if (mine) {
-                if (c < chunks) wa = row[c];
-                if (c + 4 < chunks) wb = row[c + 4];
-            }
-            if (g < m_rows) {
-                xa = xs[g * x_stride + c];
-                xb = xs[g * x_stride + c + 4];
-            }
-            if (chunk.hi) mma_step(acc, zero, zero, wa, wb, xa, xb);
-            else mma_step(acc, wa, wb, zero, zero, xa, xb);
-        }
-        __syncthreads();  // every warp is done with this stage (and with the partials)
-        if (threadIdx.x == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, total, ring, barriers);
-        if (j == per_tile - 1) {
+        // each thread takes 16-byte columns c of every row of the chunk, x loaded once per c
+        float acc[8][M];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) partial[(warp * 4 + e) * WARP_SIZE + lane] = acc[e];
-            __syncthreads();
-            if (finisher) {
-                float lo_sum = 0.0f, hi_sum = 0.0f;
+        for (int r = 0; r < 8; ++r)
 #pragma unroll
-                for (int v = 0; v < RING_WARPS; ++v) {
-                    lo_sum += partial[(v * 4 + e_j) * WARP_SIZE + lane];
-                    hi_sum += partial[(v * 4 + e_j + 2) * WARP_SIZE + lane];
+            for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+        for (int c = threadIdx.x; c < chunks; c += THREADS) {
+            float xf[M][8];
+            ring_load_x<M>(xs, x_stride, m_rows, c, xf);
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                if (r >= chunk_rows) break;
+                float wf[8];
+                unpack_bf16x8(w[r * chunks + c], wf);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    if (m >= m_rows) break;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][m] = fmaf(wf[e], xf[m][e], acc[r][m]);
                 }
-                finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
             }
+        }
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (r >= chunk_rows) break;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                if (m >= m_rows) break;
+                const float sum = warp_sum(acc[r][m]);
+                if (lane == 0)
+                    tile_part[((chunk.hi * 8 + chunk.first + r) * RING_WARPS + warp) * M + m] = sum;
+            }
+        }
+        __syncthreads();  // every warp is done with this stage, and has left its sums
+        if (threadIdx.x == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, total, ring, barriers);
+        if (j == per_tile - 1 && finisher) {
+            float lo_sum = 0.0f, hi_sum = 0.0f;
+#pragma unroll
+            for (int v = 0; v < RING_WARPS; ++v) {
+                lo_sum += tile_part[(g * RING_WARPS + v) * M + e_m];
+                hi_sum += tile_part[((g + 8) * RING_WARPS + v) * M + e_m];
+            }
+            finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
         }
     }
 #else
@@ -765,11 +782,15 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
 
 #define DEFINE_SKINNY_RING(NAME, PRO, EPI)                                                   \
     extern "C" __global__ void __launch_bounds__(RING_WARPS * WARP_SIZE, 1)                   \
-        NAME(const SkinnyArgs args) {                                                        \
-        skinny_ring_body<PRO, EPI>(args);                                                    \
+        NAME##_m1(const SkinnyArgs args) {                                                   \
+        skinny_ring_body<PRO, EPI, 1>(args);                                                 \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(RING_WARPS * WARP_SIZE, 1)                   \
+        NAME##_m4(const SkinnyArgs args) {                                                   \
+        skinny_ring_body<PRO, EPI, 4>(args);                                                 \
     }
 
-// keep in step with kernels.SKINNY_RING_FAMILIES
+// keep in step with kernels.SKINNY_RING_FAMILIES (_m1: one x row, _m4: up to 4)
 DEFINE_SKINNY_RING(skinny_ring, PRO_PLAIN, EPI_STORE)
 DEFINE_SKINNY_RING(skinny_norm_ring, PRO_NORM, EPI_STORE)
 DEFINE_SKINNY_RING(skinny_norm_silu_ring, PRO_NORM, EPI_SILU)

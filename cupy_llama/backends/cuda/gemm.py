@@ -71,15 +71,15 @@ MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row su
 # bulk copies into a ring of shared-memory stages, one block per SM, for up to
 # RING_MAX_ROWS x rows on sm_90+; a stage holds 1, 2, 4 or 8 whole weight rows, as many as
 # fit in RING_CHUNK_BYTES
-RING_WARPS = 4
+RING_WARPS = 8
 RING_CHUNK_BYTES = int(os.environ.get("CUPY_LLAMA_RING_CHUNK_KB", 16)) << 10
 RING_PREFETCH = int(os.environ.get("CUPY_LLAMA_RING_PREFETCH", 0))  # chunks into L2 ahead
 RING_MIN_STAGES, RING_MAX_STAGES = 2, 16
-RING_PARTIAL_BYTES = RING_WARPS * 4 * 32 * 4
+RING_VARIANT_ROWS = (1, 4)  # x rows of the _m1 and _m4 kernels
 RING_STATIC_SHARED = 16 * 8 + (16 * RING_WARPS + 16) * 4  # stage barriers, norm row sums
-RING_MAX_ROWS = 8
+RING_MAX_ROWS = max(RING_VARIANT_ROWS)
 RING_KERNELS_PER_SM = 2  # a ring block leaves room for one of the next kernel's beside it
-DEFAULT_RING_ROWS = 8
+DEFAULT_RING_ROWS = RING_MAX_ROWS
 
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
@@ -446,7 +446,8 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
         tiles = -(-n // MMA_TILE_ROWS)
         plan = ring_plan(m_rows, k, limits)
         if plan[0]:
-            kernel = get_kernel("gemv", f"{family}_ring")
+            variant = next(v for v in RING_VARIANT_ROWS if v >= m_rows)
+            kernel = get_kernel("gemv", f"{family}_ring_m{variant}")
             shared = ring_shared_bytes(m_rows, k, *plan)
             opt_in_shared(kernel, shared, RING_STATIC_SHARED)
             _mma_shapes[key] = (kernel, min(tiles, limits["sms"]), RING_WARPS, shared, plan)
@@ -473,8 +474,14 @@ def ring_stage_bytes(chunk_rows: int, k: int) -> int:
     return -(-chunk_rows * k * 2 // 128) * 128
 
 
+def ring_partial_bytes(m_rows: int) -> int:
+    """The warps' sums of two tiles: [2][16 rows][RING_WARPS][variant's x rows] floats."""
+    return 2 * 16 * RING_WARPS * next(v for v in RING_VARIANT_ROWS if v >= m_rows) * 4
+
+
 def ring_shared_bytes(m_rows: int, k: int, stages: int, chunk_rows: int) -> int:
-    return stages * ring_stage_bytes(chunk_rows, k) + ring_x_bytes(m_rows, k) + RING_PARTIAL_BYTES
+    return (stages * ring_stage_bytes(chunk_rows, k) + ring_x_bytes(m_rows, k)
+            + ring_partial_bytes(m_rows))
 
 
 def ring_plan(m_rows: int, k: int, limits: dict) -> tuple[int, int]:
@@ -489,7 +496,8 @@ def ring_plan(m_rows: int, k: int, limits: dict) -> tuple[int, int]:
     chunk_rows = next((r for r in (8, 4, 2) if r * k * 2 <= RING_CHUNK_BYTES), 1)
     share = limits["shared_per_sm"] // RING_KERNELS_PER_SM - 1024 - RING_STATIC_SHARED
     room = min(share, limits["max_shared_per_block"] - RING_STATIC_SHARED)
-    stages = (room - ring_x_bytes(m_rows, k) - RING_PARTIAL_BYTES) // ring_stage_bytes(chunk_rows, k)
+    stages = ((room - ring_x_bytes(m_rows, k) - ring_partial_bytes(m_rows))
+              // ring_stage_bytes(chunk_rows, k))
     if stages < RING_MIN_STAGES:
         return 0, 0
     return min(stages, RING_MAX_STAGES), chunk_rows
