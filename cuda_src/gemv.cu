@@ -678,6 +678,28 @@ __device__ __forceinline__ void ring_load_x(const uint4* xs, int x_stride, int m
         if (m < m_rows) unpack_bf16x8(xs[m * x_stride + c], xf[m]);
 }
 
+// one run's 8 rows (tile rows HI * 8 .. + 7) of a stage, each thread its 16-byte columns
+template <int M, int HI>
+__device__ __forceinline__ void ring_accumulate_run(float (&acc)[SKINNY_TILE][M], const uint4* w,
+                                                    const uint4* xs, int x_stride, int m_rows,
+                                                    int chunks) {
+    for (int c = threadIdx.x; c < chunks; c += RING_WARPS * WARP_SIZE) {
+        float xf[M][8];
+        ring_load_x<M>(xs, x_stride, m_rows, c, xf);
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            float wf[8];
+            unpack_bf16x8(w[r * chunks + c], wf);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                if (m >= m_rows) break;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[HI * 8 + r][m] = fmaf(wf[e], xf[m][e], acc[HI * 8 + r][m]);
+            }
+        }
+    }
+}
+
 template <int PRO, int EPI, int M>
 __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -717,6 +739,11 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
     __syncthreads();
 
     TileRows rows = {0, 0};
+    float acc[SKINNY_TILE][M];  // this thread's sums of the tile's rows
+#pragma unroll
+    for (int r = 0; r < SKINNY_TILE; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     for (int i = 0; i < total; ++i) {
         const RingChunk chunk = ring_chunk(a, i);
         const int j = i % per_tile, stage = i % stages;
@@ -731,37 +758,18 @@ __device__ __forceinline__ void skinny_ring_body(const SkinnyArgs& a) {
         const uint4* w = reinterpret_cast<const uint4*>(ring_smem + stage * stage_bytes);
         ring_wait(barriers + stage * 8u, (unsigned)(i / stages) & 1u);
         // each thread takes 16-byte columns c of every row of the chunk, x loaded once per c
-        float acc[8][M];
+        if (chunk.hi) ring_accumulate_run<M, 1>(acc, w, xs, x_stride, m_rows, chunks);
+        else ring_accumulate_run<M, 0>(acc, w, xs, x_stride, m_rows, chunks);
+        if (j == per_tile - 1) {  // the tile's sums: over the warp, then the warps in order
 #pragma unroll
-        for (int r = 0; r < 8; ++r)
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-        for (int c = threadIdx.x; c < chunks; c += THREADS) {
-            float xf[M][8];
-            ring_load_x<M>(xs, x_stride, m_rows, c, xf);
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                if (r >= chunk_rows) break;
-                float wf[8];
-                unpack_bf16x8(w[r * chunks + c], wf);
+            for (int r = 0; r < SKINNY_TILE; ++r)
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     if (m >= m_rows) break;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[r][m] = fmaf(wf[e], xf[m][e], acc[r][m]);
+                    const float sum = warp_sum(acc[r][m]);
+                    if (lane == 0) tile_part[(r * RING_WARPS + warp) * M + m] = sum;
+                    acc[r][m] = 0.0f;
                 }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-            if (r >= chunk_rows) break;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                if (m >= m_rows) break;
-                const float sum = warp_sum(acc[r][m]);
-                if (lane == 0)
-                    tile_part[((chunk.hi * 8 + chunk.first + r) * RING_WARPS + warp) * M + m] = sum;
-            }
         }
         __syncthreads();  // every warp is done with this stage, and has left its sums
         if (threadIdx.x == 0 && i + stages < total) ring_issue<EPI>(a, i + stages, total, ring, barriers);

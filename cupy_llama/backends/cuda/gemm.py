@@ -493,7 +493,7 @@ def ring_plan(m_rows: int, k: int, limits: dict) -> tuple[int, int]:
     at least one."""
     if m_rows > min(_ring_rows, RING_MAX_ROWS) or limits["capability"] < 90:
         return 0, 0
-    chunk_rows = next((r for r in (8, 4, 2) if r * k * 2 <= RING_CHUNK_BYTES), 1)
+    chunk_rows = 8
     share = limits["shared_per_sm"] // RING_KERNELS_PER_SM - 1024 - RING_STATIC_SHARED
     room = min(share, limits["max_shared_per_block"] - RING_STATIC_SHARED)
     stages = ((room - ring_x_bytes(m_rows, k) - ring_partial_bytes(m_rows))
