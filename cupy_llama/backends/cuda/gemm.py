@@ -75,6 +75,8 @@ RING_WARPS = 8
 RING_CHUNK_BYTES = int(os.environ.get("CUPY_LLAMA_RING_CHUNK_KB", 16)) << 10
 RING_PREFETCH = int(os.environ.get("CUPY_LLAMA_RING_PREFETCH", 0))  # chunks into L2 ahead
 RING_MIN_STAGES, RING_MAX_STAGES = 2, 16
+RING_FAMILIES = set(os.environ.get("CUPY_LLAMA_RING_FAMILIES",
+                                   "skinny,skinny_norm,skinny_norm_silu,skinny_norm_rope").split(","))
 RING_VARIANT_ROWS = (1, 4)  # x rows of the _m1 and _m4 kernels
 RING_STATIC_SHARED = 16 * 8 + (16 * RING_WARPS + 16) * 4  # stage barriers, norm row sums
 RING_MAX_ROWS = max(RING_VARIANT_ROWS)
@@ -444,7 +446,7 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
-        plan = ring_plan(m_rows, k, limits)
+        plan = ring_plan(m_rows, k, limits) if family in RING_FAMILIES else (0, 0)
         if plan[0]:
             variant = next(v for v in RING_VARIANT_ROWS if v >= m_rows)
             kernel = get_kernel("gemv", f"{family}_ring_m{variant}")
