@@ -273,6 +273,12 @@ __device__ __forceinline__ void cluster_barrier() {
 #endif
 }
 
+// the 32-bit shared-state-space address of a __shared__ object (what cp.async, ldmatrix
+// and mapa take)
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // the float at `local` (a __shared__ address of this CTA) in the shared memory of the
 // cluster's CTA `rank`
 __device__ __forceinline__ float cluster_load(const float* local, int rank) {

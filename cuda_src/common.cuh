@@ -86,12 +86,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-// the 32-bit shared-state-space address of a __shared__ object (what cp.async, ldmatrix,
-// mapa, mbarrier and bulk copies take)
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // c[16 x 8] += a[16 x 16] b[16 x 8] on the tensor cores (sm_80+): bf16 in, fp32 sums,
 // a[0..3] and b0, b1 in the mma.m16n8k16 fragment layout
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,

@@ -19,17 +19,6 @@ ROWS = (1, 2, 7, 8, 9, 16)
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, params=[0, 8], ids=["registers", "ring"])
-def ring_rows(request):
-    """Every test twice: with the register-streaming kernels only, and with the ring
-    variants for products of up to 8 rows (on sm_90+; elsewhere they never apply)."""
-    from cupy_llama.backends.cuda import gemm
-    previous = gemm.ring_rows()
-    gemm.set_ring_rows(request.param)
-    yield request.param
-    gemm.set_ring_rows(previous)
-
-
 @pytest.fixture
 def skinny_mma():
     from cupy_llama.backends.cuda import gemm
@@ -200,25 +189,3 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     assert not np.isnan(reference).any()
     for key, value in results.items():
         np.testing.assert_array_equal(value, reference, err_msg=f"{key} differs from eager, plain launches")
-
-
-@pytest.mark.parametrize("family,k", [("skinny", 8192), ("skinny_norm_silu", 2048),
-                                      ("skinny_norm_rope", 2048), ("skinny_norm", 576)])
-def test_the_ring_variant_serves_up_to_8_rows_on_sm90(cp, family, k, ring_rows):
-    """Where the GPU has bulk copies, the tests above ran the ring variant (with ring_rows
-    8) for 1 row and for every row count up to 8 whose x leaves room for its stages, and
-    never past 8 rows or with ring_rows 0."""
-    from cupy_llama.backends.cuda import gemm
-    from cupy_llama.backends.cuda.device import device_limits
-    limits = device_limits()
-    if limits["capability"] < 90:
-        pytest.skip("the ring variants need sm_90+")
-    for m in (1, 2, 8, 9, 16):
-        if gemm.mma_shared_bytes(m, k) > limits["max_shared_per_block"] - gemm.MMA_STATIC_SHARED:
-            continue  # neither variant takes it (linear uses cuBLAS)
-        stages = gemm._mma_launch_shape(family, 2048, k, m)[4]
-        room = gemm.ring_stages_for(m, k, limits)
-        if ring_rows and (m == 1 or (m <= 8 and room)):
-            assert stages >= gemm.RING_MIN_STAGES, f"{family} m={m} k={k}: no ring"
-        else:
-            assert stages == 0, f"{family} m={m} k={k}: ring with ring_rows {ring_rows}"

@@ -67,22 +67,6 @@ MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
 MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
 
-# ring variants (gemv.cu RING_* constants; kernels.SKINNY_RING_FAMILIES): weights through
-# bulk copies into a ring of shared-memory stages, one block per SM, for up to
-# RING_MAX_ROWS x rows on sm_90+; a stage holds 1, 2, 4 or 8 whole weight rows, as many as
-# fit in RING_CHUNK_BYTES
-RING_WARPS = 8
-RING_CHUNK_BYTES = int(os.environ.get("CUPY_LLAMA_RING_CHUNK_KB", 16)) << 10
-RING_PREFETCH = int(os.environ.get("CUPY_LLAMA_RING_PREFETCH", 0))  # chunks into L2 ahead
-RING_MIN_STAGES, RING_MAX_STAGES = 2, 16
-RING_FAMILIES = set(os.environ.get("CUPY_LLAMA_RING_FAMILIES",
-                                   "skinny,skinny_norm,skinny_norm_silu,skinny_norm_rope").split(","))
-RING_VARIANT_ROWS = (1, 4)  # x rows of the _m1 and _m4 kernels
-RING_STATIC_SHARED = 16 * 8 + (16 * RING_WARPS + 16) * 4  # stage barriers, norm row sums
-RING_MAX_ROWS = max(RING_VARIANT_ROWS)
-RING_KERNELS_PER_SM = 2  # a ring block leaves room for one of the next kernel's beside it
-DEFAULT_RING_ROWS = RING_MAX_ROWS
-
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
 FALLBACK_MMA_MAX_ROWS = 4
@@ -93,7 +77,6 @@ _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
 
 _skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "auto")
-_ring_rows = int(os.environ.get("CUPY_LLAMA_RING_ROWS", DEFAULT_RING_ROWS) or 0)
 _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load it
 _table = None   # choice table of this GPU: {(n, k): {m: kernel}}, {} when there is none
 _choice_cache = {}  # (n, k, m, accumulate) -> kernel under the current switch and table
@@ -110,19 +93,6 @@ def set_skinny_gemm(choice: str) -> None:
 
 def skinny_gemm() -> str:
     return _skinny if _skinny in SKINNY_CHOICES else "auto"
-
-
-def set_ring_rows(rows: int) -> None:
-    """Skinny products of at most `rows` x rows (capped at RING_MAX_ROWS) take the ring
-    variants where the GPU has bulk copies (sm_90+); 0 turns them off. Also
-    CUPY_LLAMA_RING_ROWS. Graphs bake in the kernels chosen when they are captured."""
-    global _ring_rows
-    _ring_rows = max(0, int(rows))
-    _mma_shapes.clear()
-
-
-def ring_rows() -> int:
-    return _ring_rows
 
 
 def linear(x, weight, out, accumulate: bool = False):
@@ -282,8 +252,7 @@ class SkinnyArgs(ctypes.Structure):
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float), ("ring_stages", ctypes.c_int),
-                ("ring_chunk_rows", ctypes.c_int), ("ring_prefetch", ctypes.c_int)]
+                ("eps", ctypes.c_float)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -425,35 +394,23 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
 
 def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
-    kernel, grid, warps, shared, (stages, chunk_rows) = _mma_launch_shape(family, n, k, m_rows)
+    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
-    args.ring_stages, args.ring_chunk_rows, args.ring_prefetch = stages, chunk_rows, RING_PREFETCH
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
                   args, launch.programmatic_launches())
 
 
-_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes, ring plan)
+_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes)
 
 def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
-    """Kernel, grid, warps per block, shared memory and ring plan ((stages, rows per
-    stage); (0, 0): not a ring variant) of a product, computed once per shape. The ring
-    variant where it applies (ring_plan): one block per SM, at most one per tile. Otherwise
-    enough blocks to
-    fill every SM as far as registers and shared memory allow, at most one per tile;
-    plain products of rows of at least WIDE_MIN_K in no more tiles than SMs take the wide
-    variant (twice the loads in flight per block)."""
+    """Kernel, grid, warps per block and shared memory of a product, computed once per
+    shape: enough blocks to fill every SM as far as registers and shared memory allow, at
+    most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
+    SMs take the wide variant (twice the loads in flight per block)."""
     key = (family, n, k, m_rows)
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
-        plan = ring_plan(m_rows, k, limits) if family in RING_FAMILIES else (0, 0)
-        if plan[0]:
-            variant = next(v for v in RING_VARIANT_ROWS if v >= m_rows)
-            kernel = get_kernel("gemv", f"{family}_ring_m{variant}")
-            shared = ring_shared_bytes(m_rows, k, *plan)
-            opt_in_shared(kernel, shared, RING_STATIC_SHARED)
-            _mma_shapes[key] = (kernel, min(tiles, limits["sms"]), RING_WARPS, shared, plan)
-            return _mma_shapes[key]
         warps = _skinny_warps(family, n, k)
         if warps == MMA_WIDE_WARPS:
             family = "skinny_wide"
@@ -461,48 +418,8 @@ def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
         shared = mma_shared_bytes(m_rows, k, warps)
         opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
-        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared,
-                            (0, 0))
+        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]
-
-
-def ring_x_bytes(m_rows: int, k: int) -> int:
-    """The staged x rows of a ring variant (as mma_shared_bytes stages them)."""
-    return m_rows * (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
-
-
-def ring_stage_bytes(chunk_rows: int, k: int) -> int:
-    """A stage of the ring: chunk_rows weight rows of k bf16, rounded up to 128 bytes."""
-    return -(-chunk_rows * k * 2 // 128) * 128
-
-
-def ring_partial_bytes(m_rows: int) -> int:
-    """The warps' sums of two tiles: [2][16 rows][RING_WARPS][variant's x rows] floats."""
-    return 2 * 16 * RING_WARPS * next(v for v in RING_VARIANT_ROWS if v >= m_rows) * 4
-
-
-def ring_shared_bytes(m_rows: int, k: int, stages: int, chunk_rows: int) -> int:
-    return (stages * ring_stage_bytes(chunk_rows, k) + ring_x_bytes(m_rows, k)
-            + ring_partial_bytes(m_rows))
-
-
-def ring_plan(m_rows: int, k: int, limits: dict) -> tuple[int, int]:
-    """(stages, weight rows per stage) of a ring variant for m_rows x rows of length k, or
-    (0, 0) where it does not apply: switched off (ring_rows), more rows than it takes, no
-    bulk copies (before sm_90), or fewer than RING_MIN_STAGES stages in its share of the
-    SM's shared memory (1 / RING_KERNELS_PER_SM, so that the next kernel's block fits
-    beside it). A stage holds as many whole rows (8, 4, 2 or 1) as fit in RING_CHUNK_BYTES,
-    at least one."""
-    if m_rows > min(_ring_rows, RING_MAX_ROWS) or limits["capability"] < 90:
-        return 0, 0
-    chunk_rows = 8
-    share = limits["shared_per_sm"] // RING_KERNELS_PER_SM - 1024 - RING_STATIC_SHARED
-    room = min(share, limits["max_shared_per_block"] - RING_STATIC_SHARED)
-    stages = ((room - ring_x_bytes(m_rows, k) - ring_partial_bytes(m_rows))
-              // ring_stage_bytes(chunk_rows, k))
-    if stages < RING_MIN_STAGES:
-        return 0, 0
-    return min(stages, RING_MAX_STAGES), chunk_rows
 
 
 def _skinny_warps(family: str, n: int, k: int) -> int:

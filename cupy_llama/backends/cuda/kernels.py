@@ -14,8 +14,6 @@ COMPILE_OPTIONS = ("-std=c++17",)  # CuPy adds -arch=sm_XX for the current devic
 # the tensor-core skinny kernels of gemv.cu (DEFINE_SKINNY lines), each with variants _n1
 # (up to 8 x rows) and _n2 (up to 16)
 SKINNY_FAMILIES = ("skinny", "skinny_wide", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
-# their ring variants (DEFINE_SKINNY_RING lines: _m1 for one x row, _m4 up to 4; sm_90+)
-SKINNY_RING_FAMILIES = ("skinny", "skinny_norm", "skinny_norm_silu", "skinny_norm_rope")
 
 # every kernel module and the kernels it defines
 MODULES = {
@@ -30,8 +28,7 @@ MODULES = {
                   "prefill_attention_d64", "prefill_attention_d128"),
     "sampling": ("sample_kernel",),
     "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16",
-             *(f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2)),
-             *(f"{family}_ring_m{m}" for family in SKINNY_RING_FAMILIES for m in (1, 4))),
+             *(f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2))),
 }
 
 
