@@ -279,13 +279,22 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// the float at `local` (a __shared__ address of this CTA) in the shared memory of the
-// cluster's CTA `rank`
-__device__ __forceinline__ float cluster_load(const float* local, int rank) {
+// The address of `local` (a __shared__ object of this CTA) in the shared memory of the
+// cluster's CTA `rank`: one mapping, to which the offsets of the object's members add
+__device__ __forceinline__ unsigned cluster_address(const void* local, int rank) {
+    unsigned remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+#else
+    __trap();
+#endif
+    return remote;
+}
+
+// the float at a cluster_address
+__device__ __forceinline__ float cluster_load(unsigned remote) {
     float value = 0.0f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
 #else
     __trap();
@@ -358,8 +367,10 @@ __device__ __forceinline__ void decode_attention_body(
     __shared__ float merge_acc[NUM_WARPS][MAXG][D];
     // CLUSTER: this CTA's result for its key range (running max, sum, unnormalized
     // output), read by the other CTAs of its cluster
-    __shared__ float cta_m[CLUSTER > 0 ? MAXG : 1], cta_l[CLUSTER > 0 ? MAXG : 1];
-    __shared__ float cta_acc[CLUSTER > 0 ? MAXG : 1][CLUSTER > 0 ? D : 1];
+    constexpr int CTA_G = CLUSTER > 0 ? MAXG : 1, CTA_D = CLUSTER > 0 ? D : 1;
+    __shared__ struct {
+        float m[CTA_G], l[CTA_G], acc[CTA_G][CTA_D];
+    } cta;
 
     const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
     const int group = num_heads / num_kv_heads;
@@ -543,10 +554,10 @@ __device__ __forceinline__ void decode_attention_body(
                                [&](int w) { return merge_l[w][g]; },
                                [&](int w) { return merge_acc[w][g][c]; }, m_max, sum_l, sum_acc);
         if (CLUSTER > 0) {
-            cta_acc[g][c] = sum_acc;
+            cta.acc[g][c] = sum_acc;
             if (c == 0) {
-                cta_m[g] = m_max;
-                cta_l[g] = sum_l;
+                cta.m[g] = m_max;
+                cta.l[g] = sum_l;
             }
             continue;
         }
@@ -569,12 +580,17 @@ __device__ __forceinline__ void decode_attention_body(
         const int i = split * per + threadIdx.x;
         if (i < min(total, (split + 1) * per)) {
             const int g = i / D, c = i % D;
+            const unsigned base = shared_address(&cta);
+            const unsigned m_at = shared_address(&cta.m[g]) - base;
+            const unsigned l_at = shared_address(&cta.l[g]) - base;
+            const unsigned acc_at = shared_address(&cta.acc[g][c]) - base;
             float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
 #pragma unroll
             for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
-                m_r[r] = cluster_load(&cta_m[g], r);
-                l_r[r] = cluster_load(&cta_l[g], r);
-                acc_r[r] = cluster_load(&cta_acc[g][c], r);
+                const unsigned remote = cluster_address(&cta, r);
+                m_r[r] = cluster_load(remote + m_at);
+                l_r[r] = cluster_load(remote + l_at);
+                acc_r[r] = cluster_load(remote + acc_at);
             }
             // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
             float m_max, sum_l, sum_acc;

@@ -497,6 +497,15 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     return chosen;
 }
 
+// the warp's (value, index) maximum in every lane: larger value, lower index on ties
+__device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(FULL_MASK, best, offset);
+        const int other_i = __shfl_xor_sync(FULL_MASK, best_i, offset);
+        if (other > best || (other == best && other_i < best_i)) { best = other; best_i = other_i; }
+    }
+}
+
 // one CTA per SM is enough (min blocks 1): ptxas may then use up to 64 registers per
 // thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
 // slots: candidate slots per thread in the dynamic shared memory (0: always the row);
@@ -541,25 +550,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         const float v = row[i];
         if (v > best) { best = v; best_i = i; }
     }
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-        const int other_i = __shfl_xor_sync(FULL_MASK, best_i, offset);
-        if (other > best || (other == best && other_i < best_i)) { best = other; best_i = other_i; }
-    }
+    warp_argmax(best, best_i);
     if (lane == 0) { sh.scratch[warp] = best; sh.best_index[warp] = best_i; }
     __syncthreads();
     if (warp == 0) {
         const int num_warps = blockDim.x / WARP_SIZE;
         best = lane < num_warps ? sh.scratch[lane] : neg_inf();
         best_i = lane < num_warps ? sh.best_index[lane] : 0x7FFFFFFF;
-        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(FULL_MASK, best, offset);
-            const int other_i = __shfl_xor_sync(FULL_MASK, best_i, offset);
-            if (other > best || (other == best && other_i < best_i)) { best = other; best_i = other_i; }
-        }
+        warp_argmax(best, best_i);
         if (lane == 0) {
             if (best_i == 0x7FFFFFFF) best_i = 0;  // a row of NaN: token 0
-            sh.best_index[0] = best_i;
             sh.scratch[0] = best;
             out_tokens[b] = best_i;
         }

@@ -336,11 +336,8 @@ def run_latency(llm, settings: BenchSettings, device, log) -> dict:
     new_tokens = settings.scaled(LATENCY_NEW_TOKENS, least=2)
     rng = random.Random(settings.seed)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    warm_started = time.perf_counter()
-    timed_steps(llm, [random_ids(rng, prompt_len, max_token_id(llm))], params)
-    warmup_s = time.perf_counter() - warm_started
-    runs = [decode_numbers(*timed_steps(llm, [random_ids(rng, prompt_len, max_token_id(llm))],
-                                        params), 1) for _ in range(LATENCY_RUNS)]
+    warmup_s, runs = batch1_runs(llm, lambda: random_ids(rng, prompt_len, max_token_id(llm)),
+                                 params)
     tok_s = statistics.median(r["tok_s"] for r in runs)
     result = {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "warmup_s": warmup_s,
               "tok_s": tok_s, "ms_per_token": 1e3 / tok_s,
@@ -351,6 +348,16 @@ def run_latency(llm, settings: BenchSettings, device, log) -> dict:
         f"({result['ms_per_token']:.3f} ms/token), {100 * result['fraction_of_floor']:.0f}% of "
         f"the bandwidth floor ({result['floor_tok_s']:,.0f} tok/s)")
     return result
+
+
+def batch1_runs(llm, prompt, params: SamplingParams) -> tuple[float, list[dict]]:
+    """A warm-up decode, then LATENCY_RUNS timed ones, each of one sequence with the
+    prompt ids `prompt()` returns; (warm-up seconds, each run's decode_numbers)."""
+    started = time.perf_counter()
+    timed_steps(llm, [prompt()], params)
+    warmup_s = time.perf_counter() - started
+    return warmup_s, [decode_numbers(*timed_steps(llm, [prompt()], params), 1)
+                      for _ in range(LATENCY_RUNS)]
 
 
 def bandwidth_floor(config, device: str, bandwidth: float, tok_s: float) -> dict:

@@ -109,9 +109,7 @@ def decode_rates(llm) -> dict:
             ("greedy", SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)),
             ("t0.6 top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9, max_tokens=256,
                                               ignore_eos=True, seed=1))):
-        bench.timed_steps(llm, [list(ids)], params)  # warm-up
-        runs = [bench.decode_numbers(*bench.timed_steps(llm, [list(ids)], params), 1)["tok_s"]
-                for _ in range(bench.LATENCY_RUNS)]
+        runs = [r["tok_s"] for r in bench.batch1_runs(llm, lambda: list(ids), params)[1]]
         rates[name] = {"tok_s": statistics.median(runs), "runs": runs}
     return rates
 

@@ -79,6 +79,7 @@ class CudaOps(SublayerOps):
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._sampling_host = pinned_array(cupy, 28 * n, np.uint8)
         self._sampling_device = cupy.empty(28 * n, np.uint8)
+        self._sampling_view_cache = {}  # B -> _sampling_views(B)
         self._sampling_copied = sync_event(cupy)  # copy stream: the settings copy is done
         self._sampled = sync_event(cupy)  # step stream: the sampling kernel is done
         self._tokens_device = cupy.zeros(n, np.int32)  # the latest step's tokens, kept for the next
@@ -204,6 +205,25 @@ class CudaOps(SublayerOps):
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
+    # the settings buffers: [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 |
+    # steps i32], max_num_seqs of each
+    SAMPLING_FIELDS = ((np.uint64, 0), (np.float32, 8), (np.int32, 12), (np.float32, 16),
+                       (np.float32, 20), (np.int32, 24))
+
+    def _sampling_views(self, B: int) -> tuple[list, list]:
+        """The host and device views of the first B entries of each settings field, made
+        once per B."""
+        views = self._sampling_view_cache.get(B)
+        if views is None:
+            n = self.max_num_seqs
+            views = ([], [])
+            for dtype, offset in self.SAMPLING_FIELDS:
+                start, size = offset * n, B * np.dtype(dtype).itemsize
+                views[0].append(self._sampling_host[start:start + size].view(dtype))
+                views[1].append(self._sampling_device[start:start + size].view(dtype))
+            self._sampling_view_cache[B] = views
+        return views
+
     def sample_async(self, logits, sampling: SamplingTensors) -> "PendingTokens":
         """Queue the sampling kernel and the copy of its tokens to the host; returns at once.
         The tokens stay on the device too, where the next step's embedding reads them."""
@@ -215,15 +235,11 @@ class CudaOps(SublayerOps):
         # right behind the token copy of two steps ago, whose tokens the caller already has
         # (PendingTokens), so this hardly ever waits
         self._sampling_copied.synchronize()
-        # [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 | steps i32]
-        fields = ((sampling.seeds, np.uint64, 0), (sampling.temperature, np.float32, 8 * n),
-                  (sampling.top_k, np.int32, 12 * n), (sampling.top_p, np.float32, 16 * n),
-                  (sampling.min_p, np.float32, 20 * n), (sampling.steps, np.int32, 24 * n))
-        on_device = []
-        for values, dtype, start in fields:
-            itemsize = np.dtype(dtype).itemsize
-            host[start:start + B * itemsize].view(dtype)[:] = np.asarray(values).reshape(B)
-            on_device.append(device[start:start + B * itemsize].view(dtype))
+        host_views, on_device = self._sampling_views(B)
+        values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p,
+                  sampling.min_p, sampling.steps)
+        for view, field in zip(host_views, values):
+            view[:] = np.asarray(field).reshape(B)
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
