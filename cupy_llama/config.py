@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, RequestError
+from .sampling import SamplingParams, model_sampling_defaults
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -86,11 +87,16 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir) -> "ModelConfig":
         model_dir = Path(model_dir)
+        if model_dir.is_file():
+            raise ConfigError(f"{str(model_dir)!r} is a file, not a model directory; pass the "
+                              "folder that holds config.json")
         if not model_dir.is_dir():
             raise ConfigError(f"model directory {str(model_dir)!r} does not exist; pass the "
                               "path of a Hugging Face model folder (with config.json)")
         raw = _read_json(model_dir / "config.json", required=True)
-        gen = _read_json(model_dir / "generation_config.json", required=False) or {}
+        gen = _read_json(model_dir / "generation_config.json", required=False)
+        if gen is not None and not isinstance(gen, dict):
+            raise ConfigError("generation_config.json must hold a JSON object; fix or remove it")
         return cls.from_dicts(raw, gen)
 
     @classmethod
@@ -124,7 +130,9 @@ class ModelConfig:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
+        kv_heads = raw.get("num_key_value_heads")
+        if kv_heads is None:  # no grouped-query attention: one kv head per query head
+            kv_heads = heads
         head_dim = raw.get("head_dim")
         if head_dim is None:
             if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1 or hidden % heads:
@@ -144,13 +152,14 @@ class ModelConfig:
         defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "do_sample")
                     if gen.get(k) is not None}
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        _check_sampling_defaults(defaults)
         try:
             return cls(
                 hidden_size=hidden, num_hidden_layers=need("num_hidden_layers"),
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                 intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
+                rms_norm_eps=_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=_number("rope_theta", rope_theta),
                 max_position_embeddings=raw.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rope_scaling=rope_scaling, eos_token_ids=tuple(sorted(eos)),
@@ -158,6 +167,21 @@ class ModelConfig:
                 torch_dtype=str(dtype), generation_defaults=defaults)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json: {e}") from None
+
+
+def _check_sampling_defaults(defaults: dict) -> None:
+    """generation_config.json's sampling fields must make valid SamplingParams: checked
+    when the model loads, not blamed on the first request that takes them."""
+    try:
+        SamplingParams(**model_sampling_defaults(defaults))
+    except RequestError as e:
+        raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
+
+
+def _number(name: str, value, where: str = "config.json") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
 
 
 def _read_json(path: Path, required: bool):
@@ -196,14 +220,20 @@ def _parse_rope_scaling(scaling) -> RopeScaling | None:
                           f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope_type == "default":
         return None
-    try:
-        return RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ConfigError(f"config.json: llama3 rope_scaling is missing {e.args[0]!r}") from None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if k not in scaling]
+    if missing:
+        raise ConfigError(f"config.json: llama3 rope_scaling is missing {missing[0]!r}")
+    where = "config.json: rope_scaling"
+    original = scaling["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"{where}: original_max_position_embeddings must be a positive "
+                          f"integer, got {original!r}")
+    return RopeScaling(
+        factor=_number("factor", scaling["factor"], where),
+        low_freq_factor=_number("low_freq_factor", scaling["low_freq_factor"], where),
+        high_freq_factor=_number("high_freq_factor", scaling["high_freq_factor"], where),
+        original_max_position_embeddings=original)
 
 
 @dataclass(frozen=True)
@@ -226,8 +256,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        utilization = self.gpu_memory_utilization
+        if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+                or not 0 < utilization <= 1):
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

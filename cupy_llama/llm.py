@@ -1,9 +1,10 @@
 """The public Python API: LLM(model_dir).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -33,6 +34,14 @@ class LLM:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
         from .tokenizer import Tokenizer
 
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ConfigError(f"model_dir must be the path of a model folder, got "
+                              f"{type(model_dir).__name__}")
+        options = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - options)
+        if unknown:
+            raise ConfigError(f"unknown LLM option {unknown[0]!r}; the options are "
+                              f"{', '.join(sorted(options))}")
         started = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
@@ -103,25 +112,36 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
              date_string: str | None = None):
-        """messages: [{"role": ..., "content": ...}, ...] (or a list of such conversations)."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
+        or a list of such conversations, answered with a list (of one for a list of one);
+        with stream=True, an iterator of RequestOutputs carrying text deltas."""
+        if date_string is not None and not isinstance(date_string, str):
+            raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
+                               f"{type(date_string).__name__}")
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], list)
+        conversations = list(messages) if batch else [messages]
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
-        if stream or len(conversations) > 1:
-            return result
-        return result[0]
+        return result if stream or batch else result[0]
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:
             params = self.default_sampling_params()
+        # copies (replace runs SamplingParams' checks again, on values set since)
         if isinstance(params, SamplingParams):
             return [replace(params) for _ in range(count)]
-        params = list(params)
-        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        if not isinstance(params, (list, tuple)):
+            raise RequestError(f"params must be a SamplingParams or a list of them (one per "
+                               f"prompt), got {type(params).__name__}")
+        if len(params) != count:
             raise RequestError(f"give one SamplingParams or a list of {count} (one per prompt), "
-                               f"got {len(params)}")
-        return params
+                               f"got a list of {len(params)}")
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise RequestError(f"params: every element must be a SamplingParams, got "
+                               f"{type(wrong).__name__}")
+        return [replace(p) for p in params]
 
 
 def _as_prompt_list(prompts) -> tuple[bool, list]:

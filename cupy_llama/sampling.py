@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from dataclasses import dataclass, field, fields
 
@@ -33,6 +34,15 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
+        for name in ("top_k", "max_tokens", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and type(value) not in (bool, int, float):
+                setattr(self, name, float(value))
         self.validate()
 
     def validate(self) -> None:

@@ -129,6 +129,16 @@ CASES = {
     "missing config.json": (lambda d: (d / "config.json").unlink(), "config.json"),
     "unsupported architecture": (edit_config(architectures=["MistralForCausalLM"], model_type="mistral"), "mistral"),
     "unsupported rope type": (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    "llama3 rope factor not a number": (edit_config(rope_scaling={
+        "rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}), "factor"),
+    "no kv heads": (edit_config(num_key_value_heads=0), "num_key_value_heads"),
+    "rms_norm_eps null": (edit_config(rms_norm_eps=None), "rms_norm_eps"),
+    "generation config not an object": (
+        lambda d: (d / "generation_config.json").write_text("[1, 2]"), "generation_config.json"),
+    "generation config top_k negative": (
+        lambda d: (d / "generation_config.json").write_text(json.dumps(
+            {"do_sample": True, "temperature": 0.6, "top_k": -1})), "generation_config.json: top_k"),
     "missing weights file": (lambda d: (d / "model.safetensors").unlink(), "safetensors"),
     "missing tensor": (edit_tensors(lambda t: {k: v for k, v in t.items() if "o_proj" not in k}), "o_proj"),
     "unexpected tensor": (edit_tensors(lambda t: {**t, "model.extra.weight": np.zeros(4, np.uint16)}), "model.extra.weight"),

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.errors import RequestError
+from cupy_llama.errors import ConfigError, RequestError
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -395,3 +395,69 @@ def test_an_interrupted_step_loses_no_token(llm):
     assert final is not None and final.request_id == request_id
     assert final.token_ids == expected and final.finish_reason == "length"
     assert_all_blocks_free(llm)
+
+
+def test_a_list_of_params_is_checked_like_one(llm):
+    """Each SamplingParams of a list is checked again when used, as a single one is: a
+    value set after construction is refused, not run or failed deep in the engine."""
+    edited = SamplingParams(max_tokens=4, **GREEDY)
+    edited.max_tokens = 0
+    with pytest.raises(RequestError, match="max_tokens.*0"):
+        llm.generate(["a"], [edited])
+    with pytest.raises(RequestError, match="max_tokens.*0"):
+        llm.generate("a", edited)
+    edited.max_tokens, edited.top_k = 4, -3
+    with pytest.raises(RequestError, match="top_k.*-3"):
+        llm.generate(["a"], [edited])
+    for params, message in (({"temperature": 0}, "got dict"), ("greedy", "got str"),
+                            (5, "got int"), ([SamplingParams(), "x"], "every element.*got str"),
+                            ([SamplingParams()] * 3, "list of 2.*got a list of 3")):
+        with pytest.raises(RequestError, match=message):
+            llm.generate(["a", "b"], params)
+    assert_all_blocks_free(llm)
+
+
+def test_numpy_scalars_are_sampling_values():
+    import numpy as np
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(3),
+                            min_p=np.float32(0.25), max_tokens=np.int32(7), seed=np.uint64(9))
+    assert (params.temperature, params.top_k, params.max_tokens, params.seed) == (0.5, 3, 7, 9)
+    assert all(type(getattr(params, f)) is float for f in ("temperature", "top_p", "min_p"))
+    assert all(type(getattr(params, f)) is int for f in ("top_k", "max_tokens", "seed"))
+    with pytest.raises(RequestError, match="max_tokens"):
+        SamplingParams(max_tokens=np.int64(0))
+
+
+def test_chat_answers_a_list_of_conversations_with_a_list(llm):
+    conversation = [{"role": "user", "content": "a"}]
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    one = llm.chat(conversation, params)
+    listed = llm.chat([conversation], params)
+    assert isinstance(listed, list) and len(listed) == 1
+    assert listed[0].token_ids == one.token_ids
+    assert len(llm.chat([conversation, conversation], params)) == 2
+    with pytest.raises(RequestError, match="date_string must be a string.*got int"):
+        llm.chat(conversation, params, date_string=5)
+
+
+def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="is a file, not a model directory"):
+        LLM(model_dir / "config.json", device="cpu", log=None)
+    with pytest.raises(ConfigError, match="model_dir must be the path.*got NoneType"):
+        LLM(None, device="cpu", log=None)
+    with pytest.raises(ConfigError, match="unknown LLM option 'dtype'; the options are .*max_num_seqs"):
+        LLM(model_dir, device="cpu", log=None, dtype="float16")
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number"):
+        LLM(model_dir, device="cpu", log=None, gpu_memory_utilization="x")
+    with pytest.raises(ConfigError, match="enforce_eager must be True or False"):
+        LLM(model_dir, device="cpu", log=None, enforce_eager="no")
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    gen_path = copy / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    for bad, message in (({**gen, "top_k": -1}, "generation_config.json: top_k.*-1.*fix or remove"),
+                         ({**gen, "temperature": "0.7"}, "generation_config.json: temperature"),
+                         ([1, 2], "generation_config.json must hold a JSON object")):
+        gen_path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=message):
+            LLM(copy, device="cpu", log=None)
