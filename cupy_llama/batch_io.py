@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CupyLlamaError, RequestError
+from .errors import CupyLlamaError, OptionError, RequestError
 from .sampling import SamplingParams, model_sampling_defaults
 
 FORMATS = ("txt", "jsonl")
@@ -33,6 +33,7 @@ class BatchRequest:
     messages: list | None = None
     sampling: dict = field(default_factory=dict)  # per-request sampling fields
     error: str | None = None         # why the request cannot run
+    id_given: bool = False           # the line named its id (else it is the line number)
 
 
 def input_format(path: str, format: str | None = None) -> str:
@@ -43,8 +44,8 @@ def input_format(path: str, format: str | None = None) -> str:
         return "txt"
     if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
-    raise RequestError(f"cannot tell the format of {path!r} from its name; use a .txt or "
-                       f".jsonl file, or pass --format txt|jsonl")
+    raise OptionError(f"cannot tell the format of {path!r} from its name; use a .txt or "
+                      f".jsonl file, or pass --format txt|jsonl")
 
 
 def read_requests(data: bytes, format: str) -> list[BatchRequest]:
@@ -68,8 +69,9 @@ def read_requests(data: bytes, format: str) -> list[BatchRequest]:
             else parse_json_line(number, text)
         key = (type(request.id).__name__, request.id)
         if request.error is None and key in first_line_of:
-            request.error = (f"duplicate id {request.id!r} (first used on line "
-                             f"{first_line_of[key]}); give every request its own id")
+            given = "" if request.id_given else " (its line number, the default id)"
+            request.error = (f"line {number}: duplicate id {request.id!r}{given}, first used "
+                             f"on line {first_line_of[key]}; give every request its own id")
         first_line_of.setdefault(key, number)
         requests.append(request)
     return requests
@@ -98,14 +100,14 @@ def parse_json_line(number: int, text: str) -> BatchRequest:
 def _read_plain(request: BatchRequest, obj: dict) -> None:
     fields = dict(obj)
     if "id" in fields:
-        request.id = _check_id(fields.pop("id"), "id")
+        request.id, request.id_given = _check_id(fields.pop("id"), "id"), True
     _read_prompt(request, fields)
     request.sampling = fields
 
 
 def _read_envelope(request: BatchRequest, obj: dict) -> None:
     if "custom_id" in obj:
-        request.id = _check_id(obj["custom_id"], "custom_id")
+        request.id, request.id_given = _check_id(obj["custom_id"], "custom_id"), True
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise RequestError(f"unknown batch field {unknown[0]!r}; expected custom_id, method, "

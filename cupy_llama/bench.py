@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import _num, add_ratios, commit_info, environment, format_table
-from .errors import RequestError
+from .bench_report import _num, add_ratios, commit_info, environment, format_table, sweep_batch
+from .errors import OptionError, RequestError
 from .sampling import SamplingParams
 
 MODES = ("throughput", "latency", "ttft", "decode-sweep")
@@ -78,24 +78,28 @@ class BenchSettings:
 
     def __post_init__(self):
         if self.mode not in MODES + ("all",):
-            raise RequestError(f"mode must be one of {', '.join(MODES + ('all',))}, "
+            raise OptionError(f"mode must be one of {', '.join(MODES + ('all',))}, "
                                f"got {self.mode!r}")
         if self.device not in DEVICES:
-            raise RequestError(f"--device must be cuda or cpu, got {self.device!r}")
+            raise OptionError(f"--device must be cuda or cpu, got {self.device!r}")
         if self.preset not in PRESETS:
-            raise RequestError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+            raise OptionError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.num_requests < 1:
-            raise RequestError(f"--num-requests must be at least 1, got {self.num_requests}")
+            raise OptionError(f"--num-requests must be at least 1, got {self.num_requests}")
         if not 0 < self.scale <= 1:
-            raise RequestError(f"--scale must be in (0, 1], got {self.scale}")
+            raise OptionError(f"--scale must be in (0, 1], got {self.scale}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise RequestError(f"--batch-sizes must be positive integers, got {self.batch_sizes}")
+            raise OptionError(f"--batch-sizes must be positive integers, got "
+                              f"{','.join(map(str, self.batch_sizes))}")
         if self.seed < 0:
-            raise RequestError(f"--seed must be >= 0, got {self.seed}")
+            raise OptionError(f"--seed must be >= 0, got {self.seed}")
         if self.json_path is not None:
             parent = Path(self.json_path).expanduser().resolve().parent
+            if parent.exists() and not parent.is_dir():
+                raise OptionError(f"--json: {str(parent)!r} is a file, not a folder; pick "
+                                  "another path")
             if not parent.is_dir():
-                raise RequestError(f"--json: folder {str(parent)!r} does not exist; create it "
+                raise OptionError(f"--json: folder {str(parent)!r} does not exist; create it "
                                    "or pick another path")
 
     @property
@@ -137,6 +141,9 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     if settings.hf:
         from .bench_hf import check_hf_available
         check_hf_available(settings.device)
+    if settings.model_dir is not None:  # a bad model folder fails before any measuring
+        from .config import ModelConfig
+        ModelConfig.from_dir(settings.model_dir)
     device = DeviceProbe(settings.device)
     report = {"command": settings.command(), "argv": list(sys.argv), **commit_info(settings.commit),
               "environment": environment(settings.device, settings.hf),
@@ -173,7 +180,11 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
 
     def save():  # after each stage, so a run stopped later still leaves its numbers
         if settings.json_path:
-            Path(settings.json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+            try:
+                Path(settings.json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+            except OSError as e:
+                raise RequestError(f"cannot write {settings.json_path!r} ({e.strerror or e}); "
+                                   "pick another --json") from None
 
     save()
     if settings.hf:
@@ -412,8 +423,9 @@ def run_decode_sweep(llm, settings: BenchSettings, device, log) -> dict:
         prompts = [random_ids(rng, prompt_len, top) for _ in range(batch)]
         row = {"batch": batch, **decode_numbers(*timed_steps(llm, prompts, params), batch)}
         row["one_batch"] = batch <= llm.engine_config.max_num_seqs
+        row["max_num_seqs"] = llm.engine_config.max_num_seqs
         rows.append(row)
-        log(f"decode-sweep: batch {batch}: {_num(row['tok_s'])} tok/s "
+        log(f"decode-sweep: batch {sweep_batch(row)}: {_num(row['tok_s'])} tok/s "
             f"({_num(row['ms_per_step'], 2)} ms/step)")
     return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "rows": rows,
             "warmup_s": warmup_s}
@@ -534,7 +546,7 @@ def bench_command(mode: str, *, model_dir, device, preset, json_path, hf, seed, 
     try:
         sizes = tuple(int(part) for part in batch_sizes.split(",") if part.strip())
     except ValueError:
-        raise RequestError(f"--batch-sizes must be comma-separated integers, "
+        raise OptionError(f"--batch-sizes must be comma-separated integers, "
                            f"got {batch_sizes!r}") from None
     settings = BenchSettings(mode=mode, model_dir=model_dir, preset=preset, device=device,
                              seed=seed, num_requests=num_requests, scale=scale,

@@ -163,9 +163,18 @@ def _sweep_rows(r: dict) -> list:
     ours, theirs = r["cupy_llama"], r.get("transformers") or {}
     speedup = r.get("speedup") or {}
     theirs_rate = {row["batch"]: row["tok_s"] for row in theirs.get("rows", [])}
-    return [("decode-sweep" if i == 0 else "", f"batch {row['batch']} tok/s", _num(row["tok_s"]),
-             _num(theirs_rate.get(row["batch"])), _x(speedup.get(str(row["batch"]))))
+    return [("decode-sweep" if i == 0 else "", f"batch {sweep_batch(row)} tok/s",
+             _num(row["tok_s"]), _num(theirs_rate.get(row["batch"])),
+             _x(speedup.get(str(row["batch"]))))
             for i, row in enumerate(ours["rows"])]
+
+
+def sweep_batch(row: dict) -> str:
+    """A sweep row's batch size, or what ran when it exceeded max_num_seqs: that many
+    sequences, max_num_seqs at a time."""
+    if row.get("one_batch", True):
+        return str(row["batch"])
+    return f"{row['batch']} ({row['max_num_seqs']} at a time)"
 
 
 TABLE_ROWS = {"throughput": _throughput_rows, "latency": _latency_rows, "ttft": _ttft_rows,

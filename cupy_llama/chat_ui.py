@@ -69,6 +69,7 @@ class ChatSession:
         self.system = system or None
         self.history: list[dict] = []   # user and assistant turns, alternating
         self.turns: list[TurnStats] = []
+        self.context_tokens = 0         # the conversation's tokens after the last reply
 
     def messages(self, user_text: str) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -76,6 +77,7 @@ class ChatSession:
 
     def clear(self) -> None:
         self.history = []
+        self.context_tokens = 0
 
     def set(self, name: str, value: str) -> str:
         """Change one sampling setting; RequestError (one line) for a bad name or value."""
@@ -126,6 +128,7 @@ class ChatSession:
             seconds_to_first_token=first_token_at - started,
             decode_seconds=(last_token_at or first_token_at) - first_token_at,
             finish_reason=output.finish_reason if finished else None))
+        self.context_tokens = self.turns[-1].prompt_tokens + self.turns[-1].completion_tokens
 
     def stats(self) -> str:
         if not self.turns:
@@ -133,13 +136,11 @@ class ChatSession:
         completion = sum(t.completion_tokens for t in self.turns)
         decode = sum(t.decode_seconds for t in self.turns)
         decoded = sum(max(0, t.completion_tokens - 1) for t in self.turns)
-        last = self.turns[-1]
-        context = last.prompt_tokens + last.completion_tokens
         rate = decoded / decode if decode > 0 else 0.0
         ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
         return (f"{len(self.turns)} replies, {completion} tokens generated, {rate:.1f} tok/s "
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
-                f"context: {context} of {self.llm.max_model_len} tokens in use\n"
+                f"context: {self.context_tokens} of {self.llm.max_model_len} tokens in use\n"
                 f"settings: {self.settings()}")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .errors import CupyLlamaError, RequestError
+from .errors import ConfigError, CupyLlamaError, OptionError, RequestError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -65,11 +65,12 @@ device_option = click.option(
 
 sampling_options = _options(
     click.option("--temperature", type=float, help="0 means greedy (default: the model's "
-                 "generation_config.json, else 1.0)."),
+                 "generation_config.json where it says do_sample, else greedy)."),
     click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
     click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
     click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
-    click.option("--max-tokens", type=int, help="Most tokens per reply."),
+    click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: "
+                 f"{CHAT_MAX_TOKENS} in chat, 256 in generate)."),
     click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."))
 
 engine_options = _options(
@@ -92,6 +93,22 @@ def _given(options: dict, names) -> dict:
     """The options among names that the user set."""
     unset = lambda value: value is None or value is False or value == ()  # noqa: E731
     return {name: options[name] for name in names if name in options and not unset(options[name])}
+
+
+def _check_options(sampling: dict, engine: dict) -> None:
+    """Bad sampling or engine option values fail here, before the model loads, as usage
+    errors naming the option."""
+    from .config import EngineConfig
+    from .sampling import SamplingParams
+    try:
+        SamplingParams.from_dict(sampling)
+        EngineConfig(**engine)
+    except (RequestError, ConfigError) as e:
+        message = str(e)
+        for name in (*SAMPLING_NAMES, *ENGINE_NAMES):
+            if message.startswith(name + " "):
+                message = "--" + name.replace("_", "-") + message[len(name):]
+        raise OptionError(message) from None
 
 
 def _load(model_dir, device: str, engine: dict):
@@ -137,12 +154,17 @@ def chat(model_dir, device, system, **options):
     from .sampling import SamplingParams, model_sampling_defaults
 
     values = {"max_tokens": CHAT_MAX_TOKENS, **_given(options, SAMPLING_NAMES)}
-    SamplingParams.from_dict(values)  # a bad option fails here, before the model loads
-    llm = _load(model_dir or _demo_model_dir(), device, _given(options, ENGINE_NAMES))
+    engine = _given(options, ENGINE_NAMES)
+    _check_options(values, engine)
+    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    if piped is not None and not piped.strip():
+        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
+                           "echo 'Hello' | cupy-llama chat")
+    llm = _load(model_dir or _demo_model_dir(), device, engine)
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
     session = ChatSession(llm, params, system)
-    if not sys.stdin.isatty():
-        return run_once(session, sys.stdin.read())
+    if piped is not None:
+        return run_once(session, piped)
     return run_terminal(session, Console(), Console(stderr=True))
 
 
@@ -190,18 +212,20 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
     defaults["stop"] = list(defaults.get("stop", ()))
     if not defaults["stop"]:
         del defaults["stop"]
-    from .sampling import SamplingParams
-    SamplingParams.from_dict(defaults)  # a bad option fails here, before the model loads
-    llm = _load(model_dir, device, _given(options, ENGINE_NAMES))
-    if output_path == "-":
-        return _run_generate(llm, requests, sys.stdout, defaults)
+    engine = _given(options, ENGINE_NAMES)
+    _check_options(defaults, engine)
+    llm = _load(model_dir, device, engine)
+    where = "stdout" if output_path == "-" else repr(output_path)
     try:
-        out = open(output_path, "w", encoding="utf-8")
-    except OSError as e:
-        raise RequestError(f"cannot write {output_path!r} ({e.strerror}); pick another "
+        if output_path == "-":
+            return _run_generate(llm, requests, sys.stdout, defaults)
+        with open(output_path, "w", encoding="utf-8") as out:
+            return _run_generate(llm, requests, out, defaults)
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # opening or writing the output (a full disk, say)
+        raise RequestError(f"cannot write {where} ({e.strerror or e}); pick another "
                            "--output") from None
-    with out:
-        return _run_generate(llm, requests, out, defaults)
 
 
 def _run_generate(llm, requests, out, defaults) -> int:
@@ -239,11 +263,15 @@ def info(model_dir, device, **options):
     from .config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
-    for label, value in _describe(config):
-        click.echo(f"{label:<14}{value}")
     engine = _given(options, ENGINE_NAMES)
+    _check_options({}, engine)
     if device == "auto":
         device = _auto_device()
+    elif device == "cuda":  # fails before half the report is printed
+        from .backends.cuda import check_cuda_device
+        check_cuda_device()
+    for label, value in _describe(config):
+        click.echo(f"{label:<14}{value}")
     rows = _cpu_memory_plan(model_dir, config, engine) if device == "cpu" \
         else _loaded_memory_plan(model_dir, device, engine)
     click.echo(f"memory plan ({device}):")
@@ -397,13 +425,28 @@ def main(argv=None) -> int:
             return EXIT_OK
         return e.code if isinstance(e.code, int) else EXIT_ERROR
     except click.ClickException as e:
-        e.show()
+        message = "; ".join(line for line in e.format_message().splitlines() if line.strip())
+        context = getattr(e, "ctx", None)
+        if isinstance(e, click.UsageError) and context is not None:
+            message += f" (see '{context.command_path} --help')"
+        click.echo(f"error: {message}", err=True)
         return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+    except OptionError as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_USAGE
     except CupyLlamaError as e:
         click.echo(f"error: {e}", err=True)
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
+    except OSError as e:  # a file or folder the user named (or stdout) failed
+        where = f" {e.filename!r}" if e.filename else ""
+        click.echo(f"error: cannot use{where}: {e.strerror or e}", err=True)
+        return EXIT_ERROR
+    except MemoryError:
+        click.echo("error: out of memory; lower --max-num-seqs, --num-kv-blocks or "
+                   "--max-model-len", err=True)
+        return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
 
 

@@ -121,10 +121,12 @@ def _download_gguf(log) -> Path:
 def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=print) -> Path:
     """Convert the demo GGUF into a bf16 Hugging Face model directory; returns its path.
     Skips the work when the directory is already complete (unless force)."""
-    out_dir = Path(out_dir).expanduser() if out_dir is not None else demo_model_dir()
+    out_dir = Path(out_dir).expanduser().resolve() if out_dir is not None else demo_model_dir()
     if not force and all((out_dir / name).is_file() for name in MODEL_FILES):
-        log(f"demo model already built in {out_dir}")
+        ignored = " (--gguf ignored; add --force to rebuild from it)" if gguf_path else ""
+        log(f"demo model already built in {out_dir}{ignored}")
         return out_dir
+    _check_replaceable(out_dir)
     start = time.perf_counter()
     reader, source = _open_gguf(gguf_path, log)
 
@@ -144,7 +146,8 @@ def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=prin
 
 def build_demo_tokenizer(out_dir, gguf_path=None, log=print) -> Path:
     """Only the small files (tokenizer, chat template, configs): no weights."""
-    out_dir = Path(out_dir).expanduser()
+    out_dir = Path(out_dir).expanduser().resolve()
+    _check_replaceable(out_dir)
     reader, _ = _open_gguf(gguf_path, log)
     _write_atomically(out_dir, lambda tmp: _write_small_files(reader, tmp, log))
     return out_dir
@@ -170,8 +173,9 @@ def _open_gguf(gguf_path, log):
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated or foreign file fails deep inside the reader
-        raise DemoModelError(f"cannot read GGUF file {str(path)!r} ({e}); delete it and run "
-                             "fetch-demo again, or pass --gguf PATH") from None
+        fix = ("pass the SmolLM2-135M-Instruct GGUF file" if gguf_path is not None else
+               "delete it and run fetch-demo again, or pass --gguf PATH")
+        raise DemoModelError(f"cannot read GGUF file {str(path)!r} ({e}); {fix}") from None
     architecture = _field(reader, "general.architecture")
     if architecture != "llama":
         raise DemoModelError(f"{path.name} holds a {architecture!r} model, not llama; pass "
@@ -179,9 +183,27 @@ def _open_gguf(gguf_path, log):
     return reader, path
 
 
+def _check_replaceable(out_dir: Path) -> None:
+    """The build replaces out_dir as a whole: refuse a file, or a folder holding anything
+    but the demo model's own files, rather than delete what the user keeps there."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DemoModelError(f"{str(out_dir)!r} is a file; pass a new or empty folder to --out")
+    if out_dir.is_dir():
+        others = sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)
+        if others:
+            raise DemoModelError(f"{str(out_dir)!r} holds other files ({others[0]}, ...), which "
+                                 "building the demo model there would delete; pass a new or "
+                                 "empty folder to --out")
+
+
 def _write_atomically(out_dir: Path, write) -> None:
-    """Build in a sibling temp dir and rename it into place: a crash leaves no half model."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    """Build in a sibling temp dir and rename it into place: a crash leaves no half model.
+    The callers have checked that out_dir holds nothing but an earlier build."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoModelError(f"cannot create {str(out_dir.parent)!r} ({e.strerror}); pick "
+                             "another --out or $CUPY_LLAMA_CACHE") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model dir is an ordinary folder
     try:

@@ -1,5 +1,6 @@
 """Exception types. Every error a user can cause is a `CupyLlamaError` whose message is one
-line that says what is wrong and how to fix it; the CLI prints it and exits 1."""
+line that says what is wrong and how to fix it; the CLI prints it and exits 1 (2 for an
+`OptionError`)."""
 
 
 class CupyLlamaError(Exception):
@@ -32,3 +33,7 @@ class DeviceError(CupyLlamaError):
 
 class DemoModelError(CupyLlamaError):
     """The demo model could not be built."""
+
+
+class OptionError(RequestError):
+    """A command-line option has a bad value: a usage error (the CLI exits 2)."""

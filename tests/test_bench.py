@@ -161,7 +161,13 @@ def test_ttft_and_decode_sweep(report_all):
         # all prompts fit one step, so every request decodes new_tokens - 1 more tokens
         assert row["decode_tokens"] == row["batch"] * (sweep["new_tokens"] - 1)
         assert row["tok_s"] == pytest.approx(row["decode_tokens"] / row["decode_s"])
-        assert row["one_batch"]
+        assert row["one_batch"] and row["max_num_seqs"] == 4
+
+
+def test_a_sweep_batch_past_max_num_seqs_says_how_it_ran():
+    from cupy_llama.bench_report import sweep_batch
+    assert sweep_batch({"batch": 3, "one_batch": True, "max_num_seqs": 4}) == "3"
+    assert sweep_batch({"batch": 6, "one_batch": False, "max_num_seqs": 4}) == "6 (4 at a time)"
 
 
 def test_random_model_is_written_once_into_the_cache(tmp_path, monkeypatch, capsys):
@@ -217,16 +223,20 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
 
 @pytest.mark.parametrize("args, code, message", [
     (["bench", "fastest"], 2, "fastest"),
-    (["bench", "ttft", "--scale", "2"], 1, "--scale must be in (0, 1]"),
-    (["bench", "ttft", "--num-requests", "0"], 1, "--num-requests must be at least 1"),
-    (["bench", "decode-sweep", "--batch-sizes", "1,x"], 1, "--batch-sizes must be"),
-    (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 1, "does not exist"),
+    (["bench", "ttft", "--scale", "2"], 2, "--scale must be in (0, 1]"),
+    (["bench", "ttft", "--num-requests", "0"], 2, "--num-requests must be at least 1"),
+    (["bench", "decode-sweep", "--batch-sizes", "1,x"], 2, "--batch-sizes must be"),
+    (["bench", "decode-sweep", "--batch-sizes", "0"], 2, "positive integers, got 0"),
+    (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 2, "does not exist"),
+    (["bench", "ttft", "--json", __file__ + "/out.json"], 2, "is a file, not a folder"),
     (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
 ])
 def test_usage_errors(args, code, message, capsys):
+    """Bad option values are usage errors (2), one line; a missing model is a runtime one."""
     assert main([*args, "--device", "cpu"]) == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
 
 
 def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):

@@ -244,3 +244,14 @@ def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
     child.expect_exact("press Ctrl-C again")
     child.sendline("/bye")
     finish(child, 0)
+
+
+def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
+    session = ChatSession(llm, GREEDY)
+    for _ in session.reply("hello"):
+        pass
+    turn = session.turns[-1]
+    in_use = turn.prompt_tokens + turn.completion_tokens
+    assert in_use > 0 and f"context: {in_use} of" in session.stats()
+    session.clear()
+    assert f"context: 0 of {llm.max_model_len} tokens in use" in session.stats()

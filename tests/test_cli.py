@@ -1,7 +1,10 @@
 """`cupy-llama generate` and `info` on a tiny random model, and the exit codes."""
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from cupy_llama import SamplingParams
 from cupy_llama.cli import main
@@ -146,10 +149,10 @@ def test_usage_errors_exit_2(model_dir, tmp_path):
     assert main(["no-such-command"]) == 2
 
 
-def test_unknown_input_format_is_exit_1(model_dir, tmp_path, capsys):
+def test_unknown_input_format_is_a_usage_error(model_dir, tmp_path, capsys):
     path = tmp_path / "prompts.csv"
     path.write_text("hi\n")
-    assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU]) == 1
+    assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU]) == 2
     assert "--format" in capsys.readouterr().err
 
 
@@ -173,7 +176,7 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
     assert "top_k" in lines[2]["error"] and "top_p" in lines[3]["error"]
 
     bad = subprocess.run(run + [str(jsonl), "--top-k", "3000000000"], capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: top_k")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --top-k")
     assert "loading" not in bad.stderr  # refused before the model was read
 
     many = tmp_path / "many.txt"
@@ -182,3 +185,89 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
                            "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
                            capture_output=True, text=True)
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
+
+
+def _one_error_line(err: str) -> str:
+    """The one `error:` line, last on stderr (after any progress lines), no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    generate = ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU]
+    for extra, flag in ((["--max-tokens", "-1"], "--max-tokens"), (["--top-p", "1.5"], "--top-p"),
+                        (["--max-model-len", "0"], "--max-model-len"),
+                        (["--gpu-memory-utilization", "7"], "--gpu-memory-utilization")):
+        assert main([*generate, *extra]) == 2, extra
+        line = _one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"error: {flag} must be"), line
+    assert main(["chat", "--model", str(model_dir), *CPU, "--temperature", "-1"]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith("error: --temperature must be")
+    # click's own usage errors are one line too, with where to look
+    assert main([*generate, "--no-such-option"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--no-such-option" in line and "cupy-llama generate --help" in line
+
+
+def test_file_errors_are_one_line_exit_1(model_dir, tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    generate = ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
+                "--max-tokens", "2"]
+    if os.path.exists("/dev/full"):  # every write fails with "No space left on device"
+        assert main([*generate, "--output", "/dev/full"]) == 1
+        assert "cannot write '/dev/full' (No space left" in _one_error_line(capsys.readouterr().err)
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    assert main(generate) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "Permission denied" in line and "p.txt" in line
+
+
+def test_a_kv_cache_larger_than_memory_is_one_line_exit_1(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    assert main(["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
+                 "--num-kv-blocks", "99999999999"]) == 1
+    assert "out of memory" in _one_error_line(capsys.readouterr().err)
+
+
+def test_chat_with_empty_stdin_fails_before_loading(model_dir):
+    result = cli("chat", "--model", str(model_dir), *CPU, stdin="  \n")
+    assert result.returncode == 1
+    assert "stdin is empty" in _one_error_line(result.stderr)
+    assert "loading" not in result.stderr
+
+
+def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "important.txt").write_text("precious")
+    assert main(["fetch-demo", "--out", str(keep), "--no-check"]) == 1
+    assert "holds other files (important.txt" in _one_error_line(capsys.readouterr().err)
+    monkeypatch.chdir(keep)
+    assert main(["fetch-demo", "--out", ".", "--no-check"]) == 1  # "." names the same folder
+    assert "holds other files" in _one_error_line(capsys.readouterr().err)
+    assert (keep / "important.txt").read_text() == "precious"
+
+
+def test_a_default_id_that_repeats_a_given_one_says_so(model_dir, tmp_path):
+    code, rows = run_generate(model_dir, tmp_path, b'{"id": 2, "prompt": "a"}\n{"prompt": "b"}\n')
+    assert code == 0 and "text" in rows[0]
+    assert rows[1]["error"].startswith("line 2: duplicate id 2 (its line number, the default id)")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_bench_json_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    assert main(["bench", "latency", "--preset", "tiny", "--scale", "0.05", *CPU,
+                 "--max-num-seqs", "4", "--json", "/dev/full"]) == 1
+    assert "cannot write '/dev/full' (No space left" in _one_error_line(capsys.readouterr().err)

@@ -461,3 +461,16 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
         gen_path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=message):
             LLM(copy, device="cpu", log=None)
+
+
+def test_the_cpu_fallback_warning_does_not_suggest_the_cpu(model_dir):
+    """device="auto" without a usable GPU warns that it runs on the CPU; the reason it
+    gives drops its own hint to run with --device cpu (that is what happens)."""
+    from cupy_llama.backends.cuda import cuda_usable
+    if cuda_usable()[0]:
+        pytest.skip("a GPU is usable here: no fallback")
+    lines = []
+    llm = LLM(model_dir, log=lines.append)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert llm.device == "cpu" and len(warnings) == 1
+    assert "running on the CPU" in warnings[0] and "--device cpu" not in warnings[0]
