@@ -69,10 +69,13 @@ def read_requests(data: bytes, format: str) -> list[BatchRequest]:
             else parse_json_line(number, text)
         key = (type(request.id).__name__, request.id)
         if request.error is None and key in first_line_of:
-            given = "" if request.id_given else " (its line number, the default id)"
-            request.error = (f"line {number}: duplicate id {request.id!r}{given}, first used "
-                             f"on line {first_line_of[key]}; give every request its own id")
-        first_line_of.setdefault(key, number)
+            default = " (its line number, the default id)"
+            first, first_given = first_line_of[key]
+            request.error = (f"line {number}: duplicate id {request.id!r}"
+                             f"{'' if request.id_given else default}, first used on line "
+                             f"{first}{'' if first_given else default}; give every request "
+                             "its own id")
+        first_line_of.setdefault(key, (number, request.id_given))
         requests.append(request)
     return requests
 

@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 runtime error (a one-line message, no traceback), 2 usage er
 """
 from __future__ import annotations
 
+import errno
 import sys
 import time
 from pathlib import Path
@@ -215,17 +216,51 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
     engine = _given(options, ENGINE_NAMES)
     _check_options(defaults, engine)
     llm = _load(model_dir, device, engine)
-    where = "stdout" if output_path == "-" else repr(output_path)
+    if output_path == "-":
+        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults)
     try:
-        if output_path == "-":
-            return _run_generate(llm, requests, sys.stdout, defaults)
-        with open(output_path, "w", encoding="utf-8") as out:
-            return _run_generate(llm, requests, out, defaults)
-    except BrokenPipeError:
-        raise
-    except OSError as e:  # opening or writing the output (a full disk, say)
-        raise RequestError(f"cannot write {where} ({e.strerror or e}); pick another "
-                           "--output") from None
+        out = open(output_path, "w", encoding="utf-8")
+    except OSError as e:
+        raise _Output.error(repr(output_path), e) from None
+    with _Output(out, repr(output_path)) as output:
+        return _run_generate(llm, requests, output, defaults)
+
+
+class _Output:
+    """The JSONL output: a failed write (a full disk, say) is a one-line error naming it."""
+
+    def __init__(self, stream, name: str):
+        self.stream, self.name = stream, name
+
+    @staticmethod
+    def error(name: str, e: OSError) -> RequestError:
+        return RequestError(f"cannot write {name} ({e.strerror or e}); pick another --output")
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise self.error(self.name, e) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise self.error(self.name, e) from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.stream.close()  # writes what is still buffered
+        except OSError as e:
+            if exc_type is None:  # else the error already on its way is the one to show
+                raise self.error(self.name, e) from None
 
 
 def _run_generate(llm, requests, out, defaults) -> int:
@@ -402,6 +437,7 @@ def bench(mode, **options):
 
     names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization")
     engine = _given(options, names)
+    _check_options({}, engine)
     rest = {name: value for name, value in options.items() if name not in names}
     bench_command(mode, engine=engine, out=click.echo, **rest)
     return EXIT_OK
@@ -439,13 +475,18 @@ def main(argv=None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
-    except OSError as e:  # a file or folder the user named (or stdout) failed
-        where = f" {e.filename!r}" if e.filename else ""
-        click.echo(f"error: cannot use{where}: {e.strerror or e}", err=True)
-        return EXIT_ERROR
-    except MemoryError:
-        click.echo("error: out of memory; lower --max-num-seqs, --num-kv-blocks or "
-                   "--max-model-len", err=True)
+    except OSError as e:
+        if e.filename is not None:  # a file or folder the user named, or the cache
+            click.echo(f"error: cannot use {e.filename!r} ({e.strerror or e})", err=True)
+            return EXIT_ERROR
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):  # stdout on a full disk
+            click.echo(f"error: cannot write the output ({e.strerror})", err=True)
+            return EXIT_ERROR
+        raise  # not the user's doing: keep the traceback
+    except MemoryError as e:  # host memory (NumPy) or GPU memory (CuPy)
+        detail = (str(e).strip().splitlines() or ["out of memory"])[0]
+        click.echo(f"error: out of memory ({detail}); ask for less: --max-num-seqs, "
+                   "--num-kv-blocks, --gpu-memory-utilization", err=True)
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
 

@@ -7,11 +7,12 @@ Reads `config.json` (both the released Llama 3.x form with top-level `rope_theta
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError, RequestError
-from .sampling import SamplingParams, model_sampling_defaults
+from .sampling import SamplingParams
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -149,10 +150,8 @@ class ModelConfig:
 
         eos = _id_set(raw.get("eos_token_id")) | _id_set(gen.get("eos_token_id"))
         bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "do_sample")
-                    if gen.get(k) is not None}
+        defaults = _sampling_defaults(gen)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        _check_sampling_defaults(defaults)
         try:
             return cls(
                 hidden_size=hidden, num_hidden_layers=need("num_hidden_layers"),
@@ -169,13 +168,21 @@ class ModelConfig:
             raise ConfigError(f"config.json: {e}") from None
 
 
-def _check_sampling_defaults(defaults: dict) -> None:
-    """generation_config.json's sampling fields must make valid SamplingParams: checked
-    when the model loads, not blamed on the first request that takes them."""
-    try:
-        SamplingParams(**model_sampling_defaults(defaults))
-    except RequestError as e:
-        raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
+def _sampling_defaults(gen: dict) -> dict:
+    """generation_config.json's sampling fields, checked when the model loads rather than
+    blamed on the first request that takes them. Without do_sample: true they only matter
+    to a request that asks to sample; as in transformers, one that is invalid is then
+    ignored instead of refusing the model."""
+    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "do_sample")
+                if gen.get(k) is not None}
+    for name in [k for k in defaults if k != "do_sample"]:
+        try:
+            SamplingParams(**{name: defaults[name]})
+        except RequestError as e:
+            if defaults.get("do_sample") is True:
+                raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
+            del defaults[name]
+    return defaults
 
 
 def _number(name: str, value, where: str = "config.json") -> float:
@@ -226,6 +233,8 @@ def _parse_rope_scaling(scaling) -> RopeScaling | None:
         raise ConfigError(f"config.json: llama3 rope_scaling is missing {missing[0]!r}")
     where = "config.json: rope_scaling"
     original = scaling["original_max_position_embeddings"]
+    if isinstance(original, float) and original.is_integer():  # 8192.0, as transformers takes it
+        original = int(original)
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ConfigError(f"{where}: original_max_position_embeddings must be a positive "
                           f"integer, got {original!r}")
@@ -260,8 +269,13 @@ class EngineConfig:
         if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
                 or not 0 < utilization <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        eager = self.enforce_eager
+        if not isinstance(eager, bool) and isinstance(eager, numbers.Integral) and eager in (0, 1):
+            object.__setattr__(self, "enforce_eager", bool(eager))  # 0 / 1, NumPy ints
+        elif not isinstance(eager, bool) and type(eager).__name__ in ("bool_", "bool"):
+            object.__setattr__(self, "enforce_eager", bool(eager))  # NumPy's bool
         if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+            raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

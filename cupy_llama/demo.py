@@ -121,12 +121,15 @@ def _download_gguf(log) -> Path:
 def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=print) -> Path:
     """Convert the demo GGUF into a bf16 Hugging Face model directory; returns its path.
     Skips the work when the directory is already complete (unless force)."""
-    out_dir = Path(out_dir).expanduser().resolve() if out_dir is not None else demo_model_dir()
+    if out_dir is not None:
+        out_dir = Path(out_dir).expanduser().resolve()
+        _check_out_dir(out_dir)
+    else:
+        out_dir = demo_model_dir()
     if not force and all((out_dir / name).is_file() for name in MODEL_FILES):
         ignored = " (--gguf ignored; add --force to rebuild from it)" if gguf_path else ""
         log(f"demo model already built in {out_dir}{ignored}")
         return out_dir
-    _check_replaceable(out_dir)
     start = time.perf_counter()
     reader, source = _open_gguf(gguf_path, log)
 
@@ -147,7 +150,7 @@ def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=prin
 def build_demo_tokenizer(out_dir, gguf_path=None, log=print) -> Path:
     """Only the small files (tokenizer, chat template, configs): no weights."""
     out_dir = Path(out_dir).expanduser().resolve()
-    _check_replaceable(out_dir)
+    _check_out_dir(out_dir)
     reader, _ = _open_gguf(gguf_path, log)
     _write_atomically(out_dir, lambda tmp: _write_small_files(reader, tmp, log))
     return out_dir
@@ -183,36 +186,41 @@ def _open_gguf(gguf_path, log):
     return reader, path
 
 
-def _check_replaceable(out_dir: Path) -> None:
-    """The build replaces out_dir as a whole: refuse a file, or a folder holding anything
-    but the demo model's own files, rather than delete what the user keeps there."""
+def _check_out_dir(out_dir: Path) -> None:
+    """A folder the user names for the demo model must be new, empty, or hold a complete
+    earlier build: the build writes the model's files there and would overwrite another
+    model's config.json or weights of the same names."""
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoModelError(f"{str(out_dir)!r} is a file; pass a new or empty folder to --out")
-    if out_dir.is_dir():
-        others = sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)
-        if others:
-            raise DemoModelError(f"{str(out_dir)!r} holds other files ({others[0]}, ...), which "
-                                 "building the demo model there would delete; pass a new or "
-                                 "empty folder to --out")
+    if not out_dir.is_dir() or all((out_dir / name).is_file() for name in MODEL_FILES):
+        return
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)
+    if others:
+        listed = ", ".join(others[:2]) + (", ..." if len(others) > 2 else "")
+        raise DemoModelError(f"{str(out_dir)!r} already holds other files ({listed}); pass a "
+                             "new or empty folder to --out")
 
 
 def _write_atomically(out_dir: Path, write) -> None:
-    """Build in a sibling temp dir and rename it into place: a crash leaves no half model.
-    The callers have checked that out_dir holds nothing but an earlier build."""
+    """Build in a sibling temp folder, then move it into place: a crash leaves no half
+    model. A folder that exists already keeps everything but the files the build writes,
+    each replaced in one step (the folder itself stays, and whoever sits in it)."""
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DemoModelError(f"cannot create {str(out_dir.parent)!r} ({e.strerror}); pick "
                              "another --out or $CUPY_LLAMA_CACHE") from None
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # beside a new folder (renamed into place), inside an existing one (files moved out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.",
+                                dir=out_dir if out_dir.is_dir() else out_dir.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model dir is an ordinary folder
     try:
         write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, out_dir)
+        if out_dir.is_dir():
+            for built in tmp.iterdir():
+                os.replace(built, out_dir / built.name)
+        else:
+            os.replace(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

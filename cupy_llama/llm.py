@@ -119,7 +119,8 @@ class LLM:
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
-        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], list)
+        batch = (isinstance(messages, (list, tuple)) and bool(messages)
+                 and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
                    for c in conversations]
@@ -132,9 +133,10 @@ class LLM:
         # copies (replace runs SamplingParams' checks again, on values set since)
         if isinstance(params, SamplingParams):
             return [replace(params) for _ in range(count)]
-        if not isinstance(params, (list, tuple)):
+        if isinstance(params, (str, bytes, dict)) or not hasattr(params, "__iter__"):
             raise RequestError(f"params must be a SamplingParams or a list of them (one per "
                                f"prompt), got {type(params).__name__}")
+        params = list(params)
         if len(params) != count:
             raise RequestError(f"give one SamplingParams or a list of {count} (one per prompt), "
                                f"got a list of {len(params)}")

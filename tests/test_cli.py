@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -263,6 +264,29 @@ def test_a_default_id_that_repeats_a_given_one_says_so(model_dir, tmp_path):
     code, rows = run_generate(model_dir, tmp_path, b'{"id": 2, "prompt": "a"}\n{"prompt": "b"}\n')
     assert code == 0 and "text" in rows[0]
     assert rows[1]["error"].startswith("line 2: duplicate id 2 (its line number, the default id)")
+    code, rows = run_generate(model_dir, tmp_path, b'{"prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
+    assert rows[1]["error"].startswith("line 2: duplicate id 1, first used on line 1 (its line "
+                                       "number, the default id)")
+
+
+def test_bench_engine_options_are_usage_errors_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    for flag, value in (("--max-num-seqs", "0"), ("--gpu-memory-utilization", "5")):
+        assert main(["bench", "latency", "--preset", "tiny", *CPU, flag, value]) == 2
+        assert _one_error_line(capsys.readouterr().err).startswith(f"error: {flag} must be")
+    assert not (tmp_path / "cache").exists()  # no model written, nothing measured
+
+
+def test_an_os_error_not_about_a_named_file_keeps_its_traceback(monkeypatch):
+    import errno
+    from cupy_llama import cli as cli_module
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(cli_module.cli, "main", broken)
+    with pytest.raises(OSError):
+        main(["info"])
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
@@ -271,3 +295,33 @@ def test_bench_json_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeyp
     assert main(["bench", "latency", "--preset", "tiny", "--scale", "0.05", *CPU,
                  "--max-num-seqs", "4", "--json", "/dev/full"]) == 1
     assert "cannot write '/dev/full' (No space left" in _one_error_line(capsys.readouterr().err)
+
+
+def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypatch):
+    """--out . builds into the folder the shell sits in: the files appear there, the folder
+    itself (and what else it holds after a complete build) stays."""
+    from cupy_llama import demo
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    calls = []
+
+    def fake_build(out_dir, write):  # the real writer, with a stand-in for the GGUF work
+        calls.append(out_dir)
+        demo._write_atomically(out_dir, write)
+
+    def write(tmp):
+        for name in demo.MODEL_FILES:
+            (tmp / name).write_text(f"built {len(calls)}")
+
+    inode = here.stat().st_ino
+    demo._check_out_dir(here.resolve())
+    fake_build(Path(".").resolve(), write)
+    assert sorted(p.name for p in here.iterdir()) == sorted(demo.MODEL_FILES)
+    assert here.stat().st_ino == inode and Path.cwd() == here.resolve()
+    (here / "notes.txt").write_text("mine")  # beside a complete build: allowed, and kept
+    demo._check_out_dir(here.resolve())
+    fake_build(here.resolve(), write)
+    assert (here / "notes.txt").read_text() == "mine"
+    assert (here / "config.json").read_text() == "built 2"
+    assert not [p for p in here.iterdir() if p.name.startswith(".")]  # no temp folder left

@@ -474,3 +474,47 @@ def test_the_cpu_fallback_warning_does_not_suggest_the_cpu(model_dir):
     warnings = [line for line in lines if line.startswith("warning:")]
     assert llm.device == "cpu" and len(warnings) == 1
     assert "running on the CPU" in warnings[0] and "--device cpu" not in warnings[0]
+
+
+def test_invalid_generation_fields_without_do_sample_are_ignored(model_dir, tmp_path):
+    """transformers ignores the sampling fields of a greedy generation config; so does the
+    engine when one is invalid (with do_sample true it is a ConfigError, above)."""
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    gen = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps(
+        {**gen, "do_sample": False, "top_p": 0.0, "top_k": 5}))
+    params = LLM(copy, device="cpu", log=None).default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 1.0, 5)
+
+
+def test_llama3_rope_scaling_takes_an_integral_float_length():
+    from cupy_llama.config import ModelConfig
+    raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 12,
+           "vocab_size": 16, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192.0}}
+    assert ModelConfig.from_dicts(raw).rope_scaling.original_max_position_embeddings == 8192
+    raw["rope_scaling"]["original_max_position_embeddings"] = 8192.5
+    with pytest.raises(ConfigError, match="original_max_position_embeddings must be a positive integer"):
+        ModelConfig.from_dicts(raw)
+
+
+def test_params_may_be_any_iterable_and_chat_batches_may_be_tuples(llm):
+    params = [SamplingParams(max_tokens=2, **GREEDY), SamplingParams(max_tokens=3, **GREEDY)]
+    outs = llm.generate(["a", "b"], (p for p in params))
+    assert [len(o.token_ids) for o in outs] == [2, 3]
+    conversation = ({"role": "user", "content": "a"},)
+    replies = llm.chat((conversation, conversation), params[0])
+    assert len(replies) == 2 and replies[0].token_ids == replies[1].token_ids
+
+
+def test_enforce_eager_takes_integer_and_numpy_booleans(model_dir):
+    import numpy as np
+    from cupy_llama.config import EngineConfig
+    for value in (1, np.True_, np.int64(1)):
+        assert EngineConfig(enforce_eager=value).enforce_eager is True
+    assert EngineConfig(enforce_eager=0).enforce_eager is False
+    with pytest.raises(ConfigError, match="enforce_eager must be True or False, got 2"):
+        EngineConfig(enforce_eager=2)
