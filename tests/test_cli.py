@@ -325,3 +325,11 @@ def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypat
     assert (here / "notes.txt").read_text() == "mine"
     assert (here / "config.json").read_text() == "built 2"
     assert not [p for p in here.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_bench_says_which_options_the_cpu_ignores(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    assert main(["bench", "latency", "--preset", "tiny", "--scale", "0.05", *CPU,
+                 "--max-num-seqs", "4", "--enforce-eager"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --enforce-eager applies to the GPU only; ignored on the CPU" in err

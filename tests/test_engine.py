@@ -224,8 +224,10 @@ def test_a_rejected_prompt_leaves_no_request_behind(model_dir):
     with pytest.raises(RequestError):
         llm.generate([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4, **GREEDY))
     assert_all_blocks_free(llm)
-    with pytest.raises(RequestError):
-        list(llm.stream([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4, **GREEDY)))
+    with pytest.raises(RequestError, match="context limit is 64"):  # at the call, not at next()
+        llm.stream([[1, 2, 3], list(range(100))], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(RequestError, match="token id 512"):
+        llm.stream([[1, 512]], SamplingParams(max_tokens=4, **GREEDY))
     assert_all_blocks_free(llm)
     outputs = list(llm.stream([5, 6, 7], SamplingParams(max_tokens=3, **GREEDY)))
     assert {o.request_id for o in outputs} == {outputs[-1].request_id}

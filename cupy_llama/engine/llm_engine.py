@@ -279,8 +279,12 @@ class LLMEngine:
 
     def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
         """Add all prompts, then yield their outputs as steps produce them. Requests still
-        running when the caller stops iterating are aborted."""
-        return self._run(prompts, params, True, [])
+        running when the caller stops iterating are aborted. A prompt that cannot run is
+        refused here, not at the first next() (the requests are added then)."""
+        prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
+        for ids in prompt_ids:
+            self.scheduler.check_fits(len(ids))
+        return self._run(prompt_ids, params, True, [])
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         ids: list[str] = []
