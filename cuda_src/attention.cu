@@ -696,7 +696,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
                  : "r"(shared_address(row_address)) : "memory");
 }
 
-// c += a b (16x16 bf16 times 16x8 bf16, fp32 accumulate)
 template <int D>
 __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,

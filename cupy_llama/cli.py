@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -236,31 +237,35 @@ class _Output:
     def error(name: str, e: OSError) -> RequestError:
         return RequestError(f"cannot write {name} ({e.strerror or e}); pick another --output")
 
-    def write(self, text: str) -> int:
+    @contextmanager
+    def _writing(self):
         try:
-            return self.stream.write(text)
-        except BrokenPipeError:
+            yield
+        except BrokenPipeError:  # a reader that has what it wanted: main() says ok
             raise
         except OSError as e:
             raise self.error(self.name, e) from None
 
+    def write(self, text: str) -> int:
+        with self._writing():
+            return self.stream.write(text)
+
     def flush(self) -> None:
-        try:
+        with self._writing():
             self.stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise self.error(self.name, e) from None
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        try:
+        if exc_type is not None:  # that error is the one to show; close quietly
+            try:
+                self.stream.close()
+            except OSError:
+                pass
+            return
+        with self._writing():
             self.stream.close()  # writes what is still buffered
-        except OSError as e:
-            if exc_type is None:  # else the error already on its way is the one to show
-                raise self.error(self.name, e) from None
 
 
 def _run_generate(llm, requests, out, defaults) -> int:

@@ -270,10 +270,9 @@ class EngineConfig:
                 or not 0 < utilization <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         eager = self.enforce_eager
-        if not isinstance(eager, bool) and isinstance(eager, numbers.Integral) and eager in (0, 1):
-            object.__setattr__(self, "enforce_eager", bool(eager))  # 0 / 1, NumPy ints
-        elif not isinstance(eager, bool) and type(eager).__name__ in ("bool_", "bool"):
-            object.__setattr__(self, "enforce_eager", bool(eager))  # NumPy's bool
+        numpy_bool = type(eager).__name__ in ("bool_", "bool")  # NumPy's, not an Integral
+        if (isinstance(eager, numbers.Integral) or numpy_bool) and eager in (0, 1):
+            object.__setattr__(self, "enforce_eager", bool(eager))  # 0 / 1, NumPy ints and bools
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
 

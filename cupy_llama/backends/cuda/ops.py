@@ -77,8 +77,8 @@ class CudaOps(SublayerOps):
         # step k + 1 is queued.
         n = max_num_seqs
         self._copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self._sampling_host = pinned_array(cupy, 28 * n, np.uint8)
-        self._sampling_device = cupy.empty(28 * n, np.uint8)
+        self._sampling_host = pinned_array(cupy, self.SAMPLING_BYTES * n, np.uint8)
+        self._sampling_device = cupy.empty(self.SAMPLING_BYTES * n, np.uint8)
         self._sampling_view_cache = {}  # B -> _sampling_views(B)
         self._sampling_copied = sync_event(cupy)  # copy stream: the settings copy is done
         self._sampled = sync_event(cupy)  # step stream: the sampling kernel is done
@@ -206,9 +206,10 @@ class CudaOps(SublayerOps):
         return self.sample_async(logits, sampling).get()
 
     # the settings buffers: [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 |
-    # steps i32], max_num_seqs of each
+    # steps i32], max_num_seqs of each: (dtype, offset in units of max_num_seqs bytes)
     SAMPLING_FIELDS = ((np.uint64, 0), (np.float32, 8), (np.int32, 12), (np.float32, 16),
                        (np.float32, 20), (np.int32, 24))
+    SAMPLING_BYTES = 28  # per sequence, all six fields
 
     def _sampling_views(self, B: int) -> tuple[list, list]:
         """The host and device views of the first B entries of each settings field, made
@@ -248,7 +249,8 @@ class CudaOps(SublayerOps):
         # that token copy: it overwrites the device tokens only once they were read. (Both
         # copies must stay on one stream for that.) The forward pass queued before this
         # call is still running, so the copy is over before this step's kernel comes up
-        runtime.memcpyAsync(device.data.ptr, host.ctypes.data, 28 * n, H2D, copy.ptr)
+        runtime.memcpyAsync(device.data.ptr, host.ctypes.data, self.SAMPLING_BYTES * n, H2D,
+                            copy.ptr)
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
         seeds, temperature, top_k, top_p, min_p, steps = on_device
