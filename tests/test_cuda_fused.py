@@ -189,3 +189,159 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     assert not np.isnan(reference).any()
     for key, value in results.items():
         np.testing.assert_array_equal(value, reference, err_msg=f"{key} differs from eager, plain launches")
+
+
+# the MLP in one kernel (gemm.norm_mlp): (hidden, intermediate) of Llama-3.2-1B, of a block
+# slice of one chunk, of fewer SiLU tiles than SMs, and of a hidden size of one output tile
+MLP_SHAPES = [(2048, 8192), (256, 1000), (64, 24), (16, 40)]
+
+
+def _mlp_operands(cp, rng, k, inter, m):
+    norm_bits, _ = random_bf16(rng, (k,))
+    gate_up_bits, _ = random_bf16(rng, (2 * inter, k), scale=0.05)
+    down_bits, _ = random_bf16(rng, (k, inter), scale=0.05)
+    start = _residual(rng, m, k)
+    return cp.asarray(norm_bits), cp.asarray(gate_up_bits), cp.asarray(down_bits), start
+
+
+def _mlp_workspace(cp, k):
+    from cupy_llama.backends.cuda import gemm
+    sums, arrivals = gemm.mlp_workspace_sizes(k)
+    return cp.zeros(sums, np.int64), cp.zeros(arrivals, np.uint32)
+
+
+def _composed_mlp(cp, residual, norm_w, gate_up, down):
+    """The two fused kernels the MLP is otherwise: norm + gate/up + SiLU, then down added."""
+    from cupy_llama.backends.cuda import gemm
+    act = cp.empty((residual.shape[0], down.shape[1]), np.uint16)
+    assert gemm.norm_gate_up_silu(residual, norm_w, EPS, gate_up, act), "not fused"
+    gemm.linear(act, down, residual, accumulate=True)
+    return act
+
+
+@pytest.mark.parametrize("m", (1, 2, 7, 8))
+@pytest.mark.parametrize("k,inter", MLP_SHAPES)
+def test_fused_mlp_matches_the_two_kernels(cp, rng, k, inter, m, skinny_mma):
+    """The one-kernel MLP adds what the two kernels add, up to the order of down's fp32
+    sums, and what float64 NumPy makes of the two kernels' SiLU values; it leaves its
+    counters at zero."""
+    from cupy_llama.backends.cuda import gemm
+    norm_w, gate_up, down, start = _mlp_operands(cp, rng, k, inter, m)
+    sums, arrivals = _mlp_workspace(cp, k)
+    fused = cp.asarray(start)
+    assert gemm.norm_mlp(fused, norm_w, EPS, gate_up, down, sums, arrivals), "not fused"
+    composed = cp.asarray(start)
+    act = _composed_mlp(cp, composed, norm_w, gate_up, down)
+    added, expected = cp.asnumpy(fused) - start, cp.asnumpy(composed) - start
+    assert _relative_error(added, expected) < 1e-4, f"m={m} [{k}] x [{inter}]: differs from the two kernels"
+    reference = to_float(cp, act).astype(np.float64) @ to_float(cp, down).T.astype(np.float64)
+    assert _relative_error(added, reference) < 1e-3
+    normed = _normed(start, to_float(cp, norm_w))
+    gate_up_ref = normed.astype(np.float64) @ to_float(cp, gate_up).T.astype(np.float64)
+    assert _relative_error(to_float(cp, act), (gate_up_ref[:, :inter] / (1 + np.exp(-gate_up_ref[:, :inter]))
+                                               * gate_up_ref[:, inter:])) < 2e-2
+    assert int(cp.count_nonzero(arrivals)) == 0 and int(cp.count_nonzero(sums)) == 0, "workspace left non-zero"
+
+
+def test_fused_mlp_is_deterministic_eager_and_in_a_graph(cp, rng, skinny_mma):
+    """The blocks' sums meet as int64 fixed point, so whichever block adds first, the result
+    is the same bits every launch: eager, replayed, plain or programmatic launches."""
+    from cupy_llama.backends.cuda import gemm, launch
+    k, inter = 2048, 8192
+    norm_w, gate_up, down, start = _mlp_operands(cp, rng, k, inter, 4)
+    sums, arrivals = _mlp_workspace(cp, k)
+
+    def chain(residual):
+        for _ in range(3):
+            assert gemm.norm_mlp(residual, norm_w, EPS, gate_up, down, sums, arrivals)
+
+    results = {}
+    previous = launch.programmatic()
+    try:
+        for on in (False, True) if launch.launch_attributes_usable() else (False,):
+            launch.set_programmatic(on)
+            for run in range(3):
+                residual = cp.asarray(start)
+                chain(residual)
+                results[("eager", on, run)] = cp.asnumpy(residual)
+            stream = cp.cuda.Stream(non_blocking=True)
+            residual = cp.asarray(start)
+            with stream:
+                stream.begin_capture()
+                chain(residual)
+                graph = stream.end_capture()
+            for run in range(2):
+                residual[...] = cp.asarray(start)
+                graph.launch(stream)
+                stream.synchronize()
+                results[("graph", on, run)] = cp.asnumpy(residual)
+    finally:
+        launch.set_programmatic(previous)
+    reference = results[("eager", False, 0)]
+    assert not np.isnan(reference).any()
+    assert not np.array_equal(reference, start)
+    for key, value in results.items():
+        np.testing.assert_array_equal(value, reference, err_msg=f"{key} differs")
+    assert int(cp.count_nonzero(arrivals)) == 0
+
+
+def test_fused_mlp_declines_what_it_cannot_take(cp, rng, skinny_mma):
+    """More than 8 rows, no workspace, too small a workspace, a slice of more than 8 chunks
+    per block, or a switch naming another kernel: nothing launched, the caller composes."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.backends.cuda.device import device_limits
+    k, inter = 64, 24
+    norm_w, gate_up, down, start = _mlp_operands(cp, rng, k, inter, 9)
+    sums, arrivals = _mlp_workspace(cp, k)
+    residual = cp.asarray(start)
+    assert not gemm.norm_mlp(residual, norm_w, EPS, gate_up, down, sums, arrivals)
+    one = residual[:1]
+    assert not gemm.norm_mlp(one, norm_w, EPS, gate_up, down, None, None)
+    assert not gemm.norm_mlp(one, norm_w, EPS, gate_up, down, sums[:1], arrivals)
+    wide = 8 * 8 * device_limits()["sms"] + 8  # one chunk more than 8 per block
+    _, wide_gate_up, wide_down, _ = _mlp_operands(cp, rng, k, wide, 1)
+    assert not gemm.norm_mlp(one, norm_w, EPS, wide_gate_up, wide_down, sums, arrivals)
+    gemm.set_skinny_gemm("cublas")
+    assert not gemm.norm_mlp(one, norm_w, EPS, gate_up, down, sums, arrivals)
+    np.testing.assert_array_equal(cp.asnumpy(residual), start)
+
+
+def test_cuda_ops_mlp_fused_or_composed_agree(cp, rng):
+    """CudaOps.mlp with its workspace (one kernel) and without (two) add the same, within
+    down's summation order; a prefill-sized step composes."""
+    from cupy_llama.backends.cuda.ops import CudaOps
+    k, inter = 256, 1000
+    norm_w, gate_up, down, start = _mlp_operands(cp, rng, k, inter, 20)
+    results = {}
+    for fused in (True, False):
+        ops = CudaOps(max_num_tokens=20, max_num_seqs=4, max_blocks_per_seq=4, num_heads=4,
+                      head_dim=64, max_model_len=64,
+                      mlp_workspace=_mlp_workspace(cp, k) if fused else None)
+        for m in (3, 20):
+            residual = cp.asarray(start[:m])
+            act, h, raw = (cp.empty((m, inter), np.uint16), cp.empty((m, k), np.uint16),
+                           cp.empty((m, 2 * inter), np.uint16))
+            ops.mlp(residual, norm_w, EPS, gate_up, down, act, h, raw)
+            results[(fused, m)] = cp.asnumpy(residual) - start[:m]
+    for m in (3, 20):
+        assert _relative_error(results[(True, m)], results[(False, m)]) < 1e-4
+        assert not np.allclose(results[(True, m)], 0)
+
+
+def test_fused_mlp_sums_out_of_range_give_nan(cp, rng, skinny_mma):
+    """A down sum too large for the fixed-point workspace (or not finite) makes its output
+    tile NaN instead of a wrong number; the other tiles are as the two kernels give them,
+    and the workspace is zero again for the next launch."""
+    from cupy_llama.backends.cuda import gemm
+    k, inter = 256, 1000
+    norm_w, gate_up, down, start = _mlp_operands(cp, rng, k, inter, 2)
+    down[5, :] = int(float32_to_bf16_bits(np.float32([1e9]))[0])  # row 5: output tile 0
+    sums, arrivals = _mlp_workspace(cp, k)
+    fused = cp.asarray(start)
+    assert gemm.norm_mlp(fused, norm_w, EPS, gate_up, down, sums, arrivals)
+    composed = cp.asarray(start)
+    _composed_mlp(cp, composed, norm_w, gate_up, down)
+    fused, composed = cp.asnumpy(fused), cp.asnumpy(composed)
+    assert np.isnan(fused[:, :16]).all(), "the out-of-range tile is not NaN"
+    assert _relative_error(fused[:, 16:] - start[:, 16:], composed[:, 16:] - start[:, 16:]) < 1e-4
+    assert int(cp.count_nonzero(arrivals)) == 0 and int(cp.count_nonzero(sums)) == 0
