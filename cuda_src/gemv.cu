@@ -158,7 +158,6 @@ DEFINE_GEMV(16, 4, 2)
 #define EPI_STORE 0
 #define EPI_SILU 1
 #define EPI_ROPE 2
-#define EPI_MLP 3
 #define OUT_BF16 0
 #define OUT_F32 1
 #define OUT_F32_ADD 2
@@ -174,9 +173,6 @@ struct SkinnyArgs {
     const float* cos_sin;     // [max_pos, d]: cos in columns [0, d/2), sin in [d/2, d)
     bf16* k_cache;            // [num_blocks, block_size, nkv, d]
     bf16* v_cache;
-    const bf16* down;         // EPI_MLP: [K, N / 2]
-    long long* sums;          // EPI_MLP: [m_rows, K] int64 fixed point, zero between launches
-    unsigned* arrivals;       // EPI_MLP: [K / 16], zero between launches
     int m_rows, n, k;
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
@@ -225,7 +221,7 @@ struct TileRows {
 
 template <int EPI>
 __device__ __forceinline__ TileRows tile_rows(const SkinnyArgs& a, int tile, int g) {
-    if (EPI == EPI_SILU || EPI == EPI_MLP) return {tile * 8 + g, tile * 8 + g + a.n / 2};
+    if (EPI == EPI_SILU) return {tile * 8 + g, tile * 8 + g + a.n / 2};
     if (EPI == EPI_ROPE) {
         const int half = a.head_dim / 2;
         const int pair_tiles = (a.num_heads + a.num_kv_heads) * half / 8;
@@ -409,175 +405,12 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
     }
 }
 
-// ------------------------------------------------------------------------------------------
-// The MLP in one kernel (EPI_MLP, skinny_mlp): out (the float32 residual stream) += down @
-// silu(gate) * up of rms_norm(x), for at most 8 x rows. Block b of P computes the SiLU tiles
-// [b T / P, (b + 1) T / P) of gate_up (T = I / 8; its two halves of WARPS warps take them
-// in turn), keeping silu(gate) * up (bf16, as silu_and_mul rounds it) in shared memory:
-// act columns [8 c0, 8 c1) with c0 = b T / P, which are the 16-byte chunks c0 .. c1 - 1 of
-// every row of down. So the block can go on to its share of down without waiting for
-// any other block: a K slice (at most 8 chunks, one mma step) of every down row, each
-// warp taking 16-row tiles of the output, SKINNY_UNROLL of them in flight. Its sums go to
-// L2 as int64 fixed point (reductions: the same bits in any order); the warp that hands in
-// a tile last (a counter per tile) adds them to the residual stream. No block waits for
-// another. The down weights of the first tiles are loaded once the SiLU tiles are summed.
-
-#define MLP_ACT_CHUNKS 8  // act chunks per x row in shared memory: c1 - c0 <= 8
-
-// this block's SiLU tiles [first, end): down's chunks of every row it sums
-struct MlpSlice {
-    int first, end;
-};
-
-__device__ __forceinline__ MlpSlice mlp_slice(const SkinnyArgs& a) {
-    const long long tiles = a.n / 16;
-    return {(int)(blockIdx.x * tiles / gridDim.x), (int)((blockIdx.x + 1) * tiles / gridDim.x)};
-}
-
-// the down weights of a warp's output tiles first, first + WARPS, ... (SKINNY_UNROLL of
-// them): chunks c0 + t and c0 + t + 4 of rows 16 tile + g and 16 tile + g + 8
-template <int WARPS>
-__device__ __forceinline__ void load_down_group(const SkinnyArgs& a, uint4 (&wv)[SKINNY_UNROLL][4],
-                                                int first, MlpSlice slice) {
-    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    const int tiles = a.k / SKINNY_TILE, row_chunks = a.n / 16;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    const int c = slice.first + t;
-#pragma unroll
-    for (int u = 0; u < SKINNY_UNROLL; ++u) {
-        const int tile = first + u * WARPS;
-        const uint4* lo = reinterpret_cast<const uint4*>(a.down) +
-                          (long long)(min(tile, tiles - 1) * SKINNY_TILE + g) * row_chunks;
-        const uint4* hi = lo + 8 * row_chunks;
-        const bool in = tile < tiles;
-        wv[u][0] = in && c < slice.end ? load_streaming(lo + c) : zero;
-        wv[u][1] = in && c + 4 < slice.end ? load_streaming(lo + c + 4) : zero;
-        wv[u][2] = in && c < slice.end ? load_streaming(hi + c) : zero;
-        wv[u][3] = in && c + 4 < slice.end ? load_streaming(hi + c + 4) : zero;
-    }
-}
-
-// the down sums as int64 fixed point (value * 2^32): integer adds give the same bits in
-// any order. Partial sums of at least MLP_FIXED_LIMIT in size (or not finite) would not
-// fit 132 of them in an int64: they make the outputs of their tiles NaN instead.
-#define MLP_FIXED_SCALE 4294967296.0f
-#define MLP_FIXED_LIMIT 16777216.0f
-#define MLP_NOT_FINITE 0x10000u  // added to a tile's counter by a block with such a sum
-
-// the outputs of this warp's tiles that it handed in last (bits of `lasts`: tile warp + i
-// WARPS; `broken`: those a sum out of range reached): out[m, row] += sums[m, row] * 2^-32,
-// the sums back to zero for the next launch; every value's exchange in flight at once
-template <int WARPS>
-__device__ __forceinline__ void mlp_finish_tiles(const SkinnyArgs& a, unsigned lasts,
-                                                 unsigned broken) {
-    __threadfence();
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int per_tile = a.m_rows * SKINNY_TILE, count = __popc(lasts) * per_tile;
-    float* out = static_cast<float*>(a.out);
-    unsigned long long* sums = reinterpret_cast<unsigned long long*>(a.sums);
-    constexpr int PER_LANE = 4;
-    for (int base = 0; base < count; base += PER_LANE * WARP_SIZE) {
-        long long at[PER_LANE];
-        unsigned long long fixed[PER_LANE];
-        float prior[PER_LANE];
-        bool nan[PER_LANE];
-#pragma unroll
-        for (int q = 0; q < PER_LANE; ++q) {
-            const int e = base + q * WARP_SIZE + lane;
-            at[q] = -1;
-            if (e >= count) continue;
-            const int i = __fns(lasts, 0, e / per_tile + 1), rest = e % per_tile;
-            const int tile = warp + i * WARPS;
-            at[q] = (long long)(rest / SKINNY_TILE) * a.k + tile * SKINNY_TILE + rest % SKINNY_TILE;
-            nan[q] = (broken >> i) & 1u;
-            fixed[q] = atomicExch(sums + at[q], 0ull);
-            prior[q] = __ldcg(out + at[q]);
-        }
-#pragma unroll
-        for (int q = 0; q < PER_LANE; ++q)
-            if (at[q] >= 0)
-                out[at[q]] = nan[q] ? __int_as_float(0x7fc00000)
-                                    : prior[q] + (float)((double)(long long)fixed[q] * (1.0 / 4294967296.0));
-    }
-}
-
-// the down phase of every warp of the block; wv holds the warp's first group (loaded by
-// the caller), act_s this block's act columns ([8][MLP_ACT_CHUNKS] chunks, zero past the
-// slice and the x rows). The sums go to L2 as they come (reductions); a warp hands in its
-// tiles once all are added: one fence.
-template <int WARPS>
-__device__ __forceinline__ void mlp_down(const SkinnyArgs& a, uint4 (&wv)[SKINNY_UNROLL][4],
-                                         const uint4* act_s, MlpSlice slice) {
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int g = lane / 4, t = lane % 4;
-    const int tiles = a.k / SKINNY_TILE;
-    // one mma step covers the slice: x row g's act chunks t and t + 4, the same for every tile
-    const uint4 xa = act_s[g * MLP_ACT_CHUNKS + t], xb = act_s[g * MLP_ACT_CHUNKS + t + 4];
-    unsigned long long* sums = reinterpret_cast<unsigned long long*>(a.sums);
-    bool out_of_range = false;
-    for (int first = warp; first < tiles; first += WARPS * SKINNY_UNROLL) {
-#pragma unroll
-        for (int u = 0; u < SKINNY_UNROLL; ++u) {
-            const int tile = first + u * WARPS;
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_step(d, wv[u][0], wv[u][1], wv[u][2], wv[u][3], xa, xb);
-            // lane (g, t) holds rows 16 tile + g (j < 2) and + 8 (j >= 2), x rows 2 t + (j & 1)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int m = 2 * t + (j & 1), row = tile * SKINNY_TILE + g + (j >= 2 ? 8 : 0);
-                if (tile >= tiles || m >= a.m_rows) continue;
-                const bool fits = fabsf(d[j]) < MLP_FIXED_LIMIT;  // false for NaN too
-                out_of_range |= !fits;
-                atomicAdd(sums + (long long)m * a.k + row,
-                          (unsigned long long)(fits ? __float2ll_rn(d[j] * MLP_FIXED_SCALE) : 0ll));
-            }
-        }
-        const int next = first + WARPS * SKINNY_UNROLL;
-        if (next < tiles) load_down_group<WARPS>(a, wv, next, slice);
-    }
-    __threadfence();  // the sums before the counters (threadFenceReduction's order)
-    const bool warp_broken = __any_sync(FULL_MASK, out_of_range);
-    // lane i hands in the warp's i-th tile, warp + i WARPS; the last block to hand in a tile
-    // finishes it
-    const int tile = warp + lane * WARPS;
-    bool last = false, broken = warp_broken;
-    if (tile < tiles) {
-        const unsigned before = atomicAdd(a.arrivals + tile, 1u + (warp_broken ? MLP_NOT_FINITE : 0u));
-        last = (before & (MLP_NOT_FINITE - 1)) == gridDim.x - 1;
-        broken |= before >= MLP_NOT_FINITE;
-    }
-    const unsigned lasts = __ballot_sync(FULL_MASK, last);
-    const unsigned broken_lasts = __ballot_sync(FULL_MASK, last && broken);
-    if (lasts) mlp_finish_tiles<WARPS>(a, lasts, broken_lasts);
-    if (last) a.arrivals[tile] = 0u;  // for the next launch
-}
-
-// silu(gate) * up of x row m and act column `column` of this block -> shared memory
-__device__ __forceinline__ void keep_act(uint4* act_s, int m, int column, float gate_sum,
-                                         float up_sum) {
-    reinterpret_cast<bf16*>(act_s)[m * MLP_ACT_CHUNKS * 8 + column] =
-        silu_mul(bf16_rounded(gate_sum), bf16_rounded(up_sum));
-}
-
-// the barrier of one group of WARPS warps (GROUPS of them per block; named barriers 1, 2,
-// ... where there are several)
-template <int WARPS, int GROUPS>
-__device__ __forceinline__ void group_sync(int group) {
-    if (GROUPS == 1) __syncthreads();
-    else asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(WARPS * WARP_SIZE) : "memory");
-}
-
-// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per group of warps
-// that computes a tile, GROUPS per block (each its own tiles; 2 only for EPI_MLP)
-template <int NT, int PRO, int EPI, int WARPS, int GROUPS>
+// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block
+template <int NT, int PRO, int EPI, int WARPS>
 __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
-    static_assert(EPI == EPI_MLP || GROUPS == 1, "groups of warps only in the MLP kernel");
-    static_assert(EPI != EPI_MLP || NT == 1, "the MLP kernel takes at most 8 x rows");
     extern __shared__ uint4 skinny_smem[];
     constexpr int PARTIAL_FLOATS = WARPS * NT * 4 * WARP_SIZE;  // one buffer
-    const int group = threadIdx.x / (WARPS * WARP_SIZE);
-    const int group_thread = threadIdx.x % (WARPS * WARP_SIZE);
-    const int warp = group_thread / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int n = a.n, m_rows = a.m_rows;
     const int chunks = a.k / 8;                                 // 16-byte chunks per row
@@ -585,44 +418,31 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const int x_chunks = steps * (SKINNY_STEP / 8);             // staged row, zero past k
     const int x_stride = x_chunks + SKINNY_X_PAD;
     uint4* xs = skinny_smem;                                    // [m_rows][x_stride]
-    // [GROUPS][2][PARTIAL_FLOATS], then (EPI_MLP) act [8][MLP_ACT_CHUNKS] chunks
-    float* partial = reinterpret_cast<float*>(skinny_smem + m_rows * x_stride) +
-                     group * 2 * PARTIAL_FLOATS;
-    uint4* act_s = reinterpret_cast<uint4*>(reinterpret_cast<float*>(skinny_smem + m_rows * x_stride) +
-                                            GROUPS * 2 * PARTIAL_FLOATS);
+    float* partial = reinterpret_cast<float*>(skinny_smem + m_rows * x_stride);  // [2][...]
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    // the tiles of this group: tile_first, + tile_step, ... < tile_end
     const int tiles = (n + SKINNY_TILE - 1) / SKINNY_TILE;
-    MlpSlice slice = {0, 0};
-    int tile_first = blockIdx.x, tile_step = gridDim.x, tile_end = tiles;
-    if (EPI == EPI_MLP) {
-        slice = mlp_slice(a);
-        tile_first = slice.first + group, tile_step = GROUPS, tile_end = slice.end;
-    }
     // the element of every tile this thread finishes, if any: fragment element e_j of lane
     // `lane` in x tile e_nt, i.e. x row e_m and weight rows lo(g), hi(g)
     static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
-    const bool finisher = group_thread < NT * 2 * WARP_SIZE && e_m < m_rows;
+    const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f};  // of the tile being computed
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
     uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
-    TileRows rows = tile_rows<EPI>(a, tile_first, g);  // of the tile being computed
-    bool preloaded = tile_first < tile_end;  // wv holds the first group of the first tile
+    TileRows rows = tile_rows<EPI>(a, blockIdx.x, g);  // of the tile being computed
+    bool preloaded = blockIdx.x < tiles;  // wv holds the first group of the first tile
     if (preloaded) {
         load_group<WARPS>(wv, weight_row(a, rows.lo), weight_row(a, rows.hi), warp, t, chunks);
         // the next group of k steps streams into L2 meanwhile: the first tile's second
-        // group, or where one group holds a whole tile, the group's next tile
+        // group, or where one group holds a whole tile, the block's next tile
         constexpr int GROUP_K = WARPS * SKINNY_UNROLL * SKINNY_STEP;
         if (warp == 0 && t == 0) {
             if (GROUP_K < a.k) prefetch_rows(a, rows, GROUP_K, GROUP_K);
-            else if (tile_first + tile_step < tile_end)
-                prefetch_rows(a, tile_rows<EPI>(a, tile_first + tile_step, g), 0, GROUP_K);
+            else if (blockIdx.x + gridDim.x < tiles)
+                prefetch_rows(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
         }
-    } else if (EPI == EPI_MLP) {  // no SiLU tile for this group: straight to down
-        load_down_group<WARPS * GROUPS>(a, wv, threadIdx.x / WARP_SIZE, slice);
     }
     let_next_kernel_start();
     // RoPE's metadata lookup is two dependent loads: issued after the start signal, so the
@@ -633,15 +453,13 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
-    stage_x<PRO, WARPS * GROUPS>(a, xs, x_chunks, x_stride);
-    if (EPI == EPI_MLP)
-        for (int i = threadIdx.x; i < 8 * MLP_ACT_CHUNKS; i += blockDim.x) act_s[i] = zero;
+    stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
 
     int buffer = 0;
-    for (int tile = tile_first; tile < tile_end; tile += tile_step) {
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const uint4 *w_lo = weight_row(a, rows.lo), *w_hi = weight_row(a, rows.hi);
-        if (tile != tile_first && finisher) {  // in flight while the tile streams
+        if (tile != blockIdx.x && finisher) {  // in flight while the tile streams
             load_rotation<EPI>(a, rows, inputs);
             load_residual_inputs<EPI>(a, e_m, rows, inputs);
         }
@@ -672,11 +490,10 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
             }
         }
 
-        // the next tile's first k steps (after the last, the first down weights): in
-        // flight while this tile's sums are reduced
+        // the next tile's first k steps: in flight while this tile's sums are reduced
         TileRows next_rows = rows;
-        if (tile + tile_step < tile_end) {
-            next_rows = tile_rows<EPI>(a, tile + tile_step, g);
+        if (tile + gridDim.x < tiles) {
+            next_rows = tile_rows<EPI>(a, tile + gridDim.x, g);
             load_group<WARPS>(wv, weight_row(a, next_rows.lo), weight_row(a, next_rows.hi), warp,
                               t, chunks);
             preloaded = true;
@@ -689,7 +506,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 #pragma unroll
             for (int j = 0; j < 4; ++j)
                 part[((warp * NT + nt) * 4 + j) * WARP_SIZE + lane] = acc[nt][j];
-        group_sync<WARPS, GROUPS>(group);
+        __syncthreads();
         // fragment element j of this lane in x tile nt: x row nt * 8 + 2 t + (j & 1), weight
         // row lo(g) for j < 2, hi(g) for j >= 2
         if (finisher) {
@@ -699,37 +516,29 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
                 lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + lane];
                 hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + lane];
             }
-            if (EPI == EPI_MLP) keep_act(act_s, e_m, rows.lo - 8 * slice.first, lo_sum, hi_sum);
-            else finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
+            finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
         }
         rows = next_rows;
         buffer ^= 1;
     }
-    if (EPI == EPI_MLP) {
-        if (tile_first < tile_end) load_down_group<WARPS * GROUPS>(a, wv, threadIdx.x / WARP_SIZE, slice);
-        __syncthreads();  // every group's act columns are in shared memory
-        mlp_down<WARPS * GROUPS>(a, wv, act_s, slice);
-    }
 }
 
-#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, GROUPS, MIN_BLOCKS)                       \
-    extern "C" __global__ void __launch_bounds__(WARPS * GROUPS * WARP_SIZE, MIN_BLOCKS)      \
+#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS)                               \
+    extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
         NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI, WARPS, GROUPS>(args);                                      \
+        skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
     }
 
 // keep in step with kernels.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
 // every SM two blocks, such as the down projection.
-DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, 1)
-DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, 1)
-DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 1, 2)
-DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 1, 2)
-// two groups of SKINNY_WARPS in one block per SM: see the MLP section above
-DEFINE_SKINNY(skinny_mlp_n1, 1, PRO_NORM, EPI_MLP, SKINNY_WARPS, 2, 1)
+DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
+DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
+DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)

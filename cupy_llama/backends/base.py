@@ -138,8 +138,6 @@ class Ops(Protocol):
     def norm_qkv_rope(self, x, norm_weight, eps: float, weight, meta, cos_sin, k_cache,
                       v_cache, q_out, h, qkv) -> None:
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
-    def mlp(self, x, norm_weight, eps: float, gate_up, down, act, h, gate_up_out) -> None:
-        """x (float32) += silu_and_mul(rms_norm(x) @ gate_up.T) @ down.T (SublayerOps)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
@@ -148,8 +146,8 @@ class Ops(Protocol):
 
 
 class SublayerOps:
-    """The ops that open a sublayer (a norm, a product, and what follows the product), and
-    the whole MLP sublayer, composed of the primitive ops. A backend may run any of them as one kernel: CudaOps
+    """The ops that open a sublayer (a norm, a product, and what follows the product),
+    composed of the primitive ops. A backend may run any of them as one kernel: CudaOps
     does for steps of at most 16 tokens. `h` (the normalized x) and `qkv` / `gate_up` (the
     raw product) are scratch buffers only the composed form writes."""
 
@@ -169,9 +167,3 @@ class SublayerOps:
         rotated k and plain v -> the caches."""
         self.norm_linear(x, norm_weight, eps, weight, qkv, h)
         self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out)
-
-    def mlp(self, x, norm_weight, eps, gate_up, down, act, h, gate_up_out):
-        """The whole MLP sublayer: x (the float32 residual stream [T, H]) += down @ silu(gate)
-        * up of rms_norm(x); act [T, I] holds silu(gate) * up."""
-        self.norm_gate_up_silu(x, norm_weight, eps, gate_up, act, h, gate_up_out)
-        self.linear(act, down, x, accumulate=True)

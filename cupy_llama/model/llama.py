@@ -56,9 +56,9 @@ def forward_uploaded(backend: Backend, config: ModelConfig, meta):
         ops.attention(buf["q"], k_cache, v_cache, meta, scale, buf["attn"])  # attn: [T, nh d]
         ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
         # MLP: norm, gate/up product and SiLU-and-mul (act: [T, I]), then the down product
-        # added into the residual stream
-        ops.mlp(buf["residual"], w[f"{layer}.post_norm"], eps, w[f"{layer}.gate_up"],
-                w[f"{layer}.down"], buf["act"], buf["h"], buf["gate_up"])
+        ops.norm_gate_up_silu(buf["residual"], w[f"{layer}.post_norm"], eps, w[f"{layer}.gate_up"],
+                              buf["act"], buf["h"], buf["gate_up"])
+        ops.linear(buf["act"], w[f"{layer}.down"], buf["residual"], accumulate=True)
     # only the last token of each sequence needs the final norm and the LM head
     ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
     lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings

@@ -17,7 +17,6 @@ from ...model.rope import rope_cos_sin
 from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
 from . import attention as attention_kernels
 from .device import check_cuda_device, device_name, import_cupy
-from .gemm import mlp_workspace_sizes
 from .ops import CudaOps
 from .weight_upload import upload_weight_pieces
 
@@ -51,8 +50,7 @@ def buffer_dtype(name: str):
 def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
               max_model_len: int) -> tuple[dict[str, PoolRegion], int]:
     """Regions of the activation pool by buffer name (shared buffers map to one region),
-    plus the split-KV decode workspace and the fused MLP's; returns (regions, total
-    bytes)."""
+    plus the split-KV decode workspace; returns (regions, total bytes)."""
     shapes = buffer_shapes(config, max_num_tokens, max_num_seqs)
     sizes = {name: int(np.prod(shape)) * np.dtype(buffer_dtype(name)).itemsize
              for name, shape in shapes.items()}
@@ -60,9 +58,6 @@ def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
         max_num_seqs, config.num_attention_heads, config.head_dim, max_model_len)
     sizes["attn_partial_out"] = 4 * partial_out
     sizes["attn_partial_lse"] = 4 * partial_lse
-    mlp_sums, mlp_arrivals = mlp_workspace_sizes(config.hidden_size)
-    sizes["mlp_sums"] = 8 * mlp_sums
-    sizes["mlp_arrivals"] = 4 * mlp_arrivals
     groups = [g for g in SHARED_BUFFERS if all(n in sizes for n in g)]
     grouped = {n for g in groups for n in g}
     groups += [(n,) for n in sizes if n not in grouped]
@@ -129,15 +124,10 @@ class CudaBackend:
         max_blocks_per_seq = -(-max_model_len // block_size)
         workspace = (self._region_view("attn_partial_out", np.float32),
                      self._region_view("attn_partial_lse", np.float32))
-        mlp_workspace = (self._region_view("mlp_sums", np.int64),
-                         self._region_view("mlp_arrivals", np.uint32))
-        for array in mlp_workspace:
-            array.fill(0)  # and each fused MLP leaves them so
         self.ops = CudaOps(max_num_tokens=self.max_num_tokens, max_num_seqs=max_num_seqs,
                            max_blocks_per_seq=max_blocks_per_seq,
                            num_heads=config.num_attention_heads, head_dim=config.head_dim,
-                           max_model_len=max_model_len, workspace=workspace,
-                           mlp_workspace=mlp_workspace)
+                           max_model_len=max_model_len, workspace=workspace)
 
         self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
                   f"weights loaded in {self.load_seconds:.2f} s")
@@ -250,8 +240,6 @@ class CudaBackend:
                     f"{n} {list(shapes[n])}" for n in region.names) + " (disjoint lifetimes)"
             elif name in shapes:
                 note = f"{list(shapes[name])} {np.dtype(buffer_dtype(name)).name}"
-            elif name.startswith("mlp_"):
-                note = "fused MLP workspace: sums int64, counters uint32"
             else:
                 note = "split-KV decode workspace, float32"
             rows.append(("pool: " + "/".join(region.names), region.nbytes, note))

@@ -66,10 +66,6 @@ MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multipl
 MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
 MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
-MLP_MAX_ROWS = 8        # skinny_mlp: x rows
-MLP_GROUPS = 2          # groups of MMA_WARPS warps per block
-MLP_SLICE_CHUNKS = 8    # a block's SiLU tiles, i.e. 16-byte chunks of a down row, at most
-MLP_ACT_BYTES = MLP_MAX_ROWS * MLP_SLICE_CHUNKS * 16
 
 KERNELS = ("cublas", "gemv", "mma")
 SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
@@ -252,8 +248,7 @@ class SkinnyArgs(ctypes.Structure):
                 ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
                 ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("sums", ctypes.c_void_p), ("arrivals", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p),
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
@@ -394,80 +389,6 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
     if m_rows:
         _launch_skinny("skinny_norm_rope", m_rows, weight.shape[0], k, args)
-    return True
-
-
-# the MLP in one kernel (gemv.cu skinny_mlp): the residual stream += down @ silu(gate) * up
-# of its norm, for decode steps of at most MLP_MAX_ROWS rows. One block of MLP_GROUPS x
-# MMA_WARPS warps per SM, each with a slice of the SiLU columns and the same K slice of
-# down; the blocks' sums of down meet in a workspace (mlp_workspace_sizes).
-
-def mlp_workspace_sizes(hidden: int) -> tuple[int, int]:
-    """(int64 fixed-point sums, uint32 arrival counters) of the fused MLP; both must be zero
-    before the first launch (each launch leaves them so)."""
-    return MLP_MAX_ROWS * hidden, -(-hidden // MMA_TILE_ROWS)
-
-
-def mlp_shared_bytes(m_rows: int, k: int) -> int:
-    """Dynamic shared memory of skinny_mlp: a skinny kernel's of MLP_GROUPS x MMA_WARPS
-    warps, plus the block's act columns."""
-    return mma_shared_bytes(m_rows, k, MLP_GROUPS * MMA_WARPS) + MLP_ACT_BYTES
-
-
-def mlp_unsupported(x, norm_weight, gate_up, down, sums, arrivals) -> str | None:
-    """Why skinny_mlp cannot take this MLP (the operands checked: norm_mlp), or None."""
-    m_rows, k = x.shape
-    inner = gate_up.shape[0] // 2
-    if m_rows > MLP_MAX_ROWS:
-        return f"at most {MLP_MAX_ROWS} rows (got {m_rows})"
-    if not _fusing():
-        return f"the fused kernels, not {skinny_gemm()!r}"
-    if inner % 8 or k % MMA_TILE_ROWS:
-        return f"an intermediate size a multiple of 8 and a hidden size of 16 (got {inner}, {k})"
-    if k // MMA_TILE_ROWS > 32 * MLP_GROUPS * MMA_WARPS:
-        return f"a hidden size of at most {32 * MLP_GROUPS * MMA_WARPS * MMA_TILE_ROWS} (got {k})"
-    blocks = _mlp_blocks(inner)
-    if -(-(inner // 8) // blocks) > MLP_SLICE_CHUNKS:
-        return f"an intermediate size of at most {blocks * MLP_SLICE_CHUNKS * 8} on this GPU (got {inner})"
-    if x.data.ptr % 16 or norm_weight.data.ptr % 16 or gate_up.data.ptr % 16 or down.data.ptr % 16:
-        return "16-byte aligned operands"
-    limit = device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
-    if mlp_shared_bytes(m_rows, k) > limit:
-        return f"x of {m_rows} x {k} in {limit} bytes of shared memory"
-    sizes = (m_rows * k, k // MMA_TILE_ROWS)
-    if sums is None or sums.size < sizes[0] or arrivals.size < sizes[1]:
-        return f"a workspace of {sizes[0]} sums and {sizes[1]} counters"
-    if not launch.available():
-        return "the CUDA driver's cuLaunchKernelEx"
-    return None
-
-
-def _mlp_blocks(inner: int) -> int:
-    return min(inner // 8, device_limits()["sms"])
-
-
-def norm_mlp(x, norm_weight, eps, gate_up, down, sums, arrivals) -> bool:
-    """x (the float32 residual stream [M, H]) += silu(gate) * up of rms_norm(x) @ gate_up.T,
-    times down.T, in one kernel: gate_up [2I, H] (gate rows, then up rows), down [H, I];
-    sums (int64) and arrivals (uint32), zero, the workspace of mlp_workspace_sizes.
-    False (nothing launched) where the kernel cannot take it: the caller composes it."""
-    if x.shape[0] > MLP_MAX_ROWS:
-        return False  # a prefill step: composed, without checking twice
-    m_rows, k = _check_norm_product(x, norm_weight, gate_up)
-    check("down", down, BF16, shape=(k, gate_up.shape[0] // 2))
-    if mlp_unsupported(x, norm_weight, gate_up, down, sums, arrivals) is not None:
-        return False
-    if m_rows:
-        import cupy
-        n = gate_up.shape[0]
-        kernel = get_kernel("gemv", "skinny_mlp_n1")
-        shared = mlp_shared_bytes(m_rows, k)
-        opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
-        args = _norm_args(x, norm_weight, eps, gate_up, x)
-        args.down, args.sums, args.arrivals = down.data.ptr, sums.data.ptr, arrivals.data.ptr
-        args.m_rows, args.n, args.k = m_rows, n, k
-        launch.launch(kernel, _mlp_blocks(n // 2), MLP_GROUPS * MMA_WARPS * 32, shared,
-                      cupy.cuda.get_current_stream().ptr, args, launch.programmatic_launches())
     return True
 
 

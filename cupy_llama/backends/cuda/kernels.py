@@ -28,8 +28,7 @@ MODULES = {
                   "prefill_attention_d64", "prefill_attention_d128"),
     "sampling": ("sample_kernel",),
     "gemv": ("gemv_m1", "gemv_m2", "gemv_m4", "gemv_m8", "gemv_m16",
-             *(f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2)),
-             "skinny_mlp_n1"),
+             *(f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2))),
 }
 
 

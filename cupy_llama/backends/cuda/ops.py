@@ -53,12 +53,9 @@ class CudaOps(SublayerOps):
     act_dtype = np.uint16
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 num_heads: int, head_dim: int, max_model_len: int, workspace=None,
-                 mlp_workspace=None):
+                 num_heads: int, head_dim: int, max_model_len: int, workspace=None):
         """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
-        decode (sized by attention.workspace_sizes), or None to allocate them here;
-        mlp_workspace: (sums int64, arrivals uint32), zeroed, for the fused MLP (sized by
-        gemm.mlp_workspace_sizes), or None: the MLP is then two kernels."""
+        decode (sized by attention.workspace_sizes), or None to allocate them here."""
         cupy = import_cupy()
         self._cupy = cupy
         self.max_num_tokens = max_num_tokens
@@ -94,7 +91,6 @@ class CudaOps(SublayerOps):
         if workspace is None:
             workspace = (cupy.empty(sizes[0], np.float32), cupy.empty(sizes[1], np.float32))
         self._partial_out, self._partial_lse = workspace
-        self._mlp_workspace = mlp_workspace or (None, None)
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
         self.num_sms = device_limits()["sms"]
         self._decode_split_key = self._decode_split = None  # the last decode_split
@@ -161,10 +157,6 @@ class CudaOps(SublayerOps):
                                   meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv)
-
-    def mlp(self, x, norm_weight, eps, gate_up, down, act, h, gate_up_out):
-        if not gemm.norm_mlp(x, norm_weight, eps, gate_up, down, *self._mlp_workspace):
-            super().mlp(x, norm_weight, eps, gate_up, down, act, h, gate_up_out)
 
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
