@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench_report import _num, add_ratios, commit_info, environment, format_table, sweep_batch
-from .errors import OptionError, RequestError
+from .errors import OptionError, RequestError, option_flag
 from .sampling import SamplingParams
 
 MODES = ("throughput", "latency", "ttft", "decode-sweep")
@@ -126,7 +126,7 @@ class BenchSettings:
         if tuple(self.batch_sizes) != DEFAULT_BATCH_SIZES:
             args += ["--batch-sizes", ",".join(map(str, self.batch_sizes))]
         for name, value in sorted(self.engine.items()):
-            flag = "--" + name.replace("_", "-")
+            flag = option_flag(name)
             args += [flag] if value is True else [flag, str(value)]
         args += ["--hf"] if self.hf else []
         args += ["--json", self.json_path] if self.json_path else []
@@ -141,7 +141,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     if settings.hf:
         from .bench_hf import check_hf_available
         check_hf_available(settings.device)
-    gpu_only = [f"--{name.replace('_', '-')}" for name in ("enforce_eager", "gpu_memory_utilization")
+    gpu_only = [option_flag(name) for name in ("enforce_eager", "gpu_memory_utilization")
                 if name in settings.engine]
     if settings.device == "cpu" and gpu_only:
         verb = "applies" if len(gpu_only) == 1 else "apply"

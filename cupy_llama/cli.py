@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from .errors import ConfigError, CupyLlamaError, OptionError, RequestError
+from .errors import ConfigError, CupyLlamaError, OptionError, RequestError, option_flag
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -109,7 +109,7 @@ def _check_options(sampling: dict, engine: dict) -> None:
         message = str(e)
         for name in (*SAMPLING_NAMES, *ENGINE_NAMES):
             if message.startswith(name + " "):
-                message = "--" + name.replace("_", "-") + message[len(name):]
+                message = option_flag(name) + message[len(name):]
         raise OptionError(message) from None
 
 

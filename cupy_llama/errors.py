@@ -37,3 +37,8 @@ class DemoModelError(CupyLlamaError):
 
 class OptionError(RequestError):
     """A command-line option has a bad value: a usage error (the CLI exits 2)."""
+
+
+def option_flag(name: str) -> str:
+    """The command-line flag of an option's Python name: max_num_seqs -> --max-num-seqs."""
+    return "--" + name.replace("_", "-")
