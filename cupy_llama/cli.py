@@ -124,10 +124,10 @@ def _load(model_dir, device: str, engine: dict):
 
 
 def _demo_model_dir() -> Path:
-    from .demo import MODEL_FILES, build_demo_model, demo_model_dir
+    from .demo import build_demo_model, demo_model_dir, is_built
 
     path = demo_model_dir()
-    if not all((path / name).is_file() for name in MODEL_FILES):
+    if not is_built(path):
         _log(f"no --model given: building the demo model (SmolLM2-135M-Instruct) in {path}; "
              "this happens once")
         path = build_demo_model(log=_log)

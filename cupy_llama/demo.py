@@ -126,7 +126,7 @@ def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=prin
         _check_out_dir(out_dir)
     else:
         out_dir = demo_model_dir()
-    if not force and all((out_dir / name).is_file() for name in MODEL_FILES):
+    if not force and is_built(out_dir):
         ignored = " (--gguf ignored; add --force to rebuild from it)" if gguf_path else ""
         log(f"demo model already built in {out_dir}{ignored}")
         return out_dir
@@ -186,25 +186,38 @@ def _open_gguf(gguf_path, log):
     return reader, path
 
 
+def is_built(model_dir: Path) -> bool:
+    """Whether every file of the demo model is in model_dir."""
+    return all((model_dir / name).is_file() for name in MODEL_FILES)
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """A folder the user names for the demo model must be new, empty, or hold a complete
     earlier build: the build writes the model's files there and would overwrite another
-    model's config.json or weights of the same names."""
+    model's config.json or weights of the same names. The temp folder of a build that was
+    killed (_write_atomically's) does not count."""
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoModelError(f"{str(out_dir)!r} is a file; pass a new or empty folder to --out")
-    if not out_dir.is_dir() or all((out_dir / name).is_file() for name in MODEL_FILES):
+    if not out_dir.is_dir() or is_built(out_dir):
         return
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in MODEL_FILES)
+    others = sorted(p.name for p in out_dir.iterdir()
+                    if p.name not in MODEL_FILES and not _is_build_temp(out_dir, p))
     if others:
         listed = ", ".join(others[:2]) + (", ..." if len(others) > 2 else "")
         raise DemoModelError(f"{str(out_dir)!r} already holds other files ({listed}); pass a "
                              "new or empty folder to --out")
 
 
+def _is_build_temp(out_dir: Path, path: Path) -> bool:
+    return path.is_dir() and path.name.startswith(f".{out_dir.name}.")
+
+
 def _write_atomically(out_dir: Path, write) -> None:
-    """Build in a sibling temp folder, then move it into place: a crash leaves no half
-    model. A folder that exists already keeps everything but the files the build writes,
-    each replaced in one step (the folder itself stays, and whoever sits in it)."""
+    """Build in a temp folder, then move it into place. A new folder appears only once
+    complete, so a crash leaves no half model. An existing folder keeps everything but the
+    files the build writes, each replaced in one step (the folder itself stays, and
+    whoever sits in it): a crash while they are moved, after the whole build, can leave
+    old and new files side by side, which --force rebuilds."""
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -1,5 +1,5 @@
 """Fixtures shared by the engine and CLI tests: one tiny random model per test module and
-an LLM on the NumPy backend."""
+an LLM on the NumPy backend; and the check of a one-line CLI error."""
 import pytest
 
 from cupy_llama import LLM
@@ -14,3 +14,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir, device="cpu", log=None)
+
+
+def one_error_line(err: str) -> str:
+    """The one `error:` line, last on stderr (after any progress lines), no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
+    return errors[0]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_error_line
+
 from cupy_llama import SamplingParams
 from cupy_llama.cli import main
 from cupy_llama.random_model import make_random_model
@@ -97,7 +99,6 @@ def test_stdout_output_and_summary(model_dir, tmp_path, capsys):
 
 
 def test_example_files_parse(model_dir, tmp_path):
-    from pathlib import Path
     from cupy_llama.batch_io import read_requests
     examples = Path(__file__).parent.parent / "examples"
     for name, fmt in (("prompts.txt", "txt"), ("requests.jsonl", "jsonl")):
@@ -188,14 +189,6 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
 
 
-def _one_error_line(err: str) -> str:
-    """The one `error:` line, last on stderr (after any progress lines), no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
-    return errors[0]
-
-
 def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
@@ -204,32 +197,39 @@ def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_p
                         (["--max-model-len", "0"], "--max-model-len"),
                         (["--gpu-memory-utilization", "7"], "--gpu-memory-utilization")):
         assert main([*generate, *extra]) == 2, extra
-        line = _one_error_line(capsys.readouterr().err)
+        line = one_error_line(capsys.readouterr().err)
         assert line.startswith(f"error: {flag} must be"), line
     assert main(["chat", "--model", str(model_dir), *CPU, "--temperature", "-1"]) == 2
-    assert _one_error_line(capsys.readouterr().err).startswith("error: --temperature must be")
+    assert one_error_line(capsys.readouterr().err).startswith("error: --temperature must be")
     # click's own usage errors are one line too, with where to look
     assert main([*generate, "--no-such-option"]) == 2
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert "--no-such-option" in line and "cupy-llama generate --help" in line
 
 
-def test_file_errors_are_one_line_exit_1(model_dir, tmp_path, capsys, monkeypatch):
-    from pathlib import Path
+def _generate_args(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    generate = ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
-                "--max-tokens", "2"]
-    if os.path.exists("/dev/full"):  # every write fails with "No space left on device"
-        assert main([*generate, "--output", "/dev/full"]) == 1
-        assert "cannot write '/dev/full' (No space left" in _one_error_line(capsys.readouterr().err)
+    return ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
+            "--max-tokens", "2"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_one_line_exit_1(model_dir, tmp_path, capsys):
+    # every write to /dev/full fails with "No space left on device"
+    assert main([*_generate_args(model_dir, tmp_path), "--output", "/dev/full"]) == 1
+    assert "cannot write '/dev/full' (No space left" in one_error_line(capsys.readouterr().err)
+
+
+def test_an_unreadable_input_is_one_line_exit_1(model_dir, tmp_path, capsys, monkeypatch):
+    generate = _generate_args(model_dir, tmp_path)
 
     def unreadable(self):
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "read_bytes", unreadable)
     assert main(generate) == 1
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert "Permission denied" in line and "p.txt" in line
 
 
@@ -238,13 +238,13 @@ def test_a_kv_cache_larger_than_memory_is_one_line_exit_1(model_dir, tmp_path, c
     prompts.write_text("hi\n")
     assert main(["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
                  "--num-kv-blocks", "99999999999"]) == 1
-    assert "out of memory" in _one_error_line(capsys.readouterr().err)
+    assert "out of memory" in one_error_line(capsys.readouterr().err)
 
 
 def test_chat_with_empty_stdin_fails_before_loading(model_dir):
     result = cli("chat", "--model", str(model_dir), *CPU, stdin="  \n")
     assert result.returncode == 1
-    assert "stdin is empty" in _one_error_line(result.stderr)
+    assert "stdin is empty" in one_error_line(result.stderr)
     assert "loading" not in result.stderr
 
 
@@ -253,10 +253,10 @@ def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
     keep.mkdir()
     (keep / "important.txt").write_text("precious")
     assert main(["fetch-demo", "--out", str(keep), "--no-check"]) == 1
-    assert "holds other files (important.txt" in _one_error_line(capsys.readouterr().err)
+    assert "holds other files (important.txt" in one_error_line(capsys.readouterr().err)
     monkeypatch.chdir(keep)
     assert main(["fetch-demo", "--out", ".", "--no-check"]) == 1  # "." names the same folder
-    assert "holds other files" in _one_error_line(capsys.readouterr().err)
+    assert "holds other files" in one_error_line(capsys.readouterr().err)
     assert (keep / "important.txt").read_text() == "precious"
 
 
@@ -273,7 +273,7 @@ def test_bench_engine_options_are_usage_errors_before_any_work(tmp_path, capsys,
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
     for flag, value in (("--max-num-seqs", "0"), ("--gpu-memory-utilization", "5")):
         assert main(["bench", "latency", "--preset", "tiny", *CPU, flag, value]) == 2
-        assert _one_error_line(capsys.readouterr().err).startswith(f"error: {flag} must be")
+        assert one_error_line(capsys.readouterr().err).startswith(f"error: {flag} must be")
     assert not (tmp_path / "cache").exists()  # no model written, nothing measured
 
 
@@ -294,37 +294,41 @@ def test_bench_json_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeyp
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
     assert main(["bench", "latency", "--preset", "tiny", "--scale", "0.05", *CPU,
                  "--max-num-seqs", "4", "--json", "/dev/full"]) == 1
-    assert "cannot write '/dev/full' (No space left" in _one_error_line(capsys.readouterr().err)
+    assert "cannot write '/dev/full' (No space left" in one_error_line(capsys.readouterr().err)
 
 
-def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypatch):
+def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypatch, capsys):
     """--out . builds into the folder the shell sits in: the files appear there, the folder
-    itself (and what else it holds after a complete build) stays."""
+    itself (and what else it holds after a complete build) stays; the temp folder of a
+    killed build is no obstacle. The GGUF work is stood in for."""
     from cupy_llama import demo
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
-    calls = []
+    builds = []
+    monkeypatch.setattr(demo, "_open_gguf", lambda gguf_path, log: (None, Path("demo.gguf")))
 
-    def fake_build(out_dir, write):  # the real writer, with a stand-in for the GGUF work
-        calls.append(out_dir)
-        demo._write_atomically(out_dir, write)
-
-    def write(tmp):
+    def small_files(reader, tmp, log):
+        builds.append(tmp)
         for name in demo.MODEL_FILES:
-            (tmp / name).write_text(f"built {len(calls)}")
+            (tmp / name).write_text(f"built {len(builds)}")
+        return {}
 
+    monkeypatch.setattr(demo, "_write_small_files", small_files)
+    monkeypatch.setattr(demo, "convert_weights", lambda reader, config: {})
+    monkeypatch.setattr(demo, "write_safetensors",
+                        lambda path, tensors, metadata: path.write_text(f"built {len(builds)}"))
     inode = here.stat().st_ino
-    demo._check_out_dir(here.resolve())
-    fake_build(Path(".").resolve(), write)
-    assert sorted(p.name for p in here.iterdir()) == sorted(demo.MODEL_FILES)
+    (here / ".here.k3j2").mkdir()  # left by a build that was killed
+    assert main(["fetch-demo", "--out", ".", "--no-check"]) == 0
+    assert sorted(p.name for p in here.iterdir() if p.name != ".here.k3j2") == sorted(demo.MODEL_FILES)
     assert here.stat().st_ino == inode and Path.cwd() == here.resolve()
     (here / "notes.txt").write_text("mine")  # beside a complete build: allowed, and kept
-    demo._check_out_dir(here.resolve())
-    fake_build(here.resolve(), write)
+    assert main(["fetch-demo", "--out", ".", "--no-check", "--force"]) == 0
     assert (here / "notes.txt").read_text() == "mine"
     assert (here / "config.json").read_text() == "built 2"
-    assert not [p for p in here.iterdir() if p.name.startswith(".")]  # no temp folder left
+    assert len(builds) == 2 and not any(b.exists() for b in builds)  # no temp folder left
+    assert capsys.readouterr().out.splitlines()[-1] == str(here.resolve())
 
 
 def test_bench_says_which_options_the_cpu_ignores(tmp_path, capsys, monkeypatch):

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import one_error_line
 
 from cupy_llama.checkpoint import write_safetensors
 from cupy_llama.cli import main
@@ -155,10 +156,9 @@ def test_bad_model_dir_gives_one_line_and_exit_1(case, good_model, tmp_path, cap
     corrupt(model_dir)
     code = main(["info", "--model", str(model_dir), "--device", "cpu"])
     err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert keyword in lines[0].lower(), lines[0]
+    line = one_error_line(err)
+    assert len(err.strip().splitlines()) == 1 and keyword in line.lower(), err
 
 
 def test_console_script_prints_no_traceback(good_model, tmp_path):

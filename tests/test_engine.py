@@ -512,7 +512,7 @@ def test_params_may_be_any_iterable_and_chat_batches_may_be_tuples(llm):
     assert len(replies) == 2 and replies[0].token_ids == replies[1].token_ids
 
 
-def test_enforce_eager_takes_integer_and_numpy_booleans(model_dir):
+def test_enforce_eager_takes_integer_and_numpy_booleans():
     import numpy as np
     from cupy_llama.config import EngineConfig
     for value in (1, np.True_, np.int64(1)):

@@ -99,8 +99,12 @@ class _FakeKernel:
         self._allowed = value
 
 
-def test_opt_in_shared_sets_once_per_size_and_only_past_the_default():
+def test_opt_in_shared_sets_once_per_size_and_only_past_the_default(monkeypatch):
+    from cupy_llama.backends.cuda import kernels
     from cupy_llama.backends.cuda.kernels import DEFAULT_SHARED_LIMIT, opt_in_shared
+    # the cache is keyed by id() of kernels that live as long as the process; these fakes
+    # do not, and a later one may get a freed one's id
+    monkeypatch.setattr(kernels, "_opted_in", {})
     small = _FakeKernel()
     opt_in_shared(small, DEFAULT_SHARED_LIMIT - 1024, 1024)  # exactly the default: no opt-in
     assert (small.reads, small.writes) == (0, 0)
