@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError, RequestError
-from .sampling import SamplingParams
+from .sampling import GENERATION_DEFAULT_FIELDS, SamplingParams, model_samples
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -173,20 +173,25 @@ def _sampling_defaults(gen: dict) -> dict:
     blamed on the first request that takes them. Without do_sample: true they only matter
     to a request that asks to sample; as in transformers, one that is invalid is then
     ignored instead of refusing the model."""
-    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "do_sample")
+    defaults = {k: gen[k] for k in (*GENERATION_DEFAULT_FIELDS, "do_sample")
                 if gen.get(k) is not None}
     for name in [k for k in defaults if k != "do_sample"]:
         try:
             SamplingParams(**{name: defaults[name]})
         except RequestError as e:
-            if defaults.get("do_sample") is True:
+            if model_samples(defaults):
                 raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
             del defaults[name]
     return defaults
 
 
+def _is_number(value, kind=numbers.Real) -> bool:
+    """A Python or NumPy number of `kind` (numbers.Integral or Real), not a bool."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def _number(name: str, value, where: str = "config.json") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_number(value):
         raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
     return float(value)
 
@@ -257,18 +262,19 @@ class EngineConfig:
     enforce_eager: bool = False       # turn CUDA graphs off
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        # Python or NumPy numbers (never bools), stored as Python ones
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                     "num_kv_blocks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is None and name in ("max_model_len", "num_kv_blocks"):
+                continue
+            if not _is_number(value, numbers.Integral) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_model_len", "num_kv_blocks"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
         utilization = self.gpu_memory_utilization
-        if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
-                or not 0 < utilization <= 1):
+        if not _is_number(utilization, numbers.Real) or not 0 < utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        object.__setattr__(self, "gpu_memory_utilization", float(utilization))
         eager = self.enforce_eager
         numpy_bool = type(eager).__name__ in ("bool_", "bool")  # NumPy's, not an Integral
         if (isinstance(eager, numbers.Integral) or numpy_bool) and eager in (0, 1):

@@ -87,11 +87,16 @@ class SamplingParams:
         return cls(**merged)
 
 
+def model_samples(generation_defaults: dict) -> bool:
+    """Whether generation_config.json asks to sample: as in transformers, only when it says
+    `do_sample: true`; otherwise (no file, or no do_sample) the model decodes greedily."""
+    return bool(generation_defaults.get("do_sample", False))
+
+
 def model_sampling_defaults(generation_defaults: dict) -> dict:
-    """generation_config.json's sampling fields as SamplingParams values. As in
-    transformers, a model samples only when the file says `do_sample: true`; otherwise
-    (no file, or no do_sample) it decodes greedily."""
+    """generation_config.json's sampling fields as SamplingParams values, temperature 0
+    (greedy) unless the model samples (model_samples)."""
     defaults = {k: generation_defaults[k] for k in GENERATION_DEFAULT_FIELDS if k in generation_defaults}
-    if not generation_defaults.get("do_sample", False):
+    if not model_samples(generation_defaults):
         defaults["temperature"] = 0.0
     return defaults

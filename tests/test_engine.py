@@ -459,6 +459,9 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     gen = json.loads(gen_path.read_text())
     for bad, message in (({**gen, "top_k": -1}, "generation_config.json: top_k.*-1.*fix or remove"),
                          ({**gen, "temperature": "0.7"}, "generation_config.json: temperature"),
+                         # do_sample 1 samples (model_samples): its bad value is an error too
+                         ({**gen, "do_sample": 1, "temperature": -1},
+                          "generation_config.json: temperature"),
                          ([1, 2], "generation_config.json must hold a JSON object")):
         gen_path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=message):
@@ -510,6 +513,20 @@ def test_params_may_be_any_iterable_and_chat_batches_may_be_tuples(llm):
     conversation = ({"role": "user", "content": "a"},)
     replies = llm.chat((conversation, conversation), params[0])
     assert len(replies) == 2 and replies[0].token_ids == replies[1].token_ids
+
+
+def test_engine_numbers_may_be_numpy_and_are_stored_as_python_ones():
+    import numpy as np
+    from cupy_llama.config import EngineConfig
+    config = EngineConfig(max_num_seqs=np.int64(4), num_kv_blocks=np.int32(9),
+                          gpu_memory_utilization=np.float32(0.5))
+    assert (config.max_num_seqs, config.num_kv_blocks, config.gpu_memory_utilization) == (4, 9, 0.5)
+    assert type(config.max_num_seqs) is int and type(config.gpu_memory_utilization) is float
+    for bad in (np.True_, True, 2.0, np.float64(4.0)):
+        with pytest.raises(ConfigError, match="max_num_seqs must be a positive integer"):
+            EngineConfig(max_num_seqs=bad)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number"):
+        EngineConfig(gpu_memory_utilization=True)
 
 
 def test_enforce_eager_takes_integer_and_numpy_booleans():
