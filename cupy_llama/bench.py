@@ -61,6 +61,20 @@ def _stderr(message: str) -> None:
 
 # ---- settings -----------------------------------------------------------------------------
 
+def _check_writable(path: Path) -> None:
+    """--json is checked before measuring, not found out when the results are written: the
+    file is opened for appending (nothing written; removed again if this made it)."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise OptionError(f"--json: cannot write {str(path)!r} ({e.strerror or e}); pick "
+                          "another path") from None
+    if not existed:
+        path.unlink()
+
+
 @dataclass
 class BenchSettings:
     mode: str
@@ -101,6 +115,7 @@ class BenchSettings:
             if not parent.is_dir():
                 raise OptionError(f"--json: folder {str(parent)!r} does not exist; create it "
                                    "or pick another path")
+            _check_writable(Path(self.json_path).expanduser())
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -230,6 +230,7 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
     (["bench", "decode-sweep", "--batch-sizes", "0"], 2, "positive integers, got 0"),
     (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 2, "does not exist"),
     (["bench", "ttft", "--json", __file__ + "/out.json"], 2, "is a file, not a folder"),
+    (["bench", "ttft", "--preset", "tiny", "--json", "/proc/out.json"], 2, "cannot write '/proc/out.json'"),
     (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
 ])
 def test_usage_errors(args, code, message, capsys):
@@ -237,6 +238,17 @@ def test_usage_errors(args, code, message, capsys):
     assert main([*args, "--device", "cpu"]) == code
     err = capsys.readouterr().err
     assert message in one_error_line(err) and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_json_check_leaves_no_file_and_keeps_an_old_one(tmp_path):
+    from cupy_llama.bench import BenchSettings
+    new = tmp_path / "new.json"
+    BenchSettings(mode="latency", json_path=str(new))
+    assert not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    BenchSettings(mode="latency", json_path=str(old))
+    assert old.read_text() == "kept"
 
 
 def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):
