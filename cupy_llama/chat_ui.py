@@ -146,15 +146,21 @@ class ChatSession:
 
 # ---- one prompt from a pipe ---------------------------------------------------------------
 
+def piped_prompt(text: str) -> str:
+    """The message piped into `chat`, without the newline `echo` adds; RequestError when
+    there is none."""
+    prompt = text.strip()
+    if not prompt:
+        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
+                           "echo 'Hello' | cupy-llama chat")
+    return prompt
+
+
 def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     """Answer one prompt: the answer alone to stdout, statistics to stderr."""
     out = out or sys.stdout
     err = err or sys.stderr
-    prompt = prompt.strip()  # `echo` adds a newline the user did not mean as part of the message
-    if not prompt:
-        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
-                           "echo 'Hello' | cupy-llama chat")
-    for delta in session.reply(prompt):
+    for delta in session.reply(piped_prompt(prompt)):
         out.write(delta)
         out.flush()
     out.write("\n")

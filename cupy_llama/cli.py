@@ -152,16 +152,14 @@ def chat(model_dir, device, system, **options):
     """
     from rich.console import Console
 
-    from .chat_ui import ChatSession, run_once, run_terminal
+    from .chat_ui import ChatSession, piped_prompt, run_once, run_terminal
     from .sampling import SamplingParams, model_sampling_defaults
 
     values = {"max_tokens": CHAT_MAX_TOKENS, **_given(options, SAMPLING_NAMES)}
     engine = _given(options, ENGINE_NAMES)
     _check_options(values, engine)
-    piped = None if sys.stdin.isatty() else sys.stdin.read()
-    if piped is not None and not piped.strip():
-        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
-                           "echo 'Hello' | cupy-llama chat")
+    # a piped prompt is read (and an empty one refused) before the model loads
+    piped = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     llm = _load(model_dir or _demo_model_dir(), device, engine)
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
     session = ChatSession(llm, params, system)
@@ -448,6 +446,13 @@ def bench(mode, **options):
     return EXIT_OK
 
 
+def _command_flags(argv) -> set[str]:
+    """The option flags of the command that argv (default: sys.argv) runs."""
+    args = sys.argv[1:] if argv is None else argv
+    command = cli.commands.get(next((a for a in args if not a.startswith("-")), ""))
+    return {flag for param in (command.params if command else ()) for flag in param.opts}
+
+
 def main(argv=None) -> int:
     """Entry point: runs the CLI and maps errors to exit codes."""
     try:
@@ -472,26 +477,28 @@ def main(argv=None) -> int:
             message += f" (see '{context.command_path} --help')"
         click.echo(f"error: {message}", err=True)
         return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
-    except OptionError as e:
-        click.echo(f"error: {e}", err=True)
-        return EXIT_USAGE
     except CupyLlamaError as e:
         click.echo(f"error: {e}", err=True)
-        return EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, OptionError) else EXIT_ERROR
     except BrokenPipeError:
         return EXIT_OK
     except OSError as e:
         if e.filename is not None:  # a file or folder the user named, or the cache
-            click.echo(f"error: cannot use {e.filename!r} ({e.strerror or e})", err=True)
+            click.echo(f"error: cannot use {e.filename!r} ({e.strerror or e}); check the "
+                       "path and its permissions", err=True)
             return EXIT_ERROR
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):  # stdout on a full disk
-            click.echo(f"error: cannot write the output ({e.strerror})", err=True)
+        # stdout on a full disk (generate's output names itself: _Output)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            click.echo(f"error: cannot write the output ({e.strerror}); free some space or "
+                       "send the output elsewhere", err=True)
             return EXIT_ERROR
         raise  # not the user's doing: keep the traceback
     except MemoryError as e:  # host memory (NumPy) or GPU memory (CuPy)
         detail = (str(e).strip().splitlines() or ["out of memory"])[0]
-        click.echo(f"error: out of memory ({detail}); ask for less: --max-num-seqs, "
-                   "--num-kv-blocks, --gpu-memory-utilization", err=True)
+        flags = [f for f in ("--max-num-seqs", "--num-kv-blocks", "--gpu-memory-utilization")
+                 if f in _command_flags(argv)]
+        hint = f"; ask for less: {', '.join(flags)}" if flags else ""
+        click.echo(f"error: out of memory ({detail}){hint}", err=True)
         return EXIT_ERROR
     return result if isinstance(result, int) else EXIT_OK
 

@@ -238,7 +238,21 @@ def test_a_kv_cache_larger_than_memory_is_one_line_exit_1(model_dir, tmp_path, c
     prompts.write_text("hi\n")
     assert main(["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
                  "--num-kv-blocks", "99999999999"]) == 1
-    assert "out of memory" in one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
+    assert "out of memory" in line and "ask for less: --max-num-seqs, --num-kv-blocks" in line
+
+
+def test_out_of_memory_names_only_the_command_s_own_options(monkeypatch, capsys):
+    from cupy_llama import bench
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("cannot allocate")
+
+    monkeypatch.setattr(bench, "bench_command", out_of_memory)
+    assert main(["bench", "latency", "--preset", "tiny", *CPU]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line == ("error: out of memory (cannot allocate); ask for less: --max-num-seqs, "
+                    "--gpu-memory-utilization")
 
 
 def test_chat_with_empty_stdin_fails_before_loading(model_dir):
