@@ -70,8 +70,7 @@ class LLM:
             check_cuda_device()
             return "cuda"
         usable, reason = cuda_usable()
-        if not usable:  # the reason's closing hint, to run on the CPU, is what happens here
-            reason = reason.removesuffix(", or run with --device cpu")
+        if not usable:
             log(f"warning: running on the CPU (slow): {reason}")
             return "cpu"
         return "cuda"

@@ -5,6 +5,15 @@ from ...errors import DeviceError
 
 INSTALL_HINT = "install the cuda12 or cuda13 extra: pip install 'cupy-llama[cuda12]'"
 MIN_COMPUTE_CAPABILITY = 80  # bf16 arithmetic and storage: Ampere (sm_80) and newer
+CPU_HINT = ", or run with --device cpu"  # how every "no GPU" message ends
+
+
+def _no_gpu(reason: str) -> DeviceError:
+    """A DeviceError saying why the GPU cannot run the model, then CPU_HINT; its `reason`
+    is the message without the hint (cuda_usable's, for device="auto")."""
+    error = DeviceError(reason + CPU_HINT)
+    error.reason = reason
+    return error
 
 
 def import_cupy():
@@ -12,7 +21,7 @@ def import_cupy():
     try:
         import cupy
     except ImportError:
-        raise DeviceError(f"CuPy is not installed; {INSTALL_HINT}, or run with --device cpu") from None
+        raise _no_gpu(f"CuPy is not installed; {INSTALL_HINT}") from None
     return cupy
 
 
@@ -23,27 +32,27 @@ def check_cuda_device() -> int:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDARuntimeError, or a missing driver library
-        raise DeviceError(f"no usable CUDA GPU ({_one_line(e)}); check the NVIDIA driver "
-                          "with nvidia-smi, or run with --device cpu") from None
+        raise _no_gpu(f"no usable CUDA GPU ({_one_line(e)}); check the NVIDIA driver "
+                      "with nvidia-smi") from None
     if count < 1:
-        raise DeviceError("no CUDA GPU found; check the NVIDIA driver with nvidia-smi, "
-                          "or run with --device cpu")
+        raise _no_gpu("no CUDA GPU found; check the NVIDIA driver with nvidia-smi")
     device = cupy.cuda.Device()
     capability = int(device.compute_capability)
     if capability < MIN_COMPUTE_CAPABILITY:
         name = device_name(device)
-        raise DeviceError(f"GPU {device.id} ({name}) has compute capability "
-                          f"{capability // 10}.{capability % 10}, without bf16 support; "
-                          "cupy-llama needs 8.0 (Ampere) or newer, or run with --device cpu")
+        raise _no_gpu(f"GPU {device.id} ({name}) has compute capability "
+                      f"{capability // 10}.{capability % 10}, without bf16 support; "
+                      "cupy-llama needs 8.0 (Ampere) or newer")
     return capability
 
 
 def cuda_usable() -> tuple[bool, str]:
-    """For device="auto": (True, description) or (False, why not)."""
+    """For device="auto": (True, description) or (False, why not, without the hint to run
+    on the CPU: that is what happens then)."""
     try:
         capability = check_cuda_device()
     except DeviceError as e:
-        return False, str(e)
+        return False, getattr(e, "reason", str(e))
     import cupy
     device = cupy.cuda.Device()
     return True, f"GPU {device.id}: {device_name(device)} (sm_{capability})"
