@@ -156,11 +156,6 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     if settings.hf:
         from .bench_hf import check_hf_available
         check_hf_available(settings.device)
-    gpu_only = [option_flag(name) for name in ("enforce_eager", "gpu_memory_utilization")
-                if name in settings.engine]
-    if settings.device == "cpu" and gpu_only:
-        verb = "applies" if len(gpu_only) == 1 else "apply"
-        log(f"warning: {' and '.join(gpu_only)} {verb} to the GPU only; ignored on the CPU")
     if settings.model_dir is not None:  # a bad model folder fails before any measuring
         from .config import ModelConfig
         ModelConfig.from_dir(settings.model_dir)

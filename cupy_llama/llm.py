@@ -18,6 +18,9 @@ from .weights import open_checkpoint
 DEVICES = ("auto", "cpu", "cuda")
 
 
+GPU_ONLY_OPTIONS = ("enforce_eager", "gpu_memory_utilization")  # the CPU backend has neither
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -47,6 +50,10 @@ class LLM:
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = self._pick_device(device, log)
         if self.device == "cpu":
+            ignored = [name for name in GPU_ONLY_OPTIONS if name in engine_options]
+            if ignored:
+                verb = "applies" if len(ignored) == 1 else "apply"
+                log(f"warning: {' and '.join(ignored)} {verb} to the GPU only; ignored on the CPU")
             # modest defaults: the NumPy backend serves tests and small models
             engine_options.setdefault("max_num_seqs", 16)
             engine_options.setdefault("max_num_batched_tokens", 2048)

@@ -345,9 +345,12 @@ def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypat
     assert capsys.readouterr().out.splitlines()[-1] == str(here.resolve())
 
 
-def test_bench_says_which_options_the_cpu_ignores(tmp_path, capsys, monkeypatch):
+def test_commands_say_which_options_the_cpu_ignores(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
     assert main(["bench", "latency", "--preset", "tiny", "--scale", "0.05", *CPU,
                  "--max-num-seqs", "4", "--enforce-eager"]) == 0
     err = capsys.readouterr().err
-    assert "warning: --enforce-eager applies to the GPU only; ignored on the CPU" in err
+    assert "warning: enforce_eager applies to the GPU only; ignored on the CPU" in err
+    assert main([*_generate_args(model_dir, tmp_path), "--gpu-memory-utilization", "0.5"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: gpu_memory_utilization applies to the GPU only; ignored on the CPU" in err

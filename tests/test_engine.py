@@ -537,3 +537,13 @@ def test_enforce_eager_takes_integer_and_numpy_booleans():
     assert EngineConfig(enforce_eager=0).enforce_eager is False
     with pytest.raises(ConfigError, match="enforce_eager must be True or False, got 2"):
         EngineConfig(enforce_eager=2)
+
+
+def test_options_the_cpu_ignores_are_named_in_a_warning(model_dir):
+    lines = []
+    LLM(model_dir, device="cpu", log=lines.append, enforce_eager=True, gpu_memory_utilization=0.5)
+    assert ("warning: enforce_eager and gpu_memory_utilization apply to the GPU only; "
+            "ignored on the CPU") in lines
+    lines.clear()
+    LLM(model_dir, device="cpu", log=lines.append, max_num_seqs=2)
+    assert not [line for line in lines if line.startswith("warning:")]
