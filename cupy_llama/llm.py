@@ -46,6 +46,7 @@ class LLM:
             raise ConfigError(f"unknown LLM option {unknown[0]!r}; the options are "
                               f"{', '.join(sorted(options))}")
         started = time.perf_counter()
+        log = log or (lambda message: None)  # None: silent
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.device = self._pick_device(device, log)

@@ -479,6 +479,7 @@ def test_the_cpu_fallback_warning_does_not_suggest_the_cpu(model_dir):
     warnings = [line for line in lines if line.startswith("warning:")]
     assert llm.device == "cpu" and len(warnings) == 1
     assert "running on the CPU" in warnings[0] and "--device cpu" not in warnings[0]
+    assert LLM(model_dir, log=None).device == "cpu"  # log None: the fallback is silent
 
 
 def test_invalid_generation_fields_without_do_sample_are_ignored(model_dir, tmp_path):
@@ -547,3 +548,4 @@ def test_options_the_cpu_ignores_are_named_in_a_warning(model_dir):
     lines.clear()
     LLM(model_dir, device="cpu", log=lines.append, max_num_seqs=2)
     assert not [line for line in lines if line.startswith("warning:")]
+    LLM(model_dir, device="cpu", log=None, enforce_eager=True)  # log None: silent
