@@ -106,8 +106,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
                            FORWARD_FIELDS)
         assert_same_fields(runner.sampling_tensors(batch), reference_sampling(batch),
                            SAMPLING_FIELDS)
-        scheduler.update_after_step(batch)
-        for _, seq in batch.sampled_rows():
+        for _, seq in scheduler.update_after_step(batch):
             seq.output_token_ids.append(rng.randrange(1000))
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= blocks.num_blocks * block_size:
@@ -131,8 +130,7 @@ def test_a_preempted_sequence_gets_its_new_blocks():
         built = runner.build_batch(batch)
         assert_same_fields(built, reference_batch(batch, 4), FORWARD_FIELDS)
         seen.append([(seq.request_id, seq.slot, tuple(seq.block_table)) for seq in batch.seqs])
-        scheduler.update_after_step(batch)
-        for _, seq in batch.sampled_rows():
+        for _, seq in scheduler.update_after_step(batch):
             seq.output_token_ids.append(2)
             if len(seq.output_token_ids) >= params.max_tokens:
                 scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)

@@ -46,8 +46,7 @@ class Simulation:
         batch = self.scheduler.schedule()
         self.queue_after_schedule = (len(self.scheduler.running), len(self.scheduler.waiting))
         self.check_batch(batch)
-        self.scheduler.update_after_step(batch)
-        for _, seq in batch.sampled_rows():
+        for _, seq in self.scheduler.update_after_step(batch):
             seq.output_token_ids.append(FAKE_TOKEN)
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= self.context_limit:

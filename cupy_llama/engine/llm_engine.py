@@ -176,9 +176,8 @@ class LLMEngine:
 
     def _launch(self, batch) -> "_Launched":
         sampled = self.runner.run(batch)
-        self.scheduler.update_after_step(batch)
         waiting_for = []
-        for row, seq in batch.sampled_rows():
+        for row, seq in self.scheduler.update_after_step(batch):
             seq.output_token_ids.append(-(row + 1))
             waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
             if (len(seq.output_token_ids) >= seq.params.max_tokens

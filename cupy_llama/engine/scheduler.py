@@ -31,12 +31,6 @@ class ScheduledBatch:
     def __bool__(self):
         return bool(self.seqs)
 
-    def sampled_rows(self) -> list[tuple[int, Sequence]]:
-        """(row, sequence) of the sequences whose step ends in a sampled token: every known
-        token is in the cache once update_after_step has counted this step's (a prompt chunk
-        that is not the last wants none)."""
-        return [(row, seq) for row, seq in enumerate(self.seqs) if not seq.num_uncomputed_tokens]
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
@@ -156,8 +150,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_after_step(self, batch: ScheduledBatch) -> None:
-        """Mark this step's tokens computed (then batch.sampled_rows() says which sequences
-        want a sampled token)."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    def update_after_step(self, batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+        """Mark this step's tokens computed; returns (row, sequence) of the sequences whose
+        step ends in a sampled token, those with every known token in the cache now (a
+        prompt chunk that is not the last wants none)."""
+        sampled = []
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
+            if not seq.num_uncomputed_tokens:
+                sampled.append((row, seq))
+        return sampled
