@@ -126,8 +126,8 @@ DEFINE_GEMV(16, 4, 2)
 // A block of WARPS warps (SKINNY_WARPS; SKINNY_WIDE_WARPS for the wide variant) owns one
 // tile at a time and splits K among its warps (warp w takes k steps w, w + WARPS, ...;
 // SKINNY_UNROLL steps, i.e. 16 loads of 16 bytes per lane, in flight before the first
-// use); the warps' partial tiles are summed through
-// shared memory in a fixed order (deterministic). Blocks stride over the tiles, so a grid
+// use); the warps' partial tiles are summed through shared memory in a fixed order
+// (deterministic). Blocks stride over the tiles, so a grid
 // of one or two blocks per SM covers any N; x is staged once per block into shared
 // memory, each row padded so the warp's fragment reads hit distinct banks. Weights go
 // through the non-coherent path without L1 allocation: they are read once.
@@ -135,7 +135,9 @@ DEFINE_GEMV(16, 4, 2)
 // Latency: the weights do not depend on the kernel before, so every block loads the first
 // k steps of its first tile into registers, then lets the next kernel start and waits for
 // the one before (programmatic dependent launch, see launch.py; no-ops when launched
-// plainly), and stages x while its loads arrive. Likewise the first k steps of a block's
+// plainly), and stages x while its loads arrive; meanwhile the next group of k steps
+// (the first tile's second, or where one group holds a tile, the block's second tile) is
+// asked into L2 with a bulk prefetch (prefetch_rows). Likewise the first k steps of a block's
 // next tile are loaded before the current tile's sums are reduced, and what a tile's
 // epilogue reads besides the sums is loaded when the tile starts (EpilogueInputs: RoPE's
 // step metadata before the wait, the residual after it).

@@ -20,8 +20,9 @@
 //
 // Candidates. Tokens below max - CANDIDATE_CUT * temperature weigh less than e^-16 each,
 // and a trained model's next-token distribution puts few tokens above that (SmolLM2-135M-
-// Instruct at temperature 0.6 over 184 chat steps: a median of 282, at most 6,539). The pass that sums the row's mass also writes each thread's candidates (key,
-// index) to its own shared-memory slots, in its order. When every thread's candidates fit
+// Instruct at temperature 0.6 over 184 chat steps: a median of 282, at most 6,539). The
+// pass that sums the row's mass also writes each thread's candidates (key, index) to its
+// own shared-memory slots, in its order. When every thread's candidates fit
 // and the filters can only keep candidates (top-k with at least k of them; top-p alone
 // with their mass above the target), every later pass reads the slots instead of the
 // row. The selections see the same candidate keys, with exact integer counts and masses,
@@ -32,7 +33,7 @@
 #define ARGMAX_UNROLL 8    // 16-byte loads in flight per thread in the argmax pass
 #define SELECT_UNROLL 8    // a thread's elements loaded together in the radix passes (2 groups)
 #define ROW_GROUPS 4       // groups of 4 loaded together in the row's mass pass (4 16-byte loads)
-#define CDF_UNROLL 16      // a thread's elements loaded together in the draw's passes
+#define CDF_UNROLL 16      // a thread's elements loaded together in the mass and draw passes
 #define RADIX_BINS 256
 #define LOG2_E 1.4426950408889634f
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature

@@ -69,15 +69,20 @@ class ChatSession:
         self.system = system or None
         self.history: list[dict] = []   # user and assistant turns, alternating
         self.turns: list[TurnStats] = []
-        self.context_tokens = 0         # the conversation's tokens after the last reply
 
     def messages(self, user_text: str) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + self.history + [{"role": "user", "content": user_text}]
 
+    @property
+    def context_tokens(self) -> int:
+        """The conversation's tokens after the last reply (0 once cleared)."""
+        if not self.history or not self.turns:
+            return 0
+        return self.turns[-1].prompt_tokens + self.turns[-1].completion_tokens
+
     def clear(self) -> None:
         self.history = []
-        self.context_tokens = 0
 
     def set(self, name: str, value: str) -> str:
         """Change one sampling setting; RequestError (one line) for a bad name or value."""
@@ -128,7 +133,6 @@ class ChatSession:
             seconds_to_first_token=first_token_at - started,
             decode_seconds=(last_token_at or first_token_at) - first_token_at,
             finish_reason=output.finish_reason if finished else None))
-        self.context_tokens = self.turns[-1].prompt_tokens + self.turns[-1].completion_tokens
 
     def stats(self) -> str:
         if not self.turns:

@@ -71,7 +71,9 @@ class DecodeGraphs:
                          "last_token_indices": 5 * n + 1, "block_tables": 6 * n + 1}
         capacity = 6 * n + 1 + n * width
         self._host = pinned_array(cupy, capacity, np.int32)
-        self._host[self._offsets["block_tables"]:] = -1  # _stage writes only a batch's columns
+        # past a row's length its table is never read (see _stage); -1 so a stray read of a
+        # column no step has written would show
+        self._host[self._offsets["block_tables"]:] = -1
         self._device = cupy.zeros(capacity, np.int32)
         # one new token per sequence: these two never change
         self._field("query_start_loc", n + 1)[:] = np.arange(n + 1, dtype=np.int32)

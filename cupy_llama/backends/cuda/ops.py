@@ -2,9 +2,9 @@
 
 Step metadata and sampling settings reach the device through pinned staging buffers and
 one asynchronous copy each; only the sampled token ids come back (pinned, then one
-synchronize). Everything here, the CUDA events included, is made once, in the constructor:
-an event is recorded again every step, and a wait or synchronize on it takes its latest
-record."""
+synchronize). The buffers and CUDA events are made once, in the constructor (an event is
+recorded again every step, and a wait or synchronize on it takes its latest record), the
+sampling settings' views once per batch size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
