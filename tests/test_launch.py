@@ -54,7 +54,7 @@ def test_driver_builds_one_attribute_array_per_kind_of_launch():
         return 0
 
     driver = object.__new__(launch._Driver)  # no libcuda needed
-    driver._launch, driver._attributes = fake_launch, {}
+    driver._launch = fake_launch
     kinds = [(True, 1), (True, 8), (False, 1), (False, 8), (True, 1), (True, 8)]
     for programmatic, cluster in kinds:
         driver.launch(0x1000, (8, 1, 1), 128, 0, 0, [ctypes.c_int(1)], programmatic, cluster)

@@ -11,6 +11,7 @@ the clusters; graphs bake in what was set when they were captured."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 
@@ -40,9 +41,11 @@ def attribute(attribute_id: int, *values: int) -> _LaunchAttribute:
     return _LaunchAttribute(id=attribute_id, value=(ctypes.c_uint * 16)(*values))
 
 
+@functools.lru_cache(maxsize=None)
 def launch_attributes(programmatic: bool, cluster: int) -> tuple:
     """(CUlaunchAttribute array or None, count) of a launch: programmatic stream
-    serialization, and the cluster dimension where cluster > 1."""
+    serialization, and the cluster dimension where cluster > 1. Built once per kind of
+    launch (the cache keeps the array alive)."""
     attributes = []
     if programmatic:
         attributes.append(attribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1))
@@ -158,14 +161,10 @@ class _Driver:
         self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
-        self._attributes = {}  # (programmatic, cluster) -> launch_attributes(): built once
 
     def launch(self, function: int, grid: tuple, block: int, shared_bytes: int, stream: int,
                values: list, programmatic: bool, cluster: int = 1) -> None:
-        key = (bool(programmatic), cluster)
-        if key not in self._attributes:
-            self._attributes[key] = launch_attributes(*key)
-        attrs, count = self._attributes[key]
+        attrs, count = launch_attributes(bool(programmatic), cluster)
         config = _LaunchConfig(*grid, block, 1, 1, shared_bytes, stream, attrs, count)
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(value), ctypes.c_void_p) for value in values])
