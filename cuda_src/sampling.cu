@@ -349,7 +349,7 @@ __device__ Selected select_by_mass(SampleShared& sh, const View& view, Keep keep
         prefix = sh.selected.key;
         mask |= 0xFFu << shift;
         if (!found) break;  // the same for every thread
-        __syncthreads();    // sh.selected read before thread 0 updates it
+        // thread 0 writes sh.selected again only past the next pass's two barriers
     }
     Selected result = sh.selected;
     __syncthreads();
@@ -579,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     in.log2_scale = LOG2_E / temp;
     in.bits = splitmix64(splitmix64((unsigned long long)seeds[b]) ^
                          (unsigned long long)(unsigned int)steps[b]);
-    __syncthreads();  // sh.scratch is reused below
+    // sh.scratch is written again only past block_totals' barrier below
 
     // the row's pass: every weight summed in this thread's order, the candidates written
     // to this thread's slots (counted past the slots, so an overflow is seen)

@@ -147,6 +147,16 @@ def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, nu
             assert_close(got[finite], ref[finite], 0.05, 0.05, f"{what}: {name}")
 
 
+def test_programmatic_launches_are_usable_from_sm_90(cp):
+    """The tests below skip where launch attributes are unusable; on a GPU that has them
+    (sm_90 and newer) that would hide a broken launcher, so it fails here instead."""
+    from cupy_llama.backends.cuda import launch
+    from cupy_llama.backends.cuda.device import device_limits
+    if device_limits()["capability"] < 90:
+        pytest.skip("programmatic launches and clusters need sm_90 or newer")
+    assert launch.launch_attributes_usable()
+
+
 def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     """The programmatic (overlapping) launch only moves when a kernel starts: a chain of
     fused products gives the same bits with it on or off, eagerly and replayed from a

@@ -45,10 +45,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
         check("used_slots", used_slots, I32, shape=(num_seqs,))
     if slots is None:
         slots = default_slots()
-    elif not 0 <= int(slots) <= slot_room():
-        raise ValueError(f"slots must be in [0, {slot_room()}] on this GPU (its shared memory "
-                         f"per block), got {slots}")
-    slots = int(slots)
+    else:
+        slots = int(slots)
+        if not 0 <= slots <= slot_room():
+            raise ValueError(f"slots must be in [0, {slot_room()}] on this GPU (its shared "
+                             f"memory per block), got {slots}")
     if not num_seqs:
         return
     kernel = get_kernel("sampling", "sample_kernel")
