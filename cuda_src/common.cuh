@@ -111,28 +111,3 @@ __device__ __forceinline__ void let_next_kernel_start() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-
-// Signals between two kernels of a step, finer than the programmatic wait: each block of
-// the kernel before adds one to a counter in global memory once its last store is made,
-// and the kernel after goes on once the counter holds that kernel's block count, without
-// waiting for its blocks to exit and the grid to be retired. Release and acquire at GPU
-// scope, one thread per block (the block's barrier orders the other threads' stores before
-// the release, and its loads after the acquire). The kernel after must be launched only
-// once every block of the kernel before runs (programmatic launch: its blocks have all
-// called let_next_kernel_start), else a waiting block could hold the SM a missing one needs.
-__device__ __forceinline__ void signal_block_done(unsigned int* counter) {
-    __syncthreads();
-    if (threadIdx.x == 0)
-        asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(counter)
-                     : "memory");
-}
-
-__device__ __forceinline__ void wait_for_signal(const unsigned int* counter, unsigned int count) {
-    if (threadIdx.x == 0) {
-        unsigned int seen;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-        } while (seen < count);
-    }
-    __syncthreads();
-}

@@ -27,27 +27,15 @@ __device__ __forceinline__ void embedding_row(const int* __restrict__ token_ids,
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) put(dst + i, src[i], valid);
 }
 
-// The step's first kernel also zeroes the counters its skinny products signal through
-// (common.cuh signal_block_done): it is launched plainly, and lets no kernel start before
-// it ends.
-__device__ __forceinline__ void clear_signals(unsigned int* signals, int num_signals) {
-    if (blockIdx.x == 0)
-        for (int i = threadIdx.x; i < num_signals; i += blockDim.x) signals[i] = 0u;
-}
-
 extern "C" __global__ void embedding_kernel(const int* token_ids, const int* pending_tokens,
                                             int num_pending, const bf16* table, bf16* out,
-                                            int hidden, int vocab, unsigned int* signals,
-                                            int num_signals) {
-    clear_signals(signals, num_signals);
+                                            int hidden, int vocab) {
     embedding_row(token_ids, pending_tokens, num_pending, table, out, hidden, vocab);
 }
 
 extern "C" __global__ void embedding_f32_kernel(const int* token_ids, const int* pending_tokens,
                                                 int num_pending, const bf16* table, float* out,
-                                                int hidden, int vocab, unsigned int* signals,
-                                                int num_signals) {
-    clear_signals(signals, num_signals);
+                                                int hidden, int vocab) {
     embedding_row(token_ids, pending_tokens, num_pending, table, out, hidden, vocab);
 }
 

@@ -175,13 +175,10 @@ struct SkinnyArgs {
     const float* cos_sin;     // [max_pos, d]: cos in columns [0, d/2), sin in [d/2, d)
     bf16* k_cache;            // [num_blocks, block_size, nkv, d]
     bf16* v_cache;
-    const unsigned int* signal_in;  // counter the kernel before adds to, or null: see below
-    unsigned int* signal_out;       // counter this kernel's blocks add to when done, or null
     int m_rows, n, k;
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
-    int signal_count;         // signal_in's value once the kernel before is done
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -456,8 +453,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         load_row_metadata<EPI>(a, e_m, inputs);
         load_rotation<EPI>(a, rows, inputs);
     }
-    if (a.signal_in != nullptr) wait_for_signal(a.signal_in, (unsigned int)a.signal_count);
-    else wait_for_previous_kernel();
+    wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
     stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
     __syncthreads();
@@ -527,7 +523,6 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         rows = next_rows;
         buffer ^= 1;
     }
-    if (a.signal_out != nullptr) signal_block_done(a.signal_out);
 }
 
 #define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS)                               \

@@ -9,11 +9,10 @@ from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
 ROW_THREADS = 256
 
 
-def embedding(token_ids, table, out, pending_tokens=None, signals=None):
+def embedding(token_ids, table, out, pending_tokens=None):
     """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H] bf16
     or float32. pending_tokens [R] int32 (on the device): an id -(r + 1), r < R, stands
-    for pending_tokens[r] (a token sampled by the previous step, not yet on the host).
-    signals: uint32 counters the kernel zeroes (gemm.SignalChain), or None."""
+    for pending_tokens[r] (a token sampled by the previous step, not yet on the host)."""
     check("token_ids", token_ids, I32, ndim=1)
     vocab, hidden = check("table", table, BF16, ndim=2).shape
     check("out", out, _bf16_or_f32("out", out), shape=(token_ids.shape[0], hidden))
@@ -21,17 +20,11 @@ def embedding(token_ids, table, out, pending_tokens=None, signals=None):
         pending_tokens, num_pending = token_ids, 0  # never read
     else:
         num_pending = check("pending_tokens", pending_tokens, I32, ndim=1).shape[0]
-    num_signals = 0
-    if signals is None:
-        signals = token_ids  # never written
-    else:
-        num_signals = check("signals", signals, np.uint32, ndim=1).shape[0]
     kernel = "embedding_kernel" if out.dtype == BF16 else "embedding_f32_kernel"
     if out.shape[0]:
         get_kernel("embedding", kernel)(
             (out.shape[0],), (ROW_THREADS,),
-            (token_ids, pending_tokens, i32(num_pending), table, out, i32(hidden), i32(vocab),
-             signals, i32(num_signals)))
+            (token_ids, pending_tokens, i32(num_pending), table, out, i32(hidden), i32(vocab)))
 
 
 def gather_rows(x, indices, out):

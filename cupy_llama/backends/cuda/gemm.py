@@ -95,7 +95,7 @@ def skinny_gemm() -> str:
     return _skinny if _skinny in SKINNY_CHOICES else "auto"
 
 
-def linear(x, weight, out, accumulate: bool = False, chain: SignalChain | None = None):
+def linear(x, weight, out, accumulate: bool = False):
     """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major.
     accumulate: out (float32) += x @ weight.T (the residual stream takes a sublayer's
     output this way, with no rounding to bf16 in between)."""
@@ -105,10 +105,8 @@ def linear(x, weight, out, accumulate: bool = False, chain: SignalChain | None =
         return
     kernel = chosen_kernel(n_cols, k, m_rows, accumulate)
     if kernel == "mma" and mma_unsupported(x, weight) is None:
-        _launch_mma(x, weight, out, accumulate, chain)
-        return
-    _cut(chain)
-    if kernel == "gemv" and gemv_supported(x, weight):
+        _launch_mma(x, weight, out, accumulate)
+    elif kernel == "gemv" and gemv_supported(x, weight):
         _launch_gemv(x, weight, out)
     else:
         cublas_linear(x, weight, out, accumulate)
@@ -250,44 +248,11 @@ class SkinnyArgs(ctypes.Structure):
                 ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
                 ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("signal_in", ctypes.c_void_p),
-                ("signal_out", ctypes.c_void_p), ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
+                ("v_cache", ctypes.c_void_p),
+                ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float), ("signal_count", ctypes.c_int)]
-
-
-class SignalChain:
-    """Counters in device memory through which the consecutive skinny products of one step
-    hand over (common.cuh wait_for_signal): a product launched right after another waits
-    for that one's blocks to be done, not for its grid to be retired. `start` at the step's
-    first kernel, which zeroes the counters; `cut` wherever any other kernel is launched,
-    so the next product waits for that kernel the programmatic way."""
-
-    def __init__(self, counters):
-        self.counters = counters  # uint32 [n] on the device
-        self._next = 0
-        self._last = None  # (counter pointer, block count) of the product just launched
-
-    def start(self) -> None:
-        self._next, self._last = 0, None
-
-    def cut(self) -> None:
-        self._last = None
-
-    def link(self, args: "SkinnyArgs", blocks: int) -> None:
-        if self._last is not None:
-            args.signal_in, args.signal_count = self._last
-        self._last = None
-        if self._next < self.counters.size:
-            pointer = self.counters.data.ptr + 4 * self._next
-            self._next += 1
-            args.signal_out, self._last = pointer, (pointer, blocks)
-
-
-def _cut(chain) -> None:
-    if chain is not None:
-        chain.cut()
+                ("eps", ctypes.c_float)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -329,10 +294,10 @@ def mma(x, weight, out):
         _launch_mma(x, weight, out)
 
 
-def _launch_mma(x, weight, out, accumulate=False, chain=None):
+def _launch_mma(x, weight, out, accumulate=False):
     mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
     args = SkinnyArgs(x=x.data.ptr, w=weight.data.ptr, out=out.data.ptr, out_mode=mode)
-    _launch_skinny("skinny", x.shape[0], weight.shape[0], x.shape[1], args, chain)
+    _launch_skinny("skinny", x.shape[0], weight.shape[0], x.shape[1], args)
 
 
 # fused variants (gemv.cu): the x rows are the float32 residual stream, normalized by the
@@ -366,7 +331,7 @@ def _check_norm_product(x, norm_weight, weight):
     return m_rows, k
 
 
-def norm_linear(x, norm_weight, eps, weight, out, chain: SignalChain | None = None) -> bool:
+def norm_linear(x, norm_weight, eps, weight, out) -> bool:
     """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K], weight
     [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused kernel
     cannot take it, or where the switch (or under "auto" the choice table) names another
@@ -383,11 +348,11 @@ def norm_linear(x, norm_weight, eps, weight, out, chain: SignalChain | None = No
     args = _norm_args(x, norm_weight, eps, weight, out)
     args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
     if m_rows:
-        _launch_skinny("skinny_norm", m_rows, n, k, args, chain)
+        _launch_skinny("skinny_norm", m_rows, n, k, args)
     return True
 
 
-def norm_gate_up_silu(x, norm_weight, eps, weight, out, chain: SignalChain | None = None) -> bool:
+def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
     """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
     rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
     if x.shape[0] > SKINNY_MAX_ROWS:
@@ -400,12 +365,12 @@ def norm_gate_up_silu(x, norm_weight, eps, weight, out, chain: SignalChain | Non
         return False
     if m_rows:
         _launch_skinny("skinny_norm_silu", m_rows, n, k,
-                       _norm_args(x, norm_weight, eps, weight, out), chain)
+                       _norm_args(x, norm_weight, eps, weight, out))
     return True
 
 
 def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin, k_cache,
-                  v_cache, q_out, chain: SignalChain | None = None) -> bool:
+                  v_cache, q_out) -> bool:
     """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py), in
     one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d]. False where
     it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
@@ -423,23 +388,16 @@ def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
     args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
     args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
     if m_rows:
-        _launch_skinny("skinny_norm_rope", m_rows, weight.shape[0], k, args, chain)
+        _launch_skinny("skinny_norm_rope", m_rows, weight.shape[0], k, args)
     return True
 
 
-def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs,
-                   chain: SignalChain | None = None) -> None:
+def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
     import cupy
     kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
-    programmatic = launch.programmatic_launches()
-    if chain is not None:
-        if programmatic:
-            chain.link(args, grid)
-        else:
-            chain.cut()
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, programmatic)
+                  args, launch.programmatic_launches())
 
 
 _mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes)

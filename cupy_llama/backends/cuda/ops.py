@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import os
-
 import numpy as np
 
 from ..base import ForwardBatch, SamplingTensors, SublayerOps
@@ -96,18 +94,6 @@ class CudaOps(SublayerOps):
         self.max_decode_splits = attention_kernels.max_decode_splits(max_model_len)
         self.num_sms = device_limits()["sms"]
         self._decode_split_key = self._decode_split = None  # the last decode_split
-        # the skinny products of a step hand over through counters (gemm.SignalChain): four
-        # per layer is more than a step launches
-        self._chain = None
-        if os.environ.get("CUPY_LLAMA_SIGNALS", "0") == "1":
-            self._chain = gemm.SignalChain(cupy.zeros(self.SIGNALS, np.uint32))
-
-    SIGNALS = 512  # counters of a step's skinny products; past them a product waits plainly
-
-    def _cut(self) -> None:
-        """Another kernel than a skinny product comes next on the stream."""
-        if self._chain is not None:
-            self._chain.cut()
 
     def empty(self, shape, dtype=None):
         return self._cupy.empty(shape, dtype=self.act_dtype if dtype is None else dtype)
@@ -147,45 +133,36 @@ class CudaOps(SublayerOps):
                            is_decode_only=bool(batch.is_decode_only))
 
     def embedding(self, token_ids, table, out):
-        signals = None
-        if self._chain is not None:
-            self._chain.start()
-            signals = self._chain.counters
-        elementwise.embedding(token_ids, table, out, pending_tokens=self._tokens_device,
-                              signals=signals)
+        elementwise.embedding(token_ids, table, out, pending_tokens=self._tokens_device)
 
     def rms_norm(self, x, weight, eps, out):
-        self._cut()
         elementwise.rms_norm(x, weight, eps, out)
 
     def linear(self, x, weight, out, accumulate=False):
-        gemm.linear(x, weight, out, accumulate, chain=self._chain)
+        gemm.linear(x, weight, out, accumulate)
 
     # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
     # else composed (SublayerOps)
     def norm_linear(self, x, norm_weight, eps, weight, out, h):
-        if not gemm.norm_linear(x, norm_weight, eps, weight, out, chain=self._chain):
+        if not gemm.norm_linear(x, norm_weight, eps, weight, out):
             super().norm_linear(x, norm_weight, eps, weight, out, h)
 
     def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
-        if not gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out, chain=self._chain):
+        if not gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out):
             super().norm_gate_up_silu(x, norm_weight, eps, weight, out, h, gate_up)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
                       q_out, h, qkv):
         if not gemm.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
-                                  meta.slot_mapping, cos_sin, k_cache, v_cache, q_out,
-                                  chain=self._chain):
+                                  meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv)
 
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
-        self._cut()
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
                                    k_cache, v_cache, q_out)
 
     def attention(self, q, k_cache, v_cache, meta, scale, out):
-        self._cut()
         num_splits, clusters = 1, False
         if meta.is_decode_only:
             num_splits, clusters = self.decode_split(
@@ -220,11 +197,9 @@ class CudaOps(SublayerOps):
             head_dim=head_dim, max_seq_len=max_seq_len, num_sms=self.num_sms)
 
     def silu_and_mul(self, gate_up, out):
-        self._cut()
         elementwise.silu_and_mul(gate_up, out)
 
     def gather_rows(self, x, indices, out):
-        self._cut()
         elementwise.gather_rows(x, indices, out)
 
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
@@ -253,7 +228,6 @@ class CudaOps(SublayerOps):
     def sample_async(self, logits, sampling: SamplingTensors) -> "PendingTokens":
         """Queue the sampling kernel and the copy of its tokens to the host; returns at once.
         The tokens stay on the device too, where the next step's embedding reads them."""
-        self._cut()
         B, n = logits.shape[0], self.max_num_seqs
         if B > n:
             raise ValueError(f"logits: {B} rows exceeds max_num_seqs {n}")
