@@ -441,7 +441,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         // group, or where one group holds a whole tile, the block's next tile
         constexpr int GROUP_K = WARPS * SKINNY_UNROLL * SKINNY_STEP;
         if (warp == 0 && t == 0) {
-            if (GROUP_K < a.k) prefetch_rows(a, rows, GROUP_K, a.k - GROUP_K);
+            if (GROUP_K < a.k) prefetch_rows(a, rows, GROUP_K, GROUP_K);
             else if (blockIdx.x + gridDim.x < tiles)
                 prefetch_rows(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
         }
