@@ -50,7 +50,7 @@ def peaked_rows(rng, rows: int, vocab: int) -> np.ndarray:
 
 
 def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
-    """{batch: {case: (us per call, rows served by the slots or None)}}"""
+    """{batch: {case: (us per call, rows the slots served)}}"""
     from cupy_llama.backends.cuda import perf
     logits = cupy.asarray(rows)
     result = {}

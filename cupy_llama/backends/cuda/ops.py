@@ -205,24 +205,24 @@ class CudaOps(SublayerOps):
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
-    # the settings buffers: [seeds u64 | temperature f32 | top_k i32 | top_p f32 | min_p f32 |
-    # steps i32], max_num_seqs of each: (dtype, offset in units of max_num_seqs bytes)
-    SAMPLING_FIELDS = ((np.uint64, 0), (np.float32, 8), (np.int32, 12), (np.float32, 16),
-                       (np.float32, 20), (np.int32, 24))
-    SAMPLING_BYTES = 28  # per sequence, all six fields
+    # the settings buffers: max_num_seqs of each SamplingTensors field, field after field
+    # (the 8-byte seeds first, so every field is aligned)
+    SAMPLING_FIELDS = (("seeds", np.uint64), ("temperature", np.float32), ("top_k", np.int32),
+                       ("top_p", np.float32), ("min_p", np.float32), ("steps", np.int32))
+    SAMPLING_BYTES = sum(np.dtype(dtype).itemsize for _, dtype in SAMPLING_FIELDS)  # per sequence
 
-    def _sampling_views(self, B: int) -> tuple[list, list]:
-        """The host and device views of the first B entries of each settings field, made
-        once per B."""
+    def _sampling_views(self, B: int) -> tuple[dict, dict, Any]:
+        """The host and device views ({field: array}) of the first B entries of each settings
+        field, and the first B device tokens: made once per B."""
         views = self._sampling_view_cache.get(B)
         if views is None:
-            n = self.max_num_seqs
-            views = ([], [])
-            for dtype, offset in self.SAMPLING_FIELDS:
-                start, size = offset * n, B * np.dtype(dtype).itemsize
-                views[0].append(self._sampling_host[start:start + size].view(dtype))
-                views[1].append(self._sampling_device[start:start + size].view(dtype))
-            self._sampling_view_cache[B] = views
+            host, device, start = {}, {}, 0
+            for name, dtype in self.SAMPLING_FIELDS:
+                stop = start + B * np.dtype(dtype).itemsize
+                host[name] = self._sampling_host[start:stop].view(dtype)
+                device[name] = self._sampling_device[start:stop].view(dtype)
+                start += self.max_num_seqs * np.dtype(dtype).itemsize
+            views = self._sampling_view_cache[B] = (host, device, self._tokens_device[:B])
         return views
 
     def sample_async(self, logits, sampling: SamplingTensors) -> "PendingTokens":
@@ -236,11 +236,9 @@ class CudaOps(SublayerOps):
         # right behind the token copy of two steps ago, whose tokens the caller already has
         # (PendingTokens), so this hardly ever waits
         self._sampling_copied.synchronize()
-        host_views, on_device = self._sampling_views(B)
-        values = (sampling.seeds, sampling.temperature, sampling.top_k, sampling.top_p,
-                  sampling.min_p, sampling.steps)
-        for view, field in zip(host_views, values):
-            view[:] = np.asarray(field).reshape(B)
+        host_views, on_device, tokens = self._sampling_views(B)
+        for name, view in host_views.items():
+            view[:] = np.asarray(getattr(sampling, name)).reshape(B)
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
@@ -253,9 +251,9 @@ class CudaOps(SublayerOps):
                             copy.ptr)
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
-        seeds, temperature, top_k, top_p, min_p, steps = on_device
-        tokens = self._tokens_device[:B]
-        sampling_kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens)
+        d = on_device
+        sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"], d["min_p"],
+                                d["seeds"], d["steps"], tokens)
         self._sampled.record(stream)
         # the tokens: copied back while the step stream goes on to the next step
         copy.wait_event(self._sampled)
