@@ -9,11 +9,8 @@ CPU_HINT = ", or run with --device cpu"  # how every "no GPU" message ends
 
 
 def _no_gpu(reason: str) -> DeviceError:
-    """A DeviceError saying why the GPU cannot run the model, then CPU_HINT; its `reason`
-    is the message without the hint (cuda_usable's, for device="auto")."""
-    error = DeviceError(reason + CPU_HINT)
-    error.reason = reason
-    return error
+    """A DeviceError saying why the GPU cannot run the model, then CPU_HINT."""
+    return DeviceError(reason + CPU_HINT)
 
 
 def import_cupy():
@@ -52,7 +49,7 @@ def cuda_usable() -> tuple[bool, str]:
     try:
         capability = check_cuda_device()
     except DeviceError as e:
-        return False, getattr(e, "reason", str(e))
+        return False, str(e).removesuffix(CPU_HINT)
     import cupy
     device = cupy.cuda.Device()
     return True, f"GPU {device.id}: {device_name(device)} (sm_{capability})"
