@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench_report import _num, add_ratios, commit_info, environment, format_table, sweep_batch
-from .errors import OptionError, RequestError, option_flag
+from .errors import OptionError, RequestError, check_output_path, option_flag
 from .sampling import SamplingParams
 
 MODES = ("throughput", "latency", "ttft", "decode-sweep")
@@ -60,20 +60,6 @@ def _stderr(message: str) -> None:
 
 
 # ---- settings -----------------------------------------------------------------------------
-
-def _check_writable(path: Path) -> None:
-    """--json is checked before measuring, not found out when the results are written: the
-    file is opened for appending (nothing written; removed again if this made it)."""
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise OptionError(f"--json: cannot write {str(path)!r} ({e.strerror or e}); pick "
-                          "another path") from None
-    if not existed:
-        path.unlink()
-
 
 @dataclass
 class BenchSettings:
@@ -108,14 +94,7 @@ class BenchSettings:
         if self.seed < 0:
             raise OptionError(f"--seed must be >= 0, got {self.seed}")
         if self.json_path is not None:
-            parent = Path(self.json_path).expanduser().resolve().parent
-            if parent.exists() and not parent.is_dir():
-                raise OptionError(f"--json: {str(parent)!r} is a file, not a folder; pick "
-                                  "another path")
-            if not parent.is_dir():
-                raise OptionError(f"--json: folder {str(parent)!r} does not exist; create it "
-                                   "or pick another path")
-            _check_writable(Path(self.json_path).expanduser())
+            check_output_path(self.json_path, "--json")
 
     @property
     def modes(self) -> tuple[str, ...]:

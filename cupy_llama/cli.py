@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from .errors import ConfigError, CupyLlamaError, OptionError, RequestError, option_flag
+from .errors import (ConfigError, CupyLlamaError, OptionError, RequestError,
+                     check_output_path, option_flag)
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -214,6 +215,8 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
         del defaults["stop"]
     engine = _given(options, ENGINE_NAMES)
     _check_options(defaults, engine)
+    if output_path != "-":
+        check_output_path(output_path, "--output")
     llm = _load(model_dir, device, engine)
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults)

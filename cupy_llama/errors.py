@@ -42,3 +42,27 @@ class OptionError(RequestError):
 def option_flag(name: str) -> str:
     """The command-line flag of an option's Python name: max_num_seqs -> --max-num-seqs."""
     return "--" + name.replace("_", "-")
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """An output file named by option `flag` is checked before the work, not found out when
+    the results are written: its folder must exist and the file open for appending
+    (nothing is written, and a file this made is removed again). OptionError if not."""
+    from pathlib import Path
+
+    target = Path(path).expanduser()
+    parent = target.resolve().parent
+    if parent.exists() and not parent.is_dir():
+        raise OptionError(f"{flag}: {str(parent)!r} is a file, not a folder; pick another path")
+    if not parent.is_dir():
+        raise OptionError(f"{flag}: folder {str(parent)!r} does not exist; create it or pick "
+                          "another path")
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as e:
+        raise OptionError(f"{flag}: cannot write {path!r} ({e.strerror or e}); pick another "
+                          "path") from None
+    if not existed:
+        target.unlink()

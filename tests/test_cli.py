@@ -121,14 +121,28 @@ def cli(*args, stdin=None):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_missing_model_dir_is_one_line_exit_1(tmp_path):
+def _generate_args(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    result = cli("generate", "--model", str(tmp_path / "nope"), "--input", str(prompts), *CPU)
+    return ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
+            "--max-tokens", "2"]
+
+
+def test_missing_model_dir_is_one_line_exit_1(tmp_path):
+    result = cli(*_generate_args(tmp_path / "nope", tmp_path))
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(error_lines) == 1 and "does not exist" in error_lines[0]
+    assert "does not exist" in one_error_line(result.stderr)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_loading(tmp_path, capsys):
+    # the model folder does not exist either: the output is checked first
+    generate = _generate_args(tmp_path / "nope", tmp_path)
+    assert main([*generate, "--output", str(tmp_path / "no-folder" / "out.jsonl")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --output: folder") and "does not exist" in line
+    assert main([*generate, "--output", str(tmp_path / "p.txt" / "out.jsonl")]) == 2
+    assert "is a file, not a folder" in one_error_line(capsys.readouterr().err)
 
 
 def test_bad_model_is_one_line_exit_1(model_dir, tmp_path):
@@ -190,9 +204,7 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
 
 
 def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_path, capsys):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("hi\n")
-    generate = ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU]
+    generate = _generate_args(model_dir, tmp_path)
     for extra, flag in ((["--max-tokens", "-1"], "--max-tokens"), (["--top-p", "1.5"], "--top-p"),
                         (["--max-model-len", "0"], "--max-model-len"),
                         (["--gpu-memory-utilization", "7"], "--gpu-memory-utilization")):
@@ -205,13 +217,6 @@ def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_p
     assert main([*generate, "--no-such-option"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert "--no-such-option" in line and "cupy-llama generate --help" in line
-
-
-def _generate_args(model_dir, tmp_path):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("hi\n")
-    return ["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
-            "--max-tokens", "2"]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -234,10 +239,7 @@ def test_an_unreadable_input_is_one_line_exit_1(model_dir, tmp_path, capsys, mon
 
 
 def test_a_kv_cache_larger_than_memory_is_one_line_exit_1(model_dir, tmp_path, capsys):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("hi\n")
-    assert main(["generate", "--model", str(model_dir), "--input", str(prompts), *CPU,
-                 "--num-kv-blocks", "99999999999"]) == 1
+    assert main([*_generate_args(model_dir, tmp_path), "--num-kv-blocks", "99999999999"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "out of memory" in line and "ask for less: --max-num-seqs, --num-kv-blocks" in line
 
