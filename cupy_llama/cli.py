@@ -303,18 +303,16 @@ def info(model_dir, device, **options):
     """Show a model's shape, parameter count, dtype and memory plan on a device."""
     from .config import ModelConfig
 
-    config = ModelConfig.from_dir(model_dir)
     engine = _given(options, ENGINE_NAMES)
     _check_options({}, engine)
+    config = ModelConfig.from_dir(model_dir)
     if device == "auto":
         device = _auto_device()
-    elif device == "cuda":  # fails before half the report is printed
-        from .backends.cuda import check_cuda_device
-        check_cuda_device()
-    for label, value in _describe(config):
-        click.echo(f"{label:<14}{value}")
+    # the plan first: an error there (no GPU, say) comes before any of the report
     rows = _cpu_memory_plan(model_dir, config, engine) if device == "cpu" \
         else _loaded_memory_plan(model_dir, device, engine)
+    for label, value in _describe(config):
+        click.echo(f"{label:<14}{value}")
     click.echo(f"memory plan ({device}):")
     width = max(len(label) for label, _ in rows) + 2
     for label, value in rows:

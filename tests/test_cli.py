@@ -163,6 +163,8 @@ def test_usage_errors_exit_2(model_dir, tmp_path):
                  str(tmp_path / "missing.txt")]) == 2
     assert main(["chat", "--device", "tpu"]) == 2
     assert main(["no-such-command"]) == 2
+    # an option's value is checked before the model folder is read
+    assert main(["info", "--model", str(tmp_path / "nope"), "--max-num-seqs", "0"]) == 2
 
 
 def test_unknown_input_format_is_a_usage_error(model_dir, tmp_path, capsys):
