@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError, RequestError
-from .sampling import GENERATION_DEFAULT_FIELDS, SamplingParams, model_samples
+from .sampling import GENERATION_DEFAULT_FIELDS, SamplingParams, as_flag, model_samples
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -275,12 +275,10 @@ class EngineConfig:
         if not _is_number(utilization, numbers.Real) or not 0 < utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         object.__setattr__(self, "gpu_memory_utilization", float(utilization))
-        eager = self.enforce_eager
-        numpy_bool = type(eager).__name__ in ("bool_", "bool")  # NumPy's, not an Integral
-        if (isinstance(eager, numbers.Integral) or numpy_bool) and eager in (0, 1):
-            object.__setattr__(self, "enforce_eager", bool(eager))  # 0 / 1, NumPy ints and bools
-        if not isinstance(self.enforce_eager, bool):
-            raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
+        eager = as_flag(self.enforce_eager)
+        if eager is None:
+            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        object.__setattr__(self, "enforce_eager", eager)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

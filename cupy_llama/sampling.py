@@ -20,6 +20,15 @@ def as_float32(value: float) -> float:
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 
 
+def as_flag(value) -> bool | None:
+    """A yes/no setting as a bool: Python or NumPy bools, and the integers 0 and 1 (Python
+    or NumPy); None for anything else. SamplingParams and EngineConfig take flags this way."""
+    is_numpy_bool = type(value).__name__ in ("bool_", "bool")  # np.bool_ is not Integral
+    if (isinstance(value, numbers.Integral) or is_numpy_bool) and value in (0, 1):
+        return bool(value)
+    return None
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
@@ -34,6 +43,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if as_flag(self.ignore_eos) is not None:
+            self.ignore_eos = as_flag(self.ignore_eos)
         # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
         for name in ("top_k", "max_tokens", "seed"):
             value = getattr(self, name)

@@ -540,6 +540,16 @@ def test_enforce_eager_takes_integer_and_numpy_booleans():
         EngineConfig(enforce_eager=2)
 
 
+def test_ignore_eos_takes_flags_as_enforce_eager_does():
+    import numpy as np
+    for value in (1, np.True_, np.int64(1), True):
+        assert SamplingParams(ignore_eos=value).ignore_eos is True
+    assert SamplingParams(ignore_eos=np.False_).ignore_eos is False
+    for bad in (2, "yes", 1.0, None):
+        with pytest.raises(RequestError, match="ignore_eos must be true or false"):
+            SamplingParams(ignore_eos=bad)
+
+
 def test_options_the_cpu_ignores_are_named_in_a_warning(model_dir):
     lines = []
     LLM(model_dir, device="cpu", log=lines.append, enforce_eager=True, gpu_memory_utilization=0.5)
