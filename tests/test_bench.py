@@ -96,6 +96,8 @@ def test_a_named_commit_wins_and_git_is_kept_beside_it(monkeypatch):
     assert bench_report.commit_info(None) == {"commit": "752737c0ffee-dirty", "commit_source": "git"}
     monkeypatch.setattr(bench_report, "git_commit", lambda root: "752737c0ffee")
     assert bench_report.commit_info("752737c") == {"commit": "752737c", "commit_source": "--commit"}
+    # another commit than git's clean HEAD: git's word is kept too
+    assert bench_report.commit_info("3e80ac8")["git_reported"] == "752737c0ffee"
     monkeypatch.setenv("CUPY_LLAMA_COMMIT", "abc1234")
     assert bench_report.commit_info(None)["commit_source"] == "CUPY_LLAMA_COMMIT"
     monkeypatch.setattr(bench_report, "git_commit", lambda root: None)
@@ -230,12 +232,14 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
     (["bench", "decode-sweep", "--batch-sizes", "0"], 2, "positive integers, got 0"),
     (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 2, "does not exist"),
     (["bench", "ttft", "--json", __file__ + "/out.json"], 2, "is a file, not a folder"),
-    (["bench", "ttft", "--preset", "tiny", "--json", "/proc/out.json"], 2, "cannot write '/proc/out.json'"),
+    (["bench", "ttft", "--json", "/proc/out.json"], 2, "cannot write '/proc/out.json'"),
     (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
 ])
-def test_usage_errors(args, code, message, capsys):
-    """Bad option values are usage errors (2), one line; a missing model is a runtime one."""
-    assert main([*args, "--device", "cpu"]) == code
+def test_usage_errors(args, code, message, capsys, tmp_path, monkeypatch):
+    """Bad option values are usage errors (2), one line; a missing model is a runtime one.
+    (A tiny model in a cache of the test's own, should a check let a row through.)"""
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    assert main([*args, "--device", "cpu", "--preset", "tiny"]) == code
     err = capsys.readouterr().err
     assert message in one_error_line(err) and len(err.strip().splitlines()) == 1, err
 

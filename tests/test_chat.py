@@ -1,5 +1,6 @@
 """`cupy-llama chat`: the session logic in-process, the pipe mode, and the interactive UI
 driven through a pseudo-terminal."""
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -247,11 +248,13 @@ def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
 
 
 def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
-    session = ChatSession(llm, GREEDY)
-    for _ in session.reply("hello"):
-        pass
-    turn = session.turns[-1]
-    in_use = turn.prompt_tokens + turn.completion_tokens
-    assert in_use > 0 and f"context: {in_use} of" in session.stats()
+    # a reply of exactly 5 tokens; the context after it is the last prompt (the whole
+    # conversation through the chat template) and that reply, not a sum over the turns
+    session = ChatSession(llm, replace(GREEDY, max_tokens=5, ignore_eos=True))
+    for text in ("hello", "and again"):
+        prompt = llm.tokenizer.encode_chat(session.messages(text), add_generation_prompt=True)
+        for _ in session.reply(text):
+            pass
+    assert f"context: {len(prompt) + 5} of" in session.stats()
     session.clear()
     assert f"context: 0 of {llm.max_model_len} tokens in use" in session.stats()

@@ -267,6 +267,13 @@ def test_chat_with_empty_stdin_fails_before_loading(model_dir):
 
 
 def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
+    from cupy_llama import demo
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the guard let fetch-demo build")
+
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo, "_open_gguf", no_download)
     keep = tmp_path / "mine"
     keep.mkdir()
     (keep / "important.txt").write_text("precious")

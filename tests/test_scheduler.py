@@ -46,7 +46,12 @@ class Simulation:
         batch = self.scheduler.schedule()
         self.queue_after_schedule = (len(self.scheduler.running), len(self.scheduler.waiting))
         self.check_batch(batch)
-        for _, seq in self.scheduler.update_after_step(batch):
+        # a row wants a sampled token when this step brings its last known token in
+        wanted = [(row, id(seq)) for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                  if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = self.scheduler.update_after_step(batch)
+        assert [(row, id(seq)) for row, seq in sampled] == wanted
+        for _, seq in sampled:
             seq.output_token_ids.append(FAKE_TOKEN)
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= self.context_limit:
