@@ -216,11 +216,11 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const uint4& lo_a, const
     mma_bf16(d, {lo_b.z, hi_b.z, lo_b.w, hi_b.w}, xb.z, xb.w);
 }
 
-// the weight rows lo(g) and hi(g) of a tile (see the top of this section)
 struct TileRows {
     int lo, hi;
 };
 
+// the weight rows lo(g) and hi(g) of a tile (see the top of this section)
 template <int EPI>
 __device__ __forceinline__ TileRows tile_rows(const SkinnyArgs& a, int tile, int g) {
     if (EPI == EPI_SILU) return {tile * 8 + g, tile * 8 + g + a.n / 2};

@@ -58,7 +58,7 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
 struct Selected {
     unsigned int key;          // the selected key
     unsigned int rank;         // rank still wanted among the candidates with that key
-    unsigned int count_equal;  // candidates with that key
+    unsigned int count_equal;  // candidates with that key (mass select: from its last pass)
     unsigned long long mass_above;  // (mass select) mass of candidates with larger keys
                                     // (fixed point, MASS_ONE)
     bool found;                // (mass select) false: the target was never reached
@@ -184,8 +184,9 @@ struct SlotView {
 };
 
 // f(key, index, valid) on each of this thread's elements of the view, in its order, U
-// loaded together, while !done() (tested before each load). Every thread runs the same
-// iterations while done() stays false, so f may be warp-wide (digit_peers).
+// loaded together, while !done() (tested before each load). f may be warp-wide
+// (digit_peers) only where done() gives every thread of the warp the same answer (or in
+// for_each_element, where it is always false).
 template <int U, typename View, typename Done, typename F>
 __device__ __forceinline__ void for_each_element_until(const View& view, Done done, F f) {
     for (int r0 = 0; r0 < view.per_thread && !done(); r0 += U) {
@@ -379,12 +380,12 @@ __device__ __forceinline__ void block_totals(SampleShared& sh, float (&v)[4]) {
 // What the filters and the draw need besides the view.
 struct DrawInputs {
     int vocab, top_k;
-    bool top_k_active;     // 0 < top_k < vocab
     float top_p, min_p, max_logit;
     float log2_scale;      // log2(e) / temperature
     float row_mass;        // the sum of every weight (block total)
     float thread_mass;     // this thread's share of it, summed in its order
     unsigned long long bits;  // the draw's random bits
+    __device__ bool top_k_active() const { return top_k > 0 && top_k < vocab; }
 };
 
 // The filters, then the inverse-CDF draw over the kept elements of the view; returns the
@@ -402,7 +403,7 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     // top-k: keep key > k_key, or key == k_key and index <= k_last
     unsigned int k_key = 0;
     int k_last = in.vocab;
-    if (in.top_k_active) {
+    if (in.top_k_active()) {
         const Selected s = select_by_count(sh, view, every, own_key, (unsigned int)in.top_k);
         k_key = s.key;
         if (s.count_equal > s.rank) {  // a tie at the boundary: the lowest indices win
@@ -420,7 +421,7 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     int p_last = in.vocab;
     if (in.top_p < 1.0f) {
         float mass = in.row_mass;
-        if (in.top_k_active) {
+        if (in.top_k_active()) {
             float own = 0.0f;
             for_each_element<CDF_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
                 if (valid && in_top_k(key, i)) own += weight_of(key);
@@ -454,7 +455,7 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
     // inverse CDF: this thread's kept mass, in its order (with no filter, the row's pass
     // summed it already)
     float chunk_mass = in.thread_mass;
-    if (in.top_k_active || in.top_p < 1.0f || in.min_p > 0.0f) {
+    if (in.top_k_active() || in.top_p < 1.0f || in.min_p > 0.0f) {
         chunk_mass = 0.0f;
         for_each_element<CDF_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
             if (valid) chunk_mass += kept_weight(key, i);
@@ -572,7 +573,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     DrawInputs in;
     in.vocab = vocab;
     in.top_k = top_k[b];
-    in.top_k_active = in.top_k > 0 && in.top_k < vocab;
     in.top_p = top_p[b];
     in.min_p = min_p[b];
     in.max_logit = sh.scratch[0];
@@ -617,8 +617,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
 
     // the slots serve when they hold every candidate and the filters keep only candidates
     const bool covered =
-        (in.top_k_active && all_candidates >= (float)in.top_k) ||
-        (!in.top_k_active && in.top_p < 1.0f &&
+        (in.top_k_active() && all_candidates >= (float)in.top_k) ||
+        (!in.top_k_active() && in.top_p < 1.0f &&
          all_candidate_mass >= fmaxf(in.top_p, 0.0f) * in.row_mass * CANDIDATE_MARGIN);
     int chosen;
     if (slots > 0 && most <= (float)slots && covered) {

@@ -615,6 +615,9 @@ def test_candidate_slots_draw_what_the_row_draws(cp, rng, case, vocab):
             np.testing.assert_array_equal(cp.asnumpy(used), 1 if slots is None else 0,
                                           err_msg=f"rows served by the slots, slots={slots}")
         np.testing.assert_array_equal(drawn[None], drawn[0], err_msg=f"step {step}")
+        # both ways wrong alike would pass the line above: a NaN weighs 0, never drawn
+        assert not np.isin(drawn[None], [8, 9]).any(), f"step {step}: a NaN logit drawn"
+        assert ((drawn[None] >= 0) & (drawn[None] < vocab)).all()
 
 
 def test_candidate_slots_step_aside_when_they_cannot_serve(cp, rng):
