@@ -1,6 +1,8 @@
 // SiLU-and-mul for the gated MLP.
 // Launch: grid-stride, block (256), grid (min(ceil(T*I/256), 65535)).
 
+#include "common.cuh"
+
 // gate_up [T, 2I] (gate first, then up); out [T, I] = silu(gate) * up
 extern "C" __global__ void silu_and_mul_kernel(const bf16* __restrict__ gate_up,
                                                bf16* __restrict__ out, int inter,

@@ -24,6 +24,8 @@
 // on the device from its seq_len, so splits past a short sequence's end see no key and
 // only write lse = -inf.
 
+#include "common.cuh"
+
 // ======================================================================== scalar fallback
 // Launch (paged_attention_dpl*): grid (num_row_tiles * num_splits, nkv, B), block (128),
 // dynamic shared memory attention_smem_bytes(d) (see the launcher).
@@ -39,6 +41,7 @@
 #define ROWS_PER_WARP 4
 #define ROWS_PER_CTA (ATTN_WARPS * ROWS_PER_WARP)
 #define KEY_TILE 32
+#define K_TILE_PAD 1  // floats after each key of the shared K tile (no bank conflicts)
 
 template <int DIMS_PER_LANE>
 __device__ __forceinline__ void paged_attention_body(
@@ -52,8 +55,8 @@ __device__ __forceinline__ void paged_attention_body(
     extern __shared__ float smem[];
     const int d = head_dim;
     float* q_s = smem;                      // [ROWS_PER_CTA][d]
-    float* k_s = q_s + ROWS_PER_CTA * d;    // [KEY_TILE][d + 1] (padded: no bank conflicts)
-    float* v_s = k_s + KEY_TILE * (d + 1);  // [KEY_TILE][d]
+    float* k_s = q_s + ROWS_PER_CTA * d;    // [KEY_TILE][d + K_TILE_PAD]
+    float* v_s = k_s + KEY_TILE * (d + K_TILE_PAD);  // [KEY_TILE][d]
 
     const int b = blockIdx.z, kv_head = blockIdx.y;
     const int row_tile = blockIdx.x % num_row_tiles, split = blockIdx.x / num_row_tiles;
@@ -113,7 +116,7 @@ __device__ __forceinline__ void paged_attention_body(
                 k_value = to_float(k_cache[offset]);
                 v_value = to_float(v_cache[offset]);
             }
-            k_s[j * (d + 1) + c] = k_value;
+            k_s[j * (d + K_TILE_PAD) + c] = k_value;
             v_s[j * d + c] = v_value;
         }
         __syncthreads();
@@ -125,7 +128,7 @@ __device__ __forceinline__ void paged_attention_body(
             float score = neg_inf();
             if (key_pos < key_end && key_pos <= q_pos[rr]) {
                 const float* q_row = q_s + (rr * ATTN_WARPS + warp) * d;
-                const float* k_row = k_s + lane * (d + 1);
+                const float* k_row = k_s + lane * (d + K_TILE_PAD);
                 float dot = 0.0f;
                 for (int c = 0; c < d; ++c) dot += q_row[c] * k_row[c];
                 score = dot * scale;
@@ -174,9 +177,12 @@ __device__ __forceinline__ void paged_attention_body(
     }
 }
 
-#define DEFINE_PAGED_ATTENTION(DPL)                                                        \
+// Every kernel of this file is instantiated by one DEFINE_* line whose first argument is
+// its name: the launcher reads the names and the template arguments off those lines
+// (kernels.instances), so the list of kernels lives here only.
+#define DEFINE_PAGED_ATTENTION(NAME, DPL)                                                  \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)                  \
-    paged_attention_dpl##DPL(                                                             \
+    NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int head_dim, int block_size, \
@@ -190,10 +196,10 @@ __device__ __forceinline__ void paged_attention_body(
     }
 
 // head_dim <= 32 * DPL
-DEFINE_PAGED_ATTENTION(1)
-DEFINE_PAGED_ATTENTION(2)
-DEFINE_PAGED_ATTENTION(4)
-DEFINE_PAGED_ATTENTION(8)
+DEFINE_PAGED_ATTENTION(paged_attention_dpl1, 1)
+DEFINE_PAGED_ATTENTION(paged_attention_dpl2, 2)
+DEFINE_PAGED_ATTENTION(paged_attention_dpl4, 4)
+DEFINE_PAGED_ATTENTION(paged_attention_dpl8, 8)
 
 // Merge the splits of a decode batch: out[b, h] = sum_s w_s o_s / sum_s w_s with
 // w_s = exp(lse_s - max lse), over the splits that saw a key (lse > -inf), in split order.
@@ -203,7 +209,7 @@ DEFINE_PAGED_ATTENTION(8)
 // every decode layer, so nothing waits on one load before issuing the next: warp 0 reads
 // every split's lse at once (one per lane) and leaves the weights in shared memory, then
 // each thread issues the loads of all non-empty splits for its dim before it sums them.
-#define COMBINE_MAX_SPLITS 32  // one lse per lane of warp 0 (launcher: MAX_SPLITS)
+#define COMBINE_MAX_SPLITS 32  // one lse per lane of warp 0
 
 extern "C" __global__ void attention_combine_kernel(const float* __restrict__ partial_out,
                                                     const float* __restrict__ partial_lse,
@@ -247,7 +253,7 @@ extern "C" __global__ void attention_combine_kernel(const float* __restrict__ pa
 // ============================================================ helpers of the fast kernels
 
 #define LN_2 0.6931471805599453f
-#define SPLIT_ALIGN 64  // device-derived split lengths are multiples of this (launcher: SPLIT_ALIGN)
+#define SPLIT_ALIGN 64  // device-derived split lengths are multiples of this
 
 // ceil(seq_len / num_splits) rounded up to SPLIT_ALIGN: num_splits * result >= seq_len
 __device__ __forceinline__ int device_split_len(int seq_len, int num_splits) {
@@ -340,10 +346,14 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // warp merge through shuffles and the warps through shared memory.
 
 #define DECODE_THREADS 128
-#define DECODE_CLUSTER 8  // CTAs per cluster of the clustered variant (launcher: DECODE_CLUSTER)
+#define DECODE_CLUSTER 8  // CTAs per cluster of the clustered variant
 // CTAs per SM the register budget must allow (at most 128 registers per thread below 8
 // heads per group; without the hint ptxas picks 64 for some variants and spills)
 #define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
+// keys per slot per step (the register budget): DECODE_UNROLL, or DECODE_UNROLL_G8 for
+// variants of 8 query heads per kv head
+#define DECODE_UNROLL 4
+#define DECODE_UNROLL_G8 2
 
 // q and the caches are not __restrict__: with it the compiler may read them through the
 // read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
@@ -360,7 +370,7 @@ __device__ __forceinline__ void decode_attention_body(
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
     constexpr int NUM_WARPS = DECODE_THREADS / WARP_SIZE;
     constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;
-    constexpr int UNROLL = MAXG >= 8 ? 2 : 4;  // keys per slot per step (register budget)
+    constexpr int UNROLL = MAXG >= 8 ? DECODE_UNROLL_G8 : DECODE_UNROLL;
     constexpr int STEP = SLOTS * UNROLL;       // keys per CTA per step
     __shared__ float merge_m[NUM_WARPS][MAXG];
     __shared__ float merge_l[NUM_WARPS][MAXG];
@@ -603,10 +613,9 @@ __device__ __forceinline__ void decode_attention_body(
     }
 }
 
-// decode_attention_d{D}_g{MAXG}{SUFFIX}: the name follows from the template arguments
-#define DEFINE_DECODE_ATTENTION(D, MAXG, CLUSTER, SUFFIX)                                  \
+#define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER)                                    \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS(MAXG)) \
-    decode_attention_d##D##_g##MAXG##SUFFIX(                                              \
+    NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
@@ -620,31 +629,31 @@ __device__ __forceinline__ void decode_attention_body(
     }
 
 // group <= MAXG (query heads per kv head)
-DEFINE_DECODE_ATTENTION(64, 1, 0, )
-DEFINE_DECODE_ATTENTION(64, 2, 0, )
-DEFINE_DECODE_ATTENTION(64, 4, 0, )
-DEFINE_DECODE_ATTENTION(64, 8, 0, )
-DEFINE_DECODE_ATTENTION(128, 1, 0, )
-DEFINE_DECODE_ATTENTION(128, 2, 0, )
-DEFINE_DECODE_ATTENTION(128, 4, 0, )
-DEFINE_DECODE_ATTENTION(128, 8, 0, )
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1, 64, 1, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2, 64, 2, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4, 64, 4, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8, 64, 8, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
 // Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
 // CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
 // results through distributed shared memory, so no partials go through global memory and
 // no combine kernel follows. num_splits, split_len, partial_out and partial_lse are not
 // read.
-DEFINE_DECODE_ATTENTION(64, 1, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(64, 2, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(64, 4, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(64, 8, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(128, 1, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(128, 2, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(128, 4, DECODE_CLUSTER, _cluster)
-DEFINE_DECODE_ATTENTION(128, 8, DECODE_CLUSTER, _cluster)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8_cluster, 64, 8, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1_cluster, 128, 1, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2_cluster, 128, 2, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4_cluster, 128, 4, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER)
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory
-// prefill_smem_bytes(D) = (PREFILL_ROWS + 4 * PREFILL_KEYS) * (D + 8) * 2 (the launcher).
+// prefill_smem_bytes(D) = (PREFILL_ROWS + 4 * PREFILL_KEYS) * (D + PREFILL_ROW_PAD) * 2.
 // Flash-attention 2. A CTA owns PREFILL_ROWS rows of one sequence and one kv head, a row
 // being a (new token, query head of the group) pair, row = token * group + g, so the K/V
 // tiles serve the whole group; warp w owns rows 16w .. 16w + 15. Row tiles run in reverse
@@ -666,6 +675,7 @@ DEFINE_DECODE_ATTENTION(128, 8, DECODE_CLUSTER, _cluster)
 #define PREFILL_ROWS 64     // query rows per CTA, 16 per warp
 #define PREFILL_KEYS 64     // keys per K/V tile
 #define PREFILL_THREADS 128
+#define PREFILL_ROW_PAD 8   // bf16 after each shared Q/K/V row (16 bytes)
 
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
@@ -703,7 +713,7 @@ __device__ __forceinline__ void prefill_attention_body(
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, int num_heads, int num_kv_heads, int block_shift,
         int max_blocks_per_seq, float scale_log2, int num_row_tiles) {
-    constexpr int STRIDE = D + 8;          // bf16 per shared row (16 bytes of padding)
+    constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
     constexpr int CHUNKS = D / 8;          // 16-byte pieces per row
     constexpr int KEY_NTILES = PREFILL_KEYS / 8;  // 8-key column tiles of S
     constexpr int DIM_NTILES = D / 8;             // 8-dim column tiles of O
@@ -874,9 +884,9 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 }
 
-#define DEFINE_PREFILL_ATTENTION(D)                                                        \
+#define DEFINE_PREFILL_ATTENTION(NAME, D)                                                  \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)                      \
-    prefill_attention_d##D(                                                               \
+    NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, int num_heads,        \
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,      \
@@ -887,5 +897,5 @@ __device__ __forceinline__ void prefill_attention_body(
                                   num_row_tiles);                                         \
     }
 
-DEFINE_PREFILL_ATTENTION(64)
-DEFINE_PREFILL_ATTENTION(128)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d64, 64)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d128, 128)

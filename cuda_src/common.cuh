@@ -1,8 +1,11 @@
-// Shared helpers for every kernel file. The loader prepends this header to each .cu
-// source, so the source text (and with it CuPy's kernel cache key) includes it.
+// Shared helpers for every kernel file; each .cu includes this header. The loader
+// compiles with -I for this folder and a -D carrying the headers' hash, so an edit here
+// changes CuPy's kernel cache key (which covers the source text and the options only).
 //
 // bf16 values live in memory as __nv_bfloat16 (uint16 bits on the Python side); all math
 // is fp32. No standard library headers: NVRTC compiles these without a host toolchain.
+#pragma once
+
 #include <cuda_bf16.h>
 
 typedef __nv_bfloat16 bf16;

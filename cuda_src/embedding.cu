@@ -1,6 +1,8 @@
 // Row gathers: the token embedding lookup and picking each sequence's last hidden state.
 // Launch: grid (num_rows), block (256); threads stride over the row.
 
+#include "common.cuh"
+
 // out[t, :] = table[token_ids[t], :]; table [vocab, hidden], out [T, hidden], bf16 or
 // float32 rows (the model's residual stream is float32).
 // An id -(r + 1) with r < num_pending is the token sampled for row r of the previous step,

@@ -1,97 +1,6 @@
-// Skinny matrix products for decode: out[M, N] = x[M, K] w[N, K]^T for M <= 16 rows.
-// A decode step reads every weight once, so these are bound by the weight stream: each
-// warp owns R consecutive weight rows and walks K in 16-byte chunks (8 bf16 per lane per
-// load, U chunks per lane in flight), the few x rows come through the read-only cache, and
-// each (x row, weight row) pair keeps an fp32 sum per lane, reduced over the warp at the end.
-// Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks, else uses cuBLAS).
-// Launch: grid (ceil(N / (GEMV_WARPS * R))), block (GEMV_WARPS * 32); out is bf16 or, with
-// out_f32 != 0, float32.
-
-#define GEMV_WARPS 4
-
-// M: x rows this variant handles (m_rows <= M are present); R: weight rows per warp;
-// U: chunks per lane loaded before any is used
-template <int M, int R, int U>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                          void* __restrict__ out, int m_rows, int n, int k,
-                                          int out_f32) {
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * R;
-    if (row0 >= n) return;  // the same for the whole warp
-    const int chunks = k / 8;
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    const uint4* w_rows[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r)  // rows past n re-read row n - 1 and are never stored
-        w_rows[r] = reinterpret_cast<const uint4*>(w) + (long long)min(row0 + r, n - 1) * chunks;
-
-    float acc[M][R];
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-
-    for (int base = lane; base < chunks; base += WARP_SIZE * U) {
-        uint4 wv[U][R];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = base + u * WARP_SIZE;
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                wv[u][r] = c < chunks ? __ldg(w_rows[r] + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = base + u * WARP_SIZE;
-            if (c >= chunks) break;
-            float wf[R][8];
-#pragma unroll
-            for (int r = 0; r < R; ++r) unpack_bf16x8(wv[u][r], wf[r]);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                if (m >= m_rows) break;
-                float xf[8];
-                unpack_bf16x8(__ldg(x4 + (long long)m * chunks + c), xf);
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
-            }
-        }
-    }
-
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-        if (m >= m_rows) break;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float sum = warp_sum(acc[m][r]);
-            const int col = row0 + r;
-            if (lane == (m * R + r) % WARP_SIZE && col < n) {
-                const long long idx = (long long)m * n + col;
-                if (out_f32) static_cast<float*>(out)[idx] = sum;
-                else static_cast<bf16*>(out)[idx] = to_bf16(sum);
-            }
-        }
-    }
-}
-
-#define DEFINE_GEMV(M, R, U)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv_m##M(          \
-        const bf16* x, const bf16* w, void* out, int m_rows, int n, int k, int out_f32) {   \
-        gemv_body<M, R, U>(x, w, out, m_rows, n, k, out_f32);                               \
-    }
-
-// keep in step with gemm.GEMV_VARIANTS (M: x rows; R: weight rows per warp)
-DEFINE_GEMV(1, 2, 4)
-DEFINE_GEMV(2, 2, 4)
-DEFINE_GEMV(4, 2, 4)
-DEFINE_GEMV(8, 4, 2)
-DEFINE_GEMV(16, 4, 2)
-
-// ------------------------------------------------------------------------------------------
-// Tensor-core skinny products: the same out[M, N] = x[M, K] w[N, K]^T, M <= 16, built to
-// stream the weights at HBM speed whatever N and K are, with the small ops around a
+// Skinny matrix products for decode: out[M, N] = x[M, K] w[N, K]^T for M <= 16 rows, on
+// the tensor cores. A decode step reads every weight once, so these are built to stream
+// the weights at HBM speed whatever N and K are, with the small ops around a
 // decode-step product folded in, so a layer of a small step is four products and the
 // attention kernels (see model/llama.py) instead of ten kernels:
 //   prologue PRO_PLAIN  x is bf16 [M, K];
@@ -148,12 +57,17 @@ DEFINE_GEMV(16, 4, 2)
 // Launch: grid (min(tiles, resident blocks)), block (WARPS * 32), dynamic shared
 // memory as above, one SkinnyArgs by value.
 
+#include "common.cuh"
+
 #define SKINNY_WARPS 8
 #define SKINNY_WIDE_WARPS 16
 #define SKINNY_TILE 16     // weight rows per tile: the mma's M
 #define SKINNY_STEP 64     // k per step: 4 mma of k16
 #define SKINNY_UNROLL 4    // steps per warp loaded before any is used
 #define SKINNY_X_PAD 4     // 16-byte chunks after each staged x row: row stride = 64 mod 128 B
+// shared memory of the warps' partial sums, per warp and 8-column x tile: two buffers of
+// 4 fragment floats per lane
+#define SKINNY_PARTIAL_BYTES (2 * 4 * WARP_SIZE * 4)
 
 #define PRO_PLAIN 0
 #define PRO_NORM 1
@@ -412,6 +326,7 @@ template <int NT, int PRO, int EPI, int WARPS>
 __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     extern __shared__ uint4 skinny_smem[];
     constexpr int PARTIAL_FLOATS = WARPS * NT * 4 * WARP_SIZE;  // one buffer
+    static_assert(2 * PARTIAL_FLOATS * 4 == WARPS * NT * SKINNY_PARTIAL_BYTES, "partials");
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int n = a.n, m_rows = a.m_rows;
@@ -531,7 +446,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
     }
 
-// keep in step with kernels.SKINNY_FAMILIES (NT: 8-column x tiles). The wide variant gives a
+// NT: 8-column x tiles. The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
 // every SM two blocks, such as the down projection.
 DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
@@ -544,3 +459,97 @@ DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
+
+// ------------------------------------------------------------------------------------------
+// SIMT products, the same out[M, N] = x[M, K] w[N, K]^T for M <= 16 on the CUDA cores: each
+// warp owns R consecutive weight rows and walks K in 16-byte chunks (8 bf16 per lane per
+// load, U chunks per lane in flight), the few x rows come through the read-only cache, and
+// each (x row, weight row) pair keeps an fp32 sum per lane, reduced over the warp at the end.
+// The choice table (gemm.py) routes a product here where it measured fastest: on the H200
+// the vocabulary-sized LM head at 1 and 2 rows (120.7 against cuBLAS's 126.3 and the
+// tensor-core kernel's 154.9 us at 1 row).
+// Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks, else uses cuBLAS).
+// Launch: grid (ceil(N / (GEMV_WARPS * R))), block (GEMV_WARPS * 32); out is bf16 or, with
+// out_f32 != 0, float32.
+
+#define GEMV_WARPS 4
+
+// M: x rows this variant handles (m_rows <= M are present); R: weight rows per warp;
+// U: chunks per lane loaded before any is used
+template <int M, int R, int U>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                          void* __restrict__ out, int m_rows, int n, int k,
+                                          int out_f32) {
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * R;
+    if (row0 >= n) return;  // the same for the whole warp
+    const int chunks = k / 8;
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    const uint4* w_rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)  // rows past n re-read row n - 1 and are never stored
+        w_rows[r] = reinterpret_cast<const uint4*>(w) + (long long)min(row0 + r, n - 1) * chunks;
+
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+
+    for (int base = lane; base < chunks; base += WARP_SIZE * U) {
+        uint4 wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * WARP_SIZE;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                wv[u][r] = c < chunks ? __ldg(w_rows[r] + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = base + u * WARP_SIZE;
+            if (c >= chunks) break;
+            float wf[R][8];
+#pragma unroll
+            for (int r = 0; r < R; ++r) unpack_bf16x8(wv[u][r], wf[r]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                if (m >= m_rows) break;
+                float xf[8];
+                unpack_bf16x8(__ldg(x4 + (long long)m * chunks + c), xf);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (m >= m_rows) break;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float sum = warp_sum(acc[m][r]);
+            const int col = row0 + r;
+            if (lane == (m * R + r) % WARP_SIZE && col < n) {
+                const long long idx = (long long)m * n + col;
+                if (out_f32) static_cast<float*>(out)[idx] = sum;
+                else static_cast<bf16*>(out)[idx] = to_bf16(sum);
+            }
+        }
+    }
+}
+
+#define DEFINE_GEMV(NAME, M, R, U)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) NAME(               \
+        const bf16* x, const bf16* w, void* out, int m_rows, int n, int k, int out_f32) {   \
+        gemv_body<M, R, U>(x, w, out, m_rows, n, k, out_f32);                               \
+    }
+
+// M: x rows (m_rows <= M are present); R: weight rows per warp; U: chunks in flight
+DEFINE_GEMV(gemv_m1, 1, 2, 4)
+DEFINE_GEMV(gemv_m2, 2, 2, 4)
+DEFINE_GEMV(gemv_m4, 4, 2, 4)
+DEFINE_GEMV(gemv_m8, 8, 4, 2)
+DEFINE_GEMV(gemv_m16, 16, 4, 2)

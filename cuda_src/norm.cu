@@ -6,6 +6,8 @@
 // Rows may be bf16 or float32 (R): the model keeps its residual stream in float32, as a
 // sublayer's small update added to a large bf16 residual would lose most of its bits.
 
+#include "common.cuh"
+
 __device__ __forceinline__ float load_f(const bf16* p) { return to_float(*p); }
 __device__ __forceinline__ float load_f(const float* p) { return *p; }
 

@@ -7,6 +7,9 @@
 // Half-split pairs (i, i + d/2), rotated by rotate_pair (common.cuh).
 // Caches [num_blocks, block_size, nkv, d]: flat slot s = block * block_size + row starts at
 // element s * nkv * d. Tokens with slot < 0 are not written (padding).
+
+#include "common.cuh"
+
 extern "C" __global__ void rope_and_cache_kernel(
         const bf16* __restrict__ qkv, const int* __restrict__ positions,
         const int* __restrict__ slot_mapping, const float* __restrict__ cos_sin,

@@ -29,7 +29,11 @@
 // and each thread's CDF sum adds the same weights in the same order, so the drawn token is
 // the one the passes over the whole row would draw (a GPU test runs both).
 
+#include "common.cuh"
+
 #define SAMPLE_THREADS 1024
+// shared memory of one candidate slot of every thread: a uint2 (see Candidates)
+#define SLOT_BYTES (8 * SAMPLE_THREADS)
 #define ARGMAX_UNROLL 8    // 16-byte loads in flight per thread in the argmax pass
 #define SELECT_UNROLL 8    // a thread's elements loaded together in the radix passes (2 groups)
 #define ROW_GROUPS 4       // groups of 4 loaded together in the row's mass pass (4 16-byte loads)
@@ -519,7 +523,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         const int* __restrict__ steps, int* __restrict__ out_tokens, int slots,
         int* __restrict__ used_slots) {
     __shared__ SampleShared sh;
-    extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]
+    extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
+    static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
     const int b = blockIdx.x;
     const float* row = logits + (long long)b * vocab;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;

@@ -9,7 +9,7 @@ import pytest
 
 from cupy_llama.backends.cuda import attention
 from cupy_llama.backends.cuda.attention import attention_plan, choose_decode_splits, split_length
-from cupy_llama.backends.cuda.kernels import CUDA_SRC, module_source
+from cupy_llama.backends.cuda.kernels import kernel_dir
 
 H200_SMS = 132
 
@@ -73,9 +73,9 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
 
 
 def test_decode_step_matches_the_cuda_source():
-    source = (CUDA_SRC / "attention.cu").read_text()
+    source = (kernel_dir() / "attention.cu").read_text()
     assert "constexpr int LANES_PER_KEY = D / 8;" in source  # decode_step_keys: head_dim // 8
-    assert "constexpr int UNROLL = MAXG >= 8 ? 2 : 4;" in source
+    assert "constexpr int UNROLL = MAXG >= 8 ? DECODE_UNROLL_G8 : DECODE_UNROLL;" in source
     assert "constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;" in source
     assert "constexpr int STEP = SLOTS * UNROLL;" in source
 
@@ -151,25 +151,19 @@ def test_workspace_holds_the_largest_split_count():
         assert choose_decode_splits(1, 1, 1, max_model_len, H200_SMS, splits) <= splits
 
 
-def test_python_constants_match_the_cuda_source():
-    source = (CUDA_SRC / "attention.cu").read_text()
-    defines = dict(re.findall(r"^#define (\w+) (\d+)\b", source, flags=re.M))
-    assert int(defines["SPLIT_ALIGN"]) == attention.SPLIT_ALIGN
-    assert int(defines["COMBINE_MAX_SPLITS"]) == attention.MAX_SPLITS
-    assert int(defines["DECODE_THREADS"]) == attention.DECODE_THREADS
-    assert int(defines["PREFILL_THREADS"]) == attention.PREFILL_THREADS
-    assert int(defines["PREFILL_ROWS"]) == attention.PREFILL_ROWS
-    assert int(defines["PREFILL_KEYS"]) == attention.PREFILL_KEYS
-    assert int(defines["KEY_TILE"]) == attention.KEY_TILE
-    assert int(defines["DECODE_CLUSTER"]) == attention.DECODE_CLUSTER
-    # the macro names each kernel from its arguments, as the planner spells the names
-    assert "decode_attention_d##D##_g##MAXG##SUFFIX(" in source
-    for group in attention.DECODE_GROUPS:
-        for head_dim in attention.FAST_HEAD_DIMS:
-            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group}, 0, )" in source
-            assert f"DEFINE_DECODE_ATTENTION({head_dim}, {group}, DECODE_CLUSTER, _cluster)" in source
-    for head_dim in attention.FAST_HEAD_DIMS:
-        assert f"DEFINE_PREFILL_ATTENTION({head_dim})" in source
+def test_kernel_names_and_variants_come_from_the_define_lines():
+    """The planner's kernels are the DEFINE_* lines of attention.cu, read off the source
+    (kernels.instances), and the variants it can pick follow from them."""
+    source = (kernel_dir() / "attention.cu").read_text()
+    lines = re.findall(r"^DEFINE_DECODE_ATTENTION\((\w+), (\d+), (\d+), (\w+)\)$", source, re.M)
+    assert len(lines) == len(attention.DECODE_KERNELS) == 16
+    for name, d, g, cluster in lines:
+        assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
+    assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.FAST_HEAD_DIMS == (64, 128)
+    prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+)\)$", source, re.M)
+    assert {int(d): name for name, d in prefill} == attention.PREFILL_KERNELS
+    scalar = re.findall(r"^DEFINE_PAGED_ATTENTION\((\w+), (\d+)\)$", source, re.M)
+    assert {int(dpl): name for name, dpl in scalar} == attention.SCALAR_KERNELS
 
 
 NVCC = shutil.which("nvcc")
@@ -178,11 +172,10 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_fast_kernels_build_without_spills(tmp_path, arch):
-    source = tmp_path / "attention.cu"
-    source.write_text(module_source("attention"))
     cubin = tmp_path / "attention.cubin"
-    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-                             "-o", str(cubin), str(source)], capture_output=True, text=True)
+    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", f"-I{kernel_dir()}", "-cubin",
+                             "-Xptxas", "-v", "-o", str(cubin), str(kernel_dir() / "attention.cu")],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = {}  # kernel -> (registers, spill store bytes)
     for name, body in re.findall(r"Function properties for (\w+)\n(.*?)(?=ptxas info\s+: Function|\Z)",

@@ -17,30 +17,38 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import launch
-from .kernels import BF16, F32, I32, check, f32, get_kernel, i32, opt_in_shared
+from .kernels import BF16, F32, I32, check, constants, f32, get_kernel, i32, instances, opt_in_shared
 
-# scalar fallback (attention.cu: ATTN_WARPS * ROWS_PER_WARP, KEY_TILE, ATTN_WARPS * 32)
-ROWS_PER_CTA = 16
-KEY_TILE = 32
-THREADS = 128
-# fast kernels (attention.cu: DECODE_THREADS, PREFILL_*, SPLIT_ALIGN)
-DECODE_THREADS = 128
-DECODE_CLUSTER = 8  # CTAs per cluster of the clustered decode kernels
-DECODE_GROUPS = (1, 2, 4, 8)  # instantiated upper bounds on the group size
-PREFILL_THREADS = 128
-PREFILL_ROWS = 64
-PREFILL_KEYS = 64
-FAST_HEAD_DIMS = (64, 128)
-SPLIT_ALIGN = 64     # split lengths are multiples of this many keys
+# The kernels' sizes and the list of kernels come from attention.cu (kernels.py)
+_C = constants("attention")
+ROWS_PER_CTA = _C["ROWS_PER_CTA"]  # scalar fallback: query rows per CTA
+KEY_TILE = _C["KEY_TILE"]
+K_TILE_PAD = _C["K_TILE_PAD"]
+THREADS = _C["ATTN_WARPS"] * _C["WARP_SIZE"]
+DECODE_THREADS = _C["DECODE_THREADS"]
+DECODE_CLUSTER = _C["DECODE_CLUSTER"]  # CTAs per cluster of the clustered decode kernels
+PREFILL_THREADS = _C["PREFILL_THREADS"]
+PREFILL_ROWS = _C["PREFILL_ROWS"]
+PREFILL_KEYS = _C["PREFILL_KEYS"]
+PREFILL_ROW_PAD = _C["PREFILL_ROW_PAD"]
+SPLIT_ALIGN = _C["SPLIT_ALIGN"]        # split lengths are multiples of this many keys
+MAX_SPLITS = _C["COMBINE_MAX_SPLITS"]  # the combine kernel merges at most this many
+# kernel name by its template arguments, as the DEFINE_* lines instantiate them
+SCALAR_KERNELS = {dpl: name for name, dpl in instances("attention", "DEFINE_PAGED_ATTENTION")}
+DECODE_KERNELS = {(d, g, cluster > 0): name
+                  for name, d, g, cluster in instances("attention", "DEFINE_DECODE_ATTENTION")}
+PREFILL_KERNELS = {d: name for name, d in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # upper bounds on the group
+FAST_HEAD_DIMS = tuple(sorted(set(PREFILL_KERNELS) & {d for d, _, _ in DECODE_KERNELS}))
+# the launcher's own choices
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
-MAX_SPLITS = 32      # and there are at most this many (bounds the workspace)
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
 LOG2_E = 1.4426950408889634
 KERNEL_CHOICES = ("auto", "scalar")
 
 
 def dims_per_lane(head_dim: int) -> int:
-    for dpl in (1, 2, 4, 8):
+    for dpl in sorted(SCALAR_KERNELS):
         if head_dim <= 32 * dpl:
             return dpl
     raise ValueError(f"head_dim {head_dim} is not supported by the attention kernel (at most 256)")
@@ -48,13 +56,13 @@ def dims_per_lane(head_dim: int) -> int:
 
 def smem_bytes(head_dim: int) -> int:
     """Scalar kernel: q rows, the padded K tile and the V tile, all fp32 (attention.cu)."""
-    return 4 * (ROWS_PER_CTA * head_dim + KEY_TILE * (head_dim + 1) + KEY_TILE * head_dim)
+    return 4 * (ROWS_PER_CTA * head_dim + KEY_TILE * (head_dim + K_TILE_PAD) + KEY_TILE * head_dim)
 
 
 def prefill_smem_bytes(head_dim: int) -> int:
     """Tensor-core prefill: the Q tile and double-buffered K and V tiles, bf16 rows padded
-    by 8 elements (attention.cu)."""
-    return 2 * (PREFILL_ROWS + 4 * PREFILL_KEYS) * (head_dim + 8)
+    by PREFILL_ROW_PAD elements (attention.cu)."""
+    return 2 * (PREFILL_ROWS + 4 * PREFILL_KEYS) * (head_dim + PREFILL_ROW_PAD)
 
 
 def max_decode_splits(max_model_len: int) -> int:
@@ -87,8 +95,9 @@ def decode_step_keys(head_dim: int, group: int) -> int:
     """Keys a decode CTA scores per step of its loop (attention.cu: SLOTS * UNROLL), for
     the kernel variant of this group size (at most DECODE_GROUPS[-1])."""
     bound = decode_group_bound(group)
-    slots = DECODE_THREADS // 32 * (32 // (head_dim // 8))
-    return slots * (2 if bound >= 8 else 4)
+    warp = _C["WARP_SIZE"]
+    slots = DECODE_THREADS // warp * (warp // (head_dim // 8))  # a key: 16 bytes per lane
+    return slots * (_C["DECODE_UNROLL_G8"] if bound >= 8 else _C["DECODE_UNROLL"])
 
 
 def cluster_max_keys(head_dim: int, group: int) -> int:
@@ -124,7 +133,7 @@ def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
 
 
 class AttentionPlan(NamedTuple):
-    kernel: str      # kernel name in attention.cu
+    kernel: str      # kernel name in attention.cu (SCALAR_, DECODE_ or PREFILL_KERNELS)
     grid: tuple
     block: int
     shared_mem: int  # dynamic shared memory bytes
@@ -153,17 +162,17 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     bound = decode_group_bound(group)
     if fast and max_query_len == 1 and bound is not None and num_slots < 2 ** 31:
         if clusters and num_splits > 1:
-            return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}_cluster",
+            return AttentionPlan(DECODE_KERNELS[head_dim, bound, True],
                                  (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0,
                                  DECODE_CLUSTER)
-        return AttentionPlan(f"decode_attention_d{head_dim}_g{bound}",
+        return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
                              (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
     if fast and num_splits == 1:
         row_tiles = max(1, -(-max_query_len * group // PREFILL_ROWS))
-        return AttentionPlan(f"prefill_attention_d{head_dim}", (row_tiles, num_kv_heads, num_seqs),
+        return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),
                              PREFILL_THREADS, prefill_smem_bytes(head_dim))
     row_tiles = max(1, -(-max_query_len * group // ROWS_PER_CTA))
-    return AttentionPlan(f"paged_attention_dpl{dims_per_lane(head_dim)}",
+    return AttentionPlan(SCALAR_KERNELS[dims_per_lane(head_dim)],
                          (row_tiles * num_splits, num_kv_heads, num_seqs), THREADS,
                          smem_bytes(head_dim))
 
@@ -226,11 +235,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     function = get_kernel("attention", plan.kernel)
     opt_in_shared(function, plan.shared_mem)
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    if plan.kernel.startswith("decode_"):
+    is_decode = plan.kernel in DECODE_KERNELS.values()
+    if is_decode:
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
                          f32(scale * LOG2_E), i32(num_splits), i32(split_len))
-    elif plan.kernel.startswith("prefill_"):
+    elif plan.kernel in PREFILL_KERNELS.values():
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
                          i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]))
     else:

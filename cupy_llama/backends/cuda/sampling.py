@@ -4,23 +4,25 @@ from __future__ import annotations
 import numpy as np
 
 from .device import device_limits
-from .kernels import F32, I32, check, get_kernel, i32, opt_in_shared
+from .kernels import F32, I32, check, constants, get_kernel, i32, opt_in_shared
 
-THREADS = 1024  # sampling.cu: SAMPLE_THREADS
-CANDIDATE_CUT = 16.0  # sampling.cu: candidates lie within this many temperatures of the max
+_C = constants("sampling")
+THREADS = _C["SAMPLE_THREADS"]
+CANDIDATE_CUT = _C["CANDIDATE_CUT"]  # candidates lie within this many temperatures of the max
+SLOT_BYTES = _C["SLOT_BYTES"]  # shared memory of one candidate slot of every thread
 U64 = np.dtype(np.uint64)
 # Candidate slots per thread (sampling.cu, "Candidates"): 8 bytes per slot and thread, so
 # 16 slots take 128 KiB of shared memory and hold up to 16,384 candidates, with room for
 # sixteen times the mean in any one thread when a row has 1,000 of them. (SmolLM2-135M-
 # Instruct at temperature 0.6: 176 of 184 steps fit 8 slots, 183 fit 16.)
 SLOTS = 16
-SLOT_BYTES = 8 * THREADS
-STATIC_SHARED = 8 * 1024  # sampling.cu's SampleShared (7,984 bytes on sm_90), rounded up
 
 
 def slot_room() -> int:
-    """The most candidate slots the device's shared memory per block holds."""
-    return max(0, (device_limits()["max_shared_per_block"] - STATIC_SHARED) // SLOT_BYTES)
+    """The most candidate slots the device's shared memory per block holds beside the
+    kernel's static shared memory (SampleShared)."""
+    static = get_kernel("sampling", "sample_kernel").shared_size_bytes
+    return max(0, (device_limits()["max_shared_per_block"] - static) // SLOT_BYTES)
 
 
 def default_slots() -> int:
@@ -54,7 +56,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
         return
     kernel = get_kernel("sampling", "sample_kernel")
     shared = slots * SLOT_BYTES
-    opt_in_shared(kernel, shared, STATIC_SHARED)
+    opt_in_shared(kernel, shared)
     kernel((num_seqs,), (THREADS,),
            (logits, i32(vocab), temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
             i32(slots), used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)

@@ -1,0 +1,99 @@
+"""Where each number the launchers share with a kernel comes from: the kernel source, read by
+kernels.constants and kernels.instances, never a copy kept in step by hand. No GPU needed."""
+import inspect
+import re
+
+import pytest
+
+from cupy_llama.backends.cuda import attention, gemm, kernels, sampling
+from cupy_llama.backends.cuda.kernels import kernel_dir
+
+# launcher constant -> (module, the define it is read from)
+SHARED = {
+    (attention, "ROWS_PER_CTA"): ("attention", "ROWS_PER_CTA"),
+    (attention, "KEY_TILE"): ("attention", "KEY_TILE"),
+    (attention, "K_TILE_PAD"): ("attention", "K_TILE_PAD"),
+    (attention, "DECODE_THREADS"): ("attention", "DECODE_THREADS"),
+    (attention, "DECODE_CLUSTER"): ("attention", "DECODE_CLUSTER"),
+    (attention, "PREFILL_THREADS"): ("attention", "PREFILL_THREADS"),
+    (attention, "PREFILL_ROWS"): ("attention", "PREFILL_ROWS"),
+    (attention, "PREFILL_KEYS"): ("attention", "PREFILL_KEYS"),
+    (attention, "PREFILL_ROW_PAD"): ("attention", "PREFILL_ROW_PAD"),
+    (attention, "SPLIT_ALIGN"): ("attention", "SPLIT_ALIGN"),
+    (attention, "MAX_SPLITS"): ("attention", "COMBINE_MAX_SPLITS"),
+    (gemm, "GEMV_WARPS"): ("gemv", "GEMV_WARPS"),
+    (gemm, "MMA_WARPS"): ("gemv", "SKINNY_WARPS"),
+    (gemm, "MMA_WIDE_WARPS"): ("gemv", "SKINNY_WIDE_WARPS"),
+    (gemm, "MMA_TILE_ROWS"): ("gemv", "SKINNY_TILE"),
+    (gemm, "MMA_STEP"): ("gemv", "SKINNY_STEP"),
+    (gemm, "MMA_X_PAD_CHUNKS"): ("gemv", "SKINNY_X_PAD"),
+    (gemm, "MMA_PARTIAL_BYTES"): ("gemv", "SKINNY_PARTIAL_BYTES"),
+    (gemm, "OUT_BF16"): ("gemv", "OUT_BF16"),
+    (gemm, "OUT_F32"): ("gemv", "OUT_F32"),
+    (gemm, "OUT_F32_ADD"): ("gemv", "OUT_F32_ADD"),
+    (sampling, "THREADS"): ("sampling", "SAMPLE_THREADS"),
+    (sampling, "CANDIDATE_CUT"): ("sampling", "CANDIDATE_CUT"),
+    (sampling, "SLOT_BYTES"): ("sampling", "SLOT_BYTES"),
+}
+
+
+def define(module: str, name: str) -> str:
+    """The text of `#define name ...` in the module's .cu or common.cuh, read here on its own."""
+    for file_name in (f"{module}.cu", "common.cuh"):
+        match = re.search(rf"^#define {name} (.+?)\s*(?://.*)?$",
+                          (kernel_dir() / file_name).read_text(), re.M)
+        if match:
+            return match[1]
+    raise AssertionError(f"no #define {name} in {module}.cu")
+
+
+@pytest.mark.parametrize("where, source", SHARED.items(), ids=lambda v: getattr(v, "__name__", v))
+def test_each_shared_constant_is_read_from_its_kernel(where, source):
+    launcher, attr = where
+    module, name = source
+    text = define(module, name)
+    literal = re.fullmatch(r"(\d+(?:\.\d+)?)f?", text)
+    if literal:  # a plain number: the launcher holds exactly it
+        assert getattr(launcher, attr) == float(literal[1])
+    assert getattr(launcher, attr) == kernels.constants(module)[name]
+    # and the launcher's own text reads it rather than writing the number down
+    assignment = re.search(rf"^(?:\w+, )*{attr}(?:, \w+)* = (.+)$", inspect.getsource(launcher), re.M)
+    assert assignment and f'_C["{name}"]' in assignment[1], (attr, assignment and assignment[1])
+
+
+def test_expressions_and_unreadable_defines(tmp_path, monkeypatch):
+    folder = tmp_path / "cuda_src"
+    folder.mkdir()
+    (folder / "common.cuh").write_text("#define WARP_SIZE 32\n#define MASK 0xffffffffu\n")
+    (folder / "m.cu").write_text('#include "common.cuh"\n#define TILE (2 * WARP_SIZE)  // a note\n'
+                                 "#define HALF (TILE / 3)\n#define CUT 16.0f\n#define F(x) (x)\n"
+                                 "#define DEFINE_K(NAME, D) void NAME()\n"
+                                 "DEFINE_K(k_64, TILE)\nDEFINE_K(k_8, 8)\n")
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: folder)
+    for cached in (kernels.constants, kernels.instances, kernels.kernel_names, kernels._lines):
+        cached.cache_clear()
+    try:
+        c = kernels.constants("m")
+        assert (c["TILE"], c["HALF"], c["CUT"], c["WARP_SIZE"]) == (64, 21, 16.0, 32)
+        assert "F" not in c  # a function-like macro is no constant
+        with pytest.raises(ValueError, match="MASK"):
+            c["MASK"]
+        with pytest.raises(KeyError, match="NOPE"):
+            c["NOPE"]
+        assert kernels.instances("m", "DEFINE_K") == (("k_64", 64), ("k_8", 8))
+        assert kernels.kernel_names("m") == ("k_64", "k_8")
+    finally:
+        for cached in (kernels.constants, kernels.instances, kernels.kernel_names, kernels._lines):
+            cached.cache_clear()
+
+
+def test_kernel_families_come_from_the_define_lines():
+    source = (kernel_dir() / "gemv.cu").read_text()
+    skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d\)$", source, re.M)
+    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 10
+    for name, nt, pro, epi, warps, in skinny:
+        key = (getattr(gemm, pro), getattr(gemm, epi), kernels.constants("gemv")[warps], int(nt))
+        assert gemm.SKINNY_KERNELS[key] == name
+    simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
+    assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
+    assert gemm.SKINNY_MAX_ROWS == 16
