@@ -226,7 +226,7 @@ def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fak
     fake.name(decode._device, "meta_device")
     decode._copied.name = "copied"
     fake.watch(decode._host, "meta")
-    tables_at = decode._offsets["block_tables"]
+    tables_at = decode.layout.offsets["block_tables"]
 
     decode._stage(decode_batch([11, 12], [6, 7], [[1, 2, 3], [4, 5, 6]]), bucket)
     decode._stage(decode_batch([21], [9], [[7, 8]]), bucket)

@@ -20,6 +20,22 @@ from typing import Any, Protocol
 import numpy as np
 
 
+# The per-step arrays, described once: each one's name and shape in T (tokens of the step),
+# B (sequences) and W (block-table width). ForwardBatch holds them on the host; StepLayout
+# packs them into one int32 buffer, which is how the CUDA backend stages a step, views it
+# on the device and keeps the fixed inputs of its CUDA graphs. A new per-step array is a
+# line here and a field of ForwardBatch (checked below).
+STEP_ARRAYS = (
+    ("token_ids", ("T",)),
+    ("positions", ("T",)),
+    ("slot_mapping", ("T",)),
+    ("query_start_loc", ("B+1",)),
+    ("seq_lens", ("B",)),
+    ("last_token_indices", ("B",)),
+    ("block_tables", ("B", "W")),
+)
+
+
 @dataclass
 class ForwardBatch:
     """One step's inputs: the new tokens and what attention needs, built on the host by
@@ -60,6 +76,54 @@ class ForwardBatch:
     def last_token_indices(self) -> np.ndarray:
         """[B] int32: the row of each sequence's last token (the one whose logits we need)."""
         return (self.query_start_loc[1:] - 1).astype(np.int32)
+
+    @property
+    def width(self) -> int:
+        """W: the block tables' width."""
+        return int(self.block_tables.shape[1])
+
+
+assert {name for name, _ in STEP_ARRAYS} == {"last_token_indices"} | {
+    name for name in ForwardBatch.__dataclass_fields__ if name not in ("max_query_len", "max_seq_len")
+}, "STEP_ARRAYS and ForwardBatch must name the same arrays"
+
+
+class StepLayout:
+    """Where each of STEP_ARRAYS sits in one flat int32 buffer that holds a step of up to
+    `num_tokens` tokens and `num_seqs` sequences with block tables `width` wide: array
+    after array, each at its full size."""
+
+    def __init__(self, num_tokens: int, num_seqs: int, width: int):
+        sizes = {"T": num_tokens, "B": num_seqs, "B+1": num_seqs + 1, "W": width}
+        self.axes = dict(STEP_ARRAYS)
+        self.shapes = {name: tuple(sizes[axis] for axis in axes) for name, axes in STEP_ARRAYS}
+        self.offsets, offset = {}, 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += int(np.prod(shape))
+        self.size = offset  # int32 elements in all
+
+    def view(self, buffer, name: str, rows: int | None = None):
+        """The array `name` in `buffer` (numpy or cupy, flat int32); rows: only the first
+        `rows` tokens or sequences (B+1 arrays: rows + 1), for a smaller step in buffers
+        sized for a larger one."""
+        shape = self.shapes[name]
+        if rows is not None:
+            shape = (rows + (self.axes[name][0] == "B+1"), *shape[1:])
+        start = self.offsets[name]
+        return buffer[start:start + int(np.prod(shape))].reshape(shape)
+
+    def views(self, buffer, rows: int | None = None) -> dict:
+        return {name: self.view(buffer, name, rows) for name in self.shapes}
+
+    def write(self, buffer, batch: ForwardBatch) -> None:
+        """Copy the batch's arrays (each exactly its shape here) into the host buffer."""
+        for name, shape in self.shapes.items():
+            array = getattr(batch, name)
+            if tuple(array.shape) != shape:
+                raise ValueError(f"batch.{name}: expected shape {shape}, got {array.shape}")
+            start = self.offsets[name]
+            buffer[start:start + array.size] = array.reshape(-1)
 
 
 @dataclass

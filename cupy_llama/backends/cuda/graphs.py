@@ -2,10 +2,9 @@
 
 One graph per batch-size bucket holds a whole decode forward pass (every kernel and cuBLAS
 call of model/llama.py). A step of B sequences replays the smallest bucket >= B after one
-asynchronous copy of its metadata into FIXED device buffers: each field sits at a fixed
-offset, sized for the largest bucket, and block tables have the fixed width of
-max_model_len. Rows past B are padding: token 0 at position 0, KV slot -1 (nothing is
-written), sequence length 0 (attention writes zeros and reads no block). Nothing that
+asynchronous copy of its metadata into FIXED device buffers: each array sits at a fixed
+offset (StepLayout, sized for the largest bucket), and block tables have the fixed width of
+max_model_len. Rows past B are padding (PADDING). Nothing that
 changes between steps is baked into a graph: the attention split count is the bucket's
 fixed maximum and the kernel derives each sequence's split length from seq_lens on the
 device. A bucket whose attention runs as thread-block clusters at short contexts
@@ -19,12 +18,18 @@ import time
 import numpy as np
 
 from ...model.llama import forward_uploaded
-from ..base import ForwardBatch
+from ..base import ForwardBatch, StepLayout
 from .attention import cluster_max_keys
 from .ops import H2D, DeviceBatch, pinned_array, sync_event
 
 FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 16
+# what a padding row of a decode step holds, per array of one entry per row: token 0 at
+# position 0, KV slot -1 (nothing is written), sequence length 0 (attention writes zeros
+# and reads no block); query_start_loc and last_token_indices are fixed (one token per
+# row), and block tables are written per row (see _stage)
+PADDING = {"token_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0}
+FIXED = ("query_start_loc", "last_token_indices", "block_tables")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -64,40 +69,35 @@ class DecodeGraphs:
             lambda bucket, limit: backend.ops.decode_clusters(
                 bucket, config.num_attention_heads, config.num_key_value_heads,
                 config.head_dim, limit))
-        # fixed layout (int32): token_ids [n] | positions [n] | slot_mapping [n] |
-        # query_start_loc [n + 1] | seq_lens [n] | last_token_indices [n] | block_tables [n, W]
-        self._offsets = {"token_ids": 0, "positions": n, "slot_mapping": 2 * n,
-                         "query_start_loc": 3 * n, "seq_lens": 4 * n + 1,
-                         "last_token_indices": 5 * n + 1, "block_tables": 6 * n + 1}
-        capacity = 6 * n + 1 + n * width
-        self._host = pinned_array(cupy, capacity, np.int32)
+        # every array of a step of n sequences, at a fixed offset (backends/base.py)
+        self.layout = StepLayout(n, n, width)
+        # block tables last: a step copies the buffer up to its own rows of them
+        assert list(self.layout.shapes)[-1] == "block_tables"
+        missing = [name for name in self.layout.shapes if name not in PADDING and name not in FIXED]
+        if missing:
+            raise ValueError(f"graphs.PADDING must say what a padding row holds in {missing}")
+        self._host = pinned_array(cupy, self.layout.size, np.int32)
         # past a row's length its table is never read (see _stage); -1 so a stray read of a
         # column no step has written would show
-        self._host[self._offsets["block_tables"]:] = -1
-        self._device = cupy.zeros(capacity, np.int32)
+        self._field("block_tables")[:] = -1
+        self._device = cupy.zeros(self.layout.size, np.int32)
         # one new token per sequence: these two never change
-        self._field("query_start_loc", n + 1)[:] = np.arange(n + 1, dtype=np.int32)
-        self._field("last_token_indices", n)[:] = np.arange(n, dtype=np.int32)
+        self._field("query_start_loc")[:] = np.arange(n + 1, dtype=np.int32)
+        self._field("last_token_indices")[:] = np.arange(n, dtype=np.int32)
         self._copied = sync_event(cupy)  # the last metadata copy has read the host buffer
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}  # (bucket, context limit) -> (graph, logits [bucket, V])
 
     # ---- metadata ----------------------------------------------------------------------
-    def _field(self, name: str, count: int) -> np.ndarray:
-        start = self._offsets[name]
-        return self._host[start:start + count]
+    def _field(self, name: str, rows: int | None = None) -> np.ndarray:
+        """The host buffer's array `name` (its first rows only, where given)."""
+        return self.layout.view(self._host, name, rows)
 
     def _device_batch(self, bucket: int, limit: int) -> DeviceBatch:
-        views = {}
-        for name in ("token_ids", "positions", "slot_mapping", "seq_lens", "last_token_indices"):
-            start = self._offsets[name]
-            views[name] = self._device[start:start + bucket]
-        start = self._offsets["query_start_loc"]
-        views["query_start_loc"] = self._device[start:start + bucket + 1]
-        start = self._offsets["block_tables"]
-        views["block_tables"] = self._device[start:start + bucket * self.width].reshape(bucket, self.width)
-        return DeviceBatch(**views, num_tokens=bucket, num_seqs=bucket, max_query_len=1,
-                           max_seq_len=limit, is_decode_only=True, lengths_on_device=True)
+        return DeviceBatch(
+            {name: self.layout.view(self._device, name, bucket) for name in self.layout.shapes},
+            num_tokens=bucket, num_seqs=bucket, max_query_len=1, max_seq_len=limit,
+            is_decode_only=True, lengths_on_device=True)
 
     def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
@@ -107,15 +107,14 @@ class DecodeGraphs:
         step left past that."""
         num_seqs = 0 if batch is None else batch.num_seqs
         self._copied.synchronize()  # the previous copy has read the host buffer
-        for name, pad in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 0)):
+        for name, pad in PADDING.items():
             field = self._field(name, bucket)
             if batch is not None:
                 field[:num_seqs] = getattr(batch, name)
             field[num_seqs:] = pad
         if batch is not None:
-            tables = self._field("block_tables", num_seqs * self.width).reshape(num_seqs, self.width)
-            tables[:, :batch.block_tables.shape[1]] = batch.block_tables
-        nbytes = 4 * (self._offsets["block_tables"] + num_seqs * self.width)
+            self._field("block_tables", num_seqs)[:, :batch.width] = batch.block_tables
+        nbytes = 4 * (self.layout.offsets["block_tables"] + num_seqs * self.width)
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, self._host.ctypes.data,
                                             nbytes, H2D, stream.ptr)
@@ -207,7 +206,7 @@ class DecodeGraphs:
                   f"{time.perf_counter() - started:.2f} s")
 
     def reset(self) -> None:
-        """Drop every captured graph (after a kernel switch such as gemm.set_skinny_gemm)."""
+        """Drop every captured graph (CudaBackend.use_switches: other kernels)."""
         self._cupy.cuda.get_current_stream().synchronize()
         self._graphs.clear()
 

@@ -7,39 +7,42 @@ recorded again every step, and a wait or synchronize on it takes its latest reco
 sampling settings' views once per batch size."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from typing import Any
 
 import numpy as np
 
-from ..base import ForwardBatch, SamplingTensors, SublayerOps
+from ..base import STEP_ARRAYS, ForwardBatch, SamplingTensors, StepLayout, SublayerOps
 from . import attention as attention_kernels
-from . import elementwise, gemm, launch
+from . import elementwise, launch
 from . import sampling as sampling_kernels
 from .device import device_limits, import_cupy
+from .gemm import Products
+from .switches import KernelSwitches
 
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 
 
-@dataclass
 class DeviceBatch:
-    """ForwardBatch on the device: int32 cupy views of one metadata buffer, host ints."""
-    token_ids: Any           # [T]
-    positions: Any           # [T]
-    slot_mapping: Any        # [T]
-    query_start_loc: Any     # [B + 1]
-    seq_lens: Any            # [B]
-    last_token_indices: Any  # [B]
-    block_tables: Any        # [B, max_blocks_per_seq of this batch]
-    num_tokens: int
-    num_seqs: int
-    max_query_len: int
-    max_seq_len: int
-    is_decode_only: bool
-    # CUDA-graph decode: max_seq_len is max_model_len (so the split count is the one the
-    # longest context would get) and each sequence's split length comes from its seq_len
-    # on the device, since the graph bakes in every launch argument
-    lengths_on_device: bool = False
+    """ForwardBatch on the device: each of STEP_ARRAYS (attributes of the same names) as an
+    int32 cupy view of one metadata buffer, and the step's sizes as host ints.
+    lengths_on_device (CUDA-graph decode): max_seq_len is max_model_len, so the split count
+    is the one the longest context would get, and each sequence's split length comes from
+    its seq_len on the device, since the graph bakes in every launch argument."""
+
+    def __init__(self, arrays: dict, *, num_tokens: int, num_seqs: int, max_query_len: int,
+                 max_seq_len: int, is_decode_only: bool, lengths_on_device: bool = False):
+        assert arrays.keys() == {name for name, _ in STEP_ARRAYS}
+        self.__dict__.update(arrays)
+        self.num_tokens, self.num_seqs = num_tokens, num_seqs
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+        self.is_decode_only, self.lengths_on_device = is_decode_only, lengths_on_device
+
+
+@functools.lru_cache(maxsize=1024)
+def step_layout(num_tokens: int, num_seqs: int, width: int) -> StepLayout:
+    """The packed layout of a step of these sizes (made once per size)."""
+    return StepLayout(num_tokens, num_seqs, width)
 
 
 def pinned_array(cupy, count: int, dtype) -> np.ndarray:
@@ -106,28 +109,14 @@ class CudaOps(SublayerOps):
                 f"batch of {T} tokens, {B} sequences, block tables {batch.block_tables.shape} "
                 f"exceeds the buffers ({self.max_num_tokens} tokens, {self.max_num_seqs} "
                 f"sequences, {self.max_blocks_per_seq} blocks per sequence)")
-        fields = (("token_ids", batch.token_ids, (T,)), ("positions", batch.positions, (T,)),
-                  ("slot_mapping", batch.slot_mapping, (T,)),
-                  ("query_start_loc", batch.query_start_loc, (B + 1,)),
-                  ("seq_lens", batch.seq_lens, (B,)),
-                  ("last_token_indices", batch.last_token_indices, (B,)),
-                  ("block_tables", batch.block_tables, (B, width)))
+        layout = step_layout(T, B, width)
         self._meta_copied.synchronize()  # the staging buffer is free again
-        views, offset = {}, 0
-        for name, array, shape in fields:
-            if tuple(array.shape) != shape:
-                raise ValueError(f"batch.{name}: expected shape {shape}, got {array.shape}")
-            size = int(np.prod(shape))
-            self._meta_host[offset:offset + size] = array.reshape(-1)
-            views[name] = (offset, size, shape)
-            offset += size
+        layout.write(self._meta_host, batch)
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._meta_device.data.ptr, self._meta_host.ctypes.data,
-                                            offset * 4, H2D, stream.ptr)
+                                            layout.size * 4, H2D, stream.ptr)
         self._meta_copied.record(stream)
-        device = {name: self._meta_device[o:o + size].reshape(shape)
-                  for name, (o, size, shape) in views.items()}
-        return DeviceBatch(**device, num_tokens=T, num_seqs=B,
+        return DeviceBatch(layout.views(self._meta_device), num_tokens=T, num_seqs=B,
                            max_query_len=int(batch.max_query_len),
                            max_seq_len=int(batch.max_seq_len),
                            is_decode_only=bool(batch.is_decode_only))
