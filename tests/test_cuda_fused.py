@@ -21,11 +21,9 @@ EPS = 1e-5
 
 @pytest.fixture
 def skinny_mma():
+    """The products of a backend whose skinny switch says "mma"."""
     from cupy_llama.backends.cuda import gemm
-    previous = gemm.skinny_gemm()
-    gemm.set_skinny_gemm("mma")
-    yield
-    gemm.set_skinny_gemm(previous)
+    return gemm.Products("mma")
 
 
 def _relative_error(got, expected) -> float:
@@ -55,13 +53,14 @@ def test_linear_accumulates_into_float32(cp, rng, m, k, n):
     w_bits, w = random_bf16(rng, (n, k), scale=0.02)
     start = _residual(rng, m, n)
     out = cp.asarray(start)
-    gemm.linear(cp.asarray(x_bits), cp.asarray(w_bits), out, accumulate=True)
+    products = gemm.Products()
+    products.linear(cp.asarray(x_bits), cp.asarray(w_bits), out, accumulate=True)
     added = cp.asnumpy(out).astype(np.float64) - start
     rel = _relative_error(added, x.astype(np.float64) @ w.T.astype(np.float64))
     assert rel < 1e-2, f"accumulate [{m},{k}]x[{n},{k}]^T: relative error of the update {rel:.3g}"
     with pytest.raises(ValueError, match="float32"):
-        gemm.linear(cp.asarray(x_bits), cp.asarray(w_bits), cp.empty((m, n), np.uint16),
-                    accumulate=True)
+        products.linear(cp.asarray(x_bits), cp.asarray(w_bits), cp.empty((m, n), np.uint16),
+                        accumulate=True)
 
 
 @pytest.mark.parametrize("out_dtype", [np.uint16, np.float32])
@@ -77,13 +76,13 @@ def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
         x = _residual(rng, m, k)
         expected = _normed(x, norm_w).astype(np.float64) @ w.T.astype(np.float64)
         out = poisoned(cp, (m, n), out_dtype)
-        assert gemm.norm_linear(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
+        assert skinny_mma.norm_linear(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
         rel = _relative_error(to_float(cp, out), expected)
         assert rel < 1e-2, f"norm_linear m={m} [{k}]x[{n}]: relative error {rel:.3g}"
 
 
 @pytest.mark.parametrize("k,inter", [(2048, 8192), (576, 1536), (64, 8)])
-def test_norm_gate_up_silu(cp, rng, k, inter):
+def test_norm_gate_up_silu(cp, rng, k, inter, skinny_mma):
     from cupy_llama.backends.cuda import gemm
     norm_bits, norm_w = random_bf16(rng, (k,))
     w_bits, w = random_bf16(rng, (2 * inter, k), scale=0.05)
@@ -94,13 +93,14 @@ def test_norm_gate_up_silu(cp, rng, k, inter):
         expected = np.empty((m, inter), np.float32)
         REF.silu_and_mul(gate_up, expected)
         out = poisoned(cp, (m, inter))
-        assert gemm.norm_gate_up_silu(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
+        assert skinny_mma.norm_gate_up_silu(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
         rel = _relative_error(to_float(cp, out), expected)
         assert rel < 1e-2, f"norm_gate_up_silu m={m} [{k}] -> [{inter}]: relative error {rel:.3g}"
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 32, 8), (128, 8, 2), (64, 9, 3)])
-def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, num_kv_heads):
+def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, num_kv_heads,
+                                                skinny_mma):
     """Rotated q, and the k / v rows written at each token's slot (a slot of -1 writes
     nothing; every other cache slot stays NaN)."""
     from cupy_llama.backends.cuda import gemm
@@ -132,7 +132,7 @@ def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, nu
 
         q_out = poisoned(cp, (m, num_heads, head_dim))
         k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
-        assert gemm.norm_qkv_rope(cp.asarray(x), cp.asarray(norm_bits), EPS, cp.asarray(w_bits),
+        assert skinny_mma.norm_qkv_rope(cp.asarray(x), cp.asarray(norm_bits), EPS, cp.asarray(w_bits),
                                   cp.asarray(positions), cp.asarray(slots), cp.asarray(cos_sin),
                                   k_cache, v_cache, q_out)
         what = f"norm_qkv_rope m={m} d={head_dim} heads {num_heads}/{num_kv_heads}"
@@ -171,30 +171,27 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     norm_w, w, up = cp.asarray(norm_bits), cp.asarray(w_bits), cp.asarray(up_bits)
     start = _residual(rng, 4, k)
 
-    def chain(residual, act):
+    def chain(products, residual, act):
         for _ in range(3):
-            assert gemm.norm_gate_up_silu(residual, norm_w, EPS, up, act), "not fused"
-            gemm.linear(act[:, :k], w, residual, accumulate=True)
+            assert products.norm_gate_up_silu(residual, norm_w, EPS, up, act), "not fused"
+            products.linear(act[:, :k], w, residual, accumulate=True)
 
     results = {}
-    previous = launch.programmatic()
-    try:
-        for on in (False, True):
-            launch.set_programmatic(on)
-            residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
-            chain(residual, act)
-            results[("eager", on)] = cp.asnumpy(residual)
-            stream = cp.cuda.Stream(non_blocking=True)
-            residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
-            with stream:
-                stream.begin_capture()
-                chain(residual, act)
-                graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            results[("graph", on)] = cp.asnumpy(residual)
-    finally:
-        launch.set_programmatic(previous)
+    for on in (False, True):
+        products = gemm.Products("auto", programmatic=on)
+        assert products.programmatic == on
+        residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
+        chain(products, residual, act)
+        results[("eager", on)] = cp.asnumpy(residual)
+        stream = cp.cuda.Stream(non_blocking=True)
+        residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
+        with stream:
+            stream.begin_capture()
+            chain(products, residual, act)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        results[("graph", on)] = cp.asnumpy(residual)
     reference = results[("eager", False)]
     assert not np.isnan(reference).any()
     for key, value in results.items():

@@ -136,7 +136,7 @@ NUM_SEQS = 12
 NUM_KV_BLOCKS = NUM_SEQS * MAX_MODEL_LEN // BLOCK_SIZE
 
 
-def make_backends(model, enforce_eager=False):
+def make_backends(model, enforce_eager=False, switches=None):
     from cupy_llama.backends.cpu import CpuBackend
     from cupy_llama.backends.cuda.backend import CudaBackend
     config, checkpoint = model
@@ -145,7 +145,7 @@ def make_backends(model, enforce_eager=False):
     gpu_backend = CudaBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN,
                               max_num_seqs=NUM_SEQS, max_num_batched_tokens=256,
                               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-                              enforce_eager=enforce_eager)
+                              enforce_eager=enforce_eager, switches=switches)
     return cpu, gpu_backend
 
 
@@ -180,56 +180,51 @@ DECODE_ROUNDS = [[3], [1, 4, 6], [5, 9, 10, 11, 3], [7], [0, 5, 9], [1, 2, 3, 4,
 STEPS_PER_ROUND = 3
 
 
-@pytest.mark.parametrize("skinny", ["cublas", "custom"])
+@pytest.mark.parametrize("skinny", ["cublas", "mma"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_graph_decode_matches_eager(model, rng, skinny):
     import cupy
-    from cupy_llama.backends.cuda import gemm, launch
+    from cupy_llama.backends.cuda.switches import KernelSwitches
     from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
-    previous = gemm.skinny_gemm()
-    gemm.set_skinny_gemm(skinny)
-    try:
-        cpu, gpu_backend = make_backends(model)
-        assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
-        graphs = gpu_backend.graphs
-        clustered = launch.cluster_launches()  # then short-context graphs at buckets 1 to 8
-        assert graphs.num_captured == len(graphs.buckets) + (4 if clustered else 0)
-        if clustered:
-            assert graphs.short_limit == 512  # head_dim 64, 4 query heads per kv head
-            assert graphs.limit_for(1, 16) == graphs.limit_for(8, 300) == 512
-            assert graphs.limit_for(1, 513) == MAX_MODEL_LEN
-            assert graphs.limit_for(12, 16) == MAX_MODEL_LEN
-        # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
-        lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
-        prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]
-        seqs = Sequences(prompts, NUM_KV_BLOCKS, rng)
-        prefill(cpu, gpu_backend, config, seqs)
-        for members in DECODE_ROUNDS:
-            for step in range(STEPS_PER_ROUND):
-                counts = {b: 1 for b in members}
-                batch = seqs.batch(counts)
-                what = f"{skinny}: {len(members)} sequences, step {step}"
-                expected = cpu.forward(config, batch)
-                replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
-                uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(config, batch))
-                np.testing.assert_array_equal(replayed, uncaptured,
-                                              err_msg=f"{what}: replay vs the same launches run eagerly")
-                eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))
-                assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
-                assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
-                seqs.advance(counts, np.argmax(expected, axis=-1))
-        # padding rows wrote no KV: exactly the slots of real tokens hold values
-        kv = cupy.asnumpy(gpu_backend._kv)  # [L, 2, blocks, block_size, nkv, d]
-        touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
-        expected_touched = np.zeros(touched.shape, bool)
-        expected_touched[sorted(seqs.written_slots())] = True
-        stray = np.flatnonzero(touched & ~expected_touched)
-        assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
-        assert touched[expected_touched].all(), "a token's K/V never reached the cache"
-    finally:
-        gemm.set_skinny_gemm(previous)
+    cpu, gpu_backend = make_backends(model, switches=KernelSwitches(skinny_gemm=skinny))
+    assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
+    graphs = gpu_backend.graphs
+    clustered = gpu_backend.ops.clusters  # then short-context graphs at buckets 1 to 8
+    assert graphs.num_captured == len(graphs.buckets) + (4 if clustered else 0)
+    if clustered:
+        assert graphs.short_limit == 512  # head_dim 64, 4 query heads per kv head
+        assert graphs.limit_for(1, 16) == graphs.limit_for(8, 300) == 512
+        assert graphs.limit_for(1, 513) == MAX_MODEL_LEN
+        assert graphs.limit_for(12, 16) == MAX_MODEL_LEN
+    # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
+    lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
+    prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]
+    seqs = Sequences(prompts, NUM_KV_BLOCKS, rng)
+    prefill(cpu, gpu_backend, config, seqs)
+    for members in DECODE_ROUNDS:
+        for step in range(STEPS_PER_ROUND):
+            counts = {b: 1 for b in members}
+            batch = seqs.batch(counts)
+            what = f"{skinny}: {len(members)} sequences, step {step}"
+            expected = cpu.forward(config, batch)
+            replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
+            uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(config, batch))
+            np.testing.assert_array_equal(replayed, uncaptured,
+                                          err_msg=f"{what}: replay vs the same launches run eagerly")
+            eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))
+            assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
+            assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
+            seqs.advance(counts, np.argmax(expected, axis=-1))
+    # padding rows wrote no KV: exactly the slots of real tokens hold values
+    kv = cupy.asnumpy(gpu_backend._kv)  # [L, 2, blocks, block_size, nkv, d]
+    touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
+    expected_touched = np.zeros(touched.shape, bool)
+    expected_touched[sorted(seqs.written_slots())] = True
+    stray = np.flatnonzero(touched & ~expected_touched)
+    assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
+    assert touched[expected_touched].all(), "a token's K/V never reached the cache"
 
 
 @pytest.mark.gpu
@@ -405,12 +400,7 @@ def _mma_or_linear(cp, x_bits, w_dev, n, out_dtype, what):
     out = cp.empty((x_bits.shape[0], n), out_dtype)
     with pytest.raises(ValueError, match="cuBLAS"):
         gemm.mma(x_dev, w_dev, out)
-    previous = gemm.skinny_gemm()
-    gemm.set_skinny_gemm("mma")
-    try:
-        return _run_product(cp, gemm.linear, x_bits, w_dev, n, out_dtype)
-    finally:
-        gemm.set_skinny_gemm(previous)
+    return _run_product(cp, gemm.Products("mma").linear, x_bits, w_dev, n, out_dtype)
 
 
 @pytest.mark.gpu
@@ -468,24 +458,20 @@ def test_mma_refuses_what_it_cannot_take_and_linear_falls_back(rng):
     under the "mma" switch computes the product with cuBLAS."""
     import cupy as cp
     from cupy_llama.backends.cuda import gemm
-    previous = gemm.skinny_gemm()
-    gemm.set_skinny_gemm("mma")
-    try:
-        for k, n, m, offset in ((1001, 64, 3, 0), (256, 48, 2, 1)):
-            w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
-            x_bits, x = _x(rng, m, k)
-            flat = cp.zeros(m * k + offset, np.uint16)
-            flat[offset:] = cp.asarray(x_bits.reshape(-1))
-            x_dev = flat[offset:].reshape(m, k)  # offset 1: 2-byte aligned rows
-            w_dev = cp.asarray(w_bits)
-            out = cp.full((m, n), NAN_BITS, np.uint16)
-            with pytest.raises(ValueError, match="skinny mma: needs"):
-                gemm.mma(x_dev, w_dev, out)
-            gemm.linear(x_dev, w_dev, out)
-            got = bf16_bits_to_float32(cp.asnumpy(out)).astype(np.float64)
-            _assert_product(got, x @ w.T, f"linear fallback K={k} offset={offset}")
-    finally:
-        gemm.set_skinny_gemm(previous)
+    products = gemm.Products("mma")
+    for k, n, m, offset in ((1001, 64, 3, 0), (256, 48, 2, 1)):
+        w_bits, w = _weight(k, n, int(rng.integers(0, 2 ** 31)))
+        x_bits, x = _x(rng, m, k)
+        flat = cp.zeros(m * k + offset, np.uint16)
+        flat[offset:] = cp.asarray(x_bits.reshape(-1))
+        x_dev = flat[offset:].reshape(m, k)  # offset 1: 2-byte aligned rows
+        w_dev = cp.asarray(w_bits)
+        out = cp.full((m, n), NAN_BITS, np.uint16)
+        with pytest.raises(ValueError, match="skinny mma: needs"):
+            gemm.mma(x_dev, w_dev, out)
+        products.linear(x_dev, w_dev, out)
+        got = bf16_bits_to_float32(cp.asnumpy(out)).astype(np.float64)
+        _assert_product(got, x @ w.T, f"linear fallback K={k} offset={offset}")
 
 
 @pytest.mark.gpu
@@ -524,16 +510,9 @@ def test_linear_auto_follows_the_choice_table(rng, kernel):
     x_dev = cp.asarray(_x(rng, m, k)[0])
     direct = cp.empty((m, n), np.float32)
     {"mma": gemm.mma, "gemv": gemm.gemv, "cublas": gemm.cublas_linear}[kernel](x_dev, w_dev, direct)
-    previous = gemm.skinny_gemm()
-    gemm.set_skinny_gemm("auto")
-    gemm.set_choice_table({(n, k): {m: kernel}})
-    try:
-        routed = cp.full((m, n), np.nan, np.float32)
-        gemm.linear(x_dev, w_dev, routed)
-        np.testing.assert_array_equal(cp.asnumpy(routed), cp.asnumpy(direct))
-    finally:
-        gemm.set_choice_table(None)
-        gemm.set_skinny_gemm(previous)
+    routed = cp.full((m, n), np.nan, np.float32)
+    gemm.Products("auto", table={(n, k): {m: kernel}}).linear(x_dev, w_dev, routed)
+    np.testing.assert_array_equal(cp.asnumpy(routed), cp.asnumpy(direct))
 
 
 # ------------------------------------------- choosing the kernel (no GPU needed)
@@ -542,9 +521,7 @@ def test_choose_follows_the_switch_then_the_table_then_the_rule():
     from cupy_llama.backends.cuda import gemm
     table = {(3072, 2048): {1: "gemv", 8: "cublas", 16: "mma"}}
     assert gemm.choose("cublas", 3072, 2048, 1, table) == "cublas"
-    assert gemm.choose("gemv", 3072, 2048, 8, table) == "gemv"
     assert gemm.choose("mma", 3072, 2048, 8, table) == "mma"
-    assert gemm.choose("custom", 3072, 2048, 8, table) == "mma"
     assert gemm.choose("auto", 3072, 2048, 1, table) == "gemv"
     assert gemm.choose("auto", 3072, 2048, 8, table) == "cublas"
     assert gemm.choose("auto", 3072, 2048, 16, table) == "mma"
@@ -556,19 +533,19 @@ def test_choose_follows_the_switch_then_the_table_then_the_rule():
     # accumulating products: the skinny kernel under "auto" whatever the table says (it
     # times plain products), never the SIMT gemv kernel (it cannot add to its output)
     assert gemm.choose("auto", 3072, 2048, 8, table, accumulate=True) == "mma"
+    assert gemm.choose("auto", 3072, 2048, 1, table, accumulate=True) == "mma"
     assert gemm.choose("auto", 3072, 2048, 17, table, accumulate=True) == "cublas"
-    assert gemm.choose("gemv", 3072, 2048, 8, table, accumulate=True) == "cublas"
     assert gemm.choose("cublas", 3072, 2048, 8, table, accumulate=True) == "cublas"
     assert gemm.choose("mma", 3072, 2048, 8, table, accumulate=True) == "mma"
     # past 16 rows it is always cuBLAS, whatever the switch
-    for switch in ("auto", "mma", "gemv"):
+    for switch in ("auto", "mma"):
         assert gemm.choose(switch, 3072, 2048, 17, table) == "cublas"
 
 
-def test_set_skinny_gemm_rejects_unknown_choices():
+def test_products_reject_unknown_switches():
     from cupy_llama.backends.cuda import gemm
-    with pytest.raises(ValueError, match="skinny GEMM must be one of"):
-        gemm.set_skinny_gemm("fast")
+    with pytest.raises(ValueError, match="skinny must be one of"):
+        gemm.Products("gemv")
 
 
 def test_choice_table_files(tmp_path):
@@ -599,7 +576,9 @@ def test_committed_choice_tables_parse():
 def test_perf_choice_table_round_trip():
     """perf's measured rows -> the JSON it writes -> the table gemm reads: the fastest
     kernel per shape and row count."""
-    from cupy_llama.backends.cuda import gemm, perf
+    from conftest import script_module
+    from cupy_llama.backends.cuda import gemm
+    perf = script_module("perf")
     rows = [{"weight": "qkv", "n": 3072, "k": 2048, "m": 1, "cublas_us": 9.0, "gemv_us": 7.0,
              "mma_us": 4.0, "best": "mma"},
             {"weight": "qkv", "n": 3072, "k": 2048, "m": 16, "cublas_us": 5.0, "gemv_us": 30.0,
@@ -628,10 +607,12 @@ def test_mma_shared_memory_and_residency():
     assert gemm.mma_shared_bytes(8, 8192) <= H200_LIMITS["max_shared_per_block"]
     assert gemm.mma_shared_bytes(16, 8192) > H200_LIMITS["max_shared_per_block"]
     # two blocks of 256 threads per SM at <= 128 registers, one when x fills shared memory
-    assert gemm.mma_blocks_per_sm(96, gemm.mma_shared_bytes(1, 2048), H200_LIMITS) == 2
-    assert gemm.mma_blocks_per_sm(128, gemm.mma_shared_bytes(16, 2048), H200_LIMITS) == 2
-    assert gemm.mma_blocks_per_sm(104, gemm.mma_shared_bytes(8, 8192), H200_LIMITS) == 1
-    assert gemm.mma_blocks_per_sm(200, 1024, H200_LIMITS) == 1
+    # (static shared memory: the norm prologue's row sums, at most 1,088 bytes)
+    static = 1088
+    assert gemm.mma_blocks_per_sm(96, gemm.mma_shared_bytes(1, 2048), static, H200_LIMITS) == 2
+    assert gemm.mma_blocks_per_sm(128, gemm.mma_shared_bytes(16, 2048), static, H200_LIMITS) == 2
+    assert gemm.mma_blocks_per_sm(104, gemm.mma_shared_bytes(8, 8192), static, H200_LIMITS) == 1
+    assert gemm.mma_blocks_per_sm(200, 1024, static, H200_LIMITS) == 1
 
 
 NVCC = shutil.which("nvcc")
@@ -644,15 +625,13 @@ def test_mma_kernels_compile_without_spills(tmp_path, arch):
     register budget and keeps its per-row registers in registers (no stack frame, no
     spills)."""
     from cupy_llama.backends.cuda import gemm
-    from cupy_llama.backends.cuda.kernels import SKINNY_FAMILIES, module_source
-    source = tmp_path / "gemv.cu"
-    source.write_text(module_source("gemv"))
-    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-                             "-o", str(tmp_path / "gemv.cubin"), str(source)],
-                            capture_output=True, text=True)
+    from cupy_llama.backends.cuda.kernels import kernel_dir
+    result = subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", f"-I{kernel_dir()}", "-cubin",
+                             "-Xptxas", "-v", "-o", str(tmp_path / "gemv.cubin"),
+                             str(kernel_dir() / "gemv.cu")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = result.stderr + result.stdout
-    for kernel in (f"{family}_n{nt}" for family in SKINNY_FAMILIES for nt in (1, 2)):
+    for kernel in gemm.SKINNY_KERNELS.values():
         match = re.search(rf"Function properties for {kernel}\s*\n\s*(\d+) bytes stack frame, "
                           rf"(\d+) bytes spill stores, (\d+) bytes spill loads.*?\n.*?Used "
                           rf"(\d+) registers", report)

@@ -14,6 +14,7 @@ import pytest
 from cupy_llama.backends.base import ForwardBatch, SamplingTensors
 from cupy_llama.backends.cuda import graphs, ops
 from cupy_llama.backends.cuda import sampling as sampling_kernels
+from cupy_llama.backends.cuda.switches import KernelSwitches
 
 Op = namedtuple("Op", "who what detail")  # who: a stream's name or "host"
 H2D, D2H = ops.H2D, ops.D2H
@@ -135,8 +136,10 @@ def pipelined(fake, monkeypatch):
 
     monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
     monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})  # the real __init__ else
+    no_launch_attributes = KernelSwitches(programmatic=False, clusters=False)  # no device query
     cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
-                           num_heads=2, head_dim=64, max_model_len=64)
+                           num_heads=2, head_dim=64, max_model_len=64,
+                           switches=no_launch_attributes)
     fake.name(cuda_ops._sampling_host, "settings_host")
     fake.name(cuda_ops._sampling_device, "settings_device")
     fake.name(cuda_ops._tokens_device, "tokens_device")

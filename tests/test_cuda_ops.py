@@ -177,7 +177,7 @@ def test_linear(cp, rng, m, k, n, out_dtype):
     w_bits, w = random_bf16(rng, (n, k), scale=0.02)
     expected = x.astype(np.float64) @ w.T.astype(np.float64)
     out = poisoned(cp, (m, n), out_dtype)
-    gemm.linear(cp.asarray(x_bits), cp.asarray(w_bits), out)
+    gemm.Products().linear(cp.asarray(x_bits), cp.asarray(w_bits), out)
     got = to_float(cp, out).astype(np.float64)
     assert not np.isnan(got).any(), "linear left NaN in the output"
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
@@ -418,7 +418,7 @@ def test_attention_decode_clusters(cp, rng, head_dim, group):
     eight CTAs without a key) to 4,098 (several steps per CTA), host- and device-derived
     lengths alike, and large scores."""
     from cupy_llama.backends.cuda import launch
-    if not launch.cluster_launches():
+    if not launch.launch_attributes_usable():
         pytest.skip("this GPU (or driver) does not launch thread-block clusters")
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
     for max_seq_len in ("batch", None):

@@ -184,7 +184,7 @@ def _aligned(*arrays) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    kernel: str = "auto", clusters: bool = False):
+                    kernel: str = "auto", clusters: bool = False, programmatic: bool = False):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
@@ -192,8 +192,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     partial_out / partial_lse, then merged. max_seq_len=None (CUDA-graph decode: nothing
     that changes between steps may be baked into the launch) keeps num_splits as given and
     lets the kernel derive each sequence's split length from its seq_len.
-    clusters (sm_90+, launch.cluster_launches()): a split decode batch runs the clustered
-    kernel instead, which needs no workspace and no combine kernel.
+    clusters (sm_90+, launch.launch_attributes_usable()): a split decode batch runs the
+    clustered kernel instead, which needs no workspace and no combine kernel.
+    programmatic (likewise): the decode and combine kernels launch programmatically.
     kernel="scalar" runs the scalar fallback kernel whatever the shape."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
@@ -251,9 +252,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     # decode kernels and the split combine wait for the kernel before on the device, so
     # they may launch programmatically: start while the qkv product (or the split kernel)
     # drains
-    if plan.kernel.startswith("decode_"):
+    if is_decode:
         launch.launch_waiting(function, plan.grid, plan.block, args, plan.shared_mem,
-                              cluster=plan.cluster)
+                              cluster=plan.cluster, programmatic=programmatic)
     else:
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
     if num_splits > 1 and not clustered:
@@ -261,4 +262,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
         launch.launch_waiting(combine, grid, block, (partial_out, partial_lse, out,
                                                      i32(num_heads), i32(head_dim),
-                                                     i32(num_splits)))
+                                                     i32(num_splits)),
+                              programmatic=programmatic)

@@ -18,6 +18,7 @@ from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
 from . import attention as attention_kernels
 from .device import check_cuda_device, device_name, import_cupy
 from .ops import CudaOps
+from .switches import KernelSwitches
 from .weight_upload import upload_weight_pieces
 
 ALIGNMENT = 256
@@ -76,10 +77,13 @@ class CudaBackend:
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, log=None):
+                 enforce_eager: bool = False, switches: KernelSwitches | None = None,
+                 log=None):
+        """switches: which kernels run; default: KernelSwitches.from_environment()."""
         self.capability = check_cuda_device()
         cupy = import_cupy()
         self._cupy = cupy
+        self.switches = KernelSwitches.from_environment() if switches is None else switches
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -127,7 +131,8 @@ class CudaBackend:
         self.ops = CudaOps(max_num_tokens=self.max_num_tokens, max_num_seqs=max_num_seqs,
                            max_blocks_per_seq=max_blocks_per_seq,
                            num_heads=config.num_attention_heads, head_dim=config.head_dim,
-                           max_model_len=max_model_len, workspace=workspace)
+                           max_model_len=max_model_len, workspace=workspace,
+                           switches=self.switches)
 
         self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
                   f"weights loaded in {self.load_seconds:.2f} s")
@@ -158,6 +163,21 @@ class CudaBackend:
             return False
         self.graphs, self.graphs_off_reason = graphs, None
         return True
+
+    def use_switches(self, switches: KernelSwitches) -> None:
+        """Run other kernels from now on (timing tools compare them on one loaded model):
+        new ops on the same memory, and the captured graphs dropped with the old ones."""
+        self._cupy.cuda.get_current_stream().synchronize()
+        old = self.ops
+        self.switches = switches
+        self.ops = CudaOps(max_num_tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs,
+                           max_blocks_per_seq=old.max_blocks_per_seq,
+                           num_heads=self.config.num_attention_heads,
+                           head_dim=self.config.head_dim, max_model_len=self.max_model_len,
+                           workspace=(old._partial_out, old._partial_lse), switches=switches)
+        if self.graphs is not None:
+            self.graphs = None
+            self.enable_graphs()
 
     def forward(self, config: ModelConfig, batch):
         """One step (model/llama.py): decode batches replay a CUDA graph when graphs are

@@ -1,12 +1,13 @@
 """out = x @ weight.T: cuBLAS (bf16 in, fp32 compute, bf16 or fp32 out) or, for the skinny
-products of decode (at most 16 rows), one of the custom kernels of gemv.cu:
+products of decode (at most 16 rows), one of the kernels of gemv.cu:
   - "mma": the tensor-core streaming kernels (skinny_*), built to read the weights at HBM
     speed for every weight shape; their fused variants also take the RMSNorm before a
     product and the SiLU-and-mul, RoPE and KV-cache write or residual add after it
     (norm_linear, norm_gate_up_silu, norm_qkv_rope, linear(accumulate=True)), and they
     launch programmatically (launch.py) so each starts streaming its weights while the
     kernel before it drains;
-  - "gemv": the first SIMT kernel (gemv_m*), kept for comparison.
+  - "gemv": the SIMT kernels (gemv_m*), which a measured choice table picks where they are
+    fastest (the vocabulary-sized LM head at 1 and 2 rows on the H200).
 
 cuBLAS is called through ctypes on a handle of this module's own: CuPy's binding refuses
 every cuBLAS call while a stream is being captured into a CUDA graph (it checks in
@@ -14,25 +15,23 @@ setStream). The handle gets a fixed workspace, set again after each stream chang
 resets it there), so captured products never allocate. Where the library cannot be found
 through ctypes, eager products fall back to CuPy's binding and graphs stay off.
 
-Who serves a skinny product is a switch, `set_skinny_gemm(...)` or the environment variable
-CUPY_LLAMA_SKINNY_GEMM:
+Who serves a skinny product is the backend's `Products`, made once from its switches
+(switches.py, CUPY_LLAMA_SKINNY_GEMM):
   - "auto" (default): per weight shape and row count, the kernel a measured choice table
     for this GPU names (gemm_choice_*.json beside this file, written by
-    `python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune`); for a GPU without a
-    table, "mma" up to FALLBACK_MMA_MAX_ROWS rows and cuBLAS above;
-  - "mma" (alias "custom"), "gemv" or "cublas": that kernel wherever it applies.
+    `python3 scripts/perf.py MODEL_DIR --tune`); for a GPU without a table, "mma" up to
+    FALLBACK_MMA_MAX_ROWS rows and cuBLAS above;
+  - "mma" or "cublas": that kernel wherever it applies.
 Under "auto" the fused products and accumulating products of at most 16 rows take the
 skinny kernels (the table times plain products; norm_linear, where only a norm is at
-stake, follows it); under "gemv" and "cublas" they are composed of that kernel and the
-separate small kernels (an accumulating product under "gemv" goes to cuBLAS: the SIMT
-kernel cannot add to its output).
-A custom kernel that cannot take a product (alignment, K, shared memory) hands it to cuBLAS.
-Graphs bake in the kernels chosen when they are captured: reset them after a switch."""
+stake, follows it); under "cublas" they are composed of cuBLAS and the separate small
+kernels. A custom kernel that cannot take a product (alignment, K, shared memory) hands
+it to cuBLAS. CUDA graphs bake in what a Products chose when they were captured, so a
+backend's Products never changes (docs/ARCHITECTURE.md, "Kernels")."""
 from __future__ import annotations
 
 import ctypes
 import json
-import os
 import re
 from pathlib import Path
 
@@ -41,7 +40,8 @@ import numpy as np
 from . import launch
 from .device import device_limits
 from .elementwise import check_rope_operands
-from .kernels import BF16, F32, check, get_kernel, i32, opt_in_shared
+from .kernels import BF16, F32, check, constants, get_kernel, i32, instances, opt_in_shared
+from .switches import SKINNY_CHOICES
 
 CUDA_R_32F = 0
 CUDA_R_16BF = 14
@@ -51,65 +51,36 @@ CUBLAS_OP_T = 1
 CUBLAS_GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommendation for Hopper
 
-# first SIMT kernels: variant rows -> weight rows per warp (gemv.cu DEFINE_GEMV lines)
-GEMV_VARIANTS = {1: 2, 2: 2, 4: 2, 8: 4, 16: 4}
-GEMV_WARPS = 4
-SKINNY_MAX_ROWS = max(GEMV_VARIANTS)
-
-# tensor-core kernels (gemv.cu SKINNY_* constants; the families in kernels.SKINNY_FAMILIES)
-OUT_BF16, OUT_F32, OUT_F32_ADD = 0, 1, 2  # gemv.cu out_mode
-MMA_WARPS = 8
-MMA_WIDE_WARPS = 16     # skinny_wide: plain products of long rows in few tiles
-WIDE_MIN_K = 4096
-MMA_TILE_ROWS = 16      # weight rows per tile
-MMA_STEP = 64           # k per step; x rows are staged zero-padded to a multiple of this
-MMA_X_PAD_CHUNKS = 4    # 16-byte chunks after each staged x row
-MMA_PARTIAL_BYTES = 2 * 4 * 32 * 4  # per warp and x tile: two buffers of warp partials
-MMA_STATIC_SHARED = (16 * MMA_WIDE_WARPS + 16) * 4  # the norm prologue's row sums, at most
-
-KERNELS = ("cublas", "gemv", "mma")
-SKINNY_CHOICES = ("auto", "cublas", "gemv", "mma", "custom")
+# The kernels' sizes and the list of kernels come from gemv.cu (kernels.py)
+_C = constants("gemv")
+# SIMT kernels: rows -> (kernel, weight rows per warp), from the DEFINE_GEMV lines
+GEMV_VARIANTS = {m: (name, rows) for name, m, rows, _ in instances("gemv", "DEFINE_GEMV")}
+GEMV_WARPS = _C["GEMV_WARPS"]
+# tensor-core kernels: (prologue, epilogue, warps, 8-column x tiles) -> kernel, from the
+# DEFINE_SKINNY lines
+SKINNY_KERNELS = {(pro, epi, warps, nt): name
+                  for name, nt, pro, epi, warps, _ in instances("gemv", "DEFINE_SKINNY")}
+PRO_PLAIN, PRO_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"]
+EPI_STORE, EPI_SILU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_SILU"], _C["EPI_ROPE"]
+OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
+MMA_WARPS = _C["SKINNY_WARPS"]
+MMA_WIDE_WARPS = _C["SKINNY_WIDE_WARPS"]  # plain products of long rows in few tiles
+MMA_TILE_ROWS = _C["SKINNY_TILE"]         # weight rows per tile
+MMA_STEP = _C["SKINNY_STEP"]              # k per step; x rows are staged zero-padded to it
+MMA_X_PAD_CHUNKS = _C["SKINNY_X_PAD"]     # 16-byte chunks after each staged x row
+MMA_PARTIAL_BYTES = _C["SKINNY_PARTIAL_BYTES"]  # per warp and x tile
+SKINNY_MAX_ROWS = 8 * max(nt for _, _, _, nt in SKINNY_KERNELS)
+assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels' row limits differ"
+# the launcher's own choices
+WIDE_MIN_K = 4096  # plain products of rows at least this long may take the wide variant
 FALLBACK_MMA_MAX_ROWS = 4
+KERNELS = ("cublas", "gemv", "mma")
 CHOICE_DIR = Path(__file__).resolve().parent
 
 # alpha and beta live in host memory for the whole process (pointer mode host)
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
-
-_skinny = os.environ.get("CUPY_LLAMA_SKINNY_GEMM", "auto")
 _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load it
-_table = None   # choice table of this GPU: {(n, k): {m: kernel}}, {} when there is none
-_choice_cache = {}  # (n, k, m, accumulate) -> kernel under the current switch and table
-
-
-def set_skinny_gemm(choice: str) -> None:
-    """Who computes products with at most SKINNY_MAX_ROWS rows (see the module doc)."""
-    global _skinny
-    if choice not in SKINNY_CHOICES:
-        raise ValueError(f"skinny GEMM must be one of {SKINNY_CHOICES}, got {choice!r}")
-    _skinny = choice
-    _choice_cache.clear()
-
-
-def skinny_gemm() -> str:
-    return _skinny if _skinny in SKINNY_CHOICES else "auto"
-
-
-def linear(x, weight, out, accumulate: bool = False):
-    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major.
-    accumulate: out (float32) += x @ weight.T (the residual stream takes a sublayer's
-    output this way, with no rounding to bf16 in between)."""
-    m_rows, n_cols = check_product(x, weight, out, accumulate)
-    k = x.shape[1]
-    if m_rows == 0 or n_cols == 0:
-        return
-    kernel = chosen_kernel(n_cols, k, m_rows, accumulate)
-    if kernel == "mma" and mma_unsupported(x, weight) is None:
-        _launch_mma(x, weight, out, accumulate)
-    elif kernel == "gemv" and gemv_supported(x, weight):
-        _launch_gemv(x, weight, out)
-    else:
-        cublas_linear(x, weight, out, accumulate)
 
 
 def check_product(x, weight, out, accumulate: bool = False):
@@ -131,20 +102,6 @@ def _check_out(out, m_rows: int, n_cols: int, accumulate: bool = False) -> None:
 
 # ------------------------------------------------------------------- choosing a kernel
 
-def chosen_kernel(n: int, k: int, m: int, accumulate: bool = False) -> str:
-    """The kernel the switch (and, for "auto", this GPU's choice table) names for an
-    [m, k] x [n, k]^T product (accumulate: added to a float32 out, see choose)."""
-    if m > SKINNY_MAX_ROWS:
-        return "cublas"
-    key = (n, k, m, accumulate)
-    kernel = _choice_cache.get(key)
-    if kernel is None:
-        table = _device_table() if skinny_gemm() == "auto" else {}
-        kernel = choose(skinny_gemm(), n, k, m, table, accumulate)
-        _choice_cache[key] = kernel
-    return kernel
-
-
 def choose(switch: str, n: int, k: int, m: int, table: dict, accumulate: bool = False) -> str:
     """The kernel for an [m, k] x [n, k]^T product: the switch's, or for "auto" the table's
     entry, else "mma" up to FALLBACK_MMA_MAX_ROWS rows; cuBLAS past SKINNY_MAX_ROWS. An
@@ -153,10 +110,8 @@ def choose(switch: str, n: int, k: int, m: int, table: dict, accumulate: bool = 
     which cannot add to its output."""
     if m > SKINNY_MAX_ROWS or switch == "cublas":
         return "cublas"
-    if switch in ("mma", "custom") or (accumulate and switch == "auto"):
+    if switch == "mma" or accumulate:
         return "mma"
-    if switch == "gemv":
-        return "cublas" if accumulate else "gemv"
     entry = table.get((n, k), {}).get(m)
     if entry is not None:
         return entry
@@ -191,37 +146,134 @@ def load_choice_table(gpu_name: str, directory: Path = CHOICE_DIR) -> dict:
     return {}
 
 
-def set_choice_table(table: dict | None) -> None:
-    """Use `table` ({(n, k): {m: kernel}}) for "auto"; None: load this GPU's file again."""
-    global _table
-    _table = table
-    _choice_cache.clear()
-
-
-def _device_table() -> dict:
-    global _table
-    if _table is None:
-        _table = load_choice_table(device_name())
-    return _table
-
-
 def device_name() -> str:
     import cupy
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-# ------------------------------------------------------------ first SIMT skinny kernels
+class Products:
+    """The matrix products of one backend: which kernel serves each shape (the skinny
+    switch, and under "auto" the choice table), and whether the skinny kernels launch
+    programmatically. Made once per backend; a choice is worked out once per shape."""
+
+    def __init__(self, skinny: str = "auto", programmatic: bool = False,
+                 table: dict | None = None):
+        """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file."""
+        if skinny not in SKINNY_CHOICES:
+            raise ValueError(f"skinny must be one of {SKINNY_CHOICES}, got {skinny!r}")
+        self.skinny = skinny
+        self.programmatic = bool(programmatic) and launch.launch_attributes_usable()
+        self._table = table
+        self._chosen = {}  # (n, k, m, accumulate) -> kernel
+
+    @property
+    def fusing(self) -> bool:
+        """Whether the fused skinny kernels may run ("cublas" names one kernel for every
+        product, so the sublayer ops are composed around it)."""
+        return self.skinny != "cublas"
+
+    def kernel_for(self, n: int, k: int, m: int, accumulate: bool = False) -> str:
+        """The kernel for an [m, k] x [n, k]^T product (accumulate: added to a float32 out)."""
+        if m > SKINNY_MAX_ROWS:
+            return "cublas"
+        key = (n, k, m, accumulate)
+        kernel = self._chosen.get(key)
+        if kernel is None:
+            if self.skinny == "auto" and self._table is None:
+                self._table = load_choice_table(device_name())
+            table = self._table if self.skinny == "auto" else {}
+            kernel = self._chosen[key] = choose(self.skinny, n, k, m, table, accumulate)
+        return kernel
+
+    def linear(self, x, weight, out, accumulate: bool = False):
+        """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major.
+        accumulate: out (float32) += x @ weight.T (the residual stream takes a sublayer's
+        output this way, with no rounding to bf16 in between)."""
+        m_rows, n_cols = check_product(x, weight, out, accumulate)
+        k = x.shape[1]
+        if m_rows == 0 or n_cols == 0:
+            return
+        kernel = self.kernel_for(n_cols, k, m_rows, accumulate)
+        if kernel == "mma" and mma_unsupported(x, weight) is None:
+            _launch_mma(x, weight, out, accumulate, self.programmatic)
+        elif kernel == "gemv" and gemv_supported(x, weight):
+            _launch_gemv(x, weight, out)
+        else:
+            cublas_linear(x, weight, out, accumulate)
+
+    def norm_linear(self, x, norm_weight, eps, weight, out) -> bool:
+        """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K],
+        weight [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused
+        kernel cannot take it, or where the switch (or under "auto" the choice table) names
+        another kernel for the product: the caller then composes the two ops."""
+        if x.shape[0] > SKINNY_MAX_ROWS:
+            return False  # a prefill step: composed, without checking twice
+        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        n = weight.shape[0]
+        _check_out(out, m_rows, n)
+        if self.kernel_for(n, k, m_rows) != "mma":
+            return False  # only the norm is at stake: the faster product wins
+        if fused_unsupported(x, weight, norm_weight) is not None:
+            return False
+        args = _norm_args(x, norm_weight, eps, weight, out)
+        args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
+        if m_rows:
+            _launch_skinny(PRO_NORM, EPI_STORE, m_rows, n, k, args, self.programmatic)
+        return True
+
+    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out) -> bool:
+        """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
+        rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
+        if x.shape[0] > SKINNY_MAX_ROWS:
+            return False  # a prefill step: composed, without checking twice
+        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        n = weight.shape[0]
+        check("out", out, BF16, shape=(m_rows, n // 2))
+        if (not self.fusing or n % MMA_TILE_ROWS
+                or fused_unsupported(x, weight, norm_weight) is not None):
+            return False
+        if m_rows:
+            _launch_skinny(PRO_NORM, EPI_SILU, m_rows, n, k,
+                           _norm_args(x, norm_weight, eps, weight, out), self.programmatic)
+        return True
+
+    def norm_qkv_rope(self, x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
+                      k_cache, v_cache, q_out) -> bool:
+        """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py),
+        in one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d].
+        False where it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
+        if x.shape[0] > SKINNY_MAX_ROWS:
+            return False  # a prefill step: composed, without checking twice
+        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        _, num_heads, num_kv_heads, head_dim = check_rope_operands(
+            q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
+        check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
+        if (not self.fusing or head_dim % 16
+                or fused_unsupported(x, weight, norm_weight) is not None):
+            return False
+        args = _norm_args(x, norm_weight, eps, weight, q_out)
+        args.positions, args.slot_mapping = positions.data.ptr, slot_mapping.data.ptr
+        args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
+        if m_rows:
+            _launch_skinny(PRO_NORM, EPI_ROPE, m_rows, weight.shape[0], k, args,
+                           self.programmatic)
+        return True
+
+
+# ------------------------------------------------------------------ SIMT skinny kernels
 
 def gemv_supported(x, weight) -> bool:
-    """The SIMT kernels need at most 16 rows, K % 8 == 0 and 16-byte aligned rows."""
+    """The SIMT kernels need at most SKINNY_MAX_ROWS rows, K % 8 == 0 and 16-byte aligned
+    rows."""
     m_rows, k = x.shape
     return (m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and x.data.ptr % 16 == 0
             and weight.data.ptr % 16 == 0)
 
 
 def gemv(x, weight, out):
-    """The SIMT kernel whatever the switch says (tests, timing); same shapes as linear."""
+    """The SIMT kernel whatever the table says (tests, timing); same shapes as linear."""
     m_rows, n_cols = check_product(x, weight, out)
     if not gemv_supported(x, weight):
         raise ValueError(f"gemv: needs at most {SKINNY_MAX_ROWS} rows, K a multiple of 8 and "
@@ -233,10 +285,9 @@ def gemv(x, weight, out):
 def _launch_gemv(x, weight, out):
     m_rows, k = x.shape
     n_cols = weight.shape[0]
-    variant = next(v for v in sorted(GEMV_VARIANTS) if v >= m_rows)
-    rows_per_block = GEMV_WARPS * GEMV_VARIANTS[variant]
-    get_kernel("gemv", f"gemv_m{variant}")(
-        (-(-n_cols // rows_per_block),), (GEMV_WARPS * 32,),
+    name, rows_per_warp = GEMV_VARIANTS[min(v for v in GEMV_VARIANTS if v >= m_rows)]
+    get_kernel("gemv", name)(
+        (-(-n_cols // (GEMV_WARPS * rows_per_warp)),), (GEMV_WARPS * 32,),
         (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)))
 
 
@@ -264,40 +315,48 @@ def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
-def mma_unsupported(x, weight, family: str = "skinny") -> str | None:
-    """Why the skinny kernels of `family` cannot take this product, or None when they can."""
+def skinny_kernel(pro: int, epi: int, warps: int, m_rows: int):
+    """The skinny kernel of a prologue, epilogue and block size for m_rows x rows."""
+    return get_kernel("gemv", SKINNY_KERNELS[pro, epi, warps, -(-m_rows // 8)])
+
+
+def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> str | None:
+    """Why the skinny kernels of that prologue and epilogue cannot take this product, or
+    None when they can."""
     m_rows, k = x.shape
-    warps = _skinny_warps(family, weight.shape[0], k)
+    warps = _skinny_warps(pro, epi, weight.shape[0], k)
     if m_rows > SKINNY_MAX_ROWS:
         return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
     if k % 8:
         return f"K a multiple of 8 (got {k})"
     if x.data.ptr % 16 or weight.data.ptr % 16:
         return "16-byte aligned x and weight"
-    limit = device_limits()["max_shared_per_block"] - MMA_STATIC_SHARED
+    if not launch.available():
+        return "the CUDA driver's cuLaunchKernelEx"
+    static = skinny_kernel(pro, epi, warps, max(1, m_rows)).shared_size_bytes
+    limit = device_limits()["max_shared_per_block"] - static
     if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
                 f"(needs {mma_shared_bytes(m_rows, k, warps)})")
-    if not launch.available():
-        return "the CUDA driver's cuLaunchKernelEx"
     return None
 
 
-def mma(x, weight, out):
-    """The tensor-core skinny kernel whatever the switch says (tests, timing); same shapes
+def mma(x, weight, out, programmatic: bool = False):
+    """The tensor-core skinny kernel whatever the table says (tests, timing); same shapes
     as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
     m_rows, n_cols = check_product(x, weight, out)
     reason = mma_unsupported(x, weight)
     if reason is not None:
         raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
     if m_rows and n_cols:
-        _launch_mma(x, weight, out)
+        _launch_mma(x, weight, out, False, programmatic and launch.launch_attributes_usable())
 
 
-def _launch_mma(x, weight, out, accumulate=False):
+def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool):
     mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
     args = SkinnyArgs(x=x.data.ptr, w=weight.data.ptr, out=out.data.ptr, out_mode=mode)
-    _launch_skinny("skinny", x.shape[0], weight.shape[0], x.shape[1], args)
+    _launch_skinny(PRO_PLAIN, EPI_STORE, x.shape[0], weight.shape[0], x.shape[1], args,
+                   programmatic)
 
 
 # fused variants (gemv.cu): the x rows are the float32 residual stream, normalized by the
@@ -307,16 +366,10 @@ def _launch_mma(x, weight, out, accumulate=False):
 def fused_unsupported(x, weight, norm_weight) -> str | None:
     """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T (the callers have
     checked the operands: _check_norm_product), or None."""
-    reason = mma_unsupported(x, weight, "skinny_norm")
+    reason = mma_unsupported(x, weight, PRO_NORM)
     if reason is None and norm_weight.data.ptr % 16:
         reason = "16-byte aligned norm weights"
     return reason
-
-
-def _fusing() -> bool:
-    """Whether the switch lets the fused kernels run ("gemv" and "cublas" name one kernel
-    for every product, so the sublayer ops are composed around it)."""
-    return skinny_gemm() in ("auto", "mma", "custom")
 
 
 def _norm_args(x, norm_weight, eps, weight, out) -> SkinnyArgs:
@@ -331,113 +384,55 @@ def _check_norm_product(x, norm_weight, weight):
     return m_rows, k
 
 
-def norm_linear(x, norm_weight, eps, weight, out) -> bool:
-    """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K], weight
-    [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused kernel
-    cannot take it, or where the switch (or under "auto" the choice table) names another
-    kernel for the product: the caller then composes the two ops."""
-    if x.shape[0] > SKINNY_MAX_ROWS:
-        return False  # a prefill step: composed, without checking twice
-    m_rows, k = _check_norm_product(x, norm_weight, weight)
-    n = weight.shape[0]
-    _check_out(out, m_rows, n)
-    if chosen_kernel(n, k, m_rows) != "mma":
-        return False  # only the norm is at stake: the faster product wins
-    if fused_unsupported(x, weight, norm_weight) is not None:
-        return False
-    args = _norm_args(x, norm_weight, eps, weight, out)
-    args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
-    if m_rows:
-        _launch_skinny("skinny_norm", m_rows, n, k, args)
-    return True
-
-
-def norm_gate_up_silu(x, norm_weight, eps, weight, out) -> bool:
-    """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
-    rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
-    if x.shape[0] > SKINNY_MAX_ROWS:
-        return False  # a prefill step: composed, without checking twice
-    m_rows, k = _check_norm_product(x, norm_weight, weight)
-    n = weight.shape[0]
-    check("out", out, BF16, shape=(m_rows, n // 2))
-    if (not _fusing() or n % MMA_TILE_ROWS
-            or fused_unsupported(x, weight, norm_weight) is not None):
-        return False
-    if m_rows:
-        _launch_skinny("skinny_norm_silu", m_rows, n, k,
-                       _norm_args(x, norm_weight, eps, weight, out))
-    return True
-
-
-def norm_qkv_rope(x, norm_weight, eps, weight, positions, slot_mapping, cos_sin, k_cache,
-                  v_cache, q_out) -> bool:
-    """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py), in
-    one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d]. False where
-    it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
-    if x.shape[0] > SKINNY_MAX_ROWS:
-        return False  # a prefill step: composed, without checking twice
-    m_rows, k = _check_norm_product(x, norm_weight, weight)
-    _, num_heads, num_kv_heads, head_dim = check_rope_operands(
-        q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
-    check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
-    if (not _fusing() or head_dim % 16
-            or fused_unsupported(x, weight, norm_weight) is not None):
-        return False
-    args = _norm_args(x, norm_weight, eps, weight, q_out)
-    args.positions, args.slot_mapping = positions.data.ptr, slot_mapping.data.ptr
-    args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
-    args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
-    if m_rows:
-        _launch_skinny("skinny_norm_rope", m_rows, weight.shape[0], k, args)
-    return True
-
-
-def _launch_skinny(family: str, m_rows: int, n: int, k: int, args: SkinnyArgs) -> None:
+def _launch_skinny(pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
+                   programmatic: bool) -> None:
     import cupy
-    kernel, grid, warps, shared = _mma_launch_shape(family, n, k, m_rows)
+    kernel, grid, warps, shared = _mma_launch_shape(pro, epi, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, launch.programmatic_launches())
+                  args, programmatic)
 
 
-_mma_shapes = {}  # (family, n, k, m) -> (kernel, grid, warps, shared bytes)
+_mma_shapes = {}  # (pro, epi, n, k, m) -> (kernel, grid, warps, shared bytes)
 
-def _mma_launch_shape(family: str, n: int, k: int, m_rows: int):
+
+def _mma_launch_shape(pro: int, epi: int, n: int, k: int, m_rows: int):
     """Kernel, grid, warps per block and shared memory of a product, computed once per
     shape: enough blocks to fill every SM as far as registers and shared memory allow, at
     most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant (twice the loads in flight per block)."""
-    key = (family, n, k, m_rows)
+    key = (pro, epi, n, k, m_rows)
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = -(-n // MMA_TILE_ROWS)
-        warps = _skinny_warps(family, n, k)
-        if warps == MMA_WIDE_WARPS:
-            family = "skinny_wide"
-        kernel = get_kernel("gemv", f"{family}_n{-(-m_rows // 8)}")
+        warps = _skinny_warps(pro, epi, n, k)
+        kernel = skinny_kernel(pro, epi, warps, m_rows)
         shared = mma_shared_bytes(m_rows, k, warps)
-        opt_in_shared(kernel, shared, MMA_STATIC_SHARED)
-        per_sm = mma_blocks_per_sm(kernel.num_regs, shared, limits, warps)
+        opt_in_shared(kernel, shared)
+        per_sm = mma_blocks_per_sm(kernel.num_regs, shared, kernel.shared_size_bytes, limits,
+                                   warps)
         _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
     return _mma_shapes[key]
 
 
-def _skinny_warps(family: str, n: int, k: int) -> int:
+def _skinny_warps(pro: int, epi: int, n: int, k: int) -> int:
     """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant."""
-    if family == "skinny" and k >= WIDE_MIN_K and -(-n // MMA_TILE_ROWS) <= device_limits()["sms"]:
+    if ((pro, epi) == (PRO_PLAIN, EPI_STORE) and k >= WIDE_MIN_K
+            and -(-n // MMA_TILE_ROWS) <= device_limits()["sms"]):
         return MMA_WIDE_WARPS
     return MMA_WARPS
 
 
-def mma_blocks_per_sm(regs_per_thread: int, shared: int, limits: dict,
+def mma_blocks_per_sm(regs_per_thread: int, shared: int, static_shared: int, limits: dict,
                       warps: int = MMA_WARPS) -> int:
     """Resident skinny blocks per SM: registers (allocated per warp in units of 256),
-    shared memory (1 KB reserved per block) and threads; at least 1."""
+    shared memory (dynamic plus static, and 1 KB reserved per block) and threads; at
+    least 1."""
     threads = warps * 32
     regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
     by_regs = limits["regs_per_sm"] // (regs_per_warp * warps)
-    by_shared = limits["shared_per_sm"] // (shared + MMA_STATIC_SHARED + 1024)
+    by_shared = limits["shared_per_sm"] // (shared + static_shared + 1024)
     by_threads = limits["threads_per_sm"] // threads
     return max(1, min(by_regs, by_shared, by_threads))
 

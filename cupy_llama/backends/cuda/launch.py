@@ -6,13 +6,13 @@ while the kernel before it on the stream still runs, and waits for it on the dev
 overlap as programmatic edges), and launch thread-block clusters (sm_90+: decode
 attention's clustered kernels).
 
-`set_programmatic(False)` (or CUPY_LLAMA_PDL=0) turns the overlap off, CUPY_LLAMA_CLUSTERS=0
-the clusters; graphs bake in what was set when they were captured."""
+Whether a launch is programmatic or clustered is the caller's to say: the backend's
+switches decide (switches.py; CUPY_LLAMA_PDL=0 and CUPY_LLAMA_CLUSTERS=0 turn them off),
+and launch_attributes_usable() says where the GPU can."""
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import re
 
 import numpy as np
@@ -56,37 +56,13 @@ def launch_attributes(programmatic: bool, cluster: int) -> tuple:
     return (_LaunchAttribute * len(attributes))(*attributes), len(attributes)
 
 
-_programmatic = os.environ.get("CUPY_LLAMA_PDL", "1") != "0"
-_clusters = os.environ.get("CUPY_LLAMA_CLUSTERS", "1") != "0"
 _driver = None  # _Driver once loaded; False where it could not be
 _attributes_usable = None  # launch_attributes_usable(), once worked out
 
 
-def set_programmatic(on: bool) -> None:
-    """Launch the kernels that support it programmatically (where the GPU can)."""
-    global _programmatic
-    _programmatic = bool(on)
-
-
-def programmatic() -> bool:
-    return _programmatic
-
-
-def programmatic_launches() -> bool:
-    """Launch the kernels that wait on the device programmatically: switched on and
-    launch_attributes_usable()."""
-    return _programmatic and launch_attributes_usable()
-
-
-def cluster_launches() -> bool:
-    """Launch cluster kernels (decode attention merging its key ranges on chip): switched
-    on and launch_attributes_usable()."""
-    return _clusters and launch_attributes_usable()
-
-
 def launch_attributes_usable() -> bool:
-    """The driver's cuLaunchKernelEx loaded and an sm_90+ GPU. Asked at every launch, so
-    worked out once, for the device current then (the engine runs on one GPU)."""
+    """The driver's cuLaunchKernelEx loaded and an sm_90+ GPU: worked out once, for the
+    device current then (the engine runs on one GPU)."""
     global _attributes_usable
     if _attributes_usable is None:
         _attributes_usable = available() and device_limits()["capability"] >= 90
@@ -103,8 +79,8 @@ def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
     """Launch the CuPy RawKernel `kernel` (grid: an int or up to three ints) with `args`,
     one ctypes struct passed by value or a list of ctypes values, one per parameter.
     programmatic: the kernel waits for the one before before touching its results, and
-    the GPU can (sm_90+): callers pass programmatic_launches(). cluster > 1: launch
-    clusters of that many CTAs along x (grid x a multiple of it; sm_90+)."""
+    the GPU can (sm_90+, launch_attributes_usable()). cluster > 1: launch clusters of that
+    many CTAs along x (grid x a multiple of it; sm_90+)."""
     driver = _load()
     if driver is None:
         raise RuntimeError("cuLaunchKernelEx is not available")
@@ -115,12 +91,11 @@ def launch(kernel, grid, block: int, shared_bytes: int, stream_ptr: int, args,
 
 
 def launch_waiting(kernel, grid: tuple, block: int, args: tuple, shared_bytes: int = 0,
-                   cluster: int = 1) -> None:
+                   cluster: int = 1, programmatic: bool = False) -> None:
     """Launch a RawKernel that calls wait_for_previous_kernel on the current stream:
-    programmatically where programmatic_launches(), else with CuPy's plain call (or the
-    driver's, for clusters: cluster > 1 CTAs along x, where cluster_launches()). args: CuPy
-    arrays and NumPy int32 / float32 scalars, as CuPy's call takes them."""
-    programmatic = programmatic_launches()
+    programmatically where `programmatic` (the caller has checked that the GPU can), else
+    with CuPy's plain call (or the driver's, for clusters: cluster > 1 CTAs along x).
+    args: CuPy arrays and NumPy int32 / float32 scalars, as CuPy's call takes them."""
     if programmatic or cluster > 1:
         import cupy
         launch(kernel, grid, block, shared_bytes, cupy.cuda.get_current_stream().ptr,

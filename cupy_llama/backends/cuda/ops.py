@@ -56,18 +56,24 @@ class CudaOps(SublayerOps):
     act_dtype = np.uint16
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 num_heads: int, head_dim: int, max_model_len: int, workspace=None):
+                 num_heads: int, head_dim: int, max_model_len: int, workspace=None,
+                 switches: KernelSwitches = KernelSwitches()):
         """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
-        decode (sized by attention.workspace_sizes), or None to allocate them here."""
+        decode (sized by attention.workspace_sizes), or None to allocate them here.
+        switches: which kernels run (switches.py); fixed for the life of the ops."""
         cupy = import_cupy()
         self._cupy = cupy
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_model_len = max_model_len
-        # metadata: token_ids, positions, slot_mapping [T]; query_start_loc [B+1];
-        # seq_lens, last_token_indices [B]; block_tables [B, W], packed back to back
-        capacity = 3 * max_num_tokens + 3 * max_num_seqs + 1 + max_num_seqs * max_blocks_per_seq
+        self.switches = switches
+        # what the switches ask for, where the GPU can
+        self.programmatic = switches.programmatic and launch.launch_attributes_usable()
+        self.clusters = switches.clusters and launch.launch_attributes_usable()
+        self.products = Products(switches.skinny_gemm, self.programmatic)
+        # a step's arrays, packed back to back at the step's own sizes (StepLayout)
+        capacity = StepLayout(max_num_tokens, max_num_seqs, max_blocks_per_seq).size
         self._meta_host = pinned_array(cupy, capacity, np.int32)
         self._meta_device = cupy.empty(capacity, np.int32)
         self._meta_copied = sync_event(cupy)  # the last metadata copy has read the host buffer
@@ -128,22 +134,22 @@ class CudaOps(SublayerOps):
         elementwise.rms_norm(x, weight, eps, out)
 
     def linear(self, x, weight, out, accumulate=False):
-        gemm.linear(x, weight, out, accumulate)
+        self.products.linear(x, weight, out, accumulate)
 
     # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
     # else composed (SublayerOps)
     def norm_linear(self, x, norm_weight, eps, weight, out, h):
-        if not gemm.norm_linear(x, norm_weight, eps, weight, out):
+        if not self.products.norm_linear(x, norm_weight, eps, weight, out):
             super().norm_linear(x, norm_weight, eps, weight, out, h)
 
     def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
-        if not gemm.norm_gate_up_silu(x, norm_weight, eps, weight, out):
+        if not self.products.norm_gate_up_silu(x, norm_weight, eps, weight, out):
             super().norm_gate_up_silu(x, norm_weight, eps, weight, out, h, gate_up)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
                       q_out, h, qkv):
-        if not gemm.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
-                                  meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
+        if not self.products.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
+                                           meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv)
 
@@ -161,7 +167,7 @@ class CudaOps(SublayerOps):
             scale=scale, max_query_len=meta.max_query_len,
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
-            clusters=clusters)
+            clusters=clusters, programmatic=self.programmatic)
 
     def decode_split(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      max_seq_len: int) -> tuple[int, bool]:
@@ -181,7 +187,7 @@ class CudaOps(SublayerOps):
                         max_seq_len: int) -> bool:
         """Whether a decode batch whose longest sequence has max_seq_len tokens runs its
         attention as thread-block clusters (where it splits the keys at all)."""
-        return launch.cluster_launches() and attention_kernels.decode_clusters_pay(
+        return self.clusters and attention_kernels.decode_clusters_pay(
             num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, max_seq_len=max_seq_len, num_sms=self.num_sms)
 

@@ -1,0 +1,54 @@
+"""The switches that choose among kernels, read once, when a backend is made.
+
+A CudaBackend owns one `KernelSwitches` and hands it to its ops; nothing else reads the
+environment. CUDA graphs bake in the kernels a step launched when they were captured, so
+the switches are frozen: to try other kernels, make a backend with other switches (or call
+CudaBackend.use_switches, which drops the captured graphs with them).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ...errors import ConfigError
+
+SKINNY_CHOICES = ("auto", "mma", "cublas")
+ENVIRONMENT = {"programmatic": "CUPY_LLAMA_PDL", "clusters": "CUPY_LLAMA_CLUSTERS",
+               "skinny_gemm": "CUPY_LLAMA_SKINNY_GEMM"}
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    # programmatic dependent launch (sm_90+): a kernel may start while the one before it
+    # drains (launch.py); CUPY_LLAMA_PDL=0 turns it off
+    programmatic: bool = True
+    # decode attention merges its key ranges in a thread-block cluster where that pays
+    # (attention.py); CUPY_LLAMA_CLUSTERS=0 turns it off
+    clusters: bool = True
+    # who computes the products of at most 16 rows (gemm.py): "auto" (this GPU's measured
+    # choice table), "mma" (the tensor-core skinny kernels) or "cublas"
+    skinny_gemm: str = "auto"
+
+    def __post_init__(self):
+        if self.skinny_gemm not in SKINNY_CHOICES:
+            raise ConfigError(f"skinny_gemm must be one of {', '.join(SKINNY_CHOICES)}, got "
+                              f"{self.skinny_gemm!r}")
+
+    @classmethod
+    def from_environment(cls, environ=None) -> "KernelSwitches":
+        """The defaults, changed where the CUPY_LLAMA_* variables say so."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for name in ("programmatic", "clusters"):
+            text = environ.get(ENVIRONMENT[name])
+            if text is not None:
+                if text not in ("0", "1"):
+                    raise ConfigError(f"{ENVIRONMENT[name]} must be 0 or 1, got {text!r}")
+                values[name] = text == "1"
+        skinny = environ.get(ENVIRONMENT["skinny_gemm"])
+        if skinny is not None:
+            if skinny not in SKINNY_CHOICES:
+                raise ConfigError(f"{ENVIRONMENT['skinny_gemm']} must be one of "
+                                  f"{', '.join(SKINNY_CHOICES)}, got {skinny!r}")
+            values["skinny_gemm"] = skinny
+        return cls(**values)
