@@ -51,7 +51,7 @@ def peaked_rows(rng, rows: int, vocab: int) -> np.ndarray:
 
 def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
     """{batch: {case: (us per call, rows the slots served)}}"""
-    from cupy_llama.backends.cuda import perf
+    import perf  # scripts/perf.py, beside this file
     logits = cupy.asarray(rows)
     result = {}
     for batch in (1, 16):

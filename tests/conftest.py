@@ -1,5 +1,9 @@
 """Fixtures shared by the engine and CLI tests: one tiny random model per test module and
-an LLM on the NumPy backend; and the check of a one-line CLI error."""
+an LLM on the NumPy backend; the check of a one-line CLI error; and the tools of scripts/
+as modules."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from cupy_llama import LLM
@@ -22,3 +26,12 @@ def one_error_line(err: str) -> str:
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
     return errors[0]
+
+
+def script_module(name: str):
+    """scripts/<name>.py as a module (the measurement tools live outside the package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

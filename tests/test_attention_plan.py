@@ -199,7 +199,8 @@ def test_fast_kernels_build_without_spills(tmp_path, arch):
 def test_bench_references_match_the_numpy_ops():
     import numpy as np
     from cupy_llama.backends.base import ForwardBatch
-    from cupy_llama.backends.cuda import attention_bench as bench
+    from conftest import script_module
+    bench = script_module("attention_bench")
     from cupy_llama.backends.numpy_ops import NumpyOps
     from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
     rng = np.random.default_rng(0)
@@ -232,7 +233,8 @@ def test_bench_references_match_the_numpy_ops():
 
 
 def test_bench_split_rules_and_table(capsys):
-    from cupy_llama.backends.cuda import attention_bench as bench
+    from conftest import script_module
+    bench = script_module("attention_bench")
     # the rule the scalar kernel shipped with (16 rows per CTA, 256 keys per split, 2 CTAs per SM)
     assert bench.old_decode_splits(1, 8, 4, 512, H200_SMS) == 2
     assert bench.old_decode_splits(1, 8, 4, 8192, H200_SMS) == 32

@@ -2,7 +2,7 @@
 Llama-3.2-1B attention shape (32 query heads, 8 kv heads, head_dim 64, bf16 paged KV
 cache, block size 16), in one command on the GPU machine:
 
-    python3 -m cupy_llama.backends.cuda.attention_bench [--runs 20] [--seed 0]
+    python3 scripts/attention_bench.py [--runs 20] [--seed 0]
 
 Decode: batch 1, 8, 64 and 256, every sequence at context 512 and 2048, four ways: the
 scalar kernel and the decode kernel, each with the split count an eager step picks
@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import attention
-from .device import device_limits
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
+from cupy_llama.backends.cuda import attention
+from cupy_llama.backends.cuda.device import device_limits
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split counts
@@ -286,7 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=20, help="timed runs per kernel (median)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from .device import check_cuda_device, device_name, import_cupy
+    from cupy_llama.backends.cuda.device import check_cuda_device, device_name, import_cupy
     check_cuda_device()
     cupy = import_cupy()
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Timings of the CUDA hot path, in one command on the GPU machine:
 
-    python3 -m cupy_llama.backends.cuda.perf MODEL_DIR [--context 512] [--tune | --steps-only]
+    python3 scripts/perf.py MODEL_DIR [--context 512] [--tune | --steps-only]
 
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
@@ -36,11 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...backends.base import ForwardBatch, SamplingTensors
-from ...config import ModelConfig
-from ...model.llama import forward as eager_forward
-from ...weights import open_checkpoint
-from . import gemm, launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
+from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.config import ModelConfig
+from cupy_llama.model.llama import forward as eager_forward
+from cupy_llama.weights import open_checkpoint
+from cupy_llama.backends.cuda import gemm
+from cupy_llama.backends.cuda.switches import KernelSwitches
 
 RUNS, WARMUP = 20, 3
 OP_BATCHES = (1, 64)
@@ -52,8 +54,8 @@ GEMV_REPLAYS = 10     # timed replays of it (median)
 FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
 # decode-step variants: name -> (skinny switch, programmatic launches); "cublas" composes
 # every sublayer of cuBLAS and the separate small kernels
-STEP_VARIANTS = {"cublas": ("cublas", False), "fused": ("auto", False),
-                 "fused+pdl": ("auto", True)}
+STEP_VARIANTS = {"cublas": KernelSwitches(skinny_gemm="cublas", programmatic=False),
+                 "fused": KernelSwitches(programmatic=False), "fused+pdl": KernelSwitches()}
 E2E_STEPS = 256
 
 
@@ -189,7 +191,8 @@ def weight_copies(cupy, n: int, k: int, l2_bytes: int) -> list:
 def gemv_comparison(cupy, config) -> list:
     """Every skinny kernel for every weight shape and M in GEMV_ROWS."""
     l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
-    launchers = {"cublas": gemm.cublas_linear, "gemv": gemm.gemv, "mma": gemm.mma}
+    launchers = {"cublas": gemm.cublas_linear, "gemv": gemm.gemv,
+                 "mma": lambda x, w, out: gemm.mma(x, w, out, programmatic=True)}
     rows = []
     for name, (n, k) in gemv_shapes(config).items():
         nbytes = 2 * n * k
@@ -245,10 +248,9 @@ def sublayer_comparison(cupy, backend, config) -> list:
         for name, ((n, k), run) in cases.items():
             weights = weight_copies(cupy, n, k, l2_bytes)
             row = {"op": name, "m": m, "n": n, "k": k}
-            for variant in ("cublas", "fused", "fused+pdl"):
-                skinny, programmatic = STEP_VARIANTS[variant]
-                gemm.set_skinny_gemm(skinny)
-                launch.set_programmatic(programmatic)
+            for variant, switches in STEP_VARIANTS.items():
+                backend.use_switches(switches)
+                ops = backend.ops
                 row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
             rows.append(row)
             del weights
@@ -264,7 +266,7 @@ def choice_table(gpu: str, rows: list) -> dict:
         timings.setdefault(shape, {})[str(row["m"])] = {
             kernel: None if math.isnan(row[f"{kernel}_us"]) else round(row[f"{kernel}_us"], 2)
             for kernel in gemm.KERNELS}
-    return {"gpu": gpu, "measured_by": "python3 -m cupy_llama.backends.cuda.perf MODEL_DIR --tune",
+    return {"gpu": gpu, "measured_by": "python3 scripts/perf.py MODEL_DIR --tune",
             "choices": choices, "us_per_call": timings}
 
 
@@ -275,23 +277,14 @@ def choice_file_name(gpu: str) -> str:
 
 
 def tune(cupy, config, gpu: str) -> tuple[list, dict]:
-    """Time the skinny kernels, use the result for "auto" in this process, write it to
-    $OUT when set."""
+    """Time the skinny kernels and write the choice table to $OUT when set; returns the
+    rows and the table (a backend made with it uses it: gemm.Products(table=...))."""
     rows = gemv_comparison(cupy, config)
     table = choice_table(gpu, rows)
-    gemm.set_choice_table(gemm.parse_choice_table(table))
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, choice_file_name(gpu)).write_text(json.dumps(table, indent=2) + "\n")
     return rows, table
-
-
-def set_step_variant(backend, skinny: str, programmatic: bool) -> None:
-    """Switch the product kernels (STEP_VARIANTS) and drop the graphs captured before."""
-    gemm.set_skinny_gemm(skinny)
-    launch.set_programmatic(programmatic)
-    if backend.graphs is not None:
-        backend.graphs.reset()
 
 
 def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
@@ -319,7 +312,7 @@ def main(argv=None) -> int:
                         help="skip the skinny-product table (per-op and step times only)")
     args = parser.parse_args(argv)
     import cupy
-    from .backend import CudaBackend
+    from cupy_llama.backends.cuda.backend import CudaBackend
 
     rng = np.random.default_rng(0)
     config = ModelConfig.from_dir(args.model_dir)
@@ -339,6 +332,7 @@ def main(argv=None) -> int:
                           max_num_batched_tokens=4096, block_size=16,
                           num_kv_blocks=max_num_seqs * blocks_per_seq, log=lambda m: print(m, file=sys.stderr))
     checkpoint.close()
+    initial = backend.switches  # from the environment; restored after the variants
     result = {"model_dir": str(args.model_dir), "context": args.context,
               "gpu": gpu,
               "start_seconds": round(time.perf_counter() - started, 2),
@@ -353,27 +347,25 @@ def main(argv=None) -> int:
 
     result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
 
-    initial = (gemm.skinny_gemm(), launch.programmatic())  # restored afterwards
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
-    for name, (skinny, programmatic) in STEP_VARIANTS.items():
-        set_step_variant(backend, skinny, programmatic)
+    for name, switches in STEP_VARIANTS.items():
+        backend.use_switches(switches)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
             if backend.graphs is not None:
                 row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
             result["step_ms"][f"{name} b={b}"] = row
-    set_step_variant(backend, *initial)
 
     result["e2e_batch1_tok_s"] = {}
     for skinny in ("cublas", "auto"):
-        gemm.set_skinny_gemm(skinny)
+        backend.use_switches(KernelSwitches(programmatic=initial.programmatic,
+                                            clusters=initial.clusters, skinny_gemm=skinny))
         if backend.graphs is not None:
-            backend.graphs.reset()
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
-    gemm.set_skinny_gemm(initial[0])
+    backend.use_switches(initial)
 
     floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
     result["bandwidth_floor_ms"] = floor_ms

@@ -1,6 +1,6 @@
 """Smoke test of the CUDA backend on the GPU machine, in one command:
 
-    python3 -m cupy_llama.backends.cuda.selftest
+    python3 scripts/selftest.py
 
 Compiles every kernel module (printing the NVRTC log of any that fail), then runs a few
 steps (prefill, chunked prefill mixed with decode, pure decode) of tiny random models on
@@ -15,14 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ...backends.base import ForwardBatch
-from ...config import ModelConfig
-from ...model.llama import forward
-from ...random_model import make_random_model
-from ...weights import open_checkpoint
-from ..cpu import CpuBackend
-from .device import check_cuda_device, cuda_usable
-from .kernels import compile_all
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
+from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.config import ModelConfig
+from cupy_llama.model.llama import forward
+from cupy_llama.random_model import make_random_model
+from cupy_llama.weights import open_checkpoint
+from cupy_llama.backends.cpu import CpuBackend
+from cupy_llama.backends.cuda.device import check_cuda_device, cuda_usable
+from cupy_llama.backends.cuda.kernels import compile_all
 
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -63,7 +64,7 @@ def make_batch(prompts, computed, new_counts) -> ForwardBatch:
 
 def compare_model(name: str, overrides: dict, workdir: Path) -> bool:
     import cupy
-    from .backend import CudaBackend
+    from cupy_llama.backends.cuda.backend import CudaBackend
     model_dir = make_random_model(workdir / f"model{len(list(workdir.iterdir()))}", "tiny",
                                   seed=0, **overrides)
     config = ModelConfig.from_dir(model_dir)
