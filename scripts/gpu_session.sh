@@ -5,7 +5,7 @@
 #
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
-# Steps: selftest gpu_tests attention_bench perf perf_steps bench compare_1b engine_1b info_1b demo
+# Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo
 # bench_hf
 # (demo needs DEMO_GGUF: builds the demo model, compares it with transformers, runs the
 # engine checks and the CLI on it).
@@ -34,11 +34,12 @@ wants() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 M1B=$WORK/m1b
 [ -d "$M1B" ] || step make_1b 300 python3 scripts/make_random_model.py "$M1B" --preset llama-3.2-1b
-wants selftest && step selftest 300 python3 -m cupy_llama.backends.cuda.selftest
+wants selftest && step selftest 300 python3 scripts/selftest.py
 wants gpu_tests && step gpu_tests 400 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider
-wants attention_bench && step attention_bench 240 python3 -m cupy_llama.backends.cuda.attention_bench
-wants perf && step perf 300 python3 -m cupy_llama.backends.cuda.perf "$M1B"
-wants perf_steps && step perf_steps 300 python3 -m cupy_llama.backends.cuda.perf "$M1B" --steps-only
+wants attention_bench && step attention_bench 240 python3 scripts/attention_bench.py
+wants perf && step perf 300 python3 scripts/perf.py "$M1B"
+wants perf_steps && step perf_steps 300 python3 scripts/perf.py "$M1B" --steps-only
+wants perf_kernels && step perf_kernels 300 python3 scripts/perf.py "$M1B" --kernels-only
 wants bench && step bench 300 python3 -m cupy_llama.cli bench all --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
 wants compare_1b && step compare_1b 400 python3 scripts/compare_hf.py "$M1B" --json "$OUT/compare_1b.json"
 wants engine_1b && step engine_1b 300 python3 scripts/gpu_engine_checks.py "$M1B" --json "$OUT/engine_1b.json"

@@ -1,11 +1,15 @@
 """Timings of the CUDA hot path, in one command on the GPU machine:
 
-    python3 scripts/perf.py MODEL_DIR [--context 512] [--tune | --steps-only]
+    python3 scripts/perf.py MODEL_DIR [--context 512] [--tune | --steps-only | --kernels-only]
 
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
-  1. per-op CUDA-event times of one eager decode step at batch 1 and 64 (median of 20
-     runs after warm-up; every product by its weight shape, attention, norms, sampling);
+  1. kernel by kernel, one decode step at batch 1, 8, 64 and 256 and contexts 512 and
+     2,048: every op the model runs (each product by its weight, attention, the norms,
+     RoPE, SiLU, the LM head, sampling), each timed as a CUDA graph of all of its calls
+     of one step back to back (the 16 layers' own weights and caches, so each call reads
+     them from HBM as the step does), against its own bound: its bytes over 4.5 TB/s or
+     its FLOPs over 790 TFLOP/s, whichever is larger; beside the graph-replayed step;
   2. each op of a decode layer at 1 and 8 rows (sublayer_comparison), composed of cuBLAS
      and the small kernels against the fused skinny kernels with plain and programmatic
      launches, graph-timed with weights from HBM, and the time of one decode step
@@ -20,8 +24,9 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      readback), tok/s with graphs (cuBLAS and "auto" skinny products) and eager;
 then a short table. With $OUT set, everything also goes to $OUT/perf.json and the choice
 table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With --tune only step 3
-runs (no weights are loaded; the model directory gives the shapes); --steps-only skips it.
-The KV cache is zeroed instead of prefilled: timings do not depend on its values."""
+runs (no weights are loaded; the model directory gives the shapes); --steps-only skips it;
+--kernels-only runs step 1 alone. The KV cache is zeroed instead of prefilled: timings do
+not depend on its values."""
 from __future__ import annotations
 
 import argparse
@@ -37,16 +42,19 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
-from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.backends.base import ForwardBatch, SamplingTensors, SublayerOps
 from cupy_llama.config import ModelConfig
 from cupy_llama.model.llama import forward as eager_forward
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cuda import gemm
+from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches
 
 RUNS, WARMUP = 20, 3
-OP_BATCHES = (1, 64)
 GRAPH_BATCHES = (1, 8, 64, 256)
+KERNEL_CONTEXTS = (512, 2048)
+HBM_BYTES_S = 4.5e12      # the bounds of the kernel table (streaming read, measured)
+TENSOR_FLOP_S = 790e12    # bf16 tensor-core products (cuBLAS 8192^3, measured)
 GEMV_ROWS = tuple(range(1, gemm.SKINNY_MAX_ROWS + 1))
 GEMV_PRINT_ROWS = (1, 2, 4, 8, 16)
 GEMV_CALLS = 16       # calls per captured graph
@@ -63,31 +71,61 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
-class TimedOps:
-    """The backend's ops with a CUDA event pair around every call, labelled by op (and, for
-    products, by weight shape)."""
+class RecordingOps:
+    """The backend's ops, run as usual, with every call of one eager step kept as (label,
+    call): the kernel table replays each label's calls of the step in a CUDA graph. A
+    sublayer op that the backend composes (a step of more than 16 rows) is recorded as its
+    parts: the norm, the product and what follows it."""
 
-    def __init__(self, ops, cupy):
-        self._ops, self._cupy, self.records = ops, cupy, []
+    def __init__(self, ops):
+        self._ops, self.calls = ops, []
 
     def __getattr__(self, name):
         target = getattr(self._ops, name)
-        if not callable(target) or name in ("empty", "upload"):
+        if not callable(target) or name in ("empty", "upload", "sample", "sample_async"):
             return target
 
-        def timed(*args, **kwargs):
-            label = name
-            if name == "linear":
-                label = f"linear {args[1].shape[0]}x{args[1].shape[1]}"
-            stream = self._cupy.cuda.get_current_stream()
-            start = stream.record()
-            result = target(*args, **kwargs)
-            self.records.append((label, start, stream.record()))
-            return result
-        return timed
+        def recorded(*args, **kwargs):
+            self.calls.append((op_label(name, args), lambda: target(*args, **kwargs)))
+            return target(*args, **kwargs)
+        return recorded
+
+    def _fused(self, name: str, weight, run) -> bool:
+        if not run():
+            return False
+        self.calls.append((f"{name} {weight.shape[0]}x{weight.shape[1]}", run))
+        return True
+
+    def norm_linear(self, x, norm_weight, eps, weight, out, h):
+        products = self._ops.products
+        if not self._fused("norm_linear", weight,
+                           lambda: products.norm_linear(x, norm_weight, eps, weight, out)):
+            SublayerOps.norm_linear(self, x, norm_weight, eps, weight, out, h)
+
+    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
+        products = self._ops.products
+        if not self._fused("norm_gate_up_silu", weight,
+                           lambda: products.norm_gate_up_silu(x, norm_weight, eps, weight, out)):
+            SublayerOps.norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up)
+
+    def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
+                      q_out, h, qkv):
+        products = self._ops.products
+        if not self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
+                x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
+                k_cache, v_cache, q_out)):
+            SublayerOps.norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin,
+                                      k_cache, v_cache, q_out, h, qkv)
 
 
-class _TimedBackend:
+def op_label(name: str, args) -> str:
+    """A product by its weight's shape; any other op by name."""
+    if name == "linear":
+        return f"linear {args[1].shape[0]}x{args[1].shape[1]}"
+    return name
+
+
+class _RecordingBackend:
     def __init__(self, backend, ops):
         self.ops, self.weights, self.kv_caches = ops, backend.weights, backend.kv_caches
         self.cos_sin, self.buffers = backend.cos_sin, backend.buffers
@@ -129,24 +167,88 @@ def event_time(cupy, fn, runs=RUNS, warmup=WARMUP) -> float:
     return median(times)
 
 
-def per_op_times(cupy, backend, config, batch) -> dict:
-    timed = TimedOps(backend.ops, cupy)
-    view = _TimedBackend(backend, timed)
-    per_label = {}
-    for run in range(WARMUP + RUNS):
-        timed.records.clear()
-        logits = eager_forward(view, config, batch)
-        timed.sample(logits, greedy(batch.num_seqs))  # synchronizes
-        if run < WARMUP:
-            continue
-        totals, calls = {}, {}
-        for label, start, end in timed.records:
-            totals[label] = totals.get(label, 0.0) + cupy.cuda.get_elapsed_time(start, end)
-            calls[label] = calls.get(label, 0) + 1
-        for label, total in totals.items():
-            per_label.setdefault(label, []).append((total, calls[label]))
-    return {label: {"ms_per_step": median([t for t, _ in v]), "calls_per_step": v[0][1]}
-            for label, v in per_label.items()}
+def graph_ms(cupy, calls, replays: int = GEMV_REPLAYS) -> float:
+    """Median milliseconds of one replay of a CUDA graph of `calls` back to back (each run
+    once eagerly first: compiled, kernel attributes set, outside the capture)."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for call in calls:
+            call()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for call in calls:
+                call()
+        finally:
+            graph = stream.end_capture()
+        return event_time(cupy, graph.launch, runs=replays, warmup=2)
+
+
+def op_bound_us(label: str, calls: int, config, num_seqs: int, context: int) -> float:
+    """The bound of an op's calls of one decode step: the fewest bytes they must move over
+    HBM_BYTES_S, or their FLOPs over TENSOR_FLOP_S, whichever is larger (weights read once,
+    activations in and out once: bf16, with the residual stream and the logits float32)."""
+    B, H, V = num_seqs, config.hidden_size, config.vocab_size
+    d, nh, nkv, I = (config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+                     config.intermediate_size)
+    qkv = (nh + 2 * nkv) * d
+    name, _, shape = label.partition(" ")
+    flops = 0
+    if shape:
+        n, k = map(int, shape.split("x"))
+        x_bytes = 4 * B * k if name.startswith("norm_") else 2 * B * k
+        if n == V:
+            out_bytes = 4 * B * n            # float32 logits
+        elif n == H:
+            out_bytes = 8 * B * n            # added into the residual: read and written
+        elif name == "norm_gate_up_silu":
+            out_bytes = 2 * B * n // 2       # silu(gate) * up
+        else:
+            out_bytes = 2 * B * n            # bf16 (qkv: q out, k and v into the cache)
+        bytes_, flops = 2 * n * k + x_bytes + out_bytes, 2 * B * n * k
+    elif name == "attention":
+        bytes_ = 2 * B * (context + 1) * nkv * d * 2 + 4 * B * nh * d
+        flops = 4 * B * nh * (context + 1) * d
+    elif name == "rms_norm":
+        bytes_ = 4 * B * H + 2 * B * H + 2 * H
+    elif name == "rope_and_cache":
+        bytes_ = 4 * B * qkv
+    elif name == "silu_and_mul":
+        bytes_ = 2 * B * 2 * I + 2 * B * I
+    elif name == "sample":
+        bytes_ = 4 * B * V
+    else:  # embedding, gather_rows: a row per sequence in and out
+        bytes_ = 8 * B * H
+    return calls * max(bytes_ / HBM_BYTES_S, flops / TENSOR_FLOP_S) * 1e6
+
+
+def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_seq: int,
+                 rng) -> dict:
+    """Every op of one decode step (see the module doc, item 1): {label: {"calls",
+    "us_per_step", "bound_us"}} and the graph-replayed step itself ("step")."""
+    batch = decode_batch(num_seqs, context, backend.block_size, blocks_per_seq, rng)
+    recording = RecordingOps(backend.ops)
+    logits = eager_forward(_RecordingBackend(backend, recording), config, batch)
+    cupy.cuda.get_current_stream().synchronize()
+    by_label = {}
+    for label, call in recording.calls:
+        by_label.setdefault(label, []).append(call)
+    settings = {name: cupy.asarray(value) for name, value in vars(greedy(num_seqs)).items()}
+    tokens = cupy.empty(num_seqs, np.int32)
+    by_label["sample"] = [lambda: sampling_kernels.sample(
+        logits, settings["temperature"], settings["top_k"], settings["top_p"],
+        settings["min_p"], settings["seeds"], settings["steps"], tokens)]
+    rows = {}
+    for label, calls in by_label.items():
+        rows[label] = {"calls": len(calls), "us_per_step": graph_ms(cupy, calls) * 1e3,
+                       "bound_us": op_bound_us(label, len(calls), config, num_seqs, context)}
+    step = {"eager_ms": event_time(cupy, lambda: eager_forward(backend, config, batch))}
+    if backend.graphs is not None:
+        step["graph_ms"] = event_time(cupy, lambda: backend.forward(config, batch))
+    weights = int(backend._blob.nbytes)
+    kv = config.num_hidden_layers * 2 * num_seqs * (context + 1) * config.kv_size * 2
+    step["bound_ms"] = (weights + kv) / HBM_BYTES_S * 1e3
+    return {"ops": rows, "step": step}
 
 
 def gemv_shapes(config) -> dict:
@@ -310,6 +412,8 @@ def main(argv=None) -> int:
                         help="only time the skinny products and write the choice table")
     parser.add_argument("--steps-only", action="store_true",
                         help="skip the skinny-product table (per-op and step times only)")
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only the kernel-by-kernel table of decode steps")
     args = parser.parse_args(argv)
     import cupy
     from cupy_llama.backends.cuda.backend import CudaBackend
@@ -325,7 +429,7 @@ def main(argv=None) -> int:
         return 0
     checkpoint = open_checkpoint(args.model_dir, config)
     max_num_seqs = max(GRAPH_BATCHES)
-    max_model_len = max(2048, args.context + E2E_STEPS + 16)
+    max_model_len = max(2048, max(KERNEL_CONTEXTS) + 1, args.context + E2E_STEPS + 16)
     blocks_per_seq = -(-max_model_len // 16)
     started = time.perf_counter()
     backend = CudaBackend(config, checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -334,19 +438,21 @@ def main(argv=None) -> int:
     checkpoint.close()
     initial = backend.switches  # from the environment; restored after the variants
     result = {"model_dir": str(args.model_dir), "context": args.context,
-              "gpu": gpu,
+              "gpu": gpu, "switches": vars(initial),
               "start_seconds": round(time.perf_counter() - started, 2),
               "graphs_off_reason": backend.graphs_off_reason,
               "weight_bytes": int(backend._blob.nbytes)}
     backend._kv.fill(0)
 
-    result["per_op_ms"] = {}
-    for b in OP_BATCHES:
-        batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
-        result["per_op_ms"][b] = per_op_times(cupy, backend, config, batch)
+    result["kernels"] = {}
+    for context in KERNEL_CONTEXTS:
+        for b in GRAPH_BATCHES:
+            result["kernels"][f"b={b} context={context}"] = kernel_table(
+                cupy, backend, config, b, context, blocks_per_seq, rng)
+    if args.kernels_only:
+        return finish(result)
 
     result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
-
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
     for name, switches in STEP_VARIANTS.items():
@@ -366,9 +472,11 @@ def main(argv=None) -> int:
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
     backend.use_switches(initial)
+    return finish(result)
 
-    floor_ms = result["weight_bytes"] / 4.5e12 * 1e3
-    result["bandwidth_floor_ms"] = floor_ms
+
+def finish(result) -> int:
+    result["bandwidth_floor_ms"] = result["weight_bytes"] / HBM_BYTES_S * 1e3
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, "perf.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -377,13 +485,19 @@ def main(argv=None) -> int:
 
 
 def print_table(result) -> None:
-    print(f"\n== per-op ms of one eager decode step (context {result['context']}) ==")
-    labels = sorted({label for ops in result["per_op_ms"].values() for label in ops})
-    print(f"{'op':<24}" + "".join(f"{'b=' + str(b):>12}" for b in result["per_op_ms"]))
-    for label in labels:
-        cells = [result["per_op_ms"][b].get(label, {}) for b in result["per_op_ms"]]
-        print(f"{label:<24}" + "".join(
-            f"{c.get('ms_per_step', float('nan')):>9.3f}x{c.get('calls_per_step', 0):<2}" for c in cells))
+    for key, table in result["kernels"].items():
+        step = table["step"]
+        print(f"\n== decode step {key}: graph {step.get('graph_ms', float('nan')):.3f} ms, "
+              f"eager {step['eager_ms']:.3f} ms, bound {step['bound_ms']:.3f} ms ==")
+        print(f"{'op':<30}{'calls':>6}{'us/step':>10}{'bound us':>10}{'x bound':>9}")
+        for label, row in sorted(table["ops"].items(), key=lambda item: -item[1]["us_per_step"]):
+            ratio = row["us_per_step"] / row["bound_us"] if row["bound_us"] else float("nan")
+            print(f"{label:<30}{row['calls']:>6}{row['us_per_step']:>10.1f}"
+                  f"{row['bound_us']:>10.1f}{ratio:>9.2f}")
+        total = sum(row["us_per_step"] for row in table["ops"].values())
+        print(f"{'sum of the ops':<30}{'':>6}{total:>10.1f}")
+    if "step_ms" not in result:
+        return
     print_gemv_table(result["gemv"])
     print("\n== decode layer ops: us per call, graph-timed, weights from HBM ==")
     for row in result.get("sublayer_us", []):
