@@ -98,6 +98,31 @@ class LLM:
                            gpu_memory_utilization=ec.gpu_memory_utilization,
                            enforce_eager=ec.enforce_eager, log=log)
 
+    # ---- lifetime -------------------------------------------------------------------
+    def close(self) -> None:
+        """Hand the device memory back (weights, KV cache, buffers); the LLM cannot generate
+        afterwards. `with LLM(...) as llm:` closes at the end of the block. A dropped LLM
+        that was never closed gives its GPU memory back when the next one is made."""
+        if self.engine is not None:
+            self.engine.close()
+            self.backend.close()
+            self.engine = None
+
+    @property
+    def closed(self) -> bool:
+        return self.engine is None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _live_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RequestError("this LLM is closed; make a new one to generate")
+        return self.engine
+
     # ---- generation -----------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults."""
@@ -110,9 +135,10 @@ class LLM:
         stream=True, an iterator of RequestOutputs carrying text deltas."""
         single, prompts = _as_prompt_list(prompts)
         param_list = self._param_list(params, len(prompts))
+        engine = self._live_engine()
         if stream:
-            return self.engine.stream(prompts, param_list)
-        outputs = self.engine.generate(prompts, param_list)
+            return engine.stream(prompts, param_list)
+        outputs = engine.generate(prompts, param_list)
         return outputs[0] if single else outputs
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
@@ -129,6 +155,7 @@ class LLM:
         batch = (isinstance(messages, (list, tuple)) and bool(messages)
                  and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
+        self._live_engine()
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)

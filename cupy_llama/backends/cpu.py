@@ -44,6 +44,10 @@ class CpuBackend:
         shapes = buffer_shapes(self.config, num_tokens, num_seqs)
         return {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
 
+    def close(self) -> None:
+        """Drop the weights and the KV cache (the backend cannot run afterwards)."""
+        self.weights, self.kv_caches = {}, []
+
     def forward(self, config: ModelConfig, batch):
         """One step through model/llama.py; logits [B, V] float32."""
         return llama_forward(self, config, batch)

@@ -144,6 +144,14 @@ class LLMEngine:
             self._undelivered.setdefault(output.request_id, []).append(output)
         return output
 
+    def close(self) -> None:
+        """Abort every request and forget the steps in flight (their tokens are dropped):
+        the backend may be closed after this."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._in_flight = self._unhandled = None
+        self._undelivered.clear()
+
     def has_unfinished_requests(self) -> bool:
         # a step still running counts while some request waits for its tokens
         steps_left = self._in_flight is not None or self._unhandled is not None

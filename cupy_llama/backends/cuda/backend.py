@@ -36,6 +36,16 @@ class PoolRegion:
     nbytes: int
 
 
+def release_cached_memory(cupy) -> None:
+    """Give the blocks CuPy's pools keep for reuse back to the device (CuPy caches freed
+    memory, and the device's free-memory query does not count it): what an engine that was
+    closed, or dropped and collected, held."""
+    import gc
+    gc.collect()  # an engine in a reference cycle is freed only by the collector
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
@@ -84,6 +94,9 @@ class CudaBackend:
         cupy = import_cupy()
         self._cupy = cupy
         self.switches = KernelSwitches.from_environment() if switches is None else switches
+        # memory that engines closed or dropped earlier in this process left in CuPy's
+        # pools goes back to the device first, so the sizing below sees it as free
+        release_cached_memory(cupy)
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -178,6 +191,18 @@ class CudaBackend:
         if self.graphs is not None:
             self.graphs = None
             self.enable_graphs()
+
+    def close(self) -> None:
+        """Hand the device memory back: weights, activations, KV cache, graphs and pinned
+        buffers. The backend cannot run afterwards; closing twice does nothing."""
+        if getattr(self, "_closed", False):
+            return
+        self._cupy.cuda.get_current_stream().synchronize()
+        self._closed = True
+        for name in ("graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
+                     "_buffer_views", "cos_sin"):
+            self.__dict__.pop(name, None)
+        release_cached_memory(self._cupy)
 
     def forward(self, config: ModelConfig, batch):
         """One step (model/llama.py): decode batches replay a CUDA graph when graphs are
