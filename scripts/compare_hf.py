@@ -1,7 +1,8 @@
 """Whole model on one device against Hugging Face transformers with the same weights
-(DESIGN "Correctness bars"): 8 prompts, greedy 32 tokens each; at least 7 of 8 must be
-identical to transformers' float32 run, and at the first divergence each side's token must
-be in the other's top-5. Agreement with transformers' bf16 run is reported beside it, and
+(docs/ARCHITECTURE.md, "Correctness bars"): 8 prompts, greedy 32 tokens each; at least half
+must be identical to transformers' float32 run, and every divergence must be at a near-tie:
+at the first differing position each side's token is in the other's top-5 and the float32
+logit margin between the two is at most NEAR_TIE. Agreement with transformers' bf16 run is reported beside it, and
 so is teacher-forced agreement along the float32 greedy path, for this engine and for
 transformers bf16 alike (a fair measure of bf16 noise: one near-tie ends a greedy match).
 
@@ -34,6 +35,7 @@ CHAT_PROMPTS = [
     "Give me a short tip for learning to cook.",
 ]
 NUM_TOKENS = 32
+NEAR_TIE = 0.25  # the float32 logit margin a divergence may have
 
 
 def our_logits(llm: LLM, ids: list[int]) -> np.ndarray:
@@ -107,19 +109,20 @@ def main():
             our_top5 = np.argsort(-our_logits(llm, prefix))[:5].tolist()
             ref_logits = hf_logits(prefix)
             hf_top5 = np.argsort(-ref_logits)[:5].tolist()
-            ok = theirs[j] in our_top5 and mine[j] in hf_top5
+            gap = float(ref_logits[theirs[j]] - ref_logits[mine[j]])
+            ok = theirs[j] in our_top5 and mine[j] in hf_top5 and abs(gap) <= NEAR_TIE
             top5_ok &= ok
             row.update(first_divergence=j, ours=mine[j], hf=theirs[j], our_top5=our_top5,
                        hf_top5=hf_top5, top5_ok=ok,
-                       fp32_logit_gap=float(ref_logits[theirs[j]] - ref_logits[mine[j]]))
+                       fp32_logit_gap=gap)
         if args.chat:
             row["text"] = llm.tokenizer.decode(mine)
             row["hf_text"] = llm.tokenizer.decode(theirs)
         rows.append(row)
         print(json.dumps(row, ensure_ascii=False))
-    passed = identical >= 7 and top5_ok
+    passed = 2 * identical >= len(prompts) and top5_ok
     summary = {"model_dir": args.model_dir, "device": args.device, "reference": "transformers float32",
-               "identical": identical, "prompts": len(prompts), "top5_at_divergence_ok": top5_ok,
+               "identical": identical, "prompts": len(prompts), "near_ties_at_divergence": top5_ok,
                "passed": passed,
                "identical_to_hf_bf16": sum(r["identical_to_hf_bf16"] for r in rows),
                "hf_bf16_identical_to_hf_fp32": sum(r["hf_bf16_identical_to_hf_fp32"] for r in rows),
