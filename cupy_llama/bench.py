@@ -1,6 +1,6 @@
 """`cupy-llama bench`: the standard workloads, timed honestly, beside transformers.
 
-Modes (DESIGN "Performance model"):
+Modes (docs/ARCHITECTURE.md, "Performance model"):
   throughput    the standard offline workload: 256 requests; prompt and output lengths
                 uniform in [100, 1024]; prompt ids uniform in [0, 10000]; EOS ignored;
                 temperature 0.6; all requests at once. Drawn with Python's `random` seeded

@@ -1,4 +1,4 @@
-"""bfloat16 stored as uint16 bits (DESIGN decision 1): conversions on the host."""
+"""bfloat16 stored as uint16 bits (docs/ARCHITECTURE.md, Decisions 1): conversions on the host."""
 import numpy as np
 
 

@@ -24,7 +24,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=128, vocab_size=512, max_position_embeddings=4096,
             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
-# Llama-3.2-1B-Instruct's config values (DESIGN "Models for tests and demos")
+# Llama-3.2-1B-Instruct's config values (the released config.json)
 LLAMA_3_2_1B = dict(
     hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
     head_dim=64, intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,

@@ -4,7 +4,7 @@ The header is parsed here (8-byte little-endian length, then UTF-8 JSON) and che
 full before any tensor is touched; tensor data is read through a read-only mmap. Nothing
 from a model directory is ever unpickled or executed: .bin/.pth checkpoints are refused.
 
-`plan_weight_blob` lays every weight out in ONE bf16 allocation (DESIGN decision 2): q/k/v
+`plan_weight_blob` lays every weight out in ONE bf16 allocation (docs/ARCHITECTURE.md, Decisions 2): q/k/v
 rows are fused into one matrix per layer, gate/up likewise, each entry 256-byte aligned.
 The CUDA backend streams `iter_blob_pieces` into it; the NumPy backend uses
 `load_host_weights`.

@@ -74,7 +74,7 @@ def test_decode_numbers_start_the_clock_when_every_request_has_a_token():
 def test_bandwidth_floor_of_the_1b_shape_matches_the_performance_model():
     config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
     floor = bandwidth_floor(config, "cuda", bandwidth=4.5e12, tok_s=900.0)
-    # DESIGN: 2.47 GB per decode step, 0.55 ms at 4.5 TB/s, about 1,800 tok/s
+    # 2.47 GB per decode step, 0.55 ms at 4.5 TB/s, about 1,800 tok/s
     assert floor["weight_bytes_per_step"] == pytest.approx(2.47e9, rel=0.01)
     assert floor["floor_ms_per_token"] == pytest.approx(0.55, rel=0.01)
     assert 1800 < floor["floor_tok_s"] < 1850

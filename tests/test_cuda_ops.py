@@ -2,7 +2,7 @@
 
 Fresh random inputs every run (the seed is printed; a failure shows it), outputs poisoned
 with NaN before each launch, never-written KV slots NaN so stray reads show. Tolerances
-are DESIGN.md's correctness bars. Needs CuPy and a CUDA GPU; skipped elsewhere."""
+are docs/ARCHITECTURE.md's "Correctness bars". Needs CuPy and a CUDA GPU; skipped elsewhere."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""float32 reference ops on the CPU (DESIGN decision 10).
+"""float32 reference ops on the CPU (docs/ARCHITECTURE.md, Decisions 10).
 
 Plain NumPy, written for clarity: the CUDA kernels are tested against these, and the
 engine runs on them where there is no GPU. Same paged-KV layout as the CUDA backend.

@@ -1,4 +1,4 @@
-"""Continuous batching (DESIGN decision 9), plain Python.
+"""Continuous batching (docs/ARCHITECTURE.md, Decisions 9), plain Python.
 
 Each step: every running sequence gets its next tokens (one decode token, or the next
 chunk of an unfinished prefill) within the token budget; then free slots are refilled

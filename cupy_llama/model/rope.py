@@ -1,4 +1,4 @@
-"""RoPE table (DESIGN decision 6): fp32 cos/sin for half-split pairs (i, i + d/2), with
+"""RoPE table (docs/ARCHITECTURE.md, Decisions 6): fp32 cos/sin for half-split pairs (i, i + d/2), with
 Llama-3 frequency scaling when the config asks for it. Built once on the host; both the
 NumPy and the CUDA backend (prefill and decode alike) read the same table."""
 import math

@@ -1,6 +1,6 @@
 """The model on one CUDA GPU: one weight blob, one activation pool, one KV allocation.
 
-Memory is planned once at start-up (DESIGN decisions 2-4) and printed as a table; nothing
+Memory is planned once at start-up (docs/ARCHITECTURE.md, "Memory plan") and printed as a table; nothing
 is allocated inside the step loop."""
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ class CudaBackend:
                   f"{self.num_kv_blocks * block_size} tokens "
                   f"({self.num_kv_blocks * self.kv_bytes_per_block / GiB:.2f} GiB)")
 
-        # CUDA graphs for decode steps (DESIGN decision 8), captured now so the first
+        # CUDA graphs for decode steps (docs/ARCHITECTURE.md, Decisions 8), captured now so the first
         # steps run at full speed; a capture failure leaves the engine eager, with a warning
         self.graphs = None
         self.graphs_off_reason = "enforce_eager=True" if enforce_eager else None

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (DESIGN decision 8).
+"""CUDA graphs for decode steps (docs/ARCHITECTURE.md, Decisions 8).
 
 One graph per batch-size bucket holds a whole decode forward pass (every kernel and cuBLAS
 call of model/llama.py). A step of B sequences replays the smallest bucket >= B after one

@@ -1,4 +1,4 @@
-"""Streaming checkpoint tensors into the one device weight blob (DESIGN decision 2).
+"""Streaming checkpoint tensors into the one device weight blob (docs/ARCHITECTURE.md, Decisions 2).
 
 Pieces are packed into one of two pinned staging buffers (together about 64 MiB) and
 copied asynchronously; while one buffer's copy runs, the other fills. Pinned copies run
