@@ -899,3 +899,224 @@ __device__ __forceinline__ void prefill_attention_body(
 
 DEFINE_PREFILL_ATTENTION(prefill_attention_d64, 64)
 DEFINE_PREFILL_ATTENTION(prefill_attention_d128, 128)
+
+// ====================================================== decode on tensor cores (batches)
+// Launch: grid (num_splits, nkv, B), block (DECODE_MMA_THREADS), dynamic shared memory
+// decode_mma_smem_bytes(D) = 4 * DECODE_MMA_KEYS * (D + PREFILL_ROW_PAD) * 2. The same
+// work as decode_attention (one new token per sequence; a CTA serves one sequence, kv head
+// and split, the same key ranges, the same partials), with both products on mma.sync: the
+// group's query heads are the rows of one 16-row A tile (group <= 16; rows past the group
+// are zeros), so S = Q K^T and O += P V cost a few mma per 16 keys instead of the CUDA
+// cores' dot products, shuffles and redundant exponentials, and the kernel is left to
+// stream K and V. The CTA gathers tiles of DECODE_MMA_KEYS keys from the paged cache with
+// cp.async into a double buffer (keys past the range zero-filled, as in prefill); warp w
+// takes keys 16w .. 16w + 15 of every tile with its own online softmax (fragment layouts as
+// prefill_attention below), and the warps merge through shared memory at the end, reusing
+// the tile buffers.
+#define DECODE_MMA_THREADS 128
+#define DECODE_MMA_KEYS 64  // keys per tile: 16 per warp
+
+template <int D>
+__device__ __forceinline__ void decode_attention_mma_body(
+        const bf16* q, const bf16* k_cache, const bf16* v_cache,
+        const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+        const int* __restrict__ query_start_loc, bf16* __restrict__ out,
+        float* __restrict__ partial_out, float* __restrict__ partial_lse, int num_heads,
+        int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,
+        int num_splits, int split_len) {
+    constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
+    constexpr int CHUNKS = D / 8;                // 16-byte pieces per row
+    constexpr int DIM_NTILES = D / 8;            // 8-dim column tiles of O
+    constexpr int NUM_WARPS = DECODE_MMA_THREADS / WARP_SIZE;
+    static_assert(DECODE_MMA_KEYS == 16 * NUM_WARPS, "16 keys per warp and tile");
+    extern __shared__ __align__(16) unsigned char decode_mma_smem[];
+    bf16* k_s = reinterpret_cast<bf16*>(decode_mma_smem);  // [2][DECODE_MMA_KEYS][STRIDE]
+    bf16* v_s = k_s + 2 * DECODE_MMA_KEYS * STRIDE;        // [2][DECODE_MMA_KEYS][STRIDE]
+
+    const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
+    const int group = num_heads / num_kv_heads;  // <= 16 (the launcher checks)
+    const int head0 = kv_head * group;
+    const int q_row = query_start_loc[b];
+    if (query_start_loc[b + 1] == q_row) return;  // no new token
+    const int seq_len = seq_lens[b];
+    int key_begin = 0, key_end = seq_len;
+    if (num_splits > 1) {
+        if (split_len == 0) split_len = device_split_len(seq_len, num_splits);
+        key_begin = min(seq_len, split * split_len);
+        key_end = min(seq_len, key_begin + split_len);
+    }
+    let_next_kernel_start();     // the next product may load its weights meanwhile
+    wait_for_previous_kernel();  // launched programmatically: q and the new K/V come from it
+    if (key_begin >= key_end) {  // no key (uniform per CTA): output 0 / an empty split
+        if (num_splits == 1) {
+            for (int i = threadIdx.x; i < group * D; i += DECODE_MMA_THREADS)
+                out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
+        } else if (threadIdx.x < group) {
+            const long long part = ((long long)b * num_heads + head0 + threadIdx.x) * num_splits + split;
+            partial_lse[part] = neg_inf();
+        }
+        return;
+    }
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int* table = block_tables + (long long)b * max_blocks_per_seq;
+    const int num_tiles = (key_end - key_begin + DECODE_MMA_KEYS - 1) / DECODE_MMA_KEYS;
+
+    auto load_tile = [&](int tile, int buffer) {
+        for (int idx = tid; idx < DECODE_MMA_KEYS * CHUNKS; idx += DECODE_MMA_THREADS) {
+            const int j = idx / CHUNKS, c = idx % CHUNKS;
+            const int pos = key_begin + tile * DECODE_MMA_KEYS + j;
+            bf16* k_dst = k_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
+            bf16* v_dst = v_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
+            if (pos < key_end) {
+                const long long offset =
+                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
+                cp_async16(k_dst, k_cache + offset);
+                cp_async16(v_dst, v_cache + offset);
+            } else {  // never-written slots hold NaN, and 0 * NaN would poison P V
+                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+    load_tile(0, 0);
+    cp_async_commit();
+
+    // A fragments of the query heads (rows g and g + 8 of this lane), straight from memory
+    const int g = lane >> 2, t = lane & 3;
+    unsigned q_frag[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = g + (e & 1) * 8, dim = kk * 16 + (e >> 1) * 8 + 2 * t;
+            q_frag[kk][e] = row < group ? *reinterpret_cast<const unsigned*>(
+                q + ((long long)q_row * num_heads + head0 + row) * D + dim) : 0u;
+        }
+    }
+    float o[DIM_NTILES][4];
+#pragma unroll
+    for (int n = 0; n < DIM_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.0f, 0.0f};  // rows g, g + 8
+
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
+        cp_async_commit();  // possibly empty: keeps the group count regular
+        cp_async_wait_all_but_newest();  // this tile has landed (for this thread)
+        __syncthreads();                 // ... and for every thread
+        const bf16* k_tile = k_s + (tile & 1) * DECODE_MMA_KEYS * STRIDE;
+        const bf16* v_tile = v_s + (tile & 1) * DECODE_MMA_KEYS * STRIDE;
+
+        float s[2][4];  // S: [16 rows, this warp's 16 keys]
+        s[0][0] = s[0][1] = s[0][2] = s[0][3] = s[1][0] = s[1][1] = s[1][2] = s[1][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned k_frag[4];
+            const int key = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+            ldmatrix_x4(k_frag, k_tile + key * STRIDE + kk * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(s[0], q_frag[kk], k_frag[0], k_frag[1]);
+            mma_bf16(s[1], q_frag[kk], k_frag[2], k_frag[3]);
+        }
+        const int key0 = key_begin + tile * DECODE_MMA_KEYS + warp * 16;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[j][e] = key0 + j * 8 + 2 * t + (e & 1) < key_end ? s[j][e] * scale_log2 : neg_inf();
+
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
+            float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                   fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+            const float m_new = fmaxf(m_row[r], tile_max);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+            const float correction = exp2f(m_row[r] - m_use);
+            m_row[r] = m_new;
+            float sum = 0.0f;  // this thread's keys only; the quad is summed at the end
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
+                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+                sum += s[j][2 * r] + s[j][2 * r + 1];
+            }
+            l_row[r] = l_row[r] * correction + sum;
+#pragma unroll
+            for (int n = 0; n < DIM_NTILES; ++n) {
+                o[n][2 * r] *= correction;
+                o[n][2 * r + 1] *= correction;
+            }
+        }
+
+        const unsigned p_frag[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                                    pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+        const int key = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
+            unsigned v_frag[4];
+            ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
+            mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
+            mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+        __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+
+    // merge the warps through shared memory (the tile buffers are free now): warp w's
+    // running max, sum and unnormalized output of each head
+    float* merge_acc = reinterpret_cast<float*>(decode_mma_smem);  // [NUM_WARPS][16][D]
+    float* merge_m = merge_acc + NUM_WARPS * 16 * D;                // [NUM_WARPS][16]
+    float* merge_l = merge_m + NUM_WARPS * 16;                      // [NUM_WARPS][16]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_row[r];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        const int row = g + 8 * r;
+        if (row >= group) continue;
+        float* acc_row = merge_acc + (warp * 16 + row) * D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < DIM_NTILES; ++n) {
+            acc_row[n * 8] = o[n][2 * r];
+            acc_row[n * 8 + 1] = o[n][2 * r + 1];
+        }
+        if (t == 0) {
+            merge_m[warp * 16 + row] = m_row[r];
+            merge_l[warp * 16 + row] = l;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < group * D; i += DECODE_MMA_THREADS) {
+        const int head = i / D, c = i % D;
+        // m_max is finite: the range holds a key, so some warp saw one
+        float m_max, sum_l, sum_acc;
+        merge_parts<NUM_WARPS>([&](int w) { return merge_m[w * 16 + head]; },
+                               [&](int w) { return merge_l[w * 16 + head]; },
+                               [&](int w) { return merge_acc[(w * 16 + head) * D + c]; },
+                               m_max, sum_l, sum_acc);
+        const float value = sum_acc / sum_l;
+        if (num_splits == 1) {
+            out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(value);
+        } else {
+            const long long part = ((long long)b * num_heads + head0 + head) * num_splits + split;
+            partial_out[part * D + c] = value;
+            if (c == 0) partial_lse[part] = (m_max + log2f(sum_l)) * LN_2;
+        }
+    }
+}
+
+#define DEFINE_DECODE_ATTENTION_MMA(NAME, D)                                               \
+    extern "C" __global__ void __launch_bounds__(DECODE_MMA_THREADS)                      \
+    NAME(                                                                                 \
+        const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
+        const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
+        float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
+        decode_attention_mma_body<D>(q, k_cache, v_cache, block_tables, seq_lens,         \
+                                     query_start_loc, out, partial_out, partial_lse,      \
+                                     num_heads, num_kv_heads, block_shift,                \
+                                     max_blocks_per_seq, scale_log2, num_splits,          \
+                                     split_len);                                          \
+    }
+
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64, 64)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128, 128)

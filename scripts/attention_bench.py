@@ -42,6 +42,7 @@ REFERENCE_MAX_BATCH = 64
 WARMUP = 3
 SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to queue the runs
 DECODE_VARIANTS = ("old", "new", "old graph", "new graph")
+DECODE_KERNEL_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 SPIN_SOURCE = r"""
 extern "C" __global__ void spin_kernel(long long cycles) {
@@ -179,6 +180,52 @@ class Bench:
         pairs[-1][1].synchronize()
         return 1000.0 * statistics.median(cp.cuda.get_elapsed_time(s, e) for s, e in pairs)
 
+    def decode_kernels_case(self, num_seqs: int, context: int) -> dict:
+        """The CUDA-core decode kernel against the tensor-core one, each with the split
+        count an eager step picks and with the one a CUDA graph uses (split lengths derived
+        on the device): where the second pays (attention.DECODE_MMA_MIN_SEQS)."""
+        cp = self.cp
+        tables = cp.asarray(self.scattered_tables(num_seqs, context))
+        q = self.random_bf16((num_seqs, NUM_HEADS, HEAD_DIM))
+        inputs = (q, tables, cp.full(num_seqs, context, np.int32),
+                  cp.arange(num_seqs + 1, dtype=np.int32))
+        eager = new_decode_splits(num_seqs, context, self.num_sms)
+        graph = new_decode_splits(num_seqs, MAX_MODEL_LEN, self.num_sms)
+        result = dict(case=f"decode b={num_seqs} ctx={context}", batch=num_seqs,
+                      context=context, splits={"eager": eager, "graph": graph}, us={},
+                      max_diff={}, max_err_vs_reference={})
+        outputs = {}
+        for kernel, label in (("decode", "cuda cores"), ("decode_mma", "tensor cores")):
+            for mode, splits, max_seq_len in (("eager", eager, context), ("graph", graph, None)):
+                out = cp.empty((num_seqs, NUM_HEADS * HEAD_DIM), np.uint16)
+                def launch(out=out, kernel=kernel, splits=splits, max_seq_len=max_seq_len):
+                    self.run_attention(inputs, out, kernel=kernel, num_splits=splits,
+                                       max_seq_len=max_seq_len, max_query_len=1)
+                name = f"{label} {mode}"
+                result["us"][name] = self.gpu_time_us(launch)
+                outputs[name] = bits_to_float32(cp, out)
+        if context <= attention.cluster_max_keys(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS):
+            out = cp.empty((num_seqs, NUM_HEADS * HEAD_DIM), np.uint16)
+            def launch(out=out):
+                attention.paged_attention(
+                    inputs[0], self.k_pool, self.v_pool, inputs[1], inputs[2], inputs[3], out,
+                    scale=HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=None,
+                    num_splits=graph, partial_out=self.partial_out,
+                    partial_lse=self.partial_lse, kernel="decode", clusters=True)
+            result["us"]["clusters graph"] = self.gpu_time_us(launch)
+            outputs["clusters graph"] = bits_to_float32(cp, out)
+        first = outputs["cuda cores eager"]
+        for name, out in outputs.items():
+            result["max_diff"][name] = max_abs_diff(cp, out, first)
+        if num_seqs <= REFERENCE_MAX_BATCH:
+            expected = decode_reference(cp, bits_to_float32(cp, q),
+                                        gather_dense(cp, self.k_pool, tables, context),
+                                        gather_dense(cp, self.v_pool, tables, context),
+                                        HEAD_DIM ** -0.5)
+            for name, out in outputs.items():
+                result["max_err_vs_reference"][name] = max_abs_diff(cp, out, expected)
+        return result
+
     def run_attention(self, inputs, out, *, kernel, num_splits, max_seq_len, max_query_len):
         q, tables, seq_lens, query_start_loc = inputs
         attention.paged_attention(q, self.k_pool, self.v_pool, tables, seq_lens, query_start_loc,
@@ -282,10 +329,32 @@ def print_table(results, file=None):
               file=file)
 
 
+def print_kernel_table(results, file=None):
+    file = file or sys.stdout
+    names = ("cuda cores eager", "tensor cores eager", "cuda cores graph", "tensor cores graph",
+             "clusters graph")
+    print("\ndecode attention, GPU us per call (median), with the combine kernel where split; "
+          "err: max |x - float32 reference| of the tensor-core runs", file=file)
+    print(f"{'case':<24}" + "".join(f"{n:>20}" for n in names) + f"{'splits e/g':>12}{'err':>9}",
+          file=file)
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
+            continue
+        err = max((v for k, v in r["max_err_vs_reference"].items() if k.startswith("tensor")),
+                  default=float("nan"))
+        print(f"{r['case']:<24}" + "".join(f"{r['us'].get(n, float('nan')):>20.1f}" for n in names)
+              + f"{str(r['splits']['eager']) + '/' + str(r['splits']['graph']):>12}{err:>9.2g}",
+              file=file)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="timed runs per kernel (median)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-kernels", action="store_true",
+                        help="only the CUDA-core against the tensor-core decode kernel, "
+                             f"batch {', '.join(map(str, DECODE_KERNEL_BATCHES))}")
     args = parser.parse_args(argv)
     from cupy_llama.backends.cuda.device import check_cuda_device, device_name, import_cupy
     check_cuda_device()
@@ -304,23 +373,29 @@ def main(argv=None) -> int:
     report["setup_s"] = time.perf_counter() - started
     print(f"{report['gpu']}: {bench.num_sms} SMs; setup {report['setup_s']:.1f} s (attention.cu "
           f"compile {report['compile_s']:.1f} s)", file=sys.stderr)
-    cases = [("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
-    cases += [("prefill", cached, n) for cached, n in PREFILLS]
+    if args.decode_kernels:
+        cases = [("kernels", b, c) for c in DECODE_CONTEXTS for b in DECODE_KERNEL_BATCHES]
+    else:
+        cases = [("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+        cases += [("prefill", cached, n) for cached, n in PREFILLS]
+    run = {"kernels": bench.decode_kernels_case, "decode": bench.decode_case,
+           "prefill": bench.prefill_case}
     for kind, x, y in cases:
         try:
-            result = bench.decode_case(x, y) if kind == "decode" else bench.prefill_case(x, y)
+            result = run[kind](x, y)
         except Exception as e:  # keep going: one failing case must not hide the others
-            label = f"decode b={x} ctx={y}" if kind == "decode" else f"prefill {y} after {x}"
+            label = f"prefill {y} after {x}" if kind == "prefill" else f"decode b={x} ctx={y}"
             result = dict(case=label, kind=kind, error=f"{type(e).__name__}: {e}"[:300])
         report["results"].append(result)
         print(json.dumps(result), file=sys.stderr)
     report["total_s"] = time.perf_counter() - started
     out_dir = os.environ.get("OUT")
     if out_dir:
-        path = Path(out_dir) / "attention_bench.json"
+        name = "decode_kernels.json" if args.decode_kernels else "attention_bench.json"
+        path = Path(out_dir) / name
         path.write_text(json.dumps(report, indent=1))
         print(f"wrote {path}", file=sys.stderr)
-    print_table(report["results"])
+    (print_kernel_table if args.decode_kernels else print_table)(report["results"])
     return 1 if any("error" in r for r in report["results"]) else 0
 
 

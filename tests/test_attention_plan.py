@@ -22,13 +22,13 @@ def plan(**overrides):
     return attention_plan(**args)
 
 
-def test_decode_batches_take_the_decode_kernel():
-    p = plan(num_seqs=3, num_splits=5)
+def test_the_cuda_core_decode_kernel_takes_the_smallest_group_bound():
+    p = plan(num_seqs=3, num_splits=5, kernel="decode")
     assert p.kernel == "decode_attention_d64_g4"
     assert p.grid == (5, 8, 3) and p.block == 128 and p.shared_mem == 0
     # the smallest instantiated group bound that holds the group
     for group, bound in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
-        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128).kernel
+        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128, kernel="decode").kernel
         assert got == f"decode_attention_d128_g{bound}", (group, got)
 
 
@@ -40,11 +40,11 @@ def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
     assert p.grid == (attention.DECODE_CLUSTER, 8, 3) and p.block == 128 and p.shared_mem == 0
     assert p.cluster == attention.DECODE_CLUSTER
     assert plan(num_seqs=3, num_splits=5).cluster == 1
-    assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_d64_g4"
-    assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
+    assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_mma_d64"
+    assert plan(num_splits=5, clusters=False).kernel == "decode_attention_mma_d64"
     # the other kernels do not change with it
     assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64"
-    assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "paged_attention_dpl2"
+    assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "decode_attention_mma_d64"
 
 
 def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
@@ -88,18 +88,36 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
     assert p.kernel == "prefill_attention_d128" and p.grid[0] == 1
     assert p.shared_mem == 2 * (64 + 4 * 64) * (128 + 8)
-    # more than 8 heads per kv head: decode rows go through the prefill kernel ...
-    assert plan(num_heads=32, num_kv_heads=2).kernel == "prefill_attention_d64"
-    # ... except when split (the scalar kernel splits any shape)
-    assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+    # more than 8 heads per kv head: decode rows go through the tensor-core decode kernel
+    # up to 16 heads, split or not; past that through the prefill kernel, and when split
+    # through the scalar kernel (it splits any shape)
+    assert plan(num_heads=32, num_kv_heads=2).kernel == "decode_attention_mma_d64"
+    assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "decode_attention_mma_d64"
+    assert plan(num_heads=64, num_kv_heads=2).kernel == "prefill_attention_d64"
+    assert plan(num_heads=64, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
 
 
-def test_a_pool_of_2_31_slots_or_more_keeps_decode_off_the_decode_kernel():
-    """The decode kernel keeps cache slot numbers in 32 bits: past that, an unsplit decode
-    batch takes the prefill kernel (64-bit slots), a split one the scalar kernel."""
-    assert plan(num_slots=2 ** 31 - 1).kernel == "decode_attention_d64_g4"
-    assert plan(num_slots=2 ** 31).kernel == "prefill_attention_d64"
-    assert plan(num_slots=2 ** 31, num_splits=4).kernel == "paged_attention_dpl2"
+def test_a_pool_of_2_31_slots_or_more_keeps_decode_off_the_cuda_core_kernel():
+    """The CUDA-core decode kernel keeps cache slot numbers in 32 bits: past that, decode
+    batches take the tensor-core decode kernel (64-bit slots), split or not."""
+    assert plan(num_slots=2 ** 31 - 1, kernel="decode").kernel == "decode_attention_d64_g4"
+    assert plan(num_slots=2 ** 31, kernel="decode").kernel == "prefill_attention_d64"
+    assert plan(num_slots=2 ** 31).kernel == "decode_attention_mma_d64"
+    assert plan(num_slots=2 ** 31, num_splits=4).kernel == "decode_attention_mma_d64"
+
+
+def test_decode_batches_take_the_tensor_core_kernel_unless_clustered():
+    p = plan(num_seqs=3, num_splits=3)
+    assert p.kernel == "decode_attention_mma_d64" and p.grid == (3, 8, 3)
+    assert p.block == 128 and p.shared_mem == 2 * 4 * 64 * (64 + 8)
+    assert plan(num_seqs=256, head_dim=128).shared_mem == 2 * 4 * 64 * (128 + 8)
+    assert plan(num_seqs=1, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
+    # either kernel on demand, where it can run
+    assert plan(num_seqs=1, num_splits=3, clusters=True, kernel="decode_mma").kernel == \
+        "decode_attention_mma_d64"
+    assert plan(num_seqs=256, kernel="decode").kernel == "decode_attention_d64_g4"
+    assert plan(num_seqs=256, kernel="decode", num_heads=32, num_kv_heads=2).kernel == \
+        "prefill_attention_d64"  # no CUDA-core kernel for 16 heads per kv head
 
 
 @pytest.mark.parametrize("overrides", [
@@ -184,9 +202,8 @@ def test_fast_kernels_build_without_spills(tmp_path, arch):
         registers = int(re.search(r"Used (\d+) registers", body).group(1))
         report[name] = (registers, spills)
     symbols = cubin.read_bytes()
-    wanted = [f"decode_attention_d{d}_g{g}{c}" for d in attention.FAST_HEAD_DIMS
-              for g in attention.DECODE_GROUPS for c in ("", "_cluster")]
-    wanted += [f"prefill_attention_d{d}" for d in attention.FAST_HEAD_DIMS]
+    wanted = [*attention.DECODE_KERNELS.values(), *attention.PREFILL_KERNELS.values(),
+              *attention.DECODE_MMA_KERNELS.values()]
     for kernel in wanted:
         assert kernel.encode() + b"\0" in symbols, f"{kernel} missing from the {arch} build"
         assert kernel in report, f"no ptxas report for {kernel}: {result.stderr[-2000:]}"

@@ -402,11 +402,12 @@ def test_attention_block_sizes(cp, rng, seqs, block_size):
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
-    """Every decode kernel variant (groups up to 8, more falls back), host-chosen and
-    device-derived split lengths."""
+    """Every CUDA-core decode kernel variant (groups up to 8, more falls back), host-chosen
+    and device-derived split lengths."""
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
     for max_seq_len in ("batch", None):
-        got = run_paged_attention(cp, case, head_dim, num_splits=num_splits, max_seq_len=max_seq_len)
+        got = run_paged_attention(cp, case, head_dim, num_splits=num_splits, max_seq_len=max_seq_len,
+                                  kernel="decode")
         assert_close(got, case["expected"], 1.5e-2, 1e-2,
                      f"decode d={head_dim} group={group} splits={num_splits} max_seq_len={max_seq_len}")
 
@@ -439,6 +440,45 @@ def test_attention_decode_clusters(cp, rng, head_dim, group):
     large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
     got = run_paged_attention(cp, large, head_dim, num_splits=3, clusters=True)
     assert_close(got, large["expected"], 1.5e-2, 1e-2, "cluster decode with large scores")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 32])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_decode_tensor_cores(cp, rng, head_dim, group, num_splits):
+    """The tensor-core decode kernel: every group size up to 16 query heads per kv head,
+    host-chosen and device-derived split lengths, a CUDA graph's padding row (sequence
+    length 0: zeros), rows without a new token, and large scores."""
+    from dataclasses import replace
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
+    for max_seq_len in ("batch", None):
+        got = run_paged_attention(cp, case, head_dim, num_splits=num_splits,
+                                  max_seq_len=max_seq_len, kernel="decode_mma")
+        assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                     f"mma decode d={head_dim} group={group} splits={num_splits} {max_seq_len}")
+    batch = case["gpu_batch"]
+    padded = replace(batch, seq_lens=np.concatenate([[0], batch.seq_lens[1:]]).astype(np.int32))
+    got = run_paged_attention(cp, {**case, "gpu_batch": padded}, head_dim, num_splits=num_splits,
+                              max_seq_len=None, kernel="decode_mma")
+    expected = case["expected"].copy()
+    expected[0] = 0.0
+    assert_close(got, expected, 1.5e-2, 1e-2, "mma decode with a padding row")
+    sparse = build_attention_case(cp, rng, [(100, 1), (300, 0), (0, 1), (77, 0), (2047, 1)], 2,
+                                  head_dim, group)
+    got = run_paged_attention(cp, sparse, head_dim, kernel="decode_mma")  # splits need 1 token each
+    assert_close(got, sparse["expected"], 1.5e-2, 1e-2, "mma decode with empty sequences")
+    large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
+    got = run_paged_attention(cp, large, head_dim, num_splits=num_splits, kernel="decode_mma")
+    assert_close(got, large["expected"], 1.5e-2, 1e-2, "mma decode with large scores")
+
+
+def test_attention_decode_batches_route_to_the_tensor_core_kernel(cp, rng):
+    """A decode batch of many sequences through CudaOps takes the tensor-core kernel, with
+    the split count CudaOps picks."""
+    seqs = [(int(n), 1) for n in rng.integers(0, 3000, 20)]
+    case = build_attention_case(cp, rng, seqs, 2, 64, 4)
+    got = run_ops_attention(cp, case, 64)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, "decode batch of 20 sequences")
 
 
 def test_attention_decode_rows_without_new_tokens(cp, rng):

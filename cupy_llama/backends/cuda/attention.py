@@ -38,13 +38,17 @@ SCALAR_KERNELS = {dpl: name for name, dpl in instances("attention", "DEFINE_PAGE
 DECODE_KERNELS = {(d, g, cluster > 0): name
                   for name, d, g, cluster in instances("attention", "DEFINE_DECODE_ATTENTION")}
 PREFILL_KERNELS = {d: name for name, d in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+DECODE_MMA_KERNELS = {d: name for name, d in instances("attention", "DEFINE_DECODE_ATTENTION_MMA")}
+DECODE_MMA_THREADS = _C["DECODE_MMA_THREADS"]
+DECODE_MMA_KEYS = _C["DECODE_MMA_KEYS"]
+DECODE_MMA_MAX_GROUP = 16  # the query heads of a kv head are the rows of one 16-row mma tile
 DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # upper bounds on the group
 FAST_HEAD_DIMS = tuple(sorted(set(PREFILL_KERNELS) & {d for d, _, _ in DECODE_KERNELS}))
 # the launcher's own choices
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
 LOG2_E = 1.4426950408889634
-KERNEL_CHOICES = ("auto", "scalar")
+KERNEL_CHOICES = ("auto", "scalar", "decode", "decode_mma")
 
 
 def dims_per_lane(head_dim: int) -> int:
@@ -63,6 +67,11 @@ def prefill_smem_bytes(head_dim: int) -> int:
     """Tensor-core prefill: the Q tile and double-buffered K and V tiles, bf16 rows padded
     by PREFILL_ROW_PAD elements (attention.cu)."""
     return 2 * (PREFILL_ROWS + 4 * PREFILL_KEYS) * (head_dim + PREFILL_ROW_PAD)
+
+
+def decode_mma_smem_bytes(head_dim: int) -> int:
+    """Tensor-core decode: double-buffered K and V tiles, rows padded like prefill's."""
+    return 2 * 4 * DECODE_MMA_KEYS * (head_dim + PREFILL_ROW_PAD)
 
 
 def max_decode_splits(max_model_len: int) -> int:
@@ -150,23 +159,36 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                    clusters: bool = False) -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
-    16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the decode
-    kernel keeps slot numbers in 32 bits, so a pool of 2^31 or more takes another kernel.
-    kernel="scalar" forces the scalar fallback (tests, benchmarks). clusters: the GPU can
-    launch thread-block clusters; a split decode batch then takes the clustered kernel."""
+    16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the CUDA-core
+    decode kernel keeps slot numbers in 32 bits, so a pool of 2^31 or more takes another
+    kernel. kernel="scalar" forces the scalar fallback, "decode" and "decode_mma" the CUDA-core
+    and tensor-core decode kernels where they can run (tests, benchmarks). clusters: the GPU
+    can launch thread-block clusters; a split decode batch then takes the clustered kernel
+    where the CUDA-core kernel would run."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
-    fast = (kernel == "auto" and aligned and head_dim in FAST_HEAD_DIMS
+    fast = (kernel != "scalar" and aligned and head_dim in FAST_HEAD_DIMS
             and _is_power_of_two(block_size))
     bound = decode_group_bound(group)
-    if fast and max_query_len == 1 and bound is not None and num_slots < 2 ** 31:
-        if clusters and num_splits > 1:
-            return AttentionPlan(DECODE_KERNELS[head_dim, bound, True],
-                                 (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0,
-                                 DECODE_CLUSTER)
-        return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
-                             (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
+    if fast and max_query_len == 1:
+        mma_can = head_dim in DECODE_MMA_KERNELS and group <= DECODE_MMA_MAX_GROUP
+        cuda_core_can = bound is not None and num_slots < 2 ** 31
+        # the tensor-core kernel is the faster at every batch size and context measured
+        # (benchmarks/NOTES.md, change 27); the clustered CUDA-core kernel stays where a
+        # cluster merges the key ranges on chip instead of a combine kernel
+        clustered = clusters and num_splits > 1 and cuda_core_can and kernel != "decode_mma"
+        if mma_can and kernel != "decode" and not clustered:
+            return AttentionPlan(DECODE_MMA_KERNELS[head_dim],
+                                 (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
+                                 decode_mma_smem_bytes(head_dim))
+        if cuda_core_can and kernel != "decode_mma":
+            if clustered:
+                return AttentionPlan(DECODE_KERNELS[head_dim, bound, True],
+                                     (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0,
+                                     DECODE_CLUSTER)
+            return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
+                                 (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
     if fast and num_splits == 1:
         row_tiles = max(1, -(-max_query_len * group // PREFILL_ROWS))
         return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),
@@ -236,7 +258,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     function = get_kernel("attention", plan.kernel)
     opt_in_shared(function, plan.shared_mem)
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    is_decode = plan.kernel in DECODE_KERNELS.values()
+    is_decode = plan.kernel in DECODE_KERNELS.values() or plan.kernel in DECODE_MMA_KERNELS.values()
     if is_decode:
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
