@@ -23,12 +23,12 @@ def plan(**overrides):
 
 
 def test_the_cuda_core_decode_kernel_takes_the_smallest_group_bound():
-    p = plan(num_seqs=3, num_splits=5, kernel="decode")
+    p = plan(num_seqs=3, num_splits=5)
     assert p.kernel == "decode_attention_d64_g4"
     assert p.grid == (5, 8, 3) and p.block == 128 and p.shared_mem == 0
     # the smallest instantiated group bound that holds the group
     for group, bound in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
-        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128, kernel="decode").kernel
+        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128).kernel
         assert got == f"decode_attention_d128_g{bound}", (group, got)
 
 
@@ -40,8 +40,8 @@ def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
     assert p.grid == (attention.DECODE_CLUSTER, 8, 3) and p.block == 128 and p.shared_mem == 0
     assert p.cluster == attention.DECODE_CLUSTER
     assert plan(num_seqs=3, num_splits=5).cluster == 1
-    assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_mma_d64"
-    assert plan(num_splits=5, clusters=False).kernel == "decode_attention_mma_d64"
+    assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_d64_g4"
+    assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
     # the other kernels do not change with it
     assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64"
     assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "decode_attention_mma_d64"
@@ -100,18 +100,21 @@ def test_prefill_batches_take_the_tensor_core_kernel():
 def test_a_pool_of_2_31_slots_or_more_keeps_decode_off_the_cuda_core_kernel():
     """The CUDA-core decode kernel keeps cache slot numbers in 32 bits: past that, decode
     batches take the tensor-core decode kernel (64-bit slots), split or not."""
-    assert plan(num_slots=2 ** 31 - 1, kernel="decode").kernel == "decode_attention_d64_g4"
+    assert plan(num_slots=2 ** 31 - 1).kernel == "decode_attention_d64_g4"
     assert plan(num_slots=2 ** 31, kernel="decode").kernel == "prefill_attention_d64"
     assert plan(num_slots=2 ** 31).kernel == "decode_attention_mma_d64"
     assert plan(num_slots=2 ** 31, num_splits=4).kernel == "decode_attention_mma_d64"
 
 
-def test_decode_batches_take_the_tensor_core_kernel_unless_clustered():
-    p = plan(num_seqs=3, num_splits=3)
-    assert p.kernel == "decode_attention_mma_d64" and p.grid == (3, 8, 3)
+def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
+    small = attention.DECODE_MMA_MIN_SEQS - 1
+    assert plan(num_seqs=small, num_splits=3).kernel == "decode_attention_d64_g4"
+    p = plan(num_seqs=small + 1, num_splits=3)
+    assert p.kernel == "decode_attention_mma_d64" and p.grid == (3, 8, small + 1)
     assert p.block == 128 and p.shared_mem == 2 * 4 * 64 * (64 + 8)
     assert plan(num_seqs=256, head_dim=128).shared_mem == 2 * 4 * 64 * (128 + 8)
     assert plan(num_seqs=1, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
+    assert plan(num_seqs=64, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
     # either kernel on demand, where it can run
     assert plan(num_seqs=1, num_splits=3, clusters=True, kernel="decode_mma").kernel == \
         "decode_attention_mma_d64"

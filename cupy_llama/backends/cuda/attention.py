@@ -47,6 +47,10 @@ FAST_HEAD_DIMS = tuple(sorted(set(PREFILL_KERNELS) & {d for d, _, _ in DECODE_KE
 # the launcher's own choices
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
+# decode batches of at least this many sequences take the tensor-core decode kernel: it is
+# the faster kernel alone at every batch size, but inside a batch-1 step (graph replay,
+# programmatic launches) the CUDA-core kernel is (benchmarks/NOTES.md, change 27)
+DECODE_MMA_MIN_SEQS = 8
 LOG2_E = 1.4426950408889634
 KERNEL_CHOICES = ("auto", "scalar", "decode", "decode_mma")
 
@@ -174,11 +178,13 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     if fast and max_query_len == 1:
         mma_can = head_dim in DECODE_MMA_KERNELS and group <= DECODE_MMA_MAX_GROUP
         cuda_core_can = bound is not None and num_slots < 2 ** 31
-        # the tensor-core kernel is the faster at every batch size and context measured
-        # (benchmarks/NOTES.md, change 27); the clustered CUDA-core kernel stays where a
-        # cluster merges the key ranges on chip instead of a combine kernel
+        # the tensor-core kernel from DECODE_MMA_MIN_SEQS sequences (or where the CUDA-core
+        # kernel cannot run); the clustered CUDA-core kernel where a cluster merges the key
+        # ranges on chip instead of a combine kernel
         clustered = clusters and num_splits > 1 and cuda_core_can and kernel != "decode_mma"
-        if mma_can and kernel != "decode" and not clustered:
+        mma_wanted = kernel == "decode_mma" or (
+            kernel == "auto" and (num_seqs >= DECODE_MMA_MIN_SEQS or not cuda_core_can))
+        if mma_can and mma_wanted and not clustered:
             return AttentionPlan(DECODE_MMA_KERNELS[head_dim],
                                  (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
                                  decode_mma_smem_bytes(head_dim))
