@@ -215,15 +215,13 @@ def _argument(module: str, arg: str):
 def kernel_names(module: str) -> tuple[str, ...]:
     """Every kernel of the module: those written out (extern "C" __global__) and those the
     DEFINE_... lines instantiate."""
-    names = []
-    for line in _lines(f"{module}.cu"):
-        if line.lstrip().startswith("#"):
-            continue  # a macro's body names its parameter, not a kernel
-        names += _PLAIN_KERNEL.findall(line)
-        match = _INSTANCE.match(line.strip())
-        if match:
-            names.append(match[2].split(",")[0].strip())
-    return tuple(names)
+    # a macro's body names its parameter, not a kernel: only the other lines, joined (a
+    # declaration may span lines)
+    code = "\n".join(line for line in _lines(f"{module}.cu") if not line.lstrip().startswith("#"))
+    names = [(match.start(), match[1]) for match in _PLAIN_KERNEL.finditer(code)]
+    names += [(match.start(), match[2].split(",")[0].strip())
+              for match in re.finditer(r"^\s*(DEFINE_\w+)\((.*)\)\s*$", code, re.M)]
+    return tuple(name for _, name in sorted(names))
 
 
 # static plus dynamic shared memory a kernel may use without opting in
