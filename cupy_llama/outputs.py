@@ -5,6 +5,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (its log-softmax, before
+    temperature and filters), and the `top` most likely tokens', best first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -13,6 +22,9 @@ class RequestOutput:
     finish_reason: str | None = None                     # "stop", "length", "abort" or None
     delta: str = ""            # text added since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    # one per token of token_ids where the request asked (SamplingParams.logprobs), else None;
+    # the delta's are the last len(delta_token_ids)
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

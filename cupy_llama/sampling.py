@@ -18,6 +18,7 @@ def as_float32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
 
 
 def as_flag(value) -> bool | None:
@@ -39,6 +40,9 @@ class SamplingParams:
     seed: int | None = None    # None: a fresh random seed per request
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the text
     ignore_eos: bool = False
+    # None: no log-probabilities; k: each generated token's log-probability and those of the
+    # k most likely tokens, from the model's log-softmax before temperature and filters
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,7 +50,7 @@ class SamplingParams:
         if as_flag(self.ignore_eos) is not None:
             self.ignore_eos = as_flag(self.ignore_eos)
         # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
-        for name in ("top_k", "max_tokens", "seed"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
                 setattr(self, name, int(value))
@@ -80,6 +84,11 @@ class SamplingParams:
             raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or none), "
+                               f"got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:

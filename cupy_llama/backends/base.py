@@ -135,21 +135,52 @@ class SamplingTensors:
     min_p: np.ndarray        # float32; 0.0 means off
     seeds: np.ndarray        # uint64; the request's seed (a random one when the user gave none)
     steps: np.ndarray        # int32; how many tokens the request has generated so far
+    # int32; -1: no log-probabilities, k >= 0: the sampled token's and the top k's
+    # (None: no row asks)
+    num_logprobs: np.ndarray | None = None
 
     @property
     def all_greedy(self) -> bool:
         return bool(np.all(self.temperature == 0))
 
+    def logprob_rows(self) -> tuple[np.ndarray, int]:
+        """The rows that ask for log-probabilities, and the most alternatives any asks for."""
+        if self.num_logprobs is None:
+            return np.zeros(0, np.int32), 0
+        rows = np.flatnonzero(self.num_logprobs >= 0).astype(np.int32)
+        return rows, int(self.num_logprobs[rows].max()) if rows.size else 0
+
+
+class Logprobs:
+    """Log-probabilities of one sampling call, for the rows that asked: ids and values
+    [R, 1 + k] (column 0 the sampled token, then the k most likely, best first)."""
+
+    def __init__(self, rows: np.ndarray, ids: np.ndarray, values: np.ndarray):
+        self.rows, self.ids, self.values = rows, ids, values
+        self._index = {int(row): i for i, row in enumerate(rows)}
+
+    def of_row(self, row: int, k: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """(sampled token, its logprob, the top k as (id, logprob)) of one batch row."""
+        i = self._index[row]
+        ids, values = self.ids[i].tolist(), self.values[i].tolist()
+        return ids[0], values[0], list(zip(ids[1:1 + k], values[1:1 + k]))
+
 
 class SampledTokens:
-    """Token ids of one sampling call, ready now (`get` returns them)."""
+    """Token ids of one sampling call, ready now (`get` returns them), and the
+    log-probabilities of the rows that asked (`logprobs`, None where none did)."""
 
-    def __init__(self, tokens: np.ndarray):
+    def __init__(self, tokens: np.ndarray, logprobs: Logprobs | None = None):
         self._tokens = tokens
+        self._logprobs = logprobs
 
     def get(self) -> np.ndarray:
         """Host numpy int32 [B]; waits for the device where the tokens are still coming."""
         return self._tokens
+
+    def logprobs(self) -> Logprobs | None:
+        """Call after get()."""
+        return self._logprobs
 
 
 class Backend(Protocol):
@@ -206,7 +237,8 @@ class Ops(Protocol):
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
         """sample() without waiting: the tokens come back while the host prepares the next
-        step, which may already name them (token id -(r + 1), see ForwardBatch)."""
+        step, which may already name them (token id -(r + 1), see ForwardBatch). The rows
+        that ask (sampling.num_logprobs) also get log-probabilities of the raw logits."""
 
 
 class SublayerOps:

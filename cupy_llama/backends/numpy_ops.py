@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import ForwardBatch, SampledTokens, SamplingTensors, SublayerOps
+from .base import ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
 
 
 class NumpyOps(SublayerOps):
@@ -99,7 +99,24 @@ class NumpyOps(SublayerOps):
             rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
             tokens[b] = rng.choice(probs.shape[0], p=probs)
         self._last_sampled = tokens
-        return SampledTokens(tokens)
+        rows, k = sampling.logprob_rows()
+        return SampledTokens(tokens, logprobs(logits, tokens, rows, k) if rows.size else None)
+
+
+def logprobs(logits, tokens, rows: np.ndarray, k: int) -> Logprobs:
+    """The raw log-softmax (float64) of each row in rows: the sampled token's value and the k
+    largest, best first, ties to the lower id (as logprobs.cu orders them)."""
+    ids = np.empty((rows.size, 1 + k), np.int32)
+    values = np.empty((rows.size, 1 + k), np.float64)
+    for i, row in enumerate(rows):
+        x = logits[row].astype(np.float64)
+        x = np.where(np.isnan(x), -np.inf, x)
+        top = x.max()
+        log_softmax = x - (top + np.log(np.sum(np.exp(x - top))))
+        best = np.argsort(-log_softmax, kind="stable")[:k]
+        ids[i, 0], values[i, 0] = tokens[row], log_softmax[tokens[row]]
+        ids[i, 1:], values[i, 1:] = best, log_softmax[best]
+    return Logprobs(rows, ids, values)
 
 
 def rotate(x, cos, sin):

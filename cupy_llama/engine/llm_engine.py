@@ -7,7 +7,7 @@ from typing import Iterator
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
-from ..outputs import RequestOutput, is_token_id
+from ..outputs import RequestOutput, TokenLogprob, is_token_id
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -40,6 +40,8 @@ class _Request:
         # why the request ended, once its last known token says so (the sequence itself
         # may finish earlier in the scheduler, when its length is reached at launch)
         self.finish_reason: str | None = None
+        # one per resolved output token where the request asked for them
+        self.logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
 
     def add_text(self, token_id: int) -> bool:
         """Adds the token's text; True when that completes a stop string (the text is then
@@ -78,7 +80,8 @@ class _Request:
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=token_ids, text=self.text[:visible],
-            finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids)
+            finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
+            logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)])
 
 
 class LLMEngine:
@@ -206,6 +209,9 @@ class LLMEngine:
             if request is None or request.seq is not seq or index >= len(seq.output_token_ids):
                 continue  # aborted, or stopped at an earlier token: this one is dropped
             seq.output_token_ids[index] = tokens[row]
+            if request.logprobs is not None:
+                token_id, logprob, top = launched.sampled.logprobs().of_row(row, seq.params.logprobs)
+                request.logprobs.append(TokenLogprob(token_id, logprob, top))
             output = self._append_token(request, index)
             if output is not None:
                 outputs.append(output)

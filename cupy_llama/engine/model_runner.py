@@ -30,6 +30,7 @@ class SlotTables:
         self.top_p = np.zeros(0, np.float32)
         self.min_p = np.zeros(0, np.float32)
         self.seeds = np.zeros(0, np.uint64)
+        self.num_logprobs = np.zeros(0, np.int32)  # -1: none asked
 
     def _grow(self, num_slots: int, num_blocks: int) -> None:
         """Room for slots [0, num_slots) and num_blocks blocks per row (at least doubling
@@ -46,7 +47,7 @@ class SlotTables:
             self._table_source += [None] * new
             self._table_length += [0] * new
             self._sampling_owner += [None] * new
-            for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+            for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros(new, old.dtype)]))
 
@@ -73,6 +74,7 @@ class SlotTables:
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         self.seeds[slot] = seq.seed
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         self._sampling_owner[slot] = seq
 
     def block_table_is_current(self, seq: Sequence) -> bool:
@@ -130,10 +132,12 @@ class ModelRunner:
             # (preempted) sequence draws the same random numbers again
             steps.append(len(seq.output_token_ids))
         rows = np.array(rows, dtype=np.intp)
+        num_logprobs = slots.num_logprobs[rows]
         return SamplingTensors(
             temperature=slots.temperature[rows], top_k=slots.top_k[rows],
             top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
-            steps=np.array(steps, dtype=np.int32))
+            steps=np.array(steps, dtype=np.int32),
+            num_logprobs=num_logprobs if num_logprobs.max(initial=-1) >= 0 else None)
 
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence
