@@ -169,7 +169,8 @@ def test_settings_copy_kernel_and_token_copy_are_ordered_across_streams(pipeline
     copies, kernels, backs = (entries(log, what) for what in ("H2D", "kernel", "D2H"))
     for step, (copy, kernel, back) in enumerate(zip(copies, kernels, backs)):
         assert (log[copy].who, log[kernel].who, log[back].who) == ("copy", "step", "copy")
-        assert log[copy].detail == ("settings_host", "settings_device", 28 * MAX_SEQS)
+        # per sequence: the 8-byte seed and six 4-byte fields
+        assert log[copy].detail == ("settings_host", "settings_device", 32 * MAX_SEQS)
         if step:
             # the one device settings buffer is overwritten only after the last kernel that
             # read it: behind the last token copy, which waited for that kernel

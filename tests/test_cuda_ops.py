@@ -555,6 +555,43 @@ def test_greedy_is_argmax(cp, rng):
     assert tokens[0] == vocab - 2 and tokens[4] == 7 and tokens[2] == 3
 
 
+@pytest.mark.parametrize("vocab", [128256, 49152, 1001])
+def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
+    """logprobs.cu against the NumPy backend's log-softmax: only the rows that ask, each
+    with its own k (the call computes the largest), the sampled token first; ties to the
+    lower id, NaN never among the top."""
+    from cupy_llama.backends.numpy_ops import logprobs as reference
+    num_seqs = 12
+    logits = rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 4
+    logits[2, 10] = logits[2, 500] = logits[2].max() + 1  # a tie at the top
+    logits[5, 7] = np.nan
+    logits[5, 8] = np.nanmax(logits[5]) + 2
+    ops = make_ops(num_seqs, num_seqs, 1, 1, 64, 16)
+    asks = np.array([-1, 3, 20, -1, 0, 5, -1, 1, 2, -1, -1, 7], np.int32)
+    settings = sampling_tensors(num_seqs, temperature=np.where(np.arange(num_seqs) % 2, 0.8, 0.0),
+                                seeds=rng.integers(0, 2**63, num_seqs), steps=1)
+    settings.num_logprobs = asks
+    pending = ops.sample_async(cp.asarray(logits), settings)
+    tokens = pending.get()
+    got = pending.logprobs()
+    rows = np.flatnonzero(asks >= 0)
+    np.testing.assert_array_equal(got.rows, rows)
+    want = reference(logits, tokens, rows, int(asks.max()))
+    for row in rows:
+        k = int(asks[row])
+        token, value, top = got.of_row(int(row), k)
+        want_token, want_value, want_top = want.of_row(int(row), k)
+        assert token == tokens[row] == want_token
+        assert abs(value - want_value) < 1e-4, (row, value, want_value)
+        assert [i for i, _ in top] == [i for i, _ in want_top], row
+        np.testing.assert_allclose([v for _, v in top], [v for _, v in want_top], atol=1e-4)
+    assert got.of_row(2, 2)[2][0][0] == 10 and got.of_row(5, 1)[2][0][0] == 8
+    # a step where no row asks keeps the plain path
+    plain = ops.sample_async(cp.asarray(logits), sampling_tensors(num_seqs))
+    plain.get()
+    assert plain.logprobs() is None
+
+
 def test_seeded_sampling_is_reproducible(cp, rng):
     num_seqs, vocab = 16, 128256
     logits = cp.asarray(rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 3)

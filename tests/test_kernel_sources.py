@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from cupy_llama.backends.cuda import attention, gemm, kernels, sampling
+from cupy_llama import sampling as sampling_params
+from cupy_llama.backends.cuda import attention, gemm, kernels, logprobs, sampling
 from cupy_llama.backends.cuda.kernels import kernel_dir
 
 # launcher constant -> (module, the define it is read from)
@@ -34,7 +35,15 @@ SHARED = {
     (sampling, "THREADS"): ("sampling", "SAMPLE_THREADS"),
     (sampling, "CANDIDATE_CUT"): ("sampling", "CANDIDATE_CUT"),
     (sampling, "SLOT_BYTES"): ("sampling", "SLOT_BYTES"),
+    (logprobs, "THREADS"): ("logprobs", "LOGPROB_THREADS"),
+    (logprobs, "MAX_K"): ("logprobs", "LOGPROB_MAX_K"),
+    (attention, "DECODE_MMA_THREADS"): ("attention", "DECODE_MMA_THREADS"),
+    (attention, "DECODE_MMA_KEYS"): ("attention", "DECODE_MMA_KEYS"),
 }
+
+
+def test_the_api_asks_for_no_more_logprobs_than_the_kernel_gives():
+    assert sampling_params.MAX_LOGPROBS == logprobs.MAX_K
 
 
 def define(module: str, name: str) -> str:

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..base import STEP_ARRAYS, ForwardBatch, SamplingTensors, StepLayout, SublayerOps
+from ..base import STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, launch
+from . import logprobs as logprob_kernels
 from . import sampling as sampling_kernels
 from .device import device_limits, import_cupy
 from .gemm import Products
@@ -95,6 +96,12 @@ class CudaOps(SublayerOps):
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
         self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
         self._turn = 0
+        # log-probabilities of the rows that ask ([R, 1 + k], R <= n), back with the tokens
+        width = n * (1 + logprob_kernels.MAX_K)
+        self._logprob_values = cupy.empty(width, np.float32)
+        self._logprob_ids = cupy.empty(width, np.int32)
+        self._logprobs_host = [(pinned_array(cupy, width, np.float32),
+                                pinned_array(cupy, width, np.int32)) for _ in range(2)]
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
         if workspace is None:
@@ -202,8 +209,11 @@ class CudaOps(SublayerOps):
 
     # the settings buffers: max_num_seqs of each SamplingTensors field, field after field
     # (the 8-byte seeds first, so every field is aligned)
+    # (the 8-byte seeds first, so every field is aligned); logprob_rows: the rows that ask
+    # for log-probabilities, first R entries
     SAMPLING_FIELDS = (("seeds", np.uint64), ("temperature", np.float32), ("top_k", np.int32),
-                       ("top_p", np.float32), ("min_p", np.float32), ("steps", np.int32))
+                       ("top_p", np.float32), ("min_p", np.float32), ("steps", np.int32),
+                       ("logprob_rows", np.int32))
     SAMPLING_BYTES = sum(np.dtype(dtype).itemsize for _, dtype in SAMPLING_FIELDS)  # per sequence
 
     def _sampling_views(self, B: int) -> tuple[dict, dict, Any]:
@@ -232,8 +242,13 @@ class CudaOps(SublayerOps):
         # (PendingTokens), so this hardly ever waits
         self._sampling_copied.synchronize()
         host_views, on_device, tokens = self._sampling_views(B)
+        logprob_rows, k = sampling.logprob_rows()
+        R = logprob_rows.size
         for name, view in host_views.items():
-            view[:] = np.asarray(getattr(sampling, name)).reshape(B)
+            if name == "logprob_rows":
+                view[:R] = logprob_rows
+            else:
+                view[:] = np.asarray(getattr(sampling, name)).reshape(B)
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
@@ -249,14 +264,25 @@ class CudaOps(SublayerOps):
         d = on_device
         sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"], d["min_p"],
                                 d["seeds"], d["steps"], tokens)
+        values = self._logprob_values[:R * (1 + k)].reshape(R, 1 + k)
+        ids = self._logprob_ids[:R * (1 + k)].reshape(R, 1 + k)
+        if R:
+            logprob_kernels.logprobs(logits, d["logprob_rows"][:R], tokens, k, values, ids)
         self._sampled.record(stream)
         # the tokens: copied back while the step stream goes on to the next step
         copy.wait_event(self._sampled)
-        tokens_host, copied = self._tokens_host[self._turn], self._token_copies[self._turn]
-        self._turn ^= 1
+        turn, self._turn = self._turn, self._turn ^ 1
+        tokens_host, copied = self._tokens_host[turn], self._token_copies[turn]
         runtime.memcpyAsync(tokens_host.ctypes.data, tokens.data.ptr, 4 * B, D2H, copy.ptr)
+        logprobs = None
+        if R:  # the same stream, the same turn's buffers: ordered like the tokens
+            values_host, ids_host = self._logprobs_host[turn]
+            for host, device in ((values_host, values), (ids_host, ids)):
+                runtime.memcpyAsync(host.ctypes.data, device.data.ptr, device.nbytes, D2H, copy.ptr)
+            logprobs = (logprob_rows, values_host[:R * (1 + k)].reshape(R, 1 + k),
+                        ids_host[:R * (1 + k)].reshape(R, 1 + k))
         copied.record(copy)
-        return PendingTokens(copied, tokens_host[:B])
+        return PendingTokens(copied, tokens_host[:B], logprobs)
 
 
 def sync_event(cupy):
@@ -269,13 +295,22 @@ class PendingTokens:
     the second sample_async after this one, which fills the buffer and records the event
     again."""
 
-    def __init__(self, copied, host_tokens: np.ndarray):
-        self._copied = copied  # event recorded after the device-to-host copy
+    def __init__(self, copied, host_tokens: np.ndarray, logprobs=None):
+        """logprobs: None, or (rows, values, ids) with values and ids host views being filled."""
+        self._copied = copied  # event recorded after the device-to-host copies
         self._host = host_tokens
-        self._tokens = None
+        self._host_logprobs = logprobs
+        self._tokens = self._logprobs = None
 
     def get(self) -> np.ndarray:
         if self._tokens is None:
             self._copied.synchronize()
             self._tokens = self._host.copy()  # the buffer is reused two steps later
+            if self._host_logprobs is not None:
+                rows, values, ids = self._host_logprobs
+                self._logprobs = Logprobs(rows, ids.copy(), values.copy())
         return self._tokens
+
+    def logprobs(self) -> Logprobs | None:
+        """The log-probabilities of the rows that asked (None where none did); after get()."""
+        return self._logprobs

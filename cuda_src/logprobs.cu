@@ -1,0 +1,96 @@
+// Log-probabilities of the sampled tokens, for the requests that ask: the model's raw
+// log-softmax (before temperature and the filters), of the chosen token and of the k most
+// likely ones. Only the asked-for numbers leave the GPU.
+// Launch: grid (R), block (LOGPROB_THREADS); R rows of the step's logits (rows[r]), the
+// tokens sampling chose for them (tokens[rows[r]]), k <= LOGPROB_MAX_K.
+//
+// One CTA per row: the row's maximum, then log(sum exp(x - max)), then the top k one at a
+// time, each the largest (logit, lower index first) after the one before, so no list of
+// the chosen is kept. NaN logits count as -inf: never chosen, no mass. Output row r:
+// values[r][0] = logprob of the sampled token, values[r][1 + j] = the j-th most likely
+// token's (ids[r][...] alike).
+
+#include "common.cuh"
+
+#define LOGPROB_THREADS 1024
+#define LOGPROB_MAX_K 20
+
+// the larger of two (logit, index) pairs: larger logit, then lower index
+__device__ __forceinline__ void keep_better(float& best, int& best_i, float v, int i) {
+    if (v > best || (v == best && i < best_i)) {
+        best = v;
+        best_i = i;
+    }
+}
+
+// the best pair of the block; every thread gets it. scratch_v / scratch_i hold >= 32
+__device__ __forceinline__ void block_best(float& best, int& best_i, float* scratch_v,
+                                           int* scratch_i) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
+        keep_better(best, best_i, __shfl_xor_sync(FULL_MASK, best, offset),
+                    __shfl_xor_sync(FULL_MASK, best_i, offset));
+    __syncthreads();  // the scratch may still be read by a previous call
+    if (lane == 0) {
+        scratch_v[warp] = best;
+        scratch_i[warp] = best_i;
+    }
+    __syncthreads();
+    const int num_warps = blockDim.x / WARP_SIZE;
+    best = lane < num_warps ? scratch_v[lane] : neg_inf();
+    best_i = lane < num_warps ? scratch_i[lane] : 0x7fffffff;
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
+        keep_better(best, best_i, __shfl_xor_sync(FULL_MASK, best, offset),
+                    __shfl_xor_sync(FULL_MASK, best_i, offset));
+}
+
+__device__ __forceinline__ float finite_or_low(float x) { return x == x ? x : neg_inf(); }
+
+extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
+logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
+                const int* __restrict__ tokens, int k, float* __restrict__ values,
+                int* __restrict__ ids) {
+    __shared__ float scratch_v[WARP_SIZE];
+    __shared__ int scratch_i[WARP_SIZE];
+    __shared__ float sum_scratch[WARP_SIZE];
+    const int row = rows[blockIdx.x];
+    const float* x = logits + (long long)row * vocab;
+
+    float best = neg_inf();
+    int best_i = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS)
+        keep_better(best, best_i, finite_or_low(x[i]), i);
+    block_best(best, best_i, scratch_v, scratch_i);
+    const float max_logit = best;  // -inf only for a row of NaN and -inf: then every value is NaN
+
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS)
+        sum += expf(finite_or_low(x[i]) - max_logit);
+    const float log_total = max_logit + logf(block_sum(sum, sum_scratch));
+
+    float* out_values = values + (long long)blockIdx.x * (k + 1);
+    int* out_ids = ids + (long long)blockIdx.x * (k + 1);
+    if (threadIdx.x == 0) {
+        const int chosen = tokens[row];
+        out_ids[0] = chosen;
+        out_values[0] = finite_or_low(x[chosen]) - log_total;
+    }
+    // the top k: the j-th is the best pair below the (j-1)-th in the (logit, -index) order
+    float prev = __int_as_float(0x7f800000);  // +inf: everything is below it
+    int prev_i = -1;
+    for (int j = 0; j < k; ++j) {
+        best = neg_inf();
+        best_i = 0x7fffffff;
+        for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
+            const float v = finite_or_low(x[i]);
+            if (v < prev || (v == prev && i > prev_i)) keep_better(best, best_i, v, i);
+        }
+        block_best(best, best_i, scratch_v, scratch_i);
+        if (threadIdx.x == 0) {
+            out_ids[1 + j] = best_i < vocab ? best_i : 0;  // fewer than k tokens: id 0, -inf
+            out_values[1 + j] = best_i < vocab ? best - log_total : neg_inf();
+        }
+        prev = best;
+        prev_i = best_i;
+    }
+}
