@@ -40,28 +40,54 @@ def forward_uploaded(backend: Backend, config: ModelConfig, meta):
     """forward() of a step whose metadata is already where the ops read it: `meta` is what
     ops.upload returned (CUDA graphs pass their fixed device buffers); the ops take it as
     it is, and the step's sizes are its num_tokens and num_seqs."""
-    ops, w = backend.ops, backend.weights
     buf = backend.buffers(meta.num_tokens, meta.num_seqs)
-    eps = config.rms_norm_eps
-    scale = config.head_dim ** -0.5
-
-    ops.embedding(meta.token_ids, w["embed"], buf["residual"])  # residual: [T, H] float32
+    embed(backend, meta, buf)
     for i in range(config.num_hidden_layers):
-        k_cache, v_cache = backend.kv_caches[i]
-        layer = f"layers.{i}"
-        # attention: norm, qkv product, RoPE and the cache write (q: [T, nh, d]), then the
-        # output product added straight into the residual stream
-        ops.norm_qkv_rope(buf["residual"], w[f"{layer}.input_norm"], eps, w[f"{layer}.qkv"],
-                          meta, backend.cos_sin, k_cache, v_cache, buf["q"], buf["h"], buf["qkv"])
-        ops.attention(buf["q"], k_cache, v_cache, meta, scale, buf["attn"])  # attn: [T, nh d]
-        ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
-        # MLP: norm, gate/up product and SiLU-and-mul (act: [T, I]), then the down product
-        ops.norm_gate_up_silu(buf["residual"], w[f"{layer}.post_norm"], eps, w[f"{layer}.gate_up"],
-                              buf["act"], buf["h"], buf["gate_up"])
-        ops.linear(buf["act"], w[f"{layer}.down"], buf["residual"], accumulate=True)
-    # only the last token of each sequence needs the final norm and the LM head
+        attention_in(backend, config, meta, buf, i)
+        attention(backend, config, meta, buf, i)
+        attention_out_and_mlp(backend, config, buf, i)
+    return head(backend, config, meta, buf)
+
+
+# The pieces of a step, in order: embed; per layer attention_in, attention,
+# attention_out_and_mlp; head. Only `attention` depends on how the step's tokens split into
+# sequences; the CUDA backend replays the pieces between attentions from CUDA graphs
+# captured per token count (backends/cuda/graphs.py).
+
+def embed(backend: Backend, meta, buf) -> None:
+    backend.ops.embedding(meta.token_ids, backend.weights["embed"], buf["residual"])  # residual: [T, H] float32
+
+
+def attention_in(backend: Backend, config: ModelConfig, meta, buf, i: int) -> None:
+    """Layer i's norm, qkv product, RoPE and cache write: q [T, nh, d]."""
+    w, (k_cache, v_cache) = backend.weights, backend.kv_caches[i]
+    backend.ops.norm_qkv_rope(buf["residual"], w[f"layers.{i}.input_norm"], config.rms_norm_eps,
+                              w[f"layers.{i}.qkv"], meta, backend.cos_sin, k_cache, v_cache,
+                              buf["q"], buf["h"], buf["qkv"])
+
+
+def attention(backend: Backend, config: ModelConfig, meta, buf, i: int) -> None:
+    """Layer i's attention over the paged cache: attn [T, nh * d]."""
+    k_cache, v_cache = backend.kv_caches[i]
+    backend.ops.attention(buf["q"], k_cache, v_cache, meta, config.head_dim ** -0.5, buf["attn"])
+
+
+def attention_out_and_mlp(backend: Backend, config: ModelConfig, buf, i: int) -> None:
+    """Layer i's output product added into the residual stream, then the MLP: norm, gate/up
+    product and SiLU-and-mul (act: [T, I]), and the down product added likewise."""
+    ops, w, layer = backend.ops, backend.weights, f"layers.{i}"
+    ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
+    ops.norm_gate_up_silu(buf["residual"], w[f"{layer}.post_norm"], config.rms_norm_eps,
+                          w[f"{layer}.gate_up"], buf["act"], buf["h"], buf["gate_up"])
+    ops.linear(buf["act"], w[f"{layer}.down"], buf["residual"], accumulate=True)
+
+
+def head(backend: Backend, config: ModelConfig, meta, buf):
+    """Only the last token of each sequence needs the final norm and the LM head: logits
+    [B, V] float32."""
+    ops, w = backend.ops, backend.weights
     ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
     lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
-    ops.norm_linear(buf["last_residual"], w["final_norm"], eps, lm_head, buf["logits"],
-                    buf["last_h"])  # logits: [B, V] float32
+    ops.norm_linear(buf["last_residual"], w["final_norm"], config.rms_norm_eps, lm_head,
+                    buf["logits"], buf["last_h"])
     return buf["logits"]
