@@ -229,12 +229,53 @@ def test_graph_decode_matches_eager(model, rng, skinny):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_step_graphs_match_eager(model, rng):
+    """Prefill chunks and steps mixing them with decode tokens replay their bucket's step
+    graphs (the pieces between attentions, padded to the bucket) with attention run on the
+    step's own sequences: close to the eager pass (other row counts, so other cuBLAS
+    algorithms) and to the CPU reference, and the padding rows write no KV."""
+    import cupy
+    from cupy_llama.model.llama import forward as eager_forward
+    config = model[0]
+    cpu, gpu_backend = make_backends(model)
+    steps = gpu_backend.step_graphs
+    assert steps is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
+    assert steps.num_captured == len(steps.buckets) * (config.num_hidden_layers + 1)
+    lengths = [250, 37, 6, 90, 17]
+    seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in lengths], NUM_KV_BLOCKS, rng)
+    # steps of 3 to 250 tokens (buckets 16 to 256): first chunks, later chunks beside
+    # decode tokens, a whole prompt
+    rounds = [{0: 120, 1: 20}, {2: 3}, {0: 100, 3: 40, 4: 16}, {1: 16, 2: 2, 3: 49},
+              {0: 29, 1: 1, 2: 1, 3: 1, 4: 1}]
+    for counts in rounds:
+        assert all(seqs.computed[b] + n < len(seqs.tokens[b]) + 1 for b, n in counts.items())
+        batch = seqs.batch(counts)
+        assert steps.can_run(batch), counts
+        expected = cpu.forward(config, batch)
+        replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
+        eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
+        what = f"step of {batch.num_tokens} tokens in {batch.num_seqs} sequences"
+        assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: step graphs vs eager")
+        assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: step graphs vs CPU")
+        seqs.advance(counts, np.argmax(expected, axis=-1))
+    kv = cupy.asnumpy(gpu_backend._kv)
+    touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
+    expected_touched = np.zeros(touched.shape, bool)
+    expected_touched[sorted(seqs.written_slots())] = True
+    stray = np.flatnonzero(touched & ~expected_touched)
+    assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
+    assert touched[expected_touched].all(), "a token's K/V never reached the cache"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_enforce_eager(model, rng):
     import cupy
     from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     cpu, gpu_backend = make_backends(model, enforce_eager=True)
     assert gpu_backend.graphs is None and gpu_backend.graphs_off_reason == "enforce_eager=True"
+    assert gpu_backend.step_graphs is None
     seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in (40, 300, 3)], NUM_KV_BLOCKS, rng)
     prefill(cpu, gpu_backend, config, seqs)
     for _ in range(3):

@@ -258,3 +258,40 @@ def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fak
     assert fake.log == staged(2) + staged(1)
     decode._stage(None, 2)  # all padding: no table rows copied
     assert fake.log[-4:] == staged(0)
+
+
+# ---- StepGraphs._stage -------------------------------------------------------------------
+def test_step_graph_stage_pads_the_tokens_and_copies_the_sequences_rows(fake):
+    width = 5
+    backend = types.SimpleNamespace(max_num_tokens=40, max_num_seqs=4,
+                                    ops=types.SimpleNamespace(max_blocks_per_seq=width))
+    steps = graphs.StepGraphs(backend)
+    assert steps.buckets == [16, 32, 40]
+    fake.name(steps._host, "meta_host")
+    fake.name(steps._device, "meta_device")
+    steps._copied.name = "copied"
+    # two sequences: a 3-token prefill chunk after 4 cached tokens, and a decode token
+    batch = ForwardBatch(token_ids=np.array([7, 8, 9, 5], np.int32),
+                         positions=np.array([4, 5, 6, 20], np.int32),
+                         slot_mapping=np.array([44, 45, 46, 120], np.int32),
+                         query_start_loc=np.array([0, 3, 4], np.int32),
+                         seq_lens=np.array([7, 21], np.int32),
+                         block_tables=np.array([[2, -1], [6, 7]], np.int32),
+                         max_query_len=3, max_seq_len=21)
+    assert steps.can_run(batch) and steps.bucket_for(batch.num_tokens) == 16
+    steps._stage(batch, 16)
+    view = lambda name, rows: steps.layout.view(steps._host, name, rows)
+    assert view("token_ids", 16).tolist() == [7, 8, 9, 5] + [0] * 12
+    assert view("positions", 16).tolist() == [4, 5, 6, 20] + [0] * 12
+    assert view("slot_mapping", 16).tolist() == [44, 45, 46, 120] + [-1] * 12  # no KV write
+    assert view("query_start_loc", 2).tolist() == [0, 3, 4]
+    assert view("seq_lens", 2).tolist() == [7, 21] and view("last_token_indices", 2).tolist() == [2, 3]
+    assert view("block_tables", 2)[:, :2].tolist() == [[2, -1], [6, 7]]
+    nbytes = 4 * (steps.layout.offsets["block_tables"] + 2 * width)
+    assert fake.log[-2:] == [Op("step", "H2D", ("meta_host", "meta_device", nbytes)),
+                             Op("step", "record", "copied")]
+    decode = ForwardBatch(token_ids=np.array([1], np.int32), positions=np.array([3], np.int32),
+                          slot_mapping=np.array([3], np.int32),
+                          query_start_loc=np.array([0, 1], np.int32), seq_lens=np.array([4], np.int32),
+                          block_tables=np.array([[0]], np.int32), max_query_len=1, max_seq_len=4)
+    assert not steps.can_run(decode)  # the decode graphs' step

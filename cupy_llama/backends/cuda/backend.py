@@ -157,24 +157,27 @@ class CudaBackend:
 
         # CUDA graphs for decode steps (docs/ARCHITECTURE.md, Decisions 8), captured now so the first
         # steps run at full speed; a capture failure leaves the engine eager, with a warning
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         self.graphs_off_reason = "enforce_eager=True" if enforce_eager else None
         if not enforce_eager:
             self.enable_graphs()
 
     def enable_graphs(self) -> bool:
-        """Capture decode graphs for every batch-size bucket; False (and a logged reason)
-        where capturing fails."""
-        from .graphs import DecodeGraphs
+        """Capture decode graphs for every batch-size bucket and step graphs for every
+        token-count bucket; False (and a logged reason) where capturing fails."""
+        from .graphs import DecodeGraphs, StepGraphs
         try:
             graphs = DecodeGraphs(self, log=self._log)
             graphs.capture_all(self.config)
+            step_graphs = StepGraphs(self, log=self._log)
+            step_graphs.capture_all(self.config)
         except Exception as e:  # NotImplementedError, CUDARuntimeError, RuntimeError
             first_line = (str(e).strip().splitlines() or [""])[0]
-            self.graphs, self.graphs_off_reason = None, f"{type(e).__name__}: {first_line}"
-            self._log(f"warning: CUDA graphs are off, decode runs eagerly ({self.graphs_off_reason})")
+            self.graphs = self.step_graphs = None
+            self.graphs_off_reason = f"{type(e).__name__}: {first_line}"
+            self._log(f"warning: CUDA graphs are off, steps run eagerly ({self.graphs_off_reason})")
             return False
-        self.graphs, self.graphs_off_reason = graphs, None
+        self.graphs, self.step_graphs, self.graphs_off_reason = graphs, step_graphs, None
         return True
 
     def use_switches(self, switches: KernelSwitches) -> None:
@@ -189,7 +192,7 @@ class CudaBackend:
                            head_dim=self.config.head_dim, max_model_len=self.max_model_len,
                            workspace=(old._partial_out, old._partial_lse), switches=switches)
         if self.graphs is not None:
-            self.graphs = None
+            self.graphs = self.step_graphs = None
             self.enable_graphs()
 
     def close(self) -> None:
@@ -199,16 +202,20 @@ class CudaBackend:
             return
         self._cupy.cuda.get_current_stream().synchronize()
         self._closed = True
-        for name in ("graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
+        for name in ("graphs", "step_graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
                      "_buffer_views", "cos_sin"):
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
     def forward(self, config: ModelConfig, batch):
-        """One step (model/llama.py): decode batches replay a CUDA graph when graphs are
-        on, everything else runs eagerly. Returns logits [B, V] float32 (a pool view)."""
+        """One step (model/llama.py): decode batches replay a decode graph, other steps of
+        up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with attention in
+        between, when graphs are on; everything else runs eagerly. Returns logits [B, V]
+        float32 (a pool view)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(config, batch)
+        if self.step_graphs is not None and self.step_graphs.can_run(batch):
+            return self.step_graphs.run(config, batch)
         return llama_forward(self, config, batch)
 
     def _allocate(self, nbytes: int, what: str):
@@ -290,8 +297,9 @@ class CudaBackend:
             rows.append(("pool: " + "/".join(region.names), region.nbytes, note))
         if getattr(self, "graphs", None) is not None:
             from .gemm import WORKSPACE_BYTES
-            rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes),
-                         f"fixed step inputs of {self.graphs.max_bucket} sequences, int32"))
+            rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes + self.step_graphs.metadata_bytes),
+                         f"fixed step inputs of {self.graphs.max_bucket} sequences and of "
+                         f"{self.step_graphs.max_tokens} tokens, int32"))
             rows.append(("cuBLAS workspace", WORKSPACE_BYTES, "fixed, so captured products never allocate"))
         rows.append(("KV cache", self.num_kv_blocks * self.kv_bytes_per_block,
                      f"{self.num_kv_blocks} blocks x {self.block_size} tokens = "

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from ...model import llama
 from ...model.llama import forward_uploaded
 from ..base import ForwardBatch, StepLayout
 from .attention import cluster_max_keys
@@ -217,3 +218,172 @@ class DecodeGraphs:
     @property
     def num_captured(self) -> int:
         return len(self._graphs)
+
+
+# ============================================================ steps of many tokens
+# Token counts the step graphs are captured for: steps of up to 16 tokens run the fused
+# skinny kernels, larger ones cuBLAS and the small kernels; past 256 tokens the buckets are
+# at most 1.5 times apart, so padding costs little where the products take long.
+STEP_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+# what a padding row of such a step holds: token 0 at position 0, KV slot -1 (nothing is
+# written); the other arrays are the step's own (attention reads only its sequences' rows)
+STEP_PADDING = {"token_ids": 0, "positions": 0, "slot_mapping": -1}
+
+
+def step_buckets(max_num_tokens: int) -> list[int]:
+    """STEP_BUCKETS up to max_num_tokens (and max_num_tokens itself below the largest)."""
+    largest = min(max_num_tokens, STEP_BUCKETS[-1])
+    return [b for b in STEP_BUCKETS if b < largest] + [largest]
+
+
+class StepGraphs:
+    """CUDA graphs for the steps decode graphs do not take: prefill chunks and steps that
+    mix them with decode tokens, of up to STEP_BUCKETS[-1] tokens (docs/ARCHITECTURE.md,
+    Decisions 8). Only attention depends on how a step's tokens split into sequences, so
+    each piece of the forward pass between two attentions (model/llama.py: embed and layer
+    0's attention_in; layer i's attention_out_and_mlp and layer i + 1's attention_in; the
+    last layer's attention_out_and_mlp) is captured once per bucket of token counts; a step
+    replays them, padded to its bucket (STEP_PADDING), with attention and the LM head run
+    eagerly on its own sequences in between. That is 17 graph launches and 16 attention
+    launches in place of about 150 kernel launches from Python."""
+
+    def __init__(self, backend, log=None):
+        import cupy
+        self._cupy = cupy
+        self._backend = backend
+        self._log = log or (lambda message: None)
+        self.buckets = step_buckets(backend.max_num_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.width = backend.ops.max_blocks_per_seq
+        self.layout = StepLayout(self.max_tokens, backend.max_num_seqs, self.width)
+        assert list(self.layout.shapes)[-1] == "block_tables"  # see _stage
+        self._host = pinned_array(cupy, self.layout.size, np.int32)
+        self._device = cupy.zeros(self.layout.size, np.int32)
+        self._copied = sync_event(cupy)
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        self._graphs = {}  # bucket -> the graphs of its pieces, in order
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (not batch.is_decode_only and 0 < batch.num_tokens <= self.max_tokens
+                and batch.num_seqs <= self._backend.max_num_seqs
+                and batch.block_tables.ndim == 2 and batch.block_tables.shape[1] <= self.width)
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return next(b for b in self.buckets if b >= num_tokens)
+
+    def _view(self, name: str, rows: int):
+        return self.layout.view(self._device, name, rows)
+
+    def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
+        """Write the batch's arrays to the host buffer, its token arrays padded to `bucket`
+        rows, and copy them to the device on the current stream (batch None: all padding)."""
+        self._copied.synchronize()  # the previous copy has read the host buffer
+        layout, host = self.layout, self._host
+        num_tokens = 0 if batch is None else batch.num_tokens
+        for name, pad in STEP_PADDING.items():
+            field = layout.view(host, name, bucket)
+            if batch is not None:
+                field[:num_tokens] = getattr(batch, name)
+            field[num_tokens:] = pad
+        num_seqs = 0
+        if batch is not None:
+            num_seqs = batch.num_seqs
+            for name in ("query_start_loc", "seq_lens", "last_token_indices"):
+                layout.view(host, name, num_seqs)[:] = getattr(batch, name)
+            layout.view(host, "block_tables", num_seqs)[:, :batch.width] = batch.block_tables
+        nbytes = 4 * (layout.offsets["block_tables"] + num_seqs * self.width)
+        stream = self._cupy.cuda.get_current_stream()
+        self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, nbytes,
+                                            H2D, stream.ptr)
+        self._copied.record(stream)
+
+    def _pieces_batch(self, bucket: int) -> DeviceBatch:
+        """What the captured pieces read: the token arrays of `bucket` rows."""
+        return DeviceBatch({name: self._view(name, bucket if name in STEP_PADDING else 1)
+                            for name in self.layout.shapes},
+                           num_tokens=bucket, num_seqs=1, max_query_len=bucket,
+                           max_seq_len=bucket, is_decode_only=False)
+
+    def _pieces(self, config, meta, buf) -> list:
+        backend, last = self._backend, config.num_hidden_layers - 1
+
+        def first():
+            llama.embed(backend, meta, buf)
+            llama.attention_in(backend, config, meta, buf, 0)
+
+        def between(i):
+            llama.attention_out_and_mlp(backend, config, buf, i)
+            llama.attention_in(backend, config, meta, buf, i + 1)
+
+        return ([first] + [lambda i=i: between(i) for i in range(last)]
+                + [lambda: llama.attention_out_and_mlp(backend, config, buf, last)])
+
+    def capture(self, config, bucket: int) -> list:
+        """Capture the pieces of one bucket (run once first on all-padding metadata, so
+        every kernel is compiled and every cuBLAS algorithm chosen, and no KV slot is
+        touched)."""
+        cupy = self._cupy
+        caller = cupy.cuda.get_current_stream()
+        stream = self._capture_stream
+        stream.wait_event(caller.record())
+        meta, buf = self._pieces_batch(bucket), self._backend.buffers(bucket, 1)
+        pieces, graphs = self._pieces(config, meta, buf), []
+        with stream:
+            self._stage(None, bucket)
+            for piece in pieces:  # warm-up, not captured
+                piece()
+            stream.synchronize()
+            for piece in pieces:
+                stream.begin_capture()
+                try:
+                    piece()
+                except BaseException:
+                    try:
+                        stream.end_capture()
+                    except Exception:
+                        pass  # the capture was already invalid; report the first error
+                    raise
+                graphs.append(stream.end_capture())
+        caller.wait_event(stream.record())
+        self._graphs[bucket] = graphs
+        return graphs
+
+    def capture_all(self, config) -> None:
+        started = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket not in self._graphs:
+                self.capture(config, bucket)
+        self._log(f"CUDA graphs: captured the pieces between attentions for steps of up to "
+                  f"{', '.join(map(str, self.buckets))} tokens in "
+                  f"{time.perf_counter() - started:.2f} s")
+
+    def run(self, config, batch: ForwardBatch):
+        """Logits [B, V] float32 of a prefill or mixed step (a view of the pool)."""
+        if not self.can_run(batch):
+            raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
+                             f"sequences is not a step of at most {self.max_tokens} tokens "
+                             "with a prefill in it")
+        bucket = self.bucket_for(batch.num_tokens)
+        graphs = self._graphs.get(bucket) or self.capture(config, bucket)
+        self._stage(batch, bucket)
+        B = batch.num_seqs
+        meta = DeviceBatch(
+            {name: self._view(name, batch.num_tokens if name in STEP_PADDING else B)
+             for name in self.layout.shapes},
+            num_tokens=batch.num_tokens, num_seqs=B, max_query_len=int(batch.max_query_len),
+            max_seq_len=int(batch.max_seq_len), is_decode_only=False)
+        buf = self._backend.buffers(bucket, B)
+        stream = self._cupy.cuda.get_current_stream()
+        graphs[0].launch(stream)
+        for i in range(config.num_hidden_layers):
+            llama.attention(self._backend, config, meta, buf, i)
+            graphs[i + 1].launch(stream)
+        return llama.head(self._backend, config, meta, buf)
+
+    @property
+    def metadata_bytes(self) -> int:
+        return int(self._device.nbytes)
+
+    @property
+    def num_captured(self) -> int:
+        return sum(len(graphs) for graphs in self._graphs.values())
