@@ -53,7 +53,8 @@ class ForwardBatch:
     token_ids: np.ndarray        # [T] int32, the new tokens of all sequences, concatenated;
                                  # -(r + 1): the token sampled for row r of the previous step
     positions: np.ndarray        # [T] int32, position of each token in its sequence
-    slot_mapping: np.ndarray     # [T] int32, flat KV slot each token's K/V are written to
+    slot_mapping: np.ndarray     # [T] int32, flat KV slot each token's K/V are written to;
+                                 # -1: not written (they are in a shared cached block already)
     query_start_loc: np.ndarray  # [B+1] int32, prefix sums of new tokens per sequence
     seq_lens: np.ndarray         # [B] int32, context length after this step's tokens
     block_tables: np.ndarray     # [B, max_blocks_per_seq] int32, unused entries -1

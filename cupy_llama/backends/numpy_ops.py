@@ -51,9 +51,10 @@ class NumpyOps(SublayerOps):
         cos, sin = table[:, None, :half], table[:, None, half:]  # [T, 1, d/2]
         q_out[...] = rotate(q, cos, sin)
         block_size = k_cache.shape[1]
-        blocks, rows = np.divmod(meta.slot_mapping, block_size)
-        k_cache[blocks, rows] = rotate(k, cos, sin)
-        v_cache[blocks, rows] = v
+        written = meta.slot_mapping >= 0  # slot -1: the token's K/V are in the cache already
+        blocks, rows = np.divmod(meta.slot_mapping[written], block_size)
+        k_cache[blocks, rows] = rotate(k[written], cos[written], sin[written])
+        v_cache[blocks, rows] = v[written]
 
     def attention(self, q, k_cache, v_cache, meta, scale, out):
         num_heads, head_dim = q.shape[1], q.shape[2]
