@@ -260,6 +260,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: sized from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False       # turn CUDA graphs off
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts seen before
 
     def __post_init__(self):
         # Python or NumPy numbers (never bools), stored as Python ones
@@ -275,10 +276,11 @@ class EngineConfig:
         if not _is_number(utilization, numbers.Real) or not 0 < utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         object.__setattr__(self, "gpu_memory_utilization", float(utilization))
-        eager = as_flag(self.enforce_eager)
-        if eager is None:
-            raise ConfigError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        object.__setattr__(self, "enforce_eager", eager)
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            flag = as_flag(getattr(self, name))
+            if flag is None:
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, flag)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

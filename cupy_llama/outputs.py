@@ -22,6 +22,7 @@ class RequestOutput:
     finish_reason: str | None = None                     # "stop", "length", "abort" or None
     delta: str = ""            # text added since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # one per token of token_ids where the request asked (SamplingParams.logprobs), else None;
     # the delta's are the last len(delta_token_ids)
     logprobs: list[TokenLogprob] | None = None

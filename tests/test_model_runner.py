@@ -2,8 +2,9 @@
 
 The runner keeps block tables and sampling settings in per-slot rows across steps and
 copies only what changed; these tests drive a scheduler through admissions, preemptions,
-finishes and aborts (so slots and blocks are reused) and compare every step's
-ForwardBatch and SamplingTensors with what a from-scratch rebuild gives."""
+finishes and aborts (so slots and blocks are reused) and prefix-cache hits (so blocks are
+shared), and compare every step's ForwardBatch and SamplingTensors with what a
+from-scratch rebuild gives."""
 import random
 from types import SimpleNamespace
 
@@ -27,7 +28,10 @@ def reference_batch(batch, block_size: int) -> ForwardBatch:
         start, table = seq.num_computed_tokens, seq.block_table
         token_ids += seq.token_ids[start:start + n]
         positions += range(start, start + n)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        # a position in the shared blocks the sequence reused is never written (slot -1)
+        slots += [-1 if p < seq.num_reused_tokens else
+                  table[p // block_size] * block_size + p % block_size
+                  for p in range(start, start + n)]
         seq_lens.append(start + n)
         query_start_loc.append(query_start_loc[-1] + n)
         block_tables[b, :len(table)] = table
@@ -80,14 +84,15 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
     scheduler = Scheduler(blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=rng.randint(max_num_seqs, 64), max_model_len=200)
     runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
-    live, next_id, steps = {}, 0, 0
+    live, next_id, steps, reused = {}, 0, 0, 0
+    shared_prefix = [rng.randrange(1000) for _ in range(40)]
     for _ in range(300):
         if rng.random() < 0.3:
-            prompt_len = rng.randint(1, 40)
-            if blocks.blocks_needed(prompt_len + 1) <= blocks.num_blocks:
+            prompt = shared_prefix[:rng.randint(0, 40)] + [rng.randrange(1000) for _ in
+                                                          range(rng.randint(0, 12))] or [1]
+            if blocks.blocks_needed(len(prompt) + 1) <= blocks.num_blocks:
                 params, request_seed = random_params(rng)
-                seq = Sequence(str(next_id), [rng.randrange(1000) for _ in range(prompt_len)],
-                               params, request_seed, next_id)
+                seq = Sequence(str(next_id), prompt, params, request_seed, next_id)
                 scheduler.add(seq)
                 live[seq.request_id] = seq
                 next_id += 1
@@ -102,6 +107,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
         if not batch:
             continue
         steps += 1
+        reused += sum(1 for seq in batch.seqs if seq.num_reused_tokens)
         assert_same_fields(runner.build_batch(batch), reference_batch(batch, block_size),
                            FORWARD_FIELDS)
         assert_same_fields(runner.sampling_tensors(batch), reference_sampling(batch),
@@ -111,7 +117,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= blocks.num_blocks * block_size:
                 scheduler.finish(live.pop(seq.request_id), SequenceStatus.FINISHED_LENGTH)
-    assert steps > 50
+    assert steps > 50 and reused > 0
 
 
 def test_a_preempted_sequence_gets_its_new_blocks():

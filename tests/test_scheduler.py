@@ -1,8 +1,15 @@
-"""Block manager and scheduler without a model: steps are simulated by appending fake tokens.
+"""Block manager and scheduler without a model: steps are simulated with fake tokens.
 
-The state machine adds, steps, aborts and finishes requests at random and checks the block
-accounting after every step; at the end it drains the queue and checks that every block
-came back.
+The simulation drives the scheduler as LLMEngine does, steps pipelined one deep: a sampled
+token is a placeholder until the next step has been launched. It keeps a shadow record of
+the K/V each block holds (which token ids each slot was computed from) to check that a
+sequence only ever reads K/V of its own tokens, that no shared or cached block is ever
+written, and that every cached block holds what its hash says.
+
+The state machine adds requests (some sharing prefixes), steps,
+aborts and finishes them at random, and drops the prefix cache now and then; it checks the
+block accounting and the cache after every rule; at the end it drains the queue and checks
+that every block came back.
 """
 import subprocess
 import sys
@@ -11,25 +18,39 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cupy_llama.engine.block_manager import BlockManager
+from cupy_llama.engine.block_manager import ROOT_HASH, BlockManager, block_hash
 from cupy_llama.engine.scheduler import Scheduler
 from cupy_llama.engine.sequence import Sequence, SequenceStatus
 from cupy_llama.errors import RequestError
 from cupy_llama.sampling import SamplingParams
 
-FAKE_TOKEN = 7
+
+def make_seq(request_id, prompt, max_tokens):
+    if isinstance(prompt, int):  # a prompt of that many tokens, its own
+        prompt = [1000 + sum(map(ord, str(request_id))) + i for i in range(prompt)]
+    return Sequence(str(request_id), prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
+                    seed=0, arrival=0)
 
 
-def make_seq(request_id, prompt_len, max_tokens, arrival=0):
-    return Sequence(str(request_id), [FAKE_TOKEN] * prompt_len,
-                    SamplingParams(temperature=0, max_tokens=max_tokens), seed=0, arrival=arrival)
+def sampled_token(seq, index):
+    """The fake token a sequence samples as its index-th output: the same for the same
+    request content, so equal prompts also share generated blocks."""
+    return 1 + (len(seq.prompt_token_ids) + index * index) % 3
+
+
+def chain_hashes(token_ids, block_size):
+    hashes = [ROOT_HASH]
+    for i in range(len(token_ids) // block_size):
+        hashes.append(block_hash(hashes[-1], token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes[1:]
 
 
 class Simulation:
     """Drives a Scheduler the way LLMEngine does, with fake sampled tokens."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len):
-        self.blocks = BlockManager(num_blocks, block_size)
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+                 enable_caching=True):
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=enable_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len)
@@ -37,6 +58,11 @@ class Simulation:
         self.context_limit = min(max_model_len, num_blocks * block_size)
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
+        self.coming: list[tuple[Sequence, int]] = []  # placeholders of the latest step
+        # the K/V of each slot: (the sequence, the position) they were computed for; the
+        # tokens they stand for are that sequence's token_ids[:position + 1]
+        self.shadow = [[None] * block_size for _ in range(num_blocks)]
+        self.num_prompt_tokens_computed: dict[str, int] = {}
 
     def add(self, seq):
         self.scheduler.add(seq)
@@ -47,41 +73,78 @@ class Simulation:
         self.queue_after_schedule = (len(self.scheduler.running), len(self.scheduler.waiting))
         self.check_batch(batch)
         # a row wants a sampled token when this step brings its last known token in
-        wanted = [(row, id(seq)) for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+        wanted = [(row, id(seq))
+                  for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                   if seq.num_computed_tokens + n == seq.num_tokens]
         sampled = self.scheduler.update_after_step(batch)
         assert [(row, id(seq)) for row, seq in sampled] == wanted
-        for _, seq in sampled:
-            seq.output_token_ids.append(FAKE_TOKEN)
+        coming = []
+        for row, seq in sampled:
+            seq.output_token_ids.append(-(row + 1))  # known once the next step is launched
+            coming.append((seq, len(seq.output_token_ids) - 1))
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= self.context_limit:
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                # known at launch: the tokens still coming are kept (they arrive below)
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH, drop_coming=False)
+        # the previous step's tokens arrive (LLMEngine.step: launch k, then read k - 1)
+        for seq, index in self.coming:
+            if index < len(seq.output_token_ids):
+                seq.output_token_ids[index] = sampled_token(seq, index)
+        self.coming = coming
         return batch
 
-    def finish(self, seq, status):
+    def finish(self, seq, status, drop_coming=True):
         self.scheduler.finish(seq, status)
+        if drop_coming:
+            self.drop_unknown_tokens(seq)
         del self.live[seq.request_id]
         self.finished.append(seq)
 
+    @staticmethod
+    def drop_unknown_tokens(seq):
+        """A sequence that stops (or is aborted) drops the tokens still coming."""
+        while seq.output_token_ids and seq.output_token_ids[-1] < 0:
+            seq.output_token_ids.pop()
+
     def check_batch(self, batch):
-        s = self.scheduler
+        s, blocks = self.scheduler, self.blocks
         assert batch.num_tokens <= s.max_num_batched_tokens
         assert len(s.running) <= s.max_num_seqs
         assert len({id(seq) for seq in batch.seqs}) == len(batch.seqs), "a sequence twice in a step"
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert n >= 1 and seq in s.running
-            assert seq.num_computed_tokens + n <= seq.num_tokens
+            start = seq.num_computed_tokens
+            assert start + n <= seq.num_tokens
             # the block table covers every token this step writes
-            assert len(seq.block_table) * self.blocks.block_size >= seq.num_computed_tokens + n
+            assert len(seq.block_table) * blocks.block_size >= start + n
+            # reused K/V are never written: only a fully cached prompt's last token is
+            # computed inside its reused blocks (for its logits)
+            assert start >= seq.num_reused_tokens or start == seq.num_tokens - 1 == \
+                seq.num_reused_tokens - 1
+            if start < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed[seq.request_id] = \
+                    self.num_prompt_tokens_computed.get(seq.request_id, 0) + \
+                    min(start + n, seq.num_prompt_tokens) - start
+            for position in range(max(start, seq.num_reused_tokens), start + n):
+                block = seq.block_table[position // blocks.block_size]
+                assert blocks.ref_counts[block] == 1 and blocks.hash_of[block] is None, \
+                    f"{seq} writes block {block}, which is shared or cached"
+                self.shadow[block][position % blocks.block_size] = (seq, position)
+
+    def kv_tokens(self, block, row):
+        """The token ids the K/V in a slot were computed from (None: never written)."""
+        entry = self.shadow[block][row]
+        if entry is None:
+            return None
+        seq, position = entry
+        return tuple(seq.token_ids[:position + 1])
 
     def check_blocks(self):
         blocks = self.blocks
-        live = list(self.live.values())
-        blocks.check_invariants(live)
-        used = sum(len(seq.block_table) for seq in live)
-        assert blocks.num_free_blocks + used == blocks.num_blocks
-        owners = [b for seq in live for b in seq.block_table]
-        assert len(owners) == len(set(owners)), "a block is owned twice"
+        holders = [seq for seq in self.live.values() if seq.block_table]
+        blocks.check_invariants(holders)
+        used = {b for seq in holders for b in seq.block_table}
+        assert blocks.num_free_blocks + len(used) == blocks.num_blocks
         for seq in self.scheduler.waiting:
             assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.slot is None
         for seq in self.finished:
@@ -91,8 +154,24 @@ class Simulation:
         slots = [seq.slot for seq in s.running]
         assert len(set(slots)) == len(slots) and all(0 <= slot < s.max_num_seqs for slot in slots)
         assert sorted(slots + s.free_slots) == list(range(s.max_num_seqs))
-        assert set(self.live) == {s.request_id for s in self.scheduler.running} | \
-            {s.request_id for s in self.scheduler.waiting}
+        assert set(self.live) == {q.request_id for q in s.running} | \
+            {q.request_id for q in s.waiting}
+        # a running sequence reads, at every computed position, K/V of its own tokens
+        bs = blocks.block_size
+        for seq in s.running:
+            tokens = seq.token_ids
+            for position in range(seq.num_computed_tokens):
+                got = self.kv_tokens(seq.block_table[position // bs], position % bs)
+                assert got == tuple(tokens[:position + 1]), \
+                    f"{seq} position {position}: K/V of other tokens"
+        # every cached block holds the K/V its hash names: a run of full, known tokens
+        for digest, block in blocks.cached.items():
+            contents = [self.kv_tokens(block, row) for row in range(bs)]
+            assert all(c is not None for c in contents), f"cached block {block} is not full"
+            tokens = contents[-1]
+            assert len(tokens) % bs == 0 and min(tokens) >= 0
+            assert contents == [tokens[:len(tokens) - bs + row + 1] for row in range(bs)]
+            assert chain_hashes(list(tokens), bs)[-1] == digest, f"cached block {block}: wrong hash"
 
     def drain(self, max_steps=20_000):
         for _ in range(max_steps):
@@ -104,25 +183,32 @@ class Simulation:
         raise AssertionError("the queue did not drain")
 
 
+# prompts share prefixes of these (token ids from a small alphabet, so contents repeat)
+SHARED_PREFIXES = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1] * 3, [2] * 40, [3, 1] * 20]
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]),
                 max_num_seqs=st.integers(1, 6), budget=st.integers(1, 48),
-                max_model_len=st.integers(2, 96))
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, max_model_len):
-        self.sim = Simulation(num_blocks, block_size, max_num_seqs, budget, max_model_len)
+                max_model_len=st.integers(2, 96), enable_caching=st.booleans())
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, max_model_len, enable_caching):
+        self.sim = Simulation(num_blocks, block_size, max_num_seqs, budget, max_model_len,
+                              enable_caching)
         self.next_id = 0
 
-    @rule(prompt_len=st.integers(1, 60), max_tokens=st.integers(1, 40))
-    def add(self, prompt_len, max_tokens):
-        seq = make_seq(self.next_id, prompt_len, max_tokens, arrival=self.next_id)
+    @rule(prefix=st.sampled_from(range(len(SHARED_PREFIXES))), shared=st.integers(0, 40),
+          tail=st.lists(st.integers(1, 3), max_size=30), max_tokens=st.integers(1, 40))
+    def add(self, prefix, shared, tail, max_tokens):
+        prompt = SHARED_PREFIXES[prefix][:shared] + tail or [1]
+        seq = make_seq(self.next_id, prompt, max_tokens)
         self.next_id += 1
         sim = self.sim
-        fits = prompt_len < sim.scheduler.max_model_len and \
-            sim.blocks.blocks_needed(prompt_len + 1) <= sim.blocks.num_blocks
+        fits = 0 < len(prompt) < sim.scheduler.max_model_len and \
+            sim.blocks.blocks_needed(len(prompt) + 1) <= sim.blocks.num_blocks
         if fits:
             sim.add(seq)
         else:
-            with pytest.raises(RequestError, match=str(prompt_len)):
+            with pytest.raises(RequestError, match=str(len(prompt))):
                 sim.add(seq)
 
     @rule()
@@ -135,6 +221,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.sim.live)))
         seq = self.sim.scheduler.abort(request_id)
         assert seq is not None and seq.status is SequenceStatus.FINISHED_ABORTED
+        self.sim.drop_unknown_tokens(seq)
         del self.sim.live[request_id]
         self.sim.finished.append(seq)
 
@@ -144,6 +231,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A stop string or EOS ends a running sequence between steps."""
         seq = data.draw(st.sampled_from(self.sim.scheduler.running))
         self.sim.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    @rule(enable=st.booleans())
+    def reset_prefix_cache(self, enable):
+        """Drop the cache (as `bench prefix` does between its runs) and turn it on or off."""
+        self.sim.blocks.reset_prefix_cache()
+        self.sim.blocks.enable_caching = enable
 
     @invariant()
     def blocks_add_up(self):
@@ -223,6 +316,46 @@ def test_chunked_prefill_respects_the_token_budget():
     sim.add(make_seq("a", 25, 2))
     sizes = [sim.step().num_new_tokens for _ in range(3)]
     assert sizes == [[10], [10], [5]]
+
+
+def test_a_prompt_prefills_from_its_first_uncached_token():
+    sim = Simulation(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     max_model_len=64)
+    first = make_seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 3)
+    sim.add(first)
+    sim.step()
+    second = make_seq("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12], 3)
+    sim.add(second)
+    batch = sim.step()
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [1, 3]
+    assert second.block_table[:2] == first.block_table[:2]  # shared, a reference each
+    assert [sim.blocks.ref_counts[b] for b in second.block_table] == [2, 2, 1]
+    assert second.num_cached_tokens == second.num_reused_tokens == 8
+    sim.drain()
+    assert sim.num_prompt_tokens_computed == {"a": 10, "b": 3}
+
+
+def test_admission_counts_the_cached_blocks_it_takes():
+    """A waiting prompt's cached blocks that no one holds come out of the free ones: it
+    waits until a fresh block is free as well."""
+    sim = Simulation(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                     max_model_len=64)
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    sim.add(make_seq("a", shared, 1))
+    sim.drain()  # its 2 full blocks stay cached
+    assert len(sim.blocks.cached) == 2 and sim.blocks.num_free_blocks == 6
+    sim.add(make_seq("b", 14, 20))
+    sim.step()  # b takes the 4 blocks that cache nothing
+    sim.add(make_seq("c", shared + [9, 10], 5))  # 2 cached blocks and 1 fresh one
+    sim.step()
+    assert [seq.request_id for seq in sim.scheduler.waiting] == ["c"]
+    assert len(sim.blocks.cached_free) == 2 and sim.blocks.num_free_blocks == 2  # a's
+    sim.scheduler.abort("b")
+    del sim.live["b"]
+    sim.step()
+    [c] = sim.scheduler.running
+    assert c.request_id == "c" and c.num_cached_tokens == 8
+    sim.drain()
 
 
 def test_scheduling_code_imports_no_numpy():

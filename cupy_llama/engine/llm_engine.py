@@ -81,6 +81,7 @@ class _Request:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=token_ids, text=self.text[:visible],
             finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
+            num_cached_tokens=max(0, seq.num_cached_tokens),
             logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)])
 
 
@@ -89,7 +90,8 @@ class LLMEngine:
                  max_model_len: int):
         self.config = model_config
         self.tokenizer = tokenizer
-        self.blocks = BlockManager(backend.num_kv_blocks, backend.block_size)
+        self.blocks = BlockManager(backend.num_kv_blocks, backend.block_size,
+                                   enable_caching=engine_config.enable_prefix_caching)
         # a sequence stops at the context limit or when it would fill the whole KV cache
         self.max_model_len = min(max_model_len, backend.num_kv_blocks * backend.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=engine_config.max_num_seqs,

@@ -95,11 +95,17 @@ class ModelRunner:
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         slots = self.slots
-        token_ids, starts, rows = [], [], []
+        token_ids, starts, rows, unwritten = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if not slots.block_table_is_current(seq):
                 slots.update_block_table(seq)
             start = seq.num_computed_tokens
+            if start < seq.num_reused_tokens:
+                # a prompt whose blocks all came from the prefix cache computes its last
+                # token again for the logits; that token's K/V are in a shared block
+                # already, which is never written: its slot is -1 (attention reads the
+                # cached K/V at its position)
+                unwritten.append((len(token_ids), min(n, seq.num_reused_tokens - start)))
             token_ids += seq.token_slice(start, start + n)
             starts.append(start)
             rows.append(seq.slot)
@@ -115,9 +121,12 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = -(-int(seq_lens.max()) // bs)  # the columns any position of the step reads
         blocks = slots.block_tables[np.repeat(rows, num_new), positions // bs]
+        slot_mapping = blocks * bs + positions % bs
+        for first, count in unwritten:
+            slot_mapping[first:first + count] = -1
         return ForwardBatch(
             token_ids=np.array(token_ids, dtype=np.int32), positions=positions,
-            slot_mapping=blocks * bs + positions % bs, query_start_loc=query_start_loc,
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc,
             seq_lens=seq_lens, block_tables=slots.block_tables[rows, :max_blocks],
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
 

@@ -8,6 +8,10 @@ the queue to be recomputed from its tokens so far.
 
 A running sequence holds one of max_num_seqs slots (`Sequence.slot`) from admission until
 it finishes or is preempted: the model runner keeps its per-sequence rows there.
+
+Admission takes the sequence's reusable full blocks first (block_manager.py: its longest
+cached run, with prefix caching on), so its prefill starts at its first uncached token;
+the last token is always computed, so there are logits to sample from.
 """
 from __future__ import annotations
 
@@ -115,11 +119,20 @@ class Scheduler:
         # 2. refill free slots from the waiting queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            take = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed_tokens + take):
+            reused = self.blocks.find_cached(seq)  # [] with prefix caching off
+            num_reused = len(reused) * self.blocks.block_size
+            start = min(num_reused, seq.num_tokens - 1)  # the last token is always computed
+            take = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_allocate(reused, start + take):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq, seq.num_computed_tokens + take)
+            self.blocks.allocate(seq, reused, start + take)
+            seq.num_computed_tokens = start
+            # start < num_reused: a prompt whose every block is cached computes its last
+            # token again for its logits, without writing the shared block (model_runner.py)
+            seq.num_reused_tokens = num_reused
+            if seq.num_cached_tokens < 0:  # the first admission: what the cache gave
+                self._count_hits(seq, num_reused)
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
@@ -127,6 +140,12 @@ class Scheduler:
             batch.num_new_tokens.append(take)
             budget -= take
         return batch
+
+    def _count_hits(self, seq: Sequence, num_hit_tokens: int) -> None:
+        seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
+        if self.blocks.enable_caching:
+            self.blocks.num_queried_tokens += seq.num_prompt_tokens
+            self.blocks.num_hit_tokens += seq.num_cached_tokens
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
@@ -155,8 +174,16 @@ class Scheduler:
         step ends in a sampled token, those with every known token in the cache now (a
         prompt chunk that is not the last wants none)."""
         sampled = []
+        blocks = self.blocks
+        caching, block_size = blocks.enable_caching, blocks.block_size
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
+            if caching:
+                # a block filled: the cache takes it once its tokens are known as well (a
+                # decode step's input token is a placeholder until the step after)
+                end = (seq.num_hashed_blocks + 1) * block_size
+                if seq.num_computed_tokens >= end and seq.token_id(end - 1) >= 0:
+                    blocks.cache_computed_blocks(seq)
             if not seq.num_uncomputed_tokens:
                 sampled.append((row, seq))
         return sampled

@@ -37,6 +37,19 @@ class Sequence:
         self.slot: int | None = None  # while running: a row of its own in the model runner's tables
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
+        # Prefix caching (engine/block_manager.py). The content hashes of the leading full
+        # blocks of known tokens, worked out once each (tokens never change once known).
+        self.block_hashes: list[bytes] = []
+        # leading blocks of block_table that are settled in the prefix cache: found there at
+        # admission, or offered to it once computed (a block whose content another block
+        # already holds stays private)
+        self.num_hashed_blocks = 0
+        # tokens at the head of block_table whose K/V this sequence took from the prefix
+        # cache: full, shared blocks that it never writes
+        self.num_reused_tokens = 0
+        # prompt tokens whose K/V came from the prefix cache at the first admission (-1
+        # before it); what RequestOutput.num_cached_tokens reports
+        self.num_cached_tokens = -1
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +71,12 @@ class Sequence:
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    def token_id(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
 
     @property
     def num_uncomputed_tokens(self) -> int:
