@@ -217,6 +217,9 @@ def _add(engine, tokenizer, request: BatchRequest, engine_id: str, defaults: dic
     """Queue one request; returns the error message when it cannot run."""
     try:
         params = SamplingParams.from_dict({**defaults, **request.sampling}, model_defaults)
+        if params.n != 1:  # one output line per request
+            raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
+                               f"{params.n}; repeat the line with other ids instead")
         if request.messages is not None:
             prompt = tokenizer.encode_chat(request.messages, add_generation_prompt=True)
         else:

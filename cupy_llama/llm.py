@@ -132,14 +132,17 @@ class LLM:
                  *, stream: bool = False):
         """prompts: a string, a list of token ids, or a list of either. Returns one
         RequestOutput per prompt in order (a single one for a single prompt); with
-        stream=True, an iterator of RequestOutputs carrying text deltas."""
+        SamplingParams(n=k), k per prompt, as one flat list ordered by prompt and then by
+        sample (RequestOutput.index), a list of k for a single prompt. With stream=True,
+        an iterator of RequestOutputs carrying text deltas, each with its request_id and
+        index."""
         single, prompts = _as_prompt_list(prompts)
         param_list = self._param_list(params, len(prompts))
         engine = self._live_engine()
         if stream:
             return engine.stream(prompts, param_list)
         outputs = engine.generate(prompts, param_list)
-        return outputs[0] if single else outputs
+        return outputs[0] if single and param_list[0].n == 1 else outputs
 
     def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
         return self.generate(prompts, params, stream=True)
@@ -148,7 +151,8 @@ class LLM:
              date_string: str | None = None):
         """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
         or a list of such conversations, answered with a list (of one for a list of one);
-        with stream=True, an iterator of RequestOutputs carrying text deltas."""
+        with SamplingParams(n=k), k replies per conversation, ordered as generate() orders
+        them; with stream=True, an iterator of RequestOutputs carrying text deltas."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -159,7 +163,9 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
-        return result if stream or batch else result[0]
+        if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
+            return result
+        return result[0]
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:

@@ -20,8 +20,9 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)   # generated tokens so far
     text: str = ""                                       # generated text so far
     finish_reason: str | None = None                     # "stop", "length", "abort" or None
-    delta: str = ""            # text added since the previous output of this request
+    delta: str = ""            # text added since the previous output of this request's sample
     delta_token_ids: list[int] = field(default_factory=list)
+    index: int = 0             # which of the request's n samples (SamplingParams.n) this is
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # one per token of token_ids where the request asked (SamplingParams.logprobs), else None;
     # the delta's are the last len(delta_token_ids)

@@ -19,6 +19,7 @@ def as_float32(value: float) -> float:
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
+MAX_N = 128  # samples per request
 
 
 def as_flag(value) -> bool | None:
@@ -43,6 +44,7 @@ class SamplingParams:
     # None: no log-probabilities; k: each generated token's log-probability and those of the
     # k most likely tokens, from the model's log-softmax before temperature and filters
     logprobs: int | None = None
+    n: int = 1                 # samples of the prompt (RequestOutput.index tells them apart)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,7 +52,7 @@ class SamplingParams:
         if as_flag(self.ignore_eos) is not None:
             self.ignore_eos = as_flag(self.ignore_eos)
         # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
-        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "n"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
                 setattr(self, name, int(value))
@@ -89,6 +91,9 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or none), "
                                f"got {self.logprobs!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
+                               f"prompt), got {self.n!r}")
 
     @property
     def is_greedy(self) -> bool:

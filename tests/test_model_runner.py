@@ -2,9 +2,9 @@
 
 The runner keeps block tables and sampling settings in per-slot rows across steps and
 copies only what changed; these tests drive a scheduler through admissions, preemptions,
-finishes and aborts (so slots and blocks are reused) and prefix-cache hits (so blocks are
-shared), and compare every step's ForwardBatch and SamplingTensors with what a
-from-scratch rebuild gives."""
+finishes and aborts (so slots and blocks are reused), prefix-cache hits and forked samples
+(so blocks are shared), and compare every step's ForwardBatch and SamplingTensors with what
+a from-scratch rebuild gives."""
 import random
 from types import SimpleNamespace
 
@@ -92,17 +92,21 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
                                                           range(rng.randint(0, 12))] or [1]
             if blocks.blocks_needed(len(prompt) + 1) <= blocks.num_blocks:
                 params, request_seed = random_params(rng)
-                seq = Sequence(str(next_id), prompt, params, request_seed, next_id)
-                scheduler.add(seq)
-                live[seq.request_id] = seq
+                parent = None
+                for index in range(rng.choice([1, 1, 2, 3])):  # samples fork from sample 0
+                    seq = Sequence(str(next_id), prompt, params, (request_seed + index) % 2**64,
+                                   next_id, index=index, parent=parent)
+                    parent = parent or seq
+                    scheduler.add(seq)
+                    live[seq.request_id, index] = seq
                 next_id += 1
         if live and rng.random() < 0.05:  # an abort from outside, or a stop string
-            request_id = rng.choice(sorted(live))
+            key = rng.choice(sorted(live))
             if rng.random() < 0.5:
-                scheduler.abort(request_id)
-                del live[request_id]
-            elif live[request_id].status is SequenceStatus.RUNNING:
-                scheduler.finish(live.pop(request_id), SequenceStatus.FINISHED_STOPPED)
+                for seq in scheduler.abort(key[0]):
+                    del live[seq.request_id, seq.index]
+            elif live[key].status is SequenceStatus.RUNNING:
+                scheduler.finish(live.pop(key), SequenceStatus.FINISHED_STOPPED)
         batch = scheduler.schedule()
         if not batch:
             continue
@@ -116,7 +120,8 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
             seq.output_token_ids.append(rng.randrange(1000))
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= blocks.num_blocks * block_size:
-                scheduler.finish(live.pop(seq.request_id), SequenceStatus.FINISHED_LENGTH)
+                scheduler.finish(live.pop((seq.request_id, seq.index)),
+                                 SequenceStatus.FINISHED_LENGTH)
     assert steps > 50 and reused > 0
 
 

@@ -6,7 +6,7 @@ the K/V each block holds (which token ids each slot was computed from) to check 
 sequence only ever reads K/V of its own tokens, that no shared or cached block is ever
 written, and that every cached block holds what its hash says.
 
-The state machine adds requests (some sharing prefixes), steps,
+The state machine adds requests (some sharing prefixes, some with n > 1 samples), steps,
 aborts and finishes them at random, and drops the prefix cache now and then; it checks the
 block accounting and the cache after every rule; at the end it drains the queue and checks
 that every block came back.
@@ -25,17 +25,28 @@ from cupy_llama.errors import RequestError
 from cupy_llama.sampling import SamplingParams
 
 
-def make_seq(request_id, prompt, max_tokens):
+def make_request(request_id, prompt, max_tokens, n=1):
+    """The n sequences of a request, as LLMEngine.add_request makes them."""
     if isinstance(prompt, int):  # a prompt of that many tokens, its own
         prompt = [1000 + sum(map(ord, str(request_id))) + i for i in range(prompt)]
-    return Sequence(str(request_id), prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
-                    seed=0, arrival=0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, n=n)
+    seqs, parent = [], None
+    for index in range(n):
+        seq = Sequence(str(request_id), prompt, params, seed=index, arrival=0, index=index,
+                       parent=parent)
+        parent = parent or seq
+        seqs.append(seq)
+    return seqs
+
+
+def make_seq(request_id, prompt, max_tokens):
+    return make_request(request_id, prompt, max_tokens)[0]
 
 
 def sampled_token(seq, index):
     """The fake token a sequence samples as its index-th output: the same for the same
-    request content, so equal prompts also share generated blocks."""
-    return 1 + (len(seq.prompt_token_ids) + index * index) % 3
+    request content, so equal prompts also share generated blocks; samples differ."""
+    return 1 + (len(seq.prompt_token_ids) + index * index + seq.index) % 3
 
 
 def chain_hashes(token_ids, block_size):
@@ -56,7 +67,7 @@ class Simulation:
                                    max_model_len=max_model_len)
         # as in LLMEngine: a sequence stops when it would outgrow the whole cache
         self.context_limit = min(max_model_len, num_blocks * block_size)
-        self.live: dict[str, Sequence] = {}
+        self.live: dict[tuple[str, int], Sequence] = {}
         self.finished: list[Sequence] = []
         self.coming: list[tuple[Sequence, int]] = []  # placeholders of the latest step
         # the K/V of each slot: (the sequence, the position) they were computed for; the
@@ -64,9 +75,12 @@ class Simulation:
         self.shadow = [[None] * block_size for _ in range(num_blocks)]
         self.num_prompt_tokens_computed: dict[str, int] = {}
 
-    def add(self, seq):
-        self.scheduler.add(seq)
-        self.live[seq.request_id] = seq
+    def add(self, seqs):
+        if isinstance(seqs, Sequence):
+            seqs = [seqs]
+        for seq in seqs:
+            self.scheduler.add(seq)
+            self.live[seq.request_id, seq.index] = seq
 
     def step(self):
         batch = self.scheduler.schedule()
@@ -97,7 +111,7 @@ class Simulation:
         self.scheduler.finish(seq, status)
         if drop_coming:
             self.drop_unknown_tokens(seq)
-        del self.live[seq.request_id]
+        del self.live[seq.request_id, seq.index]
         self.finished.append(seq)
 
     @staticmethod
@@ -154,8 +168,8 @@ class Simulation:
         slots = [seq.slot for seq in s.running]
         assert len(set(slots)) == len(slots) and all(0 <= slot < s.max_num_seqs for slot in slots)
         assert sorted(slots + s.free_slots) == list(range(s.max_num_seqs))
-        assert set(self.live) == {q.request_id for q in s.running} | \
-            {q.request_id for q in s.waiting}
+        assert set(self.live) == {(q.request_id, q.index) for q in s.running} | \
+            {(q.request_id, q.index) for q in s.waiting}
         # a running sequence reads, at every computed position, K/V of its own tokens
         bs = blocks.block_size
         for seq in s.running:
@@ -197,19 +211,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     @rule(prefix=st.sampled_from(range(len(SHARED_PREFIXES))), shared=st.integers(0, 40),
-          tail=st.lists(st.integers(1, 3), max_size=30), max_tokens=st.integers(1, 40))
-    def add(self, prefix, shared, tail, max_tokens):
+          tail=st.lists(st.integers(1, 3), max_size=30), max_tokens=st.integers(1, 40),
+          n=st.sampled_from([1, 1, 1, 2, 3]))
+    def add(self, prefix, shared, tail, max_tokens, n):
         prompt = SHARED_PREFIXES[prefix][:shared] + tail or [1]
-        seq = make_seq(self.next_id, prompt, max_tokens)
+        seqs = make_request(self.next_id, prompt, max_tokens, n)
         self.next_id += 1
         sim = self.sim
         fits = 0 < len(prompt) < sim.scheduler.max_model_len and \
             sim.blocks.blocks_needed(len(prompt) + 1) <= sim.blocks.num_blocks
         if fits:
-            sim.add(seq)
+            sim.add(seqs)
         else:
             with pytest.raises(RequestError, match=str(len(prompt))):
-                sim.add(seq)
+                sim.add(seqs)
+            assert all(seq not in sim.scheduler.waiting for seq in seqs)
 
     @rule()
     def step(self):
@@ -218,12 +234,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sim.live)
     @rule(data=st.data())
     def abort(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.sim.live)))
-        seq = self.sim.scheduler.abort(request_id)
-        assert seq is not None and seq.status is SequenceStatus.FINISHED_ABORTED
-        self.sim.drop_unknown_tokens(seq)
-        del self.sim.live[request_id]
-        self.sim.finished.append(seq)
+        request_id = data.draw(st.sampled_from(sorted({r for r, _ in self.sim.live})))
+        seqs = self.sim.scheduler.abort(request_id)
+        assert seqs and all(seq.status is SequenceStatus.FINISHED_ABORTED for seq in seqs)
+        assert {seq.index for seq in seqs} == {i for r, i in self.sim.live if r == request_id}
+        for seq in seqs:
+            self.sim.drop_unknown_tokens(seq)
+            del self.sim.live[request_id, seq.index]
+            self.sim.finished.append(seq)
 
     @precondition(lambda self: self.sim.scheduler.running)
     @rule(data=st.data())
@@ -305,9 +323,10 @@ def test_abort_by_id_frees_blocks_at_once():
         sim.add(make_seq(name, 5, 20))
     sim.step()
     assert sim.blocks.num_free_blocks == 2
-    assert sim.scheduler.abort("b").status is SequenceStatus.FINISHED_ABORTED
+    [aborted] = sim.scheduler.abort("b")
+    assert aborted.status is SequenceStatus.FINISHED_ABORTED
     assert sim.blocks.num_free_blocks == 4
-    assert sim.scheduler.abort("b") is None and sim.scheduler.abort("nope") is None
+    assert sim.scheduler.abort("b") == [] and sim.scheduler.abort("nope") == []
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -351,11 +370,29 @@ def test_admission_counts_the_cached_blocks_it_takes():
     assert [seq.request_id for seq in sim.scheduler.waiting] == ["c"]
     assert len(sim.blocks.cached_free) == 2 and sim.blocks.num_free_blocks == 2  # a's
     sim.scheduler.abort("b")
-    del sim.live["b"]
+    del sim.live["b", 0]
     sim.step()
     [c] = sim.scheduler.running
     assert c.request_id == "c" and c.num_cached_tokens == 8
     sim.drain()
+
+
+def test_samples_wait_for_the_prompt_then_share_its_full_blocks():
+    for caching in (True, False):
+        sim = Simulation(num_blocks=64, block_size=4, max_num_seqs=4,
+                         max_num_batched_tokens=64, max_model_len=128, enable_caching=caching)
+        parent, *children = make_request("r", 10, 5, n=3)
+        sim.add([parent, *children])
+        assert sim.step().seqs == [parent]  # the samples wait for the prompt
+        batch = sim.step()
+        assert batch.seqs == [parent, *children] and batch.num_new_tokens == [1, 2, 2]
+        for child in children:
+            assert child.block_table[:2] == parent.block_table[:2]
+            assert child.block_table[2] != parent.block_table[2]  # the partly filled one
+        assert child.num_cached_tokens == (8 if caching else 0)
+        sim.drain()
+        assert sim.num_prompt_tokens_computed == {"r": 10 + 2 + 2}
+        assert sim.blocks.num_free_blocks == sim.blocks.num_blocks
 
 
 def test_scheduling_code_imports_no_numpy():

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step, abort; stopping rules and streaming text."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import secrets
 from typing import Iterator
@@ -15,8 +16,9 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
-class _Request:
-    """A sequence plus its text: incremental detokenizer and what was already streamed."""
+class _Sample:
+    """One of a request's n sequences plus its text: incremental detokenizer and what was
+    already streamed."""
 
     def __init__(self, seq: Sequence, tokenizer, stream: bool):
         from ..tokenizer import IncrementalDetokenizer
@@ -37,7 +39,7 @@ class _Request:
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
         self.num_resolved = 0
-        # why the request ended, once its last known token says so (the sequence itself
+        # why the sample ended, once its last known token says so (the sequence itself
         # may finish earlier in the scheduler, when its length is reached at launch)
         self.finish_reason: str | None = None
         # one per resolved output token where the request asked for them
@@ -81,7 +83,7 @@ class _Request:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=token_ids, text=self.text[:visible],
             finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
-            num_cached_tokens=max(0, seq.num_cached_tokens),
+            index=seq.index, num_cached_tokens=max(0, seq.num_cached_tokens),
             logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)])
 
 
@@ -101,7 +103,8 @@ class LLMEngine:
         # config.json + generation_config.json, plus the end-of-turn tokens of the template
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
-        self.requests: dict[str, _Request] = {}
+        # request id -> its n samples, until every one has finished
+        self.requests: dict[str, list[_Sample]] = {}
         self._in_flight: _Launched | None = None  # the step whose tokens are still coming
         self._unhandled: _Launched | None = None  # tokens an interrupted step() left behind
         self._undelivered: dict[str, list[RequestOutput]] = {}
@@ -112,15 +115,21 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, stream: bool = True) -> str:
-        """stream=False: step() reports this request only when it finishes."""
+        """stream=False: step() reports this request only when it finishes. With params.n
+        > 1 the request is n sequences, its samples: each output says which one it is
+        (RequestOutput.index); the prompt is computed once (engine/scheduler.py)."""
         prompt_ids = self.encode_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        seq = Sequence(request_id, prompt_ids, params, seed, next(self._arrivals))
-        self.scheduler.add(seq)
-        self.requests[request_id] = _Request(seq, self.tokenizer, stream)
+        samples, parent = [], None
+        for index in range(params.n):
+            seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
+                           next(self._arrivals), index=index, parent=parent)
+            parent = parent or seq
+            self.scheduler.add(seq)
+            samples.append(_Sample(seq, self.tokenizer, stream))
+        self.requests[request_id] = samples
         return request_id
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -135,19 +144,24 @@ class LLMEngine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return prompt
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(str(request_id), None)
-        if request is None:
-            return None
-        self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
-        del request.seq.output_token_ids[request.num_resolved:]  # tokens still coming
-        request.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not "length":
-        # the scheduler may have finished it already, at the launch of its last token
-        request.flush_text()
-        output = request.output()  # finished: nothing is held back
-        if output.request_id in self._owned:  # a stream()/generate() waits on it: tell it
-            self._undelivered.setdefault(output.request_id, []).append(output)
-        return output
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """End all of the request's samples that have not finished; returns their final
+        outputs (none for a request that is unknown or over)."""
+        request_id = str(request_id)
+        samples = self.requests.pop(request_id, None)
+        outputs = []
+        for sample in samples or ():
+            if sample.finish_reason is not None:
+                continue
+            self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
+            del sample.seq.output_token_ids[sample.num_resolved:]  # tokens still coming
+            sample.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not
+            # "length": the scheduler may have finished it already, at its last token's launch
+            sample.flush_text()
+            outputs.append(sample.output())  # finished: nothing is held back
+        if outputs and request_id in self._owned:  # a stream()/generate() waits on it
+            self._undelivered.setdefault(request_id, []).extend(outputs)
+        return outputs
 
     def close(self) -> None:
         """Abort every request and forget the steps in flight (their tokens are dropped):
@@ -207,43 +221,46 @@ class LLMEngine:
         waiting_for = launched.waiting_for
         while waiting_for:
             seq, row, index = waiting_for.pop()
-            request = self.requests.get(seq.request_id)
-            if request is None or request.seq is not seq or index >= len(seq.output_token_ids):
+            samples = self.requests.get(seq.request_id)  # (its id may be in use again)
+            sample = samples[seq.index] if samples and seq.index < len(samples) else None
+            if sample is None or sample.seq is not seq or index >= len(seq.output_token_ids):
                 continue  # aborted, or stopped at an earlier token: this one is dropped
             seq.output_token_ids[index] = tokens[row]
-            if request.logprobs is not None:
+            if sample.logprobs is not None:
                 token_id, logprob, top = launched.sampled.logprobs().of_row(row, seq.params.logprobs)
-                request.logprobs.append(TokenLogprob(token_id, logprob, top))
-            output = self._append_token(request, index)
+                sample.logprobs.append(TokenLogprob(token_id, logprob, top))
+            output = self._append_token(sample, index)
             if output is not None:
                 outputs.append(output)
         self._unhandled = None
         return outputs
 
-    def _append_token(self, request: _Request, index: int) -> RequestOutput | None:
-        """Output token `index` of the request is now known: apply the stopping rules."""
-        seq, params = request.seq, request.seq.params
+    def _append_token(self, sample: _Sample, index: int) -> RequestOutput | None:
+        """Output token `index` of the sample is now known: apply the stopping rules."""
+        seq, params = sample.seq, sample.seq.params
         token_id = seq.output_token_ids[index]
-        request.num_resolved = index + 1
+        sample.num_resolved = index + 1
         is_eos = token_id in self.eos_token_ids and not params.ignore_eos
         status = None
-        if not is_eos and request.add_text(token_id):  # a stop string
+        if not is_eos and sample.add_text(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED
         elif is_eos:
-            request.flush_text()
+            sample.flush_text()
             status = SequenceStatus.FINISHED_STOPPED
         elif (index + 1 >= params.max_tokens
               or seq.num_prompt_tokens + index + 1 >= self.max_model_len):
-            request.flush_text()
+            sample.flush_text()
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             del seq.output_token_ids[index + 1:]  # a token of a step still running
             self.scheduler.finish(seq, status)
-            request.finish_reason = status.finish_reason
-            del self.requests[seq.request_id]
-        elif not request.stream:
+            sample.finish_reason = status.finish_reason
+            samples = self.requests[seq.request_id]
+            if all(s.finish_reason is not None for s in samples):  # the request is over
+                del self.requests[seq.request_id]
+        elif not sample.stream:
             return None
-        return request.output()
+        return sample.output()
 
     # ---- whole requests -------------------------------------------------------------
     # stream() and generate() may run interleaved on one engine (a stream left half-read
@@ -255,7 +272,7 @@ class LLMEngine:
             ids.append(self.add_request(prompt, sampling, stream=stream))  # ids seen by finally
             self._owned.add(ids[-1])
 
-    def _outputs_for(self, ids: set[str]) -> list[RequestOutput]:
+    def _outputs_for(self, ids) -> list[RequestOutput]:
         """The next outputs of these requests: waiting ones first, else one engine step."""
         waiting = []
         if self._undelivered:  # almost always empty: no pop per request on every step
@@ -279,32 +296,51 @@ class LLMEngine:
     def _run(self, prompts: list, params: list[SamplingParams], stream: bool,
              ids: list[str]) -> Iterator[RequestOutput]:
         """Add all prompts (their request ids go to `ids`), then yield their outputs as
-        steps produce them (stream=False: only the final ones). Requests still running
-        when the caller stops iterating are aborted."""
+        steps produce them (stream=False: only the final ones, one per sample). Requests
+        still running when the caller stops iterating are aborted."""
         try:
             self._add_all(prompts, params, stream, ids)
-            unfinished = set(ids)
+            unfinished = {request_id: p.n for request_id, p in zip(ids, params)}  # samples
             while unfinished:
                 for output in self._outputs_for(unfinished):
                     if output.finished:
-                        unfinished.discard(output.request_id)
+                        unfinished[output.request_id] -= 1
+                        if not unfinished[output.request_id]:
+                            del unfinished[output.request_id]
                     yield output
         finally:
             self._close(ids)
 
     def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
-        """Add all prompts, then yield their outputs as steps produce them. Requests still
-        running when the caller stops iterating are aborted. A prompt that cannot run is
-        refused here, not at the first next() (the requests are added then)."""
+        """Add all prompts, then yield their outputs as steps produce them (each carries its
+        request_id and its sample's index). Requests still running when the caller stops
+        iterating are aborted. A prompt that cannot run is refused here, not at the first
+        next() (the requests are added then)."""
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         for ids in prompt_ids:
             self.scheduler.check_fits(len(ids))
         return self._run(prompt_ids, params, True, [])
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        """The final outputs, by prompt and then by sample index: n of them for a prompt
+        whose params say n."""
         ids: list[str] = []
-        final = {output.request_id: output for output in self._run(prompts, params, False, ids)}
-        return [final[request_id] for request_id in ids]
+        final = {(output.request_id, output.index): output
+                 for output in self._run(prompts, params, False, ids)}
+        return [final[request_id, index] for request_id, p in zip(ids, params)
+                for index in range(p.n)]
+
+
+def sample_seed(seed: int | None, index: int) -> int:
+    """The seed of a request's sample `index`: without a seed, a fresh random one each;
+    with one, that seed for sample 0 (as with n = 1) and for the others one derived from
+    (seed, index), so the same seed gives the same n samples."""
+    if seed is None:
+        return secrets.randbits(63)
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")  # a uint64, as every seed is
 
 
 class _Launched:

@@ -101,10 +101,10 @@ class ModelRunner:
                 slots.update_block_table(seq)
             start = seq.num_computed_tokens
             if start < seq.num_reused_tokens:
-                # a prompt whose blocks all came from the prefix cache computes its last
-                # token again for the logits; that token's K/V are in a shared block
-                # already, which is never written: its slot is -1 (attention reads the
-                # cached K/V at its position)
+                # a prompt whose blocks all came from the prefix cache or from its parent
+                # (a sample 1..n-1) computes its last token again for the logits; that
+                # token's K/V are in a shared block already, which is never written: its
+                # slot is -1 (attention reads the cached K/V at its position)
                 unwritten.append((len(token_ids), min(n, seq.num_reused_tokens - start)))
             token_ids += seq.token_slice(start, start + n)
             starts.append(start)

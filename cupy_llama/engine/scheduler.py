@@ -11,7 +11,10 @@ it finishes or is preempted: the model runner keeps its per-sequence rows there.
 
 Admission takes the sequence's reusable full blocks first (block_manager.py: its longest
 cached run, with prefix caching on), so its prefill starts at its first uncached token;
-the last token is always computed, so there are logits to sample from.
+the last token is always computed, so there are logits to sample from. A request with
+n > 1 samples queues n sequences; samples 1..n-1 start only once sample 0 has computed the
+prompt, and share its full prompt blocks, with or without the cache: each computes only
+its own tail (its partly filled last block, or its last token).
 """
 from __future__ import annotations
 
@@ -72,13 +75,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for queue in (self.running, self.waiting):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    self.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                    return seq
-        return None
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every sequence of the request (its n samples); returns them."""
+        seqs = [seq for queue in (self.running, self.waiting) for seq in queue
+                if seq.request_id == request_id]
+        for seq in seqs:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seqs
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Release a finished sequence's blocks at once. A sequence may finish while it
@@ -119,7 +122,9 @@ class Scheduler:
         # 2. refill free slots from the waiting queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            reused = self.blocks.find_cached(seq)  # [] with prefix caching off
+            if not seq.can_start:
+                break  # a sample waits for its parent's prompt; the queue behind it too
+            reused, num_hits = self._reusable_blocks(seq)
             num_reused = len(reused) * self.blocks.block_size
             start = min(num_reused, seq.num_tokens - 1)  # the last token is always computed
             take = min(seq.num_tokens - start, budget)
@@ -132,7 +137,7 @@ class Scheduler:
             # token again for its logits, without writing the shared block (model_runner.py)
             seq.num_reused_tokens = num_reused
             if seq.num_cached_tokens < 0:  # the first admission: what the cache gave
-                self._count_hits(seq, num_reused)
+                self._count_hits(seq, num_hits * self.blocks.block_size)
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
@@ -140,6 +145,21 @@ class Scheduler:
             batch.num_new_tokens.append(take)
             budget -= take
         return batch
+
+    def _reusable_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """The full blocks seq can take instead of computing them, and how many of those
+        came from the prefix cache: its longest cached run, then, for a sample 1..n-1, the
+        rest of its parent's computed full prompt blocks while the parent holds them."""
+        reused = self.blocks.find_cached(seq)  # [] with prefix caching off
+        num_hits = len(reused)
+        parent = seq.parent
+        if parent is not None and parent.status is SequenceStatus.RUNNING:
+            computed = min(seq.num_prompt_tokens, parent.num_computed_tokens)
+            shared = computed // self.blocks.block_size
+            if shared > num_hits:
+                # a block's K/V depend only on the tokens up to its end, the same for both
+                reused = reused + parent.block_table[num_hits:shared]
+        return reused, num_hits
 
     def _count_hits(self, seq: Sequence, num_hit_tokens: int) -> None:
         seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)

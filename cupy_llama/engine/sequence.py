@@ -24,13 +24,19 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
+    """One sequence of tokens. A request with n > 1 samples is n sequences with the same
+    request_id: sample 0 computes the prompt, samples 1..n-1 fork from it (`parent`) once
+    it has, sharing its full prompt blocks (engine/scheduler.py)."""
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int, arrival: int):
+                 seed: int, arrival: int, index: int = 0, parent: "Sequence | None" = None):
         self.request_id = request_id
+        self.index = index          # which of the request's n samples this is
+        self.parent = parent        # sample 0 of the request, for samples 1..n-1
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
-        self.seed = seed            # the request's seed, drawn at random when none was given
+        self.seed = seed            # this sample's seed, drawn at random when none was given
         self.arrival = arrival      # admission order: later arrivals are preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
@@ -45,7 +51,7 @@ class Sequence:
         # already holds stays private)
         self.num_hashed_blocks = 0
         # tokens at the head of block_table whose K/V this sequence took from the prefix
-        # cache: full, shared blocks that it never writes
+        # cache or from its parent: full, shared blocks that it never writes
         self.num_reused_tokens = 0
         # prompt tokens whose K/V came from the prefix cache at the first admission (-1
         # before it); what RequestOutput.num_cached_tokens reports
@@ -79,6 +85,13 @@ class Sequence:
         return self.output_token_ids[position - num_prompt]
 
     @property
+    def can_start(self) -> bool:
+        """False only for a sample 1..n-1 whose parent has not computed the prompt yet: it
+        may start once the parent has an output token (known or coming) or has ended."""
+        parent = self.parent
+        return parent is None or bool(parent.output_token_ids) or parent.is_finished
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
@@ -87,5 +100,6 @@ class Sequence:
         return self.status.is_finished
 
     def __repr__(self):
-        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+        return (f"Sequence({self.request_id!r}/{self.index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
