@@ -154,14 +154,18 @@ class BatchSummary:
     num_requests: int = 0
     num_errors: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0    # of those, tokens whose K/V came from the prefix cache
     completion_tokens: int = 0
     seconds: float = 0.0
     num_preemptions: int = 0
 
     def line(self) -> str:
         rate = self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+        hit_rate = (100 * self.cached_prompt_tokens / self.prompt_tokens
+                    if self.prompt_tokens else 0.0)
         return (f"{self.num_requests} requests ({self.num_errors} failed): "
-                f"{self.prompt_tokens} prompt + {self.completion_tokens} completion tokens "
+                f"{self.prompt_tokens} prompt ({self.cached_prompt_tokens} cached, "
+                f"{hit_rate:.0f}%) + {self.completion_tokens} completion tokens "
                 f"in {self.seconds:.2f} s, {rate:.1f} completion tok/s, "
                 f"{self.num_preemptions} preemptions")
 
@@ -199,6 +203,7 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
                     index = pending.pop(output.request_id)
                     results[index] = result_object(requests[index].id, output)
                     summary.prompt_tokens += len(output.prompt_token_ids)
+                    summary.cached_prompt_tokens += output.num_cached_tokens
                     num_done += 1
             next_to_write = _write_ready(results, out, next_to_write)
             if progress is not None:

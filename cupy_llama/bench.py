@@ -120,6 +120,9 @@ class BenchSettings:
         if tuple(self.batch_sizes) != DEFAULT_BATCH_SIZES:
             args += ["--batch-sizes", ",".join(map(str, self.batch_sizes))]
         for name, value in sorted(self.engine.items()):
+            if name == "enable_prefix_caching":
+                args += [] if value else ["--no-prefix-caching"]
+                continue
             flag = option_flag(name)
             args += [flag] if value is True else [flag, str(value)]
         args += ["--hf"] if self.hf else []
@@ -197,7 +200,9 @@ def run_settings(settings: BenchSettings) -> dict:
             "hf": settings.hf, "engine_options_given": dict(settings.engine),
             "sampling": {"throughput": f"temperature {THROUGHPUT_TEMPERATURE}, top-p 1, "
                                        "seed --seed + request index, EOS ignored",
-                         "other modes": "greedy, EOS ignored"}}
+                         "other modes": "greedy, EOS ignored"},
+            "prefix_caching": "on" if settings.engine.get("enable_prefix_caching", True)
+            else "off (--no-prefix-caching)"}
 
 
 def prepare_model(settings: BenchSettings, log) -> tuple[Path, float | None]:

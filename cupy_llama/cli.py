@@ -84,17 +84,21 @@ engine_options = _options(
     click.option("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from "
                  "the memory left)."),
     click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use "
-                 "(default 0.9)."))
+                 "(default 0.9)."),
+    click.option("--no-prefix-caching", "enable_prefix_caching", is_flag=True, flag_value=False,
+                 default=None, help="Compute every prompt in full instead of reusing the KV "
+                 "blocks of prompts seen before."))
 
 SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
                   "ignore_eos")
 ENGINE_NAMES = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                "gpu_memory_utilization")
+                "gpu_memory_utilization", "enable_prefix_caching")
 
 
 def _given(options: dict, names) -> dict:
-    """The options among names that the user set."""
-    unset = lambda value: value is None or value is False or value == ()  # noqa: E731
+    """The options among names that the user set: an option not given is None (flags too,
+    so --no-prefix-caching can say False), or () when it repeats."""
+    unset = lambda value: value is None or value == ()  # noqa: E731
     return {name: options[name] for name in names if name in options and not unset(options[name])}
 
 
@@ -185,7 +189,8 @@ def chat(model_dir, device, system, **options):
 @sampling_options
 @click.option("--stop", multiple=True, help="A stop string (repeatable); not included in "
               "the text.")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@click.option("--ignore-eos", is_flag=True, default=None,
+              help="Keep generating past end-of-sequence tokens.")
 @engine_options
 def generate(model_dir, input_path, output_path, input_format, device, **options):
     """Run a batch of prompts together and write one JSON line per request.
@@ -420,7 +425,9 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
                    "the ratio.")
 @click.option("--max-num-seqs", type=int, help="Sequences decoded together (default on cuda: 256).")
 @click.option("--max-num-batched-tokens", type=int, help="New tokens per step.")
-@click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off.")
+@click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
+@click.option("--no-prefix-caching", "enable_prefix_caching", is_flag=True, flag_value=False,
+              default=None, help="Prefix caching off.")
 @click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use.")
 @click.option("--num-requests", type=int, default=256, show_default=True,
               help="Requests in the throughput workload (fewer: for quick checks only).")
@@ -439,7 +446,8 @@ def bench(mode, **options):
     """
     from .bench import bench_command
 
-    names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization")
+    names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization",
+             "enable_prefix_caching")
     engine = _given(options, names)
     _check_options({}, engine)
     rest = {name: value for name, value in options.items() if name not in names}
