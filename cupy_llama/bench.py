@@ -13,7 +13,15 @@ Modes (docs/ARCHITECTURE.md, "Performance model"):
   ttft          time to first token of 128-, 1,024- and 4,096-token prompts (median).
   decode-sweep  greedy decode tok/s at batch 1, 8, 32, 64, 128, 256 (prompt 128, 128 new
                 tokens), counting the tokens after every request has its first one.
-  all           every mode on one loaded model, one JSON.
+  all           every mode above on one loaded model, one JSON.
+  prefix        prefix caching, on and then off, on one loaded model (greedy, EOS ignored):
+                (a) 64 requests share a 2,048-token prefix, each with a 64-token suffix of
+                its own, 32 new tokens each: the first runs alone (with caching on it fills
+                the cache), then the other 63 together; TTFT of the first and the median of
+                the rest, and throughput. (b) a 10-turn chat: each turn sends the whole
+                conversation so far (its replies' token ids as generated) plus a 100-token
+                message, and gets a 32-token reply; TTFT of every turn. --scale shortens
+                every length; there is no transformers baseline.
 
 Load, warm-up and run times are reported apart; statistics go to stderr while running,
 a short table to stdout at the end. With --hf the same workloads run through Hugging
@@ -40,7 +48,8 @@ from .bench_report import _num, add_ratios, commit_info, environment, format_tab
 from .errors import OptionError, RequestError, check_output_path, option_flag
 from .sampling import SamplingParams
 
-MODES = ("throughput", "latency", "ttft", "decode-sweep")
+MODES = ("throughput", "latency", "ttft", "decode-sweep")  # the ones `all` runs
+ALL_MODES = MODES + ("all", "prefix")
 DEVICES = ("cuda", "cpu")
 PRESETS = ("llama-3.2-1b", "tiny")
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
@@ -51,6 +60,8 @@ THROUGHPUT_TEMPERATURE = 0.6    # nano-vllm's bench samples; the other modes are
 LATENCY_PROMPT, LATENCY_NEW_TOKENS, LATENCY_RUNS = 32, 256, 3
 TTFT_LENGTHS, TTFT_RUNS = (128, 1024, 4096), 5
 SWEEP_PROMPT, SWEEP_NEW_TOKENS = 128, 128
+PREFIX_REQUESTS, PREFIX_SHARED, PREFIX_SUFFIX, PREFIX_NEW_TOKENS = 64, 2048, 64, 32
+CHAT_TURNS, CHAT_MESSAGE, CHAT_REPLY = 10, 100, 32
 CUDA_MAX_NUM_SEQS = 256         # the sweep's largest batch decodes as one batch
 COPY_BYTES = 1 << 30
 
@@ -77,9 +88,13 @@ class BenchSettings:
     engine: dict = field(default_factory=dict)  # EngineConfig options the user set
 
     def __post_init__(self):
-        if self.mode not in MODES + ("all",):
-            raise OptionError(f"mode must be one of {', '.join(MODES + ('all',))}, "
-                               f"got {self.mode!r}")
+        if self.mode not in ALL_MODES:
+            raise OptionError(f"mode must be one of {', '.join(ALL_MODES)}, got {self.mode!r}")
+        if self.mode == "prefix" and self.hf:
+            raise OptionError("bench prefix has no transformers baseline; drop --hf")
+        if self.mode == "prefix" and self.engine.get("enable_prefix_caching") is False:
+            raise OptionError("bench prefix runs with prefix caching on and then off itself; "
+                              "drop --no-prefix-caching")
         if self.device not in DEVICES:
             raise OptionError(f"--device must be cuda or cpu, got {self.device!r}")
         if self.preset not in PRESETS:
@@ -430,8 +445,136 @@ def run_decode_sweep(llm, settings: BenchSettings, device, log) -> dict:
             "warmup_s": warmup_s}
 
 
+def timed_requests(llm, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Adds the requests at once and steps until they finish; each one's time to first
+    token from that moment (taken once the step's tokens are on the host), its cached
+    prompt tokens and its output ids."""
+    engine = llm.engine
+    ids, first, final = [], {}, {}
+    started = time.perf_counter()
+    try:
+        ids = [engine.add_request(p, replace(params)) for p in prompts]
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                if output.delta_token_ids:
+                    first.setdefault(output.request_id, now)
+                if output.finished:
+                    final[output.request_id] = output
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+    wall_s = time.perf_counter() - started
+    return {"ttft_s": [first[i] - started for i in ids], "wall_s": wall_s,
+            "cached_tokens": [final[i].num_cached_tokens for i in ids],
+            "token_ids": [final[i].token_ids for i in ids]}
+
+
+def prefix_workload(settings: BenchSettings, top: int) -> dict:
+    rng = random.Random(settings.seed)
+    shared = random_ids(rng, settings.scaled(PREFIX_SHARED), top)
+    return {"prompts": [shared + random_ids(rng, settings.scaled(PREFIX_SUFFIX), top)
+                        for _ in range(PREFIX_REQUESTS)],
+            "shared_tokens": len(shared),
+            "messages": [random_ids(rng, settings.scaled(CHAT_MESSAGE), top)
+                         for _ in range(CHAT_TURNS)]}
+
+
+def shared_prefix_run(llm, prompts: list[list[int]], params: SamplingParams) -> dict:
+    first = timed_requests(llm, prompts[:1], params)  # alone: with caching on it fills the cache
+    rest = timed_requests(llm, prompts[1:], params)
+    rest_ms = [1e3 * t for t in rest["ttft_s"]]
+    wall_s = first["wall_s"] + rest["wall_s"]
+    output_tokens = sum(len(ids) for run in (first, rest) for ids in run["token_ids"])
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"first_ttft_ms": 1e3 * first["ttft_s"][0],
+            "rest_ttft_ms_median": statistics.median(rest_ms), "rest_ttft_ms": rest_ms,
+            "first_cached_tokens": first["cached_tokens"][0],
+            "rest_cached_tokens": rest["cached_tokens"], "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "wall_s": wall_s,
+            "output_tok_s": output_tokens / wall_s,
+            "total_tok_s": (prompt_tokens + output_tokens) / wall_s}
+
+
+def chat_run(llm, messages: list[list[int]], params: SamplingParams) -> dict:
+    history, turns, wall_s, output_tokens = [], [], 0.0, 0
+    for number, message in enumerate(messages, start=1):
+        prompt = history + message
+        run = timed_requests(llm, [prompt], params)
+        reply = run["token_ids"][0]
+        history = prompt + reply
+        wall_s += run["wall_s"]
+        output_tokens += len(reply)
+        turns.append({"turn": number, "prompt_tokens": len(prompt),
+                      "cached_tokens": run["cached_tokens"][0],
+                      "ttft_ms": 1e3 * run["ttft_s"][0]})
+    return {"turns": turns, "turn1_ttft_ms": turns[0]["ttft_ms"],
+            "last_turn_ttft_ms": turns[-1]["ttft_ms"],
+            "last_over_first_ttft": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"],
+            "output_tokens": output_tokens, "wall_s": wall_s,
+            "output_tok_s": output_tokens / wall_s}
+
+
+def run_prefix(llm, settings: BenchSettings, device, log) -> dict:
+    """Both workloads with prefix caching on, then off, on the same engine; the cache is
+    emptied before each run (and the setting put back after)."""
+    top = max_token_id(llm)
+    work = prefix_workload(settings, top)
+    new_tokens = SamplingParams(temperature=0, max_tokens=settings.scaled(PREFIX_NEW_TOKENS),
+                                ignore_eos=True)
+    reply = SamplingParams(temperature=0, max_tokens=settings.scaled(CHAT_REPLY), ignore_eos=True)
+    longest = max(len(p) for p in work["prompts"]) + new_tokens.max_tokens
+    suffix_tokens = len(work["prompts"][0]) - work["shared_tokens"]
+    chat_tokens = CHAT_TURNS * (len(work["messages"][0]) + reply.max_tokens)
+    if max(longest, chat_tokens) > llm.engine.max_model_len:
+        raise OptionError(f"bench prefix needs a context of {max(longest, chat_tokens)} "
+                          f"tokens but the engine has {llm.engine.max_model_len}; raise "
+                          f"--max-model-len or lower --scale")
+    result = {"requests": PREFIX_REQUESTS, "shared_tokens": work["shared_tokens"],
+              "suffix_tokens": suffix_tokens, "new_tokens": new_tokens.max_tokens,
+              "chat_turns": CHAT_TURNS, "chat_message_tokens": len(work["messages"][0]),
+              "chat_reply_tokens": reply.max_tokens}
+    blocks = llm.engine.blocks
+    was_enabled = blocks.enable_caching
+    try:
+        # the first use of these step shapes, untimed, on other ids: a whole prompt alone,
+        # then the suffixes together
+        started = time.perf_counter()
+        blocks.enable_caching = False
+        rng = random.Random(settings.seed + 2)
+        timed_requests(llm, [random_ids(rng, len(work["prompts"][0]), top)], new_tokens)
+        timed_requests(llm, [random_ids(rng, suffix_tokens, top) for _ in work["prompts"][1:]],
+                       new_tokens)
+        result["warmup_s"] = time.perf_counter() - started
+        for label, enabled in (("cached", True), ("uncached", False)):
+            blocks.reset_prefix_cache()
+            blocks.enable_caching = enabled
+            queried, hits = blocks.num_queried_tokens, blocks.num_hit_tokens
+            run = {"shared_prefix": shared_prefix_run(llm, work["prompts"], new_tokens),
+                   "chat": chat_run(llm, work["messages"], reply)}
+            queried = blocks.num_queried_tokens - queried
+            run["hit_rate"] = (blocks.num_hit_tokens - hits) / queried if queried else 0.0
+            result[label] = run
+            shared, chat = run["shared_prefix"], run["chat"]
+            log(f"prefix, caching {'on' if enabled else 'off'}: shared prefix: first TTFT "
+                f"{shared['first_ttft_ms']:.2f} ms, the rest {shared['rest_ttft_ms_median']:.2f} "
+                f"ms (median), {shared['output_tok_s']:,.0f} output tok/s; chat: turn 1 TTFT "
+                f"{chat['turn1_ttft_ms']:.2f} ms, turn {CHAT_TURNS} {chat['last_turn_ttft_ms']:.2f} "
+                f"ms; prompt tokens from the cache {100 * run['hit_rate']:.0f}%")
+    finally:
+        blocks.reset_prefix_cache()
+        blocks.enable_caching = was_enabled
+    on, off = result["cached"], result["uncached"]
+    result["rest_ttft_on_over_off"] = (on["shared_prefix"]["rest_ttft_ms_median"]
+                                       / off["shared_prefix"]["rest_ttft_ms_median"])
+    result["last_turn_ttft_on_over_off"] = (on["chat"]["last_turn_ttft_ms"]
+                                            / off["chat"]["last_turn_ttft_ms"])
+    return result
+
+
 OUR_MODES = {"throughput": run_throughput, "latency": run_latency, "ttft": run_ttft,
-             "decode-sweep": run_decode_sweep}
+             "decode-sweep": run_decode_sweep, "prefix": run_prefix}
 
 
 # ---- the device: memory and bandwidth -----------------------------------------------------

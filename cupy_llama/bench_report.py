@@ -177,8 +177,28 @@ def sweep_batch(row: dict) -> str:
     return f"{row['batch']} ({row['max_num_seqs']} at a time)"
 
 
+def _prefix_rows(r: dict) -> list:
+    """Prefix caching on / off, side by side in cupy-llama's column."""
+    ours = r["cupy_llama"]
+    on, off = ours["cached"], ours["uncached"]
+
+    def pair(part, key, digits=2):
+        return f"{_num(on[part][key], digits)} / {_num(off[part][key], digits)}"
+
+    shared = f"{ours['requests']} x ({ours['shared_tokens']} shared + {ours['suffix_tokens']})"
+    turns = ours["chat_turns"]
+    return [("prefix", f"{shared}: first TTFT ms, cache on / off",
+             pair("shared_prefix", "first_ttft_ms")),
+            ("", "the rest: median TTFT ms", pair("shared_prefix", "rest_ttft_ms_median")),
+            ("", "output tok/s", pair("shared_prefix", "output_tok_s", 0)),
+            ("", f"{turns}-turn chat: turn-1 TTFT ms", pair("chat", "turn1_ttft_ms")),
+            ("", f"turn-{turns} TTFT ms", pair("chat", "last_turn_ttft_ms")),
+            ("", "prompt tokens from the cache",
+             f"{100 * on['hit_rate']:.0f}% / {100 * off['hit_rate']:.0f}%")]
+
+
 TABLE_ROWS = {"throughput": _throughput_rows, "latency": _latency_rows, "ttft": _ttft_rows,
-              "decode-sweep": _sweep_rows}
+              "decode-sweep": _sweep_rows, "prefix": _prefix_rows}
 
 
 def _gib(n) -> str:

@@ -410,7 +410,8 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
 # ---- bench --------------------------------------------------------------------------------
 
 @cli.command()
-@click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all")))
+@click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all",
+                                          "prefix")))
 @click.option("--model", "model_dir", type=click.Path(file_okay=False),
               help="Model directory. Default: a random-weight model of --preset's shape, "
                    "written once into the cache.")
@@ -427,7 +428,7 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
 @click.option("--max-num-batched-tokens", type=int, help="New tokens per step.")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 @click.option("--no-prefix-caching", "enable_prefix_caching", is_flag=True, flag_value=False,
-              default=None, help="Prefix caching off.")
+              default=None, help="Prefix caching off (bench prefix runs with it on and off).")
 @click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use.")
 @click.option("--num-requests", type=int, default=256, show_default=True,
               help="Requests in the throughput workload (fewer: for quick checks only).")
@@ -441,7 +442,8 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
 def bench(mode, **options):
     """Measure throughput, batch-1 latency, time to first token or decode speed by batch size.
 
-    MODE is throughput (the standard offline workload), latency, ttft, decode-sweep or all.
+    MODE is throughput (the standard offline workload), latency, ttft, decode-sweep, all (the
+    four), or prefix (shared-prefix and multi-turn workloads with prefix caching on and off).
     Statistics go to stderr while it runs, a table to stdout at the end.
     """
     from .bench import bench_command

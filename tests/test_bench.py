@@ -167,6 +167,43 @@ def test_ttft_and_decode_sweep(report_all):
         assert row["one_batch"] and row["max_num_seqs"] == 4
 
 
+def test_prefix_runs_both_workloads_with_caching_on_and_off(model_dir, tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix", "--model", str(model_dir), *QUICK, "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"prefix"}
+    result = report["results"]["prefix"]["cupy_llama"]
+    # lengths x 0.05: a 102-token shared prefix (6 full blocks), 3-token suffixes, 2 new
+    # tokens; chat messages of 5 tokens and replies of 2
+    assert (result["requests"], result["shared_tokens"], result["suffix_tokens"],
+            result["new_tokens"]) == (64, 102, 3, 2)
+    on, off = result["cached"], result["uncached"]
+    assert on["shared_prefix"]["first_cached_tokens"] == 0
+    assert on["shared_prefix"]["rest_cached_tokens"] == [96] * 63
+    assert off["shared_prefix"]["rest_cached_tokens"] == [0] * 63
+    for run in (on, off):
+        shared = run["shared_prefix"]
+        assert shared["output_tokens"] == 64 * 2 and len(shared["rest_ttft_ms"]) == 63
+        assert shared["output_tok_s"] == pytest.approx(shared["output_tokens"] / shared["wall_s"])
+        assert shared["rest_ttft_ms_median"] > 0 and shared["first_ttft_ms"] > 0
+        turns = run["chat"]["turns"]
+        assert [t["turn"] for t in turns] == list(range(1, 11))
+        # each turn sends the conversation so far: the previous prompt, its reply, 5 more
+        assert [t["prompt_tokens"] for t in turns] == [5 + 7 * i for i in range(10)]
+        assert run["chat"]["output_tokens"] == 10 * 2
+    # with the cache, a turn finds every full block of the conversation computed so far
+    # (all but the previous reply's last token)
+    assert [t["cached_tokens"] for t in on["chat"]["turns"]] == \
+        [0] + [(5 + 7 * i - 1) // 16 * 16 for i in range(9)]
+    assert all(t["cached_tokens"] == 0 for t in off["chat"]["turns"])
+    assert off["hit_rate"] == 0 and 0 < on["hit_rate"] < 1
+    assert result["rest_ttft_on_over_off"] == pytest.approx(
+        on["shared_prefix"]["rest_ttft_ms_median"] / off["shared_prefix"]["rest_ttft_ms_median"])
+    assert "prefix" in captured.out and "cache on / off" in captured.out
+    assert "prefix, caching on:" in captured.err and "prefix, caching off:" in captured.err
+
+
 def test_a_sweep_batch_past_max_num_seqs_says_how_it_ran():
     from cupy_llama.bench_report import sweep_batch
     assert sweep_batch({"batch": 3, "one_batch": True, "max_num_seqs": 4}) == "3"
@@ -234,6 +271,8 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
     (["bench", "ttft", "--json", __file__ + "/out.json"], 2, "is a file, not a folder"),
     (["bench", "ttft", "--json", "/proc/out.json"], 2, "cannot write '/proc/out.json'"),
     (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
+    (["bench", "prefix", "--hf"], 2, "bench prefix has no transformers baseline"),
+    (["bench", "prefix", "--no-prefix-caching"], 2, "drop --no-prefix-caching"),
 ])
 def test_usage_errors(args, code, message, capsys, tmp_path, monkeypatch):
     """Bad option values are usage errors (2), one line; a missing model is a runtime one.
@@ -275,3 +314,4 @@ def test_host_path_profiler_runs_the_real_engine():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "whole run, seconds:" in done.stdout and "total" in done.stdout
+
