@@ -315,3 +315,21 @@ def test_host_path_profiler_runs_the_real_engine():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "whole run, seconds:" in done.stdout and "total" in done.stdout
 
+
+def test_prefix_check_script_finds_no_difference_on_the_reference_backend(tmp_path):
+    """scripts/prefix_check.py (run on the GPU for the report) compares greedy outputs with
+    prefix caching on and off; on the float32 reference they must all be identical."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    model = make_random_model(tmp_path / "model", "tiny", seed=0, std=0.15)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prefix_check.py"
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, str(script), str(model), "--device", "cpu",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["identical"], report["of"]) == (8, 8)
+    assert [row["cached_tokens"] for row in report["prompts"]] == \
+        [shared // 16 * 16 for shared in (16, 17, 100, 255, 256, 512, 700, 1000)]
+    assert "8 of 8 identical" in done.stdout
