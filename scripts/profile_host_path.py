@@ -6,6 +6,7 @@ cost nothing: what Python spends between GPU steps on the standard offline workl
     python scripts/profile_host_path.py --stop '<|x|>'   # stop strings (per-token text)
     python scripts/profile_host_path.py --cprofile 25    # plus the top 25 functions
     python scripts/profile_host_path.py --scale 0.25     # shorter prompts and outputs
+    python scripts/profile_host_path.py --no-prefix-caching  # what hashing blocks costs
 
 The real engine runs (scheduler, block manager, model runner, LLMEngine with its
 detokenizing and outputs) on the workload of `cupy-llama bench throughput`: 256 requests,
@@ -108,7 +109,8 @@ def make_engine(args, folder: Path) -> tuple[LLMEngine, PhaseTimer]:
     config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
     tokenizer = load_tokenizer(config, folder)
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs,
-                                 max_num_batched_tokens=args.max_num_batched_tokens)
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 enable_prefix_caching=not args.no_prefix_caching)
     max_model_len = engine_config.resolved_max_model_len(config)
     backend = StubBackend(args.num_kv_blocks, engine_config.block_size, args.seed)
     engine = LLMEngine(config, tokenizer, backend, engine_config, max_model_len)
@@ -202,6 +204,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--num-kv-blocks", type=int, default=65536,
                         help="enough for the workload without preemption")
+    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="profile the steady decode steps; print the top N functions")
     run(parser.parse_args())
