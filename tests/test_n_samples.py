@@ -109,6 +109,24 @@ def test_greedy_samples_equal_the_single_greedy_output(any_llm):
     assert_all_blocks_free(any_llm)
 
 
+def test_each_sample_has_the_logprobs_of_its_own_tokens(any_llm):
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, n=3,
+                            logprobs=2)
+    outputs = any_llm.generate(ids(8, 21), params)
+    assert len({tuple(o.token_ids) for o in outputs}) == 3
+    for output in outputs:
+        assert [entry.token_id for entry in output.logprobs] == output.token_ids
+        assert all(len(entry.top) == 2 for entry in output.logprobs)
+    single = any_llm.generate(ids(8, 21), SamplingParams(temperature=1.0, seed=3, max_tokens=6,
+                                                         ignore_eos=True, logprobs=2))
+    # sample 0 is the request of that seed (float32 sums of other batch shapes: 1e-4)
+    assert single.token_ids == outputs[0].token_ids
+    for a, b in zip(single.logprobs, outputs[0].logprobs):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert_all_blocks_free(any_llm)
+
+
 def test_abort_ends_every_sample(any_llm):
     engine = any_llm.engine
     request_id = engine.add_request(ids(3, 25), sampled(3, max_tokens=50))
