@@ -116,10 +116,11 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def hashes(self, seq: Sequence) -> list[bytes]:
-        """seq.block_hashes extended over every full block of known tokens."""
+    def hashes(self, seq: Sequence, num_blocks: int | None = None) -> list[bytes]:
+        """seq.block_hashes extended over its first num_blocks full blocks (default: all of
+        them), as far as their tokens are known."""
         bs, hashes = self.block_size, seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // bs):
+        for i in range(len(hashes), seq.num_tokens // bs if num_blocks is None else num_blocks):
             token_ids = seq.token_slice(i * bs, (i + 1) * bs)
             if min(token_ids) < 0:  # a token still coming (a placeholder): not hashed
                 break
@@ -154,15 +155,14 @@ class BlockManager:
         step may have filled a block and when a sequence lets its blocks go."""
         if not self.enable_caching:
             return
-        bs, hashes = self.block_size, seq.block_hashes
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
-        while seq.num_hashed_blocks < num_full:
-            i = seq.num_hashed_blocks
-            if i == len(hashes):  # not hashed yet (a decode block, or past the lookup's)
-                token_ids = seq.token_slice(i * bs, (i + 1) * bs)
-                if min(token_ids) < 0:  # a token still coming: the block waits for it
-                    return
-                hashes.append(block_hash(hashes[-1] if i else ROOT_HASH, token_ids))
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if seq.num_hashed_blocks >= num_full:
+            return
+        # hashed as far as the tokens are known (a token still coming: its block waits);
+        # the blocks before the first offered may need hashes too, if the sequence took
+        # them from its parent with caching off
+        hashes = self.hashes(seq, num_full)
+        for i in range(seq.num_hashed_blocks, min(num_full, len(hashes))):
             digest = hashes[i]
             if digest not in self.cached:  # else another block holds it: this one stays private
                 block = seq.block_table[i]
