@@ -269,7 +269,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
 
 
 def test_preempts_the_newest_and_recomputes_it():
