@@ -167,6 +167,21 @@ def test_samples_fork_even_when_the_parent_has_ended(model_dir):
         assert_all_blocks_free(llm)
 
 
+def test_preemption_changes_no_sample(model_dir, llm):
+    """A pool too small for every sample at once: samples are preempted and recomputed
+    (seeded: they draw the same numbers again) and come out as with room to spare."""
+    prompts = [ids(20 + i, 20 + 7 * i) for i in range(6)]
+    params = sampled(3, seed=5, max_tokens=24)
+    ample = llm.generate(prompts, params)
+    for caching in (True, False):
+        tight = LLM(model_dir, device="cpu", log=None, num_kv_blocks=24, max_num_seqs=18,
+                    enable_prefix_caching=caching)
+        got = tight.generate(prompts, params)
+        assert tight.engine.scheduler.num_preemptions > 0, "no preemption"
+        assert [(o.index, o.token_ids) for o in got] == [(o.index, o.token_ids) for o in ample]
+        assert_all_blocks_free(tight)
+
+
 def test_generate_orders_by_prompt_then_index_and_chat_takes_n(llm):
     prompts = [ids(6, 20), ids(7, 33)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2)
