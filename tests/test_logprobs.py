@@ -30,6 +30,7 @@ def reference_log_softmax(llm, tokens: list[int], num_prompt: int) -> np.ndarray
         block_tables=np.repeat(table[None], len(ends), axis=0),
         max_query_len=int(np.diff(np.concatenate([[0], ends])).max()), max_seq_len=n)
     logits = forward(backend, llm.config, batch).astype(np.float64)
+    llm.engine.blocks.reset_prefix_cache()  # blocks 0 .. n now hold these tokens' K/V
     return logits - (logits.max(1, keepdims=True)
                      + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)))
 
