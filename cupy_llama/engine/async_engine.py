@@ -1,0 +1,515 @@
+"""The engine loop behind `cupy-llama serve`: an engine process, and the server's handle on it.
+
+```
+server process (asyncio)                         engine process
+  AsyncEngine.add / abort  ── frames over a ──►  _EngineLoop: take messages, LLMEngine.step(),
+  RequestStream per request ◄── socket pair ───  send every step's deltas and the stats
+```
+
+The engine runs in a process of its own, not in a thread beside the HTTP event loop. A
+thread would share the interpreter lock with the handlers, and under load the handlers
+need more host time than a step lasts: 256 streams on the H200 want about 250 outputs
+per 3-4 ms step, each a JSON chunk written to a socket (tens of microseconds apiece), while
+the step itself needs its host time to stay ahead of the GPU (0.87 ms per batch-1 step).
+Measured on the NumPy backend with the tiny test model, 2 cores (see the numbers in
+docs/ARCHITECTURE.md's serving section, and the report of `cupy-llama bench serve`):
+host time per step grows when the handlers share the engine's process and stays put when
+they do not. vLLM v1 (EngineCore) and SGLang (its scheduler process) split the same way.
+
+The channel: length-prefixed pickles of plain tuples and dicts over a Unix socket pair,
+both ends private to this program (pickle is never read from anywhere else). The engine
+process never blocks on the server: what the server has not read yet waits in the engine
+process's outbox while the engine keeps stepping; the server reads whatever has arrived
+at each turn of its event loop and hands each request's deltas to its RequestStream,
+which gives a handler everything that queued up since it last looked, so a handler that
+fell behind writes one merged chunk instead of a backlog of one chunk per token.
+
+Messages, server to engine: ("add", request_id, prompt_ids, params, stream),
+("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
+message) once, then ("out", deltas, rejected, stats) after every step (and after any
+message handled while idle), and ("crashed", traceback) if the loop dies. A delta is the
+plain tuple DELTA_FIELDS names (plain tuples pickle about 8x faster than named ones).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+# one engine output, as the engine process sends it: the text and token ids added since
+# the request's previous delta, "stop" / "length" / "abort" once it ends, the new tokens'
+# log-probabilities (None unless asked for) and the prompt tokens the prefix cache served
+DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
+                "num_cached_tokens")
+
+_HEADER = struct.Struct("<I")
+_READ_SIZE = 1 << 20
+STOP_TIMEOUT_S = 10.0  # how long close() waits for the engine process before killing it
+
+
+def _frame(message) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class _FrameReader:
+    """Splits a byte stream into the messages _frame() wrote."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        buffer = self._buffer
+        buffer += data
+        messages, start = [], 0
+        while len(buffer) - start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer, start)
+            end = start + _HEADER.size + length
+            if end > len(buffer):
+                break
+            messages.append(pickle.loads(bytes(buffer[start + _HEADER.size:end])))
+            start = end
+        del buffer[:start]
+        return messages
+
+
+# ---- the engine process ---------------------------------------------------------------
+
+class _Channel:
+    """The engine process's end: a non-blocking socket, an outbox for what the server has
+    not taken yet, select() to wait for work when the engine is idle."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        sock.setblocking(False)
+        self.reader = _FrameReader()
+        self.outbox = bytearray()
+
+    def send(self, message) -> None:
+        self.outbox += _frame(message)
+        self._flush()
+
+    def send_all_now(self, message) -> None:
+        """Send and wait until it is written (the last message before exiting)."""
+        self.send(message)
+        while self.outbox:
+            try:
+                select.select([], [self.sock], [], 5.0)
+                self._flush()
+            except OSError:
+                return
+
+    def _flush(self) -> None:
+        while self.outbox:
+            try:
+                sent = self.sock.send(self.outbox)
+            except (BlockingIOError, InterruptedError):
+                return
+            del self.outbox[:sent]
+
+    def receive(self, wait: bool) -> list | None:
+        """The messages that have arrived; with wait, blocks until there is one. Writes
+        the outbox meanwhile. None once the server has closed its end."""
+        messages: list = []
+        sock = self.sock
+        while True:
+            timeout = None if wait and not messages else 0
+            readable, writable, _ = select.select([sock], [sock] if self.outbox else [], [],
+                                                  timeout)
+            if writable:
+                self._flush()
+            if readable:
+                try:
+                    data = sock.recv(_READ_SIZE)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if not data:
+                    return None
+                messages.extend(self.reader.feed(data))
+                continue  # take whatever else is already there
+            if timeout == 0:
+                return messages
+
+
+class _EngineLoop:
+    """Steps the engine while requests arrive. Requests are added and aborted between
+    steps, in the order the server sent them."""
+
+    def __init__(self, engine, channel: _Channel):
+        self.engine = engine
+        self.channel = channel
+        self.num_adds = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0   # inside LLMEngine.step()
+        self.loop_seconds = 0.0   # whole turns that stepped: messages, step, sending
+
+    def run(self) -> None:
+        engine, channel = self.engine, self.channel
+        from ..errors import RequestError
+        while True:
+            busy = engine.has_unfinished_requests()
+            turn_started = time.perf_counter()
+            messages = channel.receive(wait=not busy)
+            if messages is None:
+                return  # the server is gone
+            if not busy:
+                turn_started = time.perf_counter()  # idle waiting is no part of a turn
+            deltas, rejected = [], []
+            for message in messages:
+                kind = message[0]
+                if kind == "add":
+                    _, request_id, prompt_ids, params, stream = message
+                    self.num_adds += 1
+                    try:
+                        engine.add_request(prompt_ids, params, request_id=request_id,
+                                           stream=stream)
+                    except RequestError as e:
+                        rejected.append((request_id, str(e)))
+                elif kind == "abort":
+                    output = engine.abort(message[1])
+                    if output is not None:
+                        deltas.append(_as_delta(output))
+                elif kind == "stop":
+                    for request_id in list(engine.requests):
+                        engine.abort(request_id)
+                    return
+            if engine.has_unfinished_requests():
+                started = time.perf_counter()
+                outputs = engine.step()
+                self.step_seconds += time.perf_counter() - started
+                self.num_steps += 1
+                deltas.extend(_as_delta(output) for output in outputs)
+                stepped = True
+            else:
+                stepped = False
+            if deltas or rejected or messages:
+                channel.send(("out", deltas, rejected, self.stats()))
+            if stepped:
+                self.loop_seconds += time.perf_counter() - turn_started
+
+    def stats(self) -> dict:
+        engine = self.engine
+        return {"num_running": len(engine.scheduler.running),
+                "num_waiting": len(engine.scheduler.waiting),
+                "num_free_blocks": engine.blocks.num_free_blocks,
+                "num_blocks": engine.blocks.num_blocks,
+                "num_preemptions": engine.scheduler.num_preemptions,
+                "num_adds": self.num_adds, "num_steps": self.num_steps,
+                "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds}
+
+
+def _as_delta(output) -> tuple:
+    """A RequestOutput as the plain tuple DELTA_FIELDS describes."""
+    num_new = len(output.delta_token_ids)
+    logprobs = getattr(output, "logprobs", None)
+    if logprobs is not None:
+        logprobs = [(entry.token_id, entry.logprob, list(entry.top))
+                    for entry in logprobs[len(logprobs) - num_new:]]
+    return (output.request_id, getattr(output, "index", 0), output.delta,
+            output.delta_token_ids, output.finish_reason, logprobs,
+            getattr(output, "num_cached_tokens", 0))
+
+
+def _engine_info(llm) -> dict:
+    engine = llm.engine
+    return {"device": llm.device, "max_model_len": engine.max_model_len,
+            "num_blocks": engine.blocks.num_blocks, "block_size": engine.blocks.block_size,
+            "max_num_seqs": llm.engine_config.max_num_seqs,
+            "load_seconds": llm.load_seconds, "pid": os.getpid()}
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _stderr_fd() -> int | None:
+    """Where the engine process's stdout goes: the server's stderr (its stdout carries
+    only the ready line), or the server's stdout when stderr is no file."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def engine_process_main(fd: int) -> None:
+    """The engine process: read the settings, load the model, run the loop."""
+    # Ctrl-C reaches the whole process group and a service manager may signal every
+    # process of the server: the server decides when the engine stops (a "stop" message,
+    # or its end of the socket closing)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = _Channel(socket.socket(fileno=fd))
+    settings = channel.receive(wait=True)
+    if not settings:
+        return
+    _, model_dir, device, engine_options = settings[0]
+    from ..errors import CupyLlamaError, OptionError
+    from ..llm import LLM
+    try:
+        llm = LLM(model_dir, device=device, log=_stderr, **engine_options)
+    except OptionError as e:
+        return channel.send_all_now(("failed", "option", str(e)))
+    except CupyLlamaError as e:
+        return channel.send_all_now(("failed", "error", str(e)))
+    except MemoryError as e:
+        detail = (str(e).strip().splitlines() or ["out of memory"])[0]
+        return channel.send_all_now(("failed", "memory", detail))
+    except BaseException:
+        return channel.send_all_now(("failed", "crash", traceback.format_exc()))
+    try:
+        channel.send(("ready", _engine_info(llm)))
+        _EngineLoop(llm.engine, channel).run()
+    except BaseException:
+        channel.send_all_now(("crashed", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        close = getattr(llm, "close", None)
+        if close is not None:
+            close()
+
+
+# ---- the server's side ----------------------------------------------------------------
+
+class EngineStartError(Exception):
+    """The engine process could not load the model. kind: "option" (a bad engine option),
+    "error" (a model or device error the user can fix), "memory" or "crash"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    device: str
+    max_model_len: int      # the longest sequence (prompt + output) the engine runs
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    load_seconds: float
+    pid: int
+
+
+class Rejected:
+    """A request the engine refused (its message says why)."""
+    __slots__ = ("request_id", "message")
+
+    def __init__(self, request_id: str, message: str):
+        self.request_id, self.message = request_id, message
+
+
+class EngineStopped:
+    """The engine process is gone: no more outputs will come."""
+    __slots__ = ()
+
+
+ENGINE_STOPPED = EngineStopped()
+
+
+class RequestStream:
+    """What the engine sent for one server request (one or more engine requests): get()
+    waits for the first item and returns every item queued since the last get()."""
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> list:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, engine: "AsyncEngine"):
+        self.engine = engine
+        self.reader = _FrameReader()
+
+    def data_received(self, data: bytes) -> None:
+        for message in self.reader.feed(data):
+            self.engine._on_message(message)
+
+    def connection_lost(self, exc) -> None:
+        self.engine._on_connection_lost()
+
+
+class AsyncEngine:
+    """The server's handle on the engine process. Call from the event loop's thread only.
+
+    >>> engine = AsyncEngine(model_dir, "cpu", {})
+    >>> info = await engine.start()
+    >>> stream = RequestStream(); engine.add("r1", [1, 2, 3], SamplingParams(), True, stream)
+    >>> deltas = await stream.get()   # tuples, see DELTA_FIELDS
+    """
+
+    def __init__(self, model_dir, device: str, engine_options: dict, log=_stderr,
+                 on_stopped=None):
+        self.model_dir = str(model_dir)
+        self.device = device
+        self.engine_options = dict(engine_options)
+        self.log = log
+        self.on_stopped = on_stopped  # called once if the engine process goes away by itself
+        self.info: EngineInfo | None = None
+        self.stats: dict = {}
+        self.process: subprocess.Popen | None = None
+        self._transport = None
+        self._ready: asyncio.Future | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._num_unfinished: dict[str, int] = {}  # choices still running, per request
+        self._num_adds_sent = 0
+        self._stopping = False
+        self._stopped = False
+
+    # ---- lifetime ----------------------------------------------------------------------
+    async def start(self) -> EngineInfo:
+        """Start the engine process and wait until its model is loaded. EngineStartError
+        if it cannot be."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH"))
+                                            if p)
+        code = ("from cupy_llama.engine.async_engine import engine_process_main; "
+                f"engine_process_main({theirs.fileno()})")
+        try:
+            self.process = subprocess.Popen([sys.executable, "-c", code],
+                                            pass_fds=[theirs.fileno()], env=env,
+                                            stdin=subprocess.DEVNULL, stdout=_stderr_fd())
+        finally:
+            theirs.close()
+        self._ready = loop.create_future()
+        self._transport, _ = await loop.create_unix_connection(lambda: _Connection(self),
+                                                               sock=ours)
+        self._send(("settings", self.model_dir, self.device, self.engine_options))
+        self.info = await self._ready
+        return self.info
+
+    async def close(self) -> None:
+        """Stop the engine process (it aborts what still runs and frees the device)."""
+        self._stopping = True
+        if self._transport is not None and not self._transport.is_closing():
+            self._send(("stop",))
+        process = self.process
+        if process is None:
+            return
+        if self.info is None and process.poll() is None:
+            process.kill()  # still loading: nothing to finish, nothing to hand back
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if process.poll() is None:
+            self.log(f"warning: the engine process did not stop within {STOP_TIMEOUT_S:g} s; "
+                     "killing it")
+            process.kill()
+            process.wait()
+        if self._transport is not None:
+            self._transport.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self.info is not None and not self._stopped
+
+    # ---- requests ----------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int], params, stream: bool,
+            sink: RequestStream) -> None:
+        """Queue a request; its deltas (and a Rejected if the engine refuses it, or
+        ENGINE_STOPPED) go to sink. stream=False: only the final delta comes."""
+        if self._stopped:
+            sink.put(ENGINE_STOPPED)
+            return
+        self._streams[request_id] = sink
+        self._num_unfinished[request_id] = getattr(params, "n", 1)
+        self._num_adds_sent += 1
+        self._send(("add", request_id, prompt_ids, params, stream))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the engine's next step. Its final
+        delta (finish_reason "abort") still goes to its stream."""
+        if request_id in self._streams and not self._stopped:
+            self._send(("abort", request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: the engine's queue as of its last step, plus the ones
+        sent since that it has not taken in."""
+        taken = self.stats.get("num_adds", 0)
+        return self.stats.get("num_waiting", 0) + self._num_adds_sent - taken
+
+    @property
+    def num_queued(self) -> int:
+        """Requests that will still wait once every free sequence slot is filled: those a
+        new request would queue behind."""
+        free_slots = self.info.max_num_seqs - self.stats.get("num_running", 0)
+        return max(0, self.num_waiting - max(0, free_slots))
+
+    def _send(self, message) -> None:
+        self._transport.write(_frame(message))
+
+    # ---- what the engine process says --------------------------------------------------
+    def _on_message(self, message) -> None:
+        kind = message[0]
+        if kind == "out":
+            _, deltas, rejected, self.stats = message
+            streams, unfinished = self._streams, self._num_unfinished
+            for delta in deltas:
+                request_id = delta[0]
+                sink = streams.get(request_id)
+                if sink is None:
+                    continue
+                sink.put(delta)
+                finish_reason = delta[4]
+                if finish_reason is not None:
+                    unfinished[request_id] -= 1
+                    if finish_reason == "abort" or not unfinished[request_id]:
+                        del streams[request_id], unfinished[request_id]
+            for request_id, reason in rejected:
+                sink = streams.pop(request_id, None)
+                unfinished.pop(request_id, None)
+                if sink is not None:
+                    sink.put(Rejected(request_id, reason))
+        elif kind == "ready":
+            self._ready.set_result(EngineInfo(**message[1]))
+        elif kind == "failed":
+            _, failure, text = message
+            if not self._ready.done():
+                self._ready.set_exception(EngineStartError(failure, text))
+        elif kind == "crashed":
+            self.log(f"error: the engine loop failed:\n{message[1]}")
+
+    def _on_connection_lost(self) -> None:
+        self._stopped = True
+        if self._ready is not None and not self._ready.done():
+            code = self.process.wait() if self.process is not None else None
+            self._ready.set_exception(EngineStartError(
+                "crash", f"the engine process exited (code {code}) while loading the "
+                         "model; see the messages above"))
+            return
+        for sink in self._streams.values():
+            sink.put(ENGINE_STOPPED)
+        self._streams.clear()
+        self._num_unfinished.clear()
+        if self.info is not None and not self._stopping and self.on_stopped is not None:
+            self.on_stopped()
