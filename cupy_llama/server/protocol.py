@@ -1,0 +1,554 @@
+"""The OpenAI protocol: one request model and one response builder per endpoint, free of
+HTTP, so the server and a batch front end reading OpenAI batch files build the same bodies
+from the same plain dicts and RequestOutputs.
+
+A request body (a dict) becomes prompts plus SamplingParams here, and engine outputs
+become OpenAI JSON:
+
+    request = parse(CompletionRequest, body)              # APIError(400) if malformed
+    prompts = request.prompt_token_ids(tokenizer, vocab_size)
+    params = [request.sampling_params(len(p), max_model_len, defaults) for p in prompts]
+    ... run them: one list of RequestOutputs per prompt ...
+    completion_response(request, "cmpl-1", created, "model", outputs, token_strings)
+
+Fields a client sends that this module does not know are ignored (clients send many);
+known fields that would change what is generated and are not done here are a 400 naming
+the field (UNSUPPORTED). Omitted sampling fields take the model's generation_config.json
+defaults, greedy unless it says do_sample, as everywhere in cupy-llama.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import CupyLlamaError, RequestError
+from ..outputs import is_token_id
+from ..sampling import SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+MAX_LOGPROBS = 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A generation the server had to cut short (it is shutting down) reports "length": the text
+# is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def request_error(message: str) -> APIError:
+    """A message of the engine's own checks (SamplingParams, the scheduler) as a 400; a
+    message that starts with a sampling field's name names that field."""
+    first = message.split(" ", 1)[0]
+    return APIError(400, message, param=first if first in SAMPLING_FIELDS else None)
+
+
+# ---- parsing --------------------------------------------------------------------------
+
+class _Model(BaseModel):
+    # unknown fields are ignored; known ones have exactly their JSON types (no "5" for 5)
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def parse(model: type[_Model], body) -> _Model:
+    """Validate a decoded JSON body; APIError(400) naming the first field at fault."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got "
+                            f"{_json_type(body)}")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    request.check_supported()
+    return request
+
+
+def validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    path = _field_path(first["loc"])
+    if first["type"] == "missing":
+        message = f"{path} is required"
+    else:
+        message = f"{path}: {first['msg']}"
+        if "input" in first:
+            message += f" (got {_preview(first['input'])})"
+    if len(errors) > 1:
+        message += f"; and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''}"
+    return APIError(400, message, param=path or None)
+
+
+def _field_path(loc) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _preview(value, limit: int = 60) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+# ---- known fields this server does not do ---------------------------------------------
+
+def _off(*harmless):
+    """The field is fine when absent or one of these values (which change nothing)."""
+    return lambda value, request: value in harmless or value is None
+
+
+# field -> whether its value is one this server can honour (it changes nothing)
+UNSUPPORTED = {
+    "frequency_penalty": _off(0), "presence_penalty": _off(0), "logit_bias": _off({}),
+    "echo": _off(False), "suffix": _off(""),
+    "best_of": lambda value, request: value is None or value == request.n,
+    "tools": _off([]), "functions": _off([]), "tool_choice": _off("none", "auto"),
+    "function_call": _off("none", "auto"),
+    "response_format": lambda value, request: value is None or value == {"type": "text"},
+    "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
+    # vLLM's sampling extensions beside top_k, min_p and ignore_eos, which are done here
+    "repetition_penalty": _off(1), "min_tokens": _off(0), "stop_token_ids": _off([]),
+    "include_stop_str_in_output": _off(False), "skip_special_tokens": _off(True),
+    "prompt_logprobs": _off(), "use_beam_search": _off(False), "guided_json": _off(),
+    "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
+}
+
+
+class _Unsupported:
+    """Declares the UNSUPPORTED fields a request model knows (as Any: any value that is not
+    harmless is refused by name, whatever its type)."""
+
+    def check_supported(self) -> None:
+        for name in type(self).model_fields:
+            allowed = UNSUPPORTED.get(name)
+            value = getattr(self, name)
+            if allowed is not None and not allowed(value, self):
+                raise APIError(400, f"{name} is not supported by this server (got "
+                                    f"{_preview(value)}); remove it from the request",
+                               param=name, code="unsupported_parameter")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Unsupported, _Model):
+    """What completions and chat completions share."""
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None      # vLLM's extension; -1 means off, as there
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None       # accepted and not used
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    best_of: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true",
+                           param="stream_options")
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (got {self.n}): more than one choice per "
+                                "prompt is not supported yet", param="n",
+                           code="unsupported_parameter")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens_field: str, requested: int | None,
+                         num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
+                         default_max_tokens: int | None, prompt_field: str) -> SamplingParams:
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
+                                f"limit is {max_model_len} (prompt plus at least one new "
+                                f"token); shorten the prompt", param=prompt_field,
+                           code="context_length_exceeded")
+        if requested is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        elif requested < 1:
+            raise APIError(400, f"{max_tokens_field} must be at least 1, got {requested}",
+                           param=max_tokens_field)
+        elif requested > room:
+            raise APIError(400, f"{num_prompt_tokens} prompt tokens + {max_tokens_field} "
+                                f"{requested} = {num_prompt_tokens + requested} tokens, past "
+                                f"the context limit of {max_model_len}; ask for at most "
+                                f"{room} tokens or shorten the prompt",
+                           param=max_tokens_field, code="context_length_exceeded")
+        else:
+            max_tokens = requested
+        values = {name: getattr(self, name) for name in
+                  ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+                  if getattr(self, name) is not None}
+        if values.get("top_k") == -1:
+            values["top_k"] = 0
+        values["max_tokens"] = max_tokens
+        values["ignore_eos"] = self.ignore_eos
+        try:
+            return SamplingParams.from_dict(values, model_defaults)
+        except RequestError as e:
+            raise request_error(str(e)) from None
+
+
+# ---- /v1/completions ------------------------------------------------------------------
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = Field()  # a string, strings, token ids or lists of them: checked below
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: Any = None
+    suffix: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported yet", param="logprobs",
+                           code="unsupported_parameter")
+
+    def prompt_token_ids(self, tokenizer, vocab_size: int) -> list[list[int]]:
+        """One list of ids per prompt: strings are tokenized as a completion prompt is
+        (with the tokenizer's special tokens, BOS), token ids are checked."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [_encode(tokenizer, prompt, "prompt")]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [_encode(tokenizer, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            if all(is_token_id(t) for t in prompt):
+                return [_check_ids(prompt, vocab_size, "prompt")]
+            if all(isinstance(p, list) for p in prompt):
+                return [_check_ids(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "prompt is an empty list; send a string, a list of strings, "
+                                "token ids or a list of token-id lists", param="prompt")
+        raise APIError(400, f"prompt must be a string, a list of strings, a list of token "
+                            f"ids or a list of token-id lists (got {_preview(prompt)})",
+                       param="prompt")
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                        model_defaults: dict) -> SamplingParams:
+        """max_tokens left out: OpenAI's 16, or what the context leaves if less."""
+        return self._sampling_params("max_tokens", self.max_tokens, num_prompt_tokens,
+                                     max_model_len, model_defaults,
+                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+
+def _encode(tokenizer, text: str, param: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except RequestError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def _check_ids(ids: list, vocab_size: int, param: str) -> list[int]:
+    if not ids:
+        raise APIError(400, f"{param} is an empty list of token ids; give at least one",
+                       param=param)
+    for token_id in ids:
+        if not is_token_id(token_id):
+            raise APIError(400, f"{param} must hold only token ids (integers), got "
+                                f"{_preview(token_id)}", param=param)
+        if not 0 <= token_id < vocab_size:
+            raise APIError(400, f"{param}: token id {token_id} is outside the vocabulary "
+                                f"[0, {vocab_size})", param=param)
+    return list(ids)
+
+
+def completion_response(request: CompletionRequest, response_id: str, created: int,
+                        model: str, outputs: list[list], token_strings=None) -> dict:
+    """The body of a non-streamed completion. outputs: for each prompt, its RequestOutputs
+    (one per choice). Choice i * n + j is prompt i's choice j."""
+    choices = []
+    for i, prompt_outputs in enumerate(outputs):
+        for output in sorted(prompt_outputs, key=_index):
+            choices.append({"index": i * request.n + _index(output), "text": output.text,
+                            "logprobs": None,
+                            "finish_reason": FINISH_REASONS[output.finish_reason]})
+    return {"id": response_id, "object": "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_of(outputs)}
+
+
+class CompletionStream:
+    """The chunks of a streamed completion, in order: chunk() for each new piece of a
+    choice's text, usage_chunk() last when request.include_usage."""
+
+    def __init__(self, request: CompletionRequest, response_id: str, created: int,
+                 model: str, token_strings=None):
+        self.include_usage = request.include_usage
+        self._head = {"id": response_id, "object": "text_completion", "created": created,
+                      "model": model}
+
+    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None,
+                  "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
+        body = {**self._head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._head, "choices": [], "usage": usage}
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}  # OpenAI's "developer" is the system role renamed
+
+
+class ChatMessage(_Model):
+    role: str
+    content: Any = None        # a string or [{"type": "text", "text": ...}, ...]: checked below
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    echo: Any = None
+    parallel_tool_calls: bool | None = None  # only means something with tools: ignored
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs is not supported yet",
+                           param="logprobs" if self.logprobs else "top_logprobs",
+                           code="unsupported_parameter")
+
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them: {"role", "content"} with the
+        content's text parts joined by newlines."""
+        conversation = []
+        for i, message in enumerate(self.messages):
+            where = f"messages[{i}]"
+            role = CHAT_ROLES.get(message.role)
+            if role is None:
+                tools = " (tools are not supported)" if message.role in ("tool", "function") else ""
+                raise APIError(400, f"{where}.role {message.role!r} is not supported{tools}; "
+                                    f"use system, developer, user or assistant",
+                               param=f"{where}.role")
+            for name in ("tool_calls", "function_call"):
+                if getattr(message, name):
+                    raise APIError(400, f"{where}.{name} is not supported (tools are not "
+                                        "supported)", param=f"{where}.{name}",
+                                   code="unsupported_parameter")
+            entry = {"role": role, "content": _message_text(message, role, where)}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        return conversation
+
+    def prompt_token_ids(self, tokenizer) -> list[int]:
+        """The prompt the model's chat template renders, ending in the assistant's turn."""
+        try:
+            return tokenizer.encode_chat(self.conversation(), add_generation_prompt=True)
+        except CupyLlamaError as e:  # the template refused the messages, or there is none
+            raise APIError(400, str(e), param="messages") from None
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                        model_defaults: dict) -> SamplingParams:
+        """max_completion_tokens (or the older max_tokens) left out: what the context leaves."""
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return self._sampling_params(field, getattr(self, field), num_prompt_tokens,
+                                     max_model_len, model_defaults, None, "messages")
+
+
+def _message_text(message: ChatMessage, role: str, where: str) -> str:
+    content = message.content
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            here = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                got = _preview(kind) if isinstance(part, dict) else _json_type(part)
+                raise APIError(400, f"{here}.type must be 'text' (got {got}): only text "
+                                    "content is supported", param=f"{here}.type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{here}.text must be a string", param=f"{here}.text")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(400, f"{where}.content must be a string or a list of "
+                        f"{{\"type\": \"text\", \"text\": ...}} parts (got {_json_type(content)})",
+                   param=f"{where}.content")
+
+
+def chat_completion_response(request: ChatCompletionRequest, response_id: str, created: int,
+                             model: str, outputs: list, token_strings=None) -> dict:
+    """The body of a non-streamed chat completion; outputs: the RequestOutputs, one per
+    choice."""
+    choices = []
+    for output in sorted(outputs, key=_index):
+        choices.append({"index": _index(output),
+                        "message": {"role": "assistant", "content": output.text},
+                        "logprobs": None,
+                        "finish_reason": FINISH_REASONS[output.finish_reason]})
+    return {"id": response_id, "object": "chat.completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_of([outputs])}
+
+
+class ChatCompletionStream:
+    """The chunks of a streamed chat completion: each choice's first delta carries the
+    role; usage_chunk() last when request.include_usage."""
+
+    def __init__(self, request: ChatCompletionRequest, response_id: str, created: int,
+                 model: str, token_strings=None):
+        self.include_usage = request.include_usage
+        self._head = {"id": response_id, "object": "chat.completion.chunk",
+                      "created": created, "model": model}
+        self._started: set[int] = set()
+
+    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
+        if index in self._started:
+            delta = {"content": text} if text else {}
+        else:
+            self._started.add(index)
+            delta = {"role": "assistant", "content": text}
+        choice = {"index": index, "delta": delta, "logprobs": None,
+                  "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
+        body = {**self._head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._head, "choices": [], "usage": usage}
+
+
+# ---- usage ----------------------------------------------------------------------------
+
+def _index(output) -> int:
+    return getattr(output, "index", 0)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(outputs: list[list]) -> dict:
+    """Usage of one request: each prompt counts once, every choice's tokens count."""
+    prompt_tokens = sum(len(group[0].prompt_token_ids) for group in outputs if group)
+    completion_tokens = sum(len(o.token_ids) for group in outputs for o in group)
+    return usage(prompt_tokens, completion_tokens)
+
+
+# ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
+
+def model_list(name: str, created: int, max_model_len: int) -> dict:
+    return {"object": "list", "data": [model_card(name, created, max_model_len)]}
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "cupy-llama",
+            "max_model_len": max_model_len}
+
+
+class TokenizeRequest(_Unsupported, _Model):
+    """{"prompt": text} (tokenized as a completion prompt is) or {"messages": [...]} (as a
+    chat prompt is, through the chat template)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    def token_ids(self, tokenizer) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt (a string) or messages (a chat)",
+                           param="prompt")
+        if self.messages is not None:
+            chat = ChatCompletionRequest.model_validate({"messages": self.messages})
+            return chat.prompt_token_ids(tokenizer)
+        try:
+            return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+        except RequestError as e:
+            raise APIError(400, f"prompt: {e}", param="prompt") from None
+
+
+def tokenize_response(token_ids: list[int], max_model_len: int) -> dict:
+    return {"tokens": token_ids, "count": len(token_ids), "max_model_len": max_model_len}
+
+
+class DetokenizeRequest(_Unsupported, _Model):
+    model: str | None = None
+    tokens: list[int]
+
+    def text(self, tokenizer) -> str:
+        """The ids' text, special tokens included (the inverse of /tokenize)."""
+        try:
+            return tokenizer.decode(self.tokens, skip_special_tokens=False)
+        except RequestError as e:
+            raise APIError(400, f"tokens: {e}", param="tokens") from None
+
+
+def detokenize_response(text: str) -> dict:
+    return {"prompt": text}
