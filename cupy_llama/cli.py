@@ -407,6 +407,109 @@ def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str,
                          f"{backend.num_kv_blocks * backend.block_size} tokens")]
 
 
+# ---- serve --------------------------------------------------------------------------------
+
+SERVE_ENGINE_NAMES = (*ENGINE_NAMES, "block_size", "enforce_eager")
+SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free one; the ready line says which).")
+@click.option("--api-key", envvar="CUPY_LLAMA_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on the API (default: "
+                   "$CUPY_LLAMA_API_KEY, else no key).")
+@click.option("--served-model-name", help="The model's name in the API (default: the "
+              "--model argument as given).")
+@device_option
+@click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Requests that may wait for a free sequence slot; past that, 503 with "
+                   "Retry-After.")
+@click.option("--log-requests", is_flag=True, help="Also log request bodies and generated "
+              "text (by default the log holds method, path, status and time only).")
+@engine_options
+@click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
+@click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off.")
+def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
+          log_requests, **options):
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
+
+    Prints one line with the URL once the model is loaded; Ctrl-C or SIGTERM stops it.
+    """
+    engine = _given(options, SERVE_ENGINE_NAMES)
+    _check_options({}, engine)
+    for package in SERVE_PACKAGES:
+        try:
+            __import__(package)
+        except ImportError:
+            raise CupyLlamaError(f"cupy-llama serve needs the serve extra ({package} is not "
+                                 "installed): pip install 'cupy-llama[serve]'") from None
+    from .config import ModelConfig
+    from .engine.async_engine import EngineStartError
+    from .server.app import ServerSettings, run_server
+    from .tokenizer import Tokenizer
+
+    name = served_model_name or model_dir
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        model_dir, name = _demo_model_dir(), served_model_name or DEMO_NAME
+    config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, config)
+    sock = _listen(host, port)
+    settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
+                              device=device, engine_options=engine, api_key=api_key or None,
+                              max_waiting=max_waiting, log_requests=log_requests)
+    try:
+        run_server(settings, sock, tokenizer, config)
+    except EngineStartError as e:
+        if e.kind == "option":
+            raise OptionError(str(e)) from None
+        if e.kind == "memory":
+            raise MemoryError(str(e)) from None
+        if e.kind == "crash":
+            _log(str(e).rstrip())
+            raise CupyLlamaError("the engine process failed while loading the model (the "
+                                 "traceback is above)") from None
+        raise CupyLlamaError(str(e)) from None
+    except RuntimeError as e:  # the engine process died while serving
+        raise CupyLlamaError(str(e)) from None
+    finally:
+        sock.close()
+    return EXIT_OK
+
+
+def _listen(host: str, port: int):
+    """The server's listening socket, bound before the model loads: a port in use is a
+    one-line error at once."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OptionError(f"--host {host!r} is not an address this machine has ({e.strerror})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CupyLlamaError(f"port {port} on {host} is in use; stop what listens there or "
+                                 f"pick another --port") from None
+        raise CupyLlamaError(f"cannot listen on {host} port {port} ({e.strerror}); pick "
+                             f"another --host or --port") from None
+    return sock
+
+
 # ---- bench --------------------------------------------------------------------------------
 
 @cli.command()
