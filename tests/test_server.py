@@ -1,0 +1,524 @@
+"""`cupy-llama serve` as a real subprocess on 127.0.0.1 (a free port, the tiny random model,
+the NumPy backend), talked to with the official `openai` client and with raw HTTP: the
+protocol, outputs equal to LLM.generate, bad input, disconnects and a bounded load test.
+One server serves the whole module (test_server_shutdown.py starts its own)."""
+import asyncio
+import json
+import os
+import random
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import openai
+import pytest
+
+from cupy_llama import SamplingParams
+
+KEY = "test-key-4f1c"
+READY_TIMEOUT_S = 90
+READY_LINE = re.compile(r"^serving '(.*)' at (http://\S+)/v1 ")
+
+
+class ServerProcess:
+    """`python -m cupy_llama.cli serve ...` in its own process group; url is set once it
+    prints its ready line. stop() always ends it (SIGKILL to the group past a deadline)."""
+
+    def __init__(self, model_dir, *args, env=None, wait=True):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve-", suffix=".log")
+        # one BLAS thread: on a small shared machine the tiny model's steps run several
+        # times faster than with OpenBLAS's threads contending for the cores
+        environment = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                       **(env or {})}
+        self.command = [sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
+                        str(model_dir), "--device", "cpu", "--port", "0", *args]
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, start_new_session=True, env=environment)
+        self.url = None
+        if wait:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if readable:
+                match = READY_LINE.match(self.proc.stdout.readline())
+                if match:
+                    self.url = match.group(2)
+                    return self.url
+            if self.proc.poll() is not None:
+                break
+        raise AssertionError(f"the server did not get ready (exit code {self.proc.poll()}):\n"
+                             f"{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def engine_pid(self) -> int:
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return int(f.read().split()[0])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    # the key comes from the environment, as a deployment would pass it
+    process = ServerProcess(model_dir, "--served-model-name", "tiny", "--max-num-seqs", "8",
+                            "--max-waiting", "64", env={"CUPY_LLAMA_API_KEY": KEY})
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as session:
+        yield session
+
+
+def greedy(llm, prompt, max_tokens, **params):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **params))
+
+
+def sse_events(response) -> list:
+    """The data of each event of a streamed response; the last one must be [DONE]."""
+    events = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^cupy_llama:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert match, f"no {name} in /metrics"
+    return float(match.group(1))
+
+
+def wait_until_idle(http, timeout: float) -> str:
+    """/metrics until no request runs or waits and no KV block is in use (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = http.get("/metrics").text
+        if (metric(text, "num_requests_running") == 0 and metric(text, "num_requests_waiting") == 0
+                and metric(text, "kv_cache_usage_perc") == 0):
+            return text
+        assert time.monotonic() < deadline, f"not idle after {timeout} s:\n{text}"
+        time.sleep(0.02)
+
+
+# ---- the API ------------------------------------------------------------------------------
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    assert httpx.get(server.url + "/health").status_code == 200   # no key needed
+
+
+def test_completion_equals_generate_with_true_usage(client, llm):
+    response = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12,
+                                         temperature=0)
+    want = greedy(llm, "Hello there", 12)
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason, choice.index) == (want.text, "length", 0)
+    assert response.object == "text_completion" and response.model == "tiny"
+    assert response.usage.prompt_tokens == len(llm.tokenizer.encode("Hello there"))
+    assert response.usage.completion_tokens == len(want.token_ids) == 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def test_completion_prompt_forms(client, llm):
+    texts = ["abc", "Hello there"]
+    ids = [llm.tokenizer.encode(text) for text in texts]
+    wanted = [greedy(llm, text, 5).text for text in texts]
+    for prompt in (texts, ids):
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=5,
+                                             temperature=0)
+        assert [c.index for c in response.choices] == [0, 1]
+        assert [c.text for c in response.choices] == wanted
+        assert response.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+        assert response.usage.completion_tokens == 10
+    single = client.completions.create(model="tiny", prompt=ids[1], max_tokens=5, temperature=0)
+    assert single.choices[0].text == wanted[1]
+
+
+def test_streamed_completion(http, llm):
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    want = greedy(llm, "Once upon a time", 16)
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"] == {
+        "prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 16, "total_tokens":
+        len(want.prompt_token_ids) + 16}
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "length" and reasons.count("length") == 1 and set(reasons) == {None, "length"}
+
+
+def test_chat_streamed_and_not(client, http, llm):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "there"}]}]
+    joined = [messages[0], {"role": "user", "content": "Hi\nthere"}]
+    prompt = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert prompt == llm.tokenizer.encode_chat(joined)
+    want = greedy(llm, prompt, 10)
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                              temperature=0)
+    (choice,) = response.choices
+    assert (choice.message.role, choice.message.content) == ("assistant", want.text)
+    assert choice.finish_reason == "length" and response.object == "chat.completion"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), 10)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert [c.choices[0].finish_reason for c in chunks].count("length") == 1
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client, http, llm):
+    full = greedy(llm, "abc", 24).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    want = greedy(llm, "abc", 24, stop=[stop])
+    assert want.finish_reason == "stop" and want.text == full[:full.find(stop)]
+    response = client.completions.create(model="tiny", prompt="abc", max_tokens=24, temperature=0,
+                                         stop=stop)
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (want.text, "stop")
+    assert response.usage.completion_tokens == len(want.token_ids)
+    body = {"prompt": "abc", "max_tokens": 24, "temperature": 0, "stop": [stop, "\u2603\u2603"],
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as streamed:
+        chunks = sse_events(streamed)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == want.text
+    assert not any(stop[0] == t[-1:] and i < len(texts) - 1 for i, t in enumerate(texts)
+                   if stop[0] not in want.text)  # no piece of the stop string shows early
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+
+
+def test_same_seed_same_sample(client, llm):
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt="Hello there", max_tokens=12,
+                                         temperature=1.0, top_p=1.0, seed=seed).choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    want = llm.generate("Hello there", SamplingParams(temperature=1.0, top_p=1.0, seed=7,
+                                                       max_tokens=12))
+    assert first == want.text
+
+
+def test_sixteen_concurrent_streams_equal_generate(server, llm):
+    rng = random.Random(3)
+    prompts = [[rng.randint(0, 255) for _ in range(rng.randint(3, 40))] for _ in range(16)]
+    lengths = [rng.randint(4, 20) for _ in prompts]
+    wanted = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
+
+    async def one(client, prompt, n):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                                 temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    assert asyncio.run(main()) == [w.text for w in wanted]
+
+
+def test_max_tokens_left_out(client, http, llm):
+    # completions: OpenAI's 16; chat: the rest of the context (long here: 4 tokens asked)
+    response = client.completions.create(model="tiny", prompt="abc", temperature=0)
+    assert response.usage.completion_tokens == 16
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    long_prompt = list(range(10, 250)) * ((context - 3) // 240) + [10] * ((context - 3) % 240)
+    assert len(long_prompt) == context - 3
+    capped = client.completions.create(model="tiny", prompt=long_prompt, temperature=0)
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
+
+
+def test_tokenize_and_detokenize(http, llm):
+    tokens = http.post("/tokenize", json={"model": "tiny", "prompt": "Hello there"}).json()
+    ids = llm.tokenizer.encode("Hello there")
+    assert tokens["tokens"] == ids and tokens["count"] == len(ids)
+    plain = http.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()
+    assert plain["tokens"] == llm.tokenizer.encode("Hello", add_special_tokens=False)
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == llm.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith("Hello there")
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (what, path, body or raw bytes, headers, status, words the message holds, param)
+    ("malformed JSON", "/v1/completions", b'{"prompt": "x",', {}, 400, ["not valid JSON"], None),
+    ("not an object", "/v1/completions", b"[1, 2]", {}, 400, ["JSON object"], None),
+    ("a wrong type", "/v1/completions", {"prompt": "x", "temperature": "hot"}, {}, 400,
+     ["temperature", "number"], "temperature"),
+    ("a string for an int", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, {}, 400,
+     ["max_tokens", "integer"], "max_tokens"),
+    ("out of range", "/v1/completions", {"prompt": "x", "top_p": 1.5}, {}, 400, ["top_p", "1.5"],
+     "top_p"),
+    ("negative temperature", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "temperature": -1}, {}, 400,
+     ["temperature", "-1"], "temperature"),
+    ("no prompt", "/v1/completions", {"max_tokens": 3}, {}, 400, ["prompt is required"], "prompt"),
+    ("a token outside the vocabulary", "/v1/completions", {"prompt": [1, 99999]}, {}, 400,
+     ["99999", "vocabulary"], "prompt"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, {}, 400, ["messages"], "messages"),
+    ("an image part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     {}, 400, ["image_url", "only text"], "messages[0].content[0].type"),
+    ("a tool message", "/v1/chat/completions",
+     {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, {}, 400,
+     ["tool"], "messages[0].role"),
+    ("an unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, {}, 404,
+     ["gpt-9", "tiny"], "model"),
+    ("past the context", "/v1/completions", {"prompt": "abc", "max_tokens": 5000}, {}, 400,
+     ["5000", "4096", "context"], "max_tokens"),
+    ("past the context (chat)", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, {}, 400,
+     ["5000", "4096"], "max_completion_tokens"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, ["tools"], "tools"),
+    ("json mode", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_object"}}, {}, 400, ["response_format"], "response_format"),
+    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, {}, 400, ["echo"], "echo"),
+    ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, {}, 400,
+     ["logit_bias"], "logit_bias"),
+    ("best_of > n", "/v1/completions", {"prompt": "x", "best_of": 2}, {}, 400, ["best_of"],
+     "best_of"),
+    ("a penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, {}, 400,
+     ["presence_penalty"], "presence_penalty"),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "x", "stream_options": {"include_usage": True}}, {}, 400, ["stream"],
+     "stream_options"),
+    ("no API key", "/v1/completions", {"prompt": "x"}, {"Authorization": ""}, 401,
+     ["API key"], None),
+    ("a wrong API key", "/v1/models", None, {"Authorization": "Bearer nope"}, 401,
+     ["wrong API key"], None),
+    ("an unknown route", "/v1/embeddings", {"input": "x"}, {}, 404, ["/v1/embeddings"], None),
+]
+
+
+def _good_request_works(http, llm):
+    response = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3,
+                                                   "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == greedy(llm, "abc", 3).text
+
+
+@pytest.mark.parametrize("what, path, body, headers, status, words, param", BAD_REQUESTS,
+                         ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_input_is_an_openai_error(http, llm, what, path, body, headers, status, words,
+                                      param):
+    if body is None:
+        response = http.get(path, headers=headers)
+    elif isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json",
+                                                          **headers})
+    else:
+        response = http.post(path, json=body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and "Traceback" not in error["message"]
+    assert all(word in error["message"] for word in words), error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    _good_request_works(http, llm)
+
+
+def test_unknown_fields_are_ignored(http, llm):
+    body = {"prompt": "abc", "max_tokens": 3, "temperature": 0, "colour": "red",
+            "metadata": {"a": 1}, "user": "me", "n": 1, "best_of": 1}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == greedy(llm, "abc", 3).text
+
+
+def _raw_exchange(server, head: bytes, body_chunks) -> bytes:
+    """Send a request by hand (a lying Content-Length, or a chunked body that never ends
+    while the server reads); returns what the server answered before closing."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        deadline = time.monotonic() + 30
+        for chunk in body_chunks:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable or time.monotonic() > deadline:
+                break
+            try:
+                sock.sendall(chunk)
+            except OSError:  # the server closed after answering
+                break
+        while True:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            answer += data
+        return answer
+
+
+def test_bodies_over_the_limit_are_413(server, http, llm):
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    declared = _raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                             b"Content-Type: application/json\r\nContent-Length: 999999999\r\n\r\n",
+                             [b'{"prompt": "'])
+    assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
+    assert b'"code":"request_too_large"' in declared
+    piece = b"x" * 65536
+    streamed = _raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth +
+                             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+                             (b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(400)))
+    assert streamed.startswith(b"HTTP/1.1 413"), streamed[:200]
+    _good_request_works(http, llm)
+
+
+# ---- disconnects and load -----------------------------------------------------------------
+
+def test_a_client_that_disconnects_frees_its_request(server, http):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as own:
+        body = {"prompt": "abc", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with own.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            text = http.get("/metrics").text
+            assert metric(text, "num_requests_running") == 1
+            assert metric(text, "kv_cache_usage_perc") > 0
+    closed = time.monotonic()
+    wait_until_idle(http, timeout=1.0)
+    assert time.monotonic() - closed < 1.0
+
+
+def test_load_with_disconnects_leaves_nothing_behind(server, http, llm):
+    """64 clients x 4 streamed requests, 10% of the clients hang up mid-stream; every other
+    request gets LLM.generate's text; afterwards nothing runs, no block is used, and the
+    server's memory is what it was after a first (warm-up) round."""
+    rng = random.Random(11)
+    pool = [[rng.randint(0, 255) for _ in range(rng.randint(2, 24))] for _ in range(24)]
+    lengths = [rng.randint(4, 24) for _ in pool]
+    wanted = [o.text for o in llm.generate(pool, [SamplingParams(temperature=0, max_tokens=n)
+                                                  for n in lengths])]
+    dropping = set(rng.sample(range(64), 7))
+
+    async def client(session, k: int, round_rng: random.Random):
+        results = []
+        for _ in range(4):
+            i = round_rng.randrange(len(pool))
+            body = {"prompt": pool[i], "max_tokens": lengths[i], "temperature": 0,
+                    "stream": True}
+            drop_after = round_rng.randrange(1, lengths[i]) if k in dropping else None
+            async with session.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                text, events = "", 0
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    if line == "data: [DONE]":
+                        break
+                    events += 1
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if drop_after is not None and events >= drop_after:
+                        break
+            if drop_after is None:
+                results.append((text, wanted[i]))
+            else:
+                return results  # this client hung up: done
+        return results
+
+    async def round_(seed: int):
+        round_rng = random.Random(seed)
+        seeds = [round_rng.random() for _ in range(64)]
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url + "", limits=limits, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as session:
+            session.base_url = server.url
+            done = await asyncio.gather(*(client(session, k, random.Random(seeds[k]))
+                                          for k in range(64)))
+        return [pair for results in done for pair in results]
+
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+    pids = [server.proc.pid, server.engine_pid()]
+    warm = asyncio.run(round_(1))
+    wait_until_idle(http, timeout=5)
+    before = [rss(pid) for pid in pids]
+    pairs = asyncio.run(round_(2))
+    wait_until_idle(http, timeout=5)
+    after = [rss(pid) for pid in pids]
+    assert len(pairs) >= 57 * 4 and len(warm) >= 57 * 4
+    assert all(got == want for got, want in pairs)
+    for pid, old, new in zip(pids, before, after):
+        assert new - old < max(8 << 20, old // 20), f"pid {pid}: RSS {old} -> {new}"
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+def test_metrics_count_what_happened(http):
+    before = http.get("/metrics").text
+    response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                   "temperature": 0, "stream": True})
+    assert response.status_code == 200
+    after = wait_until_idle(http, timeout=5)
+
+    def grew(name):
+        return metric(after, name) - metric(before, name)
+
+    assert grew("prompt_tokens_total") == 3 and grew("generation_tokens_total") == 4
+    assert grew("time_to_first_token_seconds_count") == 1
+    assert grew("time_per_output_token_seconds_count") == 1
+    assert grew("engine_steps_total") >= 4
+    success = re.findall(r'^cupy_llama:request_success_total\{(.*)\} (\S+)$', after, re.M)
+    assert {labels.split('finished_reason="')[1].split('"')[0] for labels, _ in success} >= {
+        "stop", "length", "abort"}
+    for name in ("num_preemptions_total", "e2e_request_latency_seconds_count"):
+        metric(after, name)

@@ -1,0 +1,154 @@
+"""The OpenAI protocol layer on plain dicts (what a batch front end calls), and the
+application's states that a subprocess cannot be caught in reliably: loading, draining,
+a request the engine refuses."""
+import asyncio
+
+import httpx
+import pytest
+
+from cupy_llama import SamplingParams
+from cupy_llama.config import ModelConfig
+from cupy_llama.engine.async_engine import ENGINE_STOPPED, Rejected
+from cupy_llama.outputs import RequestOutput
+from cupy_llama.sampling import model_sampling_defaults
+from cupy_llama.server import protocol
+from cupy_llama.server.app import ServerSettings, ServerState, create_app, _Job
+from cupy_llama.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                        parse)
+
+
+def error_of(model, body) -> APIError:
+    with pytest.raises(APIError) as caught:
+        parse(model, body)
+    return caught.value
+
+
+def test_validation_errors_name_the_field_and_the_value():
+    e = error_of(CompletionRequest, {"prompt": "x", "n": "2"})
+    assert (e.status, e.param) == (400, "n") and "integer" in e.message and '"2"' in e.message
+    e = error_of(ChatCompletionRequest, {"messages": [{"content": "x"}]})
+    assert e.param == "messages[0].role" and e.message == "messages[0].role is required"
+    e = error_of(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                         "stream": "yes", "logprobs": 3})
+    assert e.param == "stream" and "1 more problem" in e.message
+    assert error_of(CompletionRequest, ["x"]).message.endswith("got an array")
+
+
+def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    harmless = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+                "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                "modalities": ["text"], "repetition_penalty": 1, "best_of": 1,
+                "skip_special_tokens": True, "parallel_tool_calls": False}
+    parse(ChatCompletionRequest, {**chat, **harmless})
+    for name, value in (("frequency_penalty", 0.1), ("tool_choice", "required"),
+                        ("response_format", {"type": "json_schema"}), ("audio", {}),
+                        ("modalities", ["text", "audio"]), ("min_tokens", 3),
+                        ("stop_token_ids", [1]), ("guided_regex", "a+"),
+                        ("web_search_options", {})):
+        e = error_of(ChatCompletionRequest, {**chat, name: value})
+        assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter"), name
+        assert e.message.startswith(f"{name} is not supported")
+    for name, value in (("echo", True), ("suffix", "end"), ("best_of", 3)):
+        assert error_of(CompletionRequest, {"prompt": "x", name: value}).param == name
+
+
+def test_prompts_and_sampling_params(llm):
+    tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
+    defaults = model_sampling_defaults(llm.config.generation_defaults)
+    request = parse(CompletionRequest, {"prompt": ["a", "bc"], "top_k": -1, "stop": "zz",
+                                        "seed": 3, "ignore_eos": True})
+    assert request.prompt_token_ids(tokenizer, vocab) == [tokenizer.encode("a"),
+                                                          tokenizer.encode("bc")]
+    params = request.sampling_params(5, 100, defaults)
+    assert params == SamplingParams(**{**defaults, "top_k": 0, "stop": ["zz"], "seed": 3,
+                                       "ignore_eos": True, "max_tokens": 16})
+    assert request.sampling_params(90, 100, defaults).max_tokens == 10  # what is left
+    e = pytest.raises(APIError, request.sampling_params, 100, 100, defaults).value
+    assert "100 tokens" in e.message and e.code == "context_length_exceeded"
+    for prompt in ([], [[]], [1, "a"], [True], 5, [[1, 2], "a"]):
+        assert pytest.raises(APIError, parse(CompletionRequest, {"prompt": prompt})
+                             .prompt_token_ids, tokenizer, vocab).value.param.startswith("prompt")
+    chat = parse(ChatCompletionRequest, {"messages": [
+        {"role": "developer", "content": "be terse"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}], "max_tokens": 7, "max_completion_tokens": 9})
+    assert chat.conversation() == [{"role": "system", "content": "be terse"},
+                                   {"role": "user", "content": "a\nb"},
+                                   {"role": "assistant", "content": ""}]
+    assert chat.sampling_params(10, 100, defaults).max_tokens == 9
+    assert parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}) \
+        .sampling_params(10, 100, defaults).max_tokens == 90
+    e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": None}]}).conversation).value
+    assert e.param == "messages[0].content"
+
+
+def test_builders_make_openai_bodies():
+    outputs = [[RequestOutput("r-0", [1, 2, 3], [7, 8], "hi", "stop")],
+               [RequestOutput("r-1", [4], [9, 9, 9], "abc", "abort")]]
+    request = parse(CompletionRequest, {"prompt": ["x", "y"]})
+    body = protocol.completion_response(request, "cmpl-1", 123, "m", outputs)
+    assert body == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "m",
+                    "choices": [{"index": 0, "text": "hi", "logprobs": None,
+                                 "finish_reason": "stop"},
+                                {"index": 1, "text": "abc", "logprobs": None,
+                                 "finish_reason": "length"}],  # cut short: "length"
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}}
+    chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                         "stream": True, "stream_options": {"include_usage": True}})
+    stream = protocol.ChatCompletionStream(chat, "c-1", 5, "m")
+    first, second, last = (stream.chunk(0, "a", None, None), stream.chunk(0, "", None, None),
+                           stream.chunk(0, "b", None, "length"))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert second["choices"][0]["delta"] == {} and last["choices"][0]["delta"] == {"content": "b"}
+    assert [c["choices"][0]["finish_reason"] for c in (first, second, last)] == [None, None, "length"]
+    assert all(c["usage"] is None and c["object"] == "chat.completion.chunk"
+               for c in (first, second, last))
+    usage = stream.usage_chunk(protocol.usage(3, 2))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+
+
+# ---- the application in this process (no engine process is started) ------------------------
+
+@pytest.fixture
+def state(model_dir):
+    config = ModelConfig.from_dir(model_dir)
+    from cupy_llama.tokenizer import Tokenizer
+    settings = ServerSettings(model_dir=str(model_dir), served_model_name="m", device="cpu")
+    return ServerState(settings, Tokenizer.from_dir(model_dir, config), config)
+
+
+def _get(state, method, path, **kwargs):
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(state))  # runs no lifespan: no engine
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            return await client.request(method, path, **kwargs)
+    return asyncio.run(go())
+
+
+def test_health_and_requests_are_503_while_loading_and_draining(state):
+    for phase, code in ((state.LOADING, "not_ready"), (state.DRAINING, "shutting_down")):
+        state.phase = phase
+        for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/completions", {"prompt": "x"})):
+            response = _get(state, method, path, json=body)
+            assert response.status_code == 503, (phase, path)
+            assert response.json()["error"]["code"] == code
+        assert response.headers.get("retry-after") == ("1" if phase == state.LOADING else None)
+    assert _get(state, "GET", "/metrics").status_code == 200  # always
+
+
+def test_an_engine_refusal_or_its_end_is_an_error_of_the_request(state):
+    async def go(item):
+        job = _Job(state, "cmpl-x", [[1, 2]], 1, False)
+        job.sink.put(item)
+        with pytest.raises(APIError) as caught:
+            await job.final_outputs()
+        return caught.value
+
+    refused = asyncio.run(go(Rejected("cmpl-x-0", "the prompt has 9 tokens but the context "
+                                                  "limit is 8 (...)")))
+    assert (refused.status, refused.param) == (400, None) and "9 tokens" in refused.message
+    stopped = asyncio.run(go(ENGINE_STOPPED))
+    assert stopped.status == 500 and stopped.type == "server_error"

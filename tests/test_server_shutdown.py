@@ -1,0 +1,155 @@
+"""`cupy-llama serve` starting and stopping: the waiting-queue limit, SIGTERM and SIGINT
+while streams run (each stream ends cleanly, the process exits 0), and the one-line
+errors of bad flags, a bad model, a port in use and a missing serve extra."""
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from conftest import one_error_line
+
+from cupy_llama.cli import main
+from test_server import ServerProcess, metric
+
+
+async def _streams(url: str, count: int, started: asyncio.Event, opened: list):
+    """count long streamed requests; returns each one's (finish reasons, saw [DONE])."""
+    async def one(client):
+        body = {"prompt": "abc", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        reasons, done = [], False
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            opened.append(1)
+            if len(opened) == count:
+                started.set()
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line:
+                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+        return [r for r in reasons if r is not None], done
+
+    limits = httpx.Limits(max_connections=count + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        return await asyncio.gather(*(one(client) for _ in range(count)))
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_limit: bool):
+    async def scenario():
+        started, opened = asyncio.Event(), []
+        streams = asyncio.ensure_future(_streams(server.url, count, started, opened))
+        # every stream has its first chunk (with 2 sequences at a time, the rest wait for
+        # theirs: they are not all streaming yet, so wait for the engine's view instead)
+        await asyncio.get_running_loop().run_in_executor(None, _wait_for, lambda: (
+            metric(httpx.get(server.url + "/metrics").text, "num_requests_running")
+            + metric(httpx.get(server.url + "/metrics").text, "num_requests_waiting")) == count,
+            30, f"{count} requests in the engine")
+        if check_queue_limit:
+            refused = await asyncio.get_running_loop().run_in_executor(None, lambda: httpx.post(
+                server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}))
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "server_busy"
+        stopped_at = time.monotonic()
+        server.proc.send_signal(sig)
+        results = await streams
+        return results, stopped_at
+
+    results, stopped_at = asyncio.run(scenario())
+    code = server.proc.wait(timeout=10)
+    assert code == 0, server.log_text()
+    assert time.monotonic() - stopped_at < 10
+    for reasons, done in results:
+        assert done and len(reasons) == 1 and reasons[0] in ("stop", "length"), results
+    assert "Traceback" not in server.log_text()
+
+
+def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
+    # 2 run, 6 wait: the limit of 6 waiting turns a ninth request away with 503
+    server = ServerProcess(model_dir, "--max-num-seqs", "2", "--max-waiting", "6")
+    try:
+        _stop_during_streams(server, signal.SIGTERM, 8, check_queue_limit=True)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_sigint_stops_cleanly_too(model_dir):
+    server = ServerProcess(model_dir, "--max-num-seqs", "4")
+    try:
+        _stop_during_streams(server, signal.SIGINT, 3, check_queue_limit=False)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_a_bad_model_is_one_line_exit_1(model_dir, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
+                             str(tmp_path / "nope"), "--device", "cpu", "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "does not exist" in one_error_line(result.stderr)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (broken / name).write_bytes((model_dir / name).read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
+                             str(broken), "--device", "cpu", "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "safetensors" in one_error_line(result.stderr), result.stderr
+
+
+def test_a_port_in_use_is_one_line_exit_1(model_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = main(["serve", "--model", str(model_dir), "--device", "cpu", "--port", str(port)])
+    assert code == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"port {port}" in line and "in use" in line
+
+
+def test_bad_flags_are_usage_errors(model_dir, capsys):
+    for args in (["--port", "70000"], ["--max-num-seqs", "0"], ["--max-waiting", "-1"],
+                 ["--device", "tpu"], ["--no-such-flag"]):
+        assert main(["serve", "--model", str(model_dir), *args]) == 2, args
+        one_error_line(capsys.readouterr().err)
+
+
+def test_a_missing_serve_extra_names_the_pip_command(model_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi now fails
+    assert main(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "fastapi" in line and "pip install 'cupy-llama[serve]'" in line
+
+
+def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
+    import os
+    server = ServerProcess(model_dir, "--max-num-seqs", "2")
+    try:
+        body = {"prompt": "abc", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(server.engine_pid(), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["error"]["type"] == "server_error"
+        assert server.proc.wait(timeout=10) == 1
+        assert "the engine process stopped unexpectedly" in one_error_line(server.log_text())
+    finally:
+        server.stop(signal.SIGKILL)
