@@ -514,7 +514,7 @@ def _listen(host: str, port: int):
 
 @cli.command()
 @click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all",
-                                          "prefix")))
+                                          "prefix", "serve")))
 @click.option("--model", "model_dir", type=click.Path(file_okay=False),
               help="Model directory. Default: a random-weight model of --preset's shape, "
                    "written once into the cache.")
@@ -542,21 +542,67 @@ def _listen(host: str, port: int):
 @click.option("--batch-sizes", default="1,8,32,64,128,256", show_default=True,
               help="Batch sizes of decode-sweep.")
 @click.option("--commit", help="Commit to record (also $CUPY_LLAMA_COMMIT); else git's HEAD, which is kept beside a named commit it differs from.")
+@click.option("--url", help="serve: the OpenAI-compatible server to measure (default: start "
+              "`cupy-llama serve` on a free port).")
+@click.option("--max-concurrency", type=int, help="serve: requests in flight at most "
+              "(default: all).")
+@click.option("--request-rate", type=float, help="serve: Poisson arrivals per second "
+              "(default: inf, all at once).")
+@click.option("--input-len", type=int, help="serve: every prompt this many tokens (default: "
+              "the workload's lengths).")
+@click.option("--output-len", type=int, help="serve: every request this many new tokens.")
+@click.option("--temperature", type=float, help="serve: sampling temperature (default 0.6, "
+              "as throughput).")
+@click.option("--client-processes", type=int, help="serve: processes the clients are spread "
+              "over (default: one per 64 concurrent streams).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", help="serve: the server's API key "
+              "(default: $OPENAI_API_KEY).")
 def bench(mode, **options):
-    """Measure throughput, batch-1 latency, time to first token or decode speed by batch size.
+    """Measure throughput, batch-1 latency, time to first token or decode speed by batch size,
+    or an OpenAI-compatible server under load.
 
     MODE is throughput (the standard offline workload), latency, ttft, decode-sweep, all (the
-    four), or prefix (shared-prefix and multi-turn workloads with prefix caching on and off).
-    Statistics go to stderr while it runs, a table to stdout at the end.
+    four), prefix (shared-prefix and multi-turn workloads with prefix caching on and off), or
+    serve (the standard workload through a server's /v1/completions, streamed). Statistics go
+    to stderr while it runs, a table to stdout at the end.
     """
-    from .bench import bench_command
-
     names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization",
              "enable_prefix_caching")
     engine = _given(options, names)
     _check_options({}, engine)
     rest = {name: value for name, value in options.items() if name not in names}
+    serve_only = {name: rest.pop(name) for name in BENCH_SERVE_NAMES}
+    if mode == "serve":
+        return _bench_serve(engine, serve_only, rest)
+    given = [name for name, value in serve_only.items() if value is not None
+             and name != "api_key"]
+    if given:
+        raise OptionError(f"{option_flag(given[0])} applies to bench serve only")
+    from .bench import bench_command
     bench_command(mode, engine=engine, out=click.echo, **rest)
+    return EXIT_OK
+
+
+BENCH_SERVE_NAMES = ("url", "max_concurrency", "request_rate", "input_len", "output_len",
+                     "temperature", "client_processes", "api_key")
+
+
+def _bench_serve(engine: dict, serve_only: dict, rest: dict) -> int:
+    from .bench import DEFAULT_BATCH_SIZES
+    from .bench_serve import bench_serve_command
+
+    if rest["hf"]:
+        raise OptionError("--hf does not apply to bench serve (measure transformers' own "
+                          "server with --url)")
+    if rest["batch_sizes"] != ",".join(map(str, DEFAULT_BATCH_SIZES)):
+        raise OptionError("--batch-sizes does not apply to bench serve")
+    options = {name: value for name, value in serve_only.items() if value is not None}
+    if "request_rate" in options and options["request_rate"] <= 0:
+        raise OptionError(f"--request-rate must be > 0, got {options['request_rate']}")
+    bench_serve_command(out=click.echo, model_dir=rest["model_dir"], preset=rest["preset"],
+                        device=rest["device"], num_requests=rest["num_requests"],
+                        seed=rest["seed"], scale=rest["scale"], json_path=rest["json_path"],
+                        commit=rest["commit"], engine=engine, **options)
     return EXIT_OK
 
 

@@ -1,0 +1,519 @@
+"""`cupy-llama bench serve`: the standard workload against an OpenAI-compatible server.
+
+It targets --url (any server speaking /v1/completions with server-sent events: cupy-llama,
+vLLM, SGLang, llama.cpp, ...) or starts `cupy-llama serve` itself on a free port (and
+always stops it). The requests are bench throughput's: the same prompts (token-id lists),
+output lengths, temperature 0.6 and per-request seeds, EOS ignored, sent to
+/v1/completions with stream: true, at a fixed --max-concurrency or with Poisson arrivals
+at --request-rate (both: arrivals at that rate, at most that many in flight). --input-len
+and --output-len replace the drawn lengths with fixed ones (a latency-shaped run, or the
+time to first token of long prompts).
+
+Measured per request as a client sees it (in the manner of `vllm bench serve`): time to
+first token (to the first chunk that carries a choice), time per output token after the
+first ((latency - TTFT) / (tokens - 1)), inter-token latency (the gaps between chunks; a
+chunk carries every token that was ready when the server wrote it), end-to-end latency;
+output tokens come from the usage the server reports at the end of each stream.
+
+The clients must not be what limits the run: at 32,000 output tokens/s one Python
+process cannot parse every event, so the requests are spread over --client-processes
+processes (default: one per 64 concurrent streams, at most 8, at least 1), each with its
+own share of the concurrency or of the arrival rate, and their timings are merged.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .bench import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID, THROUGHPUT_TEMPERATURE,
+                    BenchSettings, Workload, offline_workload, prepare_model, random_ids)
+from .bench_report import commit_info, environment
+from .errors import CupyLlamaError, OptionError, RequestError, check_output_path
+
+STREAMS_PER_CLIENT = 64
+MAX_CLIENT_PROCESSES = 8
+SERVER_START_TIMEOUT_S = 900     # load, kernel compilation, CUDA graphs of a large model
+PERCENTILES = (50, 90, 99)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ServeBenchSettings:
+    url: str | None = None
+    model_dir: str | None = None
+    preset: str = "llama-3.2-1b"
+    device: str = "cuda"
+    max_concurrency: int | None = None
+    request_rate: float = math.inf
+    num_requests: int = 256
+    seed: int = 0
+    scale: float = 1.0
+    input_len: int | None = None
+    output_len: int | None = None
+    temperature: float = THROUGHPUT_TEMPERATURE
+    client_processes: int | None = None
+    api_key: str | None = None
+    json_path: str | None = None
+    commit: str | None = None
+    engine: dict = field(default_factory=dict)   # options for the server it starts
+
+    def __post_init__(self):
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise OptionError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
+        if not self.request_rate > 0:
+            raise OptionError(f"--request-rate must be > 0 (inf: all at once), got "
+                              f"{self.request_rate}")
+        if self.num_requests < 1:
+            raise OptionError(f"--num-requests must be at least 1, got {self.num_requests}")
+        if not 0 < self.scale <= 1:
+            raise OptionError(f"--scale must be in (0, 1], got {self.scale}")
+        for flag, value in (("--input-len", self.input_len), ("--output-len", self.output_len),
+                            ("--client-processes", self.client_processes)):
+            if value is not None and value < 1:
+                raise OptionError(f"{flag} must be at least 1, got {value}")
+        if not self.temperature >= 0:
+            raise OptionError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.url is not None and self.engine:
+            names = ", ".join("--" + k.replace("_", "-") for k in sorted(self.engine))
+            raise OptionError(f"{names}: engine options apply to the server bench serve "
+                              "starts, not to one at --url")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise OptionError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.json_path is not None:
+            check_output_path(self.json_path, "--json")
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at most (all of them when neither limit is given)."""
+        return min(self.max_concurrency or self.num_requests, self.num_requests)
+
+    def num_client_processes(self) -> int:
+        if self.client_processes is not None:
+            return min(self.client_processes, self.concurrency)
+        return max(1, min(MAX_CLIENT_PROCESSES, -(-self.concurrency // STREAMS_PER_CLIENT)))
+
+    def command(self) -> str:
+        args = ["cupy-llama", "bench", "serve", "--seed", str(self.seed),
+                "--num-requests", str(self.num_requests)]
+        if self.url:
+            args += ["--url", self.url]
+        else:
+            args += ["--device", self.device]
+            args += ["--model", self.model_dir] if self.model_dir else ["--preset", self.preset]
+        if self.max_concurrency is not None:
+            args += ["--max-concurrency", str(self.max_concurrency)]
+        if self.request_rate != math.inf:
+            args += ["--request-rate", repr(self.request_rate)]
+        for flag, value in (("--input-len", self.input_len), ("--output-len", self.output_len),
+                            ("--client-processes", self.client_processes)):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.scale != 1:
+            args += ["--scale", repr(self.scale)]
+        if self.temperature != THROUGHPUT_TEMPERATURE:
+            args += ["--temperature", repr(self.temperature)]
+        for name, value in sorted(self.engine.items()):
+            flag = "--" + name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        args += ["--json", self.json_path] if self.json_path else []
+        return shlex.join(args)
+
+
+# ---- the workload -------------------------------------------------------------------------
+
+def serve_workload(settings: ServeBenchSettings, top_id: int) -> Workload:
+    """bench throughput's workload, with --input-len / --output-len fixing the lengths."""
+    lengths = tuple(max(1, round(n * settings.scale)) for n in THROUGHPUT_LENGTHS)
+    work = offline_workload(settings.num_requests, settings.seed, lengths, top_id)
+    if settings.input_len is not None:
+        rng = random.Random(settings.seed)
+        work.prompts = [random_ids(rng, settings.input_len, top_id)
+                        for _ in range(settings.num_requests)]
+    if settings.output_len is not None:
+        work.output_lens = [settings.output_len] * settings.num_requests
+    return work
+
+
+def request_bodies(work: Workload, settings: ServeBenchSettings, model: str) -> list[dict]:
+    """top_p 1 is sent: a server would otherwise apply the model's own top-p, which bench
+    throughput does not."""
+    return [{"model": model, "prompt": prompt, "max_tokens": max_tokens,
+             "temperature": settings.temperature, "top_p": 1.0, "seed": settings.seed + i,
+             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            for i, (prompt, max_tokens) in enumerate(zip(work.prompts, work.output_lens))]
+
+
+# ---- the clients --------------------------------------------------------------------------
+
+async def _one_request(client, body: dict, semaphore: asyncio.Semaphore) -> dict:
+    async with semaphore:
+        result = {"start": time.perf_counter(), "ttft": None, "itl": [], "end": None,
+                  "output_tokens": None, "chunks": 0, "error": None}
+        last = result["start"]
+        try:
+            async with client.stream("POST", "completions", json=body) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode("utf-8", "replace")
+                    result["error"] = f"HTTP {response.status_code}: {text[:300]}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    event = json.loads(data)
+                    if event.get("choices"):
+                        if result["ttft"] is None:
+                            result["ttft"] = now - result["start"]
+                        else:
+                            result["itl"].append(now - last)
+                        last = now
+                        result["chunks"] += 1
+                    elif event.get("usage"):
+                        result["output_tokens"] = event["usage"]["completion_tokens"]
+                    elif event.get("error"):
+                        result["error"] = str(event["error"].get("message"))
+        except Exception as e:  # a broken connection fails the request, not the run
+            result["error"] = f"{type(e).__name__}: {e}"
+        result["end"] = time.perf_counter()
+        if result["error"] is None and result["ttft"] is None:
+            result["error"] = "the stream ended without a token"
+        return result
+
+
+async def _run_share(base_url: str, api_key: str | None, bodies: list[tuple[int, dict]],
+                     concurrency: int, rate: float, seed: int, start_at: float) -> list:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers,
+                                 limits=limits, timeout=httpx.Timeout(None)) as client:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        tasks = []
+        for index, body in bodies:
+            if rate != math.inf and tasks:
+                await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.ensure_future(_one_request(client, body, semaphore)))
+        results = await asyncio.gather(*tasks)
+    for (index, body), result in zip(bodies, results):
+        result["index"] = index
+        result["prompt_tokens"] = len(body["prompt"])
+        result["max_tokens"] = body["max_tokens"]
+    return results
+
+
+def _client_process(args, results_queue) -> None:
+    """One client process: its share of the requests, results back through the queue."""
+    try:
+        results_queue.put(asyncio.run(_run_share(*args)))
+    except BaseException as e:  # the parent reports it
+        results_queue.put(f"{type(e).__name__}: {e}")
+
+
+def run_clients(base_url: str, bodies: list[dict], *, concurrency: int, rate: float = math.inf,
+                api_key: str | None = None, seed: int = 0, num_processes: int = 1) -> list[dict]:
+    """Send every body; returns one result per request, in request order. Request i goes to
+    client process i mod num_processes; concurrency and rate are split between them."""
+    num_processes = max(1, min(num_processes, len(bodies)))
+    shares = []
+    for k in range(num_processes):
+        mine = [(i, body) for i, body in enumerate(bodies) if i % num_processes == k]
+        share_concurrency = concurrency // num_processes + (k < concurrency % num_processes)
+        shares.append((base_url, api_key, mine, max(1, share_concurrency),
+                       rate / num_processes, seed + 1000 * k))
+    if num_processes == 1:
+        results = asyncio.run(_run_share(*shares[0], time.perf_counter()))
+    else:
+        import multiprocessing
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        start_at = time.perf_counter() + 2.0 + 0.2 * num_processes  # after every import
+        processes = [context.Process(target=_client_process, args=((*share, start_at), queue),
+                                     daemon=True) for share in shares]
+        for process in processes:
+            process.start()
+        results = []
+        try:
+            for _ in processes:
+                part = queue.get()
+                if isinstance(part, str):
+                    raise RuntimeError(f"a client process failed: {part}")
+                results += part
+        finally:
+            for process in processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+    return sorted(results, key=lambda r: r["index"])
+
+
+# ---- the numbers --------------------------------------------------------------------------
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean_ms": None, "std_ms": None, **{f"p{p}_ms": None for p in PERCENTILES}}
+    ms = np.asarray(values) * 1e3
+    return {"mean_ms": float(ms.mean()), "std_ms": float(ms.std()),
+            **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+
+
+def serve_numbers(results: list[dict]) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    failed = [r for r in results if r["error"] is not None]
+    duration = max(r["end"] for r in results) - min(r["start"] for r in results)
+    counted_by_usage = all(r["output_tokens"] is not None for r in ok)
+    for r in ok:
+        if r["output_tokens"] is None:
+            r["output_tokens"] = r["chunks"]  # a server that reports no usage
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    input_tokens = sum(r["prompt_tokens"] for r in ok)
+    tpot = [(r["end"] - r["start"] - r["ttft"]) / (r["output_tokens"] - 1)
+            for r in ok if r["output_tokens"] > 1]
+    return {
+        "num_requests": len(results), "completed": len(ok), "failed": len(failed),
+        "errors": sorted({r["error"] for r in failed})[:10],
+        "duration_s": duration, "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "requested_output_tokens": sum(r["max_tokens"] for r in ok),
+        "output_tokens_from_usage": counted_by_usage,
+        "requests_s": len(ok) / duration, "output_tok_s": output_tokens / duration,
+        "total_tok_s": (input_tokens + output_tokens) / duration,
+        "chunks": sum(r["chunks"] for r in ok),
+        "ttft": _stats_ms([r["ttft"] for r in ok]), "tpot": _stats_ms(tpot),
+        "itl": _stats_ms([gap for r in ok for gap in r["itl"]]),
+        "e2e_latency": _stats_ms([r["end"] - r["start"] for r in ok]),
+    }
+
+
+def format_serve_table(report: dict) -> str:
+    r = report["results"]
+    settings = report["settings"]
+    rate = settings["request_rate"]
+
+    def num(value, digits=2):
+        return "-" if value is None else f"{value:,.{digits}f}"
+
+    lines = ["============ Serving Benchmark Result ============",
+             f"{'Server:':<40}{report['server']['url']}"
+             f"{' (started by bench serve)' if report['server']['started'] else ''}",
+             f"{'Max concurrency:':<40}{settings['max_concurrency'] or 'none'}",
+             f"{'Request rate (req/s):':<40}{'inf' if rate is None else num(rate)}",
+             f"{'Successful requests:':<40}{r['completed']}",
+             f"{'Failed requests:':<40}{r['failed']}",
+             f"{'Benchmark duration (s):':<40}{num(r['duration_s'])}",
+             f"{'Total input tokens:':<40}{r['input_tokens']:,}",
+             f"{'Total generated tokens:':<40}{r['output_tokens']:,}",
+             f"{'Request throughput (req/s):':<40}{num(r['requests_s'])}",
+             f"{'Output token throughput (tok/s):':<40}{num(r['output_tok_s'])}",
+             f"{'Total token throughput (tok/s):':<40}{num(r['total_tok_s'])}"]
+    for key, title in (("ttft", "Time to First Token"),
+                       ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2e_latency", "End-to-end Latency")):
+        short = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e_latency": "E2EL"}[key]
+        lines.append(f"{title:-^50}")
+        lines.append(f"{f'Mean {short} (ms):':<40}{num(r[key]['mean_ms'])}")
+        for p in PERCENTILES:
+            label = "Median" if p == 50 else f"P{p}"
+            lines.append(f"{f'{label} {short} (ms):':<40}{num(r[key][f'p{p}_ms'])}")
+    lines.append("=" * 50)
+    if r["errors"]:
+        lines.append("errors: " + "; ".join(r["errors"]))
+    return "\n".join(lines)
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+@contextmanager
+def started_server(settings: ServeBenchSettings, model_dir: Path, log):
+    """`cupy-llama serve` on a free port of 127.0.0.1 as a subprocess in its own process
+    group; yields its base URL (…/v1) once /health answers. Always stopped afterwards."""
+    command = [sys.executable, "-m", "cupy_llama.cli", "serve", "--model", str(model_dir),
+               "--device", settings.device, "--port", "0", "--served-model-name", "bench",
+               "--max-waiting", str(max(1024, settings.num_requests))]
+    for name, value in sorted(settings.engine.items()):
+        flag = "--" + name.replace("_", "-")
+        command += [flag] if value is True else [flag, str(value)]
+    log_file = tempfile.NamedTemporaryFile("w+", prefix="cupy-llama-serve-", suffix=".log",
+                                           delete=False)
+    log(f"starting the server: {shlex.join(command)} (log: {log_file.name})")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = _wait_for_ready_line(process, log_file)
+        _wait_for_health(url, None, SERVER_START_TIMEOUT_S)
+        yield url + "/v1", command, log_file.name
+    finally:
+        _stop(process)
+        log_file.close()
+
+
+def _wait_for_ready_line(process: subprocess.Popen, log_file) -> str:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([process.stdout], [], [], 0.5)
+        if readable:
+            line = process.stdout.readline()
+            if line.startswith("serving ") and " at http" in line:
+                return line.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+        if process.poll() is not None:
+            log_file.flush()
+            tail = Path(log_file.name).read_text(errors="replace").strip().splitlines()[-3:]
+            raise CupyLlamaError(f"the server exited (code {process.returncode}) before it was "
+                                 f"ready: {' | '.join(tail)}")
+    raise CupyLlamaError(f"the server was not ready within {SERVER_START_TIMEOUT_S} s; see "
+                         f"{log_file.name}")
+
+
+def _wait_for_health(base: str, api_key, timeout: float) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise CupyLlamaError(f"{base}/health did not answer 200 within {timeout:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _model_name(base_url: str, api_key: str | None) -> str:
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise CupyLlamaError(f"cannot read the model's name from {base_url}/models ({e}); is "
+                             "it an OpenAI-compatible server?") from None
+
+
+def warm_up(base_url: str, model: str, settings: ServeBenchSettings, top_id: int,
+            longest_prompt: int, log) -> float:
+    """Before anything is timed: as many requests as will run at once, request i with
+    2 + i new tokens, so the batch shrinks one sequence per step through every decode batch
+    size (CUDA graphs are captured on first use), then the longest prompt alone."""
+    rng = random.Random(settings.seed + 1)
+    concurrency = settings.concurrency
+    started = time.perf_counter()
+    bodies = [{"model": model, "prompt": random_ids(rng, 8 + (4 * i) % 1024, top_id),
+               "max_tokens": 2 + i, "temperature": settings.temperature, "top_p": 1.0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+              for i in range(concurrency)]
+    bodies += [{**bodies[0], "prompt": random_ids(rng, longest_prompt, top_id), "max_tokens": 2}]
+    results = run_clients(base_url, bodies[:-1], concurrency=concurrency,
+                          api_key=settings.api_key)
+    results += run_clients(base_url, bodies[-1:], concurrency=1, api_key=settings.api_key)
+    failed = [r["error"] for r in results if r["error"] is not None]
+    if failed:
+        raise CupyLlamaError(f"warm-up requests failed: {failed[0]}")
+    seconds = time.perf_counter() - started
+    log(f"warm-up: {len(bodies)} requests in {seconds:.1f} s")
+    return seconds
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
+    model_dir, top_id = None, THROUGHPUT_MAX_TOKEN_ID
+    if settings.url is None or settings.model_dir is not None:
+        from .config import ModelConfig
+        if settings.url is None:
+            model_dir, _ = prepare_model(BenchSettings(mode="throughput", model_dir=settings.model_dir,
+                                                       preset=settings.preset,
+                                                       device=settings.device), log)
+        else:
+            model_dir = Path(settings.model_dir)
+        top_id = min(THROUGHPUT_MAX_TOKEN_ID, ModelConfig.from_dir(model_dir).vocab_size - 1)
+    work = serve_workload(settings, top_id)
+    num_processes = settings.num_client_processes()
+    report = {"command": settings.command(), "argv": list(sys.argv),
+              **commit_info(settings.commit), "environment": environment("cpu", False),
+              "settings": {"max_concurrency": settings.max_concurrency,
+                           "request_rate": None if settings.request_rate == math.inf
+                           else settings.request_rate,
+                           "num_requests": settings.num_requests, "seed": settings.seed,
+                           "scale": settings.scale, "input_len": settings.input_len,
+                           "output_len": settings.output_len,
+                           "temperature": settings.temperature, "top_p": 1.0,
+                           "client_processes": num_processes, "engine": dict(settings.engine),
+                           "workload": "bench throughput's" if settings.input_len is None
+                           and settings.output_len is None else "fixed lengths"}}
+
+    def run(base_url: str) -> None:
+        model = _model_name(base_url, settings.api_key)
+        report["server"]["model"] = model
+        report["timings"] = {"warmup_s": warm_up(base_url, model, settings, top_id,
+                                                 max(len(p) for p in work.prompts), log)}
+        bodies = request_bodies(work, settings, model)
+        log(f"bench serve: {len(bodies)} requests, concurrency {settings.concurrency}, rate "
+            f"{settings.request_rate:g}/s, {num_processes} client process"
+            f"{'es' if num_processes > 1 else ''}")
+        results = run_clients(base_url, bodies, concurrency=settings.concurrency,
+                              rate=settings.request_rate, api_key=settings.api_key,
+                              seed=settings.seed, num_processes=num_processes)
+        report["results"] = serve_numbers(results)
+
+    if settings.url is not None:
+        base_url = settings.url.rstrip("/")
+        base_url = base_url if base_url.endswith("/v1") else base_url + "/v1"
+        report["server"] = {"url": base_url, "started": False}
+        run(base_url)
+    else:
+        with started_server(settings, model_dir, log) as (base_url, command, log_path):
+            report["server"] = {"url": base_url, "started": True, "command": shlex.join(command),
+                                "log": log_path, "model_dir": str(model_dir)}
+            run(base_url)
+    r = report["results"]
+    log(f"bench serve: {r['completed']} of {r['num_requests']} requests, "
+        f"{r['output_tokens']:,} output tokens in {r['duration_s']:.2f} s: "
+        f"{r['output_tok_s']:,.0f} output tok/s, TTFT p50 {r['ttft']['p50_ms'] or 0:.1f} ms, "
+        f"TPOT p50 {r['tpot']['p50_ms'] or 0:.2f} ms")
+    if settings.json_path:
+        try:
+            Path(settings.json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as e:
+            raise RequestError(f"cannot write {settings.json_path!r} ({e.strerror or e}); pick "
+                               "another --json") from None
+        log(f"wrote {settings.json_path}")
+    return report
+
+
+def bench_serve_command(out=print, **options) -> dict:
+    settings = ServeBenchSettings(**options)
+    report = run_bench_serve(settings)
+    out(format_serve_table(report))
+    return report
