@@ -6,15 +6,17 @@ server process (asyncio)                         engine process
   RequestStream per request ◄── socket pair ───  send every step's deltas and the stats
 ```
 
-The engine runs in a process of its own, not in a thread beside the HTTP event loop. A
-thread would share the interpreter lock with the handlers, and under load the handlers
-need more host time than a step lasts: 256 streams on the H200 want about 250 outputs
-per 3-4 ms step, each a JSON chunk written to a socket (tens of microseconds apiece), while
-the step itself needs its host time to stay ahead of the GPU (0.87 ms per batch-1 step).
-Measured on the NumPy backend with the tiny test model, 2 cores (see the numbers in
-docs/ARCHITECTURE.md's serving section, and the report of `cupy-llama bench serve`):
-host time per step grows when the handlers share the engine's process and stays put when
-they do not. vLLM v1 (EngineCore) and SGLang (its scheduler process) split the same way.
+The engine runs in a process of its own, not in a thread beside the HTTP event loop,
+because the two would share the interpreter lock and under load the handlers need more
+host time than a step lasts. Measured on the NumPy backend (tiny model, one BLAS thread,
+a 2-core machine), the server process spends 45-50 us of CPU per chunk it writes (JSON,
+ASGI, h11; mostly the socket write itself), against 1.4-2.3 ms of host time per engine
+step at 16 sequences and 6-8 ms at 64: the handlers' work is about half the engine's own.
+On the H200 the step is 3-4 ms for about 250 outputs, so one process would spend several
+milliseconds per step writing chunks while the GPU waits; two processes overlap them (on
+that 2-core machine the client, the server and the engine saturate both cores and the two
+designs measure within noise of each other: 4.0-4.8k against 4.1-4.8k tok/s at 16 and 64
+sequences). vLLM v1 (EngineCore) and SGLang (its scheduler process) split the same way.
 
 The channel: length-prefixed pickles of plain tuples and dicts over a Unix socket pair,
 both ends private to this program (pickle is never read from anywhere else). The engine
@@ -24,8 +26,8 @@ at each turn of its event loop and hands each request's deltas to its RequestStr
 which gives a handler everything that queued up since it last looked, so a handler that
 fell behind writes one merged chunk instead of a backlog of one chunk per token.
 
-Messages, server to engine: ("add", request_id, prompt_ids, params, stream),
-("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
+Messages, server to engine: ("settings", model_dir, device, engine_options) first, then
+("add", request_id, prompt_ids, params, stream), ("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
 message) once, then ("out", deltas, rejected, stats) after every step (and after any
 message handled while idle), and ("crashed", traceback) if the loop dies. A delta is the
 plain tuple DELTA_FIELDS names (plain tuples pickle about 8x faster than named ones).
@@ -273,9 +275,7 @@ def engine_process_main(fd: int) -> None:
         channel.send_all_now(("crashed", traceback.format_exc()))
         raise SystemExit(1)
     finally:
-        close = getattr(llm, "close", None)
-        if close is not None:
-            close()
+        llm.close()
 
 
 # ---- the server's side ----------------------------------------------------------------
