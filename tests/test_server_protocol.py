@@ -2,6 +2,7 @@
 application's states that a subprocess cannot be caught in reliably: loading, draining,
 a request the engine refuses."""
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -152,3 +153,22 @@ def test_an_engine_refusal_or_its_end_is_an_error_of_the_request(state):
     assert (refused.status, refused.param) == (400, None) and "9 tokens" in refused.message
     stopped = asyncio.run(go(ENGINE_STOPPED))
     assert stopped.status == 500 and stopped.type == "server_error"
+
+
+def test_a_handler_behind_gets_one_merged_update_per_choice(state):
+    async def go():
+        job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
+        for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
+            job.sink.put(("cmpl-m-0", 0, text, ids, None, None, 0))
+        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", None, 0))
+        updates = await job.next_updates()
+        return job, updates
+
+    job, updates = asyncio.run(go())
+    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], None, "stop"],
+                       (1, 0): ["x", [20], None, "length"]}
+    assert job.done and job.usage() == protocol.usage(3, 6)
+    stream = protocol.CompletionStream(parse(CompletionRequest, {"prompt": "x"}), "c", 1, "m")
+    events = job.sse(stream, updates).decode().split("\n\n")
+    assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events if e] == ["abcd", "x"]

@@ -86,11 +86,12 @@ def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
 
 
 def test_sigint_stops_cleanly_too(model_dir):
-    server = ServerProcess(model_dir, "--max-num-seqs", "4")
+    server = ServerProcess(model_dir, "--max-num-seqs", "4", "--log-requests")
     try:
         _stop_during_streams(server, signal.SIGINT, 3, check_queue_limit=False)
     finally:
         server.stop(signal.SIGKILL)
+    assert '"prompt": "abc"' in server.log_text()  # --log-requests: bodies are logged
 
 
 def test_a_bad_model_is_one_line_exit_1(model_dir, tmp_path):
