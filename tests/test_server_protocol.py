@@ -172,3 +172,21 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     stream = protocol.CompletionStream(parse(CompletionRequest, {"prompt": "x"}), "c", 1, "m")
     events = job.sse(stream, updates).decode().split("\n\n")
     assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events if e] == ["abcd", "x"]
+
+
+def test_logprobs_in_both_shapes(llm):
+    strings = protocol.TokenStrings(llm.tokenizer)
+    beyond = llm.tokenizer.vocab_size  # a padded model vocabulary's id: no text
+    h, i = llm.tokenizer.encode("h", add_special_tokens=False)[0], \
+        llm.tokenizer.encode("i", add_special_tokens=False)[0]
+    entries = [(h, -0.5, [(h, -0.5), (i, -1.25)]), (beyond, float("-inf"), [])]
+    legacy, offset = protocol.completion_logprobs(entries, strings, 3)
+    assert legacy == {"tokens": ["h", ""], "token_logprobs": [-0.5, -9999.0],
+                      "top_logprobs": [{"h": -0.5, "i": -1.25}, {}], "text_offset": [3, 4]}
+    assert offset == 4
+    chat = protocol.chat_logprobs(entries[:1], strings)
+    assert chat == {"content": [{"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
+        {"token": "h", "logprob": -0.5, "bytes": [104]},
+        {"token": "i", "logprob": -1.25, "bytes": [105]}]}], "refusal": None}
+    special = llm.tokenizer.bos_token_id
+    assert strings(special) == llm.tokenizer.bos_token  # spelled out, not skipped

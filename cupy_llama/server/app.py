@@ -81,6 +81,7 @@ class ServerState:
     def __init__(self, settings: ServerSettings, tokenizer, model_config):
         self.settings = settings
         self.tokenizer = tokenizer
+        self.token_strings = protocol.TokenStrings(tokenizer)
         self.vocab_size = model_config.vocab_size
         self.model_defaults = model_sampling_defaults(model_config.generation_defaults)
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
@@ -527,11 +528,11 @@ def create_app(state: ServerState) -> FastAPI:
         response_id = f"cmpl-{secrets.token_hex(16)}"
         log_request(response_id, body)
         job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
-        created, name = int(time.time()), settings.served_model_name
-        stream = protocol.CompletionStream(parsed, response_id, created, name) \
+        created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
+        stream = protocol.CompletionStream(parsed, response_id, created, name, strings) \
             if parsed.stream else None
         return await _respond(request, job, stream, lambda outputs: protocol.completion_response(
-            parsed, response_id, created, name, outputs))
+            parsed, response_id, created, name, outputs, strings))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -545,12 +546,12 @@ def create_app(state: ServerState) -> FastAPI:
         response_id = f"chatcmpl-{secrets.token_hex(16)}"
         log_request(response_id, body)
         job = state.start_job(response_id, [prompt], [params], parsed.stream, parsed.n)
-        created, name = int(time.time()), settings.served_model_name
-        stream = protocol.ChatCompletionStream(parsed, response_id, created, name) \
+        created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
+        stream = protocol.ChatCompletionStream(parsed, response_id, created, name, strings) \
             if parsed.stream else None
         return await _respond(request, job, stream,
                               lambda outputs: protocol.chat_completion_response(
-                                  parsed, response_id, created, name, outputs[0]))
+                                  parsed, response_id, created, name, outputs[0], strings))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -241,6 +241,64 @@ class _SamplingFields(_Unsupported, _Model):
             raise request_error(str(e)) from None
 
 
+# ---- log-probabilities ----------------------------------------------------------------
+
+class TokenStrings:
+    """Each token's own text for logprobs: decoded alone, special tokens spelled out (an id
+    past the tokenizer's vocabulary, a padded model vocabulary's, has none)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            tokenizer = self._tokenizer
+            text = tokenizer.decode_unchecked([token_id], skip_special_tokens=False) \
+                if token_id < tokenizer.vocab_size else ""
+            self._texts[token_id] = text
+        return text
+
+
+def logprob_entries(logprobs) -> list[tuple]:
+    """(token id, log-probability, [(id, log-probability), ...]) for each token, from a
+    RequestOutput's TokenLogprobs or the tuples the server carries."""
+    return [(e.token_id, e.logprob, e.top) if hasattr(e, "token_id") else e
+            for e in logprobs or ()]
+
+
+def _number(logprob: float) -> float:
+    """JSON has no -Infinity (nor NaN): those become OpenAI's floor."""
+    return float(logprob) if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[dict, int]:
+    """The legacy completions form: parallel lists, top_logprobs as {token: logprob}; and
+    the text offset after these tokens (text offsets count from the completion's start)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, logprob, top in entries:
+        text = token_strings(token_id)
+        tokens.append(text)
+        token_logprobs.append(_number(logprob))
+        top_logprobs.append({token_strings(t): _number(lp) for t, lp in top})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, text_offset
+
+
+def chat_logprobs(entries, token_strings) -> dict:
+    def item(token_id, logprob):
+        text = token_strings(token_id)
+        return {"token": text, "logprob": _number(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**item(token_id, logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in top]}
+                        for token_id, logprob, top in entries],
+            "refusal": None}
+
+
 # ---- /v1/completions ------------------------------------------------------------------
 
 class CompletionRequest(_SamplingFields):
@@ -314,8 +372,12 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     choices = []
     for i, prompt_outputs in enumerate(outputs):
         for output in sorted(prompt_outputs, key=_index):
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs, _ = completion_logprobs(logprob_entries(output.logprobs),
+                                                  token_strings)
             choices.append({"index": i * request.n + _index(output), "text": output.text,
-                            "logprobs": None,
+                            "logprobs": logprobs,
                             "finish_reason": FINISH_REASONS[output.finish_reason]})
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage_of(outputs)}
@@ -328,11 +390,19 @@ class CompletionStream:
     def __init__(self, request: CompletionRequest, response_id: str, created: int,
                  model: str, token_strings=None):
         self.include_usage = request.include_usage
+        self._wants_logprobs = request.logprobs is not None
+        self._token_strings = token_strings
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
         self._head = {"id": response_id, "object": "text_completion", "created": created,
                       "model": model}
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
-        choice = {"index": index, "text": text, "logprobs": None,
+        """logprobs: the new tokens' (token id, log-probability, top) entries."""
+        choice_logprobs = None
+        if self._wants_logprobs:
+            choice_logprobs, self._text_offsets[index] = completion_logprobs(
+                logprob_entries(logprobs), self._token_strings, self._text_offsets.get(index, 0))
+        choice = {"index": index, "text": text, "logprobs": choice_logprobs,
                   "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
         body = {**self._head, "choices": [choice]}
         if self.include_usage:
@@ -450,9 +520,11 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     choice."""
     choices = []
     for output in sorted(outputs, key=_index):
+        logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
+            if request.logprobs else None
         choices.append({"index": _index(output),
                         "message": {"role": "assistant", "content": output.text},
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": FINISH_REASONS[output.finish_reason]})
     return {"id": response_id, "object": "chat.completion", "created": created,
             "model": model, "choices": choices, "usage": usage_of([outputs])}
@@ -465,17 +537,22 @@ class ChatCompletionStream:
     def __init__(self, request: ChatCompletionRequest, response_id: str, created: int,
                  model: str, token_strings=None):
         self.include_usage = request.include_usage
+        self._wants_logprobs = request.logprobs
+        self._token_strings = token_strings
         self._head = {"id": response_id, "object": "chat.completion.chunk",
                       "created": created, "model": model}
         self._started: set[int] = set()
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
+        """logprobs: the new tokens' (token id, log-probability, top) entries."""
         if index in self._started:
             delta = {"content": text} if text else {}
         else:
             self._started.add(index)
             delta = {"role": "assistant", "content": text}
-        choice = {"index": index, "delta": delta, "logprobs": None,
+        choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
+            if self._wants_logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": choice_logprobs,
                   "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
         body = {**self._head, "choices": [choice]}
         if self.include_usage:
