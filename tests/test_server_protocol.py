@@ -159,15 +159,17 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     async def go():
         job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
         for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
-            job.sink.put(("cmpl-m-0", 0, text, ids, None, None, 0))
+            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0))
         job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", None, 0))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0))
         updates = await job.next_updates()
         return job, updates
 
     job, updates = asyncio.run(go())
-    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], None, "stop"],
+    logprobs = [(10, -1.0, []), (11, -1.0, []), (12, -1.0, []), (13, -1.0, []), (14, -2.0, [])]
+    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], logprobs, "stop"],
                        (1, 0): ["x", [20], None, "length"]}
+    assert job.choices[0][0].logprobs == logprobs and job.choices[1][0].logprobs is None
     assert job.done and job.usage() == protocol.usage(3, 6)
     stream = protocol.CompletionStream(parse(CompletionRequest, {"prompt": "x"}), "c", 1, "m")
     events = job.sse(stream, updates).decode().split("\n\n")

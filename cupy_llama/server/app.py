@@ -172,11 +172,12 @@ class ServerState:
 # ---- one HTTP request's engine requests ---------------------------------------------------
 
 class _Choice:
-    __slots__ = ("texts", "token_ids", "finish_reason", "first_at", "last_at")
+    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason", "first_at", "last_at")
 
     def __init__(self):
         self.texts: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list | None = None  # (token id, logprob, top) per token, when asked
         self.finish_reason: str | None = None
         self.first_at: float | None = None
         self.last_at = 0.0
@@ -220,17 +221,19 @@ class _Job:
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
-            self._record(i, choice, text, token_ids, finish_reason, now)
+            self._record(i, choice, text, token_ids, logprobs, finish_reason, now)
             update = updates.get((i, index))
             if update is None:
                 updates[(i, index)] = [text, token_ids, logprobs, finish_reason]
             else:
                 update[0] += text
                 update[1] = update[1] + token_ids
+                if logprobs:
+                    update[2] = (update[2] or []) + logprobs
                 update[3] = finish_reason
         return updates
 
-    def _record(self, i: int, choice: _Choice, text: str, token_ids: list[int],
+    def _record(self, i: int, choice: _Choice, text: str, token_ids: list[int], logprobs,
                 finish_reason: str | None, now: float) -> None:
         metrics = self.metrics
         if not self._admitted[i]:
@@ -244,6 +247,8 @@ class _Job:
                 if self.stream:
                     metrics.time_to_first_token.observe(now - self.arrival)
             choice.token_ids += token_ids
+            if logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + logprobs
             choice.last_at = now
             metrics.generation_tokens.inc(len(token_ids))
         if finish_reason is not None:
@@ -297,7 +302,7 @@ class _Job:
         if self not in self.state.jobs:
             return  # closed already
         if self._running:
-            for i, choices in enumerate(self.choices):
+            for choices in self.choices:
                 for choice in choices:
                     if choice.finish_reason is None:
                         self.metrics.request_finished("abort")
