@@ -523,6 +523,7 @@ def test_metrics_count_what_happened(http):
     assert grew("time_to_first_token_seconds_count") == 1
     assert grew("time_per_output_token_seconds_count") == 1
     assert grew("engine_steps_total") >= 4
+    assert 0 < grew("engine_step_seconds_total") <= grew("engine_loop_seconds_total")
     success = re.findall(r'^cupy_llama:request_success_total\{(.*)\} (\S+)$', after, re.M)
     assert {labels.split('finished_reason="')[1].split('"')[0] for labels, _ in success} >= {
         "stop", "length", "abort"}

@@ -53,8 +53,13 @@ class _EngineCollector:
         yield family(CounterMetricFamily, "engine_steps", "Engine steps taken.",
                      stats.get("num_steps", 0))
         yield family(CounterMetricFamily, "engine_step_seconds",
-                     "Host time inside the engine's steps (divide by engine_steps: host "
-                     "time per step).", stats.get("step_seconds", 0.0))
+                     "Time inside LLMEngine.step(): host work, and on a GPU the wait for the "
+                     "previous step's tokens (divide by engine_steps: time per step).",
+                     stats.get("step_seconds", 0.0))
+        yield family(CounterMetricFamily, "engine_loop_seconds",
+                     "Time of the engine loop's turns that stepped: the step plus taking "
+                     "requests and sending outputs (minus engine_step_seconds: what the "
+                     "server costs the engine).", stats.get("loop_seconds", 0.0))
 
 
 class Metrics:
