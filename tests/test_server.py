@@ -16,10 +16,12 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from cupy_llama import SamplingParams
+from cupy_llama.server import protocol
 
 KEY = "test-key-4f1c"
 READY_TIMEOUT_S = 90
@@ -245,6 +247,75 @@ def test_same_seed_same_sample(client, llm):
     assert first == want.text
 
 
+LOGPROB_PROMPT = [5, 17, 99, 3, 250, 41, 7]
+
+
+def reference(llm, k: int, max_tokens: int = 8):
+    """The greedy tokens and, per position, the NumPy reference's log-softmax and its top k."""
+    from test_logprobs import reference_log_softmax
+    tokens = greedy(llm, LOGPROB_PROMPT, max_tokens).token_ids
+    rows = reference_log_softmax(llm, LOGPROB_PROMPT + tokens, len(LOGPROB_PROMPT))
+    return tokens, rows, [np.argsort(-row, kind="stable")[:k] for row in rows]
+
+
+def test_logprobs_are_the_log_softmax(http, llm):
+    """Completions (the legacy shape) and chat (with bytes, top alternatives as a list)
+    against a NumPy forward pass of the whole sequence, within 1e-4."""
+    from test_logprobs import reference_log_softmax
+    k = 4
+    tokens, rows, best = reference(llm, k)
+    strings = protocol.TokenStrings(llm.tokenizer)
+    body = {"prompt": LOGPROB_PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": k}
+    response = http.post("/v1/completions", json=body).json()
+    legacy = response["choices"][0]["logprobs"]
+    assert legacy["tokens"] == [strings(t) for t in tokens]
+    offsets = [sum(len(strings(t)) for t in tokens[:i]) for i in range(len(tokens))]
+    assert legacy["text_offset"] == offsets
+    for position, token in enumerate(tokens):
+        row = rows[position]
+        assert abs(legacy["token_logprobs"][position] - row[token]) < 1e-4
+        # {token text: logprob}: texts that repeat (lone bytes of the test tokenizer) merge
+        assert all(min(abs(value - row[best[position]])) < 1e-4
+                   for value in legacy["top_logprobs"][position].values())
+    chat_tokens = llm.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    chat_want = greedy(llm, chat_tokens, 6)
+    chat_rows = reference_log_softmax(llm, chat_tokens + chat_want.token_ids, len(chat_tokens))
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+        "logprobs": True, "top_logprobs": k}).json()["choices"][0]["logprobs"]
+    assert chat["refusal"] is None and len(chat["content"]) == 6
+    for position, (token, entry) in enumerate(zip(chat_want.token_ids, chat["content"])):
+        row = chat_rows[position]
+        assert entry["token"] == strings(token)
+        assert entry["bytes"] == list(strings(token).encode())
+        assert abs(entry["logprob"] - row[token]) < 1e-4
+        values = [alternative["logprob"] for alternative in entry["top_logprobs"]]
+        assert values == sorted(values, reverse=True) and len(values) == k
+        assert np.allclose(values, np.sort(row)[::-1][:k], atol=1e-4)
+        if np.sum(row > row[token]) < k:  # ranks within k: it is among them
+            assert any(abs(v - row[token]) < 1e-4 and a["token"] == entry["token"]
+                       for v, a in zip(values, entry["top_logprobs"]))
+    no_top = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+        "logprobs": True}).json()["choices"][0]["logprobs"]["content"]
+    assert [e["top_logprobs"] for e in no_top] == [[], []]
+
+
+def test_streamed_logprobs_add_up_to_the_whole(http):
+    body = {"prompt": LOGPROB_PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [c["choices"][0]["logprobs"] for c in sse_events(response)]
+    merged = {key: [v for chunk in chunks for v in chunk[key]] for key in whole}
+    assert merged == whole  # text offsets carry on across chunks
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}
+    content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+        streamed = [e for c in sse_events(response) for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+
+
 def test_sixteen_concurrent_streams_equal_generate(server, llm):
     rng = random.Random(3)
     prompts = [[rng.randint(0, 255) for _ in range(rng.randint(3, 40))] for _ in range(16)]
@@ -329,6 +400,12 @@ BAD_REQUESTS = [
      "best_of"),
     ("a penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, {}, 400,
      ["presence_penalty"], "presence_penalty"),
+    ("too many logprobs", "/v1/completions", {"prompt": "x", "logprobs": 21}, {}, 400,
+     ["logprobs", "21"], "logprobs"),
+    ("top_logprobs past 20", "/v1/chat/completions", {"messages": [{"role": "user",
+     "content": "x"}], "logprobs": True, "top_logprobs": 21}, {}, 400, ["20"], "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user",
+     "content": "x"}], "top_logprobs": 2}, {}, 400, ["logprobs"], "top_logprobs"),
     ("stream_options without stream", "/v1/completions",
      {"prompt": "x", "stream_options": {"include_usage": True}}, {}, 400, ["stream"],
      "stream_options"),

@@ -212,11 +212,10 @@ class _EngineLoop:
 
 def _as_delta(output) -> tuple:
     """A RequestOutput as the plain tuple DELTA_FIELDS describes."""
-    num_new = len(output.delta_token_ids)
-    logprobs = getattr(output, "logprobs", None)
+    logprobs = output.logprobs
     if logprobs is not None:
-        logprobs = [(entry.token_id, entry.logprob, list(entry.top))
-                    for entry in logprobs[len(logprobs) - num_new:]]
+        logprobs = [(entry.token_id, entry.logprob, entry.top)
+                    for entry in logprobs[len(logprobs) - len(output.delta_token_ids):]]
     return (output.request_id, getattr(output, "index", 0), output.delta,
             output.delta_token_ids, output.finish_reason, logprobs,
             getattr(output, "num_cached_tokens", 0))

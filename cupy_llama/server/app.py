@@ -278,7 +278,7 @@ class _Job:
         while not self.done:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
-                               c.finish_reason) for c in choices]
+                               c.finish_reason, logprobs=c.logprobs) for c in choices]
                 for request_id, prompt, choices in zip(self.request_ids, self.prompts,
                                                        self.choices)]
 

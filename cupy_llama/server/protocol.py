@@ -26,11 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
-MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A generation the server had to cut short (it is shutting down) reports "length": the text
 # is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
@@ -208,7 +207,8 @@ class _SamplingFields(_Unsupported, _Model):
 
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
-                         default_max_tokens: int | None, prompt_field: str) -> SamplingParams:
+                         default_max_tokens: int | None, prompt_field: str,
+                         logprobs: int | None) -> SamplingParams:
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
@@ -235,6 +235,7 @@ class _SamplingFields(_Unsupported, _Model):
             values["top_k"] = 0
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
+        values["logprobs"] = logprobs
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
@@ -308,12 +309,6 @@ class CompletionRequest(_SamplingFields):
     echo: Any = None
     suffix: Any = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported yet", param="logprobs",
-                           code="unsupported_parameter")
-
     def prompt_token_ids(self, tokenizer, vocab_size: int) -> list[list[int]]:
         """One list of ids per prompt: strings are tokenized as a completion prompt is
         (with the tokenizer's special tokens, BOS), token ids are checked."""
@@ -339,7 +334,7 @@ class CompletionRequest(_SamplingFields):
         """max_tokens left out: OpenAI's 16, or what the context leaves if less."""
         return self._sampling_params("max_tokens", self.max_tokens, num_prompt_tokens,
                                      max_model_len, model_defaults,
-                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
 
 
 def _encode(tokenizer, text: str, param: str) -> list[int]:
@@ -433,7 +428,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -447,10 +442,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs is not supported yet",
-                           param="logprobs" if self.logprobs else "top_logprobs",
-                           code="unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them: {"role", "content"} with the
@@ -486,8 +479,9 @@ class ChatCompletionRequest(_SamplingFields):
                         model_defaults: dict) -> SamplingParams:
         """max_completion_tokens (or the older max_tokens) left out: what the context leaves."""
         field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(field, getattr(self, field), num_prompt_tokens,
-                                     max_model_len, model_defaults, None, "messages")
+                                     max_model_len, model_defaults, None, "messages", logprobs)
 
 
 def _message_text(message: ChatMessage, role: str, where: str) -> str:
