@@ -185,7 +185,7 @@ def test_streamed_completion(http, llm):
     *chunks, last = events
     assert last["choices"] == [] and last["usage"] == {
         "prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 16, "total_tokens":
-        len(want.prompt_token_ids) + 16}
+        len(want.prompt_token_ids) + 16, "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
@@ -316,6 +316,59 @@ def test_streamed_logprobs_add_up_to_the_whole(http):
     assert streamed == content
 
 
+def test_n_choices(client, http, llm):
+    """n=3: indices 0..2, each finish_reason once, each equal to LLM.generate's sample of
+    that index (the same seed gives the same three), streamed or not."""
+    params = SamplingParams(temperature=1.0, top_p=1.0, seed=5, max_tokens=10, n=3)
+    wanted = [o.text for o in llm.generate(["Hello there"], params)]
+    response = client.completions.create(model="tiny", prompt="Hello there", max_tokens=10,
+                                         temperature=1.0, top_p=1.0, seed=5, n=3)
+    assert [(c.index, c.text) for c in response.choices] == list(enumerate(wanted))
+    assert response.usage.prompt_tokens == len(llm.tokenizer.encode("Hello there"))
+    assert response.usage.completion_tokens == 30
+    body = {"prompt": ["abc", "Hello there"], "max_tokens": 10, "temperature": 1.0,
+            "top_p": 1.0, "seed": 5, "n": 3, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as streamed:
+        chunks = sse_events(streamed)
+    texts, reasons = {}, {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            reasons.setdefault(choice["index"], []).append(choice["finish_reason"])
+    abc = [o.text for o in llm.generate(["abc"], params)]
+    assert [texts[i] for i in range(6)] == abc + wanted  # prompt i's choice j is i * 3 + j
+    assert reasons == {i: ["length"] for i in range(6)}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                          "content": "hi"}], max_tokens=6, temperature=1.0,
+                                          top_p=1.0, seed=9, n=3, stream=True)
+    roles, finishes = {}, {}
+    for chunk in chat:
+        for choice in chunk.choices:
+            roles.setdefault(choice.index, choice.delta.role)
+            if choice.finish_reason:
+                finishes[choice.index] = finishes.get(choice.index, 0) + 1
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert finishes == {0: 1, 1: 1, 2: 1}
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, http, llm):
+    rng = random.Random(21)
+    prompt = [rng.randint(0, 255) for _ in range(70)]  # 4 full blocks of 16, then 6 tokens
+    before = http.get("/metrics").text
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.choices[0].text == first.choices[0].text == greedy(llm, prompt, 3).text
+    after = http.get("/metrics").text
+    assert metric(after, "prefix_cache_queries_total") - metric(before, "prefix_cache_queries_total") == 140
+    assert metric(after, "prefix_cache_hits_total") - metric(before, "prefix_cache_hits_total") == 64
+    rate = metric(after, "prefix_cache_hit_rate")
+    assert rate == pytest.approx(metric(after, "prefix_cache_hits_total")
+                                 / metric(after, "prefix_cache_queries_total"))
+
+
 def test_sixteen_concurrent_streams_equal_generate(server, llm):
     rng = random.Random(3)
     prompts = [[rng.randint(0, 255) for _ in range(rng.randint(3, 40))] for _ in range(16)]
@@ -400,6 +453,8 @@ BAD_REQUESTS = [
      "best_of"),
     ("a penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, {}, 400,
      ["presence_penalty"], "presence_penalty"),
+    ("n past 128", "/v1/completions", {"prompt": "x", "n": 129}, {}, 400, ["n must be", "129"],
+     "n"),
     ("too many logprobs", "/v1/completions", {"prompt": "x", "logprobs": 21}, {}, 400,
      ["logprobs", "21"], "logprobs"),
     ("top_logprobs past 20", "/v1/chat/completions", {"messages": [{"role": "user",

@@ -90,12 +90,20 @@ def test_builders_make_openai_bodies():
                [RequestOutput("r-1", [4], [9, 9, 9], "abc", "abort")]]
     request = parse(CompletionRequest, {"prompt": ["x", "y"]})
     body = protocol.completion_response(request, "cmpl-1", 123, "m", outputs)
+    two = [[RequestOutput("r-0", [1] * 40, [7], "b", "stop", index=1),
+            RequestOutput("r-0", [1] * 40, [8, 9], "a", "length", index=0, num_cached_tokens=32)]]
+    body_n = protocol.completion_response(parse(CompletionRequest, {"prompt": "x", "n": 2}),
+                                          "cmpl-2", 1, "m", two)
+    assert [(c["index"], c["text"]) for c in body_n["choices"]] == [(0, "a"), (1, "b")]
+    assert body_n["usage"] == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+                               "prompt_tokens_details": {"cached_tokens": 32}}
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "m",
                     "choices": [{"index": 0, "text": "hi", "logprobs": None,
                                  "finish_reason": "stop"},
                                 {"index": 1, "text": "abc", "logprobs": None,
                                  "finish_reason": "length"}],  # cut short: "length"
-                    "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}}
+                    "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
+                              "prompt_tokens_details": {"cached_tokens": 0}}}
     chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                          "stream": True, "stream_options": {"include_usage": True}})
     stream = protocol.ChatCompletionStream(chat, "c-1", 5, "m")

@@ -16,23 +16,23 @@ from cupy_llama.cli import main
 from test_server import ServerProcess, metric
 
 
-async def _streams(url: str, count: int, started: asyncio.Event, opened: list):
-    """count long streamed requests; returns each one's (finish reasons, saw [DONE])."""
+async def _streams(url: str, count: int, n: int):
+    """count long streamed requests of n choices; returns each one's finish reasons by
+    choice and whether it saw [DONE]."""
     async def one(client):
         body = {"prompt": "abc", "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        reasons, done = [], False
+                "n": n, "stream": True}
+        reasons, done = {}, False
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            opened.append(1)
-            if len(opened) == count:
-                started.set()
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
                 elif line:
-                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
-        return [r for r in reasons if r is not None], done
+                    (choice,) = json.loads(line[6:])["choices"]
+                    if choice["finish_reason"] is not None:
+                        reasons.setdefault(choice["index"], []).append(choice["finish_reason"])
+        return reasons, done
 
     limits = httpx.Limits(max_connections=count + 4)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
@@ -46,16 +46,18 @@ def _wait_for(condition, timeout: float, what: str):
         time.sleep(0.02)
 
 
-def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_limit: bool):
+def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_limit: bool,
+                         n: int = 1):
     async def scenario():
-        started, opened = asyncio.Event(), []
-        streams = asyncio.ensure_future(_streams(server.url, count, started, opened))
-        # every stream has its first chunk (with 2 sequences at a time, the rest wait for
-        # theirs: they are not all streaming yet, so wait for the engine's view instead)
-        await asyncio.get_running_loop().run_in_executor(None, _wait_for, lambda: (
-            metric(httpx.get(server.url + "/metrics").text, "num_requests_running")
-            + metric(httpx.get(server.url + "/metrics").text, "num_requests_waiting")) == count,
-            30, f"{count} requests in the engine")
+        streams = asyncio.ensure_future(_streams(server.url, count, n))
+        # all of them in the engine, running or waiting (each of the n samples counts;
+        # with a few sequences at a time most have no first chunk yet)
+        def in_engine() -> float:
+            text = httpx.get(server.url + "/metrics").text
+            return metric(text, "num_requests_running") + metric(text, "num_requests_waiting")
+
+        await asyncio.get_running_loop().run_in_executor(
+            None, _wait_for, lambda: in_engine() == count * n, 30, f"{count} requests in the engine")
         if check_queue_limit:
             refused = await asyncio.get_running_loop().run_in_executor(None, lambda: httpx.post(
                 server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}))
@@ -71,8 +73,9 @@ def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_lim
     code = server.proc.wait(timeout=10)
     assert code == 0, server.log_text()
     assert time.monotonic() - stopped_at < 10
-    for reasons, done in results:
-        assert done and len(reasons) == 1 and reasons[0] in ("stop", "length"), results
+    for reasons, done in results:  # each choice ended once, and the stream with [DONE]
+        assert done and sorted(reasons) == list(range(n)), results
+        assert all(len(r) == 1 and r[0] in ("stop", "length") for r in reasons.values()), results
     assert "Traceback" not in server.log_text()
 
 
@@ -88,7 +91,7 @@ def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
 def test_sigint_stops_cleanly_too(model_dir):
     server = ServerProcess(model_dir, "--max-num-seqs", "4", "--log-requests")
     try:
-        _stop_during_streams(server, signal.SIGINT, 3, check_queue_limit=False)
+        _stop_during_streams(server, signal.SIGINT, 3, check_queue_limit=False, n=2)
     finally:
         server.stop(signal.SIGKILL)
     assert '"prompt": "abc"' in server.log_text()  # --log-requests: bodies are logged

@@ -150,7 +150,7 @@ class _EngineLoop:
     def __init__(self, engine, channel: _Channel):
         self.engine = engine
         self.channel = channel
-        self.num_adds = 0
+        self.num_added_seqs = 0  # sequences of the requests taken in (n per request)
         self.num_steps = 0
         self.step_seconds = 0.0   # inside LLMEngine.step()
         self.loop_seconds = 0.0   # whole turns that stepped: messages, step, sending
@@ -171,16 +171,14 @@ class _EngineLoop:
                 kind = message[0]
                 if kind == "add":
                     _, request_id, prompt_ids, params, stream = message
-                    self.num_adds += 1
+                    self.num_added_seqs += params.n
                     try:
                         engine.add_request(prompt_ids, params, request_id=request_id,
                                            stream=stream)
                     except RequestError as e:
                         rejected.append((request_id, str(e)))
-                elif kind == "abort":
-                    output = engine.abort(message[1])
-                    if output is not None:
-                        deltas.append(_as_delta(output))
+                elif kind == "abort":  # the final output of each sample still running
+                    deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
                 elif kind == "stop":
                     for request_id in list(engine.requests):
                         engine.abort(request_id)
@@ -206,7 +204,9 @@ class _EngineLoop:
                 "num_free_blocks": engine.blocks.num_free_blocks,
                 "num_blocks": engine.blocks.num_blocks,
                 "num_preemptions": engine.scheduler.num_preemptions,
-                "num_adds": self.num_adds, "num_steps": self.num_steps,
+                "prefix_cache_queries": engine.blocks.num_queried_tokens,
+                "prefix_cache_hits": engine.blocks.num_hit_tokens,
+                "num_added_seqs": self.num_added_seqs, "num_steps": self.num_steps,
                 "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds}
 
 
@@ -216,9 +216,8 @@ def _as_delta(output) -> tuple:
     if logprobs is not None:
         logprobs = [(entry.token_id, entry.logprob, entry.top)
                     for entry in logprobs[len(logprobs) - len(output.delta_token_ids):]]
-    return (output.request_id, getattr(output, "index", 0), output.delta,
-            output.delta_token_ids, output.finish_reason, logprobs,
-            getattr(output, "num_cached_tokens", 0))
+    return (output.request_id, output.index, output.delta, output.delta_token_ids,
+            output.finish_reason, logprobs, output.num_cached_tokens)
 
 
 def _engine_info(llm) -> dict:
@@ -377,7 +376,7 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished: dict[str, int] = {}  # choices still running, per request
-        self._num_adds_sent = 0
+        self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
         self._stopping = False
         self._stopped = False
 
@@ -440,8 +439,8 @@ class AsyncEngine:
             sink.put(ENGINE_STOPPED)
             return
         self._streams[request_id] = sink
-        self._num_unfinished[request_id] = getattr(params, "n", 1)
-        self._num_adds_sent += 1
+        self._num_unfinished[request_id] = params.n
+        self._num_seqs_sent += params.n
         self._send(("add", request_id, prompt_ids, params, stream))
 
     def abort(self, request_id: str) -> None:
@@ -452,14 +451,14 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not running yet: the engine's queue as of its last step, plus the ones
-        sent since that it has not taken in."""
-        taken = self.stats.get("num_adds", 0)
-        return self.stats.get("num_waiting", 0) + self._num_adds_sent - taken
+        """Sequences not running yet (a request of n samples has n): the engine's queue as of
+        its last step, plus those of requests sent since that it has not taken in."""
+        taken = self.stats.get("num_added_seqs", 0)
+        return self.stats.get("num_waiting", 0) + self._num_seqs_sent - taken
 
     @property
     def num_queued(self) -> int:
-        """Requests that will still wait once every free sequence slot is filled: those a
+        """Sequences that will still wait once every free sequence slot is filled: those a
         new request would queue behind."""
         free_slots = self.info.max_num_seqs - self.stats.get("num_running", 0)
         return max(0, self.num_waiting - max(0, free_slots))
@@ -479,10 +478,9 @@ class AsyncEngine:
                 if sink is None:
                     continue
                 sink.put(delta)
-                finish_reason = delta[4]
-                if finish_reason is not None:
+                if delta[4] is not None:  # a sample ended (an abort ends each one running)
                     unfinished[request_id] -= 1
-                    if finish_reason == "abort" or not unfinished[request_id]:
+                    if not unfinished[request_id]:
                         del streams[request_id], unfinished[request_id]
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)

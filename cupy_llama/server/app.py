@@ -158,8 +158,8 @@ class ServerState:
                   stream: bool, n: int) -> "_Job":
         queued = self.engine.num_queued
         limit = self.settings.max_waiting
-        if queued + len(prompts) > limit:
-            raise APIError(503, f"{queued} requests are waiting for the engine (at most "
+        if queued + len(prompts) * n > limit:
+            raise APIError(503, f"{queued} sequences are waiting for the engine (at most "
                                 f"{limit}); retry in a moment", code="server_busy",
                            headers=RETRY_AFTER)
         job = _Job(self, response_id, prompts, n, stream)
@@ -200,6 +200,7 @@ class _Job:
         self.choices = [[_Choice() for _ in range(n)] for _ in prompts]
         self._running = set(self.request_ids)
         self._admitted = [False] * len(prompts)
+        self._cached = [0] * len(prompts)  # prompt tokens the prefix cache held, per prompt
         self.num_unfinished = len(prompts) * n
         self.arrival = time.monotonic()
 
@@ -216,11 +217,13 @@ class _Job:
         for item in items:
             if type(item) is not tuple:
                 self._fail(item)
-            request_id, index, text, token_ids, finish_reason, logprobs, _ = item
+            request_id, index, text, token_ids, finish_reason, logprobs, num_cached = item
             i = self._prompt_of[request_id]
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
+            if index == 0:  # the sample that computed the prompt
+                self._cached[i] = num_cached
             self._record(i, choice, text, token_ids, logprobs, finish_reason, now)
             update = updates.get((i, index))
             if update is None:
@@ -278,9 +281,10 @@ class _Job:
         while not self.done:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
-                               c.finish_reason, logprobs=c.logprobs) for c in choices]
-                for request_id, prompt, choices in zip(self.request_ids, self.prompts,
-                                                       self.choices)]
+                               c.finish_reason, logprobs=c.logprobs, index=index,
+                               num_cached_tokens=cached) for index, c in enumerate(choices)]
+                for request_id, prompt, choices, cached in zip(self.request_ids, self.prompts,
+                                                               self.choices, self._cached)]
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
@@ -291,7 +295,8 @@ class _Job:
 
     def usage(self) -> dict:
         return protocol.usage(sum(len(p) for p in self.prompts),
-                              sum(len(c.token_ids) for choices in self.choices for c in choices))
+                              sum(len(c.token_ids) for choices in self.choices for c in choices),
+                              sum(self._cached))
 
     def abort_unfinished(self) -> None:
         for request_id in self._running:

@@ -41,15 +41,24 @@ class _EngineCollector:
         num_blocks = stats.get("num_blocks", 0)
         used = 1 - stats.get("num_free_blocks", 0) / num_blocks if num_blocks else 0.0
         yield family(GaugeMetricFamily, "num_requests_running",
-                     "Requests the engine is running (prefill or decode).",
-                     stats.get("num_running", 0))
+                     "Sequences the engine is running, prefill or decode (a request of n "
+                     "samples has n).", stats.get("num_running", 0))
         yield family(GaugeMetricFamily, "num_requests_waiting",
-                     "Requests waiting for the engine to admit them.", num_waiting)
+                     "Sequences waiting for the engine to admit them.", num_waiting)
         yield family(GaugeMetricFamily, "kv_cache_usage_perc",
                      "Fraction of KV-cache blocks in use (1 means all).", used)
         yield family(CounterMetricFamily, "num_preemptions",
                      "Sequences preempted (their KV dropped, recomputed later).",
                      stats.get("num_preemptions", 0))
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        yield family(CounterMetricFamily, "prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache (each sample's, at its first "
+                     "admission).", queries)
+        yield family(CounterMetricFamily, "prefix_cache_hits",
+                     "Prompt tokens the prefix cache held (of prefix_cache_queries).", hits)
+        yield family(GaugeMetricFamily, "prefix_cache_hit_rate",
+                     "prefix_cache_hits / prefix_cache_queries since the server started.",
+                     hits / queries if queries else 0.0)
         yield family(CounterMetricFamily, "engine_steps", "Engine steps taken.",
                      stats.get("num_steps", 0))
         yield family(CounterMetricFamily, "engine_step_seconds",

@@ -196,10 +196,6 @@ class _SamplingFields(_Unsupported, _Model):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (got {self.n}): more than one choice per "
-                                "prompt is not supported yet", param="n",
-                           code="unsupported_parameter")
 
     @property
     def include_usage(self) -> bool:
@@ -236,6 +232,7 @@ class _SamplingFields(_Unsupported, _Model):
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
+        values["n"] = self.n
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
@@ -560,19 +557,23 @@ class ChatCompletionStream:
 # ---- usage ----------------------------------------------------------------------------
 
 def _index(output) -> int:
-    return getattr(output, "index", 0)
+    return output.index
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: prompt tokens whose KV the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def usage_of(outputs: list[list]) -> dict:
-    """Usage of one request: each prompt counts once, every choice's tokens count."""
-    prompt_tokens = sum(len(group[0].prompt_token_ids) for group in outputs if group)
-    completion_tokens = sum(len(o.token_ids) for group in outputs for o in group)
-    return usage(prompt_tokens, completion_tokens)
+    """Usage of one request: each prompt counts once (its cached tokens as the sample that
+    computed it found them), every choice's tokens count."""
+    firsts = [min(group, key=_index) for group in outputs if group]
+    return usage(sum(len(o.prompt_token_ids) for o in firsts),
+                 sum(len(o.token_ids) for group in outputs for o in group),
+                 sum(o.num_cached_tokens for o in firsts))
 
 
 # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
