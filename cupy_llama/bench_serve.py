@@ -130,11 +130,22 @@ class ServeBenchSettings:
             args += ["--scale", repr(self.scale)]
         if self.temperature != THROUGHPUT_TEMPERATURE:
             args += ["--temperature", repr(self.temperature)]
-        for name, value in sorted(self.engine.items()):
-            flag = "--" + name.replace("_", "-")
-            args += [flag] if value is True else [flag, str(value)]
+        args += engine_flags(self.engine)
         args += ["--json", self.json_path] if self.json_path else []
         return shlex.join(args)
+
+
+def engine_flags(engine: dict) -> list[str]:
+    """The command-line flags of engine options (as `cupy-llama serve` and bench take them)."""
+    flags = []
+    for name, value in sorted(engine.items()):
+        if name == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+        elif value is True:
+            flags.append("--" + name.replace("_", "-"))
+        else:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
 
 
 # ---- the workload -------------------------------------------------------------------------
@@ -351,10 +362,8 @@ def started_server(settings: ServeBenchSettings, model_dir: Path, log):
     group; yields its base URL (…/v1) once /health answers. Always stopped afterwards."""
     command = [sys.executable, "-m", "cupy_llama.cli", "serve", "--model", str(model_dir),
                "--device", settings.device, "--port", "0", "--served-model-name", "bench",
-               "--max-waiting", str(max(1024, settings.num_requests))]
-    for name, value in sorted(settings.engine.items()):
-        flag = "--" + name.replace("_", "-")
-        command += [flag] if value is True else [flag, str(value)]
+               "--max-waiting", str(max(1024, settings.num_requests)),
+               *engine_flags(settings.engine)]
     log_file = tempfile.NamedTemporaryFile("w+", prefix="cupy-llama-serve-", suffix=".log",
                                            delete=False)
     log(f"starting the server: {shlex.join(command)} (log: {log_file.name})")

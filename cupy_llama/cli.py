@@ -428,13 +428,13 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
               "--model argument as given).")
 @device_option
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
-              help="Requests that may wait for a free sequence slot; past that, 503 with "
-                   "Retry-After.")
+              help="Sequences that may wait for a free slot (a request of n samples has "
+                   "n); past that, 503 with Retry-After.")
 @click.option("--log-requests", is_flag=True, help="Also log request bodies and generated "
               "text (by default the log holds method, path, status and time only).")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
-@click.option("--enforce-eager", is_flag=True, help="Turn CUDA graphs off.")
+@click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
           log_requests, **options):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
