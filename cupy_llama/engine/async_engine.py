@@ -180,9 +180,7 @@ class _EngineLoop:
                 elif kind == "abort":  # the final output of each sample still running
                     deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
                 elif kind == "stop":
-                    for request_id in list(engine.requests):
-                        engine.abort(request_id)
-                    return
+                    return  # LLM.close() aborts what still runs and frees the device
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
                 outputs = engine.step()
