@@ -135,13 +135,20 @@ class LLMEngine:
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(is_token_id(t) for t in prompt):
+        if not isinstance(prompt, (list, tuple)):
             raise RequestError("a prompt must be a string or a list of token ids (ints)")
-        prompt = [int(t) for t in prompt]
+        # plain ints (the usual case) are checked in C-speed passes: a batch of long
+        # token-id prompts would otherwise cost a Python call per token
+        if set(map(type, prompt)) <= {int}:
+            prompt = list(prompt)
+        elif all(is_token_id(t) for t in prompt):  # NumPy integers, say
+            prompt = [int(t) for t in prompt]
+        else:
+            raise RequestError("a prompt must be a string or a list of token ids (ints)")
         vocab = self.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if prompt and (min(prompt) < 0 or max(prompt) >= vocab):
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         return prompt
 
     def abort(self, request_id: str) -> list[RequestOutput]:
