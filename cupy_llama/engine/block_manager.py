@@ -118,13 +118,22 @@ class BlockManager:
 
     def hashes(self, seq: Sequence, num_blocks: int | None = None) -> list[bytes]:
         """seq.block_hashes extended over its first num_blocks full blocks (default: all of
-        them), as far as their tokens are known."""
+        them), as far as their tokens are known. The new blocks' tokens are packed in one
+        go: a 2,048-token prompt is 128 blocks to hash when it arrives."""
         bs, hashes = self.block_size, seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // bs if num_blocks is None else num_blocks):
-            token_ids = seq.token_slice(i * bs, (i + 1) * bs)
-            if min(token_ids) < 0:  # a token still coming (a placeholder): not hashed
-                break
-            hashes.append(block_hash(hashes[-1] if hashes else ROOT_HASH, token_ids))
+        first, end = len(hashes), seq.num_tokens // bs if num_blocks is None else num_blocks
+        if first >= end:
+            return hashes
+        token_ids = seq.token_slice(first * bs, end * bs)
+        if min(token_ids) < 0:  # tokens still coming (placeholders): hash up to the first
+            known = next(i for i, token in enumerate(token_ids) if token < 0)
+            end = first + known // bs
+            token_ids = token_ids[:(end - first) * bs]
+        data = struct.pack(f"<{len(token_ids)}i", *token_ids)  # as block_hash packs them
+        parent, width = hashes[-1] if hashes else ROOT_HASH, 4 * bs
+        for start in range(0, len(data), width):
+            parent = hashlib.sha256(parent + data[start:start + width]).digest()
+            hashes.append(parent)
         return hashes
 
     def can_allocate(self, reused: list[int], num_tokens: int) -> bool:
