@@ -2,6 +2,12 @@
 the NumPy backend), talked to with the official `openai` client and with raw HTTP: the
 protocol, outputs equal to LLM.generate, bad input, disconnects and a bounded load test.
 One server serves the whole module (test_server_shutdown.py starts its own)."""
+import pytest
+
+# the serve extra (in the test extra); a machine without it, running only -m gpu, skips
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
 import asyncio
 import json
 import os
@@ -18,7 +24,6 @@ import time
 import httpx
 import numpy as np
 import openai
-import pytest
 
 from cupy_llama import SamplingParams
 from cupy_llama.server import protocol

@@ -1,9 +1,14 @@
 """`cupy-llama bench serve` on the CPU with the tiny model and shortened workloads: against a
 server it starts itself and against a given --url (clients spread over processes, Poisson
 arrivals); the report's numbers agree with each other and with the workload."""
+import pytest
+
+# the serve extra (in the test extra); a machine without it, running only -m gpu, skips
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
 import json
 
-import pytest
 from conftest import one_error_line
 
 from cupy_llama.bench import offline_workload

@@ -1,11 +1,15 @@
 """The OpenAI protocol layer on plain dicts (what a batch front end calls), and the
 application's states that a subprocess cannot be caught in reliably: loading, draining,
 a request the engine refuses."""
+import pytest
+
+# the serve extra (in the test extra); a machine without it, running only -m gpu, skips
+pytest.importorskip("fastapi")
+
 import asyncio
 import json
 
 import httpx
-import pytest
 
 from cupy_llama import SamplingParams
 from cupy_llama.config import ModelConfig

@@ -1,6 +1,12 @@
 """`cupy-llama serve` starting and stopping: the waiting-queue limit, SIGTERM and SIGINT
 while streams run (each stream ends cleanly, the process exits 0), and the one-line
 errors of bad flags, a bad model, a port in use and a missing serve extra."""
+import pytest
+
+# the serve extra (in the test extra); a machine without it, running only -m gpu, skips
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
 import asyncio
 import json
 import signal
