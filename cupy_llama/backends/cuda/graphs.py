@@ -53,6 +53,21 @@ def short_graph_buckets(buckets: list[int], short_limit: int, max_model_len: int
     return frozenset(b for b in buckets if clustered(b, short_limit))
 
 
+def captured(stream, run):
+    """(graph, what run returned) of run() captured on `stream`, which must be current.
+    A failed capture is ended before the error goes on."""
+    stream.begin_capture()
+    try:
+        result = run()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:
+            pass  # the capture was already invalid; report the first error
+        raise
+    return stream.end_capture(), result
+
+
 class DecodeGraphs:
     def __init__(self, backend, log=None):
         import cupy
@@ -180,16 +195,7 @@ class DecodeGraphs:
             self._stage(None, bucket)
             self._forward(config, bucket, limit)  # warm-up, not captured
             stream.synchronize()
-            stream.begin_capture()
-            try:
-                logits = self._forward(config, bucket, limit)
-            except BaseException:
-                try:
-                    stream.end_capture()
-                except Exception:
-                    pass  # the capture was already invalid; report the first error
-                raise
-            graph = stream.end_capture()
+            graph, logits = captured(stream, lambda: self._forward(config, bucket, limit))
         caller.wait_event(stream.record())
         self._graphs[(bucket, limit)] = (graph, logits)
         return graph, logits
@@ -327,23 +333,13 @@ class StepGraphs:
         stream = self._capture_stream
         stream.wait_event(caller.record())
         meta, buf = self._pieces_batch(bucket), self._backend.buffers(bucket, 1)
-        pieces, graphs = self._pieces(config, meta, buf), []
+        pieces = self._pieces(config, meta, buf)
         with stream:
             self._stage(None, bucket)
             for piece in pieces:  # warm-up, not captured
                 piece()
             stream.synchronize()
-            for piece in pieces:
-                stream.begin_capture()
-                try:
-                    piece()
-                except BaseException:
-                    try:
-                        stream.end_capture()
-                    except Exception:
-                        pass  # the capture was already invalid; report the first error
-                    raise
-                graphs.append(stream.end_capture())
+            graphs = [captured(stream, piece)[0] for piece in pieces]
         caller.wait_event(stream.record())
         self._graphs[bucket] = graphs
         return graphs
