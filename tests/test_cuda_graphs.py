@@ -163,6 +163,19 @@ def prefill(cpu, gpu_backend, config, seqs: Sequences):
         seqs.advance(counts)
 
 
+def assert_kv_written_by(gpu_backend, seqs) -> None:
+    """Exactly the slots of the sequences' computed tokens hold values: no padding row of a
+    graph wrote K/V, and no token's K/V went missing (never-written slots are NaN)."""
+    import cupy
+    kv = cupy.asnumpy(gpu_backend._kv)  # [L, 2, blocks, block_size, nkv, d]
+    touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
+    expected_touched = np.zeros(touched.shape, bool)
+    expected_touched[sorted(seqs.written_slots())] = True
+    stray = np.flatnonzero(touched & ~expected_touched)
+    assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
+    assert touched[expected_touched].all(), "a token's K/V never reached the cache"
+
+
 def assert_logits_close(got, expected, tolerance, what):
     scale = float(np.max(np.abs(expected)))
     diff = float(np.max(np.abs(got - expected)))
@@ -218,13 +231,7 @@ def test_graph_decode_matches_eager(model, rng, skinny):
             assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
             seqs.advance(counts, np.argmax(expected, axis=-1))
     # padding rows wrote no KV: exactly the slots of real tokens hold values
-    kv = cupy.asnumpy(gpu_backend._kv)  # [L, 2, blocks, block_size, nkv, d]
-    touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
-    expected_touched = np.zeros(touched.shape, bool)
-    expected_touched[sorted(seqs.written_slots())] = True
-    stray = np.flatnonzero(touched & ~expected_touched)
-    assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
-    assert touched[expected_touched].all(), "a token's K/V never reached the cache"
+    assert_kv_written_by(gpu_backend, seqs)
 
 
 @pytest.mark.gpu
@@ -258,13 +265,7 @@ def test_step_graphs_match_eager(model, rng):
         assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: step graphs vs eager")
         assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: step graphs vs CPU")
         seqs.advance(counts, np.argmax(expected, axis=-1))
-    kv = cupy.asnumpy(gpu_backend._kv)
-    touched = (kv != NAN_BITS).any(axis=(0, 1, 4, 5)).reshape(-1)
-    expected_touched = np.zeros(touched.shape, bool)
-    expected_touched[sorted(seqs.written_slots())] = True
-    stray = np.flatnonzero(touched & ~expected_touched)
-    assert stray.size == 0, f"{stray.size} KV slots written that belong to no token: {stray[:8]}"
-    assert touched[expected_touched].all(), "a token's K/V never reached the cache"
+    assert_kv_written_by(gpu_backend, seqs)
 
 
 @pytest.mark.gpu
