@@ -432,18 +432,26 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
                    "n); past that, 503 with Retry-After.")
 @click.option("--log-requests", is_flag=True, help="Also log request bodies and generated "
               "text (by default the log holds method, path, status and time only).")
+@click.option("--replica-name", help="This server's name in the x-served-by header of every "
+              "response (default: hostname:port).")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
-          log_requests, **options):
+          log_requests, replica_name, **options):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
     Prints one line with the URL once the model is loaded; Ctrl-C or SIGTERM stops it.
+    For more than one GPU, run one per GPU (CUDA_VISIBLE_DEVICES) behind a load balancer
+    (README: More than one GPU).
     """
     engine = _given(options, SERVE_ENGINE_NAMES)
     _check_options({}, engine)
+    if replica_name is not None and not (replica_name.strip() and replica_name.isascii()
+                                         and replica_name.isprintable()):
+        raise OptionError(f"--replica-name {replica_name!r} must be printable ASCII (it goes "
+                          "into the x-served-by header)")
     for package in SERVE_PACKAGES:
         try:
             __import__(package)
@@ -464,7 +472,8 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     sock = _listen(host, port)
     settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
                               device=device, engine_options=engine, api_key=api_key or None,
-                              max_waiting=max_waiting, log_requests=log_requests)
+                              max_waiting=max_waiting, log_requests=log_requests,
+                              replica_name=replica_name)
     try:
         run_server(settings, sock, tokenizer, config)
     except EngineStartError as e:

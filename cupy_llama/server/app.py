@@ -4,11 +4,12 @@ A request goes: API key, body (size limit, JSON), the endpoint's request model
 (server/protocol.py) to prompts and SamplingParams, one engine request per prompt, then
 the engine's deltas back through a RequestStream to JSON or server-sent events. The
 server starts listening before the model is loaded (/health answers 503 until then) and
-prints its URL once the engine reports ready. A client that goes away aborts its
-requests: the engine frees their blocks before its next step. On SIGINT or SIGTERM it
-stops accepting connections, gives what is running SHUTDOWN_GRACE_S to finish, cuts the
-rest short (a last chunk with finish_reason "length", then [DONE]), stops the engine
-process and returns.
+prints its URL once the engine reports ready. Every response names the server in an
+x-served-by header (--replica-name, else hostname:port), so that behind a load balancer a
+client sees which replica answered. A client that goes away aborts its requests: the
+engine frees their blocks before its next step. On SIGINT or SIGTERM it stops accepting
+connections, gives what is running SHUTDOWN_GRACE_S to finish, cuts the rest short (a last
+chunk with finish_reason "length", then [DONE]), stops the engine process and returns.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -42,6 +44,7 @@ from .protocol import APIError
 DEFAULT_MAX_WAITING = 1024
 MAX_BODY_BYTES = 16 << 20        # larger bodies get 413 (a 100k-token prompt is about 1 MB)
 SHUTDOWN_GRACE_S = 2.0           # how long running requests may go on once a shutdown begins
+SERVED_BY = b"x-served-by"       # the response header that names the replica
 CLIENT_CLOSED = 499              # nginx's code for a client that left before the response
 RETRY_AFTER = {"Retry-After": "1"}
 SSE_DONE = b"data: [DONE]\n\n"
@@ -60,6 +63,7 @@ class ServerSettings:
     log_requests: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
+    replica_name: str | None = None  # x-served-by; run_server's default: hostname:port
 
 
 class _ClientGone(Exception):
@@ -423,6 +427,26 @@ async def _read_json(request: Request, limit: int):
 
 # ---- the application ----------------------------------------------------------------------
 
+class _ServedBy:
+    """Adds the replica's name to every response, errors included (this wraps the whole
+    application, outside FastAPI's last-resort error handler)."""
+
+    def __init__(self, app, name: str):
+        self.app = app
+        self.header = (SERVED_BY, name.encode("latin-1"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_name(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_name)
+
+
 class _AccessLog:
     """One log line per request: method, path, status, milliseconds (to the end of a
     stream). No bodies: those are logged by the routes, and only with --log-requests."""
@@ -448,7 +472,8 @@ class _AccessLog:
                      status[0] if status else 500, 1e3 * (time.perf_counter() - started))
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState):
+    """The ASGI application: FastAPI's routes inside _ServedBy."""
     settings = state.settings
 
     @contextlib.asynccontextmanager
@@ -574,7 +599,7 @@ def create_app(state: ServerState) -> FastAPI:
         parsed, _ = await body_of(request, protocol.DetokenizeRequest)
         return JSONResponse(protocol.detokenize_response(parsed.text(state.tokenizer)))
 
-    return app
+    return _ServedBy(app, settings.replica_name or socket.gethostname())
 
 
 # ---- running it ---------------------------------------------------------------------------
@@ -627,6 +652,9 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
     EngineStartError when the model could not be loaded, RuntimeError when the engine
     process died."""
     _setup_logging()
+    if settings.replica_name is None:
+        port = sock.getsockname()[1]
+        settings = replace(settings, replica_name=f"{socket.gethostname()}:{port}")
     state = ServerState(settings, tokenizer, model_config)
     url = url_of(sock)
 
@@ -641,7 +669,7 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     server = _Server(config, state)
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    log.info("listening on %s; loading %s", url, settings.model_dir)
+    log.info("listening on %s as %s; loading %s", url, settings.replica_name, settings.model_dir)
     server.run(sockets=[sock])
     if state.failure is not None:
         raise state.failure
