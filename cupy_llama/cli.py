@@ -434,17 +434,21 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
               "text (by default the log holds method, path, status and time only).")
 @click.option("--replica-name", help="This server's name in the x-served-by header of every "
               "response (default: hostname:port).")
+@click.option("--drain-delay", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds between SIGTERM and closing the listener, while /health answers "
+                   "503 and requests are still served: time for a load balancer to take this "
+                   "replica out.")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
-          log_requests, replica_name, **options):
+          log_requests, replica_name, drain_delay, **options):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
-    Prints one line with the URL once the model is loaded; Ctrl-C or SIGTERM stops it.
-    For more than one GPU, run one per GPU (CUDA_VISIBLE_DEVICES) behind a load balancer
-    (README: More than one GPU).
+    Prints one line with the URL once the model is loaded; Ctrl-C stops it, SIGTERM too
+    after --drain-delay. For more than one GPU, run one per GPU (CUDA_VISIBLE_DEVICES)
+    behind a load balancer (README: More than one GPU).
     """
     engine = _given(options, SERVE_ENGINE_NAMES)
     _check_options({}, engine)
@@ -473,7 +477,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
                               device=device, engine_options=engine, api_key=api_key or None,
                               max_waiting=max_waiting, log_requests=log_requests,
-                              replica_name=replica_name)
+                              replica_name=replica_name, drain_delay_s=drain_delay)
     try:
         run_server(settings, sock, tokenizer, config)
     except EngineStartError as e:

@@ -1,5 +1,6 @@
 """`cupy-llama serve` as one replica of several behind a load balancer: every response names
-its replica (x-served-by)."""
+its replica (x-served-by), and after SIGTERM /health fails while requests are still
+served."""
 import asyncio
 import socket
 
@@ -8,6 +9,7 @@ from conftest import one_error_line
 
 from cupy_llama.cli import main
 from cupy_llama.config import ModelConfig
+from cupy_llama.engine.async_engine import EngineInfo
 from cupy_llama.server.app import ServerSettings, ServerState, create_app
 from cupy_llama.tokenizer import Tokenizer
 
@@ -48,6 +50,18 @@ def test_every_response_names_the_replica(model_dir):
     # without a name, the host's (the command line adds the port it listens on)
     unnamed = _request(_state(model_dir), "GET", "/version")
     assert unnamed.headers["x-served-by"] == socket.gethostname()
+
+
+def test_a_leaving_replica_fails_health_but_still_answers(model_dir):
+    state = _state(model_dir)
+    state.info = EngineInfo("cpu", max_model_len=64, num_blocks=8, block_size=16,
+                            max_num_seqs=4, load_seconds=0.0, pid=0)
+    state.phase = state.LEAVING  # SIGTERM came; the listener is still open
+    health = _request(state, "GET", "/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+    assert _request(state, "POST", "/tokenize", json={"prompt": "abc"}).status_code == 200
+    state.phase = state.DRAINING  # the listener is closed
+    assert _request(state, "POST", "/tokenize", json={"prompt": "abc"}).status_code == 503
 
 
 def test_a_replica_name_must_fit_a_header(model_dir, capsys):

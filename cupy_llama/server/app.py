@@ -7,9 +7,11 @@ server starts listening before the model is loaded (/health answers 503 until th
 prints its URL once the engine reports ready. Every response names the server in an
 x-served-by header (--replica-name, else hostname:port), so that behind a load balancer a
 client sees which replica answered. A client that goes away aborts its requests: the
-engine frees their blocks before its next step. On SIGINT or SIGTERM it stops accepting
-connections, gives what is running SHUTDOWN_GRACE_S to finish, cuts the rest short (a last
-chunk with finish_reason "length", then [DONE]), stops the engine process and returns.
+engine frees their blocks before its next step. On SIGTERM /health answers 503 first and
+requests that still arrive are served for drain_delay_s (time for a balancer to take the
+replica out); then, as at once on SIGINT, it stops accepting connections, gives what is
+running SHUTDOWN_GRACE_S to finish, cuts the rest short (a last chunk with finish_reason
+"length", then [DONE]), stops the engine process and returns.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from .protocol import APIError
 DEFAULT_MAX_WAITING = 1024
 MAX_BODY_BYTES = 16 << 20        # larger bodies get 413 (a 100k-token prompt is about 1 MB)
 SHUTDOWN_GRACE_S = 2.0           # how long running requests may go on once a shutdown begins
+DRAIN_DELAY_S = 1.0              # SIGTERM: /health 503 for this long before the listener closes
 SERVED_BY = b"x-served-by"       # the response header that names the replica
 CLIENT_CLOSED = 499              # nginx's code for a client that left before the response
 RETRY_AFTER = {"Retry-After": "1"}
@@ -63,6 +66,7 @@ class ServerSettings:
     log_requests: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
+    drain_delay_s: float = DRAIN_DELAY_S
     replica_name: str | None = None  # x-served-by; run_server's default: hostname:port
 
 
@@ -80,7 +84,9 @@ DISCONNECTED = _Disconnected()  # put in a request's stream when its client goes
 # ---- the state the routes share -----------------------------------------------------------
 
 class ServerState:
-    LOADING, READY, DRAINING = "loading", "ready", "draining"
+    # LEAVING: after SIGTERM, /health answers 503 while requests are still served, until
+    # the listener closes; DRAINING: no new requests, running ones finish
+    LOADING, READY, LEAVING, DRAINING = "loading", "ready", "leaving", "draining"
 
     def __init__(self, settings: ServerSettings, tokenizer, model_config):
         self.settings = settings
@@ -118,6 +124,24 @@ class ServerState:
         self.phase = self.DRAINING
         self.request_exit()
 
+    def begin_leaving(self) -> None:
+        """SIGTERM: /health answers 503 at once, so a load balancer takes this replica out,
+        while requests that still reach it are served (one that has not noticed yet would
+        otherwise hand its client an error); after drain_delay_s, begin_shutdown()."""
+        if self.phase != self.READY:  # loading, or stopping already: nothing to announce
+            self.request_exit()
+            self.begin_shutdown()
+            return
+        self.phase = self.LEAVING
+        delay = self.settings.drain_delay_s
+        log.info("leaving: /health answers 503; the listener closes in %.1f s", delay)
+        self.loop.call_later(delay, self._stop_accepting)
+
+    def _stop_accepting(self) -> None:
+        if self.phase == self.LEAVING:
+            self.request_exit()
+            self.begin_shutdown()
+
     def begin_shutdown(self) -> None:
         """Refuse new requests; after the grace period, cut short what still runs."""
         if self.phase == self.DRAINING:
@@ -145,11 +169,20 @@ class ServerState:
             raise APIError(401, "wrong API key", code="invalid_api_key")
 
     def check_ready(self) -> None:
+        """The API answers while the server is ready, and while it is leaving."""
         if self.phase == self.LOADING:
             raise APIError(503, "the model is still loading; retry when /health answers 200",
                            code="not_ready", headers=RETRY_AFTER)
         if self.phase == self.DRAINING:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def check_healthy(self) -> None:
+        """/health: 200 only while ready, so that a balancer sends nothing new to a server
+        that is leaving."""
+        self.check_ready()
+        if self.phase == self.LEAVING:
+            raise APIError(503, "the server is shutting down; it still answers requests "
+                                "until its listener closes", code="shutting_down")
 
     def check_model(self, name: str | None) -> None:
         served = self.settings.served_model_name
@@ -526,7 +559,7 @@ def create_app(state: ServerState):
 
     @app.get("/health")
     async def health():
-        state.check_ready()
+        state.check_healthy()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -611,6 +644,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState):
         super().__init__(config)
         self.state = state
+        self.leaving = False
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -626,9 +660,17 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame) -> None:
+        state = self.state
+        # SIGTERM is how a service manager or an orchestrator stops a replica: announce it
+        # on /health before the listener closes. Ctrl-C, or a second signal, stops at once.
+        if sig == signal.SIGTERM and not self.leaving and not self.should_exit \
+                and state.loop is not None and state.settings.drain_delay_s > 0:
+            self.leaving = True
+            state.loop.call_soon_threadsafe(state.begin_leaving)
+            return
         super().handle_exit(sig, frame)
-        if self.state.loop is not None:
-            self.state.loop.call_soon_threadsafe(self.state.begin_shutdown)
+        if state.loop is not None:
+            state.loop.call_soon_threadsafe(state.begin_shutdown)
 
 
 def _setup_logging() -> None:
