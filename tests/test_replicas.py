@@ -1,12 +1,29 @@
-"""`cupy-llama serve` as one replica of several behind a load balancer: every response names
-its replica (x-served-by), and after SIGTERM /health fails while requests are still
-served."""
+"""`cupy-llama serve` as one replica of several behind a load balancer. In this process: every
+response names its replica (x-served-by); after SIGTERM /health fails while requests are
+still served. Then two real replicas (test_server.py's ServerProcess, the tiny model on the
+NumPy backend) behind nginx with examples/nginx.conf, all on 127.0.0.1: the outputs equal
+LLM.generate's and both replicas serve; a replica killed mid-wave loses only the streams it
+had begun, which end in an error the client sees; a replica sent SIGTERM drains while
+nginx loses no request."""
 import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
 import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import pytest
 from conftest import one_error_line
+from test_server import ServerProcess
 
+from cupy_llama import SamplingParams
 from cupy_llama.cli import main
 from cupy_llama.config import ModelConfig
 from cupy_llama.engine.async_engine import EngineInfo
@@ -68,3 +85,336 @@ def test_a_replica_name_must_fit_a_header(model_dir, capsys):
     for name in ("", "tab\there", "caf\u00e9"):
         assert main(["serve", "--model", str(model_dir), "--replica-name", name]) == 2, name
         assert "--replica-name" in one_error_line(capsys.readouterr().err)
+
+
+# ---- two replicas behind nginx ----------------------------------------------------------------
+
+KEY = "replica-key-9d2e"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")  # not on every PATH
+REPLICA_LINE = re.compile(r"^([ \t]*server[ \t]+)\S+:\d+([ \t].*)$", re.M)  # of the upstream
+LISTEN_LINE = re.compile(r"^([ \t]*listen[ \t]+)\S+;", re.M)
+TRIED = re.compile(r"tried (.+) \((.+)\)$")  # the access log's upstream addresses and statuses
+TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def nginx():
+    if NGINX is None:
+        if os.environ.get("CUPY_LLAMA_REQUIRE_NGINX"):
+            pytest.fail("nginx is not installed, but CUPY_LLAMA_REQUIRE_NGINX says these tests "
+                        "must run (apt-get install nginx)")
+        pytest.skip("nginx is not installed (Debian, Ubuntu: apt-get install nginx; .ci/run "
+                    "installs it)")
+    return NGINX
+
+
+def nginx_config(replicas: list[str], listen: str) -> str:
+    """examples/nginx.conf with one upstream line per replica address and the given
+    listening address, as examples/replicas.sh writes it."""
+    text = (EXAMPLES / "nginx.conf").read_text()
+    lines = list(REPLICA_LINE.finditer(text))
+    first = lines[0]
+    upstream = "\n".join(f"{first.group(1)}{address}{first.group(2)}" for address in replicas)
+    text = text[:first.start()] + upstream + text[lines[-1].end():]
+    text, count = LISTEN_LINE.subn(rf"\g<1>{listen};", text)
+    assert count == 1
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Replicas of `cupy-llama serve` (ServerProcess) and nginx in front of them, on
+    127.0.0.1; stop() ends every process, whatever state the test left them in."""
+
+    def __init__(self, model_dir, prefix: Path, nginx: str, args=(), count: int = 2):
+        self.replicas: list[ServerProcess] = []
+        self.nginx = None
+        self.prefix = prefix
+        try:
+            for _ in range(count):  # they load their models side by side
+                self.replicas.append(ServerProcess(model_dir, *args, wait=False,
+                                                   env={"CUPY_LLAMA_API_KEY": KEY}))
+            addresses = [replica.wait_ready().removeprefix("http://") for replica in self.replicas]
+            hostname = socket.gethostname()
+            self.names = [f"{hostname}:{address.rsplit(':', 1)[1]}" for address in addresses]
+            (prefix / "logs").mkdir(parents=True)
+            port = free_port()
+            (prefix / "nginx.conf").write_text(nginx_config(addresses, f"127.0.0.1:{port}"))
+            self.nginx_log = open(prefix / "nginx.out", "w+")
+            self.nginx = subprocess.Popen(
+                [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"],
+                stdin=subprocess.DEVNULL, stdout=self.nginx_log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+            self.url = f"http://127.0.0.1:{port}"
+            self._wait_for_nginx()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_nginx(self) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert self.nginx.poll() is None, f"nginx exited:\n{self.nginx_logs()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"nginx does not answer:\n{self.nginx_logs()}"
+            time.sleep(0.05)
+
+    def nginx_logs(self) -> str:
+        texts = []
+        for path in (self.prefix / "nginx.out", self.prefix / "logs" / "error.log"):
+            if path.exists():
+                texts.append(path.read_text(errors="replace"))
+        return "\n".join(texts)
+
+    def access_log(self) -> list[str]:
+        return (self.prefix / "logs" / "access.log").read_text().splitlines()
+
+    def stop(self) -> None:
+        if self.nginx is not None:
+            _stop_group(self.nginx, signal.SIGTERM)
+            self.nginx_log.close()
+        for replica in self.replicas:
+            replica.stop(signal.SIGINT)  # at once: no balancer needs telling
+
+
+def _stop_group(process: subprocess.Popen, sig, timeout: float = 10) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of its group is left
+    process.wait()
+
+
+@pytest.fixture
+def cluster(model_dir, tmp_path, nginx):
+    cluster = Cluster(model_dir, tmp_path / "nginx", nginx)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# the requests: (prompt, streamed, max_tokens), greedy, each to its max_tokens
+def _wave(max_tokens) -> list[tuple[str, bool, int]]:
+    return [(f"Request {i}:" + " and more" * (i % 5), i % 2 == 1, max_tokens(i))
+            for i in range(40)]
+
+
+WAVE = _wave(lambda i: 8 + 5 * (i % 7))
+# long enough that streams are still running when their replica dies
+LONG_WAVE = _wave(lambda i: 128 if i % 2 else 64)
+
+
+def _expected(llm, wave) -> list:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, _, n in wave]
+    return llm.generate([prompt for prompt, _, _ in wave], params)
+
+
+@dataclass
+class Outcome:
+    stream: bool
+    status: int | None = None
+    served_by: str | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    done: bool = False        # a stream's [DONE] came
+    error: str | None = None  # what ended it otherwise (a broken connection, an error event)
+
+    def equals(self, want) -> bool:
+        return (self.status == 200 and self.error is None and self.text == want.text
+                and self.finish_reason == want.finish_reason and self.done == self.stream)
+
+
+async def _send(client: httpx.AsyncClient, request, on_chunk=lambda outcome: None) -> Outcome:
+    prompt, stream, max_tokens = request
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    outcome = Outcome(stream)
+    try:
+        if not stream:
+            response = await client.post("/v1/completions", json=body)
+            outcome.status, outcome.served_by = response.status_code, \
+                response.headers.get("x-served-by")
+            if response.status_code == 200:
+                (choice,) = response.json()["choices"]
+                outcome.text, outcome.finish_reason = choice["text"], choice["finish_reason"]
+            return outcome
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            outcome.status, outcome.served_by = response.status_code, \
+                response.headers.get("x-served-by")
+            if response.status_code != 200:
+                await response.aread()
+                return outcome
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    outcome.done = True
+                elif line:
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        outcome.error = event["error"]["message"]
+                        continue
+                    (choice,) = event["choices"]
+                    outcome.text += choice["text"]
+                    outcome.finish_reason = choice["finish_reason"]
+                    on_chunk(outcome)
+    except httpx.TransportError as e:
+        outcome.error = f"{type(e).__name__}: {e}"
+    return outcome
+
+
+def _client(url: str, keepalive: bool = True) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=None if keepalive else 0)
+    return httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
+                             timeout=TIMEOUT_S, limits=limits)
+
+
+def test_nginx_spreads_the_requests_and_outputs_equal_generate(cluster, llm):
+    async def wave():
+        async with _client(cluster.url) as client:
+            return await asyncio.gather(*(_send(client, request) for request in WAVE))
+
+    outcomes = asyncio.run(wave())
+    for request, outcome, want in zip(WAVE, outcomes, _expected(llm, WAVE)):
+        assert outcome.equals(want), (request, outcome, want.text)
+    assert {o.served_by for o in outcomes} == set(cluster.names)  # both served some
+    # the API key is the replicas' to check: nginx passes the header on, or its absence
+    refused = httpx.get(cluster.url + "/v1/models")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert refused.headers["x-served-by"] in cluster.names
+    # bodies up to the replicas' 16 MiB pass (an unknown field is ignored); larger ones stop
+    # at nginx, with an error in the API's shape
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "abc", "max_tokens": 2, "padding": "x" * (4 << 20)}
+    assert httpx.post(cluster.url + "/v1/completions", json=body, headers=auth,
+                      timeout=TIMEOUT_S).status_code == 200
+    body["padding"] = "x" * (16 << 20)
+    too_large = httpx.post(cluster.url + "/v1/completions", json=body, headers=auth,
+                           timeout=TIMEOUT_S)
+    assert too_large.status_code == 413
+    assert too_large.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_replica_killed_mid_wave_loses_only_the_streams_it_had_begun(cluster, llm):
+    victim, survivor = cluster.names
+    expected = _expected(llm, LONG_WAVE)
+
+    async def wave():
+        begun = asyncio.Event()  # a stream from the victim has text: it runs there now
+        killed = False
+        sent_after_kill = [False] * len(LONG_WAVE)
+
+        def on_chunk(outcome: Outcome) -> None:
+            if outcome.served_by == victim:
+                begun.set()
+
+        async with _client(cluster.url) as client:
+            gate = asyncio.Semaphore(16)  # 16 at a time: the rest go once the kill is done
+
+            async def one(i: int, request) -> Outcome:
+                async with gate:
+                    sent_after_kill[i] = killed
+                    return await _send(client, request, on_chunk)
+
+            tasks = [asyncio.create_task(one(i, request)) for i, request in enumerate(LONG_WAVE)]
+            await asyncio.wait_for(begun.wait(), TIMEOUT_S)
+            os.killpg(cluster.replicas[0].proc.pid, signal.SIGKILL)  # server and engine
+            killed = True
+            return await asyncio.gather(*tasks), sent_after_kill
+
+    outcomes, sent_after_kill = asyncio.run(wave())
+    assert cluster.replicas[0].proc.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+    cut = []
+    for request, outcome, want, late in zip(LONG_WAVE, outcomes, expected, sent_after_kill):
+        if outcome.equals(want):
+            assert outcome.served_by == survivor or not late, (request, outcome)
+            continue
+        # only a stream the victim had begun to answer fails, and visibly: no [DONE], and
+        # what did arrive is the start of the right text
+        assert outcome.stream and outcome.status == 200 and outcome.served_by == victim, \
+            (request, outcome, cluster.access_log())
+        assert not outcome.done and want.text.startswith(outcome.text), (request, outcome)
+        cut.append(outcome)
+    assert cut, "the kill cut no stream short"
+    assert any(sent_after_kill)  # and those, sent with one replica left, all succeeded
+    # nginx took what failed on the victim before answering to the survivor
+    tried = [TRIED.search(line).group(1).split(", ") for line in cluster.access_log()]
+    victim_address, survivor_address = (f"127.0.0.1:{name.rsplit(':', 1)[1]}"
+                                        for name in cluster.names)
+    assert [victim_address, survivor_address] in tried, cluster.access_log()
+
+    # with no replica left, nginx's own 502 comes in the API's shape
+    os.killpg(cluster.replicas[1].proc.pid, signal.SIGKILL)
+    cluster.replicas[1].proc.wait(timeout=TIMEOUT_S)
+    gone = httpx.post(cluster.url + "/v1/completions", json={"prompt": "abc"},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S)
+    assert gone.status_code == 502 and gone.json()["error"]["code"] == "no_replica"
+
+
+def test_a_replica_sent_sigterm_drains_while_nginx_moves_on(model_dir, tmp_path, nginx, llm):
+    cluster = Cluster(model_dir, tmp_path / "nginx", nginx, args=("--drain-delay", "2"))
+    try:
+        _drain(cluster, llm)
+    finally:
+        cluster.stop()
+
+
+def _drain(cluster: Cluster, llm) -> None:
+    leaving, name = cluster.replicas[0], cluster.names[0]
+    streams = [request for request in LONG_WAVE if request[1]][:8]
+    expected = _expected(llm, streams)
+    short = ("Hello", False, 4)
+    (short_want,) = _expected(llm, [short])
+
+    async def scenario():
+        begun = asyncio.Event()
+
+        def on_chunk(outcome: Outcome) -> None:
+            if outcome.served_by == name:
+                begun.set()
+
+        # a new connection for each direct request: they show what the listener does
+        async with _client(cluster.url) as client, _client(leaving.url, False) as direct:
+            running = [asyncio.create_task(_send(client, request, on_chunk))
+                       for request in streams]
+            await asyncio.wait_for(begun.wait(), TIMEOUT_S)
+            leaving.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + TIMEOUT_S
+            while (await direct.get("/health")).status_code != 503:
+                assert time.monotonic() < deadline, "/health never turned 503"
+                await asyncio.sleep(0.01)
+            # /health fails, yet the listener is still open: a request is still answered
+            still = await _send(direct, short)
+            # through nginx nothing fails meanwhile, nor once the replica has gone
+            meanwhile = []
+            while leaving.proc.poll() is None:
+                assert time.monotonic() < deadline, "the replica did not stop"
+                meanwhile.append(await _send(client, short))
+                await asyncio.sleep(0.02)  # a steady trickle, not a flood
+            meanwhile.append(await _send(client, short))
+            return await asyncio.gather(*running), still, meanwhile
+
+    outcomes, still, meanwhile = asyncio.run(scenario())
+    assert leaving.proc.wait(timeout=TIMEOUT_S) == 0, leaving.log_text()
+    assert still.equals(short_want) and still.served_by == name
+    for request, outcome, want in zip(streams, outcomes, expected):  # each ran to its [DONE]
+        assert outcome.equals(want), (request, outcome)
+    assert name in {o.served_by for o in outcomes}
+    assert all(o.equals(short_want) for o in meanwhile), meanwhile
+    assert meanwhile[-1].served_by == cluster.names[1]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(leaving.url + "/health")
+
