@@ -4,16 +4,18 @@ still served. Then two real replicas (test_server.py's ServerProcess, the tiny m
 NumPy backend) behind nginx with examples/nginx.conf, all on 127.0.0.1: the outputs equal
 LLM.generate's and both replicas serve; a replica killed mid-wave loses only the streams it
 had begun, which end in an error the client sees; a replica sent SIGTERM drains while
-nginx loses no request."""
+nginx loses no request. Last, examples/replicas.sh as a user runs it."""
 import asyncio
 import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -418,3 +420,114 @@ def _drain(cluster: Cluster, llm) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(leaving.url + "/health")
 
+
+# ---- examples/replicas.sh ---------------------------------------------------------------------
+
+def _free_ports(count: int) -> int:
+    """The first of count consecutive free ports on 127.0.0.1."""
+    for _ in range(50):
+        first = free_port()
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(first, first + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+    raise AssertionError(f"found no {count} consecutive free ports")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def _live_processes(pgids: list[int]) -> list[str]:
+    """The processes of those process groups that still run (not the exited ones that
+    their new parent has not reaped yet)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, _, pgid = f.read().rsplit(")", 1)[1].split()[:3]
+            except OSError:
+                continue  # gone meanwhile
+            if int(pgid) in pgids and state != "Z":
+                found.append(entry)
+    return found
+
+
+def _environment(pid: int) -> dict:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
+# GPUs 7 and 9, which no machine here has: each replica sees one of them, finds no GPU it
+# can use and runs on the CPU (device auto); with --device cpu no GPU is handed out at all
+@pytest.mark.parametrize("ending, gpus, device", [("ctrl-c", "7,9", "auto"),
+                                                  ("a replica dies", None, "cpu")])
+def test_replicas_sh_serves_through_nginx_and_stops_everything(model_dir, tmp_path, nginx, ending,
+                                                               gpus, device):
+    port = _free_ports(3)  # nginx, then the replicas on the next two
+    env = {**os.environ, "PORT": str(port), "NGINX": nginx, "TMPDIR": str(tmp_path),
+           "CUPY_LLAMA": f"{sys.executable} -m cupy_llama.cli", "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    log = tmp_path / "replicas.err"
+    with open(log, "w") as err:
+        script = subprocess.Popen(["bash", str(EXAMPLES / "replicas.sh"), "2", "--model",
+                                   str(model_dir), "--device", device], env=env, text=True,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                  start_new_session=True)
+    groups = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        line = ""
+        while not line.startswith("serving at "):
+            assert script.poll() is None and time.monotonic() < deadline, log.read_text()
+            if select.select([script.stdout], [], [], 0.2)[0]:
+                line = script.stdout.readline()
+        url = f"http://127.0.0.1:{port}"
+        assert line.startswith(f"serving at {url}/v1 "), line
+        groups = _children(script.pid)  # the two replicas and nginx, each its own group
+        assert len(groups) == 3 and all(os.getpgid(pid) == pid for pid in groups)
+        replicas = {}  # port: process id
+        for pid in groups:
+            command = open(f"/proc/{pid}/cmdline").read().split("\0")
+            if "serve" in command:
+                replicas[int(command[command.index("--port") + 1])] = pid
+        assert sorted(replicas) == [port + 1, port + 2]
+        devices = [_environment(replicas[p]).get("CUDA_VISIBLE_DEVICES") for p in sorted(replicas)]
+        assert devices == (gpus.split(",") if gpus else [None, None])
+
+        async def requests():
+            async with _client(url) as client:
+                return await asyncio.gather(*(_send(client, ("abc", i % 2 == 1, 32))
+                                              for i in range(8)))
+
+        outcomes = asyncio.run(requests())
+        assert all(o.status == 200 and o.error is None for o in outcomes), outcomes
+        hostname = socket.gethostname()
+        assert {o.served_by for o in outcomes} == {f"{hostname}:{port + 1}",
+                                                   f"{hostname}:{port + 2}"}
+        if ending == "ctrl-c":
+            script.send_signal(signal.SIGINT)
+            want_code, want_line = 130, "stopped"
+        else:
+            os.killpg(replicas[port + 1], signal.SIGKILL)
+            want_code, want_line = 1, "error: replica 0 exited"
+        assert script.wait(timeout=TIMEOUT_S) == want_code, log.read_text()
+        assert want_line in log.read_text()
+        assert not _live_processes(groups)  # the replicas' engine processes included
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        script.wait()
