@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from .errors import CupyLlamaError, RequestError
@@ -175,14 +176,21 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
 
 # ---- the interactive terminal -------------------------------------------------------------
 
-class _StopFlag:
-    """SIGINT during a reply sets a flag instead of raising, so the reply ends between two
-    engine steps and the engine's state stays whole."""
+class _Interrupts:
+    """Owns SIGINT while the terminal chat runs, whatever disposition the process inherited
+    (a shell starts background jobs with SIGINT ignored, and Python then leaves it
+    ignored; the chat would take Ctrl-C during a reply but not at the prompt). At the
+    prompt Ctrl-C raises KeyboardInterrupt, as Python's own handler does. During a reply it
+    only sets a flag, so the reply ends between two engine steps and the engine's state
+    stays whole."""
 
     def __init__(self):
+        self.replying = False
         self.is_set = False
 
     def __call__(self, signum, frame):
+        if not self.replying:
+            raise KeyboardInterrupt
         self.is_set = True
 
     def __enter__(self):
@@ -191,6 +199,14 @@ class _StopFlag:
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self.previous)
+
+    @contextmanager
+    def during_reply(self):
+        self.is_set, self.replying = False, True
+        try:
+            yield
+        finally:
+            self.replying = False
 
 
 def _prompts():
@@ -224,40 +240,40 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input) ->
     """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
     twice at the prompt)."""
     first_prompt, more_prompt = _prompts()
-    err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
-                      highlight=False)
-    interrupted_once = False
-    while True:
-        try:
-            text = read_message(read_line, first_prompt, more_prompt)
-        except EOFError:
-            console.print()
-            return 0
-        except KeyboardInterrupt:
-            if interrupted_once:
-                console.print()
-                return 130
-            interrupted_once = True
-            err_console.print("\n[dim](press Ctrl-C again or Ctrl-D to leave)[/dim]",
-                              highlight=False)
-            continue
+    with _Interrupts() as interrupts:
+        err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
+                          highlight=False)
         interrupted_once = False
-        if not text.strip():
-            continue
-        if text.startswith("/"):
-            if _command(session, text.strip(), console, err_console) == "exit":
+        while True:
+            try:
+                text = read_message(read_line, first_prompt, more_prompt)
+                interrupted_once = False
+                if not text.strip():
+                    continue
+                if text.startswith("/"):
+                    if _command(session, text.strip(), console, err_console) == "exit":
+                        return 0
+                    continue
+                _show_reply(session, text, console, err_console, interrupts)
+            except EOFError:
+                console.print()
                 return 0
-            continue
-        _show_reply(session, text, console, err_console)
+            except KeyboardInterrupt:
+                if interrupted_once:
+                    console.print()
+                    return 130
+                interrupted_once = True
+                err_console.print("\n[dim](press Ctrl-C again or Ctrl-D to leave)[/dim]",
+                                  highlight=False)
 
 
-def _show_reply(session: ChatSession, text: str, console, err_console) -> None:
+def _show_reply(session: ChatSession, text: str, console, err_console, interrupts) -> None:
     from rich.markup import escape
 
     out = console.file
-    with _StopFlag() as stop:
+    with interrupts.during_reply():
         try:
-            for delta in session.reply(text, should_stop=lambda: stop.is_set):
+            for delta in session.reply(text, should_stop=lambda: interrupts.is_set):
                 out.write(printable(delta))
                 out.flush()
         except CupyLlamaError as e:

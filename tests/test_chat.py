@@ -1,6 +1,7 @@
 """`cupy-llama chat`: the session logic in-process, the pipe mode, and the interactive UI
 driven through a pseudo-terminal."""
 from dataclasses import replace
+import signal
 import subprocess
 import sys
 
@@ -129,16 +130,20 @@ def test_pipe_mode_with_empty_stdin_is_an_error(model_dir):
 
 
 # ---- the interactive terminal ----------------------------------------------------------------
+#
+# Every step waits for what the chat shows (a prompt, a reply's first words, a note), never
+# for a time; the timeout is only the ceiling for a chat that never shows it.
 
 PROMPT = ">>> "
+CEILING_S = 120
 
 
-def spawn(model_dir, *args):
+def spawn(model_dir, *args, preexec_fn=None):
     pexpect = pytest.importorskip("pexpect")  # in the test extra; only these tests need it
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
                                            str(model_dir), "--device", "cpu", *args],
-                          encoding="utf-8", codec_errors="replace", timeout=30,
-                          dimensions=(40, 200))
+                          encoding="utf-8", codec_errors="replace", timeout=CEILING_S,
+                          dimensions=(40, 200), preexec_fn=preexec_fn)
     child.expect_exact(PROMPT)
     return child
 
@@ -213,12 +218,23 @@ def endless_model_dir(model_dir, tmp_path_factory):
     return out
 
 
+def first_words(model_dir, message):
+    """The first characters the terminal shows of the greedy reply to message: seeing them
+    is seeing the reply under way."""
+    llm = LLM(model_dir, device="cpu", log=None)
+    text = printable(reply_text(llm, [user(message)], SamplingParams(temperature=0,
+                                                                      max_tokens=8)))
+    assert text.strip(), "the reply starts with nothing visible"
+    return text.replace("\n", "\r\n")[:8]
+
+
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir):
     message = "tell me everything"
+    start = first_words(endless_model_dir, message)
     child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000")
     child.sendline(message)
     child.expect_exact(message + "\r\n")
-    child.expect(".")  # the reply has started
+    child.expect_exact(start)  # the reply is under way
     child.sendintr()
     child.expect_exact("reply stopped")
     child.expect(r"ms to first token, [\d.]+ tok/s, (\d+) tokens")
@@ -232,6 +248,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir):
     child.expect_exact(PROMPT)
     child.sendintr()
     child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
     child.sendintr()
     finish(child, 130)
 
@@ -240,11 +257,36 @@ def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
     child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3")
     child.sendintr()
     child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
     ask(child, "hi")   # a message in between resets the count
     child.sendintr()
     child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
     child.sendline("/bye")
     finish(child, 0)
+
+
+def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_model_dir):
+    """A shell starts background jobs with SIGINT ignored, and the processes they start
+    (a test run's pexpect children too) inherit that; Python then installs no handler of
+    its own. The chat takes Ctrl-C all the same: at the prompt and during a reply."""
+    message = "tell me everything"
+    start = first_words(endless_model_dir, message)
+    child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000",
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
+    child.sendline(message)
+    child.expect_exact(start)
+    child.sendintr()
+    child.expect_exact("reply stopped")
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    finish(child, 130)
 
 
 def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
