@@ -61,6 +61,7 @@ class LLM:
         self.engine_config = EngineConfig(**engine_options)
         self.max_model_len = self.engine_config.resolved_max_model_len(self.config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir, self.config)
+        self.tokenizer.check_chat_template()  # a broken template fails the load, not a chat
         checkpoint = open_checkpoint(self.model_dir, self.config, log=log)
         try:
             self.backend = self._make_backend(checkpoint, log)

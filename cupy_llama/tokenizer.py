@@ -60,6 +60,11 @@ LLAMA3_CHAT_TEMPLATE = r"""
 {%- endif -%}
 """
 
+# The conversation a chat template must render when the model loads (no system message:
+# some templates refuse one, which only matters to the requests that send it).
+PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": "Hello! How can I help?"},
+                      {"role": "user", "content": "Tell me a joke."})
 # Formats tried when a pinned date_string must answer strftime_now(fmt) in another format.
 _DATE_FORMATS = ("%d %b %Y", "%d %B %Y", "%Y-%m-%d", "%b %d %Y", "%B %d, %Y")
 # Private-use characters that break a special-token spelling inside message text.
@@ -235,6 +240,25 @@ class Tokenizer:
         for k, piece in enumerate(pieces):
             yield (piece, None) if k % 2 == 0 else ("", self._special[piece][0])
 
+    def check_chat_template(self) -> None:
+        """Compile the chat template and render it once on a short conversation, so that a
+        broken template (bad syntax, an error when it runs, a reach out of the sandbox) is
+        an error when the model loads, not at its first chat message. No template is fine
+        here: plain prompts need none."""
+        if self.chat_template is None:
+            return
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)  # names the syntax error
+        try:
+            self._render(list(PROBE_CONVERSATION), True, "26 Jul 2024", None)
+        except TokenizerError as e:
+            reason = str(e).split("; check ")[0]
+            for prefix in ("chat template failed to render: ", "chat template: "):
+                reason = reason.removeprefix(prefix)
+            raise TokenizerError(f"the model's chat template fails on a short conversation "
+                                 f"({reason}); fix it or remove it (chat_template.jinja, or "
+                                 "chat_template in tokenizer_config.json)") from None
+
     def _render(self, messages, add_generation_prompt, date_string, tools) -> str:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template (no chat_template.jinja and "
@@ -252,10 +276,13 @@ class Tokenizer:
         variables["strftime_now"] = _strftime_now(date_string)
         try:
             return self._compiled_template.render(**variables)
-        except TokenizerError:
+        except (TokenizerError, RequestError):
             raise
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template failed to render: {_first_line(e)}; "
+        except Exception as e:  # the template is the model's code: any failure is its own
+            reason = _first_line(e)
+            if not isinstance(e, jinja2.TemplateError):
+                reason = f"{type(e).__name__}: {reason}"
+            raise TokenizerError(f"chat template failed to render: {reason}; "
                                  "check the messages or the model's chat template") from None
 
 

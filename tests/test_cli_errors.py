@@ -171,3 +171,26 @@ def test_console_script_prints_no_traceback(good_model, tmp_path):
                                  str(target), "--device", "cpu"], capture_output=True, text=True)
         assert result.returncode == 1
         assert "Traceback" not in result.stderr and result.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", "unsafe"),
+    ("{% for m in messages %}", "not valid jinja"),
+    ("{{ messages + 1 }}", "TypeError"),
+    ("{{ raise_exception('this template is broken') }}", "this template is broken"),
+])
+def test_a_broken_chat_template_fails_the_load(template, fragment, good_model, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(good_model, model_dir)
+    (model_dir / "chat_template.jinja").write_text(template)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    for command in (["chat"], ["generate", "--input", str(prompts)]):
+        result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", *command, "--model",
+                                 str(model_dir), "--device", "cpu"], input="hello\n",
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1, result.stderr
+        line = one_error_line(result.stderr)
+        assert "chat template" in line and fragment in line, line
+        assert "loaded on" not in result.stderr and result.stdout == ""
