@@ -27,10 +27,14 @@ DEVICES = ("auto", "cpu", "cuda")
 CHAT_MAX_TOKENS = 1024
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             invoke_without_command=True)
 @click.version_option(package_name="cupy-llama")
-def cli():
+@click.pass_context
+def cli(ctx):
     """A small, fast, readable LLM inference engine for Llama-architecture models."""
+    if ctx.invoked_subcommand is None:  # bare `cupy-llama`: the help, as --help gives it
+        click.echo(ctx.get_help())
 
 
 @cli.command("fetch-demo")

@@ -365,3 +365,13 @@ def test_commands_say_which_options_the_cpu_ignores(model_dir, tmp_path, capsys,
     assert main([*_generate_args(model_dir, tmp_path), "--gpu-memory-utilization", "0.5"]) == 0
     err = capsys.readouterr().err
     assert "warning: gpu_memory_utilization applies to the GPU only; ignored on the CPU" in err
+
+
+def test_bare_command_prints_the_help_and_exits_0(capsys):
+    assert main([]) == 0
+    bare = capsys.readouterr()
+    assert main(["--help"]) == 0
+    assert bare.out == capsys.readouterr().out and "Commands:" in bare.out
+    assert bare.err == ""
+    result = cli()
+    assert result.returncode == 0 and result.stdout == bare.out and result.stderr == ""
