@@ -25,6 +25,9 @@ def _log(message: str) -> None:
 
 DEVICES = ("auto", "cpu", "cuda")
 CHAT_MAX_TOKENS = 1024
+# Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
+# for every command, rather than click's usage error for some of the cases.
+MODEL_PATH = click.Path()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]},
@@ -146,7 +149,7 @@ def _demo_model_dir() -> Path:
 # ---- chat ---------------------------------------------------------------------------------
 
 @cli.command()
-@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+@click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")
 @device_option
@@ -180,7 +183,7 @@ def chat(model_dir, device, system, **options):
 # ---- generate -----------------------------------------------------------------------------
 
 @cli.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--model", "model_dir", required=True, type=MODEL_PATH,
               help="Model directory (Hugging Face layout).")
 @click.option("--input", "input_path", required=True,
               type=click.Path(exists=True, dir_okay=False, allow_dash=True),
@@ -304,7 +307,7 @@ def _run_generate(llm, requests, out, defaults) -> int:
 # ---- info ---------------------------------------------------------------------------------
 
 @cli.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+@click.option("--model", "model_dir", required=True, type=MODEL_PATH,
               help="Model directory (Hugging Face layout).")
 @device_option
 @engine_options
@@ -532,7 +535,7 @@ def _listen(host: str, port: int):
 @cli.command()
 @click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all",
                                           "prefix", "serve")))
-@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+@click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory. Default: a random-weight model of --preset's shape, "
                    "written once into the cache.")
 @click.option("--device", type=click.Choice(("cuda", "cpu")), default="cuda", show_default=True,

@@ -173,6 +173,22 @@ def test_console_script_prints_no_traceback(good_model, tmp_path):
         assert "Traceback" not in result.stderr and result.stderr.startswith("error: ")
 
 
+# ---- what the user named on the command line --------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["info"], ["generate", "--input", "PROMPTS"], ["bench", "latency"]])
+def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_path, capsys):
+    """A folder that does not exist and a file where the folder belongs are the same kind
+    of mistake: a runtime problem with what was named (1), for every command."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    args = [str(prompts) if arg == "PROMPTS" else arg for arg in command]
+    for model, fragment in ((tmp_path / "nonexistent", "does not exist"),
+                            (good_model / "config.json", "is a file, not a model directory")):
+        assert main([*args, "--model", str(model), "--device", "cpu"]) == 1, model
+        assert fragment in one_error_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("template, fragment", [
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
     ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", "unsafe"),
