@@ -25,6 +25,7 @@ def _log(message: str) -> None:
 
 DEVICES = ("auto", "cpu", "cuda")
 CHAT_MAX_TOKENS = 1024
+GPU_ONLY_NAMES = ("gpu_memory_utilization", "enforce_eager")
 # Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
 # for every command, rather than click's usage error for some of the cases.
 MODEL_PATH = click.Path()
@@ -109,6 +110,14 @@ def _given(options: dict, names) -> dict:
     return {name: options[name] for name in names if name in options and not unset(options[name])}
 
 
+def _flagged(message: str) -> str:
+    """A message about a setting, with the setting named by its command-line flag."""
+    for name in (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager"):
+        if message.startswith(name + " "):
+            return option_flag(name) + message[len(name):]
+    return message
+
+
 def _check_options(sampling: dict, engine: dict) -> None:
     """Bad sampling or engine option values fail here, before the model loads, as usage
     errors naming the option."""
@@ -118,16 +127,43 @@ def _check_options(sampling: dict, engine: dict) -> None:
         SamplingParams.from_dict(sampling)
         EngineConfig(**engine)
     except (RequestError, ConfigError) as e:
-        message = str(e)
-        for name in (*SAMPLING_NAMES, *ENGINE_NAMES):
-            if message.startswith(name + " "):
-                message = option_flag(name) + message[len(name):]
-        raise OptionError(message) from None
+        raise OptionError(_flagged(str(e))) from None
+
+
+def _check_model_options(model_dir, engine: dict):
+    """The model's config.json (a bad folder is a one-line error, exit 1), then the engine
+    options the model must take: --max-model-len beyond its context is a usage error.
+    Returns the ModelConfig."""
+    from .config import EngineConfig, ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    try:
+        EngineConfig(**engine).resolved_max_model_len(config)
+    except ConfigError as e:
+        raise OptionError(_flagged(str(e))) from None
+    return config
+
+
+def _resolve_device(device: str, engine: dict) -> tuple[str, dict]:
+    """The device `auto` means here (with the reason when it is the CPU), and the engine
+    options without those the CPU does not have, each named in a warning."""
+    if device == "auto":
+        device = _auto_device(log=_log)
+    if device != "cpu":
+        return device, engine
+    ignored = [name for name in GPU_ONLY_NAMES if name in engine]
+    if ignored:
+        flags = " and ".join(option_flag(name) for name in ignored)
+        verb = "applies" if len(ignored) == 1 else "apply"
+        _log(f"warning: {flags} {verb} to the GPU only; ignored on the CPU")
+    return device, {k: v for k, v in engine.items() if k not in ignored}
 
 
 def _load(model_dir, device: str, engine: dict):
     from .llm import LLM
 
+    _check_model_options(model_dir, engine)
+    device, engine = _resolve_device(device, engine)
     started = time.perf_counter()
     _log(f"loading {model_dir} ...")
     llm = LLM(model_dir, device=device, log=_log, **engine)
@@ -313,11 +349,9 @@ def _run_generate(llm, requests, out, defaults) -> int:
 @engine_options
 def info(model_dir, device, **options):
     """Show a model's shape, parameter count, dtype and memory plan on a device."""
-    from .config import ModelConfig
-
     engine = _given(options, ENGINE_NAMES)
     _check_options({}, engine)
-    config = ModelConfig.from_dir(model_dir)
+    config = _check_model_options(model_dir, engine)
     if device == "auto":
         device = _auto_device()
     # the plan first: an error there (no GPU, say) comes before any of the report
@@ -352,12 +386,16 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
 
-def _auto_device() -> str:
+def _auto_device(log=None) -> str:
+    """cuda when a usable GPU is there, else cpu (and log says why, when given)."""
     try:
         from .backends.cuda import cuda_usable
-    except ImportError:
-        return "cpu"
-    usable, _ = cuda_usable()
+    except ImportError as e:
+        usable, reason = False, f"the CUDA backend cannot be imported ({e})"
+    else:
+        usable, reason = cuda_usable()
+    if not usable and log is not None:
+        log(f"warning: running on the CPU (slow): {reason}")
     return "cuda" if usable else "cpu"
 
 
@@ -599,6 +637,8 @@ def bench(mode, **options):
     if given:
         raise OptionError(f"{option_flag(given[0])} applies to bench serve only")
     from .bench import bench_command
+    if rest["device"] == "cpu":  # the options the CPU does not have, named by their flags
+        _, engine = _resolve_device("cpu", engine)
     bench_command(mode, engine=engine, out=click.echo, **rest)
     return EXIT_OK
 

@@ -286,6 +286,8 @@ class EngineConfig:
         if self.max_model_len is None:
             return min(model.max_position_embeddings, 8192)
         if self.max_model_len > model.max_position_embeddings:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {model.max_position_embeddings}")
+            limit = model.max_position_embeddings
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's limit "
+                              f"of {limit} tokens (max_position_embeddings in config.json); "
+                              f"ask for at most {limit}, or leave it out")
         return self.max_model_len

@@ -189,6 +189,20 @@ def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_
         assert fragment in one_error_line(capsys.readouterr().err)
 
 
+def test_a_context_beyond_the_model_names_the_flag_and_the_limit(good_model, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    for command in (["generate", "--input", str(prompts)], ["info"]):
+        code = main([*command, "--model", str(good_model), "--device", "cpu",
+                     "--max-model-len", "100000"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        line = one_error_line(err)
+        assert line.startswith("error: --max-model-len 100000 exceeds the model's limit of "
+                               "4096 tokens"), line
+        assert "loading" not in err  # before the weights are read
+
+
 @pytest.mark.parametrize("template, fragment", [
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
     ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", "unsafe"),
