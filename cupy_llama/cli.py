@@ -251,6 +251,10 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
       {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
     A line that cannot run gives {"id", "error"} and the others proceed. When an id
     repeats, the first request runs and each later one gets an error line.
+
+    \b
+    Exit code: 0 when every request succeeded, 1 when any failed (the summary says how
+    many).
     """
     from .batch_io import input_format as format_of, read_requests
 
@@ -267,13 +271,14 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
         check_output_path(output_path, "--output")
     llm = _load(model_dir, device, engine)
     if output_path == "-":
-        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults)
+        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults=defaults,
+                             where="stdout")
     try:
         out = open(output_path, "w", encoding="utf-8")
     except OSError as e:
         raise _Output.error(repr(output_path), e) from None
     with _Output(out, repr(output_path)) as output:
-        return _run_generate(llm, requests, output, defaults)
+        return _run_generate(llm, requests, output, defaults=defaults, where=repr(output_path))
 
 
 class _Output:
@@ -317,7 +322,9 @@ class _Output:
             self.stream.close()  # writes what is still buffered
 
 
-def _run_generate(llm, requests, out, defaults) -> int:
+def _run_generate(llm, requests, out, *, defaults, where: str) -> int:
+    """Runs the batch with progress on stderr; the exit code (0, or 1 when a request
+    failed), after a summary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -337,6 +344,10 @@ def _run_generate(llm, requests, out, defaults) -> int:
 
         summary = run_batch(llm, requests, out, defaults, progress=update)
     _log(summary.line())
+    if summary.num_errors:
+        _log(f"error: {summary.num_errors} of {summary.num_requests} requests failed; their "
+             f"lines in {where} hold an \"error\" that says why")
+        return EXIT_ERROR
     return EXIT_OK
 
 

@@ -63,7 +63,7 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     ]
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     code, rows = run_generate(model_dir, tmp_path, text.encode())
-    assert code == 0
+    assert code == 1  # some requests failed
     assert [r["id"] for r in rows] == ["a", 2, 3, "b", "c", "a", "d", "e", 9, "f", 7]
     ok = {i for i, r in enumerate(rows) if "error" not in r}
     assert ok == {0, 3, 4, 10}
@@ -188,7 +188,8 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
            "--device", "cpu", "--max-tokens", "2", "--input"]
     result = subprocess.run(run + [str(jsonl)], capture_output=True, text=True)
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert one_error_line(result.stderr).startswith("error: 3 of 4 requests failed")
     assert "text" in lines[0]
     assert "not valid Unicode" in lines[1]["error"]
     assert "top_k" in lines[2]["error"] and "top_p" in lines[3]["error"]
@@ -287,7 +288,7 @@ def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
 
 def test_a_default_id_that_repeats_a_given_one_says_so(model_dir, tmp_path):
     code, rows = run_generate(model_dir, tmp_path, b'{"id": 2, "prompt": "a"}\n{"prompt": "b"}\n')
-    assert code == 0 and "text" in rows[0]
+    assert code == 1 and "text" in rows[0]
     assert rows[1]["error"].startswith("line 2: duplicate id 2 (its line number, the default id)")
     code, rows = run_generate(model_dir, tmp_path, b'{"prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
     assert rows[1]["error"].startswith("line 2: duplicate id 1, first used on line 1 (its line "
@@ -376,3 +377,15 @@ def test_bare_command_prints_the_help_and_exits_0(capsys):
     assert bare.err == ""
     result = cli()
     assert result.returncode == 0 and result.stdout == bare.out and result.stderr == ""
+
+
+def test_generate_exits_1_when_a_request_failed_and_says_how_many(model_dir, tmp_path, capsys):
+    content = b'{"prompt": "fine"}\n{"prompt": "bad", "top_p": 7}\nnot json\n{"prompt": "ok"}\n'
+    code, rows = run_generate(model_dir, tmp_path, content)
+    err = capsys.readouterr().err
+    assert code == 1 and [("error" in row) for row in rows] == [False, True, True, False]
+    assert "4 requests (2 failed)" in err
+    line = one_error_line(err)
+    assert line.startswith("error: 2 of 4 requests failed") and "out.jsonl" in line
+    code, rows = run_generate(model_dir, tmp_path, b'{"prompt": "fine"}\n')
+    assert code == 0 and "error:" not in capsys.readouterr().err

@@ -206,7 +206,7 @@ def test_n_in_a_batch_file_is_a_line_error(model_dir, tmp_path, capsys):
     path.write_text(json.dumps({"id": "x", "prompt": "hi", "n": 2}) + "\n" +
                     json.dumps({"id": "y", "prompt": "hi"}) + "\n")
     assert main(["generate", "--model", str(model_dir), "--input", str(path), "--device",
-                 "cpu", "--max-tokens", "2"]) == 0
+                 "cpu", "--max-tokens", "2"]) == 1  # a line failed
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows[0]["id"] == "x" and "n must be 1 in a batch file" in rows[0]["error"]
     assert rows[1]["id"] == "y" and "text" in rows[1]
