@@ -188,8 +188,7 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
     try:
         for index, request in enumerate(requests):
             if request.error is None:
-                request.error = _add(engine, llm.tokenizer, request, str(index),
-                                     defaults, model_defaults)
+                request.error = _add(llm, request, str(index), defaults, model_defaults)
             if request.error is None:
                 pending[str(index)] = index
             else:
@@ -217,18 +216,25 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
     return summary
 
 
-def _add(engine, tokenizer, request: BatchRequest, engine_id: str, defaults: dict,
+def _add(llm, request: BatchRequest, engine_id: str, defaults: dict,
          model_defaults: dict) -> str | None:
     """Queue one request; returns the error message when it cannot run."""
+    from .chat_ui import context_hint
+
+    engine = llm.engine
     try:
         params = SamplingParams.from_dict({**defaults, **request.sampling}, model_defaults)
         if params.n != 1:  # one output line per request
             raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
                                f"{params.n}; repeat the line with other ids instead")
         if request.messages is not None:
-            prompt = tokenizer.encode_chat(request.messages, add_generation_prompt=True)
+            prompt = llm.tokenizer.encode_chat(request.messages, add_generation_prompt=True)
         else:
-            prompt = request.prompt
+            prompt = engine.encode_prompt(request.prompt)
+        if len(prompt) >= engine.max_model_len:
+            return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
+                    f"context limit is {engine.max_model_len} (prompt plus at least one new "
+                    f"token); shorten the prompt{context_hint(llm)}")
         engine.add_request(prompt, params, request_id=engine_id)
     except CupyLlamaError as e:
         return f"line {request.line}: {e}"

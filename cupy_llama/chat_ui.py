@@ -63,6 +63,21 @@ class TurnStats:
         return text
 
 
+def context_hint(llm) -> str:
+    """What else the user can do when a prompt does not fit the context, named by the
+    command line's flags: ' or ...' to follow 'shorten it', or '' when the context is
+    already the model's own maximum."""
+    engine_limit = llm.engine.max_model_len
+    model_limit = llm.config.max_position_embeddings
+    if engine_limit < llm.max_model_len:  # the KV cache is smaller than the context
+        flags = "--num-kv-blocks" if llm.device == "cpu" else \
+            "--num-kv-blocks or --gpu-memory-utilization"
+        return f" or give the KV cache room for more than {engine_limit} tokens ({flags})"
+    if engine_limit < model_limit:
+        return f" or raise --max-model-len (the model takes up to {model_limit})"
+    return ""
+
+
 class ChatSession:
     def __init__(self, llm, params, system: str | None = None):
         self.llm = llm

@@ -203,6 +203,31 @@ def test_a_context_beyond_the_model_names_the_flag_and_the_limit(good_model, tmp
         assert "loading" not in err  # before the weights are read
 
 
+def too_long_prompt(good_model, tmp_path, capsys, *options):
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("x" * 5000 + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(good_model), "--input", str(prompts), "--output",
+                 str(out), "--device", "cpu", *options]) == 1
+    capsys.readouterr()
+    return json.loads(out.read_text())["error"]
+
+
+def test_a_prompt_too_long_says_what_can_be_done(good_model, tmp_path, capsys):
+    # the context is the model's own maximum: only shortening helps
+    error = too_long_prompt(good_model, tmp_path, capsys)
+    assert "context limit is 4096" in error and error.endswith("shorten the prompt")
+    # a smaller --max-model-len: raising it helps, up to the model's limit
+    error = too_long_prompt(good_model, tmp_path, capsys, "--max-model-len", "1024")
+    assert error.endswith("shorten the prompt or raise --max-model-len (the model takes up "
+                          "to 4096)")
+    # a KV cache smaller than the context: more blocks help
+    error = too_long_prompt(good_model, tmp_path, capsys, "--num-kv-blocks", "8")
+    assert "context limit is 128" in error
+    assert error.endswith("or give the KV cache room for more than 128 tokens "
+                          "(--num-kv-blocks)")
+
+
 @pytest.mark.parametrize("template, fragment", [
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
     ("{{ cycler.__init__.__globals__.os.popen('id').read() }}", "unsafe"),
