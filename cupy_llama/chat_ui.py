@@ -3,7 +3,8 @@
 `ChatSession` holds the conversation and the settings (no terminal code, easy to test);
 `run_terminal` is the interactive loop; `run_once` answers one prompt read from a pipe.
 Ctrl-C during a reply stops it at the next token; the partial reply stays in the history
-as the assistant's turn, so the conversation remains a valid alternation.
+as the assistant's turn, so the conversation remains a valid alternation. When a message
+would not fit the context, the oldest turns make room for it.
 """
 from __future__ import annotations
 
@@ -25,12 +26,17 @@ HELP = """\
 /set                  show the settings
 /stats                token counts and speed of this session
 \"\"\"                   start and end multi-line input
-Ctrl-C                stop the current reply; twice at the prompt exits"""
+Ctrl-C                stop the current reply; twice at the prompt exits
+When a message would not fit the context, the oldest turns are dropped to make room
+(never the system prompt)."""
 
 # /set NAME -> how its value is read
 SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
             "max_tokens": int, "seed": int}
 MULTILINE = '"""'
+# A reply gets room for max_tokens, or for a quarter of the context when max_tokens is
+# larger; older turns are dropped until the conversation leaves that much.
+REPLY_SHARE_OF_CONTEXT = 4
 # Control characters other than newline and tab would move the cursor or recolor the
 # terminal; model output shows them as U+FFFD.
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -47,6 +53,7 @@ class TurnStats:
     seconds_to_first_token: float
     decode_seconds: float       # from the first token to the last
     finish_reason: str | None   # None: stopped with Ctrl-C
+    context_limit: int | None = None  # set when the context limit cut the reply
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,7 +65,10 @@ class TurnStats:
     def line(self) -> str:
         text = (f"{self.seconds_to_first_token * 1000:.0f} ms to first token, "
                 f"{self.tokens_per_second:.1f} tok/s, {self.completion_tokens} tokens")
-        if self.finish_reason == "length":
+        if self.context_limit is not None:
+            text += (f" (stopped at the context limit of {self.context_limit} tokens; the "
+                     "oldest turns make room for the next message)")
+        elif self.finish_reason == "length":
             text += " (stopped at the token limit)"
         return text
 
@@ -87,8 +97,16 @@ class ChatSession:
         self.turns: list[TurnStats] = []
 
     def messages(self, user_text: str) -> list[dict]:
+        return self.conversation() + [{"role": "user", "content": user_text}]
+
+    def conversation(self) -> list[dict]:
+        """The system prompt (when set) and the turns, as OpenAI-style messages."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.history + [{"role": "user", "content": user_text}]
+        return system + [dict(message) for message in self.history]
+
+    @property
+    def context_limit(self) -> int:
+        return self.llm.engine.max_model_len
 
     @property
     def context_tokens(self) -> int:
@@ -118,14 +136,54 @@ class ChatSession:
         return ", ".join([f"{name} = {getattr(self.params, name)}" for name in SETTINGS
                           if name != "seed"] + [f"seed = {seed}"])
 
-    def reply(self, user_text: str, should_stop=lambda: False):
+    # ---- fitting the context -----------------------------------------------------------
+
+    def _prompt(self, turns: list[dict], user_text: str) -> list[int]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        messages = system + turns + [{"role": "user", "content": user_text}]
+        return self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+    def fit(self, user_text: str) -> tuple[list[int], int]:
+        """The prompt ids for user_text after the conversation, and how many of the oldest
+        turns (a user message and its reply) must go so that it leaves room for a reply.
+        RequestError when the message does not fit even alone (with the system prompt)."""
+        limit = self.context_limit
+        room = max(1, min(self.params.max_tokens, limit // REPLY_SHARE_OF_CONTEXT))
+        num_turns = len(self.history) // 2
+        prompt = self._prompt(self.history, user_text)
+        dropped = 0
+        while len(prompt) + room > limit and dropped < num_turns:
+            dropped += 1
+            prompt = self._prompt(self.history[2 * dropped:], user_text)
+        if len(prompt) < limit:  # alone, it may leave less room than wished: still sent
+            return prompt, dropped
+        what = "it or the system prompt (/system)" if self.system else "it"
+        more = context_hint(self.llm)
+        raise RequestError(
+            f"this message does not fit: it makes a prompt of {len(prompt)} tokens"
+            f"{' with the system prompt' if self.system else ''} and the context holds "
+            f"{limit}, one of them for the reply, even with every earlier turn left out; "
+            f"shorten {what}{',' if more and self.system else ''}{more}. The conversation "
+            "is unchanged (/clear empties it)")
+
+    # ---- replies -----------------------------------------------------------------------
+
+    def reply(self, user_text: str, should_stop=lambda: False, on_drop=None):
         """Yield the reply's text deltas. Afterwards the turn is in the history (also when
-        stopped early) and its statistics in self.turns. Raises CupyLlamaError, with the
-        history unchanged, when the request cannot run (e.g. the context is full)."""
+        stopped early) and its statistics in self.turns. Oldest turns that must go to make
+        room are dropped first, and on_drop(number of turns) is told. Raises
+        CupyLlamaError, with the history unchanged, when the request cannot run."""
+        prompt, dropped = self.fit(user_text)
+        params = self.params
         started = time.perf_counter()
+        # the request is added (and checked) before any turn is dropped
+        stream = self.llm.generate(prompt, params, stream=True)
+        if dropped:
+            del self.history[:2 * dropped]
+            if on_drop is not None:
+                on_drop(dropped)
         first_token_at = last_token_at = None
         text, output = "", None
-        stream = self.llm.chat(self.messages(user_text), self.params, stream=True)
         try:
             for output in stream:
                 now = time.perf_counter()
@@ -143,12 +201,16 @@ class ChatSession:
         self.history += [{"role": "user", "content": user_text},
                          {"role": "assistant", "content": text}]
         first_token_at = first_token_at or time.perf_counter()
+        completion = len(output.token_ids) if output else 0
+        cut_by_context = (finished and output.finish_reason == "length"
+                          and completion < params.max_tokens
+                          and len(prompt) + completion >= self.context_limit)
         self.turns.append(TurnStats(
-            prompt_tokens=len(output.prompt_token_ids) if output else 0,
-            completion_tokens=len(output.token_ids) if output else 0,
+            prompt_tokens=len(prompt), completion_tokens=completion,
             seconds_to_first_token=first_token_at - started,
             decode_seconds=(last_token_at or first_token_at) - first_token_at,
-            finish_reason=output.finish_reason if finished else None))
+            finish_reason=output.finish_reason if finished else None,
+            context_limit=self.context_limit if cut_by_context else None))
 
     def stats(self) -> str:
         if not self.turns:
@@ -160,7 +222,7 @@ class ChatSession:
         ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
         return (f"{len(self.turns)} replies, {completion} tokens generated, {rate:.1f} tok/s "
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
-                f"context: {self.context_tokens} of {self.llm.max_model_len} tokens in use\n"
+                f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
                 f"settings: {self.settings()}")
 
 
@@ -177,16 +239,26 @@ def piped_prompt(text: str) -> str:
 
 
 def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
-    """Answer one prompt: the answer alone to stdout, statistics to stderr."""
+    """Answer one prompt: the answer alone to stdout, notes and statistics to stderr."""
     out = out or sys.stdout
     err = err or sys.stderr
-    for delta in session.reply(piped_prompt(prompt)):
+
+    def dropped(count: int) -> None:
+        err.write(_dropped_note(session, count) + "\n")
+
+    for delta in session.reply(piped_prompt(prompt), on_drop=dropped):
         out.write(delta)
         out.flush()
     out.write("\n")
     out.flush()
     err.write(session.turns[-1].line() + "\n")
     return 0
+
+
+def _dropped_note(session: ChatSession, count: int) -> str:
+    turns = "the oldest turn" if count == 1 else f"the {count} oldest turns"
+    return (f"(dropped {turns} to fit the context of {session.context_limit} tokens; "
+            "the system prompt stays)")
 
 
 # ---- the interactive terminal -------------------------------------------------------------
@@ -286,9 +358,14 @@ def _show_reply(session: ChatSession, text: str, console, err_console, interrupt
     from rich.markup import escape
 
     out = console.file
+
+    def dropped(count: int) -> None:
+        err_console.print(f"[dim]{escape(_dropped_note(session, count))}[/dim]",
+                          highlight=False)
+
     with interrupts.during_reply():
         try:
-            for delta in session.reply(text, should_stop=lambda: interrupts.is_set):
+            for delta in session.reply(text, lambda: interrupts.is_set, dropped):
                 out.write(printable(delta))
                 out.flush()
         except CupyLlamaError as e:
@@ -300,7 +377,7 @@ def _show_reply(session: ChatSession, text: str, console, err_console, interrupt
     if turn.finish_reason is None:
         err_console.print("[yellow](reply stopped; the part shown stays in the conversation)"
                           "[/yellow]", highlight=False)
-    err_console.print(f"[dim]{turn.line()}[/dim]", highlight=False)
+    err_console.print(f"[dim]{escape(turn.line())}[/dim]", highlight=False)
 
 
 def _command(session: ChatSession, line: str, console, err_console) -> str | None:

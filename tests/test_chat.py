@@ -1,6 +1,7 @@
 """`cupy-llama chat`: the session logic in-process, the pipe mode, and the interactive UI
 driven through a pseudo-terminal."""
 from dataclasses import replace
+import os
 import signal
 import subprocess
 import sys
@@ -67,12 +68,82 @@ def test_stopping_a_reply_keeps_the_part_shown(llm):
     assert len(session.history) == 4
 
 
-def test_a_full_context_leaves_the_history_alone(model_dir):
+def test_a_message_that_does_not_fit_alone_is_refused_and_the_history_stays(model_dir):
     small = LLM(model_dir, device="cpu", log=None, max_model_len=128)
     session = ChatSession(small, GREEDY)
-    with pytest.raises(RequestError, match="context limit is 128"):
+    "".join(session.reply("hi"))
+    before = list(session.history)
+    with pytest.raises(RequestError) as refused:
         "".join(session.reply("x" * 200))
-    assert session.history == [] and session.turns == []
+    message = str(refused.value)
+    assert "does not fit" in message and "the context holds 128" in message
+    assert "/clear" in message and "\n" not in message
+    # 128 is below the model's 16384: the flag that raises it is named, with the limit
+    assert "--max-model-len (the model takes up to 16384)" in message
+    assert session.history == before and len(session.turns) == 1
+
+
+def test_at_the_model_s_own_limit_the_refusal_does_not_offer_a_larger_context(tmp_path):
+    model = make_random_model(tmp_path / "m", "tiny", seed=0, std=0.15,
+                              max_position_embeddings=128)
+    session = ChatSession(LLM(model, device="cpu", log=None), GREEDY, system="Be brief.")
+    with pytest.raises(RequestError) as refused:
+        "".join(session.reply("x" * 200))
+    message = str(refused.value)
+    assert "max-model-len" not in message and "max_model_len" not in message
+    assert "with the system prompt" in message and "(/system)" in message
+
+
+def small_context_session(model_dir, limit, max_tokens, system=None):
+    small = LLM(model_dir, device="cpu", log=None, max_model_len=limit)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return small, ChatSession(small, params, system=system)
+
+
+def test_the_oldest_turns_make_room_and_the_system_prompt_stays(model_dir):
+    limit, max_tokens = 256, 24
+    small, session = small_context_session(model_dir, limit, max_tokens, system="Be brief.")
+    system = [{"role": "system", "content": "Be brief."}]
+    everything, notes = [], []
+    for number in range(1, 7):
+        text = f"message number {number}"
+        kept_before = list(session.history)
+        reply = "".join(session.reply(text, on_drop=notes.append))
+        everything += [user(text), {"role": "assistant", "content": reply}]
+        kept = session.history[:-2]
+        # what is kept is the newest part of the conversation, and it was answered as such
+        assert kept == kept_before[len(kept_before) - len(kept):]
+        assert reply == reply_text(small, system + kept + [user(text)],
+                                   SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                  ignore_eos=True))
+        prompt = small.tokenizer.encode_chat(system + kept + [user(text)])
+        assert session.turns[-1].prompt_tokens == len(prompt)
+        # room for the whole reply was left, and no more turns than needed were dropped
+        assert len(prompt) + max_tokens <= limit
+        if len(kept) < len(kept_before):
+            one_more = kept_before[len(kept_before) - len(kept) - 2:]
+            longer = small.tokenizer.encode_chat(system + one_more + [user(text)])
+            assert len(longer) + max_tokens > limit
+        assert session.conversation()[0] == system[0]
+    assert notes and sum(notes) == (len(everything) - len(session.history)) // 2
+    assert session.history == everything[len(everything) - len(session.history):]
+
+
+def test_a_reply_cut_by_the_context_limit_says_so(model_dir):
+    _, session = small_context_session(model_dir, limit=160, max_tokens=1000)
+    "".join(session.reply("tell me a long story"))
+    turn = session.turns[-1]
+    assert turn.finish_reason == "length" and turn.completion_tokens < 1000
+    assert turn.prompt_tokens + turn.completion_tokens == 160
+    assert "stopped at the context limit of 160 tokens" in turn.line()
+    assert "token limit" not in turn.line()
+    # the next message makes room by dropping that turn, and is answered
+    notes = []
+    "".join(session.reply("and then?", on_drop=notes.append))
+    assert notes == [1] and len(session.history) == 2
+    _, capped = small_context_session(model_dir, limit=160, max_tokens=5)
+    "".join(capped.reply("tell me a long story"))
+    assert capped.turns[-1].line().endswith("(stopped at the token limit)")
 
 
 def test_set_checks_names_and_values(llm):
@@ -140,10 +211,15 @@ CEILING_S = 120
 
 def spawn(model_dir, *args, preexec_fn=None):
     pexpect = pytest.importorskip("pexpect")  # in the test extra; only these tests need it
+    # os.environ, not the process's C environment (pexpect's default): GNU readline, once
+    # loaded in the test process, exports COLUMNS=80 there, and rich would wrap at 80
+    # columns instead of the terminal's 200
+    environment = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    environment["TERM"] = "xterm-256color"
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
                                            str(model_dir), "--device", "cpu", *args],
                           encoding="utf-8", codec_errors="replace", timeout=CEILING_S,
-                          dimensions=(40, 200), preexec_fn=preexec_fn)
+                          dimensions=(40, 200), env=environment, preexec_fn=preexec_fn)
     child.expect_exact(PROMPT)
     return child
 
@@ -287,6 +363,24 @@ def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_mode
     child.expect_exact(PROMPT)
     child.sendintr()
     finish(child, 130)
+
+
+def test_a_full_context_at_the_terminal(endless_model_dir):
+    child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "1000",
+                  "--max-model-len", "160")
+    child.sendline("tell me a long story")
+    child.expect_exact("stopped at the context limit of 160 tokens")
+    child.expect_exact(PROMPT)
+    child.sendline("and then?")
+    child.expect_exact("(dropped the oldest turn to fit the context of 160 tokens; the "
+                       "system prompt stays)")
+    child.expect(r"ms to first token")
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect_exact("2 replies")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    finish(child, 0)
 
 
 def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
