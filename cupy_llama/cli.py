@@ -25,6 +25,7 @@ def _log(message: str) -> None:
 
 DEVICES = ("auto", "cpu", "cuda")
 CHAT_MAX_TOKENS = 1024
+PROGRESS_INTERVAL_S = 10.0  # generate's progress lines when stderr is not a terminal
 GPU_ONLY_NAMES = ("gpu_memory_utilization", "enforce_eager")
 # Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
 # for every command, rather than click's usage error for some of the cases.
@@ -234,8 +235,12 @@ def chat(model_dir, device, system, **options):
               "the text.")
 @click.option("--ignore-eos", is_flag=True, default=None,
               help="Keep generating past end-of-sequence tokens.")
+@click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
+              help="Seconds between progress lines on stderr when it is not a terminal (0: "
+                   "after every step); a terminal gets a progress bar.")
 @engine_options
-def generate(model_dir, input_path, output_path, input_format, device, **options):
+def generate(model_dir, input_path, output_path, input_format, device, progress_interval,
+             **options):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
@@ -259,6 +264,8 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
     from .batch_io import input_format as format_of, read_requests
 
     format = format_of(input_path, input_format)
+    if not progress_interval >= 0:
+        raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
     requests = read_requests(data, format)
     defaults = _given(options, SAMPLING_NAMES)
@@ -272,13 +279,14 @@ def generate(model_dir, input_path, output_path, input_format, device, **options
     llm = _load(model_dir, device, engine)
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults=defaults,
-                             where="stdout")
+                             where="stdout", interval=progress_interval)
     try:
         out = open(output_path, "w", encoding="utf-8")
     except OSError as e:
         raise _Output.error(repr(output_path), e) from None
     with _Output(out, repr(output_path)) as output:
-        return _run_generate(llm, requests, output, defaults=defaults, where=repr(output_path))
+        return _run_generate(llm, requests, output, defaults=defaults, where=repr(output_path),
+                             interval=progress_interval)
 
 
 class _Output:
@@ -322,7 +330,38 @@ class _Output:
             self.stream.close()  # writes what is still buffered
 
 
-def _run_generate(llm, requests, out, *, defaults, where: str) -> int:
+class _ProgressLines:
+    """Progress off a terminal: a line on stderr at most every `interval` seconds, checked
+    after each engine step."""
+
+    def __init__(self, total: int, interval: float):
+        self.total, self.interval = total, interval
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, num_done: int, completion_tokens: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = now - self.started
+        rate = completion_tokens / elapsed if elapsed > 0 else 0.0
+        eta = _duration((self.total - num_done) * elapsed / num_done) if num_done else "unknown"
+        _log(f"progress: {num_done}/{self.total} requests done, {rate:,.1f} completion "
+             f"tok/s, ETA {eta}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _run_generate(llm, requests, out, *, defaults, where: str, interval: float) -> int:
     """Runs the batch with progress on stderr; the exit code (0, or 1 when a request
     failed), after a summary."""
     from rich.console import Console
@@ -331,18 +370,22 @@ def _run_generate(llm, requests, out, *, defaults, where: str) -> int:
     from .batch_io import run_batch
 
     console = Console(stderr=True)
-    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        task = progress.add_task("generate", total=len(requests), rate="")
-        started = time.perf_counter()
+    if console.is_terminal:
+        columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("generate", total=len(requests), rate="")
+            started = time.perf_counter()
 
-        def update(num_done: int, completion_tokens: int):
-            elapsed = time.perf_counter() - started
-            rate = f"{completion_tokens / elapsed:.0f} tok/s" if elapsed > 0 else ""
-            progress.update(task, completed=num_done, rate=rate)
+            def update(num_done: int, completion_tokens: int):
+                elapsed = time.perf_counter() - started
+                rate = f"{completion_tokens / elapsed:.0f} tok/s" if elapsed > 0 else ""
+                progress.update(task, completed=num_done, rate=rate)
 
-        summary = run_batch(llm, requests, out, defaults, progress=update)
+            summary = run_batch(llm, requests, out, defaults, progress=update)
+    else:
+        summary = run_batch(llm, requests, out, defaults,
+                            progress=_ProgressLines(len(requests), interval))
     _log(summary.line())
     if summary.num_errors:
         _log(f"error: {summary.num_errors} of {summary.num_requests} requests failed; their "

@@ -1,6 +1,7 @@
 """`cupy-llama generate` and `info` on a tiny random model, and the exit codes."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -389,3 +390,20 @@ def test_generate_exits_1_when_a_request_failed_and_says_how_many(model_dir, tmp
     assert line.startswith("error: 2 of 4 requests failed") and "out.jsonl" in line
     code, rows = run_generate(model_dir, tmp_path, b'{"prompt": "fine"}\n')
     assert code == 0 and "error:" not in capsys.readouterr().err
+
+
+def test_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
+    path = tmp_path / "in.txt"
+    path.write_text("".join(f"prompt {i}\n" for i in range(6)))
+    assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
+                 "--temperature", "0", "--max-tokens", "5", "--max-num-seqs", "2",
+                 "--progress-interval", "0"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("progress: ")]
+    pattern = re.compile(r"progress: (\d+)/6 requests done, [\d,.]+ completion tok/s, "
+                         r"ETA (unknown|\d+ s|\d+ min \d\d s)$")
+    done = [int(pattern.match(line).group(1)) for line in lines]
+    assert done == sorted(done) and done[-1] == 6 and len(lines) >= 6
+    assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
+                 "--progress-interval", "-1"]) == 2
+    assert "--progress-interval must be >= 0" in one_error_line(capsys.readouterr().err)
