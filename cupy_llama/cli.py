@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 runtime error (a one-line message, no traceback), 2 usage er
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -330,6 +331,33 @@ class _Output:
             self.stream.close()  # writes what is still buffered
 
 
+class _ConsoleLines:
+    """Result lines printed above rich's live progress bar: when stdout and stderr are one
+    terminal, lines written straight to stdout land on the bar's screen line (the bar
+    redraws itself in place), so they go through the bar's console, which moves the bar
+    below each one."""
+
+    def __init__(self, console):
+        self.console = console
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            self.console.print(line, markup=False, highlight=False, emoji=False,
+                               soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _same_terminal(a, b) -> bool:
+    try:
+        return (a.isatty() and b.isatty()
+                and os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno())))
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+
+
 class _ProgressLines:
     """Progress off a terminal: a line on stderr at most every `interval` seconds, checked
     after each engine step."""
@@ -365,14 +393,16 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float) 
     """Runs the batch with progress on stderr; the exit code (0, or 1 when a request
     failed), after a summary."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
 
     from .batch_io import run_batch
 
     console = Console(stderr=True)
     if console.is_terminal:
         columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                   TimeRemainingColumn())
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("generate", total=len(requests), rate="")
             started = time.perf_counter()
@@ -382,6 +412,8 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float) 
                 rate = f"{completion_tokens / elapsed:.0f} tok/s" if elapsed > 0 else ""
                 progress.update(task, completed=num_done, rate=rate)
 
+            if where == "stdout" and _same_terminal(sys.stdout, sys.stderr):
+                out = _ConsoleLines(progress.console)
             summary = run_batch(llm, requests, out, defaults, progress=update)
     else:
         summary = run_batch(llm, requests, out, defaults,

@@ -407,3 +407,61 @@ def test_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
                  "--progress-interval", "-1"]) == 2
     assert "--progress-interval must be >= 0" in one_error_line(capsys.readouterr().err)
+
+
+class Screen:
+    """The few terminal controls rich's live display uses, enough to see which characters
+    end up on one screen line: carriage return, line feed, erase line, cursor up, and
+    styles and cursor visibility (ignored)."""
+    CONTROL = re.compile(r"\x1b\[(\??)(\d*)([A-Za-z])")
+
+    def __init__(self, text: str):
+        self.lines, row, col = [[]], 0, 0
+        at = 0
+        while at < len(text):
+            control = self.CONTROL.match(text, at)
+            if control:
+                at = control.end()
+                private, number, code = control.groups()
+                if code == "K" and not private:
+                    self.lines[row] = []
+                elif code == "A" and not private:
+                    row = max(0, row - int(number or 1))
+                continue
+            char = text[at]
+            at += 1
+            if char == "\r":
+                col = 0
+            elif char == "\n":
+                row += 1
+                if row == len(self.lines):
+                    self.lines.append([])
+            else:
+                line = self.lines[row]
+                line.extend(" " * (col - len(line)))
+                line[col:col + 1] = [char]
+                col += 1
+
+    def text_lines(self) -> list[str]:
+        return ["".join(line).rstrip() for line in self.lines]
+
+
+def test_the_progress_bar_never_shares_a_line_with_the_results(model_dir, llm, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    path = tmp_path / "in.txt"
+    path.write_text("".join(f"prompt number {i}\n" for i in range(8)))
+    child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "generate", "--model",
+                                           str(model_dir), "--input", str(path), *CPU,
+                                           "--temperature", "0", "--max-tokens", "40",
+                                           "--ignore-eos", "--max-num-seqs", "2"],
+                          encoding="utf-8", timeout=120, dimensions=(40, 200),
+                          env={**os.environ, "TERM": "xterm-256color"})
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    screen = Screen(child.before).text_lines()
+    results = [line for line in screen if '{"id"' in line]
+    assert [json.loads(line)["text"] for line in results] == [
+        expected(llm, f"prompt number {i}", max_tokens=40, ignore_eos=True).text
+        for i in range(8)]
+    assert any("generating" in line for line in screen)  # the bar was there
