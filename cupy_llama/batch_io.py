@@ -8,7 +8,9 @@ reusing an id gets an error line; the first one runs.
 
 Output: one JSON object per request, in input order:
 `{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` or, for a
-request that could not run, `{"id", "error"}`.
+request that could not run, `{"id", "error"}`. A stopped run leaves the lines of the first
+requests, each one whole; `read_resume` reads them back, so that a second run with the
+same input writes only the rest and the file ends as one uninterrupted run writes it.
 """
 from __future__ import annotations
 
@@ -147,33 +149,113 @@ def _check_id(value, name: str):
     return value
 
 
+# ---- resuming ----------------------------------------------------------------------
+
+def id_key(value) -> tuple[str, str | int]:
+    """Ids compare with their type: the string "1" and the line number 1 differ."""
+    return type(value).__name__, value
+
+
+@dataclass
+class Resume:
+    """What an earlier run left in the output file."""
+    done: set                   # id_key of every request that has its line
+    keep_bytes: int             # the file without a partly written last line
+    num_errors: int = 0         # lines among them with an error
+    add_newline: bool = False   # the last line is whole but has no line end
+    dropped_partial: bool = False
+
+
+def read_resume(data: bytes, name: str) -> Resume:
+    """The ids of the result lines in an output file. A last line cut short (the run was
+    killed while writing it) is left out, to be written again; any other line that is not
+    a result is a RequestError (not the output of a run?)."""
+    *lines, last = data.split(b"\n")
+    resume = Resume(set(), len(data))
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip() and not _add_result(resume, raw):
+            raise RequestError(f"{name} line {number} is not a result line of cupy-llama "
+                               "generate; --resume appends to the output of an earlier run "
+                               "of the same input")
+    if last.strip():
+        if _add_result(resume, last):
+            resume.add_newline = True
+        else:
+            resume.keep_bytes -= len(last)
+            resume.dropped_partial = True
+    return resume
+
+
+def _add_result(resume: Resume, raw: bytes) -> bool:
+    """Notes one output line's id; False when it is not a result line."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(obj, dict) or not ("text" in obj or "error" in obj):
+        return False
+    value = obj.get("id")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return False
+    resume.done.add(id_key(value))
+    resume.num_errors += "error" in obj
+    return True
+
+
+def still_to_run(requests: list[BatchRequest], resume: Resume, name: str) -> list[BatchRequest]:
+    """The requests whose ids the output does not have yet. RequestError when it has an
+    id the input does not: the output of another input."""
+    ids = {id_key(r.id) for r in requests}
+    stray = next((key for key in resume.done if key not in ids), None)
+    if stray is not None:
+        raise RequestError(f"{name} holds id {stray[1]!r}, which the input does not have; "
+                           "--resume continues the output of the same input (a .txt "
+                           "input's ids are its line numbers: resume it unedited)")
+    return [r for r in requests if id_key(r.id) not in resume.done]
+
+
 # ---- running ------------------------------------------------------------------------
 
 @dataclass
 class BatchSummary:
-    num_requests: int = 0
-    num_errors: int = 0
+    num_requests: int = 0       # this run's (without those an earlier run finished)
+    num_written: int = 0        # output lines written, in input order
+    num_errors: int = 0         # of those, lines with an error
+    num_skipped: int = 0        # already in the output (--resume)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0    # of those, tokens whose K/V came from the prefix cache
     completion_tokens: int = 0
     seconds: float = 0.0
     num_preemptions: int = 0
+    interrupted: bool = False
 
     def line(self) -> str:
         rate = self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
         hit_rate = (100 * self.cached_prompt_tokens / self.prompt_tokens
                     if self.prompt_tokens else 0.0)
-        return (f"{self.num_requests} requests ({self.num_errors} failed): "
+        if self.interrupted:
+            done = f"{self.num_written} of {_requests(self.num_requests)} done"
+        else:
+            done = _requests(self.num_requests)
+        skipped = (f"{_requests(self.num_skipped)} done before (--resume); "
+                   if self.num_skipped else "")
+        return (f"{skipped}{done} ({self.num_errors} failed): "
                 f"{self.prompt_tokens} prompt ({self.cached_prompt_tokens} cached, "
                 f"{hit_rate:.0f}%) + {self.completion_tokens} completion tokens "
                 f"in {self.seconds:.2f} s, {rate:.1f} completion tok/s, "
                 f"{self.num_preemptions} preemptions")
 
 
+def _requests(count: int) -> str:
+    return f"{count} request" + ("" if count == 1 else "s")
+
+
 def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
               progress=None) -> BatchSummary:
     """Add every runnable request to the engine at once, step until all finish, and write
     one JSON line per request to `out` in input order (as soon as its turn comes).
+    Ctrl-C (KeyboardInterrupt) stops the run: the lines written so far stay, the rest of
+    the requests are aborted, and the summary says interrupted.
 
     defaults: sampling fields for requests that do not set them (the command line's);
     the model's generation_config.json lies underneath both.
@@ -193,7 +275,7 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
                 pending[str(index)] = index
             else:
                 results[index] = {"id": request.id, "error": request.error}
-        next_to_write = _write_ready(results, out, 0)
+        summary.num_written = _write_ready(results, out, 0)
         num_done = len(requests) - len(pending)
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -204,14 +286,16 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
                     summary.prompt_tokens += len(output.prompt_token_ids)
                     summary.cached_prompt_tokens += output.num_cached_tokens
                     num_done += 1
-            next_to_write = _write_ready(results, out, next_to_write)
+            summary.num_written = _write_ready(results, out, summary.num_written)
             if progress is not None:
                 progress(num_done, summary.completion_tokens)
+    except KeyboardInterrupt:
+        summary.interrupted = True
     finally:
         for request_id in list(pending):
             engine.abort(request_id)
     summary.seconds = time.perf_counter() - started
-    summary.num_errors = sum(1 for r in requests if r.error is not None)
+    summary.num_errors = sum(1 for r in results[:summary.num_written] if "error" in r)
     summary.num_preemptions = engine.scheduler.num_preemptions - preemptions_before
     return summary
 

@@ -236,12 +236,14 @@ def chat(model_dir, device, system, **options):
               "the text.")
 @click.option("--ignore-eos", is_flag=True, default=None,
               help="Keep generating past end-of-sequence tokens.")
+@click.option("--resume", is_flag=True, help="Skip the requests whose ids --output already "
+              "holds (from a run that was stopped) and append the others.")
 @click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
               help="Seconds between progress lines on stderr when it is not a terminal (0: "
                    "after every step); a terminal gets a progress bar.")
 @engine_options
-def generate(model_dir, input_path, output_path, input_format, device, progress_interval,
-             **options):
+def generate(model_dir, input_path, output_path, input_format, device, resume,
+             progress_interval, **options):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
@@ -260,11 +262,18 @@ def generate(model_dir, input_path, output_path, input_format, device, progress_
 
     \b
     Exit code: 0 when every request succeeded, 1 when any failed (the summary says how
-    many).
+    many), 130 when stopped with Ctrl-C: the lines written so far are whole, and the same
+    command with --resume does the rest (a .txt input's ids are its line numbers, so
+    resume with the file unedited).
     """
-    from .batch_io import input_format as format_of, read_requests
+    from .batch_io import input_format as format_of, read_requests, still_to_run
 
     format = format_of(input_path, input_format)
+    if output_path != "-":
+        check_output_path(output_path, "--output")
+    elif resume:
+        raise OptionError("--resume needs --output FILE: it skips the requests that file "
+                          "already holds")
     if not progress_interval >= 0:
         raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
@@ -275,19 +284,42 @@ def generate(model_dir, input_path, output_path, input_format, device, progress_
         del defaults["stop"]
     engine = _given(options, ENGINE_NAMES)
     _check_options(defaults, engine)
-    if output_path != "-":
-        check_output_path(output_path, "--output")
+    earlier = _read_earlier_output(output_path) if resume else None
+    num_skipped = 0
+    if earlier is not None:
+        todo = still_to_run(requests, earlier, repr(output_path))
+        num_skipped = len(requests) - len(todo)
+        _log(f"resuming: {num_skipped} of {len(requests)} requests are already in "
+             f"{output_path!r}; running the other {len(todo)}"
+             + (" (its last line was cut short: that request runs again)"
+                if earlier.dropped_partial else ""))
+        requests = todo
     llm = _load(model_dir, device, engine)
+    run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
+               earlier_errors=earlier.num_errors if earlier is not None else 0)
     if output_path == "-":
-        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), defaults=defaults,
-                             where="stdout", interval=progress_interval)
+        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
+                             **run)
     try:
-        out = open(output_path, "w", encoding="utf-8")
+        if earlier is not None and earlier.keep_bytes < os.path.getsize(output_path):
+            os.truncate(output_path, earlier.keep_bytes)  # a partly written last line
+        out = open(output_path, "a" if earlier is not None else "w", encoding="utf-8")
     except OSError as e:
         raise _Output.error(repr(output_path), e) from None
     with _Output(out, repr(output_path)) as output:
-        return _run_generate(llm, requests, output, defaults=defaults, where=repr(output_path),
-                             interval=progress_interval)
+        if earlier is not None and earlier.add_newline:
+            output.write("\n")
+        return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _read_earlier_output(output_path: str):
+    """What an earlier run left in --output (nothing when the file does not exist)."""
+    from .batch_io import Resume, read_resume
+
+    path = Path(output_path).expanduser()
+    if not path.exists():
+        return Resume(set(), 0)
+    return read_resume(path.read_bytes(), repr(output_path))
 
 
 class _Output:
@@ -389,9 +421,10 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def _run_generate(llm, requests, out, *, defaults, where: str, interval: float) -> int:
-    """Runs the batch with progress on stderr; the exit code (0, or 1 when a request
-    failed), after a summary."""
+def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
+                  num_skipped: int = 0, earlier_errors: int = 0) -> int:
+    """Runs the batch with progress on stderr; the exit code (0, 1 when a request failed,
+    130 when interrupted), after a summary."""
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
@@ -418,10 +451,22 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float) 
     else:
         summary = run_batch(llm, requests, out, defaults,
                             progress=_ProgressLines(len(requests), interval))
+    summary.num_skipped = num_skipped
     _log(summary.line())
-    if summary.num_errors:
-        _log(f"error: {summary.num_errors} of {summary.num_requests} requests failed; their "
-             f"lines in {where} hold an \"error\" that says why")
+    total = num_skipped + summary.num_requests
+    if summary.interrupted:
+        left = summary.num_requests - summary.num_written
+        if where == "stdout":
+            _log(f"interrupted: {summary.num_written} results went to stdout; the other "
+                 f"{left} requests did not run")
+        else:
+            _log(f"interrupted: {num_skipped + summary.num_written} of {total} results are "
+                 f"in {where}; the same command with --resume runs the other {left}")
+        return EXIT_INTERRUPTED
+    failed = summary.num_errors + earlier_errors
+    if failed:
+        _log(f"error: {failed} of {total} requests failed; their lines in {where} hold "
+             "an \"error\" that says why")
         return EXIT_ERROR
     return EXIT_OK
 

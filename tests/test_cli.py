@@ -1,7 +1,9 @@
 """`cupy-llama generate` and `info` on a tiny random model, and the exit codes."""
+import fcntl
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -407,6 +409,116 @@ def test_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
                  "--progress-interval", "-1"]) == 2
     assert "--progress-interval must be >= 0" in one_error_line(capsys.readouterr().err)
+
+
+def resumable_input(tmp_path):
+    """Five one-token requests, then twelve of 40 tokens: with --max-num-seqs 2 the long
+    ones take about 240 steps."""
+    rows = [{"id": f"short-{i}", "prompt": f"short {i}", "max_tokens": 1} for i in range(5)]
+    rows += [{"id": f"long-{i}", "prompt": f"long prompt {i}", "max_tokens": 40}
+             for i in range(12)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path, rows
+
+
+def full_run(llm, rows):
+    return [{"id": row["id"], "text": expected(llm, row["prompt"], max_tokens=row["max_tokens"],
+                                               ignore_eos=True).text} for row in rows]
+
+
+def texts(path):
+    return [{"id": r["id"], "text": r["text"]} for r in map(json.loads,
+                                                              path.read_text().splitlines())]
+
+
+def test_ctrl_c_stops_generate_with_a_summary_and_resume_finishes_it(model_dir, llm, tmp_path):
+    path, rows = resumable_input(tmp_path)
+    out = tmp_path / "out.jsonl"
+    args = [sys.executable, "-m", "cupy_llama.cli", "generate", "--model", str(model_dir),
+            "--input", str(path), "--output", str(out), *CPU, "--temperature", "0",
+            "--ignore-eos", "--max-num-seqs", "2", "--progress-interval", "0"]
+    # stderr through a pipe of one page: a progress line per step, so the child blocks
+    # once it is about 50 steps ahead of what this test has read, and cannot finish before
+    # the signal comes, however the machine schedules the two
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    # SIGINT as a terminal sends it, whatever the test run inherited (a background job's
+    # is ignored)
+    child = subprocess.Popen(args, stderr=write_end,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.close(write_end)
+    with open(read_end, encoding="utf-8") as stderr:
+        try:
+            seen = []
+            for line in stderr:  # wait for the state: the five short ones are done
+                seen.append(line)
+                if line.startswith("progress: 5/17 "):
+                    break
+            child.send_signal(signal.SIGINT)
+            seen += stderr.readlines()
+            child.wait(timeout=120)
+        finally:
+            child.kill()
+    err = "".join(seen)
+    assert child.returncode == 130, err
+    written = texts(out)  # every line whole
+    whole = full_run(llm, rows)
+    assert 5 <= len(written) < 17 and written == whole[:len(written)]
+    assert re.search(rf"interrupted: {len(written)} of 17 results are in '{out}'; the same "
+                     rf"command with --resume runs the other {17 - len(written)}", err), err
+    assert f"{len(written)} of 17 requests done" in err and "Traceback" not in err
+    resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming: {len(written)} of 17 requests are already in" in resumed.stderr
+    assert texts(out) == whole  # as one uninterrupted run writes it
+
+
+def test_resume_runs_a_cut_last_line_again_and_checks_the_file(model_dir, llm, tmp_path,
+                                                              capsys):
+    path = tmp_path / "in.txt"
+    prompts = ["one", "", "three", "four", "five"]  # ids are line numbers: 1, 3, 4, 5
+    path.write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(path), "--output", str(out),
+            *CPU, "--temperature", "0", "--max-tokens", "4"]
+    assert main(args) == 0
+    whole = out.read_text()
+    lines = whole.splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:len(lines[1]) // 2])   # killed while writing id 3
+    assert main(args + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming: 1 of 4 requests are already in" in err and "cut short" in err
+    assert out.read_text() == whole
+    out.write_text(lines[0] + lines[1].rstrip("\n"))   # whole, but no line end
+    assert main(args + ["--resume"]) == 0
+    assert out.read_text() == whole
+    assert main(args + ["--resume"]) == 0   # nothing left to do
+    assert "resuming: 4 of 4" in capsys.readouterr().err and out.read_text() == whole
+    out.write_text(lines[0] + '{"id": 99, "text": "x"}\n')
+    assert main(args + ["--resume"]) == 1
+    assert "holds id 99, which the input does not have" in one_error_line(
+        capsys.readouterr().err)
+    out.write_text("not a result\n" + lines[0])
+    assert main(args + ["--resume"]) == 1
+    assert "line 1 is not a result line" in one_error_line(capsys.readouterr().err)
+    assert main(args[:5] + args[7:] + ["--resume"]) == 2   # stdout: nothing to resume from
+    assert "--resume needs --output FILE" in one_error_line(capsys.readouterr().err)
+
+
+def test_resume_counts_the_failures_an_earlier_run_wrote(model_dir, tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "x", "top_p": 9}\n{"id": "b", "prompt": "y"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(path), "--output", str(out),
+            *CPU, "--temperature", "0", "--max-tokens", "2"]
+    assert main(args) == 1
+    capsys.readouterr()
+    first = out.read_text().splitlines()
+    out.write_text(first[0] + "\n")   # the failed line is there, the good one is not
+    assert main(args + ["--resume"]) == 1
+    assert one_error_line(capsys.readouterr().err).startswith("error: 1 of 2 requests failed")
+    assert out.read_text().splitlines() == first
 
 
 class Screen:
