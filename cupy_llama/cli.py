@@ -270,6 +270,9 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
 
     format = format_of(input_path, input_format)
     if output_path != "-":
+        if input_path != "-" and _same_file(input_path, output_path):
+            raise OptionError(f"--output {output_path!r} is the --input file; writing the "
+                              "results would overwrite the requests: pick another --output")
         check_output_path(output_path, "--output")
     elif resume:
         raise OptionError("--resume needs --output FILE: it skips the requests that file "
@@ -310,6 +313,17 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (also through links, or two spellings)."""
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    if first.resolve() == second.resolve():
+        return True
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # the output does not exist yet
+        return False
 
 
 def _read_earlier_output(output_path: str):

@@ -372,6 +372,8 @@ def test_commands_say_which_options_the_cpu_ignores(model_dir, tmp_path, capsys,
                      "the CPU") == 1
 
 
+# ---- exit codes, progress and resuming ------------------------------------------------------
+
 def test_bare_command_prints_the_help_and_exits_0(capsys):
     assert main([]) == 0
     bare = capsys.readouterr()
@@ -409,6 +411,21 @@ def test_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
                  "--progress-interval", "-1"]) == 2
     assert "--progress-interval must be >= 0" in one_error_line(capsys.readouterr().err)
+
+
+def test_output_that_names_the_input_is_a_usage_error(model_dir, tmp_path, capsys):
+    path = tmp_path / "in.txt"
+    path.write_text("keep me\n")
+    (tmp_path / "link.txt").symlink_to(path)
+    os.link(path, tmp_path / "hard.txt")
+    for output in (path, tmp_path / "." / "in.txt", tmp_path / "sub" / ".." / "in.txt",
+                   tmp_path / "link.txt", tmp_path / "hard.txt"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU,
+                     "--output", str(output)]) == 2, output
+        line = one_error_line(capsys.readouterr().err)
+        assert "is the --input file" in line and "--output" in line
+    assert path.read_text() == "keep me\n"
 
 
 def resumable_input(tmp_path):
