@@ -1,10 +1,10 @@
 """`cupy-llama chat`: a terminal chat over the chat template, with streaming replies.
 
 `ChatSession` holds the conversation and the settings (no terminal code, easy to test);
-`run_terminal` is the interactive loop; `run_once` answers one prompt read from a pipe.
-Ctrl-C during a reply stops it at the next token; the partial reply stays in the history
-as the assistant's turn, so the conversation remains a valid alternation. When a message
-would not fit the context, the oldest turns make room for it.
+`run_terminal` is the interactive loop; `run_once` answers one prompt (an argument or a
+pipe). Ctrl-C during a reply stops it at the next token; the partial reply stays in the
+history as the assistant's turn, so the conversation remains a valid alternation. When a
+message would not fit the context, the oldest turns make room for it.
 """
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ class ChatSession:
                 f"settings: {self.settings()}")
 
 
-# ---- one prompt from a pipe ---------------------------------------------------------------
+# ---- one prompt ----------------------------------------------------------------------
 
 def piped_prompt(text: str) -> str:
     """The message piped into `chat`, without the newline `echo` adds; RequestError when
@@ -242,17 +242,25 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     """Answer one prompt: the answer alone to stdout, notes and statistics to stderr."""
     out = out or sys.stdout
     err = err or sys.stderr
+    shown = printable if _isatty(out) else (lambda text: text)
 
     def dropped(count: int) -> None:
         err.write(_dropped_note(session, count) + "\n")
 
-    for delta in session.reply(piped_prompt(prompt), on_drop=dropped):
-        out.write(delta)
+    for delta in session.reply(prompt, on_drop=dropped):
+        out.write(shown(delta))
         out.flush()
     out.write("\n")
     out.flush()
     err.write(session.turns[-1].line() + "\n")
     return 0
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _dropped_note(session: ChatSession, count: int) -> str:

@@ -187,6 +187,7 @@ def _demo_model_dir() -> Path:
 # ---- chat ---------------------------------------------------------------------------------
 
 @cli.command()
+@click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")
@@ -194,11 +195,13 @@ def _demo_model_dir() -> Path:
 @click.option("--system", help="System prompt.")
 @sampling_options
 @engine_options
-def chat(model_dir, device, system, **options):
-    """Chat with a model in the terminal.
+def chat(prompt, model_dir, device, system, **options):
+    """Chat with a model in the terminal; with PROMPT, answer it once and exit.
 
     Replies stream as they are generated; type /help for the commands. When stdin is not
-    a terminal, reads all of it as one message, prints only the reply and exits.
+    a terminal (and no PROMPT is given), reads all of it as one message, prints only the
+    reply and exits. PROMPT and a piped message print the reply alone on stdout
+    (statistics go to stderr); stdin is not read when PROMPT is given.
     """
     from rich.console import Console
 
@@ -208,13 +211,19 @@ def chat(model_dir, device, system, **options):
     values = {"max_tokens": CHAT_MAX_TOKENS, **_given(options, SAMPLING_NAMES)}
     engine = _given(options, ENGINE_NAMES)
     _check_options(values, engine)
-    # a piped prompt is read (and an empty one refused) before the model loads
-    piped = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
+    # the one message is read (and an empty one refused) before the model loads
+    if prompt is not None:
+        once = prompt.strip()
+        if not once:
+            raise OptionError("PROMPT is empty; give the message, e.g. cupy-llama chat "
+                              "'Hello', or leave it out for an interactive chat")
+    else:
+        once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     llm = _load(model_dir or _demo_model_dir(), device, engine)
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
     session = ChatSession(llm, params, system)
-    if piped is not None:
-        return run_once(session, piped)
+    if once is not None:
+        return run_once(session, once)
     return run_terminal(session, Console(), Console(stderr=True))
 
 

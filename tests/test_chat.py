@@ -200,6 +200,20 @@ def test_pipe_mode_with_empty_stdin_is_an_error(model_dir):
     assert "Traceback" not in result.stderr
 
 
+def test_a_prompt_argument_is_answered_once(model_dir, llm):
+    # stdin is not read when PROMPT is given (a script's loop over its own stdin keeps it)
+    result = chat_cli(model_dir, "--system", "Be brief.", "What is two plus two?",
+                      stdin="this is not the message\n")
+    assert result.returncode == 0, result.stderr
+    want = reply_text(llm, [{"role": "system", "content": "Be brief."},
+                            user("What is two plus two?")])
+    assert result.stdout == want + "\n"
+    assert "tok/s" in result.stderr and "tok/s" not in result.stdout
+    empty = chat_cli(model_dir, "  ", stdin="")
+    assert empty.returncode == 2 and "PROMPT is empty" in empty.stderr
+    assert "loading" not in empty.stderr  # refused before the model loads
+
+
 # ---- the interactive terminal ----------------------------------------------------------------
 #
 # Every step waits for what the chat shows (a prompt, a reply's first words, a note), never

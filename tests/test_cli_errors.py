@@ -176,7 +176,7 @@ def test_console_script_prints_no_traceback(good_model, tmp_path):
 # ---- what the user named on the command line --------------------------------------------
 
 @pytest.mark.parametrize("command", [
-    ["info"], ["generate", "--input", "PROMPTS"], ["bench", "latency"]])
+    ["info"], ["chat", "hi"], ["generate", "--input", "PROMPTS"], ["bench", "latency"]])
 def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_path, capsys):
     """A folder that does not exist and a file where the folder belongs are the same kind
     of mistake: a runtime problem with what was named (1), for every command."""
@@ -192,7 +192,7 @@ def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_
 def test_a_context_beyond_the_model_names_the_flag_and_the_limit(good_model, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
-    for command in (["generate", "--input", str(prompts)], ["info"]):
+    for command in (["chat", "hi"], ["generate", "--input", str(prompts)], ["info"]):
         code = main([*command, "--model", str(good_model), "--device", "cpu",
                      "--max-model-len", "100000"])
         err = capsys.readouterr().err
