@@ -14,6 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .errors import CupyLlamaError, RequestError
 
@@ -26,6 +27,7 @@ HELP = """\
 /set                  show the settings
 /stats                token counts and speed of this session
 \"\"\"                   start and end multi-line input
+Up, Down              earlier input, also from earlier sessions
 Ctrl-C                stop the current reply; twice at the prompt exits
 When a message would not fit the context, the oldest turns are dropped to make room
 (never the system prompt)."""
@@ -37,6 +39,7 @@ MULTILINE = '"""'
 # A reply gets room for max_tokens, or for a quarter of the context when max_tokens is
 # larger; older turns are dropped until the conversation leaves that much.
 REPLY_SHARE_OF_CONTEXT = 4
+HISTORY_LENGTH = 1000   # input lines kept in the history file
 # Control characters other than newline and tab would move the cursor or recolor the
 # terminal; model output shows them as U+FFFD.
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -304,14 +307,33 @@ class _Interrupts:
             self.replying = False
 
 
-def _prompts():
-    """Input prompts; colored when readline can be told which characters are invisible."""
+@contextmanager
+def line_editing(history_path: Path | None):
+    """readline for input() (line editing, and input history kept in history_path across
+    sessions, at most HISTORY_LENGTH lines); yields the two prompts, colored (readline is
+    told which characters are invisible). A history file that cannot be read or written
+    never stops the chat."""
     try:
-        import readline  # noqa: F401  (line editing and history for input())
+        import readline
     except ImportError:
-        return ">>> ", "... "
+        yield ">>> ", "... "
+        return
+    readline.set_history_length(HISTORY_LENGTH)
+    if history_path is not None:
+        try:
+            readline.read_history_file(str(history_path))
+        except (OSError, UnicodeError, ValueError):
+            pass  # none yet, or unreadable: start with an empty history
     green, reset = "\001\x1b[1;32m\002", "\001\x1b[0m\002"
-    return f"{green}>>> {reset}", f"{green}... {reset}"
+    try:
+        yield f"{green}>>> {reset}", f"{green}... {reset}"
+    finally:
+        if history_path is not None:
+            try:
+                history_path.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(str(history_path))
+            except (OSError, UnicodeError, ValueError):
+                pass
 
 
 def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
@@ -331,11 +353,12 @@ def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
         lines.append(line)
 
 
-def run_terminal(session: ChatSession, console, err_console, read_line=input) -> int:
+def run_terminal(session: ChatSession, console, err_console, read_line=input,
+                 history_path: Path | None = None) -> int:
     """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
     twice at the prompt)."""
-    first_prompt, more_prompt = _prompts()
-    with _Interrupts() as interrupts:
+    with _Interrupts() as interrupts, \
+            line_editing(history_path) as (first_prompt, more_prompt):
         err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
                           highlight=False)
         interrupted_once = False

@@ -198,10 +198,11 @@ def _demo_model_dir() -> Path:
 def chat(prompt, model_dir, device, system, **options):
     """Chat with a model in the terminal; with PROMPT, answer it once and exit.
 
-    Replies stream as they are generated; type /help for the commands. When stdin is not
-    a terminal (and no PROMPT is given), reads all of it as one message, prints only the
-    reply and exits. PROMPT and a piped message print the reply alone on stdout
-    (statistics go to stderr); stdin is not read when PROMPT is given.
+    Replies stream as they are generated; type /help for the commands. Input history is
+    kept in the cache folder. When stdin is not a terminal (and no PROMPT is given), reads
+    all of it as one message, prints only the reply and exits. PROMPT and a piped message
+    print the reply alone on stdout (statistics go to stderr); stdin is not read when
+    PROMPT is given.
     """
     from rich.console import Console
 
@@ -224,7 +225,12 @@ def chat(prompt, model_dir, device, system, **options):
     session = ChatSession(llm, params, system)
     if once is not None:
         return run_once(session, once)
-    return run_terminal(session, Console(), Console(stderr=True))
+    return run_terminal(session, Console(), Console(stderr=True), history_path=_history_path())
+
+
+def _history_path() -> Path:
+    from .demo import cache_dir
+    return cache_dir() / "chat_history"
 
 
 # ---- generate -----------------------------------------------------------------------------

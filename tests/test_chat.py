@@ -223,13 +223,15 @@ PROMPT = ">>> "
 CEILING_S = 120
 
 
-def spawn(model_dir, *args, preexec_fn=None):
+def spawn(model_dir, *args, cache=None, preexec_fn=None):
     pexpect = pytest.importorskip("pexpect")  # in the test extra; only these tests need it
     # os.environ, not the process's C environment (pexpect's default): GNU readline, once
     # loaded in the test process, exports COLUMNS=80 there, and rich would wrap at 80
     # columns instead of the terminal's 200
     environment = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     environment["TERM"] = "xterm-256color"
+    if cache is not None:
+        environment["CUPY_LLAMA_CACHE"] = str(cache)
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
                                            str(model_dir), "--device", "cpu", *args],
                           encoding="utf-8", codec_errors="replace", timeout=CEILING_S,
@@ -255,8 +257,8 @@ def finish(child, status):
     assert child.exitstatus == status
 
 
-def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm):
-    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "12")
+def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm, tmp_path):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "12", cache=tmp_path)
     first = ask(child, "hello")
     want_first = reply_text(llm, [user("hello")])
     assert first == printable(want_first)
@@ -286,6 +288,36 @@ def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm):
     child.expect_exact(PROMPT)
     child.sendeof()
     finish(child, 0)
+
+
+def test_input_history_is_kept_across_sessions(model_dir, tmp_path):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3", cache=tmp_path)
+    first = ask(child, "remember this line")
+    child.sendline("/stats")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    finish(child, 0)
+    assert (tmp_path / "chat_history").read_text().splitlines()[-2:] == [
+        "remember this line", "/stats"]
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3", cache=tmp_path)
+    child.send("\x1b[A\x1b[A")   # Up twice: the message before /stats
+    child.expect_exact("remember this line")
+    child.send("\r")
+    child.expect(r"\x1b\[2m\d+ ms to first token")
+    assert child.before.replace("\r\n", "\n").endswith(first + "\n")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    finish(child, 0)
+
+
+def test_a_history_file_that_cannot_be_written_does_not_stop_the_chat(model_dir, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")   # the cache folder would be inside a file
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3", cache=blocked)
+    ask(child, "hi")
+    child.sendeof()
+    finish(child, 0)
+    assert blocked.read_text() == "not a folder"
 
 
 @pytest.fixture(scope="module")
@@ -318,10 +350,11 @@ def first_words(model_dir, message):
     return text.replace("\n", "\r\n")[:8]
 
 
-def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir):
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir, tmp_path):
     message = "tell me everything"
     start = first_words(endless_model_dir, message)
-    child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000")
+    child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000",
+                  cache=tmp_path)
     child.sendline(message)
     child.expect_exact(message + "\r\n")
     child.expect_exact(start)  # the reply is under way
@@ -343,8 +376,8 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir):
     finish(child, 130)
 
 
-def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
-    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3")
+def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir, tmp_path):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3", cache=tmp_path)
     child.sendintr()
     child.expect_exact("press Ctrl-C again")
     child.expect_exact(PROMPT)
@@ -356,13 +389,15 @@ def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir):
     finish(child, 0)
 
 
-def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_model_dir):
+def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_model_dir,
+                                                                    tmp_path):
     """A shell starts background jobs with SIGINT ignored, and the processes they start
     (a test run's pexpect children too) inherit that; Python then installs no handler of
     its own. The chat takes Ctrl-C all the same: at the prompt and during a reply."""
     message = "tell me everything"
     start = first_words(endless_model_dir, message)
     child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "12000",
+                  cache=tmp_path,
                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.sendintr()
     child.expect_exact("press Ctrl-C again")
@@ -379,9 +414,9 @@ def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_mode
     finish(child, 130)
 
 
-def test_a_full_context_at_the_terminal(endless_model_dir):
+def test_a_full_context_at_the_terminal(endless_model_dir, tmp_path):
     child = spawn(endless_model_dir, "--temperature", "0", "--max-tokens", "1000",
-                  "--max-model-len", "160")
+                  "--max-model-len", "160", cache=tmp_path)
     child.sendline("tell me a long story")
     child.expect_exact("stopped at the context limit of 160 tokens")
     child.expect_exact(PROMPT)
