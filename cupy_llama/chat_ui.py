@@ -8,6 +8,7 @@ message would not fit the context, the oldest turns make room for it.
 """
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -22,10 +23,13 @@ HELP = """\
 /help                 this text
 /exit, /bye           leave (Ctrl-D works too)
 /clear                forget the conversation (the system prompt stays)
+/retry                answer the last message again; the new reply replaces the old one
 /system TEXT          set the system prompt (/system alone removes it)
 /set NAME VALUE       change a setting: temperature, top_p, top_k, min_p, max_tokens, seed
 /set                  show the settings
 /stats                token counts and speed of this session
+/save FILE            write the conversation to FILE as JSON (OpenAI-style messages)
+/load FILE            continue a conversation written by /save (it replaces this one)
 \"\"\"                   start and end multi-line input
 Up, Down              earlier input, also from earlier sessions
 Ctrl-C                stop the current reply; twice at the prompt exits
@@ -40,6 +44,7 @@ MULTILINE = '"""'
 # larger; older turns are dropped until the conversation leaves that much.
 REPLY_SHARE_OF_CONTEXT = 4
 HISTORY_LENGTH = 1000   # input lines kept in the history file
+ROLES = ("system", "user", "assistant")
 # Control characters other than newline and tab would move the cursor or recolor the
 # terminal; model output shows them as U+FFFD.
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -215,6 +220,21 @@ class ChatSession:
             finish_reason=output.finish_reason if finished else None,
             context_limit=self.context_limit if cut_by_context else None))
 
+    def retry(self, should_stop=lambda: False, on_drop=None):
+        """Yield a new reply to the last message; it replaces the last reply. RequestError
+        when there is none; the history is unchanged when the reply cannot start."""
+        if not self.history:
+            raise RequestError("nothing to retry yet: send a message first")
+        last = self.history[-2:]
+        del self.history[-2:]
+        num_turns = len(self.turns)
+        try:
+            yield from self.reply(last[0]["content"], should_stop, on_drop)
+        except CupyLlamaError:
+            if len(self.turns) == num_turns:  # no new reply: the old one stays
+                self.history += last
+            raise
+
     def stats(self) -> str:
         if not self.turns:
             return f"no replies yet; settings: {self.settings()}"
@@ -227,6 +247,80 @@ class ChatSession:
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
                 f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
                 f"settings: {self.settings()}")
+
+
+    # ---- files -------------------------------------------------------------------------
+
+    def save(self, path: str) -> str:
+        """Write the conversation as a JSON list of messages; RequestError (one line) when
+        the file cannot be written."""
+        messages = self.conversation()
+        try:
+            Path(path).expanduser().write_text(
+                json.dumps(messages, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise RequestError(f"cannot write {path!r} ({e.strerror or e}); pick another "
+                               "file") from None
+        return f"saved {len(messages)} messages to {path}"
+
+    def load(self, path: str) -> str:
+        """Replace the conversation (and the system prompt) with the one in the file."""
+        try:
+            data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+        except OSError as e:
+            raise RequestError(f"cannot read {path!r} ({e.strerror or e})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(f"{path} is not a JSON file ({e}); /load reads what /save "
+                               "writes") from None
+        system, history = parse_conversation(data, path)
+        self.system, self.history = system, history
+        prompt = "a system prompt" if system else "no system prompt"
+        turns = len(history) // 2
+        return f"loaded {turns} turn{'' if turns == 1 else 's'} from {path} ({prompt})"
+
+
+def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
+    """(system prompt, turns) of a conversation as /save writes it: a JSON list of
+    {"role", "content"} messages, a system message only first, then user and assistant
+    messages taking turns, the last one the assistant's. RequestError names what is wrong."""
+    from .tokenizer import check_unicode
+
+    if not isinstance(data, list):
+        raise RequestError(f"{name} must hold a JSON list of messages, got "
+                           f"{type(data).__name__}")
+    messages = []
+    for number, message in enumerate(data, start=1):
+        where = f"{name}: message {number}"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with 'role' and 'content'")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                problem = "has no" if key not in message else "needs a string as its"
+                raise RequestError(f"{where} {problem} {key!r}")
+            check_unicode(message[key], f"{where}'s {key}")
+        role = message["role"]
+        if role not in ROLES:
+            raise RequestError(f"{where} has role {role!r}; a conversation holds "
+                               f"{', '.join(ROLES)} messages")
+        messages.append({"role": role, "content": message["content"]})
+    system = None
+    if messages and messages[0]["role"] == "system":
+        system = messages.pop(0)["content"] or None
+    offset = len(data) - len(messages)
+    for index, message in enumerate(messages):
+        wanted = "user" if index % 2 == 0 else "assistant"
+        if message["role"] != wanted:
+            raise RequestError(f"{name}: message {index + offset + 1} is {_a(message['role'])} "
+                               f"message where {_a(wanted)} message belongs; a system message "
+                               "may come first, then user and assistant messages take turns")
+    if len(messages) % 2:
+        raise RequestError(f"{name}: the last message is the user's, with no reply; end the "
+                           "conversation with an assistant message")
+    return system, messages
+
+
+def _a(role: str) -> str:
+    return ("an " if role == "assistant" else "a ") + role
 
 
 # ---- one prompt ----------------------------------------------------------------------
@@ -369,10 +463,12 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
                 if not text.strip():
                     continue
                 if text.startswith("/"):
-                    if _command(session, text.strip(), console, err_console) == "exit":
+                    if _command(session, text.strip(), console, err_console,
+                                interrupts) == "exit":
                         return 0
                     continue
-                _show_reply(session, text, console, err_console, interrupts)
+                _show_reply(session, console, err_console, interrupts,
+                            lambda stop, on_drop: session.reply(text, stop, on_drop))
             except EOFError:
                 console.print()
                 return 0
@@ -385,7 +481,8 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
                                   highlight=False)
 
 
-def _show_reply(session: ChatSession, text: str, console, err_console, interrupts) -> None:
+def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) -> None:
+    """Stream one reply: deltas(should_stop, on_drop) yields its text."""
     from rich.markup import escape
 
     out = console.file
@@ -396,7 +493,7 @@ def _show_reply(session: ChatSession, text: str, console, err_console, interrupt
 
     with interrupts.during_reply():
         try:
-            for delta in session.reply(text, lambda: interrupts.is_set, dropped):
+            for delta in deltas(lambda: interrupts.is_set, dropped):
                 out.write(printable(delta))
                 out.flush()
         except CupyLlamaError as e:
@@ -411,11 +508,18 @@ def _show_reply(session: ChatSession, text: str, console, err_console, interrupt
     err_console.print(f"[dim]{escape(turn.line())}[/dim]", highlight=False)
 
 
-def _command(session: ChatSession, line: str, console, err_console) -> str | None:
+def _command(session: ChatSession, line: str, console, err_console, interrupts) -> str | None:
     name, _, argument = line.partition(" ")
     argument = argument.strip()
     say = lambda message: err_console.print(message, markup=False, highlight=False,  # noqa: E731
                                             soft_wrap=True)
+
+    def attempt(action) -> None:
+        try:
+            say(action())
+        except RequestError as e:
+            say(f"error: {e}")
+
     if name in ("/exit", "/bye", "/quit"):
         return "exit"
     if name == "/help":
@@ -423,6 +527,8 @@ def _command(session: ChatSession, line: str, console, err_console) -> str | Non
     elif name == "/clear":
         session.clear()
         say("conversation cleared")
+    elif name == "/retry":
+        _show_reply(session, console, err_console, interrupts, session.retry)
     elif name == "/system":
         session.system = argument or None
         say("system prompt set" if argument else "system prompt removed")
@@ -433,12 +539,14 @@ def _command(session: ChatSession, line: str, console, err_console) -> str | Non
         elif len(parts) != 2:
             say("usage: /set NAME VALUE, e.g. /set temperature 0.7")
         else:
-            try:
-                say(session.set(parts[0], parts[1]))
-            except RequestError as e:
-                say(f"error: {e}")
+            attempt(lambda: session.set(parts[0], parts[1]))
     elif name == "/stats":
         say(session.stats())
+    elif name in ("/save", "/load"):
+        if not argument:
+            say(f"usage: {name} FILE, e.g. {name} chat.json")
+        else:
+            attempt(lambda: (session.save if name == "/save" else session.load)(argument))
     else:
         say(f"unknown command {name}; type /help for the list")
     return None

@@ -1,6 +1,7 @@
 """`cupy-llama chat`: the session logic in-process, the pipe mode, and the interactive UI
 driven through a pseudo-terminal."""
 from dataclasses import replace
+import json
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.chat_ui import ChatSession, printable, read_message
+from cupy_llama.chat_ui import ChatSession, parse_conversation, printable, read_message
 from cupy_llama.errors import RequestError
 from cupy_llama.random_model import make_random_model
 
@@ -144,6 +145,71 @@ def test_a_reply_cut_by_the_context_limit_says_so(model_dir):
     _, capped = small_context_session(model_dir, limit=160, max_tokens=5)
     "".join(capped.reply("tell me a long story"))
     assert capped.turns[-1].line().endswith("(stopped at the token limit)")
+
+
+def test_retry_answers_the_last_message_again(llm):
+    session = ChatSession(llm, GREEDY)
+    with pytest.raises(RequestError, match="nothing to retry"):
+        "".join(session.retry())
+    first = "".join(session.reply("hello"))
+    second = "".join(session.reply("more"))
+    again = "".join(session.retry())
+    assert again == second  # greedy: the same reply, in place of the old one
+    assert session.history == [user("hello"), {"role": "assistant", "content": first},
+                               user("more"), {"role": "assistant", "content": again}]
+    assert len(session.turns) == 3
+
+
+def test_save_and_load_a_conversation(llm, tmp_path):
+    session = ChatSession(llm, GREEDY, system="Be brief.")
+    first = "".join(session.reply("hello"))
+    path = tmp_path / "chat.json"
+    assert session.save(str(path)) == f"saved 3 messages to {path}"
+    assert json.loads(path.read_text()) == [
+        {"role": "system", "content": "Be brief."}, user("hello"),
+        {"role": "assistant", "content": first}]
+    other = ChatSession(llm, GREEDY)
+    assert "loaded 1 turn" in other.load(str(path))
+    assert other.system == "Be brief." and other.history == session.history
+    assert "".join(other.reply("next")) == "".join(session.reply("next"))
+    # without a system message, loading removes the system prompt
+    path.write_text(json.dumps([user("a"), {"role": "assistant", "content": "b"}]))
+    assert "no system prompt" in other.load(str(path)) and other.system is None
+    with pytest.raises(RequestError, match="cannot write"):
+        session.save(str(tmp_path / "no-folder" / "chat.json"))
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"role": "user", "content": "hi"}, "must hold a JSON list of messages, got dict"),
+    (["hi"], "message 1 must be an object"),
+    ([{"content": "hi"}], "message 1 has no 'role'"),
+    ([{"role": "user", "content": ["a"]}], "message 1 needs a string as its 'content'"),
+    ([{"role": "tool", "content": "x"}], "message 1 has role 'tool'"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+     "message 2 is a system message where an assistant message belongs"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+     "message 2 is a user message where an assistant message belongs"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+     "message 2 is an assistant message where a user message belongs"),
+    ([{"role": "user", "content": "a"}], "the last message is the user's"),
+    ([{"role": "user", "content": "bad \ud800"}, {"role": "assistant", "content": "b"}],
+     "not valid Unicode"),
+])
+def test_a_loaded_conversation_is_checked(data, fragment):
+    with pytest.raises(RequestError) as bad:
+        parse_conversation(data, "chat.json")
+    assert fragment in str(bad.value) and "\n" not in str(bad.value)
+    assert str(bad.value).startswith("chat.json")
+
+
+def test_load_of_a_file_that_is_not_json_is_one_line(llm, tmp_path):
+    session = ChatSession(llm, GREEDY)
+    (tmp_path / "x.json").write_text("{not json")
+    for path, fragment in ((tmp_path / "x.json", "is not a JSON file"),
+                           (tmp_path / "none.json", "cannot read")):
+        with pytest.raises(RequestError, match=fragment):
+            session.load(str(path))
+    assert session.history == []
 
 
 def test_set_checks_names_and_values(llm):
@@ -288,6 +354,45 @@ def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm, 
     child.expect_exact(PROMPT)
     child.sendeof()
     finish(child, 0)
+
+
+def test_retry_save_load_and_help_at_the_terminal(model_dir, llm, tmp_path):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    hello = reply_text(llm, [user("hello")], params)
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "6", cache=tmp_path)
+    child.sendline("/help")
+    for command in ("/retry", "/save FILE", "/load FILE"):
+        child.expect_exact(command)
+    child.expect_exact(PROMPT)
+    child.sendline("/retry")
+    child.expect_exact("nothing to retry yet")
+    child.expect_exact(PROMPT)
+    assert ask(child, "hello") == printable(hello)
+    child.sendline("/retry")
+    child.expect_exact("/retry\r\n")
+    child.expect(r"\x1b\[2m\d+ ms to first token")
+    assert child.before.replace("\r\n", "\n") == printable(hello) + "\n"
+    child.expect_exact(PROMPT)
+    saved = tmp_path / "chat.json"
+    child.sendline(f"/save {saved}")
+    child.expect_exact(f"saved 2 messages to {saved}")
+    child.expect_exact(PROMPT)
+    child.sendline("/clear")
+    child.expect_exact(PROMPT)
+    child.sendline(f"/load {saved}")
+    child.expect_exact(f"loaded 1 turn from {saved} (no system prompt)")
+    child.expect_exact(PROMPT)
+    want = reply_text(llm, [user("hello"), {"role": "assistant", "content": hello},
+                            user("next")], params)
+    assert ask(child, "next") == printable(want)
+    (tmp_path / "bad.json").write_text('[{"role": "user", "content": "a"}]')
+    child.sendline(f"/load {tmp_path / 'bad.json'}")
+    child.expect_exact("the last message is the user's")
+    child.expect_exact(PROMPT)
+    child.sendline("/bye")
+    finish(child, 0)
+    assert json.loads(saved.read_text()) == [user("hello"),
+                                             {"role": "assistant", "content": hello}]
 
 
 def test_input_history_is_kept_across_sessions(model_dir, tmp_path):
