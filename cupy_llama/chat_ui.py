@@ -9,6 +9,7 @@ message would not fit the context, the oldest turns make room for it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -402,11 +403,11 @@ class _Interrupts:
 
 
 @contextmanager
-def line_editing(history_path: Path | None):
+def line_editing(history_path: Path | None, colour: bool):
     """readline for input() (line editing, and input history kept in history_path across
-    sessions, at most HISTORY_LENGTH lines); yields the two prompts, colored (readline is
-    told which characters are invisible). A history file that cannot be read or written
-    never stops the chat."""
+    sessions, at most HISTORY_LENGTH lines); yields the two prompts, colored when colour
+    is on (readline is told which characters are invisible). A history file that cannot
+    be read or written never stops the chat."""
     try:
         import readline
     except ImportError:
@@ -418,7 +419,7 @@ def line_editing(history_path: Path | None):
             readline.read_history_file(str(history_path))
         except (OSError, UnicodeError, ValueError):
             pass  # none yet, or unreadable: start with an empty history
-    green, reset = "\001\x1b[1;32m\002", "\001\x1b[0m\002"
+    green, reset = ("\001\x1b[1;32m\002", "\001\x1b[0m\002") if colour else ("", "")
     try:
         yield f"{green}>>> {reset}", f"{green}... {reset}"
     finally:
@@ -447,12 +448,18 @@ def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
         lines.append(line)
 
 
+def use_colour(console) -> bool:
+    """Colour (and the dim and bold styles) only on a terminal that shows it, never with
+    NO_COLOR set (https://no-color.org)."""
+    return not os.environ.get("NO_COLOR") and console.color_system is not None
+
+
 def run_terminal(session: ChatSession, console, err_console, read_line=input,
                  history_path: Path | None = None) -> int:
     """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
     twice at the prompt)."""
     with _Interrupts() as interrupts, \
-            line_editing(history_path) as (first_prompt, more_prompt):
+            line_editing(history_path, use_colour(console)) as (first_prompt, more_prompt):
         err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
                           highlight=False)
         interrupted_once = False

@@ -225,7 +225,9 @@ def chat(prompt, model_dir, device, system, **options):
     session = ChatSession(llm, params, system)
     if once is not None:
         return run_once(session, once)
-    return run_terminal(session, Console(), Console(stderr=True), history_path=_history_path())
+    colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
+    return run_terminal(session, Console(**colour), Console(stderr=True, **colour),
+                        history_path=_history_path())
 
 
 def _history_path() -> Path:

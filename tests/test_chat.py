@@ -3,6 +3,7 @@ driven through a pseudo-terminal."""
 from dataclasses import replace
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,15 +288,17 @@ def test_a_prompt_argument_is_answered_once(model_dir, llm):
 
 PROMPT = ">>> "
 CEILING_S = 120
+SGR = re.compile(r"\x1b\[[0-9;]*m")   # colour and style codes
 
 
-def spawn(model_dir, *args, cache=None, preexec_fn=None):
+def spawn(model_dir, *args, cache=None, env=None, preexec_fn=None):
     pexpect = pytest.importorskip("pexpect")  # in the test extra; only these tests need it
     # os.environ, not the process's C environment (pexpect's default): GNU readline, once
     # loaded in the test process, exports COLUMNS=80 there, and rich would wrap at 80
     # columns instead of the terminal's 200
-    environment = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    environment["TERM"] = "xterm-256color"
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("COLUMNS", "LINES", "NO_COLOR")}
+    environment.update({"TERM": "xterm-256color", **(env or {})})
     if cache is not None:
         environment["CUPY_LLAMA_CACHE"] = str(cache)
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "chat", "--model",
@@ -306,11 +309,11 @@ def spawn(model_dir, *args, cache=None, preexec_fn=None):
     return child
 
 
-def ask(child, text):
+def ask(child, text, stats=r"\x1b\[2m\d+ ms to first token"):
     """Send a message; return the reply as shown (up to the statistics line)."""
     child.sendline(text)
     child.expect_exact(text + "\r\n")
-    child.expect(r"\x1b\[2m\d+ ms to first token")
+    child.expect(stats)
     reply = child.before.replace("\r\n", "\n")
     child.expect_exact(PROMPT)
     assert reply.endswith("\n")
@@ -423,6 +426,19 @@ def test_a_history_file_that_cannot_be_written_does_not_stop_the_chat(model_dir,
     child.sendeof()
     finish(child, 0)
     assert blocked.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("env", [{"NO_COLOR": "1"}, {"TERM": "dumb"}])
+def test_no_colour_when_asked_or_when_the_terminal_has_none(model_dir, tmp_path, env):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "3", cache=tmp_path,
+                  env=env)
+    shown = child.before + child.after
+    ask(child, "hi", stats=r"\d+ ms to first token, [\d.]+ tok/s")
+    shown += child.before + child.after
+    child.sendeof()
+    finish(child, 0)
+    shown += child.before
+    assert "Type a message" in shown and not SGR.search(shown), repr(shown)
 
 
 @pytest.fixture(scope="module")
