@@ -31,7 +31,7 @@ HELP = """\
 /stats                token counts and speed of this session
 /save FILE            write the conversation to FILE as JSON (OpenAI-style messages)
 /load FILE            continue a conversation written by /save (it replaces this one)
-\"\"\"                   start and end multi-line input
+\"\"\"                   start and end multi-line input (Ctrl-D also ends it, and sends it)
 Up, Down              earlier input, also from earlier sessions
 Ctrl-C                stop the current reply; twice at the prompt exits
 When a message would not fit the context, the oldest turns are dropped to make room
@@ -249,7 +249,6 @@ class ChatSession:
                 f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
                 f"settings: {self.settings()}")
 
-
     # ---- files -------------------------------------------------------------------------
 
     def save(self, path: str) -> str:
@@ -324,7 +323,7 @@ def _a(role: str) -> str:
     return ("an " if role == "assistant" else "a ") + role
 
 
-# ---- one prompt ----------------------------------------------------------------------
+# ---- one prompt ---------------------------------------------------------------------------
 
 def piped_prompt(text: str) -> str:
     """The message piped into `chat`, without the newline `echo` adds; RequestError when
@@ -432,7 +431,8 @@ def line_editing(history_path: Path | None, colour: bool):
 
 
 def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
-    """One message: a line, or a multi-line block opened and closed by triple quotes."""
+    """One message: a line, or a multi-line block opened and closed by triple quotes
+    (Ctrl-D inside the block ends it too: what was typed is the message)."""
     line = read_line(first_prompt)
     if not line.lstrip().startswith(MULTILINE):
         return line
@@ -441,7 +441,10 @@ def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
         return body.rstrip()[:-len(MULTILINE)]
     lines = [body] if body else []
     while True:
-        line = read_line(more_prompt)
+        try:
+            line = read_line(more_prompt)
+        except EOFError:
+            return "\n".join(lines).strip("\n")
         if line.rstrip().endswith(MULTILINE):
             lines.append(line.rstrip()[:-len(MULTILINE)])
             return "\n".join(lines).strip("\n")
@@ -458,6 +461,13 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
                  history_path: Path | None = None) -> int:
     """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
     twice at the prompt)."""
+    def read(prompt: str) -> str:
+        try:
+            return read_line(prompt)
+        except EOFError:
+            console.print()  # Ctrl-D leaves the cursor after the prompt
+            raise
+
     with _Interrupts() as interrupts, \
             line_editing(history_path, use_colour(console)) as (first_prompt, more_prompt):
         err_console.print("[dim]Type a message, /help for commands, Ctrl-D to leave.[/dim]",
@@ -465,7 +475,7 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
         interrupted_once = False
         while True:
             try:
-                text = read_message(read_line, first_prompt, more_prompt)
+                text = read_message(read, first_prompt, more_prompt)
                 interrupted_once = False
                 if not text.strip():
                     continue
@@ -477,7 +487,6 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
                 _show_reply(session, console, err_console, interrupts,
                             lambda stop, on_drop: session.reply(text, stop, on_drop))
             except EOFError:
-                console.print()
                 return 0
             except KeyboardInterrupt:
                 if interrupted_once:

@@ -237,6 +237,22 @@ def test_multi_line_input():
     assert read_message(reader(['"""', "a", "", "b", '"""']), ">", "...") == "a\n\nb"
     assert read_message(reader(['"""inline"""']), ">", "...") == "inline"
 
+    def ends_with_ctrl_d(lines):
+        it = iter(lines)
+
+        def read(prompt):
+            line = next(it, None)
+            if line is None:
+                raise EOFError
+            return line
+        return read
+
+    # Ctrl-D inside a block sends what was typed; at the first prompt it is EOF
+    assert read_message(ends_with_ctrl_d(['"""one', "two"]), ">", "...") == "one\ntwo"
+    assert read_message(ends_with_ctrl_d(['"""']), ">", "...") == ""
+    with pytest.raises(EOFError):
+        read_message(ends_with_ctrl_d([]), ">", "...")
+
 
 def test_printable_hides_terminal_controls():
     assert printable("a\x1b[2Jb\r\tc\nd\x07") == "a\ufffd[2Jb\ufffd\tc\nd\ufffd"
@@ -364,7 +380,7 @@ def test_retry_save_load_and_help_at_the_terminal(model_dir, llm, tmp_path):
     hello = reply_text(llm, [user("hello")], params)
     child = spawn(model_dir, "--temperature", "0", "--max-tokens", "6", cache=tmp_path)
     child.sendline("/help")
-    for command in ("/retry", "/save FILE", "/load FILE"):
+    for command in ("/retry", "/save FILE", "/load FILE", "Ctrl-D also ends it"):
         child.expect_exact(command)
     child.expect_exact(PROMPT)
     child.sendline("/retry")
@@ -426,6 +442,21 @@ def test_a_history_file_that_cannot_be_written_does_not_stop_the_chat(model_dir,
     child.sendeof()
     finish(child, 0)
     assert blocked.read_text() == "not a folder"
+
+
+def test_ctrl_d_inside_a_block_sends_what_was_typed(model_dir, llm, tmp_path):
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "12", cache=tmp_path)
+    child.sendline('"""first line')
+    child.expect_exact("... ")
+    child.sendline("second line")
+    child.expect_exact("... ")
+    child.sendeof()
+    child.expect(r"\x1b\[2m\d+ ms to first token")
+    shown = SGR.sub("", child.before).replace("\r\n", "\n").strip("\n")  # after "... "
+    assert shown == printable(reply_text(llm, [user("first line\nsecond line")]))
+    child.expect_exact(PROMPT)   # the chat goes on; Ctrl-D at the prompt leaves
+    child.sendeof()
+    finish(child, 0)
 
 
 @pytest.mark.parametrize("env", [{"NO_COLOR": "1"}, {"TERM": "dumb"}])
