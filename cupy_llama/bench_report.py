@@ -140,13 +140,15 @@ def _throughput_rows(r: dict) -> list:
 
 def _latency_rows(r: dict) -> list:
     ours, theirs = r["cupy_llama"], r.get("transformers") or {}
-    return [("latency", "decode tok/s, batch 1", _num(ours["tok_s"], 1),
+    rows = [("latency", "decode tok/s, batch 1", _num(ours["tok_s"], 1),
              _num(theirs.get("tok_s"), 1) if "error" not in theirs else "failed",
              _x(r.get("speedup"))),
             ("", "ms per token", _num(ours["ms_per_token"], 3),
-             _num(theirs.get("ms_per_token"), 3), ""),
-            ("", f"of the bandwidth floor ({_num(ours['floor_tok_s'])} tok/s)",
-             f"{100 * ours['fraction_of_floor']:.1f}%", "", "")]
+             _num(theirs.get("ms_per_token"), 3), "")]
+    if "floor_tok_s" in ours:  # the GPU's; the CPU has none
+        rows.append(("", f"of the bandwidth floor ({_num(ours['floor_tok_s'])} tok/s)",
+                     f"{100 * ours['fraction_of_floor']:.1f}%", "", ""))
+    return rows
 
 
 def _ttft_rows(r: dict) -> list:
