@@ -27,11 +27,11 @@ Load, warm-up and run times are reported apart; statistics go to stderr while ru
 a short table to stdout at the end. With --hf the same workloads run through Hugging
 Face transformers in the same process, after cupy-llama has released the GPU.
 
-On the CPU (the NumPy reference backend) the same workloads check the engine end to end,
-and there is no bandwidth floor: no quick host measurement bounds how fast the backend
-reads the weights. A tiny model's weights sit in the caches; a large one's are read by
-all of BLAS's threads at once, faster than one thread's memcpy copies, so a floor from a
-host copy comes out below the measured speed.
+On the CPU (the NumPy reference backend) the same workloads check the engine end to end;
+the default model is the tiny preset, and there is no bandwidth floor: no quick host
+measurement bounds how fast the backend reads the weights. A tiny model's weights sit in
+the caches; a large one's are read by all of BLAS's threads at once, faster than one
+thread's memcpy copies, so a floor from a host copy comes out below the measured speed.
 """
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ from .sampling import SamplingParams
 
 MODES = ("throughput", "latency", "ttft", "decode-sweep")  # the ones `all` runs
 ALL_MODES = MODES + ("all", "prefix")
-DEVICES = ("cuda", "cpu")
+DEVICES = ("auto", "cuda", "cpu")
 PRESETS = ("llama-3.2-1b", "tiny")
+DEFAULT_PRESETS = {"cuda": "llama-3.2-1b", "cpu": "tiny"}
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 MODEL_SEED = 0                  # random weights: the same model for every workload seed
 THROUGHPUT_LENGTHS = (100, 1024)
@@ -82,8 +83,8 @@ def _stderr(message: str) -> None:
 class BenchSettings:
     mode: str
     model_dir: str | None = None
-    preset: str = "llama-3.2-1b"
-    device: str = "cuda"
+    preset: str | None = None     # default: DEFAULT_PRESETS of the device
+    device: str = "cuda"          # "auto" only until bench_command resolves it
     seed: int = 0
     num_requests: int = 256
     scale: float = 1.0            # multiplies every prompt and output length (quick checks)
@@ -102,8 +103,11 @@ class BenchSettings:
             raise OptionError("bench prefix runs with prefix caching on and then off itself; "
                               "drop --no-prefix-caching")
         if self.device not in DEVICES:
-            raise OptionError(f"--device must be cuda or cpu, got {self.device!r}")
-        if self.preset not in PRESETS:
+            raise OptionError(f"--device must be one of {', '.join(DEVICES)}, got "
+                              f"{self.device!r}")
+        if self.preset is None and self.device in DEFAULT_PRESETS:
+            self.preset = DEFAULT_PRESETS[self.device]
+        if self.preset is not None and self.preset not in PRESETS:
             raise OptionError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.num_requests < 1:
             raise OptionError(f"--num-requests must be at least 1, got {self.num_requests}")
@@ -167,6 +171,11 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     report = {"command": settings.command(), "argv": list(sys.argv), **commit_info(settings.commit),
               "environment": environment(settings.device, settings.hf),
               "device": {"kind": settings.device, "name": device.name}}
+    if not on_gpu:
+        log(f"bench on the CPU: the NumPy reference backend (float32) with "
+            f"{settings.model_dir or 'a random ' + settings.preset + ' model'}. This checks the "
+            "engine end to end on the host (scheduling, sampling, the NumPy ops); it does not "
+            "measure a GPU, and it has no bandwidth floor and no kernel compile")
     if on_gpu and settings.mode in ("all", "latency"):
         report["device"]["copy_bandwidth_bytes_s"] = device.copy_bandwidth()
         log(f"device copy bandwidth: {report['device']['copy_bandwidth_bytes_s'] / 1e9:,.0f} GB/s "
@@ -181,7 +190,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     memory["used_after_load"] = device.used_bytes()
     warmup_s = warm_up(llm, settings)
     memory["used_after_warmup"] = device.used_bytes()
-    log(f"load {load_s:.2f} s, warm-up (kernel compile) {warmup_s:.2f} s")
+    log(f"load {load_s:.2f} s, warm-up{' (kernel compile)' if on_gpu else ''} {warmup_s:.2f} s")
     report["model"] = describe_model(llm, model_dir, settings, made_s)
     report["settings"] = {**run_settings(settings), "engine": asdict(llm.engine_config),
                           "max_model_len": llm.engine.max_model_len}
@@ -685,8 +694,11 @@ def describe_model(llm, model_dir: Path, settings: BenchSettings, made_s) -> dic
 
 
 def bench_command(mode: str, *, model_dir, device, preset, json_path, hf, seed, num_requests,
-                  scale, batch_sizes: str, commit, engine: dict, out=print) -> dict:
-    """The `cupy-llama bench` command: parse, run, print the table."""
+                  scale, batch_sizes: str, commit, engine: dict, out=print,
+                  resolve_device=None) -> dict:
+    """The `cupy-llama bench` command: parse, run, print the table.
+    resolve_device(device, engine) -> (cuda or cpu, the engine options that device
+    takes), called once the settings are checked; needed for device "auto"."""
     try:
         sizes = tuple(int(part) for part in batch_sizes.split(",") if part.strip())
     except ValueError:
@@ -696,6 +708,11 @@ def bench_command(mode: str, *, model_dir, device, preset, json_path, hf, seed, 
                              seed=seed, num_requests=num_requests, scale=scale,
                              batch_sizes=sizes, hf=hf, json_path=json_path, commit=commit,
                              engine=engine)
+    if resolve_device is not None:
+        device, engine = resolve_device(settings.device, settings.engine)
+        settings = replace(settings, device=device, engine=engine)
+    if settings.device == "auto":
+        raise ValueError("bench_command needs resolve_device for device 'auto'")
     report = run_bench(settings)
     out(format_table(report))
     return report

@@ -738,10 +738,12 @@ def _listen(host: str, port: int):
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory. Default: a random-weight model of --preset's shape, "
                    "written once into the cache.")
-@click.option("--device", type=click.Choice(("cuda", "cpu")), default="cuda", show_default=True,
-              help="The GPU, or the NumPy backend (for checking the plumbing).")
-@click.option("--preset", type=click.Choice(("llama-3.2-1b", "tiny")), default="llama-3.2-1b",
-              show_default=True, help="Shape of the random model when no --model is given.")
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+              help="The GPU when usable (auto), the GPU (cuda), or the NumPy backend (cpu: it "
+                   "checks the engine end to end; its numbers say nothing about a GPU).")
+@click.option("--preset", type=click.Choice(("llama-3.2-1b", "tiny")),
+              help="Shape of the random model when no --model is given (default: "
+                   "llama-3.2-1b on the GPU, tiny on the CPU).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the full report (settings, versions, every number) here.")
 @click.option("--hf/--no-hf", default=False, show_default=True,
@@ -799,9 +801,7 @@ def bench(mode, **options):
     if given:
         raise OptionError(f"{option_flag(given[0])} applies to bench serve only")
     from .bench import bench_command
-    if rest["device"] == "cpu":  # the options the CPU does not have, named by their flags
-        _, engine = _resolve_device("cpu", engine)
-    bench_command(mode, engine=engine, out=click.echo, **rest)
+    bench_command(mode, engine=engine, out=click.echo, resolve_device=_resolve_device, **rest)
     return EXIT_OK
 
 
@@ -821,7 +821,11 @@ def _bench_serve(engine: dict, serve_only: dict, rest: dict) -> int:
     options = {name: value for name, value in serve_only.items() if value is not None}
     if "request_rate" in options and options["request_rate"] <= 0:
         raise OptionError(f"--request-rate must be > 0, got {options['request_rate']}")
-    bench_serve_command(out=click.echo, model_dir=rest["model_dir"], preset=rest["preset"],
+    preset = rest["preset"]
+    if preset is None:  # the model's shape follows where the server runs, as in bench
+        from .bench import DEFAULT_PRESETS
+        preset = DEFAULT_PRESETS[_auto_device() if rest["device"] == "auto" else rest["device"]]
+    bench_serve_command(out=click.echo, model_dir=rest["model_dir"], preset=preset,
                         device=rest["device"], num_requests=rest["num_requests"],
                         seed=rest["seed"], scale=rest["scale"], json_path=rest["json_path"],
                         commit=rest["commit"], engine=engine, **options)

@@ -122,7 +122,8 @@ def test_all_modes_write_a_complete_report(report_all, model_dir):
     assert report["memory"]["plan"] and report["memory"]["peak_rss_bytes"] > 0
     assert "transformers" not in report
     # statistics to stderr while running, the table to stdout
-    assert "warm-up" in stderr and "throughput:" in stderr and "floor" not in stdout
+    assert "warm-up" in stderr and "throughput:" in stderr
+    assert "warm-up (kernel compile)" not in stderr and "floor" not in stdout
     for label in ("throughput", "latency", "ttft", "decode-sweep", "memory"):
         assert label in stdout
 
@@ -152,6 +153,7 @@ def test_latency_on_the_cpu_has_no_bandwidth_floor(report_all):
     assert not {"floor_tok_s", "fraction_of_floor", "copy_bandwidth_bytes_s",
                 "weight_bytes_per_step"} & set(result)
     assert "bandwidth floor" not in stdout and "% of" not in stderr
+    assert "it has no bandwidth floor and no kernel compile" in stderr
     from cupy_llama.bench import DeviceProbe
     with pytest.raises(RuntimeError):
         DeviceProbe("cpu").copy_bandwidth()
@@ -316,7 +318,7 @@ def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):
     from cupy_llama.backends.cuda import cuda_usable
     if cuda_usable()[0]:
         pytest.skip("a usable GPU is present")
-    assert main(["bench", "latency", "--preset", "tiny"]) == 1
+    assert main(["bench", "latency", "--preset", "tiny", "--device", "cuda"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
 
@@ -351,3 +353,24 @@ def test_prefix_check_script_finds_no_difference_on_the_reference_backend(tmp_pa
     assert [row["cached_tokens"] for row in report["prompts"]] == \
         [shared // 16 * 16 for shared in (16, 17, 100, 255, 256, 512, 700, 1000)]
     assert "8 of 8 identical" in done.stdout
+
+
+# ---- the CPU defaults ---------------------------------------------------------------------
+
+def test_bench_defaults_to_auto_and_a_tiny_model_on_the_cpu(tmp_path, monkeypatch, capsys):
+    from cupy_llama.backends.cuda import cuda_usable
+    if cuda_usable()[0]:
+        pytest.skip("a usable GPU is present: auto means the GPU there")
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "report.json"
+    assert main(["bench", "latency", "--scale", "0.05", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["device"]["kind"] == "cpu" and report["model"]["random_preset"] == "tiny"
+    assert report["command"].startswith("cupy-llama bench latency --device cpu --seed 0 "
+                                        "--preset tiny")
+    assert "warning: running on the CPU (slow)" in captured.err
+    assert "bench on the CPU: the NumPy reference backend" in captured.err
+    # only the tiny model was written; no 1.2 B one on the CPU unless --preset asks
+    assert [p.name for p in (tmp_path / "cache" / "bench-models").iterdir()] == ["tiny-seed0"]
+    assert "floor" not in captured.out and "warm-up (kernel compile)" not in captured.err
