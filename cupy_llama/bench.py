@@ -44,7 +44,9 @@ import shlex
 import shutil
 import statistics
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -71,6 +73,7 @@ PREFIX_REQUESTS, PREFIX_SHARED, PREFIX_SUFFIX, PREFIX_NEW_TOKENS = 64, 2048, 64,
 CHAT_TURNS, CHAT_MESSAGE, CHAT_REPLY = 10, 100, 32
 CUDA_MAX_NUM_SEQS = 256         # the sweep's largest batch decodes as one batch
 COPY_BYTES = 1 << 30
+HEARTBEAT_S = 10.0              # a line this often while a random model is being written
 
 
 def _stderr(message: str) -> None:
@@ -245,12 +248,17 @@ def prepare_model(settings: BenchSettings, log) -> tuple[Path, float | None]:
     target = cache_dir() / "bench-models" / f"{settings.preset}-seed{MODEL_SEED}"
     if (target / ".complete").is_file():
         return target, None
-    from .random_model import make_random_model
-    log(f"writing a random {settings.preset} model to {target} (once; later runs reuse it)")
+    from .config import ModelConfig
+    from .random_model import PRESETS as SHAPES, config_json, make_random_model
+    num_parameters = ModelConfig.from_dicts(config_json(SHAPES[settings.preset])).num_parameters
+    log(f"writing a random {settings.preset} model ({_amount(num_parameters, '')} parameters, "
+        f"{_amount(2 * num_parameters, 'B')} of bf16 weights) to {target}; this happens once, "
+        "later runs reuse it")
     started = time.perf_counter()
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     try:
-        make_random_model(partial, settings.preset, seed=MODEL_SEED)
+        with heartbeat(log, f"writing the random {settings.preset} model"):
+            make_random_model(partial, settings.preset, seed=MODEL_SEED)
         (partial / ".complete").write_text("")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -258,6 +266,34 @@ def prepare_model(settings: BenchSettings, log) -> tuple[Path, float | None]:
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target, time.perf_counter() - started
+
+
+def _amount(n: float, unit: str) -> str:
+    """1.24 B, 2.47 GB, 0.11 M, 0.23 MB: the size of a model to a reader."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} {'G' + unit if unit else 'B'}"
+    return f"{n / 1e6:.2f} M{unit}"
+
+
+@contextmanager
+def heartbeat(log, what: str, interval: float | None = None):
+    """Logs "still <what> (N s so far)" every interval seconds (HEARTBEAT_S) while the
+    block runs, so a long silent step shows it is alive."""
+    interval = HEARTBEAT_S if interval is None else interval
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def beat():
+        while not done.wait(interval):
+            log(f"still {what} ({time.perf_counter() - started:.0f} s so far)")
+
+    thread = threading.Thread(target=beat, name="bench-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def warm_up(llm, settings: BenchSettings) -> float:

@@ -374,3 +374,33 @@ def test_bench_defaults_to_auto_and_a_tiny_model_on_the_cpu(tmp_path, monkeypatc
     # only the tiny model was written; no 1.2 B one on the CPU unless --preset asks
     assert [p.name for p in (tmp_path / "cache" / "bench-models").iterdir()] == ["tiny-seed0"]
     assert "floor" not in captured.out and "warm-up (kernel compile)" not in captured.err
+
+
+def test_writing_a_random_model_says_it_is_still_at_it(tmp_path, monkeypatch):
+    """A 1.2 B model takes minutes to write: a line every HEARTBEAT_S seconds says the
+    bench is alive. Here the writer waits until it has seen such a line."""
+    import threading
+    from cupy_llama import bench, random_model
+    from cupy_llama.bench import BenchSettings, prepare_model
+
+    monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench, "HEARTBEAT_S", 0.01)
+    lines, beat = [], threading.Event()
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("still writing the random llama-3.2-1b model ("):
+            beat.set()
+
+    def slow_writer(out_dir, shape, seed):
+        assert beat.wait(timeout=120), lines  # the state: a heartbeat came while writing
+        return make_random_model(out_dir, "tiny", seed=seed)
+
+    monkeypatch.setattr(random_model, "make_random_model", slow_writer)
+    path, seconds = prepare_model(BenchSettings(mode="latency", device="cpu",
+                                                preset="llama-3.2-1b"), log)
+    assert path.name == "llama-3.2-1b-seed0" and (path / ".complete").is_file()
+    assert lines[0].startswith("writing a random llama-3.2-1b model (1.24 B parameters, "
+                               "2.47 GB of bf16 weights)")
+    count = len(lines)
+    assert count >= 2 and len(lines) == count  # the heartbeat stopped with the writing
