@@ -40,9 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID, THROUGHPUT_TEMPERATURE,
-                    BenchSettings, Workload, offline_workload, prepare_model, random_ids)
 from .bench_report import commit_info, environment
+from .bench_workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
+                              THROUGHPUT_TEMPERATURE, BenchSettings, Workload, offline_workload,
+                              prepare_model, random_ids)
 from .errors import CupyLlamaError, OptionError, RequestError, check_output_path
 
 STREAMS_PER_CLIENT = 64

@@ -810,7 +810,7 @@ BENCH_SERVE_NAMES = ("url", "max_concurrency", "request_rate", "input_len", "out
 
 
 def _bench_serve(engine: dict, serve_only: dict, rest: dict) -> int:
-    from .bench import DEFAULT_BATCH_SIZES
+    from .bench_workloads import DEFAULT_BATCH_SIZES
     from .bench_serve import bench_serve_command
 
     if rest["hf"]:
@@ -823,7 +823,7 @@ def _bench_serve(engine: dict, serve_only: dict, rest: dict) -> int:
         raise OptionError(f"--request-rate must be > 0, got {options['request_rate']}")
     preset = rest["preset"]
     if preset is None:  # the model's shape follows where the server runs, as in bench
-        from .bench import DEFAULT_PRESETS
+        from .bench_workloads import DEFAULT_PRESETS
         preset = DEFAULT_PRESETS[_auto_device() if rest["device"] == "auto" else rest["device"]]
     bench_serve_command(out=click.echo, model_dir=rest["model_dir"], preset=preset,
                         device=rest["device"], num_requests=rest["num_requests"],

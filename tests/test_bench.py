@@ -6,8 +6,8 @@ import sys
 import pytest
 from conftest import one_error_line
 
-from cupy_llama.bench import (add_ratios, bandwidth_floor, decode_numbers, format_table,
-                              offline_workload)
+from cupy_llama.bench import add_ratios, bandwidth_floor, decode_numbers, format_table
+from cupy_llama.bench_workloads import offline_workload
 from cupy_llama.cli import main
 from cupy_llama.config import ModelConfig
 from cupy_llama.random_model import LLAMA_3_2_1B, TINY, config_json, make_random_model
@@ -304,7 +304,7 @@ def test_usage_errors(args, code, message, capsys, tmp_path, monkeypatch):
 
 
 def test_the_json_check_leaves_no_file_and_keeps_an_old_one(tmp_path):
-    from cupy_llama.bench import BenchSettings
+    from cupy_llama.bench_workloads import BenchSettings
     new = tmp_path / "new.json"
     BenchSettings(mode="latency", json_path=str(new))
     assert not new.exists()
@@ -380,11 +380,11 @@ def test_writing_a_random_model_says_it_is_still_at_it(tmp_path, monkeypatch):
     """A 1.2 B model takes minutes to write: a line every HEARTBEAT_S seconds says the
     bench is alive. Here the writer waits until it has seen such a line."""
     import threading
-    from cupy_llama import bench, random_model
-    from cupy_llama.bench import BenchSettings, prepare_model
+    from cupy_llama import bench_workloads, random_model
+    from cupy_llama.bench_workloads import BenchSettings, prepare_model
 
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(bench, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(bench_workloads, "HEARTBEAT_S", 0.01)
     lines, beat = [], threading.Event()
 
     def log(line):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from cupy_llama import cli
-from cupy_llama.bench import BenchSettings
+from cupy_llama.bench_workloads import BenchSettings
 from cupy_llama.cli import main
 
 CPU = ["--device", "cpu"]
