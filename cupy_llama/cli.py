@@ -621,7 +621,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 
 @cli.command()
-@click.option("--model", "model_dir", type=click.Path(file_okay=False),
+@click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")
 @click.option("--host", default="127.0.0.1", show_default=True,

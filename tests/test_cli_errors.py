@@ -176,10 +176,14 @@ def test_console_script_prints_no_traceback(good_model, tmp_path):
 # ---- what the user named on the command line --------------------------------------------
 
 @pytest.mark.parametrize("command", [
-    ["info"], ["chat", "hi"], ["generate", "--input", "PROMPTS"], ["bench", "latency"]])
+    ["info"], ["chat", "hi"], ["generate", "--input", "PROMPTS"], ["bench", "latency"],
+    ["serve", "--port", "0"]])
 def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_path, capsys):
     """A folder that does not exist and a file where the folder belongs are the same kind
     of mistake: a runtime problem with what was named (1), for every command."""
+    if command[0] == "serve":
+        for package in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
+            pytest.importorskip(package)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
     args = [str(prompts) if arg == "PROMPTS" else arg for arg in command]
