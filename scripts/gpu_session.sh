@@ -44,7 +44,7 @@ wants attention_bench && step attention_bench 240 python3 scripts/attention_benc
 wants perf && step perf 300 python3 scripts/perf.py "$M1B"
 wants perf_steps && step perf_steps 300 python3 scripts/perf.py "$M1B" --steps-only
 wants perf_kernels && step perf_kernels 300 python3 scripts/perf.py "$M1B" --kernels-only
-wants bench && step bench 300 python3 -m cupy_llama.cli bench all --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
+wants bench && step bench 300 python3 -m cupy_llama.cli bench all --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
 wants compare_1b && step compare_1b 400 python3 scripts/compare_hf.py "$M1B" --json "$OUT/compare_1b.json"
 wants engine_1b && step engine_1b 300 python3 scripts/gpu_engine_checks.py "$M1B" --json "$OUT/engine_1b.json"
 wants info_1b && step info_1b 120 python3 -m cupy_llama.cli info --model "$M1B" --device cuda
@@ -55,35 +55,35 @@ if wants demo && [ -n "$DEMO_GGUF" ]; then
   step cli_chat 120 bash -c "echo 'What is the capital of France?' | python3 -m cupy_llama.cli chat --model '$WORK/demo' --temperature 0"
   step cli_generate 120 python3 -m cupy_llama.cli generate --model "$WORK/demo" --input examples/requests.jsonl --temperature 0
 fi
-wants bench_hf && step bench_hf 240 bash -c "python3 -m cupy_llama.cli bench latency --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_latency_hf_h200.json' && python3 -m cupy_llama.cli bench ttft --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_ttft_hf_h200.json'"
+wants bench_hf && step bench_hf 240 bash -c "python3 -m cupy_llama.cli bench latency --device cuda --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_latency_hf_h200.json' && python3 -m cupy_llama.cli bench ttft --device cuda --hf --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_ttft_hf_h200.json'"
 if wants wheel; then  # the package as installed from a wheel, outside the checkout
   rm -rf "$WORK/dist" "$WORK/wheel_site"
   step wheel_build 200 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" .
   step wheel_install 120 bash -c "python3 -m pip install -q --no-deps --no-index --target '$WORK/wheel_site' '$WORK'/dist/cupy_llama-*.whl"
   step wheel_tests 500 bash -c "cd '$WORK' && PYTHONPATH='$WORK/wheel_site' python3 -c 'import cupy_llama, sys; print(cupy_llama.__file__); sys.exit(0 if cupy_llama.__file__.startswith(\"$WORK/wheel_site\") else 1)' && PYTHONPATH='$WORK/wheel_site' python3 -m pytest -q -m gpu '$PWD/tests' -p no:cacheprovider"
   for mode in latency throughput; do
-    step wheel_$mode 200 bash -c "cd '$WORK' && PYTHONPATH='$WORK/wheel_site' python3 -m cupy_llama.cli bench $mode --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_${mode}_wheel.json'"
-    step editable_$mode 200 python3 -m cupy_llama.cli bench $mode --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_${mode}_editable.json"
+    step wheel_$mode 200 bash -c "cd '$WORK' && PYTHONPATH='$WORK/wheel_site' python3 -m cupy_llama.cli bench $mode --device cuda --model '$M1B' --commit '$COMMIT' --json '$OUT/bench_${mode}_wheel.json'"
+    step editable_$mode 200 python3 -m cupy_llama.cli bench $mode --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_${mode}_editable.json"
   done
 fi
 if wants prefix; then
-  step bench_prefix 300 python3 -m cupy_llama.cli bench prefix --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_prefix_h200.json"
+  step bench_prefix 300 python3 -m cupy_llama.cli bench prefix --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_prefix_h200.json"
   step prefix_check 300 python3 scripts/prefix_check.py "$M1B" --json "$OUT/prefix_check_h200.json"
-  step throughput_no_cache 200 python3 -m cupy_llama.cli bench throughput --no-prefix-caching --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_throughput_no_cache_h200.json"
+  step throughput_no_cache 200 python3 -m cupy_llama.cli bench throughput --device cuda --no-prefix-caching --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_throughput_no_cache_h200.json"
 fi
 if wants serve; then
   if ! python3 -c "import fastapi, uvicorn, pydantic" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/serve_site" .whl/*.whl
     export PYTHONPATH=$PYTHONPATH:$WORK/serve_site
   fi
-  step serve_throughput 200 python3 -m cupy_llama.cli bench throughput --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_throughput.json"
-  step serve_latency 200 python3 -m cupy_llama.cli bench latency --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_latency.json"
+  step serve_throughput 200 python3 -m cupy_llama.cli bench throughput --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_throughput.json"
+  step serve_latency 200 python3 -m cupy_llama.cli bench latency --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_latency.json"
   for c in 256 64 16; do
-    step serve_c$c 300 python3 -m cupy_llama.cli bench serve --model "$M1B" --max-concurrency $c --json "$OUT/serve_c$c.json"
+    step serve_c$c 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency $c --json "$OUT/serve_c$c.json"
   done
-  step serve_c1 300 python3 -m cupy_llama.cli bench serve --model "$M1B" --max-concurrency 1 --num-requests 32 --json "$OUT/serve_c1.json"
-  step serve_latency_shape 200 python3 -m cupy_llama.cli bench serve --model "$M1B" --max-concurrency 1 --num-requests 16 --input-len 32 --output-len 256 --temperature 0 --json "$OUT/serve_latency_shape.json"
-  step serve_ttft1024 200 python3 -m cupy_llama.cli bench serve --model "$M1B" --max-concurrency 1 --num-requests 32 --input-len 1024 --output-len 2 --temperature 0 --json "$OUT/serve_ttft1024.json"
+  step serve_c1 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 32 --json "$OUT/serve_c1.json"
+  step serve_latency_shape 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 16 --input-len 32 --output-len 256 --temperature 0 --json "$OUT/serve_latency_shape.json"
+  step serve_ttft1024 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 32 --input-len 1024 --output-len 2 --temperature 0 --json "$OUT/serve_ttft1024.json"
 fi
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
