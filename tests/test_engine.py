@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from conftest import assert_all_blocks_free
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import ConfigError, RequestError
@@ -20,13 +21,6 @@ def prompts(count, seed=0, min_len=3, max_len=40):
 
 def solo(llm, prompt, **params):
     return llm.generate(prompt, SamplingParams(**params)).token_ids
-
-
-def assert_all_blocks_free(llm):
-    blocks = llm.engine.blocks
-    assert blocks.num_free_blocks == blocks.num_blocks
-    blocks.check_invariants([])
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
 
 
 def test_preemption_changes_nothing(model_dir, llm):

@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+from conftest import assert_all_blocks_free, prompt_tokens_computed
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.cli import main
@@ -28,34 +29,6 @@ def sampled(n, seed=7, max_tokens=10):
                           ignore_eos=True, n=n)
 
 
-def assert_all_blocks_free(llm):
-    blocks = llm.engine.blocks
-    assert blocks.num_free_blocks == blocks.num_blocks
-    blocks.check_invariants([])
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
-
-
-def count_prompt_tokens(llm, run):
-    """run() while counting the prompt tokens the steps compute, per request id."""
-    scheduler, counts = llm.engine.scheduler, {}
-    schedule = scheduler.schedule
-
-    def counting_schedule():
-        batch = schedule()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            if start < seq.num_prompt_tokens:
-                counts[seq.request_id] = counts.get(seq.request_id, 0) + \
-                    min(start + n, seq.num_prompt_tokens) - start
-        return batch
-
-    scheduler.schedule = counting_schedule
-    try:
-        return run(), counts
-    finally:
-        scheduler.schedule = schedule
-
-
 @pytest.mark.parametrize("length", [40, 48])
 def test_three_samples_prefill_the_prompt_once(any_llm, length):
     """Sample 0 computes the prompt; samples 1 and 2 compute only their tail: the partly
@@ -63,7 +36,8 @@ def test_three_samples_prefill_the_prompt_once(any_llm, length):
     any_llm.engine.blocks.reset_prefix_cache()
     prompt = ids(length, length)
     finals = {}
-    outputs, counts = count_prompt_tokens(any_llm, lambda: list(any_llm.stream(prompt, sampled(3))))
+    with prompt_tokens_computed(any_llm) as counts:
+        outputs = list(any_llm.stream(prompt, sampled(3)))
     for output in outputs:
         assert not (output.index in finals and output.finished), "finished twice"
         if output.finished:
@@ -158,8 +132,9 @@ def test_samples_fork_even_when_the_parent_has_ended(model_dir):
                   enable_prefix_caching=caching)
         prompt = ids(5, 40)
         greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        outputs, counts = count_prompt_tokens(llm, lambda: llm.generate(
-            prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)))
+        with prompt_tokens_computed(llm) as counts:
+            outputs = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5,
+                                                          ignore_eos=True, n=2))
         single = llm.generate(prompt, greedy).token_ids
         assert [o.token_ids for o in outputs] == [single, single]
         assert [o.num_cached_tokens for o in outputs] == ([0, 32] if caching else [0, 0])

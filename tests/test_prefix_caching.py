@@ -5,6 +5,7 @@ reported cached tokens; and every block free once the requests are done."""
 import random
 
 import pytest
+from conftest import assert_all_blocks_free, prompt_tokens_computed
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.config import EngineConfig
@@ -29,31 +30,6 @@ def cached(llm):
 
 def ids(rng, count):
     return [rng.randrange(256) for _ in range(count)]
-
-
-def assert_all_blocks_free(llm):
-    blocks = llm.engine.blocks
-    assert blocks.num_free_blocks == blocks.num_blocks
-    blocks.check_invariants([])
-    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
-
-
-def prompt_tokens_computed(llm):
-    """Counts, per request id, the prompt tokens each step computes (a list to read)."""
-    scheduler, counts = llm.engine.scheduler, {}
-    schedule = scheduler.schedule
-
-    def counting_schedule():
-        batch = schedule()
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            if start < seq.num_prompt_tokens:
-                counts[seq.request_id] = counts.get(seq.request_id, 0) + \
-                    min(start + n, seq.num_prompt_tokens) - start
-        return batch
-
-    scheduler.schedule = counting_schedule
-    return counts, lambda: setattr(scheduler, "schedule", schedule)
 
 
 @pytest.mark.parametrize("shared", [0, 15, 16, 17, 100, 1000])
@@ -121,11 +97,8 @@ def test_a_fully_cached_prompt_computes_only_its_last_token(cached, uncached, le
     logits (its K/V are not written again), and the first token is the right one."""
     prompt = ids(random.Random(length), length)
     cached.generate(prompt, GREEDY)
-    counts, restore = prompt_tokens_computed(cached)
-    try:
+    with prompt_tokens_computed(cached) as counts:
         again = cached.generate(prompt, GREEDY)
-    finally:
-        restore()
     assert counts == {again.request_id: 1}
     assert again.num_cached_tokens == length
     assert again.token_ids == uncached.generate(prompt, GREEDY).token_ids
