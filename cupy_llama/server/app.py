@@ -20,7 +20,6 @@ import contextlib
 import hmac
 import json
 import logging
-import secrets
 import signal
 import socket
 import sys
@@ -590,17 +589,16 @@ def create_app(state: ServerState):
             parsed, body = await body_of(request, protocol.CompletionRequest)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        prompts = parsed.prompt_token_ids(state.tokenizer, state.vocab_size)
-        params = [parsed.sampling_params(len(p), state.info.max_model_len, state.model_defaults)
-                  for p in prompts]
-        response_id = f"cmpl-{secrets.token_hex(16)}"
+        prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
+                                               state.info.max_model_len, state.model_defaults)
+        response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
         job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
         stream = protocol.CompletionStream(parsed, response_id, created, name, strings) \
             if parsed.stream else None
-        return await _respond(request, job, stream, lambda outputs: protocol.completion_response(
-            parsed, response_id, created, name, outputs, strings))
+        return await _respond(request, job, stream, lambda outputs: parsed.response_body(
+            response_id, created, name, outputs, strings))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -608,18 +606,16 @@ def create_app(state: ServerState):
             parsed, body = await body_of(request, protocol.ChatCompletionRequest)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        prompt = parsed.prompt_token_ids(state.tokenizer)
-        params = parsed.sampling_params(len(prompt), state.info.max_model_len,
-                                        state.model_defaults)
-        response_id = f"chatcmpl-{secrets.token_hex(16)}"
+        prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
+                                               state.info.max_model_len, state.model_defaults)
+        response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
-        job = state.start_job(response_id, [prompt], [params], parsed.stream, parsed.n)
+        job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
         stream = protocol.ChatCompletionStream(parsed, response_id, created, name, strings) \
             if parsed.stream else None
-        return await _respond(request, job, stream,
-                              lambda outputs: protocol.chat_completion_response(
-                                  parsed, response_id, created, name, outputs[0], strings))
+        return await _respond(request, job, stream, lambda outputs: parsed.response_body(
+            response_id, created, name, outputs, strings))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

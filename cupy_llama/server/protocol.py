@@ -3,13 +3,12 @@ HTTP, so the server and a batch front end reading OpenAI batch files build the s
 from the same plain dicts and RequestOutputs.
 
 A request body (a dict) becomes prompts plus SamplingParams here, and engine outputs
-become OpenAI JSON:
+become OpenAI JSON, the same way for either endpoint:
 
     request = parse(CompletionRequest, body)              # APIError(400) if malformed
-    prompts = request.prompt_token_ids(tokenizer, vocab_size)
-    params = [request.sampling_params(len(p), max_model_len, defaults) for p in prompts]
-    ... run them: one list of RequestOutputs per prompt ...
-    completion_response(request, "cmpl-1", created, "model", outputs, token_strings)
+    prompts, params = request.engine_inputs(tokenizer, vocab_size, max_model_len, defaults)
+    ... run them: one list of RequestOutputs (the n choices) per prompt ...
+    request.response_body(new_id(request.ID_PREFIX), created, "model", outputs, token_strings)
 
 Fields a client sends that this module does not know are ignored (clients send many);
 known fields that would change what is generated and are not done here are a 400 naming
@@ -19,8 +18,9 @@ defaults, greedy unless it says do_sample, as everywhere in cupy-llama.
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -54,6 +54,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def new_id(prefix: str) -> str:
+    """A response or request id: the prefix and 32 random hex digits."""
+    return f"{prefix}{secrets.token_hex(16)}"
 
 
 def request_error(message: str) -> APIError:
@@ -300,6 +305,7 @@ def chat_logprobs(entries, token_strings) -> dict:
 # ---- /v1/completions ------------------------------------------------------------------
 
 class CompletionRequest(_SamplingFields):
+    ID_PREFIX: ClassVar[str] = "cmpl-"
     prompt: Any = Field()  # a string, strings, token ids or lists of them: checked below
     max_tokens: int | None = None
     logprobs: int | None = None
@@ -332,6 +338,17 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params("max_tokens", self.max_tokens, num_prompt_tokens,
                                      max_model_len, model_defaults,
                                      COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
+
+    def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
+                      model_defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Each prompt's token ids and SamplingParams: one engine request per prompt."""
+        prompts = self.prompt_token_ids(tokenizer, vocab_size)
+        return prompts, [self.sampling_params(len(p), max_model_len, model_defaults)
+                         for p in prompts]
+
+    def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
+                      token_strings=None) -> dict:
+        return completion_response(self, response_id, created, model, outputs, token_strings)
 
 
 def _encode(tokenizer, text: str, param: str) -> list[int]:
@@ -421,6 +438,7 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    ID_PREFIX: ClassVar[str] = "chatcmpl-"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -479,6 +497,20 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(field, getattr(self, field), num_prompt_tokens,
                                      max_model_len, model_defaults, None, "messages", logprobs)
+
+    def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
+                      model_defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The one prompt (the rendered conversation) and its SamplingParams, in lists as
+        CompletionRequest gives them."""
+        prompt = self.prompt_token_ids(tokenizer)
+        return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
+
+    def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
+                      token_strings=None) -> dict:
+        """outputs: one list, the prompt's RequestOutputs (as engine_inputs has one prompt)."""
+        (choices,) = outputs
+        return chat_completion_response(self, response_id, created, model, choices,
+                                        token_strings)
 
 
 def _message_text(message: ChatMessage, role: str, where: str) -> str:
@@ -626,3 +658,4 @@ class DetokenizeRequest(_Unsupported, _Model):
 
 def detokenize_response(text: str) -> dict:
     return {"prompt": text}
+
