@@ -10,6 +10,9 @@ become OpenAI JSON, the same way for either endpoint:
     ... run them: one list of RequestOutputs (the n choices) per prompt ...
     request.response_body(new_id(request.ID_PREFIX), created, "model", outputs, token_strings)
 
+A line of an OpenAI batch file ({"custom_id", "method", "url", "body"}) goes the same way
+through parse_batch_request, and its answer into batch_output / batch_error_output.
+
 Fields a client sends that this module does not know are ignored (clients send many);
 known fields that would change what is generated and are not done here are a 400 naming
 the field (UNSUPPORTED). Omitted sampling fields take the model's generation_config.json
@@ -659,3 +662,58 @@ class DetokenizeRequest(_Unsupported, _Model):
 def detokenize_response(text: str) -> dict:
     return {"prompt": text}
 
+
+# ---- OpenAI batch files ---------------------------------------------------------------
+# A batch line {"custom_id", "method", "url", "body"} is the HTTP request it names, taken
+# as the server takes it (`cupy-llama generate` runs such files), and its answer is
+# OpenAI's batch output line around the response the server would send.
+
+BATCH_URLS = {"/v1/chat/completions": ChatCompletionRequest,
+              "/v1/completions": CompletionRequest}
+
+
+def parse_batch_request(method, url, body) -> CompletionRequest | ChatCompletionRequest:
+    """One batch line's request, parsed and checked as the server does. APIError as the
+    server would answer the same request: 404 for a url it has no route for, 405 for a
+    method other than POST, 400 for a body it refuses."""
+    urls = " or ".join(BATCH_URLS)
+    if url is None:
+        raise APIError(400, f"url is required: {urls}", param="url")
+    if not isinstance(url, str) or url not in BATCH_URLS:
+        raise APIError(404, f"url {_preview(url)} is not supported; batch lines go to {urls}",
+                       param="url", code="unsupported_url")
+    if method is None:
+        raise APIError(400, "method is required: POST", param="method")
+    if method != "POST":
+        raise APIError(405, f"method {_preview(method)} is not supported; batch lines are "
+                            "POST requests", param="method", code="unsupported_method")
+    if body is None:
+        raise APIError(400, f"body is required: the request to {url}", param="body")
+    request = parse(BATCH_URLS[url], body)
+    # A line is answered with one response body: a stream of chunks has no place in the
+    # output file, and answering with a body the request did not ask for would hide the
+    # mistake. vLLM's run-batch refuses it too.
+    if request.stream:
+        raise APIError(400, "stream: true is not supported in a batch file (each line is "
+                            "answered with one response body); remove stream",
+                       param="stream", code="unsupported_parameter")
+    return request
+
+
+def batch_output(custom_id: str, body: dict) -> dict:
+    """The output line of a batch request that ran: `body` with status 200."""
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": new_id("req_"), "body": body},
+            "error": None}
+
+
+def batch_error_output(custom_id: str, error: APIError) -> dict:
+    """The output line of a refused batch request: the response the server would send (its
+    status and OpenAI error body), and `error` {"code", "message"}. OpenAI's Batch API
+    fills `error` only for failures outside the request (an expired batch) and leaves it
+    null beside an error response; here every failed line has it, so that a reader that
+    looks at `error` alone misses none."""
+    return {"id": new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": error.status, "request_id": new_id("req_"),
+                         "body": error.body()},
+            "error": {"code": error.code or error.type, "message": error.message}}
