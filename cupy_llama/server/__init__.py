@@ -4,6 +4,7 @@ protocol.py  request models and response builders (no HTTP: the batch front end 
 app.py       the FastAPI application: routes, API key, errors, server-sent events, shutdown
 metrics.py   Prometheus metrics (`cupy_llama:` names)
 
-The engine loop itself is engine/async_engine.py. These modules need the `serve` extra
-(fastapi, uvicorn, pydantic, prometheus_client).
+The engine loop itself is engine/async_engine.py. app.py and metrics.py need the `serve`
+extra (fastapi, uvicorn, prometheus_client); protocol.py needs only pydantic, which
+cupy-llama installs (`generate` reads OpenAI batch files with it).
 """
