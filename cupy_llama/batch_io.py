@@ -1,19 +1,32 @@
 """Batch files for `cupy-llama generate`: read requests, run them together, write JSONL.
 
 Input: `.txt` (one prompt per line, blank lines skipped) or `.jsonl` (one JSON object per
-line: `prompt` or `messages`, optional `id` and sampling fields; or the OpenAI batch
-envelope `{"custom_id", "method", "url", "body": {...}}`). Lines may end in CRLF and the file
-may start with a UTF-8 BOM. A request's default id is its line number. A later request
-reusing an id gets an error line; the first one runs.
+line), in one of two kinds:
+- plain lines: `prompt` or `messages`, optional `id` and sampling fields. A request's
+  default id is its line number. A later request reusing an id gets an error line; the
+  first one runs.
+- OpenAI batch lines `{"custom_id", "method", "url", "body"}` (a `metadata` beside them is
+  ignored), as OpenAI's Batch API and vLLM's run-batch read them. Each is the request
+  `cupy-llama serve` would take at that url and method, parsed and checked by the server's
+  own request models (server/protocol.py). The output is matched to the input by custom_id,
+  so in such a file every line must be one, with a custom_id of its own; the file is
+  refused before anything runs when a line is not.
+Lines may end in CRLF and the file may start with a UTF-8 BOM.
 
-Output: one JSON object per request, in input order:
+Output: one JSON object per request, in input order. For plain lines
 `{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` or, for a
-request that could not run, `{"id", "error"}`. A stopped run leaves the lines of the first
-requests, each one whole; `read_resume` reads them back, so that a second run with the
-same input writes only the rest and the file ends as one uninterrupted run writes it.
+request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
+output line `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}`: body is the chat.completion or text_completion object the server would answer
+with; a request the server would refuse gets its error status and body, and `error`
+{"code", "message"}. A stopped run leaves the lines of the first requests, each one whole;
+`read_resume` reads them back, so that a second run with the same input writes only the
+rest and the file ends as one uninterrupted run writes it (an OpenAI line's ids and
+`created` time aside, which are new in every run).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -23,19 +36,20 @@ from .errors import CupyLlamaError, OptionError, RequestError
 from .sampling import SamplingParams, model_sampling_defaults
 
 FORMATS = ("txt", "jsonl")
-# OpenAI request bodies carry these; they do not change how a request is sampled here
-IGNORED_BODY_FIELDS = ("model", "user")
+BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
+PLAIN_KIND, BATCH_KIND = "plain", "OpenAI batch"  # the two kinds of line, in messages
 
 
 @dataclass
 class BatchRequest:
     line: int                        # 1-based line number in the input file
-    id: str | int                    # as given, or the line number
+    id: str | int                    # as given, or the line number; an OpenAI line's custom_id
     prompt: str | list[int] | None = None
     messages: list | None = None
     sampling: dict = field(default_factory=dict)  # per-request sampling fields
     error: str | None = None         # why the request cannot run
     id_given: bool = False           # the line named its id (else it is the line number)
+    batch_line: dict | None = None   # an OpenAI batch line's method, url and body
 
 
 def input_format(path: str, format: str | None = None) -> str:
@@ -51,24 +65,27 @@ def input_format(path: str, format: str | None = None) -> str:
 
 
 def read_requests(data: bytes, format: str) -> list[BatchRequest]:
-    """Parse a whole batch file. Bad lines become requests with an error; blank lines are
-    skipped."""
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
+    """Parse a whole batch file. Bad plain lines become requests with an error; blank lines
+    are skipped. RequestError when the file holds OpenAI batch lines and a line that is not
+    one of them (with a custom_id of its own)."""
+    rows = []  # (line number, text, the JSON object, why the line cannot be read)
+    for number, text, error in _lines(data):
+        obj = None
+        if error is None and format == "jsonl":
+            obj, error = _json_object(number, text)
+        rows.append((number, text, obj, error))
+    first = next((number for number, _, obj, _ in rows if _is_batch_line(obj)), None)
+    if first is not None:
+        return _read_batch_lines(rows, first)
     requests: list[BatchRequest] = []
     first_line_of: dict = {}
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        raw = raw.removesuffix(b"\r")
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            requests.append(BatchRequest(number, number, error=f"line {number} is not UTF-8 "
-                                         f"text (byte {e.start}); save the file as UTF-8"))
-            continue
-        request = BatchRequest(number, number, prompt=text) if format == "txt" \
-            else parse_json_line(number, text)
+    for number, text, obj, error in rows:
+        if error is not None:
+            request = BatchRequest(number, number, error=error)
+        elif format == "txt":
+            request = BatchRequest(number, number, prompt=text)
+        else:
+            request = _read_plain_line(number, obj)
         key = (type(request.id).__name__, request.id)
         if request.error is None and key in first_line_of:
             default = " (its line number, the default id)"
@@ -82,47 +99,90 @@ def read_requests(data: bytes, format: str) -> list[BatchRequest]:
     return requests
 
 
-def parse_json_line(number: int, text: str) -> BatchRequest:
-    request = BatchRequest(number, number)
+def _lines(data: bytes):
+    """(line number, text, None) for each line that is not blank; (line number, None,
+    why) for one that is not UTF-8."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.removesuffix(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            yield number, raw.decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            yield number, None, (f"line {number} is not UTF-8 text (byte {e.start}); save "
+                                 "the file as UTF-8")
+
+
+def _json_object(number: int, text: str) -> tuple[dict | None, str | None]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        request.error = f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
-        return request
+        return None, f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
     if not isinstance(obj, dict):
-        request.error = f"line {number} must be a JSON object, got {type(obj).__name__}"
-        return request
+        return None, f"line {number} must be a JSON object, got {type(obj).__name__}"
+    return obj, None
+
+
+def openai_protocol():
+    """server/protocol.py, which OpenAI batch lines go through. It needs pydantic, which
+    cupy-llama installs; a source tree run without installing may lack it."""
     try:
-        if "body" in obj or "custom_id" in obj:
-            _read_envelope(request, obj)
-        else:
-            _read_plain(request, obj)
+        return importlib.import_module(".server.protocol", __package__)
+    except ImportError as e:
+        raise CupyLlamaError(f"OpenAI batch lines need pydantic ({e.name} is not "
+                             "installed): pip install 'pydantic>=2.5'") from None
+
+
+def _is_batch_line(obj) -> bool:
+    return isinstance(obj, dict) and any(name in obj for name in BATCH_LINE_FIELDS)
+
+
+def _read_plain_line(number: int, obj: dict) -> BatchRequest:
+    request = BatchRequest(number, number)
+    try:
+        _read_plain(request, obj)
     except RequestError as e:
         request.error = f"line {number}: {e}"
     return request
+
+
+def _read_batch_lines(rows: list, first: int) -> list[BatchRequest]:
+    """An OpenAI batch file: one request per line, each named by its custom_id. What the
+    line asks for (url, method, body) is checked when it runs, as the server checks it."""
+    openai_protocol()  # fails before the model loads
+    requests: list[BatchRequest] = []
+    line_of: dict[str, int] = {}
+    for number, _, obj, error in rows:
+        if error is None and not _is_batch_line(obj):
+            error = (f"line {number} is a plain request (it has none of "
+                     f"{', '.join(BATCH_LINE_FIELDS)})")
+        if error is not None:
+            raise RequestError(f"{error}, in a file of OpenAI batch requests (line {first} "
+                               "is one); every line must be one, with a custom_id of its "
+                               f"own: fix or remove line {number}")
+        custom_id = obj.get("custom_id")
+        if "custom_id" not in obj:
+            error = f"line {number} has no custom_id"
+        elif not isinstance(custom_id, str):
+            error = f"line {number}: custom_id must be a string, got {json.dumps(custom_id)}"
+        elif custom_id in line_of:
+            error = (f"line {number} repeats the custom_id {custom_id!r} of line "
+                     f"{line_of[custom_id]}")
+        if error is not None:
+            raise RequestError(f"{error}; every request of an OpenAI batch file needs a "
+                               "custom_id of its own: it names the request's output line")
+        line_of[custom_id] = number
+        requests.append(BatchRequest(number, custom_id, id_given=True, batch_line={
+            "method": obj.get("method"), "url": obj.get("url"), "body": obj.get("body")}))
+    return requests
 
 
 def _read_plain(request: BatchRequest, obj: dict) -> None:
     fields = dict(obj)
     if "id" in fields:
         request.id, request.id_given = _check_id(fields.pop("id"), "id"), True
-    _read_prompt(request, fields)
-    request.sampling = fields
-
-
-def _read_envelope(request: BatchRequest, obj: dict) -> None:
-    if "custom_id" in obj:
-        request.id, request.id_given = _check_id(obj["custom_id"], "custom_id"), True
-    unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
-    if unknown:
-        raise RequestError(f"unknown batch field {unknown[0]!r}; expected custom_id, method, "
-                           f"url and body")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise RequestError("'body' must be an object with 'messages' or 'prompt'")
-    fields = {k: v for k, v in body.items() if k not in IGNORED_BODY_FIELDS}
-    if "max_completion_tokens" in fields:
-        fields["max_tokens"] = fields.pop("max_completion_tokens")
     _read_prompt(request, fields)
     request.sampling = fields
 
@@ -164,6 +224,7 @@ class Resume:
     num_errors: int = 0         # lines among them with an error
     add_newline: bool = False   # the last line is whole but has no line end
     dropped_partial: bool = False
+    kinds: set = field(default_factory=set)  # "plain" and/or "OpenAI batch": the lines' kind
 
 
 def read_resume(data: bytes, name: str) -> Resume:
@@ -187,24 +248,38 @@ def read_resume(data: bytes, name: str) -> Resume:
 
 
 def _add_result(resume: Resume, raw: bytes) -> bool:
-    """Notes one output line's id; False when it is not a result line."""
+    """Notes one output line's id; False when it is not a result line. An OpenAI batch
+    output line is named by its custom_id (its "id" is the output line's own)."""
     try:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return False
-    if not isinstance(obj, dict) or not ("text" in obj or "error" in obj):
+    if not isinstance(obj, dict):
         return False
-    value = obj.get("id")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    if "custom_id" in obj and "response" in obj:
+        value, kind, failed = obj["custom_id"], BATCH_KIND, obj.get("error") is not None
+        if not isinstance(value, str):
+            return False
+    elif "text" in obj or "error" in obj:
+        value, kind, failed = obj.get("id"), PLAIN_KIND, "error" in obj
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            return False
+    else:
         return False
     resume.done.add(id_key(value))
-    resume.num_errors += "error" in obj
+    resume.kinds.add(kind)
+    resume.num_errors += failed
     return True
 
 
 def still_to_run(requests: list[BatchRequest], resume: Resume, name: str) -> list[BatchRequest]:
     """The requests whose ids the output does not have yet. RequestError when it has an
-    id the input does not: the output of another input."""
+    id the input does not, or lines of the other kind: the output of another input."""
+    kind = BATCH_KIND if requests and requests[0].batch_line is not None else PLAIN_KIND
+    other = next((k for k in resume.kinds if k != kind), None)
+    if other is not None:
+        raise RequestError(f"{name} holds {other} result lines and the input has {kind} "
+                           "lines; --resume continues the output of the same input")
     ids = {id_key(r.id) for r in requests}
     stray = next((key for key in resume.done if key not in ids), None)
     if stray is not None:
@@ -250,8 +325,8 @@ def _requests(count: int) -> str:
     return f"{count} request" + ("" if count == 1 else "s")
 
 
-def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
-              progress=None) -> BatchSummary:
+def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=None,
+              model_name: str | None = None) -> BatchSummary:
     """Add every runnable request to the engine at once, step until all finish, and write
     one JSON line per request to `out` in input order (as soon as its turn comes).
     Ctrl-C (KeyboardInterrupt) stops the run: the lines written so far stay, the rest of
@@ -259,32 +334,31 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
 
     defaults: sampling fields for requests that do not set them (the command line's);
     the model's generation_config.json lies underneath both.
-    progress: called as progress(num_done, completion_tokens) after every step."""
+    progress: called as progress(num_done, completion_tokens) after every step.
+    model_name: the "model" of OpenAI response bodies (default: the model folder)."""
     engine = llm.engine
-    model_defaults = model_sampling_defaults(llm.config.generation_defaults)
+    runner = _Runner(llm, defaults, model_name or str(llm.model_dir))
     results: list[dict | None] = [None] * len(requests)
-    pending: dict[str, int] = {}     # engine request id -> index in requests
+    failed = [False] * len(requests)
     summary = BatchSummary(num_requests=len(requests))
     preemptions_before = engine.scheduler.num_preemptions
     started = time.perf_counter()
     try:
         for index, request in enumerate(requests):
-            if request.error is None:
-                request.error = _add(llm, request, str(index), defaults, model_defaults)
-            if request.error is None:
-                pending[str(index)] = index
-            else:
-                results[index] = {"id": request.id, "error": request.error}
+            refused = runner.add(index, request)
+            if refused is not None:
+                results[index], failed[index] = refused, True
         summary.num_written = _write_ready(results, out, 0)
-        num_done = len(requests) - len(pending)
+        num_done = len(requests) - runner.num_running
         while engine.has_unfinished_requests():
             for output in engine.step():
                 summary.completion_tokens += len(output.delta_token_ids)
-                if output.finished:
-                    index = pending.pop(output.request_id)
-                    results[index] = result_object(requests[index].id, output)
-                    summary.prompt_tokens += len(output.prompt_token_ids)
-                    summary.cached_prompt_tokens += output.num_cached_tokens
+                line = runner.finish(output) if output.finished else None
+                if line is not None:
+                    results[line.index] = line.result
+                    for prompt_outputs in line.outputs:
+                        summary.prompt_tokens += len(prompt_outputs[0].prompt_token_ids)
+                        summary.cached_prompt_tokens += prompt_outputs[0].num_cached_tokens
                     num_done += 1
             summary.num_written = _write_ready(results, out, summary.num_written)
             if progress is not None:
@@ -292,37 +366,152 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict,
     except KeyboardInterrupt:
         summary.interrupted = True
     finally:
-        for request_id in list(pending):
-            engine.abort(request_id)
+        runner.abort_all()
     summary.seconds = time.perf_counter() - started
-    summary.num_errors = sum(1 for r in results[:summary.num_written] if "error" in r)
+    summary.num_errors = sum(failed[:summary.num_written])
     summary.num_preemptions = engine.scheduler.num_preemptions - preemptions_before
     return summary
 
 
-def _add(llm, request: BatchRequest, engine_id: str, defaults: dict,
-         model_defaults: dict) -> str | None:
-    """Queue one request; returns the error message when it cannot run."""
-    from .chat_ui import context_hint
+@dataclass
+class _Line:
+    """A running request: its engine requests (one per prompt, n samples each) and their
+    outputs as they finish; `result`, its output line, once all have."""
+    index: int                       # in the requests
+    request: BatchRequest
+    api: object | None               # an OpenAI line's parsed request (server/protocol.py)
+    engine_ids: list[str]
+    outputs: list[list]              # [prompt][sample] -> the final RequestOutput
+    num_unfinished: int
+    created: int = 0                 # when it was added (an OpenAI body's "created")
+    result: dict | None = None
 
-    engine = llm.engine
-    try:
-        params = SamplingParams.from_dict({**defaults, **request.sampling}, model_defaults)
-        if params.n != 1:  # one output line per request
-            raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
-                               f"{params.n}; repeat the line with other ids instead")
-        if request.messages is not None:
-            prompt = llm.tokenizer.encode_chat(request.messages, add_generation_prompt=True)
+
+class _Runner:
+    """Adds each request to the engine and builds its output line once it is finished."""
+
+    def __init__(self, llm, defaults: dict, model_name: str):
+        self.llm = llm
+        self.engine = llm.engine
+        self.defaults = defaults
+        self.model_name = model_name
+        self.model_defaults = model_sampling_defaults(llm.config.generation_defaults)
+        self.protocol = None          # server/protocol.py, once an OpenAI line comes
+        self.token_strings = None     # for an OpenAI body's logprobs
+        self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index
+
+    @property
+    def num_running(self) -> int:
+        return len({id(line) for line, _ in self._lines.values()})
+
+    def add(self, index: int, request: BatchRequest) -> dict | None:
+        """Queue one request; returns its output line when it cannot run."""
+        if request.batch_line is not None:
+            return self._add_batch_line(index, request)
+        if request.error is None:
+            request.error = self._add_plain(index, request)
+        return None if request.error is None else {"id": request.id, "error": request.error}
+
+    def _add_plain(self, index: int, request: BatchRequest) -> str | None:
+        """Returns the error message when the request cannot run."""
+        from .chat_ui import context_hint
+
+        engine = self.engine
+        try:
+            params = SamplingParams.from_dict({**self.defaults, **request.sampling},
+                                              self.model_defaults)
+            if params.n != 1:  # one output line per request
+                raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
+                                   f"{params.n}; repeat the line with other ids instead")
+            if request.messages is not None:
+                prompt = self.llm.tokenizer.encode_chat(request.messages,
+                                                        add_generation_prompt=True)
+            else:
+                prompt = engine.encode_prompt(request.prompt)
+            if len(prompt) >= engine.max_model_len:
+                return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
+                        f"context limit is {engine.max_model_len} (prompt plus at least one "
+                        f"new token); shorten the prompt{context_hint(self.llm)}")
+            self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1), [prompt],
+                        [params])
+        except CupyLlamaError as e:
+            return f"line {request.line}: {e}"
+        return None
+
+    def _add_batch_line(self, index: int, request: BatchRequest) -> dict | None:
+        """An OpenAI batch line, taken as `cupy-llama serve` takes the request (the same
+        request model, prompts and SamplingParams); its output line when it is refused.
+        The body's "model" is not checked: a run has the one model of the command line,
+        and files written for a hosted API name that API's models."""
+        if self.protocol is None:
+            self.protocol = openai_protocol()
+            self.token_strings = self.protocol.TokenStrings(self.llm.tokenizer)
+        protocol, line = self.protocol, request.batch_line
+        try:
+            api = protocol.parse_batch_request(line["method"], line["url"],
+                                               _with_defaults(line["body"], self.defaults))
+            prompts, params = api.engine_inputs(self.llm.tokenizer, self.llm.config.vocab_size,
+                                                self.engine.max_model_len, self.model_defaults)
+            engine_ids = [f"{index}-{i}" for i in range(len(prompts))]
+            self._start(_Line(index, request, api, engine_ids,
+                              [[None] * api.n for _ in prompts], len(prompts) * api.n,
+                              created=int(time.time())), prompts, params)
+        except protocol.APIError as e:
+            return protocol.batch_error_output(request.id, e)
+        return None
+
+    def _start(self, line: _Line, prompts: list, params: list) -> None:
+        """Adds the line's engine requests; when the engine refuses one, none stays (an
+        OpenAI line's refusal is the 400 the server answers it with)."""
+        added = []
+        try:
+            for i, (engine_id, prompt, sampling) in enumerate(zip(line.engine_ids, prompts,
+                                                                  params)):
+                self.engine.add_request(prompt, sampling, request_id=engine_id)
+                added.append(engine_id)
+                self._lines[engine_id] = (line, i)
+        except RequestError as e:
+            for engine_id in added:
+                self.engine.abort(engine_id)
+                del self._lines[engine_id]
+            if line.api is None:
+                raise
+            raise self.protocol.request_error(str(e)) from None
+
+    def finish(self, output) -> _Line | None:
+        """Notes a finished sample; returns its line once the line's last one is in."""
+        found = self._lines.get(output.request_id)
+        if found is None:
+            return None
+        line, prompt = found
+        line.outputs[prompt][output.index] = output
+        line.num_unfinished -= 1
+        if line.num_unfinished:
+            return None
+        for engine_id in line.engine_ids:
+            del self._lines[engine_id]
+        if line.api is None:
+            line.result = result_object(line.request.id, line.outputs[0][0])
         else:
-            prompt = engine.encode_prompt(request.prompt)
-        if len(prompt) >= engine.max_model_len:
-            return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
-                    f"context limit is {engine.max_model_len} (prompt plus at least one new "
-                    f"token); shorten the prompt{context_hint(llm)}")
-        engine.add_request(prompt, params, request_id=engine_id)
-    except CupyLlamaError as e:
-        return f"line {request.line}: {e}"
-    return None
+            api = line.api
+            body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
+                                     self.model_name, line.outputs, self.token_strings)
+            line.result = self.protocol.batch_output(line.request.id, body)
+        return line
+
+    def abort_all(self) -> None:
+        for engine_id in list(self._lines):
+            self.engine.abort(engine_id)
+        self._lines.clear()
+
+
+def _with_defaults(body, defaults: dict):
+    """The body with the command line's sampling options (their names are the API's) in
+    the fields it leaves out or sets to null."""
+    if not isinstance(body, dict) or not defaults:
+        return body
+    return {**body, **{name: value for name, value in defaults.items()
+                       if body.get(name) is None}}
 
 
 def result_object(request_id, output) -> dict:

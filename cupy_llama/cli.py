@@ -267,8 +267,7 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
     .txt: one prompt per line; blank lines are skipped; the id is the line number.
     .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
-    top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's; or
-    an OpenAI batch line {"custom_id", "method", "url", "body": {"messages", ...}}.
+    top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's.
     Files may start with a UTF-8 BOM and use CRLF line ends.
 
     \b
@@ -276,6 +275,16 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
       {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
     A line that cannot run gives {"id", "error"} and the others proceed. When an id
     repeats, the first request runs and each later one gets an error line.
+
+    \b
+    OpenAI batch files (as OpenAI's Batch API and vLLM's run-batch take them): every line
+    {"custom_id", "method": "POST", "url": "/v1/chat/completions" or "/v1/completions",
+    "body": {...}}, each custom_id its own. A body is taken as `cupy-llama serve` takes
+    it (its "model" aside: the run uses --model); the command line's sampling options
+    fill in the fields it leaves out. Each line's output is OpenAI's batch output line
+      {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
+    with the body the server would answer; a refused request's response holds the
+    server's error status and body, and "error" its {"code", "message"}.
 
     \b
     Exit code: 0 when every request succeeded, 1 when any failed (the summary says how
@@ -316,7 +325,8 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
         requests = todo
     llm = _load(model_dir, device, engine)
     run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
-               earlier_errors=earlier.num_errors if earlier is not None else 0)
+               earlier_errors=earlier.num_errors if earlier is not None else 0,
+               model_name=str(model_dir))  # an OpenAI body's "model", as serve names it
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
                              **run)
@@ -453,7 +463,7 @@ def _duration(seconds: float) -> str:
 
 
 def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
-                  num_skipped: int = 0, earlier_errors: int = 0) -> int:
+                  num_skipped: int = 0, earlier_errors: int = 0, model_name: str) -> int:
     """Runs the batch with progress on stderr; the exit code (0, 1 when a request failed,
     130 when interrupted), after a summary."""
     from rich.console import Console
@@ -478,10 +488,12 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
 
             if where == "stdout" and _same_terminal(sys.stdout, sys.stderr):
                 out = _ConsoleLines(progress.console)
-            summary = run_batch(llm, requests, out, defaults, progress=update)
+            summary = run_batch(llm, requests, out, defaults, progress=update,
+                                model_name=model_name)
     else:
         summary = run_batch(llm, requests, out, defaults,
-                            progress=_ProgressLines(len(requests), interval))
+                            progress=_ProgressLines(len(requests), interval),
+                            model_name=model_name)
     summary.num_skipped = num_skipped
     _log(summary.line())
     total = num_skipped + summary.num_requests

@@ -55,8 +55,7 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
         {"prompt": "no id", "temperature": -1},                       # bad value
         "this is not json",
         {"id": "b", "messages": chat},
-        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "x", "messages": chat, "max_tokens": 2}},
+        {"id": "c", "messages": chat, "max_tokens": 2},
         {"id": "a", "prompt": "reused id"},                            # duplicate
         {"id": "d", "prompt": "x", "colour": "red"},                   # unknown field
         {"id": "e"},                                                   # no prompt
@@ -104,7 +103,8 @@ def test_stdout_output_and_summary(model_dir, tmp_path, capsys):
 def test_example_files_parse(model_dir, tmp_path):
     from cupy_llama.batch_io import read_requests
     examples = Path(__file__).parent.parent / "examples"
-    for name, fmt in (("prompts.txt", "txt"), ("requests.jsonl", "jsonl")):
+    for name, fmt in (("prompts.txt", "txt"), ("requests.jsonl", "jsonl"),
+                      ("openai_batch.jsonl", "jsonl")):
         requests = read_requests((examples / name).read_bytes(), fmt)
         assert requests and all(r.error is None for r in requests), name
 
