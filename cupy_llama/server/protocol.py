@@ -395,26 +395,20 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
             "model": model, "choices": choices, "usage": usage_of(outputs)}
 
 
-class CompletionStream:
-    """The chunks of a streamed completion, in order: chunk() for each new piece of a
-    choice's text, usage_chunk() last when request.include_usage."""
+class _Stream:
+    """What the streams of both endpoints share: each chunk's head (id, object, created,
+    model) and one choice, "usage": null on every chunk when the request asked for usage,
+    and usage_chunk() last."""
+    OBJECT = ""
 
-    def __init__(self, request: CompletionRequest, response_id: str, created: int,
-                 model: str, token_strings=None):
+    def __init__(self, request, response_id: str, created: int, model: str, token_strings):
         self.include_usage = request.include_usage
-        self._wants_logprobs = request.logprobs is not None
         self._token_strings = token_strings
-        self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
-        self._head = {"id": response_id, "object": "text_completion", "created": created,
+        self._head = {"id": response_id, "object": self.OBJECT, "created": created,
                       "model": model}
 
-    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
-        """logprobs: the new tokens' (token id, log-probability, top) entries."""
-        choice_logprobs = None
-        if self._wants_logprobs:
-            choice_logprobs, self._text_offsets[index] = completion_logprobs(
-                logprob_entries(logprobs), self._token_strings, self._text_offsets.get(index, 0))
-        choice = {"index": index, "text": text, "logprobs": choice_logprobs,
+    def _chunk(self, index: int, finish_reason: str | None, **fields) -> dict:
+        choice = {"index": index, **fields,
                   "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
         body = {**self._head, "choices": [choice]}
         if self.include_usage:
@@ -423,6 +417,26 @@ class CompletionStream:
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head, "choices": [], "usage": usage}
+
+
+class CompletionStream(_Stream):
+    """The chunks of a streamed completion, in order: chunk() for each new piece of a
+    choice's text, usage_chunk() last when request.include_usage."""
+    OBJECT = "text_completion"
+
+    def __init__(self, request: CompletionRequest, response_id: str, created: int,
+                 model: str, token_strings=None):
+        super().__init__(request, response_id, created, model, token_strings)
+        self._wants_logprobs = request.logprobs is not None
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
+
+    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
+        """logprobs: the new tokens' (token id, log-probability, top) entries."""
+        choice_logprobs = None
+        if self._wants_logprobs:
+            choice_logprobs, self._text_offsets[index] = completion_logprobs(
+                logprob_entries(logprobs), self._token_strings, self._text_offsets.get(index, 0))
+        return self._chunk(index, finish_reason, text=text, logprobs=choice_logprobs)
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------
@@ -556,17 +570,15 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
             "model": model, "choices": choices, "usage": usage_of([outputs])}
 
 
-class ChatCompletionStream:
+class ChatCompletionStream(_Stream):
     """The chunks of a streamed chat completion: each choice's first delta carries the
     role; usage_chunk() last when request.include_usage."""
+    OBJECT = "chat.completion.chunk"
 
     def __init__(self, request: ChatCompletionRequest, response_id: str, created: int,
                  model: str, token_strings=None):
-        self.include_usage = request.include_usage
+        super().__init__(request, response_id, created, model, token_strings)
         self._wants_logprobs = request.logprobs
-        self._token_strings = token_strings
-        self._head = {"id": response_id, "object": "chat.completion.chunk",
-                      "created": created, "model": model}
         self._started: set[int] = set()
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
@@ -578,15 +590,7 @@ class ChatCompletionStream:
             delta = {"role": "assistant", "content": text}
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
-        choice = {"index": index, "delta": delta, "logprobs": choice_logprobs,
-                  "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
-        body = {**self._head, "choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._head, "choices": [], "usage": usage}
+        return self._chunk(index, finish_reason, delta=delta, logprobs=choice_logprobs)
 
 
 # ---- usage ----------------------------------------------------------------------------
