@@ -583,10 +583,11 @@ def create_app(state: ServerState):
         state.check_model(name)
         return JSONResponse(protocol.model_card(name, state.created, state.info.max_model_len))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, request_model, stream_class):
+        """/v1/completions and /v1/chat/completions: the body parsed by the endpoint's
+        request model, its engine requests started, and the answer streamed or whole."""
         try:
-            parsed, body = await body_of(request, protocol.CompletionRequest)
+            parsed, body = await body_of(request, request_model)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
@@ -595,27 +596,19 @@ def create_app(state: ServerState):
         log_request(response_id, body)
         job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
-        stream = protocol.CompletionStream(parsed, response_id, created, name, strings) \
+        stream = stream_class(parsed, response_id, created, name, strings) \
             if parsed.stream else None
         return await _respond(request, job, stream, lambda outputs: parsed.response_body(
             response_id, created, name, outputs, strings))
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, protocol.CompletionRequest, protocol.CompletionStream)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            parsed, body = await body_of(request, protocol.ChatCompletionRequest)
-        except _ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
-                                               state.info.max_model_len, state.model_defaults)
-        response_id = protocol.new_id(parsed.ID_PREFIX)
-        log_request(response_id, body)
-        job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
-        created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
-        stream = protocol.ChatCompletionStream(parsed, response_id, created, name, strings) \
-            if parsed.stream else None
-        return await _respond(request, job, stream, lambda outputs: parsed.response_body(
-            response_id, created, name, outputs, strings))
+        return await generate(request, protocol.ChatCompletionRequest,
+                              protocol.ChatCompletionStream)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
