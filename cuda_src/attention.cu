@@ -706,87 +706,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
                  : "r"(shared_address(row_address)) : "memory");
 }
 
-// K and V rows of keys first_key .. first_key + KEYS - 1 of one kv head, gathered from the
-// paged cache into the shared tiles k_dst / v_dst ([KEYS][STRIDE] bf16) with cp.async by
-// all THREADS threads of the CTA. Keys at or past key_end are zero-filled: never-written
-// slots hold NaN, and 0 * NaN would poison P V.
-template <int D, int KEYS, int THREADS, int STRIDE>
-__device__ __forceinline__ void gather_kv_tile(bf16* k_dst, bf16* v_dst, const bf16* k_cache,
-                                               const bf16* v_cache, const int* table,
-                                               int first_key, int key_end, int block_shift,
-                                               int num_kv_heads, int kv_head) {
-    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
-    for (int idx = threadIdx.x; idx < KEYS * CHUNKS; idx += THREADS) {
-        const int j = idx / CHUNKS, c = idx % CHUNKS;
-        const int pos = first_key + j;
-        bf16* k_row = k_dst + j * STRIDE + c * 8;
-        bf16* v_row = v_dst + j * STRIDE + c * 8;
-        if (pos < key_end) {
-            const long long offset =
-                (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
-            cp_async16(k_row, k_cache + offset);
-            cp_async16(v_row, v_cache + offset);
-        } else {
-            *reinterpret_cast<uint4*>(k_row) = make_uint4(0u, 0u, 0u, 0u);
-            *reinterpret_cast<uint4*>(v_row) = make_uint4(0u, 0u, 0u, 0u);
-        }
-    }
-}
-
-// The online softmax of a warp's two rows, g (elements 0, 1 of each C fragment) and g + 8
-// (2, 3), over the NT 8-key column tiles of scores s (base 2, already scaled and masked):
-// s becomes the tile's unnormalized probabilities, the running max m_row and this thread's
-// share of the running sum l_row move on (the quad is summed at the end), and the output
-// o is rescaled to the new max.
-template <int NT, int DIM_NTILES>
-__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&m_row)[2],
-                                               float (&l_row)[2], float (&o)[DIM_NTILES][4]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float tile_max = neg_inf();
-#pragma unroll
-        for (int j = 0; j < NT; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
-        const float m_new = fmaxf(m_row[r], tile_max);
-        const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
-        const float correction = exp2f(m_row[r] - m_use);
-        m_row[r] = m_new;
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
-            s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
-            sum += s[j][2 * r] + s[j][2 * r + 1];
-        }
-        l_row[r] = l_row[r] * correction + sum;
-#pragma unroll
-        for (int n = 0; n < DIM_NTILES; ++n) {
-            o[n][2 * r] *= correction;
-            o[n][2 * r + 1] *= correction;
-        }
-    }
-}
-
-// O += P V for 16 keys: p0 / p1 are the probabilities of keys key0 .. key0 + 7 and
-// key0 + 8 .. key0 + 15 (two C fragments of S), the A operand once packed to bf16; V comes
-// from the shared tile through ldmatrix.trans
-template <int D, int STRIDE>
-__device__ __forceinline__ void accumulate_pv(float (&o)[D / 8][4], const float (&p0)[4],
-                                              const float (&p1)[4], const bf16* v_tile, int key0,
-                                              int lane) {
-    const unsigned p_frag[4] = {pack_bf16x2(p0[0], p0[1]), pack_bf16x2(p0[2], p0[3]),
-                                pack_bf16x2(p1[0], p1[1]), pack_bf16x2(p1[2], p1[3])};
-    const int key = key0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
-        unsigned v_frag[4];
-        ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
-        mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
-        mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
-    }
-}
-
 template <int D>
 __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
@@ -830,9 +749,21 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 
     auto load_tile = [&](int tile, int buffer) {
-        gather_kv_tile<D, PREFILL_KEYS, PREFILL_THREADS, STRIDE>(
-            k_s + buffer * PREFILL_KEYS * STRIDE, v_s + buffer * PREFILL_KEYS * STRIDE, k_cache,
-            v_cache, table, tile * PREFILL_KEYS, key_end, block_shift, num_kv_heads, kv_head);
+        for (int idx = tid; idx < PREFILL_KEYS * CHUNKS; idx += PREFILL_THREADS) {
+            const int j = idx / CHUNKS, c = idx % CHUNKS;
+            const int pos = tile * PREFILL_KEYS + j;
+            bf16* k_dst = k_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
+            bf16* v_dst = v_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
+            if (pos < key_end) {
+                const long long offset =
+                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
+                cp_async16(k_dst, k_cache + offset);
+                cp_async16(v_dst, v_cache + offset);
+            } else {
+                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
     };
 
     load_tile(0, 0);
@@ -891,10 +822,48 @@ __device__ __forceinline__ void prefill_attention_body(
             }
         }
 
-        online_softmax<KEY_NTILES, DIM_NTILES>(s, m_row, l_row, o);
 #pragma unroll
-        for (int kk = 0; kk < PREFILL_KEYS / 16; ++kk)  // O += P V, 16 keys at a time
-            accumulate_pv<D, STRIDE>(o, s[2 * kk], s[2 * kk + 1], v_tile, kk * 16, lane);
+        for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
+            float tile_max = neg_inf();
+#pragma unroll
+            for (int j = 0; j < KEY_NTILES; ++j)
+                tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+            const float m_new = fmaxf(m_row[r], tile_max);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+            const float correction = exp2f(m_row[r] - m_use);
+            m_row[r] = m_new;
+            float sum = 0.0f;  // this thread's columns only; the quad is summed at the end
+#pragma unroll
+            for (int j = 0; j < KEY_NTILES; ++j) {
+                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
+                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+                sum += s[j][2 * r] + s[j][2 * r + 1];
+            }
+            l_row[r] = l_row[r] * correction + sum;
+#pragma unroll
+            for (int n = 0; n < DIM_NTILES; ++n) {
+                o[n][2 * r] *= correction;
+                o[n][2 * r + 1] *= correction;
+            }
+        }
+
+#pragma unroll
+        for (int kk = 0; kk < PREFILL_KEYS / 16; ++kk) {  // O += P V, 16 keys at a time
+            const unsigned p_frag[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                                        pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
+                unsigned v_frag[4];
+                ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
+                mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
+                mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
+            }
+        }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 
@@ -956,6 +925,7 @@ __device__ __forceinline__ void decode_attention_mma_body(
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,
         int num_splits, int split_len) {
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
+    constexpr int CHUNKS = D / 8;                // 16-byte pieces per row
     constexpr int DIM_NTILES = D / 8;            // 8-dim column tiles of O
     constexpr int NUM_WARPS = DECODE_MMA_THREADS / WARP_SIZE;
     static_assert(DECODE_MMA_KEYS == 16 * NUM_WARPS, "16 keys per warp and tile");
@@ -992,10 +962,21 @@ __device__ __forceinline__ void decode_attention_mma_body(
     const int num_tiles = (key_end - key_begin + DECODE_MMA_KEYS - 1) / DECODE_MMA_KEYS;
 
     auto load_tile = [&](int tile, int buffer) {
-        gather_kv_tile<D, DECODE_MMA_KEYS, DECODE_MMA_THREADS, STRIDE>(
-            k_s + buffer * DECODE_MMA_KEYS * STRIDE, v_s + buffer * DECODE_MMA_KEYS * STRIDE,
-            k_cache, v_cache, table, key_begin + tile * DECODE_MMA_KEYS, key_end, block_shift,
-            num_kv_heads, kv_head);
+        for (int idx = tid; idx < DECODE_MMA_KEYS * CHUNKS; idx += DECODE_MMA_THREADS) {
+            const int j = idx / CHUNKS, c = idx % CHUNKS;
+            const int pos = key_begin + tile * DECODE_MMA_KEYS + j;
+            bf16* k_dst = k_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
+            bf16* v_dst = v_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
+            if (pos < key_end) {
+                const long long offset =
+                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
+                cp_async16(k_dst, k_cache + offset);
+                cp_async16(v_dst, v_cache + offset);
+            } else {  // never-written slots hold NaN, and 0 * NaN would poison P V
+                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
+                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
     };
     load_tile(0, 0);
     cp_async_commit();
@@ -1042,8 +1023,41 @@ __device__ __forceinline__ void decode_attention_mma_body(
             for (int e = 0; e < 4; ++e)
                 s[j][e] = key0 + j * 8 + 2 * t + (e & 1) < key_end ? s[j][e] * scale_log2 : neg_inf();
 
-        online_softmax<2, DIM_NTILES>(s, m_row, l_row, o);
-        accumulate_pv<D, STRIDE>(o, s[0], s[1], v_tile, warp * 16, lane);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
+            float tile_max = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                   fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+            const float m_new = fmaxf(m_row[r], tile_max);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+            const float correction = exp2f(m_row[r] - m_use);
+            m_row[r] = m_new;
+            float sum = 0.0f;  // this thread's keys only; the quad is summed at the end
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
+                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
+                sum += s[j][2 * r] + s[j][2 * r + 1];
+            }
+            l_row[r] = l_row[r] * correction + sum;
+#pragma unroll
+            for (int n = 0; n < DIM_NTILES; ++n) {
+                o[n][2 * r] *= correction;
+                o[n][2 * r + 1] *= correction;
+            }
+        }
+
+        const unsigned p_frag[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                                    pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+        const int key = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
+            unsigned v_frag[4];
+            ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
+            mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
+            mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
+        }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 
