@@ -47,14 +47,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import _num, add_ratios, commit_info, environment, format_table, sweep_batch
+from .bench_report import (_num, add_ratios, commit_info, environment, format_table, sweep_batch,
+                           write_report)
 from .bench_workloads import (CHAT_MESSAGE, CHAT_REPLY, CHAT_TURNS, DEFAULT_BATCH_SIZES,
                               LATENCY_NEW_TOKENS, LATENCY_PROMPT, LATENCY_RUNS, MODEL_SEED,
                               PREFIX_NEW_TOKENS, PREFIX_REQUESTS, PREFIX_SHARED, PREFIX_SUFFIX,
                               SWEEP_NEW_TOKENS, SWEEP_PROMPT, THROUGHPUT_MAX_TOKEN_ID,
                               THROUGHPUT_TEMPERATURE, TTFT_LENGTHS, TTFT_RUNS, BenchSettings,
                               prepare_model, random_ids, throughput_numbers, throughput_workload)
-from .errors import OptionError, RequestError
+from .errors import OptionError
 from .sampling import SamplingParams
 
 
@@ -119,11 +120,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
 
     def save():  # after each stage, so a run stopped later still leaves its numbers
         if settings.json_path:
-            try:
-                Path(settings.json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
-            except OSError as e:
-                raise RequestError(f"cannot write {settings.json_path!r} ({e.strerror or e}); "
-                                   "pick another --json") from None
+            write_report(settings.json_path, report)
 
     save()
     if settings.hf:

@@ -1,12 +1,25 @@
 """The report of `cupy-llama bench`: speed-ups, where the run happened, and the table."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from .errors import RequestError
+
+
+def write_report(json_path: str, report: dict) -> None:
+    """The report as JSON at --json's path (a failure names the flag)."""
+    try:
+        Path(json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:
+        raise RequestError(f"cannot write {json_path!r} ({e.strerror or e}); pick another "
+                           "--json") from None
+
 
 def add_ratios(results: dict) -> None:
     """How many times faster cupy-llama is, per mode (None where a side is missing)."""

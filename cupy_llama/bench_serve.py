@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import commit_info, environment
+from .bench_report import commit_info, environment, write_report
 from .bench_workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
                               THROUGHPUT_TEMPERATURE, BenchSettings, Workload, offline_workload,
                               prepare_model, random_ids)
-from .errors import CupyLlamaError, OptionError, RequestError, check_output_path
+from .errors import CupyLlamaError, OptionError, check_output_path
 
 STREAMS_PER_CLIENT = 64
 MAX_CLIENT_PROCESSES = 8
@@ -513,11 +513,7 @@ def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
         f"{r['output_tok_s']:,.0f} output tok/s, TTFT p50 {r['ttft']['p50_ms'] or 0:.1f} ms, "
         f"TPOT p50 {r['tpot']['p50_ms'] or 0:.2f} ms")
     if settings.json_path:
-        try:
-            Path(settings.json_path).expanduser().write_text(json.dumps(report, indent=2) + "\n")
-        except OSError as e:
-            raise RequestError(f"cannot write {settings.json_path!r} ({e.strerror or e}); pick "
-                               "another --json") from None
+        write_report(settings.json_path, report)
         log(f"wrote {settings.json_path}")
     return report
 
