@@ -6,7 +6,7 @@
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
 # Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo
-# bench_hf wheel prefix serve
+# bench_hf wheel prefix serve (= serve_base serve_load serve_c1)
 # (wheel: builds the wheel, installs it outside the checkout, runs the gpu tests and bench
 # latency/throughput from it; serve: needs fastapi, uvicorn and pydantic, from wheels in
 # ./.whl when they are not installed; prefix: bench prefix, scripts/prefix_check.py and the
@@ -71,19 +71,25 @@ if wants prefix; then
   step prefix_check 300 python3 scripts/prefix_check.py "$M1B" --json "$OUT/prefix_check_h200.json"
   step throughput_no_cache 200 python3 -m cupy_llama.cli bench throughput --device cuda --no-prefix-caching --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_throughput_no_cache_h200.json"
 fi
-if wants serve; then
+if wants serve || wants serve_base || wants serve_load || wants serve_c1; then
   if ! python3 -c "import fastapi, uvicorn, pydantic" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/serve_site" .whl/*.whl
     export PYTHONPATH=$PYTHONPATH:$WORK/serve_site
   fi
+fi
+if wants serve || wants serve_base; then
   step serve_throughput 200 python3 -m cupy_llama.cli bench throughput --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_throughput.json"
   step serve_latency 200 python3 -m cupy_llama.cli bench latency --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/serve_baseline_latency.json"
+fi
+if wants serve || wants serve_load; then
   for c in 256 64 16; do
-    step serve_c$c 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency $c --json "$OUT/serve_c$c.json"
+    step serve_c$c 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --commit "$COMMIT" --max-concurrency $c --json "$OUT/serve_c$c.json"
   done
-  step serve_c1 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 32 --json "$OUT/serve_c1.json"
-  step serve_latency_shape 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 16 --input-len 32 --output-len 256 --temperature 0 --json "$OUT/serve_latency_shape.json"
-  step serve_ttft1024 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --max-concurrency 1 --num-requests 32 --input-len 1024 --output-len 2 --temperature 0 --json "$OUT/serve_ttft1024.json"
+fi
+if wants serve || wants serve_c1; then
+  step serve_c1 300 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --commit "$COMMIT" --max-concurrency 1 --num-requests 32 --json "$OUT/serve_c1.json"
+  step serve_latency_shape 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --commit "$COMMIT" --max-concurrency 1 --num-requests 16 --input-len 32 --output-len 256 --temperature 0 --json "$OUT/serve_latency_shape.json"
+  step serve_ttft1024 200 python3 -m cupy_llama.cli bench serve --device cuda --model "$M1B" --commit "$COMMIT" --max-concurrency 1 --num-requests 32 --input-len 1024 --output-len 2 --temperature 0 --json "$OUT/serve_ttft1024.json"
 fi
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
