@@ -233,7 +233,8 @@ def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_
     by_label = {}
     for label, call in recording.calls:
         by_label.setdefault(label, []).append(call)
-    settings = {name: cupy.asarray(value) for name, value in vars(greedy(num_seqs)).items()}
+    settings = {name: cupy.asarray(value) for name, value in vars(greedy(num_seqs)).items()
+                if value is not None}  # num_logprobs: no row asks
     tokens = cupy.empty(num_seqs, np.int32)
     by_label["sample"] = [lambda: sampling_kernels.sample(
         logits, settings["temperature"], settings["top_k"], settings["top_p"],
