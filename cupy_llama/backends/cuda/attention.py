@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import launch
-from .kernels import BF16, F32, I32, check, constants, f32, get_kernel, i32, instances, opt_in_shared
+from .kernels import (BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32, instances,
+                      opt_in_shared)
 
 # The kernels' sizes and the list of kernels come from attention.cu (kernels.py)
 _C = constants("attention")
@@ -205,10 +206,6 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                          smem_bytes(head_dim))
 
 
-def _aligned(*arrays) -> bool:
-    return all(a.data.ptr % 16 == 0 for a in arrays)
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
@@ -248,7 +245,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, block_size=block_size,
                           max_query_len=max_query_len, num_splits=num_splits,
-                          aligned=_aligned(q, k_cache, v_cache, out),
+                          aligned=aligned16(q, k_cache, v_cache, out),
                           num_slots=k_cache.shape[0] * block_size, kernel=kernel,
                           clusters=clusters)
     clustered = plan.cluster > 1

@@ -40,7 +40,8 @@ import numpy as np
 from . import launch
 from .device import device_limits
 from .elementwise import check_rope_operands
-from .kernels import BF16, F32, check, constants, get_kernel, i32, instances, opt_in_shared
+from .kernels import (BF16, F32, aligned16, check, constants, get_kernel, i32, instances,
+                      opt_in_shared)
 from .switches import SKINNY_CHOICES
 
 CUDA_R_32F = 0
@@ -268,8 +269,7 @@ def gemv_supported(x, weight) -> bool:
     """The SIMT kernels need at most SKINNY_MAX_ROWS rows, K % 8 == 0 and 16-byte aligned
     rows."""
     m_rows, k = x.shape
-    return (m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and x.data.ptr % 16 == 0
-            and weight.data.ptr % 16 == 0)
+    return m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and aligned16(x, weight)
 
 
 def gemv(x, weight, out):

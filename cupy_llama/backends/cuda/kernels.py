@@ -268,6 +268,12 @@ def check(name: str, array, dtype, shape=None, ndim=None):
     return array
 
 
+def aligned16(*arrays) -> bool:
+    """Every array starts at a 16-byte boundary (the 16-byte loads and stores of the
+    vector paths need it)."""
+    return all(a.data.ptr % 16 == 0 for a in arrays)
+
+
 def i32(value) -> np.int32:
     return np.int32(value)
 
