@@ -2,9 +2,7 @@
 Each checks its arguments, then launches on the current stream."""
 from __future__ import annotations
 
-import numpy as np
-
-from .kernels import BF16, F32, I32, check, f32, get_kernel, i32
+from .kernels import BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32
 
 ROW_THREADS = 256
 
@@ -69,11 +67,13 @@ def silu_and_mul(gate_up, out):
     if width % 2:
         raise ValueError(f"gate_up: width must be even (gate and up halves), got {width}")
     check("out", out, BF16, shape=(rows, width // 2))
-    total = rows * (width // 2)
-    if total:
-        blocks = min(-(-total // ROW_THREADS), 65535 * 4)
+    inter = width // 2
+    per_thread = constants("activation")["SILU_VECTOR"]
+    vector = inter % per_thread == 0 and aligned16(gate_up, out)
+    if rows and inter:
+        column_blocks = -(-inter // (per_thread * ROW_THREADS))
         get_kernel("activation", "silu_and_mul_kernel")(
-            (blocks,), (ROW_THREADS,), (gate_up, out, i32(width // 2), _i64(total)))
+            (rows, column_blocks), (ROW_THREADS,), (gate_up, out, i32(inter), i32(vector)))
 
 
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out):
@@ -106,6 +106,3 @@ def check_rope_operands(q_out, k_cache, v_cache, positions, slot_mapping, cos_si
         raise ValueError(f"q_out: head_dim must be even for RoPE, got {head_dim}")
     return num_tokens, num_heads, num_kv_heads, head_dim
 
-
-def _i64(value) -> np.int64:
-    return np.int64(value)
