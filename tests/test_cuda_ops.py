@@ -187,7 +187,7 @@ def test_linear(cp, rng, m, k, n, out_dtype):
 # ------------------------------------------------------------------------ RoPE + cache
 
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 36])  # 36: the path of head_dim % 8 != 0
 def test_rope_and_cache(cp, rng, head_dim, group):
     from cupy_llama.backends.cuda import elementwise
     num_kv_heads, num_tokens, num_blocks = 2, 129, 64
