@@ -30,6 +30,19 @@ __device__ __forceinline__ void unpack_bf16x8(const uint4 raw, float (&f)[8]) {
     }
 }
 
+// 4 bf16 (one 8-byte word) <-> 4 floats; element 0 is the low half of word x
+__device__ __forceinline__ void unpack_bf16x4(const uint2 raw, float (&f)[4]) {
+    f[0] = __uint_as_float(raw.x << 16);
+    f[1] = __uint_as_float(raw.x & 0xffff0000u);
+    f[2] = __uint_as_float(raw.y << 16);
+    f[3] = __uint_as_float(raw.y & 0xffff0000u);
+}
+
+__device__ __forceinline__ uint2 pack_bf16x4(const bf16 (&b)[4]) {
+    return make_uint2(__bfloat16_as_ushort(b[0]) | (unsigned)__bfloat16_as_ushort(b[1]) << 16,
+                      __bfloat16_as_ushort(b[2]) | (unsigned)__bfloat16_as_ushort(b[3]) << 16);
+}
+
 // two floats -> bf16x2 (round to nearest even); lo in the low half
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);

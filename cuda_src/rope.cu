@@ -15,19 +15,6 @@
 #define ROPE_THREADS 256
 #define ROPE_VECTOR 4  // rotation pairs per group on the vector path
 
-// 4 bf16 (one 8-byte word) <-> 4 floats; element 0 is the low half of word x
-__device__ __forceinline__ void unpack_bf16x4(const uint2 raw, float (&f)[4]) {
-    f[0] = __uint_as_float(raw.x << 16);
-    f[1] = __uint_as_float(raw.x & 0xffff0000u);
-    f[2] = __uint_as_float(raw.y << 16);
-    f[3] = __uint_as_float(raw.y & 0xffff0000u);
-}
-
-__device__ __forceinline__ uint2 pack_bf16x4(const bf16 (&b)[4]) {
-    return make_uint2(__bfloat16_as_ushort(b[0]) | (unsigned)__bfloat16_as_ushort(b[1]) << 16,
-                      __bfloat16_as_ushort(b[2]) | (unsigned)__bfloat16_as_ushort(b[3]) << 16);
-}
-
 // the pairs (i + k, i + k + half), k < ROPE_VECTOR, of one head: src -> dst
 __device__ __forceinline__ void rotate_group(const bf16* src, bf16* dst, const float* table,
                                              int i, int half) {
