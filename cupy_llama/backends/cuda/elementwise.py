@@ -56,9 +56,11 @@ def rms_norm(x, weight, eps, out):
     check("weight", weight, BF16, shape=(hidden,))
     check("out", out, BF16, shape=(rows, hidden))
     kernel = "rms_norm_kernel" if x.dtype == BF16 else "rms_norm_f32_kernel"
+    vector = hidden % constants("norm")["NORM_VECTOR"] == 0 and aligned16(x, weight, out)
     if rows:
         get_kernel("norm", kernel)(
-            (rows,), (_norm_threads(hidden),), (x, weight, out, i32(hidden), f32(eps)))
+            (rows,), (_norm_threads(hidden),),
+            (x, weight, out, i32(hidden), f32(eps), i32(vector)))
 
 
 def silu_and_mul(gate_up, out):
