@@ -238,8 +238,9 @@ def _history_path() -> Path:
 # ---- generate -----------------------------------------------------------------------------
 
 @cli.command()
-@click.option("--model", "model_dir", required=True, type=MODEL_PATH,
-              help="Model directory (Hugging Face layout).")
+@click.option("--model", "model_dir", type=MODEL_PATH,
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
 @click.option("--input", "input_path", required=True,
               type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               help="Requests: a .txt or .jsonl file, or - for stdin (with --format).")
@@ -323,10 +324,14 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
              + (" (its last line was cut short: that request runs again)"
                 if earlier.dropped_partial else ""))
         requests = todo
+    model_name = str(model_dir)  # an OpenAI body's "model", as serve names it
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        model_dir, model_name = _demo_model_dir(), DEMO_NAME
     llm = _load(model_dir, device, engine)
     run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
                earlier_errors=earlier.num_errors if earlier is not None else 0,
-               model_name=str(model_dir))  # an OpenAI body's "model", as serve names it
+               model_name=model_name)
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
                              **run)
@@ -517,14 +522,16 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
 # ---- info ---------------------------------------------------------------------------------
 
 @cli.command()
-@click.option("--model", "model_dir", required=True, type=MODEL_PATH,
-              help="Model directory (Hugging Face layout).")
+@click.option("--model", "model_dir", type=MODEL_PATH,
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
 @device_option
 @engine_options
 def info(model_dir, device, **options):
     """Show a model's shape, parameter count, dtype and memory plan on a device."""
     engine = _given(options, ENGINE_NAMES)
     _check_options({}, engine)
+    model_dir = model_dir or _demo_model_dir()
     config = _check_model_options(model_dir, engine)
     if device == "auto":
         device = _auto_device()

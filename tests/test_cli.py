@@ -594,3 +594,24 @@ def test_the_progress_bar_never_shares_a_line_with_the_results(model_dir, llm, t
         expected(llm, f"prompt number {i}", max_tokens=40, ignore_eos=True).text
         for i in range(8)]
     assert any("generating" in line for line in screen)  # the bar was there
+
+
+def test_generate_and_info_default_to_the_demo_model(model_dir, llm, tmp_path, monkeypatch,
+                                                     capsys):
+    """Without --model both run the demo model, as chat and serve do; an OpenAI batch
+    line's body names it as serve does."""
+    import cupy_llama.cli as cli_module
+    from cupy_llama.demo import DEMO_NAME
+    monkeypatch.setattr(cli_module, "_demo_model_dir", lambda: Path(model_dir))
+    assert main(["info", *CPU, "--num-kv-blocks", "10"]) == 0
+    assert "10 blocks x 16 tokens" in capsys.readouterr().out
+    line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
+            "body": {"model": DEMO_NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0}}
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--input", str(path), "--output", str(out), *CPU]) == 0
+    row = json.loads(out.read_text())
+    assert row["response"]["status_code"] == 200
+    assert row["response"]["body"]["model"] == DEMO_NAME
+    assert row["response"]["body"]["choices"][0]["text"] == expected(llm, "hello", max_tokens=3).text
