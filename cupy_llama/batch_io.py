@@ -1,6 +1,7 @@
 """Batch files for `cupy-llama generate`: read requests, run them together, write JSONL.
 
-Input: `.txt` (one prompt per line, blank lines skipped) or `.jsonl` (one JSON object per
+Input: `.txt` (one prompt per line, blank lines skipped; `generate` makes each a user
+message when the model has a chat template, unless --raw) or `.jsonl` (one JSON object per
 line), in one of two kinds:
 - plain lines: `prompt` or `messages`, optional `id` and sampling fields. A request's
   default id is its line number. A later request reusing an id gets an error line; the

@@ -248,6 +248,8 @@ def _history_path() -> Path:
               type=click.Path(dir_okay=False, allow_dash=True), help="Where the JSONL goes.")
 @click.option("--format", "input_format", type=click.Choice(["txt", "jsonl"]),
               help="Input format (default: from the file name).")
+@click.option("--raw", is_flag=True, help="Send .txt lines to the model as plain text, not as "
+              "user messages through its chat template.")
 @device_option
 @sampling_options
 @click.option("--stop", multiple=True, help="A stop string (repeatable); not included in "
@@ -260,12 +262,14 @@ def _history_path() -> Path:
               help="Seconds between progress lines on stderr when it is not a terminal (0: "
                    "after every step); a terminal gets a progress bar.")
 @engine_options
-def generate(model_dir, input_path, output_path, input_format, device, resume,
+def generate(model_dir, input_path, output_path, input_format, raw, device, resume,
              progress_interval, **options):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
-    .txt: one prompt per line; blank lines are skipped; the id is the line number.
+    .txt: one prompt per line; blank lines are skipped; the id is the line number. When
+    the model has a chat template each line is a user message through it (as chat takes
+    a message), else plain text; --raw sends plain text always.
     .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
     top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's.
@@ -329,6 +333,13 @@ def generate(model_dir, input_path, output_path, input_format, device, resume,
         from .demo import DEMO_NAME
         model_dir, model_name = _demo_model_dir(), DEMO_NAME
     llm = _load(model_dir, device, engine)
+    if format == "txt" and not raw and llm.tokenizer.chat_template is not None:
+        _log("each line goes to the model as a user message through its chat template "
+             "(--raw: as plain text)")
+        for request in requests:
+            if request.error is None:
+                request.messages = [{"role": "user", "content": request.prompt}]
+                request.prompt = None
     run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
                earlier_errors=earlier.num_errors if earlier is not None else 0,
                model_name=model_name)

@@ -35,12 +35,16 @@ def expected(llm, prompt, **params):
     return llm.generate(prompt, SamplingParams(**values))
 
 
-def test_txt_with_crlf_bom_and_blank_lines(model_dir, llm, tmp_path):
+@pytest.mark.parametrize("raw", [False, True])
+def test_txt_with_crlf_bom_and_blank_lines(model_dir, llm, tmp_path, raw):
+    """A line is a user message through the chat template (the model has one), or with
+    --raw the prompt text itself."""
     content = "\ufeffhello there\r\n\r\n  \r\nsecond prompt\r\nthird\n".encode()
-    code, rows = run_generate(model_dir, tmp_path, content, "in.txt")
+    code, rows = run_generate(model_dir, tmp_path, content, "in.txt", *(["--raw"] if raw else []))
     assert code == 0
     assert [r["id"] for r in rows] == [1, 4, 5]   # line numbers; blank lines skipped
-    for row, prompt in zip(rows, ["hello there", "second prompt", "third"]):
+    for row, line in zip(rows, ["hello there", "second prompt", "third"]):
+        prompt = line if raw else llm.tokenizer.encode_chat([{"role": "user", "content": line}])
         want = expected(llm, prompt)
         assert row["text"] == want.text
         assert row["usage"] == {"prompt_tokens": len(want.prompt_token_ids),
@@ -580,8 +584,8 @@ def test_the_progress_bar_never_shares_a_line_with_the_results(model_dir, llm, t
     path = tmp_path / "in.txt"
     path.write_text("".join(f"prompt number {i}\n" for i in range(8)))
     child = pexpect.spawn(sys.executable, ["-m", "cupy_llama.cli", "generate", "--model",
-                                           str(model_dir), "--input", str(path), *CPU,
-                                           "--temperature", "0", "--max-tokens", "40",
+                                           str(model_dir), "--input", str(path), "--raw",
+                                           *CPU, "--temperature", "0", "--max-tokens", "40",
                                            "--ignore-eos", "--max-num-seqs", "2"],
                           encoding="utf-8", timeout=120, dimensions=(40, 200),
                           env={**os.environ, "TERM": "xterm-256color"})
