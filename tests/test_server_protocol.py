@@ -204,3 +204,39 @@ def test_logprobs_in_both_shapes(llm):
         {"token": "i", "logprob": -1.25, "bytes": [105]}]}], "refusal": None}
     special = llm.tokenizer.bos_token_id
     assert strings(special) == llm.tokenizer.bos_token  # spelled out, not skipped
+
+
+def test_admission_counts_free_slots_and_refuses_what_could_never_run(state):
+    """--max-waiting bounds the sequences that would wait for a slot: free slots take new
+    ones first (an idle server with --max-waiting 0 serves), and a request needing more
+    sequences than run at once plus may wait is a 400, not a 503 to retry for ever."""
+    from cupy_llama.engine.async_engine import EngineInfo
+    engine = state.engine
+    engine.info = EngineInfo(device="cpu", max_model_len=64, num_blocks=8, block_size=16,
+                             max_num_seqs=2, load_seconds=0.0, pid=0)
+    sent = []
+    engine.add = lambda request_id, prompt, params, stream, sink: sent.append(request_id)
+
+    def admit(n: int, max_waiting: int, running: int, waiting: int = 0, prompts=1):
+        state.settings.max_waiting = max_waiting
+        engine.stats = {"num_running": running, "num_waiting": waiting, "num_added_seqs": 0}
+
+        async def go():
+            return state.start_job(f"cmpl-{len(sent)}", [[1, 2]] * prompts,
+                                   [SamplingParams(n=n)] * prompts, False, n)
+        try:
+            asyncio.run(go())
+        except APIError as e:
+            return e
+        return None
+
+    assert admit(n=2, max_waiting=0, running=0) is None           # two free slots
+    assert admit(n=1, max_waiting=3, running=2, waiting=3).status == 503
+    busy = admit(n=1, max_waiting=0, running=2)
+    assert (busy.status, busy.code, busy.headers) == (503, "server_busy", {"Retry-After": "1"})
+    assert "1 sequence would wait" in busy.message and "--max-waiting 0" in busy.message
+    assert admit(n=3, max_waiting=1, running=0) is None           # 2 run, 1 waits
+    never = admit(n=3, max_waiting=0, running=0)
+    assert (never.status, never.param) == (400, "n") and "needs 3 sequences" in never.message
+    assert admit(n=1, max_waiting=0, running=0, prompts=3).param == "prompt"
+    assert sent == ["cmpl-0-0", "cmpl-1-0"]  # the two admitted requests alone reached the engine

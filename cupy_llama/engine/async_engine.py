@@ -454,12 +454,11 @@ class AsyncEngine:
         taken = self.stats.get("num_added_seqs", 0)
         return self.stats.get("num_waiting", 0) + self._num_seqs_sent - taken
 
-    @property
-    def num_queued(self) -> int:
-        """Sequences that will still wait once every free sequence slot is filled: those a
-        new request would queue behind."""
-        free_slots = self.info.max_num_seqs - self.stats.get("num_running", 0)
-        return max(0, self.num_waiting - max(0, free_slots))
+    def num_would_wait(self, new_seqs: int) -> int:
+        """Sequences that would wait for a slot with new_seqs more sent: the queue and the
+        new ones, less the sequence slots that are free."""
+        free_slots = max(0, self.info.max_num_seqs - self.stats.get("num_running", 0))
+        return max(0, self.num_waiting + new_seqs - free_slots)
 
     def _send(self, message) -> None:
         self._transport.write(_frame(message))

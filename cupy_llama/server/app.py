@@ -192,12 +192,20 @@ class ServerState:
 
     def start_job(self, response_id: str, prompts: list[list[int]], params: list,
                   stream: bool, n: int) -> "_Job":
-        queued = self.engine.num_queued
-        limit = self.settings.max_waiting
-        if queued + len(prompts) * n > limit:
-            raise APIError(503, f"{queued} sequences are waiting for the engine (at most "
-                                f"{limit}); retry in a moment", code="server_busy",
-                           headers=RETRY_AFTER)
+        new_seqs, limit = len(prompts) * n, self.settings.max_waiting
+        at_once = self.engine.info.max_num_seqs
+        if new_seqs > at_once + limit:  # could never be taken in: no retry would help
+            what = f"{len(prompts)} prompts x n={n}" if len(prompts) > 1 else f"n={n}"
+            raise APIError(400, f"this request needs {new_seqs} sequences ({what}) but the "
+                                f"server runs {at_once} at once and lets {limit} wait "
+                                "(--max-num-seqs, --max-waiting); send fewer prompts or a "
+                                "smaller n", param="n" if n > 1 else "prompt")
+        would_wait = self.engine.num_would_wait(new_seqs)
+        if would_wait > limit:
+            counted = f"{would_wait} sequence{'s' if would_wait != 1 else ''}"
+            raise APIError(503, f"the server is busy: {counted} would wait for a free slot, "
+                                f"more than --max-waiting {limit}; retry in a moment",
+                           code="server_busy", headers=RETRY_AFTER)
         job = _Job(self, response_id, prompts, n, stream)
         for request_id, prompt, sampling in zip(job.request_ids, prompts, params):
             self.engine.add(request_id, prompt, sampling, stream, job.sink)
