@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ...errors import DeviceError
 
-INSTALL_HINT = "install the cuda12 or cuda13 extra: pip install 'cupy-llama[cuda12]'"
+INSTALL_HINT = ("install CuPy for the machine's CUDA: pip install cupy-cuda12x (CUDA 12) or "
+                "cupy-cuda13x (CUDA 13)")
 MIN_COMPUTE_CAPABILITY = 80  # bf16 arithmetic and storage: Ampere (sm_80) and newer
 CPU_HINT = ", or run with --device cpu"  # how every "no GPU" message ends
 
