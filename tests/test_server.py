@@ -472,8 +472,9 @@ BAD_REQUESTS = [
     ("no API key", "/v1/completions", {"prompt": "x"}, {"Authorization": ""}, 401,
      ["API key"], None),
     ("a wrong API key", "/v1/models", None, {"Authorization": "Bearer nope"}, 401,
-     ["wrong API key"], None),
-    ("an unknown route", "/v1/embeddings", {"input": "x"}, {}, 404, ["/v1/embeddings"], None),
+     ["wrong API key", "Authorization: Bearer KEY"], None),
+    ("an unknown route", "/v1/embeddings", {"input": "x"}, {}, 404,
+     ["POST /v1/embeddings is not served", "POST /v1/chat/completions"], None),
 ]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -165,7 +166,8 @@ class ServerState:
             raise APIError(401, "missing API key; send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode("latin-1"), key.encode("utf-8")):
-            raise APIError(401, "wrong API key", code="invalid_api_key")
+            raise APIError(401, "wrong API key; send the server's --api-key as "
+                                "'Authorization: Bearer KEY'", code="invalid_api_key")
 
     def check_ready(self) -> None:
         """The API answers while the server is ready, and while it is leaving."""
@@ -538,7 +540,10 @@ def create_app(state: ServerState):
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         if e.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; the API is under /v1"
+            routes = sorted(f"{method} {route.path}" for route in app.routes
+                            if isinstance(route, APIRoute) for method in route.methods)
+            message = (f"{request.method} {request.url.path} is not served here; the routes "
+                       f"are {', '.join(routes)}")
         else:
             message = f"{request.method} {request.url.path}: {e.detail}"
         return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code)
