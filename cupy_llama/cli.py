@@ -763,8 +763,8 @@ def _listen(host: str, port: int):
 # ---- bench --------------------------------------------------------------------------------
 
 @cli.command()
-@click.argument("mode", type=click.Choice(("throughput", "latency", "ttft", "decode-sweep", "all",
-                                          "prefix", "serve")))
+@click.argument("mode", metavar="MODE", type=click.Choice((
+    "throughput", "latency", "ttft", "decode-sweep", "all", "prefix", "serve")))
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory. Default: a random-weight model of --preset's shape, "
                    "written once into the cache.")
