@@ -1,8 +1,9 @@
 // RoPE on q and k, fused with the paged KV-cache write.
 // Launch: grid (T), block (ROPE_THREADS); threads stride over groups of rotation pairs of
-// all q and k heads, then over the v elements. With vector != 0 (head_dim % 8 == 0, every
-// operand 16-byte aligned) a group is 4 adjacent pairs, read and written in 8-byte words,
-// and v moves in 16-byte words; else a group is one pair and v one element at a time.
+// all q and k heads, then over the v elements. With vector != 0 (head_dim a multiple of
+// 2 ROPE_VECTOR and nkv head_dim of ROPE_V_VECTOR, every operand 16-byte aligned) a group is
+// 4 adjacent pairs, read and written in 8-byte words, and v moves in 16-byte words; else a
+// group is one pair and v one element at a time.
 //
 // qkv [T, (nh + 2 nkv) d]: q heads, then k heads, then v heads.
 // cos_sin [max_pos, d] float32: cos in columns [0, d/2), sin in [d/2, d).
@@ -13,7 +14,10 @@
 #include "common.cuh"
 
 #define ROPE_THREADS 256
-#define ROPE_VECTOR 4  // rotation pairs per group on the vector path
+#define ROPE_VECTOR 4    // rotation pairs per group on the vector path: one 8-byte word
+#define ROPE_V_VECTOR 8  // v elements per copy on the vector path: one 16-byte word
+static_assert(ROPE_VECTOR == 4, "rotate_group moves a group in one uint2 and one float4");
+static_assert(ROPE_V_VECTOR * sizeof(bf16) == sizeof(uint4), "v moves in uint4 words");
 
 // the pairs (i + k, i + k + half), k < ROPE_VECTOR, of one head: src -> dst
 __device__ __forceinline__ void rotate_group(const bf16* src, bf16* dst, const float* table,
@@ -69,7 +73,7 @@ extern "C" __global__ void rope_and_cache_kernel(
     const bf16* v = row + (num_heads + num_kv_heads) * head_dim;
     const int v_size = num_kv_heads * head_dim;
     if (vector) {
-        for (int j = threadIdx.x * 8; j < v_size; j += blockDim.x * 8)
+        for (int j = threadIdx.x * ROPE_V_VECTOR; j < v_size; j += blockDim.x * ROPE_V_VECTOR)
             *reinterpret_cast<uint4*>(v_cache + cache_row + j) =
                 *reinterpret_cast<const uint4*>(v + j);
     } else {

@@ -84,10 +84,13 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_ou
     num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
         q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
     check("qkv", qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
-    vector = head_dim % 8 == 0 and aligned16(qkv, cos_sin, k_cache, v_cache, q_out)
+    sizes = constants("rope")
+    vector = (head_dim % (2 * sizes["ROPE_VECTOR"]) == 0
+              and num_kv_heads * head_dim % sizes["ROPE_V_VECTOR"] == 0
+              and aligned16(qkv, cos_sin, k_cache, v_cache, q_out))
     if num_tokens:
         get_kernel("rope", "rope_and_cache_kernel")(
-            (num_tokens,), (constants("rope")["ROPE_THREADS"],),
+            (num_tokens,), (sizes["ROPE_THREADS"],),
             (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
              i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector)))
 
