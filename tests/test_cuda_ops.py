@@ -229,6 +229,68 @@ def test_rope_and_cache(cp, rng, head_dim, group):
             f"(first at {tuple(np.argwhere(mismatch)[0])})")
 
 
+# --------------------------------------------------- the row kernels' vector paths
+
+def _off_boundary(cp, host):
+    """A device copy of `host` that starts one element past a 16-byte boundary."""
+    flat = cp.empty(host.size + 16 // host.itemsize, host.dtype)
+    view = flat[1:1 + host.size].reshape(host.shape)
+    view[...] = cp.asarray(host)
+    return view
+
+
+def test_row_kernels_vector_paths_run_when_aligned_and_agree_off_them(cp, rng, monkeypatch):
+    """rms_norm, silu_and_mul and rope_and_cache take their vector paths for aligned
+    operands of dividing sizes; an operand off a 16-byte boundary takes the element path,
+    which gives the same outputs (the same bits for silu and rope, whose per-element math
+    is the same; rms_norm sums its squares in another order)."""
+    from cupy_llama.backends.cuda import elementwise
+    vector_flags = []
+    real_get_kernel = elementwise.get_kernel
+
+    def recording(module, name):
+        kernel = real_get_kernel(module, name)
+
+        def launch(grid, block, args):
+            vector_flags.append(int(args[-1]))  # every row kernel's last argument
+            return kernel(grid, block, args)
+        return launch
+
+    monkeypatch.setattr(elementwise, "get_kernel", recording)
+
+    x = rng.standard_normal((33, 2048), dtype=np.float32)
+    w_bits, _ = random_bf16(rng, (2048,))
+    outs = [poisoned(cp, x.shape), poisoned(cp, x.shape)]
+    elementwise.rms_norm(cp.asarray(x), cp.asarray(w_bits), 1e-5, outs[0])
+    elementwise.rms_norm(_off_boundary(cp, x), cp.asarray(w_bits), 1e-5, outs[1])
+    assert_close(to_float(cp, outs[1]), to_float(cp, outs[0]), 1e-2, 1e-2, "rms_norm paths")
+
+    gate_up, _ = random_bf16(rng, (33, 2 * 1536), scale=2.0)
+    outs = [poisoned(cp, (33, 1536)), poisoned(cp, (33, 1536))]
+    elementwise.silu_and_mul(cp.asarray(gate_up), outs[0])
+    elementwise.silu_and_mul(_off_boundary(cp, gate_up), outs[1])
+    assert (cp.asnumpy(outs[0]) == cp.asnumpy(outs[1])).all(), "silu_and_mul paths differ"
+
+    heads, kv_heads, head_dim, tokens, blocks = 8, 2, 64, 33, 8
+    qkv, _ = random_bf16(rng, (tokens, (heads + 2 * kv_heads) * head_dim), scale=2.0)
+    positions = cp.asarray(rng.integers(0, 4096, tokens).astype(np.int32))
+    slots = rng.choice(blocks * BLOCK_SIZE, tokens, replace=False).astype(np.int32)
+    slots[::5] = -1  # padding tokens write no K/V
+    cos_sin = cp.asarray(rope_table(4096, head_dim))
+    results = []
+    for operand in (cp.asarray(qkv), _off_boundary(cp, qkv)):
+        cache_shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
+        k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+        q_out = poisoned(cp, (tokens, heads, head_dim))
+        elementwise.rope_and_cache(operand, positions, cp.asarray(slots), cos_sin, k_cache,
+                                   v_cache, q_out)
+        results.append([cp.asnumpy(a) for a in (q_out, k_cache, v_cache)])
+    for name, aligned, off in zip(("q", "k cache", "v cache"), *results):
+        assert np.array_equal(aligned, off), f"rope_and_cache paths differ in {name}"  # bits
+
+    assert vector_flags == [1, 0, 1, 0, 1, 0]
+
+
 # ------------------------------------------------------------------------- attention
 
 def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, block_size=BLOCK_SIZE,
