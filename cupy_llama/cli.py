@@ -257,7 +257,8 @@ def _history_path() -> Path:
 @click.option("--ignore-eos", is_flag=True, default=None,
               help="Keep generating past end-of-sequence tokens.")
 @click.option("--resume", is_flag=True, help="Skip the requests whose ids --output already "
-              "holds (from a run that was stopped) and append the others.")
+              "holds (from a run that was stopped) and append the others; give the options "
+              "of that run (--raw among them) again.")
 @click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
               help="Seconds between progress lines on stderr when it is not a terminal (0: "
                    "after every step); a terminal gets a progress bar.")
@@ -333,7 +334,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         from .demo import DEMO_NAME
         model_dir, model_name = _demo_model_dir(), DEMO_NAME
     llm = _load(model_dir, device, engine)
-    if format == "txt" and not raw and llm.tokenizer.chat_template is not None:
+    if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         _log("each line goes to the model as a user message through its chat template "
              "(--raw: as plain text)")
         for request in requests:
