@@ -456,7 +456,8 @@ class AsyncEngine:
 
     def num_would_wait(self, new_seqs: int) -> int:
         """Sequences that would wait for a slot with new_seqs more sent: the queue and the
-        new ones, less the sequence slots that are free."""
+        new ones, less the sequence slots that are free. A free slot counts even when the KV
+        cache is too full to fill it now: the estimate errs towards admitting."""
         free_slots = max(0, self.info.max_num_seqs - self.stats.get("num_running", 0))
         return max(0, self.num_waiting + new_seqs - free_slots)
 
