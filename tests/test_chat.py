@@ -342,6 +342,15 @@ def finish(child, status):
     assert child.exitstatus == status
 
 
+def leave_with_two_ctrl_c(child):
+    """At the prompt: the first Ctrl-C warns, the second leaves with 130."""
+    child.sendintr()
+    child.expect_exact("press Ctrl-C again")
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    finish(child, 130)
+
+
 def test_terminal_chat_streams_keeps_history_and_takes_commands(model_dir, llm, tmp_path):
     child = spawn(model_dir, "--temperature", "0", "--max-tokens", "12", cache=tmp_path)
     first = ask(child, "hello")
@@ -521,11 +530,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(endless_model_dir, tmp_path):
     child.sendline("/stats")
     child.expect(r"2 replies")
     child.expect_exact(PROMPT)
-    child.sendintr()
-    child.expect_exact("press Ctrl-C again")
-    child.expect_exact(PROMPT)
-    child.sendintr()
-    finish(child, 130)
+    leave_with_two_ctrl_c(child)
 
 
 def test_single_ctrl_c_at_the_prompt_does_not_exit(model_dir, tmp_path):
@@ -559,11 +564,7 @@ def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_mode
     child.sendintr()
     child.expect_exact("reply stopped")
     child.expect_exact(PROMPT)
-    child.sendintr()
-    child.expect_exact("press Ctrl-C again")
-    child.expect_exact(PROMPT)
-    child.sendintr()
-    finish(child, 130)
+    leave_with_two_ctrl_c(child)
 
 
 def test_a_full_context_at_the_terminal(endless_model_dir, tmp_path):
