@@ -5,6 +5,10 @@ from __future__ import annotations
 from .kernels import BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32
 
 ROW_THREADS = 256
+# the vector paths' sizes, from the kernel sources (kernels.py)
+NORM_VECTOR = constants("norm")["NORM_VECTOR"]
+SILU_VECTOR = constants("activation")["SILU_VECTOR"]
+_ROPE = constants("rope")
 
 
 def embedding(token_ids, table, out, pending_tokens=None):
@@ -56,7 +60,7 @@ def rms_norm(x, weight, eps, out):
     check("weight", weight, BF16, shape=(hidden,))
     check("out", out, BF16, shape=(rows, hidden))
     kernel = "rms_norm_kernel" if x.dtype == BF16 else "rms_norm_f32_kernel"
-    vector = hidden % constants("norm")["NORM_VECTOR"] == 0 and aligned16(x, weight, out)
+    vector = hidden % NORM_VECTOR == 0 and aligned16(x, weight, out)
     if rows:
         get_kernel("norm", kernel)(
             (rows,), (_norm_threads(hidden),),
@@ -70,10 +74,9 @@ def silu_and_mul(gate_up, out):
         raise ValueError(f"gate_up: width must be even (gate and up halves), got {width}")
     check("out", out, BF16, shape=(rows, width // 2))
     inter = width // 2
-    per_thread = constants("activation")["SILU_VECTOR"]
-    vector = inter % per_thread == 0 and aligned16(gate_up, out)
+    vector = inter % SILU_VECTOR == 0 and aligned16(gate_up, out)
     if rows and inter:
-        column_blocks = -(-inter // (per_thread * ROW_THREADS))
+        column_blocks = -(-inter // (SILU_VECTOR * ROW_THREADS))
         get_kernel("activation", "silu_and_mul_kernel")(
             (rows, column_blocks), (ROW_THREADS,), (gate_up, out, i32(inter), i32(vector)))
 
@@ -84,13 +87,12 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_ou
     num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
         q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
     check("qkv", qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
-    sizes = constants("rope")
-    vector = (head_dim % (2 * sizes["ROPE_VECTOR"]) == 0
-              and num_kv_heads * head_dim % sizes["ROPE_V_VECTOR"] == 0
+    vector = (head_dim % (2 * _ROPE["ROPE_VECTOR"]) == 0
+              and num_kv_heads * head_dim % _ROPE["ROPE_V_VECTOR"] == 0
               and aligned16(qkv, cos_sin, k_cache, v_cache, q_out))
     if num_tokens:
         get_kernel("rope", "rope_and_cache_kernel")(
-            (num_tokens,), (sizes["ROPE_THREADS"],),
+            (num_tokens,), (_ROPE["ROPE_THREADS"],),
             (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
              i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector)))
 
