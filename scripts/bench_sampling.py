@@ -100,7 +100,8 @@ def candidate_counts(rows: list, temperature: float = 0.6) -> dict:
 
 
 def decode_rates(llm) -> dict:
-    from cupy_llama import SamplingParams, bench
+    from cupy_llama import SamplingParams
+    from cupy_llama.bench import offline as bench
     text = ("Write a long, detailed story about a lighthouse keeper who finds a strange map "
             "washed up on the shore, and the journey it leads her on.")
     ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])

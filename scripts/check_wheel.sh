@@ -32,7 +32,7 @@ if command -v nvcc >/dev/null; then
 else
   echo "nvcc not found: the installed kernels were not compiled"
 fi
-"$py" -c "from cupy_llama.random_model import make_random_model; make_random_model('$work/model', 'tiny', seed=0)"
+"$py" -c "from cupy_llama.bench.random_model import make_random_model; make_random_model('$work/model', 'tiny', seed=0)"
 printf 'Hello there\nThe capital of France is\n' > "$work/prompts.txt"
 "$work/venv/bin/cupy-llama" generate --model "$work/model" --input "$work/prompts.txt" \
   --device cpu --temperature 0 --max-tokens 8 --output "$work/out.jsonl"

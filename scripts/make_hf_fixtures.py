@@ -18,7 +18,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from cupy_llama.random_model import TINY, make_random_model  # noqa: E402
+from cupy_llama.bench.random_model import TINY, make_random_model  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 LONG_PROMPT_LEN = 2100

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cupy_llama.random_model import PRESETS, make_random_model  # noqa: E402
+from cupy_llama.bench.random_model import PRESETS, make_random_model  # noqa: E402
 
 
 def main():

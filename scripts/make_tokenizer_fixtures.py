@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cupy_llama.demo import (DEMO_QUESTION, build_demo_model, build_demo_tokenizer,  # noqa: E402
+from cupy_llama.cli.demo import (DEMO_QUESTION, build_demo_model, build_demo_tokenizer,  # noqa: E402
                              find_demo_gguf)
 from cupy_llama.tokenizer import Tokenizer  # noqa: E402
 

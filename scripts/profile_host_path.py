@@ -41,10 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cupy_llama.backends.base import SampledTokens  # noqa: E402
-from cupy_llama.bench_workloads import THROUGHPUT_TEMPERATURE, offline_workload  # noqa: E402
+from cupy_llama.bench.workloads import THROUGHPUT_TEMPERATURE, offline_workload  # noqa: E402
 from cupy_llama.config import EngineConfig, ModelConfig  # noqa: E402
 from cupy_llama.engine.llm_engine import LLMEngine  # noqa: E402
-from cupy_llama.random_model import LLAMA_3_2_1B, config_json, write_tokenizer  # noqa: E402
+from cupy_llama.bench.random_model import LLAMA_3_2_1B, config_json, write_tokenizer  # noqa: E402
 from cupy_llama.sampling import SamplingParams  # noqa: E402
 from cupy_llama.tokenizer import Tokenizer  # noqa: E402
 

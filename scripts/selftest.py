@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's pac
 from cupy_llama.backends.base import ForwardBatch
 from cupy_llama.config import ModelConfig
 from cupy_llama.model.llama import forward
-from cupy_llama.random_model import make_random_model
+from cupy_llama.bench.random_model import make_random_model
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cpu import CpuBackend
 from cupy_llama.backends.cuda.device import check_cuda_device, cuda_usable

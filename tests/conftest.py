@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cupy_llama import LLM
-from cupy_llama.random_model import make_random_model
+from cupy_llama.bench.random_model import make_random_model
 
 
 @pytest.fixture(scope="module")

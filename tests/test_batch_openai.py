@@ -16,7 +16,7 @@ import httpx
 from conftest import one_error_line
 from test_server import ServerProcess
 
-from cupy_llama.batch_io import read_requests, run_batch
+from cupy_llama.cli.batch_io import read_requests, run_batch
 from cupy_llama.cli import main
 
 # Prefix caching off on both sides: the server answers one request at a time while a batch

@@ -6,11 +6,11 @@ import sys
 import pytest
 from conftest import one_error_line
 
-from cupy_llama.bench import add_ratios, bandwidth_floor, decode_numbers, format_table
-from cupy_llama.bench_workloads import offline_workload
+from cupy_llama.bench.offline import add_ratios, bandwidth_floor, decode_numbers, format_table
+from cupy_llama.bench.workloads import offline_workload
 from cupy_llama.cli import main
 from cupy_llama.config import ModelConfig
-from cupy_llama.random_model import LLAMA_3_2_1B, TINY, config_json, make_random_model
+from cupy_llama.bench.random_model import LLAMA_3_2_1B, TINY, config_json, make_random_model
 
 SCALE = 0.05  # lengths x 0.05: throughput prompts and outputs in [5, 51]
 QUICK = ["--device", "cpu", "--scale", str(SCALE), "--max-num-seqs", "4"]
@@ -86,7 +86,7 @@ def test_bandwidth_floor_of_the_1b_shape_matches_the_performance_model():
 
 
 def test_a_named_commit_wins_and_git_is_kept_beside_it(monkeypatch):
-    from cupy_llama import bench_report
+    from cupy_llama.bench import report as bench_report
     monkeypatch.delenv("CUPY_LLAMA_COMMIT", raising=False)
     monkeypatch.setattr(bench_report, "git_commit", lambda root: "752737c0ffee-dirty")
     assert bench_report.commit_info("3e80ac8") == {
@@ -154,13 +154,13 @@ def test_latency_on_the_cpu_has_no_bandwidth_floor(report_all):
                 "weight_bytes_per_step"} & set(result)
     assert "bandwidth floor" not in stdout and "% of" not in stderr
     assert "it has no bandwidth floor and no kernel compile" in stderr
-    from cupy_llama.bench import DeviceProbe
+    from cupy_llama.bench.offline import DeviceProbe
     with pytest.raises(RuntimeError):
         DeviceProbe("cpu").copy_bandwidth()
 
 
 def test_the_gpu_table_shows_the_floor_and_never_above_it():
-    from cupy_llama.bench_report import _latency_rows
+    from cupy_llama.bench.report import _latency_rows
     config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
     ours = {"tok_s": 1154.0, "ms_per_token": 1e3 / 1154.0,
             **bandwidth_floor(config, bandwidth=4.26e12, tok_s=1154.0)}
@@ -225,7 +225,7 @@ def test_prefix_runs_both_workloads_with_caching_on_and_off(model_dir, tmp_path,
 
 
 def test_a_sweep_batch_past_max_num_seqs_says_how_it_ran():
-    from cupy_llama.bench_report import sweep_batch
+    from cupy_llama.bench.report import sweep_batch
     assert sweep_batch({"batch": 3, "one_batch": True, "max_num_seqs": 4}) == "3"
     assert sweep_batch({"batch": 6, "one_batch": False, "max_num_seqs": 4}) == "6 (4 at a time)"
 
@@ -304,7 +304,7 @@ def test_usage_errors(args, code, message, capsys, tmp_path, monkeypatch):
 
 
 def test_the_json_check_leaves_no_file_and_keeps_an_old_one(tmp_path):
-    from cupy_llama.bench_workloads import BenchSettings
+    from cupy_llama.bench.workloads import BenchSettings
     new = tmp_path / "new.json"
     BenchSettings(mode="latency", json_path=str(new))
     assert not new.exists()
@@ -380,8 +380,8 @@ def test_writing_a_random_model_says_it_is_still_at_it(tmp_path, monkeypatch):
     """A 1.2 B model takes minutes to write: a line every HEARTBEAT_S seconds says the
     bench is alive. Here the writer waits until it has seen such a line."""
     import threading
-    from cupy_llama import bench_workloads, random_model
-    from cupy_llama.bench_workloads import BenchSettings, prepare_model
+    from cupy_llama.bench import random_model, workloads as bench_workloads
+    from cupy_llama.bench.workloads import BenchSettings, prepare_model
 
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bench_workloads, "HEARTBEAT_S", 0.01)

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.chat_ui import ChatSession, parse_conversation, printable, read_message
+from cupy_llama.cli.chat_ui import ChatSession, parse_conversation, printable, read_message
 from cupy_llama.errors import RequestError
-from cupy_llama.random_model import make_random_model
+from cupy_llama.bench.random_model import make_random_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 

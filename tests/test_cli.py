@@ -14,7 +14,7 @@ from conftest import one_error_line
 
 from cupy_llama import SamplingParams
 from cupy_llama.cli import main
-from cupy_llama.random_model import make_random_model
+from cupy_llama.bench.random_model import make_random_model
 
 CPU = ["--device", "cpu"]
 
@@ -105,7 +105,7 @@ def test_stdout_output_and_summary(model_dir, tmp_path, capsys):
 
 
 def test_example_files_parse(model_dir, tmp_path):
-    from cupy_llama.batch_io import read_requests
+    from cupy_llama.cli.batch_io import read_requests
     examples = Path(__file__).parent.parent / "examples"
     for name, fmt in (("prompts.txt", "txt"), ("requests.jsonl", "jsonl"),
                       ("openai_batch.jsonl", "jsonl")):
@@ -255,7 +255,7 @@ def test_a_kv_cache_larger_than_memory_is_one_line_exit_1(model_dir, tmp_path, c
 
 
 def test_out_of_memory_names_only_the_command_s_own_options(monkeypatch, capsys):
-    from cupy_llama import bench
+    from cupy_llama.bench import offline as bench
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cannot allocate")
@@ -275,7 +275,7 @@ def test_chat_with_empty_stdin_fails_before_loading(model_dir):
 
 
 def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
-    from cupy_llama import demo
+    from cupy_llama.cli import demo
 
     def no_download(*args, **kwargs):
         raise AssertionError("the guard let fetch-demo build")
@@ -334,7 +334,7 @@ def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypat
     """--out . builds into the folder the shell sits in: the files appear there, the folder
     itself (and what else it holds after a complete build) stays; the temp folder of a
     killed build is no obstacle. The GGUF work is stood in for."""
-    from cupy_llama import demo
+    from cupy_llama.cli import demo
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
@@ -604,9 +604,9 @@ def test_generate_and_info_default_to_the_demo_model(model_dir, llm, tmp_path, m
                                                      capsys):
     """Without --model both run the demo model, as chat and serve do; an OpenAI batch
     line's body names it as serve does."""
-    import cupy_llama.cli as cli_module
-    from cupy_llama.demo import DEMO_NAME
-    monkeypatch.setattr(cli_module, "_demo_model_dir", lambda: Path(model_dir))
+    from cupy_llama.cli import options
+    from cupy_llama.cli.demo import DEMO_NAME
+    monkeypatch.setattr(options, "default_model_dir", lambda: Path(model_dir))
     assert main(["info", *CPU, "--num-kv-blocks", "10"]) == 0
     assert "10 blocks x 16 tokens" in capsys.readouterr().out
     line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",

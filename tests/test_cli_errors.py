@@ -12,7 +12,7 @@ from conftest import one_error_line
 
 from cupy_llama.checkpoint import write_safetensors
 from cupy_llama.cli import main
-from cupy_llama.random_model import make_random_model
+from cupy_llama.bench.random_model import make_random_model
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ class Sequences:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from cupy_llama.config import ModelConfig
-    from cupy_llama.random_model import make_random_model
+    from cupy_llama.bench.random_model import make_random_model
     from cupy_llama.weights import open_checkpoint
     directory = make_random_model(
         tmp_path_factory.mktemp("graphs") / "model", "tiny", seed=0, hidden_size=512,

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupy_llama import demo
+from cupy_llama.cli import demo
 from cupy_llama.bf16 import bf16_bits_to_float32
 from cupy_llama.config import ModelConfig
-from cupy_llama.demo import (build_demo_model, build_demo_tokenizer, demo_model_dir,
+from cupy_llama.cli.demo import (build_demo_model, build_demo_tokenizer, demo_model_dir,
                              find_demo_gguf, unpermute_rope_rows, verify_demo_model)
 from cupy_llama.errors import DemoModelError
 from cupy_llama.tokenizer import Tokenizer

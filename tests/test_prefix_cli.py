@@ -7,7 +7,7 @@ import re
 import pytest
 
 from cupy_llama import cli
-from cupy_llama.bench_workloads import BenchSettings
+from cupy_llama.bench.workloads import BenchSettings
 from cupy_llama.cli import main
 
 CPU = ["--device", "cpu"]
@@ -55,13 +55,13 @@ def test_every_command_that_loads_a_model_takes_the_flag():
 
 def test_the_flag_reaches_the_engine(model_dir, monkeypatch, capsys):
     seen = []
-    load = cli._load
+    load = cli.options.load
 
     def recording_load(model_dir, device, engine):
         seen.append(dict(engine))
         return load(model_dir, device, engine)
 
-    monkeypatch.setattr(cli, "_load", recording_load)
+    monkeypatch.setattr(cli.options, "load", recording_load)
     monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
     assert main(["chat", "--model", str(model_dir), *CPU, "--max-tokens", "2",
                  "--no-prefix-caching"]) == 0

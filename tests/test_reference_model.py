@@ -16,7 +16,7 @@ from cupy_llama.backends.base import ForwardBatch
 from cupy_llama.backends.cpu import CpuBackend
 from cupy_llama.config import ModelConfig
 from cupy_llama.model.llama import forward
-from cupy_llama.random_model import TINY, make_random_model
+from cupy_llama.bench.random_model import TINY, make_random_model
 from cupy_llama.weights import open_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"

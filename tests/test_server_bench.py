@@ -11,8 +11,8 @@ import json
 
 from conftest import one_error_line
 
-from cupy_llama.bench_workloads import offline_workload
-from cupy_llama.bench_serve import ServeBenchSettings, serve_numbers, serve_workload
+from cupy_llama.bench.workloads import offline_workload
+from cupy_llama.bench.serve import ServeBenchSettings, serve_numbers, serve_workload
 from cupy_llama.cli import main
 from test_server import ServerProcess
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupy_llama.demo import build_demo_tokenizer
+from cupy_llama.cli.demo import build_demo_tokenizer
 from cupy_llama.errors import RequestError, TokenizerError
 from cupy_llama.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -8,11 +8,11 @@ import statistics
 import time
 from pathlib import Path
 
-from .bench_report import _num
-from .bench_workloads import (THROUGHPUT_MAX_TOKEN_ID, THROUGHPUT_TEMPERATURE, TTFT_RUNS,
+from .report import _num
+from .workloads import (THROUGHPUT_MAX_TOKEN_ID, THROUGHPUT_TEMPERATURE, TTFT_RUNS,
                               BenchSettings, Workload, random_ids, throughput_numbers,
                               throughput_workload)
-from .errors import DeviceError, RequestError
+from ..errors import DeviceError, RequestError
 
 
 def check_hf_available(device: str) -> None:

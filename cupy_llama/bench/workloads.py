@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import OptionError, check_output_path, option_flag
+from ..errors import OptionError, check_output_path, option_flag
 
 MODES = ("throughput", "latency", "ttft", "decode-sweep")  # the ones `all` runs
 ALL_MODES = MODES + ("all", "prefix")
@@ -117,11 +117,11 @@ def prepare_model(settings: BenchSettings, log) -> tuple[Path, float | None]:
     written once into the cache (returns its path and how long writing took, or None)."""
     if settings.model_dir:
         return Path(settings.model_dir).expanduser(), None
-    from .demo import cache_dir
+    from ..cache import cache_dir
     target = cache_dir() / "bench-models" / f"{settings.preset}-seed{MODEL_SEED}"
     if (target / ".complete").is_file():
         return target, None
-    from .config import ModelConfig
+    from ..config import ModelConfig
     from .random_model import PRESETS as SHAPES, config_json, make_random_model
     num_parameters = ModelConfig.from_dicts(config_json(SHAPES[settings.preset])).num_parameters
     log(f"writing a random {settings.preset} model ({_amount(num_parameters, '')} parameters, "

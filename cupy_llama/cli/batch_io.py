@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CupyLlamaError, OptionError, RequestError
-from .sampling import SamplingParams, model_sampling_defaults
+from ..errors import CupyLlamaError, OptionError, RequestError
+from ..sampling import SamplingParams, model_sampling_defaults
 
 FORMATS = ("txt", "jsonl")
 BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
@@ -130,7 +130,7 @@ def openai_protocol():
     """server/protocol.py, which OpenAI batch lines go through. It needs pydantic, which
     cupy-llama installs; a source tree run without installing may lack it."""
     try:
-        return importlib.import_module(".server.protocol", __package__)
+        return importlib.import_module("..server.protocol", __package__)
     except ImportError as e:
         raise CupyLlamaError(f"OpenAI batch lines need pydantic ({e.name} is not "
                              "installed): pip install 'pydantic>=2.5'") from None

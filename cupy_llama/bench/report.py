@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RequestError
+from ..errors import RequestError
 
 
 def write_report(json_path: str, report: dict) -> None:
@@ -81,7 +81,7 @@ def git_commit(root: Path) -> str | None:
 
 
 def environment(device: str, hf: bool) -> dict:
-    from . import __version__
+    from .. import __version__
     env = {"cupy_llama": __version__, "python": platform.python_version(),
            "numpy": np.__version__, "platform": platform.platform()}
     if device == "cuda":

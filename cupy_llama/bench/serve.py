@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_report import commit_info, environment, write_report
-from .bench_workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
+from .report import commit_info, environment, write_report
+from .workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
                               THROUGHPUT_TEMPERATURE, BenchSettings, Workload, offline_workload,
                               prepare_model, random_ids)
-from .errors import CupyLlamaError, OptionError, check_output_path
+from ..errors import CupyLlamaError, OptionError, check_output_path
 
 STREAMS_PER_CLIENT = 64
 MAX_CLIENT_PROCESSES = 8
@@ -460,7 +460,7 @@ def warm_up(base_url: str, model: str, settings: ServeBenchSettings, top_id: int
 def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
     model_dir, top_id = None, THROUGHPUT_MAX_TOKEN_ID
     if settings.url is None or settings.model_dir is not None:
-        from .config import ModelConfig
+        from ..config import ModelConfig
         if settings.url is None:
             model_dir, _ = prepare_model(BenchSettings(mode="throughput", model_dir=settings.model_dir,
                                                        preset=settings.preset,

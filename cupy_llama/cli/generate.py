@@ -1,0 +1,315 @@
+"""`cupy-llama generate`: a batch file of prompts (batch_io.py) run as one batch, with
+progress, Ctrl-C and --resume."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from ..errors import OptionError, RequestError, check_output_path
+from . import options
+from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL_PATH,
+                      PROGRESS_INTERVAL_S, SAMPLING_NAMES, check_options, device_option,
+                      engine_options, given, log, sampling_options)
+
+# ---- generate -----------------------------------------------------------------------------
+
+@click.command()
+@click.option("--model", "model_dir", type=MODEL_PATH,
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
+@click.option("--input", "input_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              help="Requests: a .txt or .jsonl file, or - for stdin (with --format).")
+@click.option("--output", "output_path", default="-", show_default=True,
+              type=click.Path(dir_okay=False, allow_dash=True), help="Where the JSONL goes.")
+@click.option("--format", "input_format", type=click.Choice(["txt", "jsonl"]),
+              help="Input format (default: from the file name).")
+@click.option("--raw", is_flag=True, help="Send .txt lines to the model as plain text, not as "
+              "user messages through its chat template.")
+@device_option
+@sampling_options
+@click.option("--stop", multiple=True, help="A stop string (repeatable); not included in "
+              "the text.")
+@click.option("--ignore-eos", is_flag=True, default=None,
+              help="Keep generating past end-of-sequence tokens.")
+@click.option("--resume", is_flag=True, help="Skip the requests whose ids --output already "
+              "holds (from a run that was stopped) and append the others; give the options "
+              "of that run (--raw among them) again.")
+@click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
+              help="Seconds between progress lines on stderr when it is not a terminal (0: "
+                   "after every step); a terminal gets a progress bar.")
+@engine_options
+def generate(model_dir, input_path, output_path, input_format, raw, device, resume,
+             progress_interval, **flags):
+    """Run a batch of prompts together and write one JSON line per request.
+
+    \b
+    .txt: one prompt per line; blank lines are skipped; the id is the line number. When
+    the model has a chat template each line is a user message through it (as chat takes
+    a message), else plain text; --raw sends plain text always.
+    .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
+    "id" (default: the line number) and optional sampling fields (temperature, top_p,
+    top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's.
+    Files may start with a UTF-8 BOM and use CRLF line ends.
+
+    \b
+    Output, in input order:
+      {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
+    A line that cannot run gives {"id", "error"} and the others proceed. When an id
+    repeats, the first request runs and each later one gets an error line.
+
+    \b
+    OpenAI batch files (as OpenAI's Batch API and vLLM's run-batch take them): every line
+    {"custom_id", "method": "POST", "url": "/v1/chat/completions" or "/v1/completions",
+    "body": {...}}, each custom_id its own. A body is taken as `cupy-llama serve` takes
+    it (its "model" aside: the run uses --model); the command line's sampling options
+    fill in the fields it leaves out. Each line's output is OpenAI's batch output line
+      {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}
+    with the body the server would answer; a refused request's response holds the
+    server's error status and body, and "error" its {"code", "message"}.
+
+    \b
+    Exit code: 0 when every request succeeded, 1 when any failed (the summary says how
+    many), 130 when stopped with Ctrl-C: the lines written so far are whole, and the same
+    command with --resume does the rest (a .txt input's ids are its line numbers, so
+    resume with the file unedited).
+    """
+    from .batch_io import input_format as format_of, read_requests, still_to_run
+
+    format = format_of(input_path, input_format)
+    if output_path != "-":
+        if input_path != "-" and _same_file(input_path, output_path):
+            raise OptionError(f"--output {output_path!r} is the --input file; writing the "
+                              "results would overwrite the requests: pick another --output")
+        check_output_path(output_path, "--output")
+    elif resume:
+        raise OptionError("--resume needs --output FILE: it skips the requests that file "
+                          "already holds")
+    if not progress_interval >= 0:
+        raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
+    data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
+    requests = read_requests(data, format)
+    defaults = given(flags, SAMPLING_NAMES)
+    defaults["stop"] = list(defaults.get("stop", ()))
+    if not defaults["stop"]:
+        del defaults["stop"]
+    engine = given(flags, ENGINE_NAMES)
+    check_options(defaults, engine)
+    earlier = _read_earlier_output(output_path) if resume else None
+    num_skipped = 0
+    if earlier is not None:
+        todo = still_to_run(requests, earlier, repr(output_path))
+        num_skipped = len(requests) - len(todo)
+        log(f"resuming: {num_skipped} of {len(requests)} requests are already in "
+             f"{output_path!r}; running the other {len(todo)}"
+             + (" (its last line was cut short: that request runs again)"
+                if earlier.dropped_partial else ""))
+        requests = todo
+    model_name = str(model_dir)  # an OpenAI body's "model", as serve names it
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        model_dir, model_name = options.default_model_dir(), DEMO_NAME
+    llm = options.load(model_dir, device, engine)
+    if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
+        log("each line goes to the model as a user message through its chat template "
+             "(--raw: as plain text)")
+        for request in requests:
+            if request.error is None:
+                request.messages = [{"role": "user", "content": request.prompt}]
+                request.prompt = None
+    run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
+               earlier_errors=earlier.num_errors if earlier is not None else 0,
+               model_name=model_name)
+    if output_path == "-":
+        return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
+                             **run)
+    try:
+        if earlier is not None and earlier.keep_bytes < os.path.getsize(output_path):
+            os.truncate(output_path, earlier.keep_bytes)  # a partly written last line
+        out = open(output_path, "a" if earlier is not None else "w", encoding="utf-8")
+    except OSError as e:
+        raise _Output.error(repr(output_path), e) from None
+    with _Output(out, repr(output_path)) as output:
+        if earlier is not None and earlier.add_newline:
+            output.write("\n")
+        return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (also through links, or two spellings)."""
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    if first.resolve() == second.resolve():
+        return True
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # the output does not exist yet
+        return False
+
+
+def _read_earlier_output(output_path: str):
+    """What an earlier run left in --output (nothing when the file does not exist)."""
+    from .batch_io import Resume, read_resume
+
+    path = Path(output_path).expanduser()
+    if not path.exists():
+        return Resume(set(), 0)
+    return read_resume(path.read_bytes(), repr(output_path))
+
+
+class _Output:
+    """The JSONL output: a failed write (a full disk, say) is a one-line error naming it."""
+
+    def __init__(self, stream, name: str):
+        self.stream, self.name = stream, name
+
+    @staticmethod
+    def error(name: str, e: OSError) -> RequestError:
+        return RequestError(f"cannot write {name} ({e.strerror or e}); pick another --output")
+
+    @contextmanager
+    def _writing(self):
+        try:
+            yield
+        except BrokenPipeError:  # a reader that has what it wanted: main() says ok
+            raise
+        except OSError as e:
+            raise self.error(self.name, e) from None
+
+    def write(self, text: str) -> int:
+        with self._writing():
+            return self.stream.write(text)
+
+    def flush(self) -> None:
+        with self._writing():
+            self.stream.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:  # that error is the one to show; close quietly
+            try:
+                self.stream.close()
+            except OSError:
+                pass
+            return
+        with self._writing():
+            self.stream.close()  # writes what is still buffered
+
+
+class _ConsoleLines:
+    """Result lines printed above rich's live progress bar: when stdout and stderr are one
+    terminal, lines written straight to stdout land on the bar's screen line (the bar
+    redraws itself in place), so they go through the bar's console, which moves the bar
+    below each one."""
+
+    def __init__(self, console):
+        self.console = console
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            self.console.print(line, markup=False, highlight=False, emoji=False,
+                               soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _same_terminal(a, b) -> bool:
+    try:
+        return (a.isatty() and b.isatty()
+                and os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno())))
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+
+
+class _ProgressLines:
+    """Progress off a terminal: a line on stderr at most every `interval` seconds, checked
+    after each engine step."""
+
+    def __init__(self, total: int, interval: float):
+        self.total, self.interval = total, interval
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, num_done: int, completion_tokens: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = now - self.started
+        rate = completion_tokens / elapsed if elapsed > 0 else 0.0
+        eta = _duration((self.total - num_done) * elapsed / num_done) if num_done else "unknown"
+        log(f"progress: {num_done}/{self.total} requests done, {rate:,.1f} completion "
+             f"tok/s, ETA {eta}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
+                  num_skipped: int = 0, earlier_errors: int = 0, model_name: str) -> int:
+    """Runs the batch with progress on stderr; the exit code (0, 1 when a request failed,
+    130 when interrupted), after a summary."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    from .batch_io import run_batch
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("generate", total=len(requests), rate="")
+            started = time.perf_counter()
+
+            def update(num_done: int, completion_tokens: int):
+                elapsed = time.perf_counter() - started
+                rate = f"{completion_tokens / elapsed:.0f} tok/s" if elapsed > 0 else ""
+                progress.update(task, completed=num_done, rate=rate)
+
+            if where == "stdout" and _same_terminal(sys.stdout, sys.stderr):
+                out = _ConsoleLines(progress.console)
+            summary = run_batch(llm, requests, out, defaults, progress=update,
+                                model_name=model_name)
+    else:
+        summary = run_batch(llm, requests, out, defaults,
+                            progress=_ProgressLines(len(requests), interval),
+                            model_name=model_name)
+    summary.num_skipped = num_skipped
+    log(summary.line())
+    total = num_skipped + summary.num_requests
+    if summary.interrupted:
+        left = summary.num_requests - summary.num_written
+        if where == "stdout":
+            log(f"interrupted: {summary.num_written} results went to stdout; the other "
+                 f"{left} requests did not run")
+        else:
+            log(f"interrupted: {num_skipped + summary.num_written} of {total} results are "
+                 f"in {where}; the same command with --resume runs the other {left}")
+        return EXIT_INTERRUPTED
+    failed = summary.num_errors + earlier_errors
+    if failed:
+        log(f"error: {failed} of {total} requests failed; their lines in {where} hold "
+             "an \"error\" that says why")
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+command = generate

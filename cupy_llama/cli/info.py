@@ -1,0 +1,111 @@
+"""`cupy-llama info`: a model's shape, parameters and memory plan on a device."""
+from __future__ import annotations
+
+import click
+
+from . import options
+from .options import (ENGINE_NAMES, MODEL_PATH, auto_device, check_model_options,
+                      check_options, device_option, engine_options, given)
+
+# ---- info ---------------------------------------------------------------------------------
+
+@click.command()
+@click.option("--model", "model_dir", type=MODEL_PATH,
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
+@device_option
+@engine_options
+def info(model_dir, device, **flags):
+    """Show a model's shape, parameter count, dtype and memory plan on a device."""
+    engine = given(flags, ENGINE_NAMES)
+    check_options({}, engine)
+    model_dir = model_dir or options.default_model_dir()
+    config = check_model_options(model_dir, engine)
+    if device == "auto":
+        device = auto_device()
+    # the plan first: an error there (no GPU, say) comes before any of the report
+    rows = _cpu_memory_plan(model_dir, config, engine) if device == "cpu" \
+        else _loaded_memory_plan(model_dir, device, engine)
+    for label, value in _describe(config):
+        click.echo(f"{label:<14}{value}")
+    click.echo(f"memory plan ({device}):")
+    width = max(len(label) for label, _ in rows) + 2
+    for label, value in rows:
+        click.echo(f"  {label:<{width}}{value}")
+
+
+def _describe(config) -> list[tuple[str, str]]:
+    rope = "none" if config.rope_scaling is None else f"llama3 x{config.rope_scaling.factor:g}"
+    return [
+        ("architecture", "LlamaForCausalLM"),
+        ("shape", f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+                  f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV), "
+                  f"head_dim {config.head_dim}, intermediate {config.intermediate_size}"),
+        ("vocabulary", f"{config.vocab_size} tokens, embeddings "
+                       f"{'tied' if config.tie_word_embeddings else 'untied'}"),
+        ("context", f"{config.max_position_embeddings} positions, rope theta "
+                    f"{config.rope_theta:g}, scaling {rope}"),
+        ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
+        ("dtype", config.torch_dtype),
+        ("eos ids", ", ".join(map(str, config.eos_token_ids)) or "none"),
+    ]
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB" if num_bytes < 2**30 else f"{num_bytes / 2**30:,.2f} GiB"
+
+
+def _cpu_memory_plan(model_dir, config, engine: dict) -> list[tuple[str, str]]:
+    """The CPU backend's plan, computed from the headers without loading the weights:
+    float32 weights, one step's activations, the float32 KV cache."""
+    from ..backends.cpu import DEFAULT_CPU_KV_BYTES
+    from ..config import EngineConfig
+    from ..model.llama import buffer_shapes
+    from ..weights import open_checkpoint, plan_weight_blob
+
+    engine = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, **engine}  # LLM's CPU defaults
+    engine_config = EngineConfig(**engine)
+    max_model_len = engine_config.resolved_max_model_len(config)
+    with open_checkpoint(model_dir, config) as checkpoint:
+        stored = ", ".join(sorted(checkpoint.source_dtypes))
+    plan, _ = plan_weight_blob(config)
+    weight_bytes = sum(entry.nbytes for entry in plan.values()) * 2  # bf16 -> float32
+    shapes = buffer_shapes(config, engine_config.max_num_batched_tokens, engine_config.max_num_seqs)
+    buffer_bytes = sum(4 * _product(shape) for shape in shapes.values())
+    block_size = engine_config.block_size
+    bytes_per_block = 2 * config.num_hidden_layers * block_size * config.kv_size * 4
+    num_blocks = engine_config.num_kv_blocks or max(1, min(
+        engine_config.max_num_seqs * -(-max_model_len // block_size),
+        DEFAULT_CPU_KV_BYTES // bytes_per_block))
+    return [
+        ("weights", f"{_size(weight_bytes)} (float32; stored as {stored})"),
+        ("buffers", f"{_size(buffer_bytes)} (one step of {engine_config.max_num_batched_tokens} "
+                    f"tokens, {engine_config.max_num_seqs} sequences)"),
+        ("KV cache", f"{_size(num_blocks * bytes_per_block)}: {num_blocks} blocks x {block_size} "
+                     f"tokens = {num_blocks * block_size} tokens"),
+        ("context", f"{max_model_len} tokens per sequence"),
+    ]
+
+
+def _product(shape) -> int:
+    result = 1
+    for n in shape:
+        result *= n
+    return result
+
+
+def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str, str]]:
+    """The plan as the loaded backend reports it: (name, bytes, note) rows."""
+    backend = options.load(model_dir, device, engine).backend
+    if hasattr(backend, "memory_plan"):
+        return [(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in backend.memory_plan()]
+    return [("KV cache", f"{_size(backend.kv_cache_bytes)}: {backend.num_kv_blocks} blocks x "
+                         f"{backend.block_size} tokens = "
+                         f"{backend.num_kv_blocks * backend.block_size} tokens")]
+
+
+command = info

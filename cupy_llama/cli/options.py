@@ -1,0 +1,161 @@
+"""What the commands share: the option decorators, checking option values before the
+model loads, choosing the device, loading a model and the demo model default.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError, OptionError, RequestError, option_flag
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def log(message: str) -> None:
+    click.echo(message, err=True)
+
+
+DEVICES = ("auto", "cpu", "cuda")
+CHAT_MAX_TOKENS = 1024
+PROGRESS_INTERVAL_S = 10.0  # generate's progress lines when stderr is not a terminal
+GPU_ONLY_NAMES = ("gpu_memory_utilization", "enforce_eager")
+# Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
+# for every command, rather than click's usage error for some of the cases.
+MODEL_PATH = click.Path()
+
+
+# ---- options shared by the commands -------------------------------------------------------
+
+def _options(*decorators):
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
+
+
+device_option = click.option(
+    "--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+    help="Where to run: the GPU when usable (auto), the NumPy backend (cpu) or the GPU (cuda).")
+
+sampling_options = _options(
+    click.option("--temperature", type=float, help="0 means greedy (default: the model's "
+                 "generation_config.json where it says do_sample, else greedy)."),
+    click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
+    click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
+    click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
+    click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: "
+                 f"{CHAT_MAX_TOKENS} in chat, 256 in generate)."),
+    click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."))
+
+engine_options = _options(
+    click.option("--max-model-len", type=int, help="Context limit in tokens (default: the "
+                 "model's, at most 8192)."),
+    click.option("--max-num-seqs", type=int, help="Sequences decoded together in one step."),
+    click.option("--max-num-batched-tokens", type=int, help="New tokens per step."),
+    click.option("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from "
+                 "the memory left)."),
+    click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use "
+                 "(default 0.9)."),
+    click.option("--no-prefix-caching", "enable_prefix_caching", is_flag=True, flag_value=False,
+                 default=None, help="Compute every prompt in full instead of reusing the KV "
+                 "blocks of prompts seen before."))
+
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
+                  "ignore_eos")
+ENGINE_NAMES = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                "gpu_memory_utilization", "enable_prefix_caching")
+
+
+def given(options: dict, names) -> dict:
+    """The options among names that the user set: an option not given is None (flags too,
+    so --no-prefix-caching can say False), or () when it repeats."""
+    unset = lambda value: value is None or value == ()  # noqa: E731
+    return {name: options[name] for name in names if name in options and not unset(options[name])}
+
+
+def _flagged(message: str) -> str:
+    """A message about a setting, with the setting named by its command-line flag."""
+    for name in (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager"):
+        if message.startswith(name + " "):
+            return option_flag(name) + message[len(name):]
+    return message
+
+
+def check_options(sampling: dict, engine: dict) -> None:
+    """Bad sampling or engine option values fail here, before the model loads, as usage
+    errors naming the option."""
+    from ..config import EngineConfig
+    from ..sampling import SamplingParams
+    try:
+        SamplingParams.from_dict(sampling)
+        EngineConfig(**engine)
+    except (RequestError, ConfigError) as e:
+        raise OptionError(_flagged(str(e))) from None
+
+
+def check_model_options(model_dir, engine: dict):
+    """The model's config.json (a bad folder is a one-line error, exit 1), then the engine
+    options the model must take: --max-model-len beyond its context is a usage error.
+    Returns the ModelConfig."""
+    from ..config import EngineConfig, ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    try:
+        EngineConfig(**engine).resolved_max_model_len(config)
+    except ConfigError as e:
+        raise OptionError(_flagged(str(e))) from None
+    return config
+
+
+def resolve_device(device: str, engine: dict) -> tuple[str, dict]:
+    """The device `auto` means here (with the reason when it is the CPU), and the engine
+    options without those the CPU does not have, each named in a warning."""
+    if device == "auto":
+        device = auto_device(log=log)
+    if device != "cpu":
+        return device, engine
+    ignored = [name for name in GPU_ONLY_NAMES if name in engine]
+    if ignored:
+        flags = " and ".join(option_flag(name) for name in ignored)
+        verb = "applies" if len(ignored) == 1 else "apply"
+        log(f"warning: {flags} {verb} to the GPU only; ignored on the CPU")
+    return device, {k: v for k, v in engine.items() if k not in ignored}
+
+
+def load(model_dir, device: str, engine: dict):
+    from ..llm import LLM
+
+    check_model_options(model_dir, engine)
+    device, engine = resolve_device(device, engine)
+    started = time.perf_counter()
+    log(f"loading {model_dir} ...")
+    llm = LLM(model_dir, device=device, log=log, **engine)
+    log(f"loaded on {llm.device} in {time.perf_counter() - started:.1f} s")
+    return llm
+
+
+def default_model_dir() -> Path:
+    from .demo import build_demo_model, demo_model_dir, is_built
+
+    path = demo_model_dir()
+    if not is_built(path):
+        log(f"no --model given: building the demo model (SmolLM2-135M-Instruct) in {path}; "
+            "this happens once")
+        path = build_demo_model(log=log)
+    return path
+
+
+def auto_device(log=None) -> str:
+    """cuda when a usable GPU is there, else cpu (and log says why, when given)."""
+    try:
+        from ..backends.cuda import cuda_usable
+    except ImportError as e:
+        usable, reason = False, f"the CUDA backend cannot be imported ({e})"
+    else:
+        usable, reason = cuda_usable()
+    if not usable and log is not None:
+        log(f"warning: running on the CPU (slow): {reason}")
+    return "cuda" if usable else "cpu"

@@ -1,0 +1,129 @@
+"""`cupy-llama serve`: the OpenAI-compatible server (server/)."""
+from __future__ import annotations
+
+import errno
+
+import click
+
+from ..errors import CupyLlamaError, OptionError
+from . import options
+from .options import (ENGINE_NAMES, EXIT_OK, MODEL_PATH, check_options, device_option,
+                      engine_options, given, log)
+
+# ---- serve --------------------------------------------------------------------------------
+
+SERVE_ENGINE_NAMES = (*ENGINE_NAMES, "block_size", "enforce_eager")
+SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+@click.command()
+@click.option("--model", "model_dir", type=MODEL_PATH,
+              help="Model directory (Hugging Face layout). Default: the demo model, built "
+                   "on first use.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free one; the ready line says which).")
+@click.option("--api-key", envvar="CUPY_LLAMA_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on the API (default: "
+                   "$CUPY_LLAMA_API_KEY, else no key).")
+@click.option("--served-model-name", help="The model's name in the API (default: the "
+              "--model argument as given).")
+@device_option
+@click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Sequences that may wait for a free slot (a request of n samples has "
+                   "n); past that, 503 with Retry-After.")
+@click.option("--log-requests", is_flag=True, help="Also log request bodies and generated "
+              "text (by default the log holds method, path, status and time only).")
+@click.option("--replica-name", help="This server's name in the x-served-by header of every "
+              "response (default: hostname:port).")
+@click.option("--drain-delay", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds between SIGTERM and closing the listener, while /health answers "
+                   "503 and requests are still served: time for a load balancer to take this "
+                   "replica out.")
+@engine_options
+@click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
+@click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
+def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
+          log_requests, replica_name, drain_delay, **flags):
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
+
+    Prints one line with the URL once the model is loaded; Ctrl-C stops it, SIGTERM too
+    after --drain-delay. For more than one GPU, run one per GPU (CUDA_VISIBLE_DEVICES)
+    behind a load balancer (README: More than one GPU).
+    """
+    engine = given(flags, SERVE_ENGINE_NAMES)
+    check_options({}, engine)
+    if replica_name is not None and not (replica_name.strip() and replica_name.isascii()
+                                         and replica_name.isprintable()):
+        raise OptionError(f"--replica-name {replica_name!r} must be printable ASCII (it goes "
+                          "into the x-served-by header)")
+    for package in SERVE_PACKAGES:
+        try:
+            __import__(package)
+        except ImportError:
+            raise CupyLlamaError(f"cupy-llama serve needs the serve extra ({package} is not "
+                                 "installed): pip install 'cupy-llama[serve]'") from None
+    from ..config import ModelConfig
+    from ..engine.async_engine import EngineStartError
+    from ..server.app import ServerSettings, run_server
+    from ..tokenizer import Tokenizer
+
+    name = served_model_name or model_dir
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        model_dir, name = options.default_model_dir(), served_model_name or DEMO_NAME
+    config = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, config)
+    sock = _listen(host, port)
+    settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
+                              device=device, engine_options=engine, api_key=api_key or None,
+                              max_waiting=max_waiting, log_requests=log_requests,
+                              replica_name=replica_name, drain_delay_s=drain_delay)
+    try:
+        run_server(settings, sock, tokenizer, config)
+    except EngineStartError as e:
+        if e.kind == "option":
+            raise OptionError(str(e)) from None
+        if e.kind == "memory":
+            raise MemoryError(str(e)) from None
+        if e.kind == "crash":
+            log(str(e).rstrip())
+            raise CupyLlamaError("the engine process failed while loading the model (the "
+                                 "traceback is above)") from None
+        raise CupyLlamaError(str(e)) from None
+    except RuntimeError as e:  # the engine process died while serving
+        raise CupyLlamaError(str(e)) from None
+    finally:
+        sock.close()
+    return EXIT_OK
+
+
+def _listen(host: str, port: int):
+    """The server's listening socket, bound before the model loads: a port in use is a
+    one-line error at once."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OptionError(f"--host {host!r} is not an address this machine has ({e.strerror})") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CupyLlamaError(f"port {port} on {host} is in use; stop what listens there or "
+                                 f"pick another --port") from None
+        raise CupyLlamaError(f"cannot listen on {host} port {port} ({e.strerror}); pick "
+                             f"another --host or --port") from None
+    return sock
+
+
+command = serve
