@@ -23,6 +23,7 @@ import numpy as np
 from .bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from .config import ModelConfig
 from .errors import CheckpointError
+from .util import cdiv
 
 MAX_HEADER_BYTES = 100_000_000
 BLOB_ALIGNMENT = 256
@@ -446,7 +447,7 @@ def plan_weight_blob(config: ModelConfig) -> tuple[dict[str, BlobEntry], int]:
 
 
 def _align(n: int) -> int:
-    return -(-n // BLOB_ALIGNMENT) * BLOB_ALIGNMENT
+    return cdiv(n, BLOB_ALIGNMENT) * BLOB_ALIGNMENT
 
 
 def iter_blob_pieces(checkpoint: Checkpoint,

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
 from cupy_llama.backends.cuda import attention
 from cupy_llama.backends.cuda.device import device_limits
+from cupy_llama.util import cdiv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split counts
@@ -58,9 +59,9 @@ def old_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_len:
                       num_sms: int, max_model_len: int = MAX_MODEL_LEN) -> int:
     """The split rule the scalar kernel shipped with: CTAs of 16 rows, about 2 per SM,
     at least 256 keys per split, at most 32 splits."""
-    max_splits = max(1, min(32, -(-max_model_len // 256)))
-    ctas = num_seqs * num_kv_heads * -(-group // 16)
-    wanted = -(-2 * num_sms // ctas)
+    max_splits = max(1, min(32, cdiv(max_model_len, 256)))
+    ctas = num_seqs * num_kv_heads * cdiv(group, 16)
+    wanted = cdiv(2 * num_sms, ctas)
     return max(1, min(wanted, max_splits, max_seq_len // 256))
 
 
@@ -137,8 +138,8 @@ class Bench:
         max_parts = max(DECODE_BATCHES) * NUM_HEADS * max(32, splits)
         self.partial_out = cupy.empty(max_parts * HEAD_DIM, np.float32)
         self.partial_lse = cupy.empty(max_parts, np.float32)
-        needed = max(max(DECODE_BATCHES) * -(-max(DECODE_CONTEXTS) // BLOCK_SIZE),
-                     max(-(-(c + n) // BLOCK_SIZE) for c, n in PREFILLS))
+        needed = max(max(DECODE_BATCHES) * cdiv(max(DECODE_CONTEXTS), BLOCK_SIZE),
+                     max(cdiv(c + n, BLOCK_SIZE) for c, n in PREFILLS))
         self.num_blocks = needed + 1024
         shape = (self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.k_pool = self.random_bf16(shape)
@@ -158,7 +159,7 @@ class Bench:
         return out
 
     def scattered_tables(self, num_seqs: int, seq_len: int):
-        width = -(-seq_len // BLOCK_SIZE)
+        width = cdiv(seq_len, BLOCK_SIZE)
         ids = self.rng.permutation(self.num_blocks)[:num_seqs * width]
         return ids.reshape(num_seqs, width).astype(np.int32)
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cupy_llama import LLM, SamplingParams  # noqa: E402
 from cupy_llama.backends.base import ForwardBatch  # noqa: E402
 from cupy_llama.model.llama import forward  # noqa: E402
+from cupy_llama.util import cdiv
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -42,7 +43,7 @@ def our_logits(llm: LLM, ids: list[int]) -> np.ndarray:
     """Logits after `ids`, from one prefill into blocks 0.. of the (idle) engine's cache."""
     n = len(ids)
     bs = llm.backend.block_size
-    table = np.arange(-(-n // bs), dtype=np.int32)
+    table = np.arange(cdiv(n, bs), dtype=np.int32)
     positions = np.arange(n, dtype=np.int32)
     batch = ForwardBatch(token_ids=np.asarray(ids, np.int32), positions=positions,
                          slot_mapping=(table[positions // bs] * bs + positions % bs).astype(np.int32),

@@ -49,6 +49,7 @@ from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cuda import gemm
 from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches
+from cupy_llama.util import cdiv
 
 RUNS, WARMUP = 20, 3
 GRAPH_BATCHES = (1, 8, 64, 256)
@@ -133,7 +134,7 @@ class _RecordingBackend:
 
 def decode_batch(num_seqs: int, context: int, block_size: int, blocks_per_seq: int, rng) -> ForwardBatch:
     """Sequence b has `context` tokens cached in blocks b * blocks_per_seq ...; one new token."""
-    used = -(-(context + 1) // block_size)
+    used = cdiv(context + 1, block_size)
     tables = (np.arange(num_seqs, dtype=np.int32)[:, None] * blocks_per_seq
               + np.arange(used, dtype=np.int32)[None, :])
     positions = np.full(num_seqs, context, np.int32)
@@ -286,7 +287,7 @@ def weight_copies(cupy, n: int, k: int, l2_bytes: int) -> list:
     """Copies of an [n, k] bf16 weight that together hold FLUSH_L2_TIMES L2 sizes, so that
     calls cycling over them read every weight from HBM: random bit patterns of values in
     [2^-7, 2^-5) (finite, no denormals), views of one allocation."""
-    copies = max(1, -(-FLUSH_L2_TIMES * l2_bytes // (2 * n * k)))
+    copies = max(1, cdiv(FLUSH_L2_TIMES * l2_bytes, 2 * n * k))
     pool = cupy.random.randint(0x3C00, 0x3D00, copies * n * k, dtype=np.int32).astype(np.uint16)
     return [pool[i * n * k:(i + 1) * n * k].reshape(n, k) for i in range(copies)]
 
@@ -392,7 +393,7 @@ def tune(cupy, config, gpu: str) -> tuple[list, dict]:
 
 def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
     """Batch-1 greedy decode tok/s: host batch, step, sampling, token readback per step."""
-    bps = -(-backend.max_model_len // backend.block_size)
+    bps = cdiv(backend.max_model_len, backend.block_size)
     token = 0
     sampling = greedy(1)
     stamps = []
@@ -431,7 +432,7 @@ def main(argv=None) -> int:
     checkpoint = open_checkpoint(args.model_dir, config)
     max_num_seqs = max(GRAPH_BATCHES)
     max_model_len = max(2048, max(KERNEL_CONTEXTS) + 1, args.context + E2E_STEPS + 16)
-    blocks_per_seq = -(-max_model_len // 16)
+    blocks_per_seq = cdiv(max_model_len, 16)
     started = time.perf_counter()
     backend = CudaBackend(config, checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=4096, block_size=16,

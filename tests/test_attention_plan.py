@@ -10,6 +10,7 @@ import pytest
 from cupy_llama.backends.cuda import attention
 from cupy_llama.backends.cuda.attention import attention_plan, choose_decode_splits, split_length
 from cupy_llama.backends.cuda.kernels import kernel_dir
+from cupy_llama.util import cdiv
 
 H200_SMS = 132
 
@@ -83,7 +84,7 @@ def test_decode_step_matches_the_cuda_source():
 def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(num_seqs=2, max_query_len=1000)
     assert p.kernel == "prefill_attention_d64"
-    assert p.grid == (-(-1000 * 4 // 64), 8, 2)  # rows are (token, head of the group) pairs
+    assert p.grid == (cdiv(1000 * 4, 64), 8, 2)  # rows are (token, head of the group) pairs
     assert p.shared_mem == 2 * (64 + 4 * 64) * (64 + 8) <= 48 * 1024
     p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
     assert p.kernel == "prefill_attention_d128" and p.grid[0] == 1

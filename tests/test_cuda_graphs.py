@@ -25,6 +25,7 @@ import pytest
 from cupy_llama.backends.base import ForwardBatch
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.backends.cuda.graphs import decode_buckets
+from cupy_llama.util import cdiv
 
 
 def _gpu_available() -> bool:
@@ -91,7 +92,7 @@ class Sequences:
         for b, n in new_counts.items():
             start = self.computed[b]
             pos = np.arange(start, start + n, dtype=np.int32)
-            used = -(-(start + n) // BLOCK_SIZE)
+            used = cdiv(start + n, BLOCK_SIZE)
             ids.append(np.asarray(self.tokens[b][start:start + n], np.int32))
             positions.append(pos)
             slots.append(self.tables[b][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)

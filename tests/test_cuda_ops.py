@@ -14,6 +14,7 @@ import pytest
 from cupy_llama.backends.base import ForwardBatch, SamplingTensors
 from cupy_llama.backends.numpy_ops import NumpyOps, filtered_probs
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from cupy_llama.util import cdiv
 
 
 def _gpu_available() -> bool:
@@ -301,7 +302,7 @@ def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, block_siz
     num_heads = num_kv_heads * group
     seq_lens = np.array([c + n for c, n in seqs], np.int32)
     num_new = np.array([n for _, n in seqs], np.int32)
-    blocks_per_seq = -(-seq_lens // block_size)
+    blocks_per_seq = cdiv(seq_lens, block_size)
     total_blocks = int(blocks_per_seq.sum())
     width = int(blocks_per_seq.max())
     pool_ids = rng.choice(NUM_POOL_BLOCKS, total_blocks, replace=False).astype(np.int32)

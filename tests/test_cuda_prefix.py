@@ -21,6 +21,7 @@ from cupy_llama.backends.base import ForwardBatch
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from test_cuda_ops import (BLOCK_SIZE, REF, _gpu_available, assert_close, make_ops, poisoned,
                            random_bf16, rng, rope_table, to_float)  # noqa: F401 (rng: a fixture)
+from cupy_llama.util import cdiv
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
@@ -50,7 +51,7 @@ class PagedCase:
         self.num_heads = NUM_KV_HEADS * group
         self.width_qkv = (self.num_heads + 2 * NUM_KV_HEADS) * head_dim
         lengths = [offset + chunk for offset, chunk in seqs]
-        blocks_per_seq = [-(-n // BLOCK_SIZE) for n in lengths]
+        blocks_per_seq = [cdiv(n, BLOCK_SIZE) for n in lengths]
         self.width = max(blocks_per_seq)
         num_pool_blocks = 4 * sum(blocks_per_seq) + 16
         ids = rng.choice(num_pool_blocks, sum(blocks_per_seq), replace=False).astype(np.int32)

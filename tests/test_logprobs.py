@@ -9,6 +9,7 @@ from cupy_llama import LLM, SamplingParams
 from cupy_llama.backends.base import ForwardBatch
 from cupy_llama.errors import RequestError
 from cupy_llama.model.llama import forward
+from cupy_llama.util import cdiv
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
 
@@ -20,7 +21,7 @@ def reference_log_softmax(llm, tokens: list[int], num_prompt: int) -> np.ndarray
     n = len(tokens) - 1  # the last token's logits are not needed
     backend = llm.backend
     block_size = backend.block_size
-    table = np.arange(-(-n // block_size), dtype=np.int32)
+    table = np.arange(cdiv(n, block_size), dtype=np.int32)
     positions = np.arange(n, dtype=np.int32)
     ends = np.arange(num_prompt, n + 1, dtype=np.int32)  # query ranges end after these
     batch = ForwardBatch(

@@ -18,6 +18,7 @@ from cupy_llama.config import ModelConfig
 from cupy_llama.model.llama import forward
 from cupy_llama.bench.random_model import TINY, make_random_model
 from cupy_llama.weights import open_checkpoint
+from cupy_llama.util import cdiv
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = sorted(p.stem[3:] for p in FIXTURES.glob("hf_*.npz"))
@@ -63,7 +64,7 @@ def test_long_prompt_logits_match_transformers(case):
     prompt = fixture["long_prompt"]
     positions = fixture["logit_positions"]
     n = len(prompt)
-    block_table = np.arange(-(-n // 16), dtype=np.int32)[::-1].copy()  # reversed blocks
+    block_table = np.arange(cdiv(n, 16), dtype=np.int32)[::-1].copy()  # reversed blocks
     batch = prefill_batch(prompt, block_table, 16)
     # ask for the rows at `positions` by making each a "last token" of a query range
     starts = np.concatenate([[0], positions + 1]).astype(np.int32)

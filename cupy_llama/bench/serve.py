@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..util import cdiv
 from .report import commit_info, environment, write_report
 from .workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
                               THROUGHPUT_TEMPERATURE, BenchSettings, Workload, offline_workload,
@@ -109,7 +110,7 @@ class ServeBenchSettings:
     def num_client_processes(self) -> int:
         if self.client_processes is not None:
             return min(self.client_processes, self.concurrency)
-        return max(1, min(MAX_CLIENT_PROCESSES, -(-self.concurrency // STREAMS_PER_CLIENT)))
+        return max(1, min(MAX_CLIENT_PROCESSES, cdiv(self.concurrency, STREAMS_PER_CLIENT)))
 
     def command(self) -> str:
         args = ["cupy-llama", "bench", "serve", "--seed", str(self.seed),

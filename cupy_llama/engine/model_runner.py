@@ -10,6 +10,7 @@ import numpy as np
 
 from ..backends.base import ForwardBatch, SamplingTensors
 from ..config import ModelConfig
+from ..util import cdiv
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -119,7 +120,7 @@ class ModelRunner:
         positions = (np.arange(len(token_ids), dtype=np.int32)
                      + np.repeat(starts - query_start_loc[:-1], num_new))
         bs = self.block_size
-        max_blocks = -(-int(seq_lens.max()) // bs)  # the columns any position of the step reads
+        max_blocks = cdiv(int(seq_lens.max()), bs)  # the columns any position of the step reads
         blocks = slots.block_tables[np.repeat(rows, num_new), positions // bs]
         slot_mapping = blocks * bs + positions % bs
         for first, count in unwritten:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ...util import cdiv
 from . import launch
 from .kernels import (BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32, instances,
                       opt_in_shared)
@@ -80,7 +81,7 @@ def decode_mma_smem_bytes(head_dim: int) -> int:
 
 
 def max_decode_splits(max_model_len: int) -> int:
-    return max(1, min(MAX_SPLITS, -(-max_model_len // MIN_SPLIT_LEN)))
+    return max(1, min(MAX_SPLITS, cdiv(max_model_len, MIN_SPLIT_LEN)))
 
 
 def workspace_sizes(max_num_seqs: int, num_heads: int, head_dim: int, max_model_len: int):
@@ -95,7 +96,7 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_l
     about CTAS_PER_SM per SM (the decode kernel runs one CTA per sequence and kv head, for
     every group size), each range at least MIN_SPLIT_LEN keys."""
     ctas = max(1, num_seqs * num_kv_heads)
-    wanted = -(-CTAS_PER_SM * num_sms // ctas)
+    wanted = cdiv(CTAS_PER_SM * num_sms, ctas)
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
 
 
@@ -141,9 +142,9 @@ def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, hea
 def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
     """(split_len, num_splits) for a decode batch whose longest sequence is known: ranges
     of a multiple of SPLIT_ALIGN keys, no range wholly past max_seq_len."""
-    per_split = -(-max(1, max_seq_len) // num_splits)
-    split_len = max(SPLIT_ALIGN, -(-per_split // SPLIT_ALIGN) * SPLIT_ALIGN)
-    return split_len, max(1, -(-max_seq_len // split_len))
+    per_split = cdiv(max(1, max_seq_len), num_splits)
+    split_len = max(SPLIT_ALIGN, cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN)
+    return split_len, max(1, cdiv(max_seq_len, split_len))
 
 
 class AttentionPlan(NamedTuple):
@@ -197,10 +198,10 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
             return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
                                  (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
     if fast and num_splits == 1:
-        row_tiles = max(1, -(-max_query_len * group // PREFILL_ROWS))
+        row_tiles = max(1, cdiv(max_query_len * group, PREFILL_ROWS))
         return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),
                              PREFILL_THREADS, prefill_smem_bytes(head_dim))
-    row_tiles = max(1, -(-max_query_len * group // ROWS_PER_CTA))
+    row_tiles = max(1, cdiv(max_query_len * group, ROWS_PER_CTA))
     return AttentionPlan(SCALAR_KERNELS[dims_per_lane(head_dim)],
                          (row_tiles * num_splits, num_kv_heads, num_seqs), THREADS,
                          smem_bytes(head_dim))
@@ -284,7 +285,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         function(plan.grid, (plan.block,), args, shared_mem=plan.shared_mem)
     if num_splits > 1 and not clustered:
         combine = get_kernel("attention", "attention_combine_kernel")
-        grid, block = (num_heads, num_seqs), min(128, -(-head_dim // 32) * 32)
+        grid, block = (num_heads, num_seqs), min(128, cdiv(head_dim, 32) * 32)
         launch.launch_waiting(combine, grid, block, (partial_out, partial_lse, out,
                                                      i32(num_heads), i32(head_dim),
                                                      i32(num_splits)),

@@ -14,6 +14,7 @@ from ...errors import DeviceError
 from ...model.llama import buffer_shapes
 from ...model.llama import forward as llama_forward
 from ...model.rope import rope_cos_sin
+from ...util import cdiv
 from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
 from . import attention as attention_kernels
 from .device import check_cuda_device, device_name, import_cupy
@@ -47,7 +48,7 @@ def release_cached_memory(cupy) -> None:
 
 
 def _align(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
+    return cdiv(n, ALIGNMENT) * ALIGNMENT
 
 
 FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
@@ -138,7 +139,7 @@ class CudaBackend:
         self._kv.fill(NAN_BF16)  # a stray read of a never-written slot shows as NaN
         self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(config.num_hidden_layers)]
 
-        max_blocks_per_seq = -(-max_model_len // block_size)
+        max_blocks_per_seq = cdiv(max_model_len, block_size)
         workspace = (self._region_view("attn_partial_out", np.float32),
                      self._region_view("attn_partial_lse", np.float32))
         self.ops = CudaOps(max_num_tokens=self.max_num_tokens, max_num_seqs=max_num_seqs,
@@ -230,7 +231,7 @@ class CudaBackend:
     def _kv_blocks(self, num_kv_blocks, gpu_memory_utilization) -> int:
         cupy = self._cupy
         free, total = cupy.cuda.runtime.memGetInfo()
-        one_sequence = -(-self.max_model_len // self.block_size)
+        one_sequence = cdiv(self.max_model_len, self.block_size)
         if num_kv_blocks is not None:
             needed = num_kv_blocks * self.kv_bytes_per_block
             if needed > free:

@@ -2,6 +2,7 @@
 Each checks its arguments, then launches on the current stream."""
 from __future__ import annotations
 
+from ...util import cdiv
 from .kernels import BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32
 
 ROW_THREADS = 256
@@ -44,7 +45,7 @@ def gather_rows(x, indices, out):
 
 def _norm_threads(hidden: int) -> int:
     """About four elements per thread, a multiple of 32, at most 1024."""
-    return min(1024, max(32, -(-hidden // 128) * 32))
+    return min(1024, max(32, cdiv(hidden, 128) * 32))
 
 
 def _bf16_or_f32(name, array):
@@ -76,7 +77,7 @@ def silu_and_mul(gate_up, out):
     inter = width // 2
     vector = inter % SILU_VECTOR == 0 and aligned16(gate_up, out)
     if rows and inter:
-        column_blocks = -(-inter // (SILU_VECTOR * ROW_THREADS))
+        column_blocks = cdiv(inter, SILU_VECTOR * ROW_THREADS)
         get_kernel("activation", "silu_and_mul_kernel")(
             (rows, column_blocks), (ROW_THREADS,), (gate_up, out, i32(inter), i32(vector)))
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...util import cdiv
 from . import launch
 from .device import device_limits
 from .elementwise import check_rope_operands
@@ -287,7 +288,7 @@ def _launch_gemv(x, weight, out):
     n_cols = weight.shape[0]
     name, rows_per_warp = GEMV_VARIANTS[min(v for v in GEMV_VARIANTS if v >= m_rows)]
     get_kernel("gemv", name)(
-        (-(-n_cols // (GEMV_WARPS * rows_per_warp)),), (GEMV_WARPS * 32,),
+        (cdiv(n_cols, GEMV_WARPS * rows_per_warp),), (GEMV_WARPS * 32,),
         (x, weight, out, i32(m_rows), i32(n_cols), i32(k), i32(out.dtype == F32)))
 
 
@@ -310,14 +311,14 @@ def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     """Dynamic shared memory of a skinny kernel for m_rows x rows of length k: the staged x
     rows (zero-padded to a multiple of MMA_STEP, plus MMA_X_PAD_CHUNKS) and the warp
     partials."""
-    x_tiles = -(-m_rows // 8)
-    x_stride_bytes = (-(-k // MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
+    x_tiles = cdiv(m_rows, 8)
+    x_stride_bytes = (cdiv(k, MMA_STEP) * MMA_STEP // 8 + MMA_X_PAD_CHUNKS) * 16
     return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
 def skinny_kernel(pro: int, epi: int, warps: int, m_rows: int):
     """The skinny kernel of a prologue, epilogue and block size for m_rows x rows."""
-    return get_kernel("gemv", SKINNY_KERNELS[pro, epi, warps, -(-m_rows // 8)])
+    return get_kernel("gemv", SKINNY_KERNELS[pro, epi, warps, cdiv(m_rows, 8)])
 
 
 def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> str | None:
@@ -404,7 +405,7 @@ def _mma_launch_shape(pro: int, epi: int, n: int, k: int, m_rows: int):
     key = (pro, epi, n, k, m_rows)
     if key not in _mma_shapes:
         limits = device_limits()
-        tiles = -(-n // MMA_TILE_ROWS)
+        tiles = cdiv(n, MMA_TILE_ROWS)
         warps = _skinny_warps(pro, epi, n, k)
         kernel = skinny_kernel(pro, epi, warps, m_rows)
         shared = mma_shared_bytes(m_rows, k, warps)
@@ -419,7 +420,7 @@ def _skinny_warps(pro: int, epi: int, n: int, k: int) -> int:
     """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant."""
     if ((pro, epi) == (PRO_PLAIN, EPI_STORE) and k >= WIDE_MIN_K
-            and -(-n // MMA_TILE_ROWS) <= device_limits()["sms"]):
+            and cdiv(n, MMA_TILE_ROWS) <= device_limits()["sms"]):
         return MMA_WIDE_WARPS
     return MMA_WARPS
 
@@ -430,7 +431,7 @@ def mma_blocks_per_sm(regs_per_thread: int, shared: int, static_shared: int, lim
     shared memory (dynamic plus static, and 1 KB reserved per block) and threads; at
     least 1."""
     threads = warps * 32
-    regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
+    regs_per_warp = cdiv(regs_per_thread * 32, 256) * 256
     by_regs = limits["regs_per_sm"] // (regs_per_warp * warps)
     by_shared = limits["shared_per_sm"] // (shared + static_shared + 1024)
     by_threads = limits["threads_per_sm"] // threads
