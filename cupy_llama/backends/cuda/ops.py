@@ -208,7 +208,6 @@ class CudaOps(SublayerOps):
         return self.sample_async(logits, sampling).get()
 
     # the settings buffers: max_num_seqs of each SamplingTensors field, field after field
-    # (the 8-byte seeds first, so every field is aligned)
     # (the 8-byte seeds first, so every field is aligned); logprob_rows: the rows that ask
     # for log-probabilities, first R entries
     SAMPLING_FIELDS = (("seeds", np.uint64), ("temperature", np.float32), ("top_k", np.int32),
