@@ -28,7 +28,8 @@ import hashlib
 import struct
 from collections import OrderedDict, deque
 
-from .sequence import Sequence
+from ..util import cdiv
+from .sequence import Sequence, SequenceStatus
 
 # The hash of a block is SHA-256 over its parent block's digest and its token ids (int32,
 # little-endian: the same on every machine). A cache keyed on content must never confuse
@@ -47,6 +48,30 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
 @functools.lru_cache(maxsize=None)
 def _int32s(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}i")
+
+
+class ReusableBlocks:
+    """What a sequence can take instead of computing it (BlockManager.reusable_blocks):
+    the scheduler reads only how many tokens that covers and hands it back to allocate()."""
+    __slots__ = ("blocks", "num_hits", "num_tokens")
+
+    def __init__(self, blocks: list[int], num_hits: int, block_size: int):
+        self.blocks = blocks        # full blocks, from the first
+        self.num_hits = num_hits    # how many of them the prefix cache gave
+        self.num_tokens = len(blocks) * block_size
+
+
+class _Hashes:
+    """A sequence's content hashes (the block manager's own record, Sequence.kv_hashes): the
+    digests of its leading full blocks of known tokens, worked out once each (tokens never
+    change once known), and how many leading blocks of its table are settled in the cache
+    (found there at admission, or offered to it once computed; a block whose content
+    another block already holds stays private)."""
+    __slots__ = ("digests", "num_settled")
+
+    def __init__(self):
+        self.digests: list[bytes] = []
+        self.num_settled = 0
 
 
 class BlockManager:
@@ -72,7 +97,7 @@ class BlockManager:
         return len(self.free_blocks) + len(self.cached_free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks seq must gain so its table covers num_tokens tokens."""
@@ -103,24 +128,35 @@ class BlockManager:
         return block
 
     # ---- admission: reused blocks first, then fresh ones ----------------------------------
-    def find_cached(self, seq: Sequence) -> list[int]:
-        """The blocks of seq's longest run of cached full blocks, from its first (none with
-        caching off). Nothing is taken yet: `allocate` does."""
-        if not self.enable_caching:
-            return []
-        hits = []
-        for digest in self.hashes(seq):
-            block = self.cached.get(digest)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+    def reusable_blocks(self, seq: Sequence) -> ReusableBlocks:
+        """The full blocks seq can take instead of computing them: its longest run of
+        cached blocks (none with caching off), then, for a sample 1..n-1, the rest of its
+        parent's computed full prompt blocks while the parent holds them (a block's K/V
+        depend only on the tokens up to its end, the same for both). Nothing is taken yet:
+        `allocate` does."""
+        reused = []
+        if self.enable_caching:
+            for digest in self.hashes(seq):
+                block = self.cached.get(digest)
+                if block is None:
+                    break
+                reused.append(block)
+        num_hits = len(reused)
+        parent = seq.parent
+        if parent is not None and parent.status is SequenceStatus.RUNNING:
+            computed = min(seq.num_prompt_tokens, parent.num_computed_tokens)
+            shared = computed // self.block_size
+            if shared > num_hits:
+                reused = reused + parent.block_table[num_hits:shared]
+        return ReusableBlocks(reused, num_hits, self.block_size)
 
     def hashes(self, seq: Sequence, num_blocks: int | None = None) -> list[bytes]:
-        """seq.block_hashes extended over its first num_blocks full blocks (default: all of
-        them), as far as their tokens are known. The new blocks' tokens are packed in one
-        go: a 2,048-token prompt is 128 blocks to hash when it arrives."""
-        bs, hashes = self.block_size, seq.block_hashes
+        """seq's block digests extended over its first num_blocks full blocks (default: all
+        of them), as far as their tokens are known. The new blocks' tokens are packed in
+        one go: a 2,048-token prompt is 128 blocks to hash when it arrives."""
+        if seq.kv_hashes is None:
+            seq.kv_hashes = _Hashes()
+        bs, hashes = self.block_size, seq.kv_hashes.digests
         first, end = len(hashes), seq.num_tokens // bs if num_blocks is None else num_blocks
         if first >= end:
             return hashes
@@ -136,49 +172,74 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def can_allocate(self, reused: list[int], num_tokens: int) -> bool:
+    def can_allocate(self, reused: ReusableBlocks, num_tokens: int) -> bool:
         """Whether a sequence taking the blocks `reused` can cover num_tokens tokens: fresh
         blocks for the rest, and each reused block no one holds counts as taken from the
         free ones too."""
-        fresh = max(0, self.blocks_needed(num_tokens) - len(reused))
-        revived = sum(1 for block in reused if self.ref_counts[block] == 0)
+        fresh = max(0, self.blocks_needed(num_tokens) - len(reused.blocks))
+        revived = sum(1 for block in reused.blocks if self.ref_counts[block] == 0)
         return fresh + revived <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, reused: list[int], num_tokens: int) -> None:
+    def allocate(self, seq: Sequence, reused: ReusableBlocks, num_tokens: int) -> None:
         """Give seq (holding no blocks) a table of the blocks `reused` (a reference each),
         then fresh blocks up to num_tokens tokens. The reused blocks are taken first, so
-        the fresh ones never evict them."""
+        the fresh ones never evict them. At a sequence's first admission this counts the
+        prompt tokens looked up and those the cache held (seq.num_cached_tokens)."""
         assert not seq.block_table, "allocate is for a sequence that holds no blocks"
-        for block in reused:
+        for block in reused.blocks:
             if self.ref_counts[block] == 0:
                 del self.cached_free[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-        seq.num_hashed_blocks = len(reused)
+        if seq.kv_hashes is None:
+            seq.kv_hashes = _Hashes()
+        seq.kv_hashes.num_settled = len(reused.blocks)
+        # tokens at the head of the table this sequence took rather than computed: shared,
+        # full blocks that it never writes (the model runner gives them KV slot -1)
+        seq.num_reused_tokens = reused.num_tokens
+        if seq.num_cached_tokens < 0:  # the first admission: what the cache gave
+            seq.num_cached_tokens = min(reused.num_hits * self.block_size, seq.num_prompt_tokens)
+            if self.enable_caching:
+                self.num_queried_tokens += seq.num_prompt_tokens
+                self.num_hit_tokens += seq.num_cached_tokens
         self.grow(seq, num_tokens)
 
     # ---- the cache fills as blocks are computed -------------------------------------------
+    def on_computed(self, seqs: list[Sequence]) -> None:
+        """A step has computed these sequences' new tokens: a block that filled goes to the
+        cache once its tokens are known as well (a decode step's input token is a
+        placeholder until the step after, ForwardBatch)."""
+        if not self.enable_caching:
+            return
+        block_size = self.block_size
+        for seq in seqs:
+            settled = seq.kv_hashes.num_settled if seq.kv_hashes is not None else 0
+            end = (settled + 1) * block_size
+            if seq.num_computed_tokens >= end and seq.token_id(end - 1) >= 0:
+                self.cache_computed_blocks(seq)
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer the cache every full block of seq whose K/V are computed and whose tokens are
-        all known, from the first not offered yet (seq.num_hashed_blocks). Called when a
-        step may have filled a block and when a sequence lets its blocks go."""
+        all known, from the first not offered yet. Called when a step may have filled a
+        block and when a sequence lets its blocks go."""
         if not self.enable_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        if seq.num_hashed_blocks >= num_full:
+        if seq.kv_hashes is not None and seq.kv_hashes.num_settled >= num_full:
             return
         # hashed as far as the tokens are known (a token still coming: its block waits);
         # the blocks before the first offered may need hashes too, if the sequence took
         # them from its parent with caching off
         hashes = self.hashes(seq, num_full)
-        for i in range(seq.num_hashed_blocks, min(num_full, len(hashes))):
+        record = seq.kv_hashes
+        for i in range(record.num_settled, min(num_full, len(hashes))):
             digest = hashes[i]
             if digest not in self.cached:  # else another block holds it: this one stays private
                 block = seq.block_table[i]
                 assert self.hash_of[block] is None
                 self.cached[digest] = block
                 self.hash_of[block] = digest
-            seq.num_hashed_blocks = i + 1
+            record.num_settled = i + 1
 
     def free(self, seq: Sequence) -> None:
         """Let go of seq's blocks. What it computed stays findable first: a preempted
@@ -194,7 +255,8 @@ class BlockManager:
                     self.cached_free[block] = None  # the most recently used end
         seq.block_table = []  # a new list, never cleared in place (see the module docstring)
         seq.num_computed_tokens = 0
-        seq.num_hashed_blocks = 0
+        if seq.kv_hashes is not None:
+            seq.kv_hashes.num_settled = 0
         seq.num_reused_tokens = 0
 
     def reset_prefix_cache(self) -> None:

@@ -124,20 +124,17 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.can_start:
                 break  # a sample waits for its parent's prompt; the queue behind it too
-            reused, num_hits = self._reusable_blocks(seq)
-            num_reused = len(reused) * self.blocks.block_size
-            start = min(num_reused, seq.num_tokens - 1)  # the last token is always computed
+            reused = self.blocks.reusable_blocks(seq)
+            # the last token is always computed: a prompt whose every block is reused
+            # computes it again for its logits, without writing the shared block
+            # (model_runner.py)
+            start = min(reused.num_tokens, seq.num_tokens - 1)
             take = min(seq.num_tokens - start, budget)
             if not self.blocks.can_allocate(reused, start + take):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, reused, start + take)
             seq.num_computed_tokens = start
-            # start < num_reused: a prompt whose every block is cached computes its last
-            # token again for its logits, without writing the shared block (model_runner.py)
-            seq.num_reused_tokens = num_reused
-            if seq.num_cached_tokens < 0:  # the first admission: what the cache gave
-                self._count_hits(seq, num_hits * self.blocks.block_size)
             seq.status = SequenceStatus.RUNNING
             seq.slot = self.free_slots.pop()
             self.running.append(seq)
@@ -145,27 +142,6 @@ class Scheduler:
             batch.num_new_tokens.append(take)
             budget -= take
         return batch
-
-    def _reusable_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        """The full blocks seq can take instead of computing them, and how many of those
-        came from the prefix cache: its longest cached run, then, for a sample 1..n-1, the
-        rest of its parent's computed full prompt blocks while the parent holds them."""
-        reused = self.blocks.find_cached(seq)  # [] with prefix caching off
-        num_hits = len(reused)
-        parent = seq.parent
-        if parent is not None and parent.status is SequenceStatus.RUNNING:
-            computed = min(seq.num_prompt_tokens, parent.num_computed_tokens)
-            shared = computed // self.blocks.block_size
-            if shared > num_hits:
-                # a block's K/V depend only on the tokens up to its end, the same for both
-                reused = reused + parent.block_table[num_hits:shared]
-        return reused, num_hits
-
-    def _count_hits(self, seq: Sequence, num_hit_tokens: int) -> None:
-        seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
-        if self.blocks.enable_caching:
-            self.blocks.num_queried_tokens += seq.num_prompt_tokens
-            self.blocks.num_hit_tokens += seq.num_cached_tokens
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
@@ -194,16 +170,9 @@ class Scheduler:
         step ends in a sampled token, those with every known token in the cache now (a
         prompt chunk that is not the last wants none)."""
         sampled = []
-        blocks = self.blocks
-        caching, block_size = blocks.enable_caching, blocks.block_size
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
-            if caching:
-                # a block filled: the cache takes it once its tokens are known as well (a
-                # decode step's input token is a placeholder until the step after)
-                end = (seq.num_hashed_blocks + 1) * block_size
-                if seq.num_computed_tokens >= end and seq.token_id(end - 1) >= 0:
-                    blocks.cache_computed_blocks(seq)
             if not seq.num_uncomputed_tokens:
                 sampled.append((row, seq))
+        self.blocks.on_computed(batch.seqs)
         return sampled

@@ -43,13 +43,9 @@ class Sequence:
         self.slot: int | None = None  # while running: a row of its own in the model runner's tables
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_preemptions = 0
-        # Prefix caching (engine/block_manager.py). The content hashes of the leading full
-        # blocks of known tokens, worked out once each (tokens never change once known).
-        self.block_hashes: list[bytes] = []
-        # leading blocks of block_table that are settled in the prefix cache: found there at
-        # admission, or offered to it once computed (a block whose content another block
-        # already holds stays private)
-        self.num_hashed_blocks = 0
+        # the block manager's own record of this sequence's block digests (prefix caching,
+        # engine/block_manager.py); nothing else reads it
+        self.kv_hashes = None
         # tokens at the head of block_table whose K/V this sequence took from the prefix
         # cache or from its parent: full, shared blocks that it never writes
         self.num_reused_tokens = 0
