@@ -11,8 +11,8 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, RequestError
-from .sampling import GENERATION_DEFAULT_FIELDS, SamplingParams, as_flag, model_samples
+from .errors import ConfigError
+from .util import as_flag
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -44,8 +44,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
-    # sampling defaults from generation_config.json (None: not given)
-    generation_defaults: dict = field(default_factory=dict)
+    # generation_config.json as it is ({} without one); sampling.py reads its defaults
+    generation_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
         positive = ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -150,7 +150,6 @@ class ModelConfig:
 
         eos = _id_set(raw.get("eos_token_id")) | _id_set(gen.get("eos_token_id"))
         bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-        defaults = _sampling_defaults(gen)
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         try:
             return cls(
@@ -163,26 +162,9 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rope_scaling=rope_scaling, eos_token_ids=tuple(sorted(eos)),
                 bos_token_id=bos if isinstance(bos, int) else None,
-                torch_dtype=str(dtype), generation_defaults=defaults)
+                torch_dtype=str(dtype), generation_config=dict(gen))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json: {e}") from None
-
-
-def _sampling_defaults(gen: dict) -> dict:
-    """generation_config.json's sampling fields, checked when the model loads rather than
-    blamed on the first request that takes them. Without do_sample: true they only matter
-    to a request that asks to sample; as in transformers, one that is invalid is then
-    ignored instead of refusing the model."""
-    defaults = {k: gen[k] for k in (*GENERATION_DEFAULT_FIELDS, "do_sample")
-                if gen.get(k) is not None}
-    for name in [k for k in defaults if k != "do_sample"]:
-        try:
-            SamplingParams(**{name: defaults[name]})
-        except RequestError as e:
-            if model_samples(defaults):
-                raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
-            del defaults[name]
-    return defaults
 
 
 def _is_number(value, kind=numbers.Real) -> bool:

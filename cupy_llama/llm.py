@@ -12,7 +12,7 @@ from .config import EngineConfig, ModelConfig
 from .engine.llm_engine import LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, is_token_id
-from .sampling import SamplingParams, model_sampling_defaults
+from .sampling import SamplingParams, generation_defaults, model_sampling_defaults
 from .weights import open_checkpoint
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -49,6 +49,7 @@ class LLM:
         log = log or (lambda message: None)  # None: silent
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
+        generation_defaults(self.config.generation_config)  # a bad default fails the load
         self.device = self._pick_device(device, log)
         if self.device == "cpu":
             ignored = [name for name in GPU_ONLY_OPTIONS if name in engine_options]
@@ -127,7 +128,7 @@ class LLM:
     # ---- generation -----------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation_config.json defaults."""
-        return SamplingParams(**model_sampling_defaults(self.config.generation_defaults))
+        return SamplingParams(**model_sampling_defaults(self.config.generation_config))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  *, stream: bool = False):

@@ -6,10 +6,9 @@ import numbers
 import struct
 from dataclasses import dataclass, field, fields
 
-from .errors import RequestError
+from .errors import ConfigError, RequestError
+from .util import as_flag
 
-# Fields a request may set; a request that leaves one out takes the model's default
-# (generation_config.json) or, failing that, the dataclass default.
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
@@ -17,18 +16,12 @@ def as_float32(value: float) -> float:
     """value rounded to float32 (without numpy: the scheduler side imports no numpy)."""
     return struct.unpack("f", struct.pack("f", value))[0]
 
+
+# Fields a request may set; a request that leaves one out takes the model's default
+# (generation_config.json) or, failing that, the dataclass default.
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
 MAX_N = 128  # samples per request
-
-
-def as_flag(value) -> bool | None:
-    """A yes/no setting as a bool: Python or NumPy bools, and the integers 0 and 1 (Python
-    or NumPy); None for anything else. SamplingParams and EngineConfig take flags this way."""
-    is_numpy_bool = type(value).__name__ in ("bool_", "bool")  # np.bool_ is not Integral
-    if (isinstance(value, numbers.Integral) or is_numpy_bool) and value in (0, 1):
-        return bool(value)
-    return None
 
 
 @dataclass
@@ -112,16 +105,34 @@ class SamplingParams:
         return cls(**merged)
 
 
-def model_samples(generation_defaults: dict) -> bool:
+def model_samples(generation_config: dict) -> bool:
     """Whether generation_config.json asks to sample: as in transformers, only when it says
     `do_sample: true`; otherwise (no file, or no do_sample) the model decodes greedily."""
-    return bool(generation_defaults.get("do_sample", False))
+    return bool(generation_config.get("do_sample", False))
 
 
-def model_sampling_defaults(generation_defaults: dict) -> dict:
+def generation_defaults(generation_config: dict) -> dict:
+    """generation_config.json's sampling fields (GENERATION_DEFAULT_FIELDS), checked: the
+    engine checks them when the model loads rather than blaming the first request that
+    takes them. Without do_sample: true they only matter to a request that asks to sample;
+    as in transformers, one that is invalid is then left out instead of refusing the model
+    (ConfigError when the model samples)."""
+    defaults = {k: generation_config[k] for k in GENERATION_DEFAULT_FIELDS
+                if generation_config.get(k) is not None}
+    for name in list(defaults):
+        try:
+            SamplingParams(**{name: defaults[name]})
+        except RequestError as e:
+            if model_samples(generation_config):
+                raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
+            del defaults[name]
+    return defaults
+
+
+def model_sampling_defaults(generation_config: dict) -> dict:
     """generation_config.json's sampling fields as SamplingParams values, temperature 0
     (greedy) unless the model samples (model_samples)."""
-    defaults = {k: generation_defaults[k] for k in GENERATION_DEFAULT_FIELDS if k in generation_defaults}
-    if not model_samples(generation_defaults):
+    defaults = generation_defaults(generation_config)
+    if not model_samples(generation_config):
         defaults["temperature"] = 0.0
     return defaults

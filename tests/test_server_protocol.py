@@ -60,7 +60,7 @@ def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass(
 
 def test_prompts_and_sampling_params(llm):
     tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
-    defaults = model_sampling_defaults(llm.config.generation_defaults)
+    defaults = model_sampling_defaults(llm.config.generation_config)
     request = parse(CompletionRequest, {"prompt": ["a", "bc"], "top_k": -1, "stop": "zz",
                                         "seed": 3, "ignore_eos": True})
     assert request.prompt_token_ids(tokenizer, vocab) == [tokenizer.encode("a"),

@@ -396,7 +396,7 @@ class _Runner:
         self.engine = llm.engine
         self.defaults = defaults
         self.model_name = model_name
-        self.model_defaults = model_sampling_defaults(llm.config.generation_defaults)
+        self.model_defaults = model_sampling_defaults(llm.config.generation_config)
         self.protocol = None          # server/protocol.py, once an OpenAI line comes
         self.token_strings = None     # for an OpenAI body's logprobs
         self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index

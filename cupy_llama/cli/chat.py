@@ -49,7 +49,7 @@ def chat(prompt, model_dir, device, system, **flags):
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     llm = options.load(model_dir or options.default_model_dir(), device, engine)
-    params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_defaults))
+    params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
     session = ChatSession(llm, params, system)
     if once is not None:
         return run_once(session, once)

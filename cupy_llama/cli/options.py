@@ -101,8 +101,10 @@ def check_model_options(model_dir, engine: dict):
     options the model must take: --max-model-len beyond its context is a usage error.
     Returns the ModelConfig."""
     from ..config import EngineConfig, ModelConfig
+    from ..sampling import generation_defaults
 
     config = ModelConfig.from_dir(model_dir)
+    generation_defaults(config.generation_config)  # a bad default is the model's error
     try:
         EngineConfig(**engine).resolved_max_model_len(config)
     except ConfigError as e:

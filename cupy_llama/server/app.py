@@ -93,7 +93,7 @@ class ServerState:
         self.tokenizer = tokenizer
         self.token_strings = protocol.TokenStrings(tokenizer)
         self.vocab_size = model_config.vocab_size
-        self.model_defaults = model_sampling_defaults(model_config.generation_defaults)
+        self.model_defaults = model_sampling_defaults(model_config.generation_config)
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
                                   on_stopped=self._engine_stopped)
         self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
