@@ -3,22 +3,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
-from .config import EngineConfig, ModelConfig
-from .engine.llm_engine import LLMEngine
+from .engine.llm_engine import EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, is_token_id
-from .sampling import SamplingParams, generation_defaults, model_sampling_defaults
-from .weights import open_checkpoint
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-GPU_ONLY_OPTIONS = ("enforce_eager", "gpu_memory_utilization")  # the CPU backend has neither
+from .sampling import SamplingParams, model_sampling_defaults
 
 
 def _stderr(message: str) -> None:
@@ -33,72 +25,32 @@ class LLM:
     """
 
     def __init__(self, model_dir, device: str = "auto", *, log=_stderr, **engine_options):
-        if device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-        from .tokenizer import Tokenizer
-
+        """device: "auto" (the GPU when usable), "cuda" or "cpu"; engine_options: the fields
+        of EngineConfig (max_num_seqs, max_model_len, ...); log: where load messages go
+        (None: nowhere)."""
         if not isinstance(model_dir, (str, os.PathLike)):
             raise ConfigError(f"model_dir must be the path of a model folder, got "
                               f"{type(model_dir).__name__}")
-        options = {f.name for f in fields(EngineConfig)}
-        unknown = sorted(set(engine_options) - options)
-        if unknown:
-            raise ConfigError(f"unknown LLM option {unknown[0]!r}; the options are "
-                              f"{', '.join(sorted(options))}")
-        started = time.perf_counter()
-        log = log or (lambda message: None)  # None: silent
         self.model_dir = Path(model_dir)
-        self.config = ModelConfig.from_dir(self.model_dir)
-        generation_defaults(self.config.generation_config)  # a bad default fails the load
-        self.device = self._pick_device(device, log)
-        if self.device == "cpu":
-            ignored = [name for name in GPU_ONLY_OPTIONS if name in engine_options]
-            if ignored:
-                verb = "applies" if len(ignored) == 1 else "apply"
-                log(f"warning: {' and '.join(ignored)} {verb} to the GPU only; ignored on the CPU")
-            # modest defaults: the NumPy backend serves tests and small models
-            engine_options.setdefault("max_num_seqs", 16)
-            engine_options.setdefault("max_num_batched_tokens", 2048)
-        self.engine_config = EngineConfig(**engine_options)
-        self.max_model_len = self.engine_config.resolved_max_model_len(self.config)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir, self.config)
-        self.tokenizer.check_chat_template()  # a broken template fails the load, not a chat
-        checkpoint = open_checkpoint(self.model_dir, self.config, log=log)
-        try:
-            self.backend = self._make_backend(checkpoint, log)
-        finally:
-            checkpoint.close()
-        self.engine = LLMEngine(self.config, self.tokenizer, self.backend, self.engine_config,
-                                self.max_model_len)
-        self.load_seconds = time.perf_counter() - started
+        self.engine: LLMEngine | None = LLMEngine.load(self.model_dir, device, log=log,
+                                                       **engine_options)
+        engine = self.engine
+        self.config, self.tokenizer, self.device = engine.config, engine.tokenizer, engine.device
+        self.engine_config, self.load_seconds = engine.engine_config, engine.load_seconds
+        self.max_model_len = engine.max_model_len  # the configured context limit
 
-    def _pick_device(self, device: str, log) -> str:
-        if device == "cpu":
-            return "cpu"
-        from .backends.cuda import check_cuda_device, cuda_usable
-        if device == "cuda":
-            check_cuda_device()
-            return "cuda"
-        usable, reason = cuda_usable()
-        if not usable:
-            log(f"warning: running on the CPU (slow): {reason}")
-            return "cpu"
-        return "cuda"
+    @property
+    def backend(self):
+        return self._live_engine().backend
 
-    def _make_backend(self, checkpoint, log):
-        ec = self.engine_config
-        if self.device == "cpu":
-            from .backends.cpu import CpuBackend
-            return CpuBackend(self.config, checkpoint, max_model_len=self.max_model_len,
-                              max_num_seqs=ec.max_num_seqs, block_size=ec.block_size,
-                              num_kv_blocks=ec.num_kv_blocks, log=log)
-        from .backends.cuda import CudaBackend
-        return CudaBackend(self.config, checkpoint, max_model_len=self.max_model_len,
-                           max_num_seqs=ec.max_num_seqs,
-                           max_num_batched_tokens=ec.max_num_batched_tokens,
-                           block_size=ec.block_size, num_kv_blocks=ec.num_kv_blocks,
-                           gpu_memory_utilization=ec.gpu_memory_utilization,
-                           enforce_eager=ec.enforce_eager, log=log)
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence (prompt and output) the engine runs: max_model_len, or less
+        when the KV cache cannot hold that many tokens."""
+        return self._live_engine().context_limit
+
+    def stats(self) -> EngineStats:
+        return self._live_engine().stats()
 
     # ---- lifetime -------------------------------------------------------------------
     def close(self) -> None:
@@ -107,7 +59,6 @@ class LLM:
         that was never closed gives its GPU memory back when the next one is made."""
         if self.engine is not None:
             self.engine.close()
-            self.backend.close()
             self.engine = None
 
     @property

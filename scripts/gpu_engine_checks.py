@@ -56,15 +56,16 @@ def main():
     report["abort"] = {
         "kept_equal_solo": sum(finished.get(ids[i]) == solo[i] for i in kept), "of": len(kept),
         "aborted_absent": all(ids[i] not in finished for i in range(0, 20, 4)),
-        "free_blocks_after": engine.blocks.num_free_blocks, "total_blocks": engine.blocks.num_blocks}
+        "free_blocks_after": engine.stats().num_free_blocks,
+        "total_blocks": engine.stats().num_blocks}
     del ample, engine
 
     tight = LLM(args.model_dir, device=args.device, num_kv_blocks=32, block_size=16,
                 max_model_len=512, log=lambda m: None)
     outputs = [o.token_ids for o in tight.generate(prompts, GREEDY)]
     report["preemption"] = {"identical": sum(a == b for a, b in zip(outputs, reference)), "of": 34,
-                            "preemptions": tight.engine.scheduler.num_preemptions,
-                            "free_blocks_after": tight.engine.blocks.num_free_blocks}
+                            "preemptions": tight.stats().num_preemptions,
+                            "free_blocks_after": tight.stats().num_free_blocks}
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

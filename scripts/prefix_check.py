@@ -34,9 +34,8 @@ def workload(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
 
 
 def run(llm, first, prompts, params, caching: bool) -> list:
-    blocks = llm.engine.blocks
-    blocks.reset_prefix_cache()
-    blocks.enable_caching = caching
+    llm.engine.reset_prefix_cache()
+    llm.engine.set_prefix_caching(caching)
     llm.generate(first, params)
     return llm.generate(prompts, params)
 
@@ -60,7 +59,7 @@ def main():
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     on = run(llm, first, prompts, params, caching=True)
     off = run(llm, first, prompts, params, caching=False)
-    llm.engine.blocks.enable_caching = True
+    llm.engine.set_prefix_caching(True)
     rows = []
     for shared, prompt, a, b in zip(SHARED, prompts, on, off):
         rows.append({"shared_tokens": shared, "prompt_tokens": len(prompt),

@@ -589,10 +589,19 @@ def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
     # a reply of exactly 5 tokens; the context after it is the last prompt (the whole
     # conversation through the chat template) and that reply, not a sum over the turns
     session = ChatSession(llm, replace(GREEDY, max_tokens=5, ignore_eos=True))
+    before, prompts = llm.stats(), []
     for text in ("hello", "and again"):
-        prompt = llm.tokenizer.encode_chat(session.messages(text), add_generation_prompt=True)
+        prompts.append(llm.tokenizer.encode_chat(session.messages(text), add_generation_prompt=True))
         for _ in session.reply(text):
             pass
+    prompt = prompts[-1]
     assert f"context: {len(prompt) + 5} of" in session.stats()
+    # the second turn found the first turn's full blocks in the prefix cache, and the
+    # statistics say so from the engine's own counts
+    after = llm.stats()
+    assert after.prefix_cache_queries - before.prefix_cache_queries == sum(map(len, prompts))
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= len(prompts[0]) // 16 * 16 > 0
+    assert (f"prefix cache: {after.prefix_cache_hits} of {after.prefix_cache_queries} prompt "
+            "tokens came from earlier turns") in session.stats()
     session.clear()
     assert f"context: 0 of {llm.max_model_len} tokens in use" in session.stats()

@@ -73,7 +73,7 @@ def test_every_response_names_the_replica(model_dir):
 
 def test_a_leaving_replica_fails_health_but_still_answers(model_dir):
     state = _state(model_dir)
-    state.info = EngineInfo("cpu", max_model_len=64, num_blocks=8, block_size=16,
+    state.info = EngineInfo("cpu", context_limit=64, num_blocks=8, block_size=16,
                             max_num_seqs=4, load_seconds=0.0, pid=0)
     state.phase = state.LEAVING  # SIGTERM came; the listener is still open
     health = _request(state, "GET", "/health")

@@ -212,7 +212,7 @@ def test_admission_counts_free_slots_and_refuses_what_could_never_run(state):
     sequences than run at once plus may wait is a 400, not a 503 to retry for ever."""
     from cupy_llama.engine.async_engine import EngineInfo
     engine = state.engine
-    engine.info = EngineInfo(device="cpu", max_model_len=64, num_blocks=8, block_size=16,
+    engine.info = EngineInfo(device="cpu", context_limit=64, num_blocks=8, block_size=16,
                              max_num_seqs=2, load_seconds=0.0, pid=0)
     sent = []
     engine.add = lambda request_id, prompt, params, stream, sink: sent.append(request_id)

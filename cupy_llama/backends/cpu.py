@@ -3,42 +3,76 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import EngineConfig, ModelConfig
 from ..model.llama import buffer_shapes
 from ..model.llama import forward as llama_forward
 from ..model.rope import rope_cos_sin
+from ..util import cdiv
 from ..weights import Checkpoint, load_host_weights, plan_weight_blob
+from . import CPU_DEFAULTS
+from .memory import MemoryPlan
 from .numpy_ops import NumpyOps
 
 # Without an explicit num_kv_blocks the CPU cache gets this much memory at most.
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
+def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    return 2 * config.num_hidden_layers * block_size * config.kv_size * 4  # float32 K and V
+
+
+def plan(config: ModelConfig, engine_config, max_model_len: int) -> MemoryPlan:
+    """float32 weights, one step's activations and the float32 KV cache: as many blocks as
+    max_num_seqs sequences of max_model_len tokens fill, at most DEFAULT_CPU_KV_BYTES,
+    unless num_kv_blocks says."""
+    block_size = engine_config.block_size
+    per_block = kv_bytes_per_block(config, block_size)
+    num_blocks = engine_config.num_kv_blocks
+    if num_blocks is None:
+        wanted = engine_config.max_num_seqs * cdiv(max_model_len, block_size)
+        num_blocks = max(1, min(wanted, DEFAULT_CPU_KV_BYTES // per_block))
+    weights, _ = plan_weight_blob(config)
+    weight_bytes = 2 * sum(entry.nbytes for entry in weights.values())  # bf16 -> float32
+    shapes = buffer_shapes(config, engine_config.max_num_batched_tokens,
+                           engine_config.max_num_seqs)
+    buffer_bytes = sum(4 * int(np.prod(shape)) for shape in shapes.values())
+    rows = (("weights", weight_bytes, "float32"),
+            ("buffers", buffer_bytes, f"one step of {engine_config.max_num_batched_tokens} "
+                                      f"tokens, {engine_config.max_num_seqs} sequences"),
+            ("KV cache", num_blocks * per_block, f"{num_blocks} blocks x {block_size} tokens "
+                                                 f"= {num_blocks * block_size} tokens, float32"))
+    return MemoryPlan(rows, num_blocks, block_size)
+
+
 class CpuBackend:
     device = "cpu"
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
-                 max_num_seqs: int, block_size: int = 16, num_kv_blocks: int | None = None,
-                 log=None):
+                 max_num_seqs: int, max_num_batched_tokens: int = CPU_DEFAULTS["max_num_batched_tokens"],
+                 block_size: int = 16, num_kv_blocks: int | None = None, log=None):
         self.config = config
         self.ops = NumpyOps()
-        plan, _ = plan_weight_blob(config)
-        self.weights = load_host_weights(checkpoint, plan, dtype=np.float32)
+        weight_plan, _ = plan_weight_blob(config)
+        self.weights = load_host_weights(checkpoint, weight_plan, dtype=np.float32)
         self.cos_sin = rope_cos_sin(config, max_model_len)
         self.block_size = block_size
-        bytes_per_block = 2 * config.num_hidden_layers * block_size * config.kv_size * 4
-        if num_kv_blocks is None:
-            wanted = max_num_seqs * -(-max_model_len // block_size)
-            num_kv_blocks = max(1, min(wanted, DEFAULT_CPU_KV_BYTES // bytes_per_block))
-        self.num_kv_blocks = num_kv_blocks
-        shape = (num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     num_kv_blocks=num_kv_blocks)
+        self.memory = plan(config, engine_config, max_model_len)
+        self.num_kv_blocks = self.memory.num_kv_blocks
+        shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # NaN in never-written slots makes any stray read show up in the output
         self.kv_caches = [(np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32))
                           for _ in range(config.num_hidden_layers)]
-        self.kv_cache_bytes = num_kv_blocks * bytes_per_block
+        self.kv_cache_bytes = self.num_kv_blocks * kv_bytes_per_block(config, block_size)
         if log:
-            log(f"KV cache: {num_kv_blocks} blocks x {block_size} tokens = "
-                f"{num_kv_blocks * block_size} tokens ({self.kv_cache_bytes / 2**30:.2f} GiB, float32)")
+            log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
+                f"{self.memory.num_kv_tokens} tokens ({self.kv_cache_bytes / 2**30:.2f} GiB, float32)")
+
+    def memory_plan(self) -> list[tuple[str, int, str]]:
+        """(name, bytes, note) rows: weights, buffers, the KV cache."""
+        return list(self.memory.rows)
 
     def buffers(self, num_tokens: int, num_seqs: int) -> dict:
         shapes = buffer_shapes(self.config, num_tokens, num_seqs)

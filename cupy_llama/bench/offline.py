@@ -105,7 +105,7 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
     log(f"load {load_s:.2f} s, warm-up{' (kernel compile)' if on_gpu else ''} {warmup_s:.2f} s")
     report["model"] = describe_model(llm, model_dir, settings, made_s)
     report["settings"] = {**run_settings(settings), "engine": asdict(llm.engine_config),
-                          "max_model_len": llm.engine.max_model_len}
+                          "max_model_len": llm.context_limit}
     report["timings"] = {"load_s": load_s, "warmup_s": warmup_s}
 
     results, peaks = {}, [memory["used_after_warmup"]]
@@ -270,7 +270,7 @@ def bandwidth_floor(config, bandwidth: float, tok_s: float) -> dict:
 def run_ttft(llm, settings: BenchSettings, device, log) -> dict:
     rng = random.Random(settings.seed)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    longest = llm.engine.max_model_len - 1
+    longest = llm.context_limit - 1
     rows, warmup_s = [], 0.0
     for wanted in TTFT_LENGTHS:
         length = min(settings.scaled(wanted), longest)
@@ -394,34 +394,36 @@ def run_prefix(llm, settings: BenchSettings, device, log) -> dict:
     longest = max(len(p) for p in work["prompts"]) + new_tokens.max_tokens
     suffix_tokens = len(work["prompts"][0]) - work["shared_tokens"]
     chat_tokens = CHAT_TURNS * (len(work["messages"][0]) + reply.max_tokens)
-    if max(longest, chat_tokens) > llm.engine.max_model_len:
+    if max(longest, chat_tokens) > llm.context_limit:
         raise OptionError(f"bench prefix needs a context of {max(longest, chat_tokens)} "
-                          f"tokens but the engine has {llm.engine.max_model_len}; raise "
+                          f"tokens but the engine has {llm.context_limit}; raise "
                           f"--max-model-len or lower --scale")
     result = {"requests": PREFIX_REQUESTS, "shared_tokens": work["shared_tokens"],
               "suffix_tokens": suffix_tokens, "new_tokens": new_tokens.max_tokens,
               "chat_turns": CHAT_TURNS, "chat_message_tokens": len(work["messages"][0]),
               "chat_reply_tokens": reply.max_tokens}
-    blocks = llm.engine.blocks
-    was_enabled = blocks.enable_caching
+    engine = llm.engine
+    was_enabled = engine.engine_config.enable_prefix_caching
     try:
         # the first use of these step shapes, untimed, on other ids: a whole prompt alone,
         # then the suffixes together
         started = time.perf_counter()
-        blocks.enable_caching = False
+        engine.set_prefix_caching(False)
         rng = random.Random(settings.seed + 2)
         timed_requests(llm, [random_ids(rng, len(work["prompts"][0]), top)], new_tokens)
         timed_requests(llm, [random_ids(rng, suffix_tokens, top) for _ in work["prompts"][1:]],
                        new_tokens)
         result["warmup_s"] = time.perf_counter() - started
         for label, enabled in (("cached", True), ("uncached", False)):
-            blocks.reset_prefix_cache()
-            blocks.enable_caching = enabled
-            queried, hits = blocks.num_queried_tokens, blocks.num_hit_tokens
+            engine.reset_prefix_cache()
+            engine.set_prefix_caching(enabled)
+            before = engine.stats()
             run = {"shared_prefix": shared_prefix_run(llm, work["prompts"], new_tokens),
                    "chat": chat_run(llm, work["messages"], reply)}
-            queried = blocks.num_queried_tokens - queried
-            run["hit_rate"] = (blocks.num_hit_tokens - hits) / queried if queried else 0.0
+            after = engine.stats()
+            queried = after.prefix_cache_queries - before.prefix_cache_queries
+            hits = after.prefix_cache_hits - before.prefix_cache_hits
+            run["hit_rate"] = hits / queried if queried else 0.0
             result[label] = run
             shared, chat = run["shared_prefix"], run["chat"]
             log(f"prefix, caching {'on' if enabled else 'off'}: shared prefix: first TTFT "
@@ -430,8 +432,8 @@ def run_prefix(llm, settings: BenchSettings, device, log) -> dict:
                 f"{chat['turn1_ttft_ms']:.2f} ms, turn {CHAT_TURNS} {chat['last_turn_ttft_ms']:.2f} "
                 f"ms; prompt tokens from the cache {100 * run['hit_rate']:.0f}%")
     finally:
-        blocks.reset_prefix_cache()
-        blocks.enable_caching = was_enabled
+        engine.reset_prefix_cache()
+        engine.set_prefix_caching(was_enabled)
     on, off = result["cached"], result["uncached"]
     result["rest_ttft_on_over_off"] = (on["shared_prefix"]["rest_ttft_ms_median"]
                                        / off["shared_prefix"]["rest_ttft_ms_median"])
@@ -501,12 +503,7 @@ class DeviceProbe:
 
 def memory_report(llm, device: DeviceProbe, used: dict) -> dict:
     """Where the memory went: the backend's own plan, beside what the device reports."""
-    backend = llm.backend
-    if hasattr(backend, "memory_plan"):
-        plan = [{"name": n, "bytes": int(b), "note": note} for n, b, note in backend.memory_plan()]
-    else:
-        plan = [{"name": "KV cache", "bytes": int(backend.kv_cache_bytes),
-                 "note": f"{backend.num_kv_blocks} blocks x {backend.block_size} tokens"}]
+    plan = [{"name": n, "bytes": int(b), "note": note} for n, b, note in llm.backend.memory_plan()]
     report = {"plan": plan, "planned_bytes": sum(row["bytes"] for row in plan),
               **{f"{k}_bytes": v for k, v in used.items()}}
     if device.cupy is not None:
@@ -528,7 +525,7 @@ def memory_report(llm, device: DeviceProbe, used: dict) -> dict:
 
 def release(llm, device: DeviceProbe) -> None:
     """Frees cupy-llama's GPU memory so transformers runs with the whole device."""
-    llm.engine = llm.backend = None
+    llm.close()
     gc.collect()
     if device.cupy is not None:
         device.cupy.get_default_memory_pool().free_all_blocks()

@@ -342,7 +342,7 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
     results: list[dict | None] = [None] * len(requests)
     failed = [False] * len(requests)
     summary = BatchSummary(num_requests=len(requests))
-    preemptions_before = engine.scheduler.num_preemptions
+    preemptions_before = engine.stats().num_preemptions
     started = time.perf_counter()
     try:
         for index, request in enumerate(requests):
@@ -370,7 +370,7 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
         runner.abort_all()
     summary.seconds = time.perf_counter() - started
     summary.num_errors = sum(failed[:summary.num_written])
-    summary.num_preemptions = engine.scheduler.num_preemptions - preemptions_before
+    summary.num_preemptions = engine.stats().num_preemptions - preemptions_before
     return summary
 
 
@@ -429,9 +429,9 @@ class _Runner:
                                                         add_generation_prompt=True)
             else:
                 prompt = engine.encode_prompt(request.prompt)
-            if len(prompt) >= engine.max_model_len:
+            if len(prompt) >= engine.context_limit:
                 return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
-                        f"context limit is {engine.max_model_len} (prompt plus at least one "
+                        f"context limit is {engine.context_limit} (prompt plus at least one "
                         f"new token); shorten the prompt{context_hint(self.llm)}")
             self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1), [prompt],
                         [params])
@@ -452,7 +452,7 @@ class _Runner:
             api = protocol.parse_batch_request(line["method"], line["url"],
                                                _with_defaults(line["body"], self.defaults))
             prompts, params = api.engine_inputs(self.llm.tokenizer, self.llm.config.vocab_size,
-                                                self.engine.max_model_len, self.model_defaults)
+                                                self.engine.context_limit, self.model_defaults)
             engine_ids = [f"{index}-{i}" for i in range(len(prompts))]
             self._start(_Line(index, request, api, engine_ids,
                               [[None] * api.n for _ in prompts], len(prompts) * api.n,

@@ -86,7 +86,7 @@ def context_hint(llm) -> str:
     """What else the user can do when a prompt does not fit the context, named by the
     command line's flags: ' or ...' to follow 'shorten it', or '' when the context is
     already the model's own maximum."""
-    engine_limit = llm.engine.max_model_len
+    engine_limit = llm.context_limit
     model_limit = llm.config.max_position_embeddings
     if engine_limit < llm.max_model_len:  # the KV cache is smaller than the context
         flags = "--num-kv-blocks" if llm.device == "cpu" else \
@@ -115,7 +115,7 @@ class ChatSession:
 
     @property
     def context_limit(self) -> int:
-        return self.llm.engine.max_model_len
+        return self.llm.context_limit
 
     @property
     def context_tokens(self) -> int:
@@ -244,9 +244,12 @@ class ChatSession:
         decoded = sum(max(0, t.completion_tokens - 1) for t in self.turns)
         rate = decoded / decode if decode > 0 else 0.0
         ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
+        engine = self.llm.stats()
         return (f"{len(self.turns)} replies, {completion} tokens generated, {rate:.1f} tok/s "
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
                 f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
+                f"prefix cache: {engine.prefix_cache_hits} of {engine.prefix_cache_queries} "
+                f"prompt tokens came from earlier turns\n"
                 f"settings: {self.settings()}")
 
     # ---- files -------------------------------------------------------------------------

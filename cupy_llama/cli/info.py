@@ -7,7 +7,6 @@ from . import options
 from .options import (ENGINE_NAMES, MODEL_PATH, auto_device, check_model_options,
                       check_options, device_option, engine_options, given)
 
-# ---- info ---------------------------------------------------------------------------------
 
 @click.command()
 @click.option("--model", "model_dir", type=MODEL_PATH,
@@ -60,52 +59,29 @@ def _size(num_bytes: int) -> str:
 
 
 def _cpu_memory_plan(model_dir, config, engine: dict) -> list[tuple[str, str]]:
-    """The CPU backend's plan, computed from the headers without loading the weights:
-    float32 weights, one step's activations, the float32 KV cache."""
-    from ..backends.cpu import DEFAULT_CPU_KV_BYTES
+    """The CPU backend's plan (backends/cpu.py plan), from the headers without loading the
+    weights, and the dtype the checkpoint stores."""
+    from ..backends import device_options
+    from ..backends.cpu import plan
     from ..config import EngineConfig
-    from ..model.llama import buffer_shapes
-    from ..weights import open_checkpoint, plan_weight_blob
+    from ..weights import open_checkpoint
 
-    engine = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, **engine}  # LLM's CPU defaults
-    engine_config = EngineConfig(**engine)
+    engine_config = EngineConfig(**device_options("cpu", engine)[0])
     max_model_len = engine_config.resolved_max_model_len(config)
     with open_checkpoint(model_dir, config) as checkpoint:
         stored = ", ".join(sorted(checkpoint.source_dtypes))
-    plan, _ = plan_weight_blob(config)
-    weight_bytes = sum(entry.nbytes for entry in plan.values()) * 2  # bf16 -> float32
-    shapes = buffer_shapes(config, engine_config.max_num_batched_tokens, engine_config.max_num_seqs)
-    buffer_bytes = sum(4 * _product(shape) for shape in shapes.values())
-    block_size = engine_config.block_size
-    bytes_per_block = 2 * config.num_hidden_layers * block_size * config.kv_size * 4
-    num_blocks = engine_config.num_kv_blocks or max(1, min(
-        engine_config.max_num_seqs * -(-max_model_len // block_size),
-        DEFAULT_CPU_KV_BYTES // bytes_per_block))
-    return [
-        ("weights", f"{_size(weight_bytes)} (float32; stored as {stored})"),
-        ("buffers", f"{_size(buffer_bytes)} (one step of {engine_config.max_num_batched_tokens} "
-                    f"tokens, {engine_config.max_num_seqs} sequences)"),
-        ("KV cache", f"{_size(num_blocks * bytes_per_block)}: {num_blocks} blocks x {block_size} "
-                     f"tokens = {num_blocks * block_size} tokens"),
-        ("context", f"{max_model_len} tokens per sequence"),
-    ]
-
-
-def _product(shape) -> int:
-    result = 1
-    for n in shape:
-        result *= n
-    return result
+    rows = [(name, f"{_size(nbytes)}  {note}" + (f" (stored as {stored})" if name == "weights" else ""))
+            for name, nbytes, note in plan(config, engine_config, max_model_len).rows]
+    return rows + [("context", f"{max_model_len} tokens per sequence")]
 
 
 def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str, str]]:
-    """The plan as the loaded backend reports it: (name, bytes, note) rows."""
-    backend = options.load(model_dir, device, engine).backend
-    if hasattr(backend, "memory_plan"):
-        return [(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in backend.memory_plan()]
-    return [("KV cache", f"{_size(backend.kv_cache_bytes)}: {backend.num_kv_blocks} blocks x "
-                         f"{backend.block_size} tokens = "
-                         f"{backend.num_kv_blocks * backend.block_size} tokens")]
+    """The plan as the loaded backend reports it."""
+    llm = options.load(model_dir, device, engine)
+    try:
+        return [(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in llm.backend.memory_plan()]
+    finally:
+        llm.close()
 
 
 command = info

@@ -17,10 +17,9 @@ def log(message: str) -> None:
     click.echo(message, err=True)
 
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # as backends.DEVICES (importing it would import numpy)
 CHAT_MAX_TOKENS = 1024
 PROGRESS_INTERVAL_S = 10.0  # generate's progress lines when stderr is not a terminal
-GPU_ONLY_NAMES = ("gpu_memory_utilization", "enforce_eager")
 # Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
 # for every command, rather than click's usage error for some of the cases.
 MODEL_PATH = click.Path()
@@ -114,12 +113,12 @@ def check_model_options(model_dir, engine: dict):
 
 def resolve_device(device: str, engine: dict) -> tuple[str, dict]:
     """The device `auto` means here (with the reason when it is the CPU), and the engine
-    options without those the CPU does not have, each named in a warning."""
+    options without those the device does not have, each named in a warning."""
+    from ..backends import device_options
+
     if device == "auto":
         device = auto_device(log=log)
-    if device != "cpu":
-        return device, engine
-    ignored = [name for name in GPU_ONLY_NAMES if name in engine]
+    _, ignored = device_options(device, engine)
     if ignored:
         flags = " and ".join(option_flag(name) for name in ignored)
         verb = "applies" if len(ignored) == 1 else "apply"
@@ -152,12 +151,5 @@ def default_model_dir() -> Path:
 
 def auto_device(log=None) -> str:
     """cuda when a usable GPU is there, else cpu (and log says why, when given)."""
-    try:
-        from ..backends.cuda import cuda_usable
-    except ImportError as e:
-        usable, reason = False, f"the CUDA backend cannot be imported ({e})"
-    else:
-        usable, reason = cuda_usable()
-    if not usable and log is not None:
-        log(f"warning: running on the CPU (slow): {reason}")
-    return "cuda" if usable else "cpu"
+    from ..backends import resolve_device as backend_device
+    return backend_device("auto", log)

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # one engine output, as the engine process sends it: the text and token ids added since
@@ -151,7 +151,6 @@ class _EngineLoop:
         self.engine = engine
         self.channel = channel
         self.num_added_seqs = 0  # sequences of the requests taken in (n per request)
-        self.num_steps = 0
         self.step_seconds = 0.0   # inside LLMEngine.step()
         self.loop_seconds = 0.0   # whole turns that stepped: messages, step, sending
 
@@ -180,12 +179,11 @@ class _EngineLoop:
                 elif kind == "abort":  # the final output of each sample still running
                     deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
                 elif kind == "stop":
-                    return  # LLM.close() aborts what still runs and frees the device
+                    return  # engine.close() aborts what still runs and frees the device
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
                 outputs = engine.step()
                 self.step_seconds += time.perf_counter() - started
-                self.num_steps += 1
                 deltas.extend(_as_delta(output) for output in outputs)
                 stepped = True
             else:
@@ -196,15 +194,8 @@ class _EngineLoop:
                 self.loop_seconds += time.perf_counter() - turn_started
 
     def stats(self) -> dict:
-        engine = self.engine
-        return {"num_running": len(engine.scheduler.running),
-                "num_waiting": len(engine.scheduler.waiting),
-                "num_free_blocks": engine.blocks.num_free_blocks,
-                "num_blocks": engine.blocks.num_blocks,
-                "num_preemptions": engine.scheduler.num_preemptions,
-                "prefix_cache_queries": engine.blocks.num_queried_tokens,
-                "prefix_cache_hits": engine.blocks.num_hit_tokens,
-                "num_added_seqs": self.num_added_seqs, "num_steps": self.num_steps,
+        """The engine's EngineStats as a dict, and the loop's own counts and times."""
+        return {**asdict(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
                 "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds}
 
 
@@ -218,12 +209,11 @@ def _as_delta(output) -> tuple:
             output.finish_reason, logprobs, output.num_cached_tokens)
 
 
-def _engine_info(llm) -> dict:
-    engine = llm.engine
-    return {"device": llm.device, "max_model_len": engine.max_model_len,
-            "num_blocks": engine.blocks.num_blocks, "block_size": engine.blocks.block_size,
-            "max_num_seqs": llm.engine_config.max_num_seqs,
-            "load_seconds": llm.load_seconds, "pid": os.getpid()}
+def _engine_info(engine) -> dict:
+    return {"device": engine.device, "context_limit": engine.context_limit,
+            "num_blocks": engine.stats().num_blocks, "block_size": engine.backend.block_size,
+            "max_num_seqs": engine.engine_config.max_num_seqs,
+            "load_seconds": engine.load_seconds, "pid": os.getpid()}
 
 
 def _stderr(message: str) -> None:
@@ -252,9 +242,9 @@ def engine_process_main(fd: int) -> None:
         return
     _, model_dir, device, engine_options = settings[0]
     from ..errors import CupyLlamaError, OptionError
-    from ..llm import LLM
+    from .llm_engine import LLMEngine
     try:
-        llm = LLM(model_dir, device=device, log=_stderr, **engine_options)
+        engine = LLMEngine.load(model_dir, device, log=_stderr, **engine_options)
     except OptionError as e:
         return channel.send_all_now(("failed", "option", str(e)))
     except CupyLlamaError as e:
@@ -265,13 +255,13 @@ def engine_process_main(fd: int) -> None:
     except BaseException:
         return channel.send_all_now(("failed", "crash", traceback.format_exc()))
     try:
-        channel.send(("ready", _engine_info(llm)))
-        _EngineLoop(llm.engine, channel).run()
+        channel.send(("ready", _engine_info(engine)))
+        _EngineLoop(engine, channel).run()
     except BaseException:
         channel.send_all_now(("crashed", traceback.format_exc()))
         raise SystemExit(1)
     finally:
-        llm.close()
+        engine.close()
 
 
 # ---- the server's side ----------------------------------------------------------------
@@ -288,7 +278,7 @@ class EngineStartError(Exception):
 @dataclass(frozen=True)
 class EngineInfo:
     device: str
-    max_model_len: int      # the longest sequence (prompt + output) the engine runs
+    context_limit: int      # the longest sequence (prompt + output) the engine runs
     num_blocks: int
     block_size: int
     max_num_seqs: int

@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
+import time
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..config import EngineConfig, ModelConfig
@@ -87,19 +89,46 @@ class _Sample:
             logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)])
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine is doing, for the front ends: /metrics, `info`, `bench`, `generate`'s
+    summary and the chat's statistics read this, never the scheduler or block manager."""
+    num_running: int            # sequences admitted (a request of n samples has n)
+    num_waiting: int            # sequences waiting for a slot or for KV blocks
+    num_blocks: int             # KV blocks in all
+    num_free_blocks: int        # blocks no sequence holds, whether cached or not
+    num_cached_blocks: int      # blocks the prefix cache holds, held by a sequence or not
+    prefix_cache_queries: int   # prompt tokens looked up at each sequence's first admission
+    prefix_cache_hits: int      # of those, tokens the cache held
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (1 means all)."""
+        return 1 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, tokenizer, backend, engine_config: EngineConfig,
                  max_model_len: int):
+        """max_model_len: the configured context limit (EngineConfig.resolved_max_model_len)."""
         self.config = model_config
         self.tokenizer = tokenizer
+        self.backend = backend
+        self.engine_config = engine_config
         self.blocks = BlockManager(backend.num_kv_blocks, backend.block_size,
                                    enable_caching=engine_config.enable_prefix_caching)
-        # a sequence stops at the context limit or when it would fill the whole KV cache
-        self.max_model_len = min(max_model_len, backend.num_kv_blocks * backend.block_size)
+        self.max_model_len = max_model_len
+        # the longest sequence (prompt and output) this engine runs: max_model_len, or less
+        # when the KV cache cannot hold that many tokens (a sequence stops there)
+        self.context_limit = min(max_model_len, backend.num_kv_blocks * backend.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=engine_config.max_num_seqs,
                                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(model_config, backend)
+        self.num_steps = 0
+        self.load_seconds = 0.0  # load() sets it: reading, checking and uploading the model
         # config.json + generation_config.json, plus the end-of-turn tokens of the template
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
@@ -111,6 +140,71 @@ class LLMEngine:
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+
+    @classmethod
+    def load(cls, model_dir, device: str = "auto", *, log=None, **engine_options) -> "LLMEngine":
+        """The engine of a model directory on a device ("auto", "cpu" or "cuda"), with
+        EngineConfig's options: the config, tokenizer and weights checked, the backend
+        made. Each step of that may raise a one-line CupyLlamaError. Engine options the
+        device does not have (backends.GPU_ONLY_OPTIONS on the CPU) are ignored with a
+        warning to `log`."""
+        from dataclasses import fields
+
+        from ..backends import device_options, make_backend, resolve_device
+        from ..errors import ConfigError
+        from ..sampling import generation_defaults
+        from ..tokenizer import Tokenizer
+        from ..weights import open_checkpoint
+
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise ConfigError(f"unknown LLM option {unknown[0]!r}; the options are "
+                              f"{', '.join(sorted(known))}")
+        EngineConfig(**engine_options)  # every value is checked, those the device ignores too
+        started = time.perf_counter()
+        log = log or (lambda message: None)
+        config = ModelConfig.from_dir(model_dir)
+        generation_defaults(config.generation_config)  # a bad default fails the load
+        device = resolve_device(device, log)
+        engine_options, ignored = device_options(device, engine_options)
+        if ignored:
+            verb = "applies" if len(ignored) == 1 else "apply"
+            log(f"warning: {' and '.join(ignored)} {verb} to the GPU only; ignored on the CPU")
+        engine_config = EngineConfig(**engine_options)
+        max_model_len = engine_config.resolved_max_model_len(config)
+        tokenizer = Tokenizer.from_dir(model_dir, config)
+        tokenizer.check_chat_template()  # a broken template fails the load, not a chat
+        with open_checkpoint(model_dir, config, log=log) as checkpoint:
+            backend = make_backend(device, config, checkpoint, engine_config, max_model_len, log)
+        engine = cls(config, tokenizer, backend, engine_config, max_model_len)
+        engine.load_seconds = time.perf_counter() - started
+        return engine
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off from the next admission on (bench prefix compares
+        the two on one engine); what is cached stays until reset_prefix_cache()."""
+        self.blocks.enable_caching = bool(enabled)
+        self.engine_config = replace(self.engine_config, enable_prefix_caching=bool(enabled))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (safe at any time)."""
+        self.blocks.reset_prefix_cache()
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda"."""
+        return self.backend.device
+
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.blocks, self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_blocks=blocks.num_blocks, num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=len(blocks.cached),
+            prefix_cache_queries=blocks.num_queried_tokens,
+            prefix_cache_hits=blocks.num_hit_tokens,
+            num_preemptions=scheduler.num_preemptions, num_steps=self.num_steps)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -171,12 +265,15 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Abort every request and forget the steps in flight (their tokens are dropped):
-        the backend may be closed after this."""
+        """Abort every request, forget the steps in flight (their tokens are dropped) and
+        close the backend, which hands its memory back; closing twice does nothing."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self._in_flight = self._unhandled = None
         self._undelivered.clear()
+        close_backend = getattr(self.backend, "close", None)
+        if close_backend is not None:
+            close_backend()
 
     def has_unfinished_requests(self) -> bool:
         # a step still running counts while some request waits for its tokens
@@ -202,6 +299,7 @@ class LLMEngine:
             return self._finish_step(self._unhandled)
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
+        self.num_steps += launched is not None
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return []
@@ -215,7 +313,7 @@ class LLMEngine:
             seq.output_token_ids.append(-(row + 1))
             waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
             if (len(seq.output_token_ids) >= seq.params.max_tokens
-                    or seq.num_tokens >= self.max_model_len):
+                    or seq.num_tokens >= self.context_limit):
                 # known before the token is: schedule nothing more for it
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return _Launched(sampled, waiting_for)
@@ -255,7 +353,7 @@ class LLMEngine:
             sample.flush_text()
             status = SequenceStatus.FINISHED_STOPPED
         elif (index + 1 >= params.max_tokens
-              or seq.num_prompt_tokens + index + 1 >= self.max_model_len):
+              or seq.num_prompt_tokens + index + 1 >= self.context_limit):
             sample.flush_text()
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:

@@ -587,14 +587,14 @@ def create_app(state: ServerState):
         state.check_key(request)
         state.check_ready()
         return JSONResponse(protocol.model_list(settings.served_model_name, state.created,
-                                                state.info.max_model_len))
+                                                state.info.context_limit))
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request):
         state.check_key(request)
         state.check_ready()
         state.check_model(name)
-        return JSONResponse(protocol.model_card(name, state.created, state.info.max_model_len))
+        return JSONResponse(protocol.model_card(name, state.created, state.info.context_limit))
 
     async def generate(request: Request, request_model, stream_class):
         """/v1/completions and /v1/chat/completions: the body parsed by the endpoint's
@@ -604,7 +604,7 @@ def create_app(state: ServerState):
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
-                                               state.info.max_model_len, state.model_defaults)
+                                               state.info.context_limit, state.model_defaults)
         response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
         job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
@@ -627,7 +627,7 @@ def create_app(state: ServerState):
     async def tokenize(request: Request):
         parsed, _ = await body_of(request, protocol.TokenizeRequest)
         return JSONResponse(protocol.tokenize_response(parsed.token_ids(state.tokenizer),
-                                                       state.info.max_model_len))
+                                                       state.info.context_limit))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -704,7 +704,7 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
 
     def ready(info) -> None:
         print(f"serving {settings.served_model_name!r} at {url}/v1 ({info.device}, context "
-              f"{info.max_model_len} tokens, loaded in {info.load_seconds:.1f} s); "
+              f"{info.context_limit} tokens, loaded in {info.load_seconds:.1f} s); "
               "Ctrl-C stops", flush=True)
 
     state.on_ready = ready

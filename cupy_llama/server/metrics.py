@@ -38,7 +38,7 @@ class _EngineCollector:
             metric.add_metric(label, value)
             return metric
 
-        num_blocks = stats.get("num_blocks", 0)
+        num_blocks = stats.get("num_blocks", 0)  # EngineStats' fields, and the loop's times
         used = 1 - stats.get("num_free_blocks", 0) / num_blocks if num_blocks else 0.0
         yield family(GaugeMetricFamily, "num_requests_running",
                      "Sequences the engine is running, prefill or decode (a request of n "
