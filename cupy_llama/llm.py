@@ -101,11 +101,13 @@ class LLM:
         return self.generate(prompts, params, stream=True)
 
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
-             date_string: str | None = None):
+             date_string: str | None = None, chat_template_kwargs: dict | None = None):
         """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
         or a list of such conversations, answered with a list (of one for a list of one);
         with SamplingParams(n=k), k replies per conversation, ordered as generate() orders
-        them; with stream=True, an iterator of RequestOutputs carrying text deltas."""
+        them; with stream=True, an iterator of RequestOutputs carrying text deltas.
+        chat_template_kwargs: more variables for the chat template, such as
+        {"enable_thinking": False} for Qwen3's."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -113,7 +115,8 @@ class LLM:
                  and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
         self._live_engine()
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string)
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
+                                              template_kwargs=chat_template_kwargs)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies

@@ -194,19 +194,23 @@ class Tokenizer:
     # ---- chat ------------------------------------------------------------------------
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            date_string: str | None = None, tools=None) -> str:
-        """The prompt text the model's chat template renders for these messages."""
+                            date_string: str | None = None, tools=None,
+                            template_kwargs: dict | None = None) -> str:
+        """The prompt text the model's chat template renders for these messages.
+        template_kwargs: more variables for the template (Qwen3's enable_thinking, say), as
+        transformers' apply_chat_template takes them."""
         return self._render(validate_messages(messages), add_generation_prompt,
-                            date_string, tools)
+                            date_string, tools, template_kwargs)
 
     def encode_chat(self, messages, add_generation_prompt: bool = True,
-                    date_string: str | None = None, tools=None) -> list[int]:
+                    date_string: str | None = None, tools=None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Prompt ids for a chat; special tokens come only from the template's own text."""
         messages = validate_messages(messages)
         marker = _pick_marker(messages)
         guarded = [{key: self._break_specials(value, marker) if isinstance(value, str) else value
                     for key, value in message.items()} for message in messages]
-        text = self._render(guarded, add_generation_prompt, date_string, tools)
+        text = self._render(guarded, add_generation_prompt, date_string, tools, template_kwargs)
         ids: list[int] = []
         for piece, special in self._split_on_specials(text):
             if special is not None:
@@ -250,7 +254,7 @@ class Tokenizer:
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)  # names the syntax error
         try:
-            self._render(list(PROBE_CONVERSATION), True, "26 Jul 2024", None)
+            self._render(list(PROBE_CONVERSATION), True, "26 Jul 2024", None, None)
         except TokenizerError as e:
             reason = str(e).split("; check ")[0]
             for prefix in ("chat template failed to render: ", "chat template: "):
@@ -259,7 +263,8 @@ class Tokenizer:
                                  f"({reason}); fix it or remove it (chat_template.jinja, or "
                                  "chat_template in tokenizer_config.json)") from None
 
-    def _render(self, messages, add_generation_prompt, date_string, tools) -> str:
+    def _render(self, messages, add_generation_prompt, date_string, tools,
+                template_kwargs) -> str:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template (no chat_template.jinja and "
                                  "no chat_template in tokenizer_config.json); add one, or "
@@ -269,6 +274,7 @@ class Tokenizer:
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                          **self._template_tokens)
+        variables.update(check_template_kwargs(template_kwargs))
         if tools is not None:
             variables["tools"] = tools
         if date_string is not None:
@@ -341,6 +347,27 @@ def validate_messages(messages) -> list[dict]:
                                    f"{type(message[key]).__name__}")
             check_unicode(message[key], f"messages[{index}][{key!r}]")
     return list(messages)
+
+
+# variables the renderer sets itself: a request's chat-template keyword arguments may not
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token",
+                               "tools", "date_string", "strftime_now", "raise_exception")
+
+
+def check_template_kwargs(template_kwargs) -> dict:
+    """A request's extra chat-template variables: a dict of names the renderer does not set
+    itself (RequestError otherwise)."""
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, dict) or not all(
+            isinstance(key, str) and key.isidentifier() for key in template_kwargs):
+        raise RequestError("chat_template_kwargs must be an object whose keys are names, such "
+                           "as {\"enable_thinking\": false}")
+    reserved = sorted(set(template_kwargs) & set(RESERVED_TEMPLATE_VARIABLES))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {reserved[0]!r}: the chat "
+                           "template gets it from the request itself")
+    return template_kwargs
 
 
 def check_unicode(text: str, what: str) -> None:

@@ -253,3 +253,15 @@ def test_a_broken_chat_template_fails_the_load(template, fragment, good_model, t
         line = one_error_line(result.stderr)
         assert "chat template" in line and fragment in line, line
         assert "loaded on" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("{x", "--chat-template-kwargs is not valid JSON"),
+    ('{"messages": []}', "--chat-template-kwargs: may not set 'messages'"),
+    ("[1]", "--chat-template-kwargs: must be an object"),
+])
+def test_chat_template_kwargs_are_checked_before_loading(value, fragment, tmp_path, capsys):
+    """A bad --chat-template-kwargs is a usage error, found before any model is read."""
+    code = main(["chat", "--model", str(tmp_path / "nowhere"), "--chat-template-kwargs", value, "hi"])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and fragment in line, line

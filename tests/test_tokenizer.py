@@ -337,3 +337,27 @@ def test_stream_property_demo(demo, text):
     # SmolLM2's vocabulary lacks 21 byte values (0xF1.. among them), so text with rare
     # 4-byte characters does not round-trip; the stream must still equal the decode
     _check_stream(demo, text)
+
+
+def test_chat_template_kwargs_reach_the_template(demo_dir, tmp_path):
+    """Keyword arguments such as Qwen3's enable_thinking are template variables, as
+    transformers' apply_chat_template(**kwargs) passes them; the renderer's own variables
+    cannot be overridden."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(demo_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+        "{% endif %}{% endif %}")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    chat = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(chat)
+    quiet = tokenizer.apply_chat_template(chat, template_kwargs={"enable_thinking": False})
+    assert quiet == plain + "<think>\n\n</think>\n\n"
+    assert tokenizer.encode_chat(chat, template_kwargs={"enable_thinking": False}) == \
+        tokenizer.encode(quiet, add_special_tokens=False)
+    for bad, message in (({"messages": []}, "may not set 'messages'"),
+                         ({"1x": True}, "keys are names"), (["x"], "must be an object")):
+        with pytest.raises(RequestError, match=message):
+            tokenizer.apply_chat_template(chat, template_kwargs=bad)

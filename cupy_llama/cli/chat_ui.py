@@ -98,10 +98,12 @@ def context_hint(llm) -> str:
 
 
 class ChatSession:
-    def __init__(self, llm, params, system: str | None = None):
+    def __init__(self, llm, params, system: str | None = None,
+                 template_kwargs: dict | None = None):
         self.llm = llm
         self.params = params
         self.system = system or None
+        self.template_kwargs = template_kwargs  # more chat-template variables (--chat-template-kwargs)
         self.history: list[dict] = []   # user and assistant turns, alternating
         self.turns: list[TurnStats] = []
 
@@ -150,7 +152,8 @@ class ChatSession:
     def _prompt(self, turns: list[dict], user_text: str) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system else []
         messages = system + turns + [{"role": "user", "content": user_text}]
-        return self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                              template_kwargs=self.template_kwargs)
 
     def fit(self, user_text: str) -> tuple[list[int], int]:
         """The prompt ids for user_text after the conversation, and how many of the oldest
