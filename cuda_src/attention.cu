@@ -3,7 +3,12 @@
 // Layouts: q [T, nh, d]; caches [num_blocks, block_size, nkv, d]; block_tables [B, W];
 // out [T, nh * d]. Sequence b owns query rows query_start_loc[b] .. query_start_loc[b+1];
 // its new tokens are positions seq_lens[b] - num_new .. seq_lens[b] - 1, and a query at
-// position p attends to cache positions 0 .. p. GQA: query head h reads kv head h / group.
+// position p attends to cache positions 0 .. p, or with a sliding window W > 0 (`window`)
+// to p - W + 1 .. p only (W keys, itself included, as transformers masks them). GQA: query
+// head h reads kv head h / group. With a soft cap (`softcap` > 0, Gemma 2) a score s
+// (after the scale) becomes softcap * tanh(s / softcap) before the softmax: only the scalar
+// kernel takes one (the tanh in the fast kernels' inner loops costs them registers, and
+// spills, whether a cap is set or not), so the launcher sends capped attention there.
 //
 // Three kernels (the launcher in cupy_llama/backends/cuda/attention.py picks one):
 // - decode_attention_d{64,128}_g{1,2,4,8}: one new token per sequence, vectorized fp32
@@ -17,12 +22,13 @@
 // slots may hold NaN).
 //
 // Split-KV decode (num_splits > 1; every sequence has exactly one new token, so token
-// index == b): split s covers keys [s * split_len, (s + 1) * split_len) and writes its
+// index == b): split s covers keys [lo + s * split_len, lo + (s + 1) * split_len), lo
+// the first key the token sees (0, or seq_len - W with a window), and writes its
 // normalized partial output and natural-log log-sum-exp to partial_out [B, nh, splits, d] /
 // partial_lse [B, nh, splits] for attention_combine_kernel. split_len == 0 (CUDA-graph
 // decode, where the host does not know the lengths) derives each sequence's split length
-// on the device from its seq_len, so splits past a short sequence's end see no key and
-// only write lse = -inf.
+// on the device from the keys it sees, so splits past a short sequence's end see no key
+// and only write lse = -inf.
 
 #include "common.cuh"
 
@@ -51,7 +57,7 @@ __device__ __forceinline__ void paged_attention_body(
         bf16* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int head_dim,
         int block_size, int max_blocks_per_seq, float scale, int num_row_tiles,
-        int num_splits, int split_len) {
+        int num_splits, int split_len, int window, float softcap) {
     extern __shared__ float smem[];
     const int d = head_dim;
     float* q_s = smem;                      // [ROWS_PER_CTA][d]
@@ -71,11 +77,14 @@ __device__ __forceinline__ void paged_attention_body(
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
     const int last_row = min(first_row + ROWS_PER_CTA, num_rows) - 1;
+    // the first key any row of the CTA sees (a window's first row's), and the splits of the
+    // keys from there (decode)
+    const int lo = window > 0 ? max(0, context_start + first_row / group - window + 1) : 0;
     if (num_splits > 1 && split_len == 0) {
-        const int per_split = (seq_len + num_splits - 1) / num_splits;
+        const int per_split = (seq_len - lo + num_splits - 1) / num_splits;
         split_len = max(KEY_TILE, (per_split + KEY_TILE - 1) / KEY_TILE * KEY_TILE);
     }
-    const int key_begin = split * split_len;
+    const int key_begin = lo + split * split_len;
     int key_end = min(seq_len, context_start + last_row / group + 1);
     if (num_splits > 1) key_end = min(key_end, key_begin + split_len);
 
@@ -126,12 +135,14 @@ __device__ __forceinline__ void paged_attention_body(
         for (int rr = 0; rr < ROWS_PER_WARP; ++rr) {
             if (q_pos[rr] < 0) continue;  // uniform across the warp
             float score = neg_inf();
-            if (key_pos < key_end && key_pos <= q_pos[rr]) {
+            if (key_pos < key_end && key_pos <= q_pos[rr]
+                    && (window <= 0 || key_pos > q_pos[rr] - window)) {
                 const float* q_row = q_s + (rr * ATTN_WARPS + warp) * d;
                 const float* k_row = k_s + lane * (d + K_TILE_PAD);
                 float dot = 0.0f;
                 for (int c = 0; c < d; ++c) dot += q_row[c] * k_row[c];
                 score = dot * scale;
+                if (softcap > 0.0f) score = soft_capped(score, softcap);
             }
             const float m_new = fmaxf(m[rr], warp_max(score));
             if (m_new == neg_inf()) continue;  // no visible key yet (uniform)
@@ -187,12 +198,12 @@ __device__ __forceinline__ void paged_attention_body(
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int head_dim, int block_size, \
         int max_blocks_per_seq, float scale, int num_row_tiles, int num_splits,           \
-        int split_len) {                                                                  \
+        int split_len, int window, float softcap) {                                       \
         paged_attention_body<DPL>(q, k_cache, v_cache, block_tables, seq_lens,            \
                                   query_start_loc, out, partial_out, partial_lse,         \
                                   num_heads, num_kv_heads, head_dim, block_size,          \
                                   max_blocks_per_seq, scale, num_row_tiles, num_splits,   \
-                                  split_len);                                             \
+                                  split_len, window, softcap);                            \
     }
 
 // head_dim <= 32 * DPL
@@ -365,7 +376,7 @@ __device__ __forceinline__ void decode_attention_body(
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int block_shift,
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len, int window) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
     constexpr int NUM_WARPS = DECODE_THREADS / WARP_SIZE;
@@ -388,13 +399,15 @@ __device__ __forceinline__ void decode_attention_body(
     const int q_row = query_start_loc[b];
     if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
     const int seq_len = seq_lens[b];
-    // CTA `split` takes the split-th key range; a cluster's CTAs and graph decode (split_len
-    // 0) derive the ranges' length from seq_len
+    // the keys the token sees: from lo (a window's first) to seq_len. CTA `split` takes the
+    // split-th range of them; a cluster's CTAs and graph decode (split_len 0) derive the
+    // ranges' length from the keys seen
+    const int lo = window > 0 ? max(0, seq_len - window) : 0;
     const int parts = CLUSTER > 0 ? CLUSTER : num_splits;
-    int key_begin = 0, key_end = seq_len;
+    int key_begin = lo, key_end = seq_len;
     if (parts > 1) {
-        if (CLUSTER > 0 || split_len == 0) split_len = device_split_len(seq_len, parts);
-        key_begin = min(seq_len, split * split_len);
+        if (CLUSTER > 0 || split_len == 0) split_len = device_split_len(seq_len - lo, parts);
+        key_begin = min(seq_len, lo + split * split_len);
         key_end = min(seq_len, key_begin + split_len);
     }
     // no key: output 0 / an empty split (uniform per CTA). A CTA of a cluster goes on with
@@ -619,13 +632,14 @@ __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
+        int window) {                                                                     \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         /* launched programmatically: the body waits before it reads q or writes */       \
         decode_attention_body<D, MAXG, CLUSTER>(                                          \
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,   \
             partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
-            scale_log2, num_splits, split_len);                                               \
+            scale_log2, num_splits, split_len, window);                                       \
     }
 
 // group <= MAXG (query heads per kv head)
@@ -637,6 +651,10 @@ DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0)
 DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0)
 DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0)
 DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g1, 256, 1, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g2, 256, 2, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g4, 256, 4, 0)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g8, 256, 8, 0)
 // Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
 // CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
 // results through distributed shared memory, so no partials go through global memory and
@@ -712,7 +730,7 @@ __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, int num_heads, int num_kv_heads, int block_shift,
-        int max_blocks_per_seq, float scale_log2, int num_row_tiles) {
+        int max_blocks_per_seq, float scale_log2, int num_row_tiles, int window) {
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
     constexpr int CHUNKS = D / 8;          // 16-byte pieces per row
     constexpr int KEY_NTILES = PREFILL_KEYS / 8;  // 8-key column tiles of S
@@ -734,6 +752,9 @@ __device__ __forceinline__ void prefill_attention_body(
     const int last_row = min(first_row + PREFILL_ROWS, num_rows) - 1;
     const int key_end = context_start + last_row / group + 1;  // keys 0 .. the last row's position
     const int num_tiles = (key_end + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    // with a window, no tile wholly before the first row's window
+    const int first_tile = window > 0
+        ? max(0, context_start + first_row / group - window + 1) / PREFILL_KEYS : 0;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int* table = block_tables + (long long)b * max_blocks_per_seq;
 
@@ -766,7 +787,7 @@ __device__ __forceinline__ void prefill_attention_body(
         }
     };
 
-    load_tile(0, 0);
+    load_tile(first_tile, first_tile & 1);
     cp_async_commit();
     __syncthreads();  // q_s written
 
@@ -785,8 +806,9 @@ __device__ __forceinline__ void prefill_attention_body(
     const int pos_row[2] = {row0 < num_rows ? context_start + row0 / group : -1,
                             row0 + 8 < num_rows ? context_start + (row0 + 8) / group : -1};
     const int warp_first_pos = context_start + (first_row + warp * 16) / group;
+    const int warp_last_pos = context_start + (min(first_row + warp * 16 + 15, num_rows - 1)) / group;
 
-    for (int tile = 0; tile < num_tiles; ++tile) {
+    for (int tile = first_tile; tile < num_tiles; ++tile) {
         if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
         cp_async_commit();  // possibly empty: keeps the group count regular
         cp_async_wait_all_but_newest();  // this tile has landed (for this thread)
@@ -810,13 +832,17 @@ __device__ __forceinline__ void prefill_attention_body(
         }
 
         const int key0 = tile * PREFILL_KEYS;
-        const bool needs_mask = key0 + PREFILL_KEYS - 1 > warp_first_pos;  // uniform per warp
+        // uniform per warp: a tile reaching past the warp's first row, or (with a window)
+        // starting at or before the last row's window start, has keys some row must not see
+        const bool needs_mask = key0 + PREFILL_KEYS - 1 > warp_first_pos
+                                || (window > 0 && key0 <= warp_last_pos - window);
 #pragma unroll
         for (int j = 0; j < KEY_NTILES; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = s[j][e] * scale_log2;
-                if (needs_mask && key0 + j * 8 + (lane & 3) * 2 + (e & 1) > pos_row[e >> 1])
+                const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1), pos = pos_row[e >> 1];
+                if (needs_mask && (key > pos || (window > 0 && key <= pos - window)))
                     x = neg_inf();
                 s[j][e] = x;
             }
@@ -890,11 +916,11 @@ __device__ __forceinline__ void prefill_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, int num_heads,        \
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,      \
-        int num_row_tiles) {                                                              \
+        int num_row_tiles, int window) {                                                  \
         prefill_attention_body<D>(q, k_cache, v_cache, block_tables, seq_lens,            \
                                   query_start_loc, out, num_heads, num_kv_heads,          \
                                   block_shift, max_blocks_per_seq, scale_log2,            \
-                                  num_row_tiles);                                         \
+                                  num_row_tiles, window);                                 \
     }
 
 DEFINE_PREFILL_ATTENTION(prefill_attention_d64, 64)
@@ -923,7 +949,7 @@ __device__ __forceinline__ void decode_attention_mma_body(
         const int* __restrict__ query_start_loc, bf16* __restrict__ out,
         float* __restrict__ partial_out, float* __restrict__ partial_lse, int num_heads,
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,
-        int num_splits, int split_len) {
+        int num_splits, int split_len, int window) {
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
     constexpr int CHUNKS = D / 8;                // 16-byte pieces per row
     constexpr int DIM_NTILES = D / 8;            // 8-dim column tiles of O
@@ -939,10 +965,11 @@ __device__ __forceinline__ void decode_attention_mma_body(
     const int q_row = query_start_loc[b];
     if (query_start_loc[b + 1] == q_row) return;  // no new token
     const int seq_len = seq_lens[b];
-    int key_begin = 0, key_end = seq_len;
+    const int lo = window > 0 ? max(0, seq_len - window) : 0;  // the first key the token sees
+    int key_begin = lo, key_end = seq_len;
     if (num_splits > 1) {
-        if (split_len == 0) split_len = device_split_len(seq_len, num_splits);
-        key_begin = min(seq_len, split * split_len);
+        if (split_len == 0) split_len = device_split_len(seq_len - lo, num_splits);
+        key_begin = min(seq_len, lo + split * split_len);
         key_end = min(seq_len, key_begin + split_len);
     }
     let_next_kernel_start();     // the next product may load its weights meanwhile
@@ -1110,12 +1137,13 @@ __device__ __forceinline__ void decode_attention_mma_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len) {        \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
+        int window) {                                                                     \
         decode_attention_mma_body<D>(q, k_cache, v_cache, block_tables, seq_lens,         \
                                      query_start_loc, out, partial_out, partial_lse,      \
                                      num_heads, num_kv_heads, block_shift,                \
                                      max_blocks_per_seq, scale_log2, num_splits,          \
-                                     split_len);                                          \
+                                     split_len, window);                                  \
     }
 
 DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64, 64)

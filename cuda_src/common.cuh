@@ -52,8 +52,18 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // The elementwise math that both a separate kernel and a fused epilogue compute, written
 // once so that the two give the same bits.
 
-// silu(gate) * up, rounded to bf16 (silu_and_mul_kernel; the gate/up product's epilogue)
-__device__ __forceinline__ bf16 silu_mul(float gate, float up) {
+// The gated MLP's activation: act(gate) * up, rounded to bf16 (act_and_mul_kernel; the
+// gate/up product's epilogue). ACT_SILU: silu (Llama, Qwen, Mistral); ACT_GELU_TANH: GELU
+// with the tanh approximation (Gemma), 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+#define SQRT_2_OVER_PI 0.7978845608028654f
+
+__device__ __forceinline__ bf16 act_mul(int act, float gate, float up) {
+    if (act == ACT_GELU_TANH) {
+        const float inner = SQRT_2_OVER_PI * (gate + 0.044715f * gate * gate * gate);
+        return to_bf16(0.5f * gate * (1.0f + tanhf(inner)) * up);
+    }
     return to_bf16(gate / (1.0f + expf(-gate)) * up);
 }
 
@@ -68,13 +78,19 @@ __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s
 }
 
 // RMSNorm (rms_norm_row; the norm prologue of the products): 1 / sqrt(mean(x^2) + eps)
-// from a row's sum of squares, and one element's x * inv_rms * weight before rounding
+// from a row's sum of squares, and one element's x * inv_rms * (offset + weight) before
+// rounding; offset 0 for Llama's norms, 1 for Gemma's (whose weights store w - 1)
 __device__ __forceinline__ float rms_inv(float sum_sq, int hidden, float eps) {
     return rsqrtf(sum_sq / hidden + eps);
 }
 
-__device__ __forceinline__ float rms_scaled(float x, float inv_rms, float weight) {
-    return x * inv_rms * weight;
+__device__ __forceinline__ float rms_scaled(float x, float inv_rms, float weight, float offset) {
+    return x * inv_rms * (offset + weight);
+}
+
+// cap * tanh(x / cap), the soft cap of attention scores and logits (Gemma 2); cap > 0
+__device__ __forceinline__ float soft_capped(float x, float cap) {
+    return cap * tanhf(x / cap);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

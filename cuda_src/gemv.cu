@@ -5,16 +5,18 @@
 // attention kernels (see model/llama.py) instead of ten kernels:
 //   prologue PRO_PLAIN  x is bf16 [M, K];
 //            PRO_NORM   x is the float32 residual stream [M, K]; the kernel stages
-//                       bf16(x / rms(x) * norm_weight), rms_norm_f32_kernel's formula
-//                       (its sum of squares in another order: the last bit may differ);
+//                       bf16(x / rms(x) * (norm_offset + norm_weight)),
+//                       rms_norm_f32_kernel's formula (its sum of squares in another
+//                       order: the last bit may differ);
 //   epilogue EPI_STORE  out [M, N]: bf16 (out_mode OUT_BF16), float32 (OUT_F32) or added
 //                       to a float32 out (OUT_F32_ADD: the residual stream);
-//            EPI_SILU   w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
-//                       silu(gate) * up, both rounded to bf16 first as silu_and_mul sees
-//                       them;
-//            EPI_ROPE   w is qkv [(nh + 2 nkv) d, K]; RoPE and the paged KV-cache write of
-//                       rope_and_cache_kernel (rope.cu, the same arithmetic): rotated q ->
-//                       out [M, nh, d], rotated k and plain v -> the caches at slot_mapping.
+//            EPI_GLU    w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
+//                       act(gate) * up (act_mul: silu or the tanh GELU), both rounded to
+//                       bf16 first as act_and_mul sees them;
+//            EPI_ROPE   w is qkv [(nh + 2 nkv) d, K]; the biases where given (bias), then
+//                       RoPE and the paged KV-cache write of rope_and_cache_kernel (rope.cu,
+//                       the same arithmetic): rotated q -> out [M, nh, d], rotated k and
+//                       plain v -> the caches at slot_mapping.
 //
 // A weight tile of 16 rows is the A operand of mma.m16n8k16 (bf16 in, fp32 sums) and up to
 // 8 x rows are its B operand (M > 8: two of them), so the products cost next to nothing and
@@ -28,7 +30,7 @@
 //
 // Which weight rows a tile holds (tile_rows) is what lets an epilogue see the values it
 // combines in one thread: for EPI_STORE lo(g) = 16 tile + g and hi(g) = lo(g) + 8; for
-// EPI_SILU the pair (gate j, up j), j = 8 tile + g; for EPI_ROPE the rotation pair
+// EPI_GLU the pair (gate j, up j), j = 8 tile + g; for EPI_ROPE the rotation pair
 // (i, i + d/2) of a q or k head, then plain 16-row tiles over v. The mma leaves the sums of
 // lo(g) and hi(g) for one x row in the same lane.
 //
@@ -51,7 +53,7 @@
 // epilogue reads besides the sums is loaded when the tile starts (EpilogueInputs: RoPE's
 // step metadata before the wait, the residual after it).
 //
-// Needs K % 8 == 0, 16-byte aligned x and w, for EPI_SILU N % 16 == 0, for EPI_ROPE
+// Needs K % 8 == 0, 16-byte aligned x and w, for EPI_GLU N % 16 == 0, for EPI_ROPE
 // (d / 2) % 8 == 0; any N for EPI_STORE (rows of the last tile past N re-read row N - 1 and
 // are never stored); shared memory m_rows * x_stride * 16 + partials (gemm.py computes it).
 // Launch: grid (min(tiles, resident blocks)), block (WARPS * 32), dynamic shared
@@ -72,7 +74,7 @@
 #define PRO_PLAIN 0
 #define PRO_NORM 1
 #define EPI_STORE 0
-#define EPI_SILU 1
+#define EPI_GLU 1
 #define EPI_ROPE 2
 #define OUT_BF16 0
 #define OUT_F32 1
@@ -89,10 +91,13 @@ struct SkinnyArgs {
     const float* cos_sin;     // [max_pos, d]: cos in columns [0, d/2), sin in [d/2, d)
     bf16* k_cache;            // [num_blocks, block_size, nkv, d]
     bf16* v_cache;
+    const bf16* bias;         // [N] or nullptr (EPI_ROPE)
     int m_rows, n, k;
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
     float eps;                // PRO_NORM
+    float norm_offset;        // PRO_NORM: weights scale by (norm_offset + w)
+    int act;                  // EPI_GLU: ACT_SILU or ACT_GELU_TANH (common.cuh)
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -137,7 +142,7 @@ struct TileRows {
 // the weight rows lo(g) and hi(g) of a tile (see the top of this section)
 template <int EPI>
 __device__ __forceinline__ TileRows tile_rows(const SkinnyArgs& a, int tile, int g) {
-    if (EPI == EPI_SILU) return {tile * 8 + g, tile * 8 + g + a.n / 2};
+    if (EPI == EPI_GLU) return {tile * 8 + g, tile * 8 + g + a.n / 2};
     if (EPI == EPI_ROPE) {
         const int half = a.head_dim / 2;
         const int pair_tiles = (a.num_heads + a.num_kv_heads) * half / 8;
@@ -226,8 +231,9 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
             const float scale = inv_rms[m];
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                packed[j] = pack_bf16x2(rms_scaled(v[2 * j], scale, weight[2 * j]),
-                                        rms_scaled(v[2 * j + 1], scale, weight[2 * j + 1]));
+                packed[j] = pack_bf16x2(rms_scaled(v[2 * j], scale, weight[2 * j], a.norm_offset),
+                                        rms_scaled(v[2 * j + 1], scale, weight[2 * j + 1],
+                                                   a.norm_offset));
         }
         xs[m * x_stride + c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
@@ -244,6 +250,7 @@ struct EpilogueInputs {
     float prior_lo, prior_hi;  // OUT_F32_ADD: out[m, lo], out[m, hi]
     int slot, position;        // EPI_ROPE: slot_mapping[m], positions[m]
     float cos, sin;            // EPI_ROPE: the rotation of row lo's pair at that position
+    float bias_lo, bias_hi;    // EPI_ROPE: bias[lo], bias[hi] (0 without a bias)
 };
 
 // RoPE's metadata of x row m (the same for every tile)
@@ -254,10 +261,13 @@ __device__ __forceinline__ void load_row_metadata(const SkinnyArgs& a, int m, Ep
     in.position = a.positions[m];
 }
 
-// RoPE's rotation of a tile's pair (lo, hi) at the row's position
+// RoPE's rotation of a tile's pair (lo, hi) at the row's position, and the pair's biases
+// (weights: constant, read before the wait like the table)
 template <int EPI>
 __device__ __forceinline__ void load_rotation(const SkinnyArgs& a, TileRows rows, EpilogueInputs& in) {
     if (EPI != EPI_ROPE) return;
+    in.bias_lo = a.bias != nullptr ? to_float(a.bias[rows.lo]) : 0.0f;
+    in.bias_hi = a.bias != nullptr ? to_float(a.bias[rows.hi]) : 0.0f;
     const int d = a.head_dim;
     if (rows.lo < (a.num_heads + a.num_kv_heads) * d) {  // a q or k row: rotated
         const float* table = a.cos_sin + (long long)in.position * d;
@@ -293,9 +303,9 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
     if (EPI == EPI_STORE) {
         store_out(a, m, lo, lo_sum, in.prior_lo);
         store_out(a, m, hi, hi_sum, in.prior_hi);
-    } else if (EPI == EPI_SILU) {
+    } else if (EPI == EPI_GLU) {
         const float gate = bf16_rounded(lo_sum), up = bf16_rounded(hi_sum);
-        static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] = silu_mul(gate, up);
+        static_cast<bf16*>(a.out)[(long long)m * (a.n / 2) + lo] = act_mul(a.act, gate, up);
     } else {
         const int d = a.head_dim, half = d / 2, nh = a.num_heads, nkv = a.num_kv_heads;
         const long long slot = in.slot;
@@ -303,7 +313,7 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
         const int v_start = (nh + nkv) * d;
         if (lo < v_start) {
             const int head = lo / d, i = lo - head * d;
-            const float x1 = bf16_rounded(lo_sum), x2 = bf16_rounded(hi_sum);
+            const float x1 = bf16_rounded(lo_sum + in.bias_lo), x2 = bf16_rounded(hi_sum + in.bias_hi);
             const float c = in.cos, s = in.sin;
             bf16 o1, o2;
             rotate_pair(x1, x2, c, s, o1, o2);
@@ -315,8 +325,8 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
                 dst[i + half] = o2;
             }
         } else if (slot >= 0) {
-            a.v_cache[cache_row + lo - v_start] = to_bf16(lo_sum);
-            a.v_cache[cache_row + hi - v_start] = to_bf16(hi_sum);
+            a.v_cache[cache_row + lo - v_start] = to_bf16(lo_sum + in.bias_lo);
+            a.v_cache[cache_row + hi - v_start] = to_bf16(hi_sum + in.bias_hi);
         }
     }
 }
@@ -343,7 +353,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
-    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f};  // of the tile being computed
+    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f};  // of the tile being computed
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
@@ -455,8 +465,8 @@ DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
 DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
 DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_silu_n1, 1, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_silu_n2, 2, PRO_NORM, EPI_SILU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2)
+DEFINE_SKINNY(skinny_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
 

@@ -1,9 +1,12 @@
-// RMSNorm of bf16 or float32 rows (the residual add rides in the products, gemv.cu).
+// RMSNorm of bf16 or float32 rows (the residual add rides in the products, gemv.cu), and
+// the norm that adds a sublayer's output into the residual stream (Gemma's norms on the
+// attention and MLP outputs).
 // Launch: grid (num_rows), block (256..1024, a multiple of 32); one block per row. With
 // vector != 0 (hidden % 4 == 0, every operand 16-byte aligned) each thread takes 4 adjacent
 // elements at a time, in one 16-byte (float32) or 8-byte (bf16) word; else one.
 // `out` may alias `x`: every element is read (pass 1) before the block barrier inside
 // block_sum, and pass 2 reads and writes each element from the same thread.
+// Weights scale by (offset + weight): offset 0 for Llama's norms, 1 for Gemma's.
 //
 // Rows may be bf16 or float32 (R): the model keeps its residual stream in float32, as a
 // sublayer's small update added to a large bf16 residual would lose most of its bits.
@@ -24,12 +27,11 @@ __device__ __forceinline__ void load4(const float* p, float (&v)[NORM_VECTOR]) {
     v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H], weight [H]
+// 1 / rms of this block's row of x (every thread of the block calls it)
 template <typename R>
-__device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* out,
-                             int hidden, float eps, int vector) {
+__device__ __forceinline__ float row_inv_rms(const R* x, long long row, int hidden, float eps,
+                                             int vector) {
     __shared__ float scratch[WARP_SIZE];
-    const long long row = (long long)blockIdx.x * hidden;
     float sum_sq = 0.0f;
     if (vector) {
         for (int i = threadIdx.x * NORM_VECTOR; i < hidden; i += blockDim.x * NORM_VECTOR) {
@@ -44,7 +46,15 @@ __device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* 
             sum_sq += v * v;
         }
     }
-    const float inv_rms = rms_inv(block_sum(sum_sq, scratch), hidden, eps);
+    return rms_inv(block_sum(sum_sq, scratch), hidden, eps);
+}
+
+// out = x / sqrt(mean(x^2) + eps) * (offset + weight); x, out [T, H], weight [H]
+template <typename R>
+__device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* out,
+                             int hidden, float eps, float offset, int vector) {
+    const long long row = (long long)blockIdx.x * hidden;
+    const float inv_rms = row_inv_rms(x, row, hidden, eps, vector);
     if (vector) {
         for (int i = threadIdx.x * NORM_VECTOR; i < hidden; i += blockDim.x * NORM_VECTOR) {
             float v[NORM_VECTOR], w[NORM_VECTOR];
@@ -52,21 +62,52 @@ __device__ void rms_norm_row(const R* x, const bf16* __restrict__ weight, bf16* 
             load4(weight + i, w);
             bf16 o[NORM_VECTOR];
 #pragma unroll
-            for (int k = 0; k < NORM_VECTOR; ++k) o[k] = to_bf16(rms_scaled(v[k], inv_rms, w[k]));
+            for (int k = 0; k < NORM_VECTOR; ++k)
+                o[k] = to_bf16(rms_scaled(v[k], inv_rms, w[k], offset));
             *reinterpret_cast<uint2*>(out + row + i) = pack_bf16x4(o);
         }
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-            out[row + i] = to_bf16(rms_scaled(load_f(x + row + i), inv_rms, to_float(weight[i])));
+            out[row + i] = to_bf16(rms_scaled(load_f(x + row + i), inv_rms, to_float(weight[i]),
+                                              offset));
     }
 }
 
 extern "C" __global__ void rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
-                                           bf16* out, int hidden, float eps, int vector) {
-    rms_norm_row(x, weight, out, hidden, eps, vector);
+                                           bf16* out, int hidden, float eps, float offset,
+                                           int vector) {
+    rms_norm_row(x, weight, out, hidden, eps, offset, vector);
 }
 
 extern "C" __global__ void rms_norm_f32_kernel(const float* x, const bf16* __restrict__ weight,
-                                               bf16* out, int hidden, float eps, int vector) {
-    rms_norm_row(x, weight, out, hidden, eps, vector);
+                                               bf16* out, int hidden, float eps, float offset,
+                                               int vector) {
+    rms_norm_row(x, weight, out, hidden, eps, offset, vector);
+}
+
+// residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight), x [T, H] bf16:
+// a sublayer's output, normed in float32 and added unrounded
+extern "C" __global__ void add_rms_norm_kernel(const bf16* __restrict__ x,
+                                               const bf16* __restrict__ weight,
+                                               float* __restrict__ residual, int hidden,
+                                               float eps, float offset, int vector) {
+    const long long row = (long long)blockIdx.x * hidden;
+    const float inv_rms = row_inv_rms(x, row, hidden, eps, vector);
+    if (vector) {
+        for (int i = threadIdx.x * NORM_VECTOR; i < hidden; i += blockDim.x * NORM_VECTOR) {
+            float v[NORM_VECTOR], w[NORM_VECTOR];
+            load4(x + row + i, v);
+            load4(weight + i, w);
+            float4 r = *reinterpret_cast<const float4*>(residual + row + i);
+            r.x += rms_scaled(v[0], inv_rms, w[0], offset);
+            r.y += rms_scaled(v[1], inv_rms, w[1], offset);
+            r.z += rms_scaled(v[2], inv_rms, w[2], offset);
+            r.w += rms_scaled(v[3], inv_rms, w[3], offset);
+            *reinterpret_cast<float4*>(residual + row + i) = r;
+        }
+    } else {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+            residual[row + i] += rms_scaled(to_float(x[row + i]), inv_rms, to_float(weight[i]),
+                                            offset);
+    }
 }

@@ -1,12 +1,17 @@
-"""Model configuration from a Hugging Face model directory, validated once.
+"""The model's configuration, and how the engine uses its device: dataclasses checked once.
 
-Reads `config.json` (both the released Llama 3.x form with top-level `rope_theta` /
-`rope_scaling` and the transformers-5 form with `rope_parameters`) and, when present,
-`generation_config.json` for EOS ids and sampling defaults.
+`ModelConfig` says everything the decoder (models/decoder.py) needs: the shape, the RoPE
+table of each layer type, and the features that set the families apart (q/k/v biases,
+per-head q/k norms, Gemma's norms and GeGLU, sliding windows, soft-capping). Each family
+reads its own config.json into one (models/, `read_config`); the helpers here read the
+fields they share, from both forms a config.json takes on disk: the released form with
+top-level `rope_theta` / `rope_scaling`, and the transformers-5 form with
+`rope_parameters` (one dict, or one per layer type).
 """
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,21 +19,35 @@ from pathlib import Path
 from .errors import ConfigError
 from .util import as_flag
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 frequency scaling (rope_type "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+class RopeConfig:
+    """The frequencies of one RoPE table (models/rope.py computes them as transformers
+    does): rope_type default, linear (inverse frequencies / factor), llama3 (Llama 3's
+    wavelength bands) or yarn (NTK-by-parts, with an attention factor on cos and sin)."""
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0                        # llama3
+    high_freq_factor: float = 4.0                       # llama3
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    beta_fast: float = 32.0                             # yarn
+    beta_slow: float = 1.0                              # yarn
+    attention_factor: float | None = None               # yarn; None: from factor (and mscale)
+    mscale: float | None = None                         # yarn
+    mscale_all_dim: float | None = None                 # yarn
+    truncate: bool = True                               # yarn
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    architecture: str            # config.json's architectures[0] (models/ registry key)
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -37,10 +56,22 @@ class ModelConfig:
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    rope_scaling: RopeScaling | None = None
+    # layer type -> its RoPE table; every type of layer_types has one
+    rope: dict = field(default_factory=dict)
+    # FULL_ATTENTION or SLIDING_ATTENTION per layer (default: all full)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None    # keys a sliding layer's token sees, itself included
+    qkv_bias: bool = False               # biases on q, k and v (Qwen2)
+    qk_norm: bool = False                # RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0             # norms scale by (offset + weight): Gemma's 1 + w
+    sandwich_norms: bool = False         # a norm on each sublayer's output too (Gemma)
+    hidden_act: str = "silu"             # the gate's activation: silu or gelu_tanh
+    embed_scale: float | None = None     # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None      # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None   # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits likewise
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
@@ -63,8 +94,33 @@ class ModelConfig:
             raise ConfigError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"config.json: rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"config.json: rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"config.json: layer_types lists {len(self.layer_types)} layers "
+                              f"but num_hidden_layers is {self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"config.json: layer type {unknown[0]!r} is not supported "
+                              f"(supported: {', '.join(LAYER_TYPES)})")
+        missing = sorted(set(self.layer_types) - set(self.rope))
+        if missing:
+            raise ConfigError(f"config.json: no RoPE settings for {missing[0]} layers")
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ConfigError("config.json: sliding_attention layers need sliding_window")
+        if self.sliding_window is not None and (
+                isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+                or self.sliding_window < 1):
+            raise ConfigError(f"config.json: sliding_window must be a positive integer or "
+                              f"null, got {self.sliding_window!r}")
+        if self.hidden_act not in HIDDEN_ACTS.values():
+            raise ConfigError(f"hidden activation {self.hidden_act!r} is not supported")
+        if self.attn_scale is None:
+            object.__setattr__(self, "attn_scale", self.head_dim ** -0.5)
+        for name in ("attn_logit_softcap", "final_logit_softcap", "embed_scale"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"config.json: {name} must be > 0 or null, got {value!r}")
         for token_id in self.eos_token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise ConfigError(f"eos_token_id {token_id} is outside the vocabulary "
@@ -78,59 +134,76 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[i] == SLIDING_ATTENTION else None
+
     @property
     def num_parameters(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        qkv = self.q_size + 2 * self.kv_size
+        norms = 4 if self.sandwich_norms else 2
+        per_layer = (h * qkv + self.q_size * h + 3 * h * i + norms * h
+                     + (qkv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + L * per_layer + h + head
 
-    @classmethod
-    def from_dir(cls, model_dir) -> "ModelConfig":
-        model_dir = Path(model_dir)
-        if model_dir.is_file():
-            raise ConfigError(f"{str(model_dir)!r} is a file, not a model directory; pass the "
-                              "folder that holds config.json")
-        if not model_dir.is_dir():
-            raise ConfigError(f"model directory {str(model_dir)!r} does not exist; pass the "
-                              "path of a Hugging Face model folder (with config.json)")
-        raw = _read_json(model_dir / "config.json", required=True)
-        gen = _read_json(model_dir / "generation_config.json", required=False)
-        if gen is not None and not isinstance(gen, dict):
-            raise ConfigError("generation_config.json must hold a JSON object; fix or remove it")
-        return cls.from_dicts(raw, gen)
 
-    @classmethod
-    def from_dicts(cls, raw: dict, gen: dict | None = None) -> "ModelConfig":
-        gen = gen or {}
-        if not isinstance(raw, dict):
-            raise ConfigError("config.json must hold a JSON object")
-        architectures = raw.get("architectures") or []
-        model_type = raw.get("model_type")
-        if architectures and not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-            raise ConfigError(f"config.json: architecture {architectures[0]!r} is not supported; "
-                              f"cupy-llama runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
-        if model_type is not None and model_type != "llama":
-            raise ConfigError(f"config.json: model_type {model_type!r} is not supported; "
-                              "cupy-llama runs model_type 'llama'")
-        if not architectures and model_type is None:
-            raise ConfigError("config.json names neither 'architectures' nor 'model_type'; "
-                              "expected LlamaForCausalLM / llama")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-        for flag in ("attention_bias", "mlp_bias"):
-            if raw.get(flag):
-                raise ConfigError(f"config.json: {flag}=true is not supported "
-                                  "(Llama checkpoints have no biases)")
+# ---------------------------------------------------------------- reading config.json
 
-        def need(name):
-            if name not in raw:
-                raise ConfigError(f"config.json is missing {name!r}")
-            return raw[name]
+def read_model_json(model_dir) -> tuple[dict, dict]:
+    """config.json and generation_config.json ({} when absent) of a model folder, as JSON
+    objects; one-line ConfigErrors for a folder that is missing, a file, or bad JSON."""
+    model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise ConfigError(f"{str(model_dir)!r} is a file, not a model directory; pass the "
+                          "folder that holds config.json")
+    if not model_dir.is_dir():
+        raise ConfigError(f"model directory {str(model_dir)!r} does not exist; pass the "
+                          "path of a Hugging Face model folder (with config.json)")
+    raw = _read_json(model_dir / "config.json", required=True)
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    gen = _read_json(model_dir / "generation_config.json", required=False)
+    if gen is not None and not isinstance(gen, dict):
+        raise ConfigError("generation_config.json must hold a JSON object; fix or remove it")
+    return raw, gen or {}
 
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
+
+class ConfigReader:
+    """config.json's fields, each read with an error that names it."""
+
+    def __init__(self, raw: dict, gen: dict | None = None):
+        self.raw, self.gen = raw, gen or {}
+
+    def need(self, name: str):
+        if name not in self.raw:
+            raise ConfigError(f"config.json is missing {name!r}")
+        return self.raw[name]
+
+    def number(self, name: str, default=None) -> float | None:
+        """A number, default when the field is absent, None when it is null."""
+        value = self.raw.get(name, default)
+        return None if value is None else _number(name, value)
+
+    def flag(self, name: str, default: bool = False) -> bool:
+        value = self.raw.get(name, default)
+        flag = as_flag(False if value is None else value)
+        if flag is None:
+            raise ConfigError(f"config.json: {name} must be true or false, got {value!r}")
+        return flag
+
+    def refuse(self, name: str, why: str) -> None:
+        """A field whose truthy value this family cannot run."""
+        if self.raw.get(name):
+            raise ConfigError(f"config.json: {name}={json.dumps(self.raw[name])} is not "
+                              f"supported ({why})")
+
+    def shared_fields(self, architecture: str) -> dict:
+        """The fields every family reads the same way, as ModelConfig keywords."""
+        raw, gen = self.raw, self.gen
+        hidden = self.need("hidden_size")
+        heads = self.need("num_attention_heads")
         kv_heads = raw.get("num_key_value_heads")
         if kv_heads is None:  # no grouped-query attention: one kv head per query head
             kv_heads = heads
@@ -140,31 +213,146 @@ class ModelConfig:
                 raise ConfigError(f"config.json: hidden_size ({hidden}) is not a multiple of "
                                   f"num_attention_heads ({heads}) and head_dim is not given")
             head_dim = hidden // heads
-
-        rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling")
-        if scaling is None and rope:
-            scaling = rope
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_scaling = _parse_rope_scaling(scaling)
-
         eos = _id_set(raw.get("eos_token_id")) | _id_set(gen.get("eos_token_id"))
         bos = gen.get("bos_token_id", raw.get("bos_token_id"))
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
-        try:
-            return cls(
-                hidden_size=hidden, num_hidden_layers=need("num_hidden_layers"),
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-                rms_norm_eps=_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=_number("rope_theta", rope_theta),
-                max_position_embeddings=raw.get("max_position_embeddings", 2048),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                rope_scaling=rope_scaling, eos_token_ids=tuple(sorted(eos)),
-                bos_token_id=bos if isinstance(bos, int) else None,
-                torch_dtype=str(dtype), generation_config=dict(gen))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"config.json: {e}") from None
+        max_positions = raw.get("max_position_embeddings", 2048)
+        if isinstance(max_positions, float) and max_positions.is_integer():
+            max_positions = int(max_positions)
+        return dict(
+            architecture=architecture, hidden_size=hidden,
+            num_hidden_layers=self.need("num_hidden_layers"), num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
+            intermediate_size=self.need("intermediate_size"), vocab_size=self.need("vocab_size"),
+            rms_norm_eps=_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(sorted(eos)), bos_token_id=bos if isinstance(bos, int) else None,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            generation_config=dict(gen))
+
+    def hidden_act(self, name: str = "hidden_act", default: str = "silu") -> str:
+        act = self.raw.get(name, default)
+        if act not in HIDDEN_ACTS:
+            raise ConfigError(f"config.json: {name} {act!r} is not supported (supported: "
+                              f"{', '.join(sorted(HIDDEN_ACTS))})")
+        return HIDDEN_ACTS[act]
+
+    def layer_types(self, num_layers: int, default: tuple[str, ...]) -> tuple[str, ...]:
+        """config.json's layer_types when it lists them (transformers 5 writes them), else
+        the family's default."""
+        listed = self.raw.get("layer_types")
+        if listed is None:
+            return default
+        if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+            raise ConfigError(f"config.json: layer_types must be a list of layer type names, "
+                              f"got {listed!r}")
+        return tuple(listed)
+
+    def rope(self, layer_types: tuple[str, ...], default_theta: float = 10000.0,
+             sliding_theta: float | None = None) -> dict:
+        """The RoPE table of each layer type, from either config form:
+        - rope_parameters (transformers 5): one dict for every layer, or one per layer type;
+        - rope_theta and rope_scaling at top level (released checkpoints); with
+          sliding_theta (Gemma 3's rope_local_base_freq), sliding layers get a plain table
+          of that base and only full layers take rope_scaling."""
+        raw = self.raw
+        params = raw.get("rope_parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"config.json: rope_parameters must be an object, got {params!r}")
+        per_type = isinstance(params, dict) and set(params) & set(LAYER_TYPES)
+        tables = {}
+        for layer_type in dict.fromkeys(layer_types):
+            if per_type:
+                entry = params.get(layer_type)
+                if not isinstance(entry, dict):
+                    raise ConfigError(f"config.json: rope_parameters has no {layer_type} entry")
+                theta = entry.get("rope_theta", raw.get("rope_theta", default_theta))
+                tables[layer_type] = _rope_config(entry, theta, raw,
+                                                  f"rope_parameters.{layer_type}")
+            elif layer_type == SLIDING_ATTENTION and sliding_theta is not None:
+                theta = raw.get("rope_local_base_freq", sliding_theta)
+                tables[layer_type] = _rope_config({}, theta, raw, "rope_local_base_freq")
+            else:
+                flat = params or {}
+                theta = raw.get("rope_theta", flat.get("rope_theta", default_theta))
+                scaling = raw.get("rope_scaling")
+                if scaling is None:
+                    scaling = flat
+                elif not isinstance(scaling, dict):
+                    raise ConfigError(f"config.json: rope_scaling must be an object, got {scaling!r}")
+                tables[layer_type] = _rope_config(scaling, theta, raw, "rope_scaling")
+        return tables
+
+
+def _rope_config(entry: dict, theta, raw: dict, where: str) -> RopeConfig:
+    """One RoPE table's settings (a rope_scaling or rope_parameters dict and its theta)."""
+    rope_type = entry.get("rope_type", entry.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    theta = _number("rope_theta", theta)
+    if not theta > 0:
+        raise ConfigError(f"config.json: rope_theta must be > 0, got {theta!r}")
+    where = f"config.json: {where}"
+    if rope_type == "default":
+        return RopeConfig(theta)
+
+    def positions(name, default=None) -> int:
+        value = entry.get(name, default)
+        if isinstance(value, float) and value.is_integer():  # 8192.0, as transformers takes it
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+        return value
+
+    def need(name) -> float:
+        if entry.get(name) is None:
+            raise ConfigError(f"{where}: {rope_type} rope scaling is missing {name!r}")
+        return _number(name, entry[name], where)
+
+    def optional(name) -> float | None:
+        return None if entry.get(name) is None else _number(name, entry[name], where)
+
+    if rope_type == "linear":
+        return RopeConfig(theta, "linear", factor=need("factor"))
+    if rope_type == "llama3":
+        return RopeConfig(theta, "llama3", factor=need("factor"),
+                          low_freq_factor=need("low_freq_factor"),
+                          high_freq_factor=need("high_freq_factor"),
+                          original_max_position_embeddings=positions(
+                              "original_max_position_embeddings"))
+    # yarn: the original context defaults to max_position_embeddings, as in transformers
+    original = positions("original_max_position_embeddings",
+                         raw.get("original_max_position_embeddings",
+                                 raw.get("max_position_embeddings")))
+    factor = optional("factor")
+    if factor is None:
+        factor = _number("max_position_embeddings", raw.get("max_position_embeddings")) / original
+    truncate = as_flag(entry.get("truncate", True))
+    if truncate is None:
+        raise ConfigError(f"{where}: truncate must be true or false, got {entry['truncate']!r}")
+    return RopeConfig(theta, "yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=optional("beta_fast") or 32.0,
+                      beta_slow=optional("beta_slow") or 1.0,
+                      attention_factor=optional("attention_factor"),
+                      mscale=optional("mscale"), mscale_all_dim=optional("mscale_all_dim"),
+                      truncate=truncate)
+
+
+def rounded_to_dtype(value: float, torch_dtype: str) -> float:
+    """value as the checkpoint's dtype holds it (round to nearest even): transformers
+    multiplies Gemma's embeddings by sqrt(hidden) cast to the weights' dtype."""
+    import numpy as np
+    if torch_dtype in ("bfloat16", "bf16"):
+        from .bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+        return float(bf16_bits_to_float32(float32_to_bf16_bits(np.float32([value])))[0])
+    if torch_dtype in ("float16", "fp16", "half"):
+        return float(np.float16(value))
+    return float(np.float32(value))
+
+
+def sqrt_hidden(hidden_size: int, torch_dtype: str) -> float:
+    return rounded_to_dtype(math.sqrt(hidden_size), torch_dtype)
 
 
 def _is_number(value, kind=numbers.Real) -> bool:
@@ -201,35 +389,6 @@ def _id_set(value) -> set[int]:
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return set(value)
     raise ConfigError(f"eos_token_id must be an int or a list of ints, got {value!r}")
-
-
-def _parse_rope_scaling(scaling) -> RopeScaling | None:
-    if not scaling:
-        return None
-    if not isinstance(scaling, dict):
-        raise ConfigError(f"config.json: rope_scaling must be an object, got {scaling!r}")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported "
-                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope_type == "default":
-        return None
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings") if k not in scaling]
-    if missing:
-        raise ConfigError(f"config.json: llama3 rope_scaling is missing {missing[0]!r}")
-    where = "config.json: rope_scaling"
-    original = scaling["original_max_position_embeddings"]
-    if isinstance(original, float) and original.is_integer():  # 8192.0, as transformers takes it
-        original = int(original)
-    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        raise ConfigError(f"{where}: original_max_position_embeddings must be a positive "
-                          f"integer, got {original!r}")
-    return RopeScaling(
-        factor=_number("factor", scaling["factor"], where),
-        low_freq_factor=_number("low_freq_factor", scaling["low_freq_factor"], where),
-        high_freq_factor=_number("high_freq_factor", scaling["high_freq_factor"], where),
-        original_max_position_embeddings=original)
 
 
 @dataclass(frozen=True)

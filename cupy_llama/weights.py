@@ -4,10 +4,10 @@ The header is parsed here (8-byte little-endian length, then UTF-8 JSON) and che
 full before any tensor is touched; tensor data is read through a read-only mmap. Nothing
 from a model directory is ever unpickled or executed: .bin/.pth checkpoints are refused.
 
-`plan_weight_blob` lays every weight out in ONE bf16 allocation (docs/ARCHITECTURE.md, Decisions 2): q/k/v
-rows are fused into one matrix per layer, gate/up likewise, each entry 256-byte aligned.
-The CUDA backend streams `iter_blob_pieces` into it; the NumPy backend uses
-`load_host_weights`.
+`layout_blob` lays a model's weights out in ONE bf16 allocation (docs/ARCHITECTURE.md,
+Decisions 2) as the model declares them (models/decoder.py weight_layout): q/k/v rows
+fused into one matrix per layer, gate/up likewise, each entry 256-byte aligned. The CUDA
+backend streams `iter_blob_pieces` into it; the NumPy backend uses `load_host_weights`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .bf16 import bf16_bits_to_float32, float32_to_bf16_bits
-from .config import ModelConfig
 from .errors import CheckpointError
 from .util import cdiv
 
@@ -186,36 +185,12 @@ def _num_elements(shape) -> int:
     return count
 
 
-# --------------------------------------------------------------------------- expected names
-
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, in checkpoint order."""
-    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    shapes = {"model.embed_tokens.weight": (V, H)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "self_attn.q_proj.weight"] = (config.q_size, H)
-        shapes[p + "self_attn.k_proj.weight"] = (config.kv_size, H)
-        shapes[p + "self_attn.v_proj.weight"] = (config.kv_size, H)
-        shapes[p + "self_attn.o_proj.weight"] = (H, config.q_size)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, I)
-    shapes["model.norm.weight"] = (H,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
-    return shapes
-
-
 # --------------------------------------------------------------------------- checkpoint
 
 class Checkpoint:
     """Validated tensors of a model directory, read lazily through read-only mmaps."""
 
-    def __init__(self, config: ModelConfig, model_dir: Path, tensors: dict[str, TensorInfo]):
-        self.config = config
+    def __init__(self, model_dir: Path, tensors: dict[str, TensorInfo]):
         self.model_dir = model_dir
         self.tensors = tensors
         self.source_dtypes = {info.dtype for info in tensors.values()}
@@ -266,9 +241,10 @@ class Checkpoint:
         self.close()
 
 
-def open_checkpoint(model_dir, config: ModelConfig,
-                    log: Callable[[str], None] | None = None) -> Checkpoint:
-    """Find, parse and validate the weights of a model directory against its config."""
+def open_checkpoint(model_dir, model, log: Callable[[str], None] | None = None) -> Checkpoint:
+    """Find, parse and validate the weights of a model directory against what the model
+    (a models/ Decoder) reads: its tensor_shapes(), and its config."""
+    config = model.config
     model_dir = Path(model_dir)
     if (model_dir / SINGLE_FILE).is_file():
         tensors = read_safetensors_header(model_dir / SINGLE_FILE)
@@ -282,7 +258,7 @@ def open_checkpoint(model_dir, config: ModelConfig,
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIX)}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the LM head reads embed_tokens
-    expected = expected_tensor_shapes(config)
+    expected = model.tensor_shapes()
     _check_names(where, expected, tensors, config)
     for name, shape in expected.items():
         found = tensors[name].shape
@@ -294,7 +270,7 @@ def open_checkpoint(model_dir, config: ModelConfig,
     converted = sorted({t.dtype for t in tensors.values()} - {"BF16"})
     if converted and log is not None:
         log(f"converting {', '.join(converted)} weights to bf16 at load")
-    return Checkpoint(config, model_dir, tensors)
+    return Checkpoint(model_dir, tensors)
 
 
 def _no_weights_message(model_dir: Path) -> str:
@@ -377,7 +353,7 @@ def _allowed_roots(model_dir: Path) -> list[Path]:
     return roots
 
 
-def _check_names(where, expected: dict, tensors: dict, config: ModelConfig):
+def _check_names(where, expected: dict, tensors: dict, config):
     missing = [name for name in expected if name not in tensors]
     unexpected = sorted((name for name in tensors if name not in expected), key=_natural_key)
     if not missing and not unexpected:
@@ -418,24 +394,11 @@ class BlobEntry:
         return _num_elements(self.shape) * 2   # bf16
 
 
-def plan_weight_blob(config: ModelConfig) -> tuple[dict[str, BlobEntry], int]:
-    """Entries by key in blob order, and the blob's total size in bytes."""
-    shapes = expected_tensor_shapes(config)
-    layout = [("embed", ("model.embed_tokens.weight",))]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        layout += [
-            (f"layers.{i}.input_norm", (p + "input_layernorm.weight",)),
-            (f"layers.{i}.qkv", tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
-            (f"layers.{i}.o_proj", (p + "self_attn.o_proj.weight",)),
-            (f"layers.{i}.post_norm", (p + "post_attention_layernorm.weight",)),
-            (f"layers.{i}.gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-            (f"layers.{i}.down", (p + "mlp.down_proj.weight",)),
-        ]
-    layout.append(("final_norm", ("model.norm.weight",)))
-    if not config.tie_word_embeddings:
-        layout.append(("lm_head", ("lm_head.weight",)))
-
+def layout_blob(layout: list[tuple[str, tuple[str, ...]]],
+                shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, BlobEntry], int]:
+    """The blob of a model's weight layout ((key, tensors laid side by side along dim 0),
+    in blob order; models/decoder.py weight_layout) and the tensors' shapes: entries by key
+    in blob order, each BLOB_ALIGNMENT-aligned, and the blob's size in bytes."""
     plan, offset = {}, 0
     for key, sources in layout:
         first = shapes[sources[0]]

@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
 from cupy_llama.backends.cuda import attention
 from cupy_llama.backends.cuda.device import device_limits
-from cupy_llama.util import cdiv
+from cupy_llama.util import cdiv  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
 MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split counts

@@ -21,9 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cupy_llama import LLM, SamplingParams  # noqa: E402
-from cupy_llama.backends.base import ForwardBatch  # noqa: E402
-from cupy_llama.model.llama import forward  # noqa: E402
-from cupy_llama.util import cdiv
+from cupy_llama.interface import ForwardBatch  # noqa: E402
+from cupy_llama.util import cdiv  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -49,7 +48,7 @@ def our_logits(llm: LLM, ids: list[int]) -> np.ndarray:
                          slot_mapping=(table[positions // bs] * bs + positions % bs).astype(np.int32),
                          query_start_loc=np.array([0, n], np.int32), seq_lens=np.array([n], np.int32),
                          block_tables=table[None], max_query_len=n, max_seq_len=n)
-    logits = forward(llm.backend, llm.config, batch)
+    logits = llm.backend.model.forward(llm.backend, batch)
     return np.asarray(logits.get() if hasattr(logits, "get") else logits)[0]
 
 

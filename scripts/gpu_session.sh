@@ -6,7 +6,8 @@
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
 # Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo
-# bench_hf wheel prefix serve (= serve_base serve_load serve_c1)
+# bench_hf wheel prefix serve (= serve_base serve_load serve_c1) families (= family_latency
+# family_throughput: bench latency and throughput of each family's preset shape)
 # (wheel: builds the wheel, installs it outside the checkout, runs the gpu tests and bench
 # latency/throughput from it; serve: needs fastapi, uvicorn and pydantic, from wheels in
 # ./.whl when they are not installed; prefix: bench prefix, scripts/prefix_check.py and the
@@ -48,6 +49,14 @@ wants bench && step bench 300 python3 -m cupy_llama.cli bench all --device cuda 
 wants compare_1b && step compare_1b 400 python3 scripts/compare_hf.py "$M1B" --json "$OUT/compare_1b.json"
 wants engine_1b && step engine_1b 300 python3 scripts/gpu_engine_checks.py "$M1B" --json "$OUT/engine_1b.json"
 wants info_1b && step info_1b 120 python3 -m cupy_llama.cli info --model "$M1B" --device cuda
+FAMILIES=${FAMILIES:-llama-3.2-1b qwen3-0.6b qwen2.5-1.5b gemma-3-1b}
+for mode in latency throughput; do
+  if wants families || wants family_$mode; then
+    for preset in $FAMILIES; do
+      step ${mode}_$preset 300 python3 -m cupy_llama.cli bench $mode --device cuda --preset $preset --commit "$COMMIT" --json "$OUT/bench_${mode}_$preset.json"
+    done
+  fi
+done
 if wants demo && [ -n "$DEMO_GGUF" ]; then
   [ -d "$WORK/demo" ] || step fetch_demo 300 python3 -m cupy_llama.cli fetch-demo --gguf "$DEMO_GGUF" --out "$WORK/demo" --no-check
   step compare_demo 300 python3 scripts/compare_hf.py "$WORK/demo" --chat --json "$OUT/compare_demo.json"

@@ -42,14 +42,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
-from cupy_llama.backends.base import ForwardBatch, SamplingTensors, SublayerOps
-from cupy_llama.config import ModelConfig
-from cupy_llama.model.llama import forward as eager_forward
+from cupy_llama.interface import ForwardBatch, SamplingTensors, SublayerOps
+from cupy_llama.models import model_for, read_config
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cuda import gemm
 from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches
-from cupy_llama.util import cdiv
+from cupy_llama.util import cdiv  # noqa: E402
 
 RUNS, WARMUP = 20, 3
 GRAPH_BATCHES = (1, 8, 64, 256)
@@ -97,26 +96,29 @@ class RecordingOps:
         self.calls.append((f"{name} {weight.shape[0]}x{weight.shape[1]}", run))
         return True
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, h):
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
         products = self._ops.products
         if not self._fused("norm_linear", weight,
-                           lambda: products.norm_linear(x, norm_weight, eps, weight, out)):
-            SublayerOps.norm_linear(self, x, norm_weight, eps, weight, out, h)
+                           lambda: products.norm_linear(x, norm_weight, eps, weight, out, offset)):
+            SublayerOps.norm_linear(self, x, norm_weight, eps, weight, out, h, offset=offset)
 
-    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
+    def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
+                         act="silu"):
         products = self._ops.products
-        if not self._fused("norm_gate_up_silu", weight,
-                           lambda: products.norm_gate_up_silu(x, norm_weight, eps, weight, out)):
-            SublayerOps.norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up)
+        if not self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
+                x, norm_weight, eps, weight, out, offset, act)):
+            SublayerOps.norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up,
+                                         offset=offset, act=act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv):
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
         products = self._ops.products
-        if not self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
+        if head_norm is not None or not self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
                 x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
-                k_cache, v_cache, q_out)):
+                k_cache, v_cache, q_out, offset, bias)):
             SublayerOps.norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin,
-                                      k_cache, v_cache, q_out, h, qkv)
+                                      k_cache, v_cache, q_out, h, qkv, offset=offset,
+                                      bias=bias, head_norm=head_norm)
 
 
 def op_label(name: str, args) -> str:
@@ -129,7 +131,7 @@ def op_label(name: str, args) -> str:
 class _RecordingBackend:
     def __init__(self, backend, ops):
         self.ops, self.weights, self.kv_caches = ops, backend.weights, backend.kv_caches
-        self.cos_sin, self.buffers = backend.cos_sin, backend.buffers
+        self.rope_tables, self.buffers = backend.rope_tables, backend.buffers
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, blocks_per_seq: int, rng) -> ForwardBatch:
@@ -202,7 +204,7 @@ def op_bound_us(label: str, calls: int, config, num_seqs: int, context: int) -> 
             out_bytes = 4 * B * n            # float32 logits
         elif n == H:
             out_bytes = 8 * B * n            # added into the residual: read and written
-        elif name == "norm_gate_up_silu":
+        elif name == "norm_gate_up_act":
             out_bytes = 2 * B * n // 2       # silu(gate) * up
         else:
             out_bytes = 2 * B * n            # bf16 (qkv: q out, k and v into the cache)
@@ -214,7 +216,7 @@ def op_bound_us(label: str, calls: int, config, num_seqs: int, context: int) -> 
         bytes_ = 4 * B * H + 2 * B * H + 2 * H
     elif name == "rope_and_cache":
         bytes_ = 4 * B * qkv
-    elif name == "silu_and_mul":
+    elif name == "act_and_mul":
         bytes_ = 2 * B * 2 * I + 2 * B * I
     elif name == "sample":
         bytes_ = 4 * B * V
@@ -229,7 +231,7 @@ def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_
     "us_per_step", "bound_us"}} and the graph-replayed step itself ("step")."""
     batch = decode_batch(num_seqs, context, backend.block_size, blocks_per_seq, rng)
     recording = RecordingOps(backend.ops)
-    logits = eager_forward(_RecordingBackend(backend, recording), config, batch)
+    logits = backend.model.forward(_RecordingBackend(backend, recording), batch)
     cupy.cuda.get_current_stream().synchronize()
     by_label = {}
     for label, call in recording.calls:
@@ -244,9 +246,9 @@ def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_
     for label, calls in by_label.items():
         rows[label] = {"calls": len(calls), "us_per_step": graph_ms(cupy, calls) * 1e3,
                        "bound_us": op_bound_us(label, len(calls), config, num_seqs, context)}
-    step = {"eager_ms": event_time(cupy, lambda: eager_forward(backend, config, batch))}
+    step = {"eager_ms": event_time(cupy, lambda: backend.model.forward(backend, batch))}
     if backend.graphs is not None:
-        step["graph_ms"] = event_time(cupy, lambda: backend.forward(config, batch))
+        step["graph_ms"] = event_time(cupy, lambda: backend.forward(batch))
     weights = int(backend._blob.nbytes)
     kv = config.num_hidden_layers * 2 * num_seqs * (context + 1) * config.kv_size * 2
     step["bound_ms"] = (weights + kv) / HBM_BYTES_S * 1e3
@@ -336,11 +338,11 @@ def sublayer_comparison(cupy, backend, config) -> list:
         meta = ops.upload(decode_batch(m, 16, backend.block_size, 4, np.random.default_rng(0)))
         cases = {
             "qkv+rope": (gemv_shapes(config)["qkv"], lambda w: ops.norm_qkv_rope(
-                residual, norm_w, 1e-5, w, meta, backend.cos_sin, k_cache, v_cache, buf["q"],
+                residual, norm_w, 1e-5, w, meta, backend.rope_tables["full_attention"], k_cache, v_cache, buf["q"],
                 buf["h"], buf["qkv"])),
             "o_proj+add": (gemv_shapes(config)["o_proj"],
                            lambda w: ops.linear(buf["attn"], w, residual, accumulate=True)),
-            "gate_up+silu": (gemv_shapes(config)["gate_up"], lambda w: ops.norm_gate_up_silu(
+            "gate_up+silu": (gemv_shapes(config)["gate_up"], lambda w: ops.norm_gate_up_act(
                 residual, norm_w, 1e-5, w, buf["act"], buf["h"], buf["gate_up"])),
             "down+add": (gemv_shapes(config)["down"],
                          lambda w: ops.linear(buf["act"], w, residual, accumulate=True)),
@@ -400,7 +402,7 @@ def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
     for step in range(E2E_STEPS):
         batch = decode_batch(1, context + step, backend.block_size, bps, rng)
         batch.token_ids[0] = token
-        logits = backend.forward(config, batch) if use_graphs else eager_forward(backend, config, batch)
+        logits = backend.forward(batch) if use_graphs else backend.model.forward(backend, batch)
         token = int(backend.ops.sample(logits, sampling)[0])
         stamps.append(time.perf_counter())
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
@@ -421,7 +423,7 @@ def main(argv=None) -> int:
     from cupy_llama.backends.cuda.backend import CudaBackend
 
     rng = np.random.default_rng(0)
-    config = ModelConfig.from_dir(args.model_dir)
+    config = read_config(args.model_dir)
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if args.tune:
         started = time.perf_counter()
@@ -429,12 +431,12 @@ def main(argv=None) -> int:
         print_gemv_table(rows)
         print(f"tuned in {time.perf_counter() - started:.1f} s")
         return 0
-    checkpoint = open_checkpoint(args.model_dir, config)
+    checkpoint = open_checkpoint(args.model_dir, model_for(config))
     max_num_seqs = max(GRAPH_BATCHES)
     max_model_len = max(2048, max(KERNEL_CONTEXTS) + 1, args.context + E2E_STEPS + 16)
     blocks_per_seq = cdiv(max_model_len, 16)
     started = time.perf_counter()
-    backend = CudaBackend(config, checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    backend = CudaBackend(model_for(config), checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=4096, block_size=16,
                           num_kv_blocks=max_num_seqs * blocks_per_seq, log=lambda m: print(m, file=sys.stderr))
     checkpoint.close()
@@ -461,9 +463,9 @@ def main(argv=None) -> int:
         backend.use_switches(switches)
         for b in GRAPH_BATCHES:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
-            row = {"eager": event_time(cupy, lambda: eager_forward(backend, config, batch))}
+            row = {"eager": event_time(cupy, lambda: backend.model.forward(backend, batch))}
             if backend.graphs is not None:
-                row["graph"] = event_time(cupy, lambda: backend.forward(config, batch))
+                row["graph"] = event_time(cupy, lambda: backend.forward(batch))
             result["step_ms"][f"{name} b={b}"] = row
 
     result["e2e_batch1_tok_s"] = {}

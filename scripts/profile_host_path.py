@@ -40,9 +40,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupy_llama.backends.base import SampledTokens  # noqa: E402
+from cupy_llama.interface import SampledTokens  # noqa: E402
 from cupy_llama.bench.workloads import THROUGHPUT_TEMPERATURE, offline_workload  # noqa: E402
 from cupy_llama.config import EngineConfig, ModelConfig  # noqa: E402
+from cupy_llama.models import config_from_dicts
 from cupy_llama.engine.llm_engine import LLMEngine  # noqa: E402
 from cupy_llama.bench.random_model import LLAMA_3_2_1B, config_json, write_tokenizer  # noqa: E402
 from cupy_llama.sampling import SamplingParams  # noqa: E402
@@ -68,7 +69,7 @@ class StubBackend:
         self.block_size = block_size
         self.ops = StubOps(seed)
 
-    def forward(self, config, batch):
+    def forward(self, batch):
         return batch.num_seqs
 
 
@@ -106,7 +107,7 @@ def load_tokenizer(config: ModelConfig, folder: Path) -> Tokenizer:
 
 
 def make_engine(args, folder: Path) -> tuple[LLMEngine, PhaseTimer]:
-    config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
+    config = config_from_dicts(config_json(LLAMA_3_2_1B))
     tokenizer = load_tokenizer(config, folder)
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens,

@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
-from cupy_llama.backends.base import ForwardBatch
-from cupy_llama.config import ModelConfig
-from cupy_llama.model.llama import forward
+from cupy_llama.interface import ForwardBatch
+from cupy_llama.models import model_for, read_config
 from cupy_llama.bench.random_model import make_random_model
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cpu import CpuBackend
@@ -67,13 +66,13 @@ def compare_model(name: str, overrides: dict, workdir: Path) -> bool:
     from cupy_llama.backends.cuda.backend import CudaBackend
     model_dir = make_random_model(workdir / f"model{len(list(workdir.iterdir()))}", "tiny",
                                   seed=0, **overrides)
-    config = ModelConfig.from_dir(model_dir)
-    checkpoint = open_checkpoint(model_dir, config)
+    config = read_config(model_dir)
+    checkpoint = open_checkpoint(model_dir, model_for(config))
     num_seqs = len(STEPS[0])
     num_blocks = num_seqs * MAX_MODEL_LEN // BLOCK_SIZE
-    cpu = CpuBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_seqs,
+    cpu = CpuBackend(model_for(config), checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_seqs,
                      block_size=BLOCK_SIZE, num_kv_blocks=num_blocks)
-    gpu = CudaBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_seqs,
+    gpu = CudaBackend(model_for(config), checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=num_seqs,
                       max_num_batched_tokens=128, block_size=BLOCK_SIZE,
                       num_kv_blocks=num_blocks, log=lambda m: print("   ", m))
     rng = np.random.default_rng(0)
@@ -83,9 +82,9 @@ def compare_model(name: str, overrides: dict, workdir: Path) -> bool:
     ok = gpu.graphs is not None
     for step, new_counts in enumerate(STEPS):
         batch = make_batch(prompts, computed, new_counts)
-        expected = forward(cpu, config, batch)
+        expected = cpu.forward(batch)
         started = time.perf_counter()
-        got = cupy.asnumpy(gpu.forward(config, batch))  # decode steps replay CUDA graphs
+        got = cupy.asnumpy(gpu.forward(batch))  # decode steps replay CUDA graphs
         elapsed = time.perf_counter() - started
         diff = float(np.max(np.abs(got - expected)))
         scale = float(np.max(np.abs(expected)))

@@ -125,7 +125,8 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=256),
+    dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=256, max_query_len=30),
+    dict(softcap=True), dict(softcap=True, max_query_len=30),
     dict(block_size=12), dict(block_size=24), dict(aligned=False), dict(kernel="scalar"),
     dict(kernel="scalar", max_query_len=300)])
 def test_other_shapes_fall_back_to_the_scalar_kernel(overrides):
@@ -133,6 +134,17 @@ def test_other_shapes_fall_back_to_the_scalar_kernel(overrides):
     head_dim = overrides.get("head_dim", 64)
     assert p.kernel == f"paged_attention_dpl{attention.dims_per_lane(head_dim)}"
     assert p.shared_mem == attention.smem_bytes(head_dim)
+
+
+def test_head_dim_256_decodes_on_the_cuda_cores_and_prefills_scalar():
+    """Gemma's head_dim 256: a decode kernel of its own (no cluster: a CTA's step covers 16
+    keys, fewer than SPLIT_ALIGN), the scalar kernel for prefill and for the tensor-core
+    decode's batch sizes."""
+    for num_seqs in (1, 64):
+        assert plan(head_dim=256, num_heads=4, num_kv_heads=1, num_seqs=num_seqs,
+                    num_splits=3, clusters=True).kernel == "decode_attention_d256_g4"
+    assert attention.cluster_max_keys(256, 4) == 0
+    assert plan(head_dim=256, max_query_len=40).kernel == "paged_attention_dpl8"
 
 
 def test_plan_rejects_an_unknown_kernel_choice():
@@ -178,10 +190,10 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
     (kernels.instances), and the variants it can pick follow from them."""
     source = (kernel_dir() / "attention.cu").read_text()
     lines = re.findall(r"^DEFINE_DECODE_ATTENTION\((\w+), (\d+), (\d+), (\w+)\)$", source, re.M)
-    assert len(lines) == len(attention.DECODE_KERNELS) == 16
+    assert len(lines) == len(attention.DECODE_KERNELS) == 20
     for name, d, g, cluster in lines:
         assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
-    assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.FAST_HEAD_DIMS == (64, 128)
+    assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.DECODE_HEAD_DIMS == (64, 128, 256)
     prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+)\)$", source, re.M)
     assert {int(d): name for name, d in prefill} == attention.PREFILL_KERNELS
     scalar = re.findall(r"^DEFINE_PAGED_ATTENTION\((\w+), (\d+)\)$", source, re.M)
@@ -219,7 +231,7 @@ def test_fast_kernels_build_without_spills(tmp_path, arch):
 
 def test_bench_references_match_the_numpy_ops():
     import numpy as np
-    from cupy_llama.backends.base import ForwardBatch
+    from cupy_llama.interface import ForwardBatch
     from conftest import script_module
     bench = script_module("attention_bench")
     from cupy_llama.backends.numpy_ops import NumpyOps

@@ -9,7 +9,7 @@ from conftest import one_error_line
 from cupy_llama.bench.offline import add_ratios, bandwidth_floor, decode_numbers, format_table
 from cupy_llama.bench.workloads import offline_workload
 from cupy_llama.cli import main
-from cupy_llama.config import ModelConfig
+from cupy_llama.models import config_from_dicts
 from cupy_llama.bench.random_model import LLAMA_3_2_1B, TINY, config_json, make_random_model
 
 SCALE = 0.05  # lengths x 0.05: throughput prompts and outputs in [5, 51]
@@ -72,14 +72,14 @@ def test_decode_numbers_start_the_clock_when_every_request_has_a_token():
 
 
 def test_bandwidth_floor_of_the_1b_shape_matches_the_performance_model():
-    config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
+    config = config_from_dicts(config_json(LLAMA_3_2_1B))
     floor = bandwidth_floor(config, bandwidth=4.5e12, tok_s=900.0)
     # 2.47 GB per decode step, 0.55 ms at 4.5 TB/s, about 1,800 tok/s
     assert floor["weight_bytes_per_step"] == pytest.approx(2.47e9, rel=0.01)
     assert floor["floor_ms_per_token"] == pytest.approx(0.55, rel=0.01)
     assert 1800 < floor["floor_tok_s"] < 1850
     assert floor["fraction_of_floor"] == pytest.approx(900 / floor["floor_tok_s"])
-    untied = ModelConfig.from_dicts(config_json({**LLAMA_3_2_1B, "tie_word_embeddings": False}))
+    untied = config_from_dicts(config_json({**LLAMA_3_2_1B, "tie_word_embeddings": False}))
     # an untied head is its own matrix; the embedding lookup still reads one row per token
     assert bandwidth_floor(untied, 4.5e12, 1.0)["weight_bytes_per_step"] == \
         floor["weight_bytes_per_step"]
@@ -161,7 +161,7 @@ def test_latency_on_the_cpu_has_no_bandwidth_floor(report_all):
 
 def test_the_gpu_table_shows_the_floor_and_never_above_it():
     from cupy_llama.bench.report import _latency_rows
-    config = ModelConfig.from_dicts(config_json(LLAMA_3_2_1B))
+    config = config_from_dicts(config_json(LLAMA_3_2_1B))
     ours = {"tok_s": 1154.0, "ms_per_token": 1e3 / 1154.0,
             **bandwidth_floor(config, bandwidth=4.26e12, tok_s=1154.0)}
     rows = _latency_rows({"cupy_llama": ours})
@@ -404,3 +404,8 @@ def test_writing_a_random_model_says_it_is_still_at_it(tmp_path, monkeypatch):
                                "2.47 GB of bf16 weights)")
     count = len(lines)
     assert count >= 2 and len(lines) == count  # the heartbeat stopped with the writing
+
+
+def test_the_command_line_offers_every_random_model_shape():
+    from cupy_llama.bench import random_model, workloads
+    assert sorted(workloads.PRESETS) == sorted(random_model.PRESETS)

@@ -487,13 +487,13 @@ def endless_model_dir(model_dir, tmp_path_factory):
     logits are 0), so a greedy reply never ends on its own."""
     import shutil
     from cupy_llama.checkpoint import write_safetensors
-    from cupy_llama.config import ModelConfig
+    from cupy_llama.models import model_for, read_config
     from cupy_llama.weights import open_checkpoint
 
     out = tmp_path_factory.mktemp("endless") / "model"
     shutil.copytree(model_dir, out)
-    config = ModelConfig.from_dir(model_dir)
-    with open_checkpoint(model_dir, config) as checkpoint:
+    config = read_config(model_dir)
+    with open_checkpoint(model_dir, model_for(config)) as checkpoint:
         tensors = {name: checkpoint.read(name).copy() for name in checkpoint.tensors}
     eos_ids = sorted(LLM(model_dir, device="cpu", log=None).engine.eos_token_ids)
     tensors["model.embed_tokens.weight"][eos_ids] = 0

@@ -116,8 +116,8 @@ def test_example_files_parse(model_dir, tmp_path):
 def test_info(model_dir, capsys):
     assert main(["info", "--model", str(model_dir), *CPU, "--num-kv-blocks", "10"]) == 0
     out = capsys.readouterr().out
-    from cupy_llama.config import ModelConfig
-    config = ModelConfig.from_dir(model_dir)
+    from cupy_llama.models import read_config
+    config = read_config(model_dir)
     assert f"{config.num_parameters:,}" in out
     assert "10 blocks x 16 tokens = 160 tokens" in out
     assert "hidden 64, 2 layers, 4 heads (2 KV)" in out

@@ -81,8 +81,8 @@ def edit_config(**changes):
 def edit_tensors(fn):
     def corrupt(d):
         from cupy_llama.weights import open_checkpoint
-        from cupy_llama.config import ModelConfig
-        with open_checkpoint(d, ModelConfig.from_dir(d)) as ckpt:
+        from cupy_llama.models import model_for, read_config
+        with open_checkpoint(d, model_for(read_config(d))) as ckpt:
             tensors = {name: np.array(ckpt.read(name)) for name in ckpt.tensors}
         write_safetensors(d / "model.safetensors", fn(tensors))
     return corrupt
@@ -128,8 +128,12 @@ CASES = {
     "shape does not match byte range": (edit_entry("shape", [3]), "bytes"),
     # model directory
     "missing config.json": (lambda d: (d / "config.json").unlink(), "config.json"),
-    "unsupported architecture": (edit_config(architectures=["MistralForCausalLM"], model_type="mistral"), "mistral"),
-    "unsupported rope type": (edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    "unsupported architecture": (edit_config(architectures=["PhiForCausalLM"], model_type="phi"), "phiforcausallm"),
+    "unsupported model type": (edit_config(architectures=None, model_type="phi"), "'phi'"),
+    "unsupported rope type": (edit_config(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "longrope"),
+    "yarn rope without a factor": (edit_config(rope_scaling={"rope_type": "yarn", "factor": "x"}), "factor"),
+    "qwen3 with o_proj bias": (edit_config(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                           attention_bias=True), "attention_bias"),
     "llama3 rope factor not a number": (edit_config(rope_scaling={
         "rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}), "factor"),

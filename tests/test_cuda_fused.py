@@ -82,7 +82,7 @@ def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
 
 
 @pytest.mark.parametrize("k,inter", [(2048, 8192), (576, 1536), (64, 8)])
-def test_norm_gate_up_silu(cp, rng, k, inter, skinny_mma):
+def test_norm_gate_up_act(cp, rng, k, inter, skinny_mma):
     from cupy_llama.backends.cuda import gemm
     norm_bits, norm_w = random_bf16(rng, (k,))
     w_bits, w = random_bf16(rng, (2 * inter, k), scale=0.05)
@@ -91,11 +91,11 @@ def test_norm_gate_up_silu(cp, rng, k, inter, skinny_mma):
         x = _residual(rng, m, k)
         gate_up = bf16_bits_to_float32(float32_to_bf16_bits(_normed(x, norm_w) @ w.T))
         expected = np.empty((m, inter), np.float32)
-        REF.silu_and_mul(gate_up, expected)
+        REF.act_and_mul(gate_up, expected)
         out = poisoned(cp, (m, inter))
-        assert skinny_mma.norm_gate_up_silu(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
+        assert skinny_mma.norm_gate_up_act(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
         rel = _relative_error(to_float(cp, out), expected)
-        assert rel < 1e-2, f"norm_gate_up_silu m={m} [{k}] -> [{inter}]: relative error {rel:.3g}"
+        assert rel < 1e-2, f"norm_gate_up_act m={m} [{k}] -> [{inter}]: relative error {rel:.3g}"
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 32, 8), (128, 8, 2), (64, 9, 3)])
@@ -173,7 +173,7 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
 
     def chain(products, residual, act):
         for _ in range(3):
-            assert products.norm_gate_up_silu(residual, norm_w, EPS, up, act), "not fused"
+            assert products.norm_gate_up_act(residual, norm_w, EPS, up, act), "not fused"
             products.linear(act[:, :k], w, residual, accumulate=True)
 
     results = {}

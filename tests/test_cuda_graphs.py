@@ -22,7 +22,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.interface import ForwardBatch
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.backends.cuda.graphs import decode_buckets
 from cupy_llama.util import cdiv
@@ -122,15 +122,15 @@ class Sequences:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from cupy_llama.config import ModelConfig
+    from cupy_llama.models import model_for, read_config
     from cupy_llama.bench.random_model import make_random_model
     from cupy_llama.weights import open_checkpoint
     directory = make_random_model(
         tmp_path_factory.mktemp("graphs") / "model", "tiny", seed=0, hidden_size=512,
         num_attention_heads=8, num_key_value_heads=2, intermediate_size=768, vocab_size=1000,
         tie_word_embeddings=False)
-    config = ModelConfig.from_dir(directory)
-    return config, open_checkpoint(directory, config)
+    config = read_config(directory)
+    return config, open_checkpoint(directory, model_for(config))
 
 
 NUM_SEQS = 12
@@ -140,10 +140,11 @@ NUM_KV_BLOCKS = NUM_SEQS * MAX_MODEL_LEN // BLOCK_SIZE
 def make_backends(model, enforce_eager=False, switches=None):
     from cupy_llama.backends.cpu import CpuBackend
     from cupy_llama.backends.cuda.backend import CudaBackend
+    from cupy_llama.models import model_for
     config, checkpoint = model
-    cpu = CpuBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS,
+    cpu = CpuBackend(model_for(config), checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS,
                      block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
-    gpu_backend = CudaBackend(config, checkpoint, max_model_len=MAX_MODEL_LEN,
+    gpu_backend = CudaBackend(model_for(config), checkpoint, max_model_len=MAX_MODEL_LEN,
                               max_num_seqs=NUM_SEQS, max_num_batched_tokens=256,
                               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
                               enforce_eager=enforce_eager, switches=switches)
@@ -159,8 +160,8 @@ def prefill(cpu, gpu_backend, config, seqs: Sequences):
         if not counts:
             return
         batch = seqs.batch(counts)
-        cpu.forward(config, batch)
-        gpu_backend.forward(config, batch)
+        cpu.forward(batch)
+        gpu_backend.forward(batch)
         seqs.advance(counts)
 
 
@@ -200,7 +201,6 @@ STEPS_PER_ROUND = 3
 def test_graph_decode_matches_eager(model, rng, skinny):
     import cupy
     from cupy_llama.backends.cuda.switches import KernelSwitches
-    from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     cpu, gpu_backend = make_backends(model, switches=KernelSwitches(skinny_gemm=skinny))
     assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
@@ -222,12 +222,12 @@ def test_graph_decode_matches_eager(model, rng, skinny):
             counts = {b: 1 for b in members}
             batch = seqs.batch(counts)
             what = f"{skinny}: {len(members)} sequences, step {step}"
-            expected = cpu.forward(config, batch)
-            replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
-            uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(config, batch))
+            expected = cpu.forward(batch)
+            replayed = cupy.asnumpy(gpu_backend.forward(batch))
+            uncaptured = cupy.asnumpy(gpu_backend.graphs.run_uncaptured(batch))
             np.testing.assert_array_equal(replayed, uncaptured,
                                           err_msg=f"{what}: replay vs the same launches run eagerly")
-            eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))
+            eager = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, batch))
             assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
             assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
             seqs.advance(counts, np.argmax(expected, axis=-1))
@@ -243,7 +243,6 @@ def test_step_graphs_match_eager(model, rng):
     step's own sequences: close to the eager pass (other row counts, so other cuBLAS
     algorithms) and to the CPU reference, and the padding rows write no KV."""
     import cupy
-    from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     cpu, gpu_backend = make_backends(model)
     steps = gpu_backend.step_graphs
@@ -259,9 +258,9 @@ def test_step_graphs_match_eager(model, rng):
         assert all(seqs.computed[b] + n < len(seqs.tokens[b]) + 1 for b, n in counts.items())
         batch = seqs.batch(counts)
         assert steps.can_run(batch), counts
-        expected = cpu.forward(config, batch)
-        replayed = cupy.asnumpy(gpu_backend.forward(config, batch))
-        eager = cupy.asnumpy(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
+        expected = cpu.forward(batch)
+        replayed = cupy.asnumpy(gpu_backend.forward(batch))
+        eager = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, batch))  # rewrites the same KV
         what = f"step of {batch.num_tokens} tokens in {batch.num_seqs} sequences"
         assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: step graphs vs eager")
         assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: step graphs vs CPU")
@@ -273,7 +272,6 @@ def test_step_graphs_match_eager(model, rng):
 @pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
 def test_enforce_eager(model, rng):
     import cupy
-    from cupy_llama.model.llama import forward as eager_forward
     config = model[0]
     cpu, gpu_backend = make_backends(model, enforce_eager=True)
     assert gpu_backend.graphs is None and gpu_backend.graphs_off_reason == "enforce_eager=True"
@@ -283,9 +281,9 @@ def test_enforce_eager(model, rng):
     for _ in range(3):
         counts = {0: 1, 1: 1, 2: 1}
         batch = seqs.batch(counts)
-        expected = cpu.forward(config, batch)
-        got = cupy.asnumpy(gpu_backend.forward(config, batch))
-        again = cupy.asnumpy(eager_forward(gpu_backend, config, batch))  # rewrites the same KV
+        expected = cpu.forward(batch)
+        got = cupy.asnumpy(gpu_backend.forward(batch))
+        again = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, batch))  # rewrites the same KV
         np.testing.assert_array_equal(got, again, err_msg="enforce_eager: forward is not the eager pass")
         assert_logits_close(got, expected, REFERENCE_TOLERANCE, "enforce_eager vs CPU")
         seqs.advance(counts, np.argmax(expected, axis=-1))
@@ -302,8 +300,7 @@ def test_placeholder_tokens_are_read_on_the_device(model, rng):
     from dataclasses import replace
 
     import cupy
-    from cupy_llama.backends.base import SamplingTensors
-    from cupy_llama.model.llama import forward as eager_forward
+    from cupy_llama.interface import SamplingTensors
     config = model[0]
     cpu, gpu_backend = make_backends(model)
     seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in (40, 300, 3, 77)],
@@ -314,25 +311,25 @@ def test_placeholder_tokens_are_read_on_the_device(model, rng):
                              top_p=np.ones(4, np.float32), min_p=np.zeros(4, np.float32),
                              seeds=np.zeros(4, np.uint64), steps=np.zeros(4, np.int32))
     for _ in range(3):
-        logits = gpu_backend.forward(config, seqs.batch(counts))
+        logits = gpu_backend.forward(seqs.batch(counts))
         sampled = gpu_backend.ops.sample_async(logits, greedy).get()
         seqs.advance(counts, sampled)
         written = seqs.batch(counts)  # the sampled tokens, as the host now knows them
         named = replace(written, token_ids=-np.arange(1, 5, dtype=np.int32))  # rows 0..3
-        for run in (gpu_backend.forward, lambda c, b: eager_forward(gpu_backend, c, b)):
-            expected = cupy.asnumpy(run(config, written))
-            got = cupy.asnumpy(run(config, named))  # rewrites the same KV slots
+        for run in (gpu_backend.forward, lambda b: gpu_backend.model.forward(gpu_backend, b)):
+            expected = cupy.asnumpy(run(written))
+            got = cupy.asnumpy(run(named))  # rewrites the same KV slots
             np.testing.assert_array_equal(got, expected, err_msg="placeholders vs written ids")
     # a prefill chunk whose last token is a placeholder (a preempted sequence recomputed)
-    logits = gpu_backend.forward(config, seqs.batch(counts))
+    logits = gpu_backend.forward(seqs.batch(counts))
     sampled = gpu_backend.ops.sample_async(logits, greedy).get()
     seqs.advance(counts, sampled)
     seqs.computed[1] -= 5  # recompute its last five tokens as one chunk
     chunk = seqs.batch({1: 6})
     ids = chunk.token_ids.copy()
     ids[-1] = -2  # row 1 of the last sampling call
-    expected = cupy.asnumpy(eager_forward(gpu_backend, config, chunk))
-    got = cupy.asnumpy(eager_forward(gpu_backend, config, replace(chunk, token_ids=ids)))
+    expected = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, chunk))
+    got = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, replace(chunk, token_ids=ids)))
     np.testing.assert_array_equal(got, expected, err_msg="placeholder inside a prefill chunk")
 
 

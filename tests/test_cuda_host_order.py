@@ -11,7 +11,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.interface import ForwardBatch, SamplingTensors
 from cupy_llama.backends.cuda import graphs, ops
 from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.interface import ForwardBatch, SamplingTensors
 from cupy_llama.backends.numpy_ops import NumpyOps, filtered_probs
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.util import cdiv
@@ -164,9 +164,9 @@ def test_silu_and_mul(cp, rng, shape):
     from cupy_llama.backends.cuda import elementwise
     bits, values = random_bf16(rng, (shape[0], 2 * shape[1]), scale=2.0)
     expected = np.empty(shape, np.float32)
-    REF.silu_and_mul(values, expected)
+    REF.act_and_mul(values, expected)
     out = poisoned(cp, shape)
-    elementwise.silu_and_mul(cp.asarray(bits), out)
+    elementwise.act_and_mul(cp.asarray(bits), out)
     assert_close(to_float(cp, out), expected, 1e-3, 1.6e-2, "silu_and_mul")
 
 
@@ -240,6 +240,11 @@ def _off_boundary(cp, host):
     return view
 
 
+# where each row kernel takes its vector flag (its signature in cuda_src/)
+VECTOR_ARGUMENT = {"rms_norm_kernel": -1, "rms_norm_f32_kernel": -1, "act_and_mul_kernel": 3,
+                   "rope_and_cache_kernel": 10}
+
+
 def test_row_kernels_vector_paths_run_when_aligned_and_agree_off_them(cp, rng, monkeypatch):
     """rms_norm, silu_and_mul and rope_and_cache take their vector paths for aligned
     operands of dividing sizes; an operand off a 16-byte boundary takes the element path,
@@ -252,8 +257,8 @@ def test_row_kernels_vector_paths_run_when_aligned_and_agree_off_them(cp, rng, m
     def recording(module, name):
         kernel = real_get_kernel(module, name)
 
-        def launch(grid, block, args):
-            vector_flags.append(int(args[-1]))  # every row kernel's last argument
+        def launch(grid, block, args):  # the flag: each kernel's argument named vector
+            vector_flags.append(int(args[VECTOR_ARGUMENT[name]]))
             return kernel(grid, block, args)
         return launch
 
@@ -268,8 +273,8 @@ def test_row_kernels_vector_paths_run_when_aligned_and_agree_off_them(cp, rng, m
 
     gate_up, _ = random_bf16(rng, (33, 2 * 1536), scale=2.0)
     outs = [poisoned(cp, (33, 1536)), poisoned(cp, (33, 1536))]
-    elementwise.silu_and_mul(cp.asarray(gate_up), outs[0])
-    elementwise.silu_and_mul(_off_boundary(cp, gate_up), outs[1])
+    elementwise.act_and_mul(cp.asarray(gate_up), outs[0])
+    elementwise.act_and_mul(_off_boundary(cp, gate_up), outs[1])
     assert (cp.asnumpy(outs[0]) == cp.asnumpy(outs[1])).all(), "silu_and_mul paths differ"
 
     heads, kv_heads, head_dim, tokens, blocks = 8, 2, 64, 33, 8
@@ -295,10 +300,11 @@ def test_row_kernels_vector_paths_run_when_aligned_and_agree_off_them(cp, rng, m
 # ------------------------------------------------------------------------- attention
 
 def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, block_size=BLOCK_SIZE,
-                         q_scale=1.0):
+                         q_scale=1.0, window=None, softcap=None):
     """seqs: [(cached prefix length, new tokens)]. Returns host reference inputs and the GPU
     caches: the GPU blocks are scattered over a pool of NUM_POOL_BLOCKS, the reference uses
-    a compact copy holding only the used blocks."""
+    a compact copy holding only the used blocks. window, softcap: the reference's (the
+    runs below take them from the case)."""
     num_heads = num_kv_heads * group
     seq_lens = np.array([c + n for c, n in seqs], np.int32)
     num_new = np.array([n for _, n in seqs], np.int32)
@@ -339,9 +345,11 @@ def build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, block_siz
                             max_seq_len=int(seq_lens.max()))
 
     expected = np.empty((num_tokens, num_heads * head_dim), np.float32)
-    REF.attention(q, k_host, v_host, batch(compact_tables), head_dim ** -0.5, expected)
+    REF.attention(q, k_host, v_host, batch(compact_tables), head_dim ** -0.5, expected,
+                  window=window, softcap=softcap)
     return dict(q_bits=q_bits, k_gpu=k_gpu, v_gpu=v_gpu, gpu_batch=batch(gpu_tables),
-                expected=expected, num_heads=num_heads, width=width)
+                expected=expected, num_heads=num_heads, width=width, window=window,
+                softcap=softcap)
 
 
 def run_ops_attention(cp, case, head_dim):
@@ -351,7 +359,7 @@ def run_ops_attention(cp, case, head_dim):
     meta = ops.upload(batch)
     out = poisoned(cp, case["expected"].shape)
     ops.attention(cp.asarray(case["q_bits"]), case["k_gpu"], case["v_gpu"], meta,
-                  head_dim ** -0.5, out)
+                  head_dim ** -0.5, out, window=case.get("window"), softcap=case.get("softcap"))
     return to_float(cp, out)
 
 
@@ -422,7 +430,7 @@ def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch"
         cp.asarray(batch.seq_lens), cp.asarray(batch.query_start_loc), out,
         scale=head_dim ** -0.5, max_query_len=batch.max_query_len, max_seq_len=max_seq_len,
         num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse, kernel=kernel,
-        clusters=clusters)
+        clusters=clusters, window=case.get("window"), softcap=case.get("softcap"))
     return to_float(cp, out)
 
 

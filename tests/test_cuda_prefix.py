@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.interface import ForwardBatch
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from test_cuda_ops import (BLOCK_SIZE, REF, _gpu_available, assert_close, make_ops, poisoned,
                            random_bf16, rng, rope_table, to_float)  # noqa: F401 (rng: a fixture)

@@ -10,7 +10,7 @@ import pytest
 
 from cupy_llama.cli import demo
 from cupy_llama.bf16 import bf16_bits_to_float32
-from cupy_llama.config import ModelConfig
+from cupy_llama.models import read_config
 from cupy_llama.cli.demo import (build_demo_model, build_demo_tokenizer, demo_model_dir,
                              find_demo_gguf, unpermute_rope_rows, verify_demo_model)
 from cupy_llama.errors import DemoModelError
@@ -50,12 +50,13 @@ def tensors(model_dir):
 
 
 def test_config_values(model_dir):
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size,
             config.vocab_size) == (576, 30, 9, 3, 64, 1536, 49152)
-    assert config.rope_theta == 100000.0 and config.rms_norm_eps == 1e-5
-    assert config.rope_scaling is None and config.max_position_embeddings == 8192
+    assert config.rope["full_attention"].theta == 100000.0 and config.rms_norm_eps == 1e-5
+    assert config.rope["full_attention"].rope_type == "default"
+    assert config.max_position_embeddings == 8192
     assert config.tie_word_embeddings and config.eos_token_ids == (2,)
     assert config.bos_token_id == 1
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

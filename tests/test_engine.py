@@ -489,16 +489,16 @@ def test_invalid_generation_fields_without_do_sample_are_ignored(model_dir, tmp_
 
 
 def test_llama3_rope_scaling_takes_an_integral_float_length():
-    from cupy_llama.config import ModelConfig
+    from cupy_llama.models import config_from_dicts
     raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 1,
            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 12,
            "vocab_size": 16, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 8192.0}}
-    assert ModelConfig.from_dicts(raw).rope_scaling.original_max_position_embeddings == 8192
+    assert config_from_dicts(raw).rope["full_attention"].original_max_position_embeddings == 8192
     raw["rope_scaling"]["original_max_position_embeddings"] = 8192.5
     with pytest.raises(ConfigError, match="original_max_position_embeddings must be a positive integer"):
-        ModelConfig.from_dicts(raw)
+        config_from_dicts(raw)
 
 
 def test_params_may_be_any_iterable_and_chat_batches_may_be_tuples(llm):

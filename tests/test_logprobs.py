@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.interface import ForwardBatch
 from cupy_llama.errors import RequestError
-from cupy_llama.model.llama import forward
 from cupy_llama.util import cdiv
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
@@ -30,7 +29,7 @@ def reference_log_softmax(llm, tokens: list[int], num_prompt: int) -> np.ndarray
         query_start_loc=np.concatenate([[0], ends]).astype(np.int32), seq_lens=ends,
         block_tables=np.repeat(table[None], len(ends), axis=0),
         max_query_len=int(np.diff(np.concatenate([[0], ends])).max()), max_seq_len=n)
-    logits = forward(backend, llm.config, batch).astype(np.float64)
+    logits = backend.model.forward(backend, batch).astype(np.float64)
     llm.engine.blocks.reset_prefix_cache()  # blocks 0 .. n now hold these tokens' K/V
     return logits - (logits.max(1, keepdims=True)
                      + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)))

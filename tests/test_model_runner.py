@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupy_llama.backends.base import ForwardBatch, SamplingTensors
+from cupy_llama.interface import ForwardBatch, SamplingTensors
 from cupy_llama.engine.block_manager import BlockManager
 from cupy_llama.engine.model_runner import ModelRunner
 from cupy_llama.engine.scheduler import Scheduler

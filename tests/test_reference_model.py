@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.backends.base import ForwardBatch
+from cupy_llama.interface import ForwardBatch
 from cupy_llama.backends.cpu import CpuBackend
-from cupy_llama.config import ModelConfig
-from cupy_llama.model.llama import forward
+from cupy_llama.models import model_for, read_config
 from cupy_llama.bench.random_model import TINY, make_random_model
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.util import cdiv
@@ -57,9 +56,9 @@ def prefill_batch(prompt: np.ndarray, block_table: np.ndarray, block_size: int) 
 def test_long_prompt_logits_match_transformers(case):
     """All fixture rows from ONE prefill of 2,100 tokens (RoPE errors show at long positions)."""
     model_dir, fixture = case
-    config = ModelConfig.from_dir(model_dir)
-    with open_checkpoint(model_dir, config) as checkpoint:
-        backend = CpuBackend(config, checkpoint, max_model_len=4096, max_num_seqs=1,
+    config = read_config(model_dir)
+    with open_checkpoint(model_dir, model_for(config)) as checkpoint:
+        backend = CpuBackend(model_for(config), checkpoint, max_model_len=4096, max_num_seqs=1,
                              num_kv_blocks=140)
     prompt = fixture["long_prompt"]
     positions = fixture["logit_positions"]
@@ -73,7 +72,7 @@ def test_long_prompt_logits_match_transformers(case):
         query_start_loc=starts, seq_lens=(positions + 1).astype(np.int32),
         block_tables=np.repeat(block_table[None], len(positions), axis=0),
         max_query_len=int(np.diff(starts).max()), max_seq_len=n)
-    logits = forward(backend, config, batch)
+    logits = backend.model.forward(backend, batch)
     diff = np.abs(logits - fixture["logits"])
     assert diff.max() < 1e-3, f"max abs logit difference {diff.max():.2e} at row {diff.max(1).argmax()}"
 

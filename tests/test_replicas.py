@@ -27,7 +27,7 @@ from test_server import ServerProcess
 
 from cupy_llama import SamplingParams
 from cupy_llama.cli import main
-from cupy_llama.config import ModelConfig
+from cupy_llama.models import read_config
 from cupy_llama.engine.async_engine import EngineInfo
 from cupy_llama.server.app import ServerSettings, ServerState, create_app
 from cupy_llama.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ from cupy_llama.tokenizer import Tokenizer
 # ---- the application in this process (no engine process is started) ------------------------
 
 def _state(model_dir, **settings) -> ServerState:
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     return ServerState(ServerSettings(model_dir=str(model_dir), served_model_name="m",
                                       device="cpu", **settings),
                        Tokenizer.from_dir(model_dir, config), config)

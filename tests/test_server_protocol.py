@@ -12,7 +12,7 @@ import json
 import httpx
 
 from cupy_llama import SamplingParams
-from cupy_llama.config import ModelConfig
+from cupy_llama.models import read_config
 from cupy_llama.engine.async_engine import ENGINE_STOPPED, Rejected
 from cupy_llama.outputs import RequestOutput
 from cupy_llama.sampling import model_sampling_defaults
@@ -126,7 +126,7 @@ def test_builders_make_openai_bodies():
 
 @pytest.fixture
 def state(model_dir):
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     from cupy_llama.tokenizer import Tokenizer
     settings = ServerSettings(model_dir=str(model_dir), served_model_name="m", device="cpu")
     return ServerState(settings, Tokenizer.from_dir(model_dir, config), config)

@@ -10,16 +10,16 @@ from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.checkpoint import write_safetensors
 from cupy_llama.config import ModelConfig
 from cupy_llama.errors import CheckpointError
-from cupy_llama.weights import (BLOB_ALIGNMENT, expected_tensor_shapes,
-                                iter_blob_pieces, load_host_weights, open_checkpoint,
-                                plan_weight_blob, read_safetensors_header)
+from cupy_llama.models import config_from_dicts, model_for
+from cupy_llama.weights import (BLOB_ALIGNMENT, iter_blob_pieces, load_host_weights,
+                                open_checkpoint, read_safetensors_header)
 
 # Tiny model: H=8, 2 layers, 2 query heads, 1 KV head, head_dim 4, I=12, V=16.
 H, NH, NKV, D, I, V, LAYERS = 8, 2, 1, 4, 12, 16, 2
 
 
 def tiny_config(tie=False) -> ModelConfig:
-    return ModelConfig.from_dicts({
+    return config_from_dicts({
         "architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_hidden_layers": LAYERS,
         "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": D,
         "intermediate_size": I, "vocab_size": V, "tie_word_embeddings": tie})
@@ -306,14 +306,14 @@ def test_error_names_stay_on_one_line(tmp_path):
 # --------------------------------------------------------------------------- open_checkpoint
 
 def test_expected_tensor_shapes_match_hf_layout():
-    assert expected_tensor_shapes(tiny_config()) == hf_shapes()
-    assert expected_tensor_shapes(tiny_config(tie=True)) == hf_shapes(tie=True)
+    assert model_for(tiny_config()).tensor_shapes() == hf_shapes()
+    assert model_for(tiny_config(tie=True)).tensor_shapes() == hf_shapes(tie=True)
 
 
 def test_open_single_file(tmp_path):
     values = write_model(tmp_path)
     logged = []
-    with open_checkpoint(tmp_path, tiny_config(), log=logged.append) as ckpt:
+    with open_checkpoint(tmp_path, model_for(tiny_config()), log=logged.append) as ckpt:
         assert ckpt.source_dtypes == {"BF16"}
         assert set(ckpt.tensors) == set(hf_shapes())
         q = ckpt.read("model.layers.1.self_attn.q_proj.weight")
@@ -328,7 +328,7 @@ def test_open_single_file(tmp_path):
 
 def test_close_with_views_alive(tmp_path):
     write_model(tmp_path)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
     view = ckpt.read("model.norm.weight")
     ckpt.close()
     assert view.shape == (8,)
@@ -338,14 +338,14 @@ def test_close_with_views_alive(tmp_path):
 
 def test_no_weights_file(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  str(tmp_path), "model.safetensors", "model.safetensors.index.json", "safetensors")
 
 
 def test_pickle_only_directory_is_refused(tmp_path):
     payload = tmp_path / "pytorch_model.bin"
     payload.write_bytes(b"\x80\x04\x95 pickle bytes that must never be loaded")
-    message = expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    message = expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                            "pytorch_model.bin", "pickle", "convert")
     assert "model.safetensors" in message
 
@@ -353,18 +353,18 @@ def test_pickle_only_directory_is_refused(tmp_path):
 def test_shards_without_index(tmp_path):
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
                       {"model.norm.weight": np.zeros(8, np.float32)})
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "model-00001-of-00002.safetensors", "model.safetensors.index.json")
 
 def test_model_dir_does_not_exist(tmp_path):
-    expect_error(lambda: open_checkpoint(tmp_path / "nowhere", tiny_config()), "nowhere")
+    expect_error(lambda: open_checkpoint(tmp_path / "nowhere", model_for(tiny_config())), "nowhere")
 
 
 def test_missing_tensor(tmp_path):
     values = random_weights()
     del values["model.layers.1.mlp.up_proj.weight"]
     write_model(tmp_path, values=values)
-    message = expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    message = expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                            "missing 1", "model.layers.1.mlp.up_proj.weight")
     assert "unexpected" not in message
 
@@ -375,7 +375,7 @@ def test_many_missing_tensors_are_summarised(tmp_path):
         if name.startswith("model.layers.1."):
             del values[name]
     write_model(tmp_path, values=values)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "missing 9", "model.layers.1.input_layernorm.weight", "and 1 more")
 
 
@@ -383,7 +383,7 @@ def test_unexpected_tensor(tmp_path):
     values = random_weights()
     values["model.layers.0.self_attn.q_proj.bias"] = np.zeros(8, np.float32)
     write_model(tmp_path, values=values)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "unexpected 1", "model.layers.0.self_attn.q_proj.bias")
 
 
@@ -391,14 +391,14 @@ def test_missing_and_unexpected_in_one_error(tmp_path):
     values = random_weights()
     values["model.layers.2.mlp.up_proj.weight"] = values.pop("model.layers.0.mlp.up_proj.weight")
     write_model(tmp_path, values=values)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "missing 1", "'model.layers.0.mlp.up_proj.weight'",
                  "unexpected 1", "'model.layers.2.mlp.up_proj.weight'")
 
 
 def test_untied_config_without_lm_head_hints_at_tying(tmp_path):
     write_model(tmp_path, tie=True)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config(tie=False)),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config(tie=False))),
                  "lm_head.weight", "tie_word_embeddings")
 
 
@@ -406,7 +406,7 @@ def test_wrong_shape(tmp_path):
     values = random_weights()
     values["model.layers.1.self_attn.k_proj.weight"] = np.zeros((8, 8), np.float32)
     write_model(tmp_path, values=values)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "model.layers.1.self_attn.k_proj.weight", "[8, 8]", "[4, 8]")
 
 
@@ -414,15 +414,15 @@ def test_rotary_inv_freq_is_ignored(tmp_path):
     values = random_weights()
     values["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(2, np.float32)
     write_model(tmp_path, values=values)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
     assert set(ckpt.tensors) == set(hf_shapes())
 
 
 def test_tied_model_with_lm_head_in_file_is_accepted(tmp_path):
     write_model(tmp_path, tie=False)   # file has lm_head.weight
-    ckpt = open_checkpoint(tmp_path, tiny_config(tie=True))
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config(tie=True)))
     assert "lm_head.weight" not in ckpt.tensors
-    assert "lm_head" not in plan_weight_blob(ckpt.config)[0]
+    assert "lm_head" not in model_for(tiny_config(tie=True)).weight_plan()[0]
 
 
 @pytest.mark.parametrize("dtype", ["F16", "F32"])
@@ -431,7 +431,7 @@ def test_float_checkpoints_convert_to_bf16(tmp_path, dtype):
     values = {n: (rng.standard_normal(s) * 3).astype(np.float32) for n, s in hf_shapes().items()}
     write_model(tmp_path, dtype=dtype, values=values)
     logged = []
-    ckpt = open_checkpoint(tmp_path, tiny_config(), log=logged.append)
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()), log=logged.append)
     assert ckpt.source_dtypes == {dtype}
     assert len(logged) == 1 and dtype in logged[0] and "bf16" in logged[0]
     for name, value in values.items():
@@ -445,7 +445,7 @@ def test_float_checkpoints_convert_to_bf16(tmp_path, dtype):
 def test_read_float32_matches_safetensors_library(tmp_path, dtype):
     write_model(tmp_path, dtype=dtype, seed=3)
     reference = load_file(str(tmp_path / "model.safetensors"))
-    ckpt = open_checkpoint(tmp_path, tiny_config())
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
     for name, array in reference.items():
         got = ckpt.read_float32(name)
         assert got.dtype == np.float32 and got.flags.writeable
@@ -461,7 +461,7 @@ def test_mixed_dtypes_load(tmp_path):
         "model.layers.0.mlp.down_proj.weight"].astype(np.float16)
     write_safetensors(tmp_path / "model.safetensors", mixed)
     logged = []
-    ckpt = open_checkpoint(tmp_path, tiny_config(), log=logged.append)
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()), log=logged.append)
     assert ckpt.source_dtypes == {"BF16", "F16", "F32"}
     assert len(logged) == 1 and "F16" in logged[0] and "F32" in logged[0]
     for name, value in values.items():   # bf16-exact values survive every dtype
@@ -493,9 +493,9 @@ def test_sharded_equals_single_file(tmp_path):
     write_model(tmp_path / "single", values=values)
     write_sharded(tmp_path / "sharded", values)
     config = tiny_config()
-    plan, _ = plan_weight_blob(config)
-    single = open_checkpoint(tmp_path / "single", config)
-    sharded = open_checkpoint(tmp_path / "sharded", config)
+    plan, _ = model_for(config).weight_plan()
+    single = open_checkpoint(tmp_path / "single", model_for(config))
+    sharded = open_checkpoint(tmp_path / "sharded", model_for(config))
     assert len({t.path for t in sharded.tensors.values()}) == 2
     host_single = load_host_weights(single, plan)
     host_sharded = load_host_weights(sharded, plan)
@@ -513,7 +513,7 @@ def test_shard_path_escaping_model_dir(tmp_path, bad_name):
     values = random_weights()
     write_sharded(tmp_path / "m", values,
                   shard_names=["model-00001-of-00002.safetensors", bad_name])
-    expect_error(lambda: open_checkpoint(tmp_path / "m", tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path / "m", model_for(tiny_config())),
                  "model.safetensors.index.json", repr(bad_name), "outside")
 
 
@@ -524,7 +524,7 @@ def test_shard_symlink_outside_model_dir(tmp_path):
     outside = tmp_path / "elsewhere.safetensors"
     os.replace(tmp_path / "m" / names[1], outside)
     os.symlink(outside, tmp_path / "m" / names[1])
-    expect_error(lambda: open_checkpoint(tmp_path / "m", tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path / "m", model_for(tiny_config())),
                  names[1], "outside", "elsewhere.safetensors")
 
 
@@ -535,7 +535,7 @@ def test_shard_symlink_inside_model_dir_is_fine(tmp_path):
     (tmp_path / "m" / "store").mkdir()
     os.replace(tmp_path / "m" / names[1], tmp_path / "m" / "store" / "real.safetensors")
     os.symlink("store/real.safetensors", tmp_path / "m" / names[1])
-    assert len(open_checkpoint(tmp_path / "m", tiny_config()).tensors) == len(values)
+    assert len(open_checkpoint(tmp_path / "m", model_for(tiny_config())).tensors) == len(values)
 
 
 def test_hub_cache_layout_links_into_blobs(tmp_path):
@@ -548,7 +548,7 @@ def test_hub_cache_layout_links_into_blobs(tmp_path):
     for i, name in enumerate(names):
         os.replace(snapshot / name, blobs / f"sha{i}")
         os.symlink(f"../../blobs/sha{i}", snapshot / name)
-    assert len(open_checkpoint(snapshot, tiny_config()).tensors) == len(values)
+    assert len(open_checkpoint(snapshot, model_for(tiny_config())).tensors) == len(values)
 
 
 def test_shard_file_missing(tmp_path):
@@ -556,7 +556,7 @@ def test_shard_file_missing(tmp_path):
     names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     write_sharded(tmp_path, values, shard_names=names)
     (tmp_path / names[1]).unlink()
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()), names[1], "does not exist")
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())), names[1], "does not exist")
 
 
 def test_index_lists_tensor_its_shard_lacks(tmp_path):
@@ -565,7 +565,7 @@ def test_index_lists_tensor_its_shard_lacks(tmp_path):
     weight_map["model.layers.0.input_layernorm.weight"] = "model-00002-of-00002.safetensors"
     index = {"weight_map": weight_map}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "model.layers.0.input_layernorm.weight", "model-00002-of-00002.safetensors",
                  "does not hold")
 
@@ -575,7 +575,7 @@ def test_shard_holds_tensor_index_does_not_list(tmp_path):
     weight_map = write_sharded(tmp_path, values)
     del weight_map["model.norm.weight"]
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "model.norm.weight", "does not list")
 
 
@@ -583,7 +583,7 @@ def test_shard_holds_tensor_index_does_not_list(tmp_path):
                                         '{"weight_map": {"a": 3}}'])
 def test_malformed_index(tmp_path, index_text):
     (tmp_path / "model.safetensors.index.json").write_text(index_text)
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()), "model.safetensors.index.json")
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())), "model.safetensors.index.json")
 
 
 def test_corrupt_shard_reports_the_shard(tmp_path):
@@ -591,7 +591,7 @@ def test_corrupt_shard_reports_the_shard(tmp_path):
     write_sharded(tmp_path, values)
     shard = tmp_path / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1])
-    expect_error(lambda: open_checkpoint(tmp_path, tiny_config()),
+    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
                  "model-00002-of-00002.safetensors", "truncated")
 
 
@@ -599,11 +599,11 @@ def test_corrupt_shard_reports_the_shard(tmp_path):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_blob_plan_layout(tie):
-    plan, total = plan_weight_blob(tiny_config(tie))
+    plan, total = model_for(tiny_config(tie)).weight_plan()
     keys = ["embed"]
     for i in range(LAYERS):
         keys += [f"layers.{i}.{k}" for k in
-                 ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down")]
+                 ("input_norm", "qkv", "o_proj", "mlp_norm", "gate_up", "down")]
     keys += ["final_norm"] + ([] if tie else ["lm_head"])
     assert list(plan) == keys
     assert plan["layers.0.qkv"].shape == ((NH + 2 * NKV) * D, H)
@@ -627,8 +627,8 @@ def test_blob_plan_layout(tie):
 @pytest.mark.parametrize("dtype", ["BF16", "F32"])
 def test_blob_pieces_cover_the_plan_exactly(tmp_path, dtype):
     values = write_model(tmp_path, dtype=dtype, seed=7)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
-    plan, total = plan_weight_blob(ckpt.config)
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
+    plan, total = model_for(tiny_config()).weight_plan()
     blob = np.zeros(total, np.uint8)
     written = np.zeros(total, np.int32)
     last = -1
@@ -662,8 +662,8 @@ def test_blob_pieces_cover_the_plan_exactly(tmp_path, dtype):
 
 def test_load_host_weights_fuses_like_the_blob(tmp_path):
     values = write_model(tmp_path, seed=9)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
-    plan, _ = plan_weight_blob(ckpt.config)
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
+    plan, _ = model_for(tiny_config()).weight_plan()
     host = load_host_weights(ckpt, plan)
     assert list(host) == list(plan)
     for key, entry in plan.items():
@@ -677,8 +677,8 @@ def test_load_host_weights_rounds_f32_checkpoints_to_bf16(tmp_path):
     rng = np.random.default_rng(2)
     values = {n: rng.standard_normal(s).astype(np.float32) for n, s in hf_shapes().items()}
     write_model(tmp_path, dtype="F32", values=values)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
-    plan, _ = plan_weight_blob(ckpt.config)
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
+    plan, _ = model_for(tiny_config()).weight_plan()
     host = load_host_weights(ckpt, plan)
     expected = bf16_bits_to_float32(float32_to_bf16_bits(values["model.norm.weight"]))
     np.testing.assert_array_equal(host["final_norm"], expected)
@@ -687,11 +687,11 @@ def test_load_host_weights_rounds_f32_checkpoints_to_bf16(tmp_path):
 
 def test_pieces_refuse_a_plan_from_another_config(tmp_path):
     write_model(tmp_path)
-    ckpt = open_checkpoint(tmp_path, tiny_config())
-    other = ModelConfig.from_dicts({
+    ckpt = open_checkpoint(tmp_path, model_for(tiny_config()))
+    other = config_from_dicts({
         "architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_hidden_layers": LAYERS,
         "num_attention_heads": NH, "num_key_value_heads": NKV, "head_dim": D,
         "intermediate_size": I + 4, "vocab_size": V})
-    plan, _ = plan_weight_blob(other)
+    plan, _ = model_for(other).weight_plan()
     expect_error(lambda: list(iter_blob_pieces(ckpt, plan)), "gate_up")
 

@@ -42,17 +42,18 @@ def device_options(device: str, options: dict) -> tuple[dict, list[str]]:
     return {**CPU_DEFAULTS, **kept}, ignored
 
 
-def make_backend(device: str, config, checkpoint, engine_config, max_model_len: int, log=None):
-    """The backend for a resolved device ("cpu" or "cuda"), with the weights loaded."""
+def make_backend(device: str, model, checkpoint, engine_config, max_model_len: int, log=None):
+    """The backend of a model (a models/ Decoder) on a resolved device ("cpu" or "cuda"),
+    with the weights loaded."""
     if device == "cpu":
         from .cpu import CpuBackend
-        return CpuBackend(config, checkpoint, max_model_len=max_model_len,
+        return CpuBackend(model, checkpoint, max_model_len=max_model_len,
                           max_num_seqs=engine_config.max_num_seqs,
                           max_num_batched_tokens=engine_config.max_num_batched_tokens,
                           block_size=engine_config.block_size,
                           num_kv_blocks=engine_config.num_kv_blocks, log=log)
     from .cuda import CudaBackend
-    return CudaBackend(config, checkpoint, max_model_len=max_model_len,
+    return CudaBackend(model, checkpoint, max_model_len=max_model_len,
                        max_num_seqs=engine_config.max_num_seqs,
                        max_num_batched_tokens=engine_config.max_num_batched_tokens,
                        block_size=engine_config.block_size,

@@ -4,11 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import EngineConfig, ModelConfig
-from ..model.llama import buffer_shapes
-from ..model.llama import forward as llama_forward
-from ..model.rope import rope_cos_sin
 from ..util import cdiv
-from ..weights import Checkpoint, load_host_weights, plan_weight_blob
+from ..weights import Checkpoint, load_host_weights
 from . import CPU_DEFAULTS
 from .memory import MemoryPlan
 from .numpy_ops import NumpyOps
@@ -21,20 +18,21 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
     return 2 * config.num_hidden_layers * block_size * config.kv_size * 4  # float32 K and V
 
 
-def plan(config: ModelConfig, engine_config, max_model_len: int) -> MemoryPlan:
-    """float32 weights, one step's activations and the float32 KV cache: as many blocks as
-    max_num_seqs sequences of max_model_len tokens fill, at most DEFAULT_CPU_KV_BYTES,
-    unless num_kv_blocks says."""
+def plan(model, engine_config, max_model_len: int) -> MemoryPlan:
+    """float32 weights, one step's activations and the float32 KV cache of a model (a
+    models/ Decoder): as many blocks as max_num_seqs sequences of max_model_len tokens
+    fill, at most DEFAULT_CPU_KV_BYTES, unless num_kv_blocks says."""
+    config = model.config
     block_size = engine_config.block_size
     per_block = kv_bytes_per_block(config, block_size)
     num_blocks = engine_config.num_kv_blocks
     if num_blocks is None:
         wanted = engine_config.max_num_seqs * cdiv(max_model_len, block_size)
         num_blocks = max(1, min(wanted, DEFAULT_CPU_KV_BYTES // per_block))
-    weights, _ = plan_weight_blob(config)
+    weights, _ = model.weight_plan()
     weight_bytes = 2 * sum(entry.nbytes for entry in weights.values())  # bf16 -> float32
-    shapes = buffer_shapes(config, engine_config.max_num_batched_tokens,
-                           engine_config.max_num_seqs)
+    shapes = model.buffer_shapes(engine_config.max_num_batched_tokens,
+                                 engine_config.max_num_seqs)
     buffer_bytes = sum(4 * int(np.prod(shape)) for shape in shapes.values())
     rows = (("weights", weight_bytes, "float32"),
             ("buffers", buffer_bytes, f"one step of {engine_config.max_num_batched_tokens} "
@@ -47,19 +45,21 @@ def plan(config: ModelConfig, engine_config, max_model_len: int) -> MemoryPlan:
 class CpuBackend:
     device = "cpu"
 
-    def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
+    def __init__(self, model, checkpoint: Checkpoint, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int = CPU_DEFAULTS["max_num_batched_tokens"],
                  block_size: int = 16, num_kv_blocks: int | None = None, log=None):
-        self.config = config
+        """model: a models/ Decoder, whose weights the checkpoint holds."""
+        config = model.config
+        self.model, self.config = model, config
         self.ops = NumpyOps()
-        weight_plan, _ = plan_weight_blob(config)
+        weight_plan, _ = model.weight_plan()
         self.weights = load_host_weights(checkpoint, weight_plan, dtype=np.float32)
-        self.cos_sin = rope_cos_sin(config, max_model_len)
+        self.rope_tables = model.rope_tables(max_model_len)
         self.block_size = block_size
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      num_kv_blocks=num_kv_blocks)
-        self.memory = plan(config, engine_config, max_model_len)
+        self.memory = plan(model, engine_config, max_model_len)
         self.num_kv_blocks = self.memory.num_kv_blocks
         shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # NaN in never-written slots makes any stray read show up in the output
@@ -75,13 +75,13 @@ class CpuBackend:
         return list(self.memory.rows)
 
     def buffers(self, num_tokens: int, num_seqs: int) -> dict:
-        shapes = buffer_shapes(self.config, num_tokens, num_seqs)
+        shapes = self.model.buffer_shapes(num_tokens, num_seqs)
         return {name: np.empty(shape, np.float32) for name, shape in shapes.items()}
 
     def close(self) -> None:
         """Drop the weights and the KV cache (the backend cannot run afterwards)."""
         self.weights, self.kv_caches = {}, []
 
-    def forward(self, config: ModelConfig, batch):
-        """One step through model/llama.py; logits [B, V] float32."""
-        return llama_forward(self, config, batch)
+    def forward(self, batch):
+        """One step of the model (models/decoder.py); logits [B, V] float32."""
+        return self.model.forward(self, batch)

@@ -5,9 +5,11 @@ engine runs on them where there is no GPU. Same paged-KV layout as the CUDA back
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .base import ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
+from ..interface import ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
 
 
 class NumpyOps(SublayerOps):
@@ -20,17 +22,21 @@ class NumpyOps(SublayerOps):
     def upload(self, batch: ForwardBatch) -> ForwardBatch:
         return batch
 
-    def embedding(self, token_ids, table, out):
+    def embedding(self, token_ids, table, out, *, scale=None):
         ids = np.asarray(token_ids)
         pending = ids < 0  # the token sampled for row -id - 1 of the previous sample call
         if pending.any():
             ids = ids.copy()
             ids[pending] = self._last_sampled[-ids[pending] - 1]
         out[...] = table[ids]
+        if scale is not None:
+            out *= np.float32(scale)
 
-    def rms_norm(self, x, weight, eps, out):
-        variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-        out[...] = x / np.sqrt(variance + np.float32(eps)) * weight
+    def rms_norm(self, x, weight, eps, out, *, offset=0.0):
+        out[...] = normed(x, weight, eps, offset)
+
+    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0):
+        residual += normed(x, weight, eps, offset)
 
     def linear(self, x, weight, out, accumulate=False):
         if accumulate:
@@ -38,14 +44,20 @@ class NumpyOps(SublayerOps):
         else:
             np.matmul(x, weight.T, out=out)
 
-    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out, *, bias=None,
+                       head_norm=None):
         num_tokens = qkv.shape[0]
         num_heads, head_dim = q_out.shape[1], q_out.shape[2]
         num_kv_heads = k_cache.shape[2]
+        if bias is not None:
+            qkv = qkv + bias
         q = qkv[:, :num_heads * head_dim].reshape(num_tokens, num_heads, head_dim)
         kv_start = num_heads * head_dim
         k = qkv[:, kv_start:kv_start + num_kv_heads * head_dim].reshape(num_tokens, num_kv_heads, head_dim)
         v = qkv[:, kv_start + num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim)
+        if head_norm is not None:
+            q = normed(q, head_norm.q_weight, head_norm.eps, head_norm.offset)
+            k = normed(k, head_norm.k_weight, head_norm.eps, head_norm.offset)
         table = cos_sin[meta.positions]                  # [T, d]
         half = head_dim // 2
         cos, sin = table[:, None, :half], table[:, None, half:]  # [T, 1, d/2]
@@ -56,34 +68,46 @@ class NumpyOps(SublayerOps):
         k_cache[blocks, rows] = rotate(k[written], cos[written], sin[written])
         v_cache[blocks, rows] = v[written]
 
-    def attention(self, q, k_cache, v_cache, meta, scale, out):
+    def attention(self, q, k_cache, v_cache, meta, scale, out, *, window=None, softcap=None):
+        """Per sequence, as batched products over the kv heads (BLAS), each kv head's query
+        heads stacked as rows: [nkv, n * group, d] @ [nkv, d, S]."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
         starts = meta.query_start_loc
         for b, seq_len in enumerate(meta.seq_lens):
-            q_rows = slice(starts[b], starts[b + 1])
             num_new = starts[b + 1] - starts[b]
             if num_new == 0:
                 continue
-            positions = np.arange(seq_len)
+            first = 0 if window is None else max(0, seq_len - num_new - window + 1)
+            positions = np.arange(first, seq_len)                     # the keys any query sees
             blocks = meta.block_tables[b][positions // block_size]
-            keys = k_cache[blocks, positions % block_size]     # [S, nkv, d]
-            values = v_cache[blocks, positions % block_size]   # [S, nkv, d]
-            keys = np.repeat(keys, group, axis=1)              # [S, nh, d]
-            values = np.repeat(values, group, axis=1)
-            scores = np.einsum("qhd,shd->hqs", q[q_rows], keys) * np.float32(scale)
-            query_positions = np.arange(seq_len - num_new, seq_len)
-            causal = positions[None, :] <= query_positions[:, None]    # [n, S]
-            scores = np.where(causal[None], scores, -np.inf)
+            keys = k_cache[blocks, positions % block_size]            # [S, nkv, d]
+            values = v_cache[blocks, positions % block_size]
+            # [nkv, n * group, d]: query head h = kv head h // group, row t * group + h % group
+            queries = (q[starts[b]:starts[b + 1]].reshape(num_new, num_kv_heads, group, head_dim)
+                       .transpose(1, 0, 2, 3).reshape(num_kv_heads, num_new * group, head_dim))
+            scores = np.matmul(queries, keys.transpose(1, 2, 0)) * np.float32(scale)  # [nkv, n*g, S]
+            if softcap is not None:
+                scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+            query_positions = np.repeat(np.arange(seq_len - num_new, seq_len), group)  # [n*g]
+            visible = positions[None, :] <= query_positions[:, None]
+            if window is not None:
+                visible &= positions[None, :] > query_positions[:, None] - window
+            scores = np.where(visible[None], scores, -np.inf)
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            out[q_rows] = np.einsum("hqs,shd->qhd", probs, values).reshape(num_new, num_heads * head_dim)
+            attended = np.matmul(probs, values.transpose(1, 0, 2))    # [nkv, n * g, d]
+            out[starts[b]:starts[b + 1]] = (attended.reshape(num_kv_heads, num_new, group, head_dim)
+                                            .transpose(1, 0, 2, 3).reshape(num_new, num_heads * head_dim))
 
-    def silu_and_mul(self, gate_up, out):
+    def act_and_mul(self, gate_up, out, act="silu"):
         gate, up = np.split(gate_up, 2, axis=-1)
-        out[...] = gate / (np.float32(1) + np.exp(-gate)) * up
+        out[...] = ACTIVATIONS[act](gate) * up
+
+    def softcap(self, x, cap):
+        x[...] = np.float32(cap) * np.tanh(x / np.float32(cap))
 
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
@@ -118,6 +142,21 @@ def logprobs(logits, tokens, rows: np.ndarray, k: int) -> Logprobs:
         ids[i, 0], values[i, 0] = tokens[row], log_softmax[tokens[row]]
         ids[i, 1:], values[i, 1:] = best, log_softmax[best]
     return Logprobs(rows, ids, values)
+
+
+def normed(x, weight, eps, offset=0.0):
+    """RMSNorm over the last axis, in float32: x / sqrt(mean(x^2) + eps) * (offset + weight)."""
+    variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return x / np.sqrt(variance + np.float32(eps)) * (np.float32(offset) + weight)
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (transformers' gelu_pytorch_tanh)."""
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1) + np.tanh(inner))
+
+
+ACTIVATIONS = {"silu": lambda gate: gate / (np.float32(1) + np.exp(-gate)), "gelu_tanh": gelu_tanh}
 
 
 def rotate(x, cos, sin):

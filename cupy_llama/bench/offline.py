@@ -76,8 +76,8 @@ def run_bench(settings: BenchSettings, log=_stderr) -> dict:
         from .hf import check_hf_available
         check_hf_available(settings.device)
     if settings.model_dir is not None:  # a bad model folder fails before any measuring
-        from ..config import ModelConfig
-        ModelConfig.from_dir(settings.model_dir)
+        from ..models import read_config
+        read_config(settings.model_dir)
     on_gpu = settings.device == "cuda"
     device = DeviceProbe(settings.device)
     report = {"command": settings.command(), "argv": list(sys.argv), **commit_info(settings.commit),

@@ -461,14 +461,14 @@ def warm_up(base_url: str, model: str, settings: ServeBenchSettings, top_id: int
 def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
     model_dir, top_id = None, THROUGHPUT_MAX_TOKEN_ID
     if settings.url is None or settings.model_dir is not None:
-        from ..config import ModelConfig
+        from ..models import read_config
         if settings.url is None:
             model_dir, _ = prepare_model(BenchSettings(mode="throughput", model_dir=settings.model_dir,
                                                        preset=settings.preset,
                                                        device=settings.device), log)
         else:
             model_dir = Path(settings.model_dir)
-        top_id = min(THROUGHPUT_MAX_TOKEN_ID, ModelConfig.from_dir(model_dir).vocab_size - 1)
+        top_id = min(THROUGHPUT_MAX_TOKEN_ID, read_config(model_dir).vocab_size - 1)
     work = serve_workload(settings, top_id)
     num_processes = settings.num_client_processes()
     report = {"command": settings.command(), "argv": list(sys.argv),

@@ -18,7 +18,9 @@ from ..errors import OptionError, check_output_path, option_flag
 MODES = ("throughput", "latency", "ttft", "decode-sweep")  # the ones `all` runs
 ALL_MODES = MODES + ("all", "prefix")
 DEVICES = ("auto", "cuda", "cpu")
-PRESETS = ("llama-3.2-1b", "tiny")
+# the shapes of random_model.PRESETS, named here so the command line can offer them without
+# importing NumPy (tests/test_bench.py checks the two agree)
+PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-1.5b", "gemma-3-1b", "tiny")
 DEFAULT_PRESETS = {"cuda": "llama-3.2-1b", "cpu": "tiny"}
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 MODEL_SEED = 0                  # random weights: the same model for every workload seed
@@ -121,9 +123,9 @@ def prepare_model(settings: BenchSettings, log) -> tuple[Path, float | None]:
     target = cache_dir() / "bench-models" / f"{settings.preset}-seed{MODEL_SEED}"
     if (target / ".complete").is_file():
         return target, None
-    from ..config import ModelConfig
+    from ..models import config_from_dicts
     from .random_model import PRESETS as SHAPES, config_json, make_random_model
-    num_parameters = ModelConfig.from_dicts(config_json(SHAPES[settings.preset])).num_parameters
+    num_parameters = config_from_dicts(config_json(SHAPES[settings.preset])).num_parameters
     log(f"writing a random {settings.preset} model ({_amount(num_parameters, '')} parameters, "
         f"{_amount(2 * num_parameters, 'B')} of bf16 weights) to {target}; this happens once, "
         "later runs reuse it")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
+from ..bench.workloads import PRESETS
 from ..errors import OptionError, option_flag
 from .options import DEVICES, EXIT_OK, MODEL_PATH, auto_device, check_options, given, resolve_device
 
-# ---- bench --------------------------------------------------------------------------------
 
 @click.command()
 @click.argument("mode", metavar="MODE", type=click.Choice((
@@ -18,7 +18,7 @@ from .options import DEVICES, EXIT_OK, MODEL_PATH, auto_device, check_options, g
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
               help="The GPU when usable (auto), the GPU (cuda), or the NumPy backend (cpu: it "
                    "checks the engine end to end; its numbers say nothing about a GPU).")
-@click.option("--preset", type=click.Choice(("llama-3.2-1b", "tiny")),
+@click.option("--preset", type=click.Choice(PRESETS),
               help="Shape of the random model when no --model is given (default: "
                    "llama-3.2-1b on the GPU, tiny on the CPU).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),

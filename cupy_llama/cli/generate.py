@@ -16,7 +16,6 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
                       PROGRESS_INTERVAL_S, SAMPLING_NAMES, check_options, device_option,
                       engine_options, given, log, sampling_options)
 
-# ---- generate -----------------------------------------------------------------------------
 
 @click.command()
 @click.option("--model", "model_dir", type=MODEL_PATH,

@@ -34,20 +34,71 @@ def info(model_dir, device, **flags):
 
 
 def _describe(config) -> list[tuple[str, str]]:
-    rope = "none" if config.rope_scaling is None else f"llama3 x{config.rope_scaling.factor:g}"
     return [
-        ("architecture", "LlamaForCausalLM"),
+        ("architecture", config.architecture),
         ("shape", f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
                   f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV), "
                   f"head_dim {config.head_dim}, intermediate {config.intermediate_size}"),
+        ("features", _features(config)),
+        ("attention", f"scale {config.attn_scale:.4g}; {_layers(config)}"),
         ("vocabulary", f"{config.vocab_size} tokens, embeddings "
                        f"{'tied' if config.tie_word_embeddings else 'untied'}"),
-        ("context", f"{config.max_position_embeddings} positions, rope theta "
-                    f"{config.rope_theta:g}, scaling {rope}"),
+        ("context", f"{config.max_position_embeddings} positions; rope "
+                    + "; ".join(f"{kind.split('_')[0]}: {_rope(rope)}"
+                                for kind, rope in config.rope.items())),
         ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
         ("dtype", config.torch_dtype),
         ("eos ids", ", ".join(map(str, config.eos_token_ids)) or "none"),
     ]
+
+
+def _features(config) -> str:
+    """What sets the model apart from a plain Llama layer."""
+    features = []
+    if config.qkv_bias:
+        features.append("q/k/v bias")
+    if config.qk_norm:
+        features.append("q/k norm per head")
+    if config.norm_offset:
+        features.append(f"norms x ({config.norm_offset:g} + w)")
+    if config.sandwich_norms:
+        features.append("norms on the sublayers' outputs")
+    features.append("GeGLU (tanh GELU)" if config.hidden_act == "gelu_tanh" else "SwiGLU")
+    if config.embed_scale is not None:
+        features.append(f"embeddings x {config.embed_scale:g}")
+    for what, cap in (("attention scores", config.attn_logit_softcap),
+                      ("logits", config.final_logit_softcap)):
+        if cap is not None:
+            features.append(f"{what} soft-capped at {cap:g}")
+    return ", ".join(features)
+
+
+def _layers(config) -> str:
+    """Which layers are full and which slide, as ranges."""
+    if config.sliding_window is None:
+        return "every layer full"
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    text = f"window {config.sliding_window} on layers {_ranges(sliding)}"
+    return text + (f", full on {_ranges(full)}" if full else "")
+
+
+def _ranges(indices: list[int]) -> str:
+    runs, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            runs.append(f"{start}" if start == index else f"{start}-{index}")
+            start = None
+    return ", ".join(runs)
+
+
+def _rope(rope) -> str:
+    text = f"theta {rope.theta:g}"
+    if rope.rope_type != "default":
+        text += f", {rope.rope_type} x{rope.factor:g}"
+    return text
 
 
 def _count(n: int) -> str:
@@ -64,14 +115,16 @@ def _cpu_memory_plan(model_dir, config, engine: dict) -> list[tuple[str, str]]:
     from ..backends import device_options
     from ..backends.cpu import plan
     from ..config import EngineConfig
+    from ..models import model_for
     from ..weights import open_checkpoint
 
     engine_config = EngineConfig(**device_options("cpu", engine)[0])
     max_model_len = engine_config.resolved_max_model_len(config)
-    with open_checkpoint(model_dir, config) as checkpoint:
+    model = model_for(config)
+    with open_checkpoint(model_dir, model) as checkpoint:
         stored = ", ".join(sorted(checkpoint.source_dtypes))
     rows = [(name, f"{_size(nbytes)}  {note}" + (f" (stored as {stored})" if name == "weights" else ""))
-            for name, nbytes, note in plan(config, engine_config, max_model_len).rows]
+            for name, nbytes, note in plan(model, engine_config, max_model_len).rows]
     return rows + [("context", f"{max_model_len} tokens per sequence")]
 
 

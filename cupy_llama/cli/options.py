@@ -99,11 +99,10 @@ def check_model_options(model_dir, engine: dict):
     """The model's config.json (a bad folder is a one-line error, exit 1), then the engine
     options the model must take: --max-model-len beyond its context is a usage error.
     Returns the ModelConfig."""
-    from ..config import EngineConfig, ModelConfig
-    from ..sampling import generation_defaults
+    from ..config import EngineConfig
+    from ..models import read_config
 
-    config = ModelConfig.from_dir(model_dir)
-    generation_defaults(config.generation_config)  # a bad default is the model's error
+    config = read_config(model_dir)  # generation defaults checked too
     try:
         EngineConfig(**engine).resolved_max_model_len(config)
     except ConfigError as e:

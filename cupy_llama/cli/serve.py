@@ -10,7 +10,6 @@ from . import options
 from .options import (ENGINE_NAMES, EXIT_OK, MODEL_PATH, check_options, device_option,
                       engine_options, given, log)
 
-# ---- serve --------------------------------------------------------------------------------
 
 SERVE_ENGINE_NAMES = (*ENGINE_NAMES, "block_size", "enforce_eager")
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
@@ -65,8 +64,8 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
         except ImportError:
             raise CupyLlamaError(f"cupy-llama serve needs the serve extra ({package} is not "
                                  "installed): pip install 'cupy-llama[serve]'") from None
-    from ..config import ModelConfig
     from ..engine.async_engine import EngineStartError
+    from ..models import read_config
     from ..server.app import ServerSettings, run_server
     from ..tokenizer import Tokenizer
 
@@ -74,7 +73,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     if model_dir is None:
         from .demo import DEMO_NAME
         model_dir, name = options.default_model_dir(), served_model_name or DEMO_NAME
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
     sock = _listen(host, port)
     settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),

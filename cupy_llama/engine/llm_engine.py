@@ -152,7 +152,7 @@ class LLMEngine:
 
         from ..backends import device_options, make_backend, resolve_device
         from ..errors import ConfigError
-        from ..sampling import generation_defaults
+        from ..models import model_for, read_config
         from ..tokenizer import Tokenizer
         from ..weights import open_checkpoint
 
@@ -164,8 +164,7 @@ class LLMEngine:
         EngineConfig(**engine_options)  # every value is checked, those the device ignores too
         started = time.perf_counter()
         log = log or (lambda message: None)
-        config = ModelConfig.from_dir(model_dir)
-        generation_defaults(config.generation_config)  # a bad default fails the load
+        config = read_config(model_dir)  # generation defaults checked too
         device = resolve_device(device, log)
         engine_options, ignored = device_options(device, engine_options)
         if ignored:
@@ -175,8 +174,9 @@ class LLMEngine:
         max_model_len = engine_config.resolved_max_model_len(config)
         tokenizer = Tokenizer.from_dir(model_dir, config)
         tokenizer.check_chat_template()  # a broken template fails the load, not a chat
-        with open_checkpoint(model_dir, config, log=log) as checkpoint:
-            backend = make_backend(device, config, checkpoint, engine_config, max_model_len, log)
+        model = model_for(config)
+        with open_checkpoint(model_dir, model, log=log) as checkpoint:
+            backend = make_backend(device, model, checkpoint, engine_config, max_model_len, log)
         engine = cls(config, tokenizer, backend, engine_config, max_model_len)
         engine.load_seconds = time.perf_counter() - started
         return engine
@@ -285,7 +285,7 @@ class LLMEngine:
     # and launches step k while step k-1 still runs, then waits for k-1's tokens and
     # handles them (text, stop rules, outputs) while step k runs. A sequence that needs
     # k-1's token in step k gets a placeholder, -(row + 1), that the device resolves from
-    # k-1's sampled tokens (backends/base.py ForwardBatch). A sequence that turns out to
+    # k-1's sampled tokens (interface.py ForwardBatch). A sequence that turns out to
     # stop at k-1's token (EOS, stop string) already has step k queued: that extra token
     # is dropped and never shown. Blocks freed meanwhile are safe to hand out again: every
     # later use is queued behind step k on the same stream.

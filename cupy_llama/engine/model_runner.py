@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends.base import ForwardBatch, SamplingTensors
+from ..interface import ForwardBatch, SamplingTensors
 from ..config import ModelConfig
 from ..util import cdiv
 from .scheduler import ScheduledBatch
@@ -152,7 +152,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed). Returns
-        at once with a handle whose get() waits for the tokens (backends/base.py
+        at once with a handle whose get() waits for the tokens (interface.py
         SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r."""
-        logits = self.backend.forward(self.config, self.build_batch(batch))
+        logits = self.backend.forward(self.build_batch(batch))
         return self.backend.ops.sample_async(logits, self.sampling_tensors(batch))

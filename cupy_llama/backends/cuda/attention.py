@@ -11,7 +11,10 @@ Which kernel runs (`attention_plan`):
 - every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
   cores, flash-attention 2 over K/V tiles gathered from the paged cache);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
-  arrays): the scalar paged_attention_dpl* kernel, which handles every shape."""
+  arrays, soft-capped scores): the scalar paged_attention_dpl* kernel, which handles every
+  shape.
+A sliding window reaches every kernel: a decode sequence's keys (and their splits) start
+at its window's first, and prefill masks per row."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -45,7 +48,7 @@ DECODE_MMA_THREADS = _C["DECODE_MMA_THREADS"]
 DECODE_MMA_KEYS = _C["DECODE_MMA_KEYS"]
 DECODE_MMA_MAX_GROUP = 16  # the query heads of a kv head are the rows of one 16-row mma tile
 DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # upper bounds on the group
-FAST_HEAD_DIMS = tuple(sorted(set(PREFILL_KERNELS) & {d for d, _, _ in DECODE_KERNELS}))
+DECODE_HEAD_DIMS = tuple(sorted({d for d, _, _ in DECODE_KERNELS}))
 # the launcher's own choices
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
@@ -121,7 +124,7 @@ def cluster_max_keys(head_dim: int, group: int) -> int:
     CTA's range up to SPLIT_ALIGN keys, so a variant whose step covers fewer (head_dim 128,
     or 8 query heads per kv head) would take several steps per CTA, where the cluster was
     measured to lose: 0 for those, and for shapes without a decode kernel."""
-    if decode_group_bound(group) is None or head_dim not in FAST_HEAD_DIMS:
+    if (head_dim, decode_group_bound(group), True) not in DECODE_KERNELS:
         return 0
     step = decode_step_keys(head_dim, group)
     return DECODE_CLUSTER * step if step >= SPLIT_ALIGN else 0
@@ -161,8 +164,8 @@ def _is_power_of_two(n: int) -> bool:
 
 def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
-                   num_slots: int = 0, kernel: str = "auto",
-                   clusters: bool = False) -> AttentionPlan:
+                   num_slots: int = 0, kernel: str = "auto", clusters: bool = False,
+                   softcap: bool = False) -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
     16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the CUDA-core
@@ -170,20 +173,21 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     kernel. kernel="scalar" forces the scalar fallback, "decode" and "decode_mma" the CUDA-core
     and tensor-core decode kernels where they can run (tests, benchmarks). clusters: the GPU
     can launch thread-block clusters; a split decode batch then takes the clustered kernel
-    where the CUDA-core kernel would run."""
+    where the CUDA-core kernel would run. softcap: the scores are soft-capped, which only the
+    scalar kernel does."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
-    fast = (kernel != "scalar" and aligned and head_dim in FAST_HEAD_DIMS
-            and _is_power_of_two(block_size))
+    fast = (kernel != "scalar" and not softcap and aligned and _is_power_of_two(block_size))
     bound = decode_group_bound(group)
-    if fast and max_query_len == 1:
+    if fast and max_query_len == 1 and head_dim in DECODE_HEAD_DIMS:
         mma_can = head_dim in DECODE_MMA_KERNELS and group <= DECODE_MMA_MAX_GROUP
-        cuda_core_can = bound is not None and num_slots < 2 ** 31
+        cuda_core_can = ((head_dim, bound, False) in DECODE_KERNELS and num_slots < 2 ** 31)
         # the tensor-core kernel from DECODE_MMA_MIN_SEQS sequences (or where the CUDA-core
         # kernel cannot run); the clustered CUDA-core kernel where a cluster merges the key
         # ranges on chip instead of a combine kernel
-        clustered = clusters and num_splits > 1 and cuda_core_can and kernel != "decode_mma"
+        clustered = (clusters and num_splits > 1 and cuda_core_can and kernel != "decode_mma"
+                     and (head_dim, bound, True) in DECODE_KERNELS)
         mma_wanted = kernel == "decode_mma" or (
             kernel == "auto" and (num_seqs >= DECODE_MMA_MIN_SEQS or not cuda_core_can))
         if mma_can and mma_wanted and not clustered:
@@ -197,7 +201,7 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                                      DECODE_CLUSTER)
             return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
                                  (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
-    if fast and num_splits == 1:
+    if fast and num_splits == 1 and head_dim in PREFILL_KERNELS:
         row_tiles = max(1, cdiv(max_query_len * group, PREFILL_ROWS))
         return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),
                              PREFILL_THREADS, prefill_smem_bytes(head_dim))
@@ -210,7 +214,8 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *,
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
-                    kernel: str = "auto", clusters: bool = False, programmatic: bool = False):
+                    kernel: str = "auto", clusters: bool = False, programmatic: bool = False,
+                    window: int | None = None, softcap: float | None = None):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
@@ -221,7 +226,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     clusters (sm_90+, launch.launch_attributes_usable()): a split decode batch runs the
     clustered kernel instead, which needs no workspace and no combine kernel.
     programmatic (likewise): the decode and combine kernels launch programmatically.
-    kernel="scalar" runs the scalar fallback kernel whatever the shape."""
+    kernel="scalar" runs the scalar fallback kernel whatever the shape.
+    window: a token at position p sees the keys p - window + 1 .. p only (a decode
+    sequence's splits then cover its window). softcap: scores become
+    softcap * tanh(score / softcap) (the scalar kernel)."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
                                            shape=(None, None, None, head_dim)).shape
@@ -239,8 +247,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
             raise ValueError("num_splits > 1 needs a decode batch (one new token per sequence)")
-        if max_seq_len is not None:
-            split_len, num_splits = split_length(max_seq_len, num_splits)
+        if max_seq_len is not None:  # the keys a sequence sees: its window at most
+            seen = max_seq_len if window is None else min(max_seq_len, window)
+            split_len, num_splits = split_length(seen, num_splits)
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits: at most {MAX_SPLITS} (the combine kernel), got {num_splits}")
     plan = attention_plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -248,7 +257,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                           max_query_len=max_query_len, num_splits=num_splits,
                           aligned=aligned16(q, k_cache, v_cache, out),
                           num_slots=k_cache.shape[0] * block_size, kernel=kernel,
-                          clusters=clusters)
+                          clusters=clusters, softcap=softcap is not None)
     clustered = plan.cluster > 1
     if num_splits > 1 and not clustered:
         parts = num_seqs * num_heads * num_splits
@@ -263,18 +272,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     opt_in_shared(function, plan.shared_mem)
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     is_decode = plan.kernel in DECODE_KERNELS.values() or plan.kernel in DECODE_MMA_KERNELS.values()
+    window = i32(0 if window is None else window)  # 0: no window
     if is_decode:
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
-                         f32(scale * LOG2_E), i32(num_splits), i32(split_len))
+                         f32(scale * LOG2_E), i32(num_splits), i32(split_len), window)
     elif plan.kernel in PREFILL_KERNELS.values():
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
-                         i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]))
+                         i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]), window)
     else:
         row_tiles = plan.grid[0] // num_splits
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(head_dim), i32(block_size), i32(max_blocks), f32(scale),
-                         i32(row_tiles), i32(num_splits), i32(split_len))
+                         i32(row_tiles), i32(num_splits), i32(split_len), window,
+                         f32(0.0 if softcap is None else softcap))
     # decode kernels and the split combine wait for the kernel before on the device, so
     # they may launch programmatically: start while the qkv product (or the split kernel)
     # drains

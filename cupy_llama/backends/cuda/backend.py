@@ -9,13 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...config import ModelConfig
 from ...errors import DeviceError
-from ...model.llama import buffer_shapes
-from ...model.llama import forward as llama_forward
-from ...model.rope import rope_cos_sin
 from ...util import cdiv
-from ...weights import Checkpoint, iter_blob_pieces, plan_weight_blob
+from ...weights import Checkpoint, iter_blob_pieces
 from . import attention as attention_kernels
 from .device import check_cuda_device, device_name, import_cupy
 from .ops import CudaOps
@@ -24,7 +20,7 @@ from .weight_upload import upload_weight_pieces
 
 ALIGNMENT = 256
 GiB = 2 ** 30
-# pool buffers that are never alive at the same time share memory (model/llama.py):
+# pool buffers that are never alive at the same time share memory (models/decoder.py):
 # qkv is consumed by rope_and_cache before gate_up is written; q by attention before act
 SHARED_BUFFERS = (("qkv", "gate_up"), ("q", "act"))
 NAN_BF16 = 0x7FC0
@@ -59,11 +55,13 @@ def buffer_dtype(name: str):
     return np.float32 if name in FLOAT32_BUFFERS else np.uint16
 
 
-def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
+def plan_pool(model, max_num_tokens: int, max_num_seqs: int,
               max_model_len: int) -> tuple[dict[str, PoolRegion], int]:
-    """Regions of the activation pool by buffer name (shared buffers map to one region),
-    plus the split-KV decode workspace; returns (regions, total bytes)."""
-    shapes = buffer_shapes(config, max_num_tokens, max_num_seqs)
+    """Regions of the activation pool of a model (a models/ Decoder) by buffer name (shared
+    buffers map to one region), plus the split-KV decode workspace; returns (regions,
+    total bytes)."""
+    config = model.config
+    shapes = model.buffer_shapes(max_num_tokens, max_num_seqs)
     sizes = {name: int(np.prod(shape)) * np.dtype(buffer_dtype(name)).itemsize
              for name, shape in shapes.items()}
     partial_out, partial_lse = attention_kernels.workspace_sizes(
@@ -85,12 +83,14 @@ def plan_pool(config: ModelConfig, max_num_tokens: int, max_num_seqs: int,
 class CudaBackend:
     device = "cuda"
 
-    def __init__(self, config: ModelConfig, checkpoint: Checkpoint, *, max_model_len: int,
+    def __init__(self, model, checkpoint: Checkpoint, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, switches: KernelSwitches | None = None,
                  log=None):
-        """switches: which kernels run; default: KernelSwitches.from_environment()."""
+        """model: a models/ Decoder, whose weights the checkpoint holds. switches: which
+        kernels run; default: KernelSwitches.from_environment()."""
+        config = model.config
         self.capability = check_cuda_device()
         cupy = import_cupy()
         self._cupy = cupy
@@ -98,7 +98,7 @@ class CudaBackend:
         # memory that engines closed or dropped earlier in this process left in CuPy's
         # pools goes back to the device first, so the sizing below sees it as free
         release_cached_memory(cupy)
-        self.config = config
+        self.model, self.config = model, config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -108,11 +108,12 @@ class CudaBackend:
         device = cupy.cuda.Device()
         free, total = cupy.cuda.runtime.memGetInfo()
 
-        plan, weight_bytes = plan_weight_blob(config)
-        self._regions, pool_bytes = plan_pool(config, self.max_num_tokens, max_num_seqs,
+        plan, weight_bytes = model.weight_plan()
+        self._regions, pool_bytes = plan_pool(model, self.max_num_tokens, max_num_seqs,
                                               max_model_len)
-        cos_sin = rope_cos_sin(config, max_model_len)
-        needed = weight_bytes + pool_bytes + cos_sin.nbytes
+        rope_tables = model.rope_tables(max_model_len)
+        rope_bytes = sum(table.nbytes for table in {id(t): t for t in rope_tables.values()}.values())
+        needed = weight_bytes + pool_bytes + rope_bytes
         if needed > free:
             raise DeviceError(
                 f"not enough GPU memory: the weights and activation buffers need "
@@ -125,7 +126,9 @@ class CudaBackend:
         self.weights = {key: self._blob[e.offset:e.offset + e.nbytes].view(np.uint16).reshape(e.shape)
                         for key, e in plan.items()}
         self.load_seconds = time.perf_counter() - started
-        self.cos_sin = cupy.asarray(cos_sin)
+        on_device = {}  # layer types that share a table share its copy
+        self.rope_tables = {kind: on_device.setdefault(id(table), cupy.asarray(table))
+                            for kind, table in rope_tables.items()}
         self._pool = self._allocate(pool_bytes, "the activation buffers")
         self._buffer_views = {}
 
@@ -169,9 +172,9 @@ class CudaBackend:
         from .graphs import DecodeGraphs, StepGraphs
         try:
             graphs = DecodeGraphs(self, log=self._log)
-            graphs.capture_all(self.config)
+            graphs.capture_all()
             step_graphs = StepGraphs(self, log=self._log)
-            step_graphs.capture_all(self.config)
+            step_graphs.capture_all()
         except Exception as e:  # NotImplementedError, CUDARuntimeError, RuntimeError
             first_line = (str(e).strip().splitlines() or [""])[0]
             self.graphs = self.step_graphs = None
@@ -204,20 +207,20 @@ class CudaBackend:
         self._cupy.cuda.get_current_stream().synchronize()
         self._closed = True
         for name in ("graphs", "step_graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
-                     "_buffer_views", "cos_sin"):
+                     "_buffer_views", "rope_tables"):
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
-    def forward(self, config: ModelConfig, batch):
-        """One step (model/llama.py): decode batches replay a decode graph, other steps of
-        up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with attention in
-        between, when graphs are on; everything else runs eagerly. Returns logits [B, V]
-        float32 (a pool view)."""
+    def forward(self, batch):
+        """One step of the model (models/decoder.py): decode batches replay a decode graph,
+        other steps of up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with
+        attention in between, when graphs are on; everything else runs eagerly. Returns
+        logits [B, V] float32 (a pool view)."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(config, batch)
+            return self.graphs.run(batch)
         if self.step_graphs is not None and self.step_graphs.can_run(batch):
-            return self.step_graphs.run(config, batch)
-        return llama_forward(self, config, batch)
+            return self.step_graphs.run(batch)
+        return self.model.forward(self, batch)
 
     def _allocate(self, nbytes: int, what: str):
         cupy = self._cupy
@@ -270,7 +273,7 @@ class CudaBackend:
         if views is None:
             if len(self._buffer_views) >= 512:
                 self._buffer_views.clear()
-            shapes = buffer_shapes(self.config, num_tokens, num_seqs)
+            shapes = self.model.buffer_shapes(num_tokens, num_seqs)
             views = {name: self._region_view(name, buffer_dtype(name), shape)
                      for name, shape in shapes.items()}
             self._buffer_views[key] = views
@@ -281,8 +284,10 @@ class CudaBackend:
         config = self.config
         rows = [("weights", int(self._blob.nbytes),
                  f"{config.num_parameters / 1e9:.3f} B parameters, bf16, one allocation"),
-                ("rope cos/sin", int(self.cos_sin.nbytes), f"[{self.max_model_len}, {config.head_dim}] float32")]
-        shapes = buffer_shapes(config, self.max_num_tokens, self.max_num_seqs)
+                ("rope cos/sin", sum(int(t.nbytes) for t in {id(t): t for t in self.rope_tables.values()}.values()),
+                 f"{len({id(t) for t in self.rope_tables.values()})} x [{self.max_model_len}, "
+                 f"{config.head_dim}] float32")]
+        shapes = self.model.buffer_shapes(self.max_num_tokens, self.max_num_seqs)
         seen = set()
         for name, region in self._regions.items():
             if id(region) in seen:

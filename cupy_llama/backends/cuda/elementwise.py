@@ -2,20 +2,25 @@
 Each checks its arguments, then launches on the current stream."""
 from __future__ import annotations
 
+import numpy as np
+
 from ...util import cdiv
 from .kernels import BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32
 
 ROW_THREADS = 256
 # the vector paths' sizes, from the kernel sources (kernels.py)
 NORM_VECTOR = constants("norm")["NORM_VECTOR"]
-SILU_VECTOR = constants("activation")["SILU_VECTOR"]
+_ACTIVATION = constants("activation")
+SILU_VECTOR = _ACTIVATION["SILU_VECTOR"]
+ACTS = {"silu": _ACTIVATION["ACT_SILU"], "gelu_tanh": _ACTIVATION["ACT_GELU_TANH"]}
 _ROPE = constants("rope")
 
 
-def embedding(token_ids, table, out, pending_tokens=None):
-    """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H] bf16
-    or float32. pending_tokens [R] int32 (on the device): an id -(r + 1), r < R, stands
-    for pending_tokens[r] (a token sampled by the previous step, not yet on the host)."""
+def embedding(token_ids, table, out, pending_tokens=None, scale=None):
+    """out[t] = table[token_ids[t]] (times scale, where given); token_ids [T] int32, table
+    [V, H], out [T, H] bf16 or float32. pending_tokens [R] int32 (on the device): an id
+    -(r + 1), r < R, stands for pending_tokens[r] (a token sampled by the previous step,
+    not yet on the host)."""
     check("token_ids", token_ids, I32, ndim=1)
     vocab, hidden = check("table", table, BF16, ndim=2).shape
     check("out", out, _bf16_or_f32("out", out), shape=(token_ids.shape[0], hidden))
@@ -27,7 +32,8 @@ def embedding(token_ids, table, out, pending_tokens=None):
     if out.shape[0]:
         get_kernel("embedding", kernel)(
             (out.shape[0],), (ROW_THREADS,),
-            (token_ids, pending_tokens, i32(num_pending), table, out, i32(hidden), i32(vocab)))
+            (token_ids, pending_tokens, i32(num_pending), table, out, i32(hidden), i32(vocab),
+             f32(1.0 if scale is None else scale)))
 
 
 def gather_rows(x, indices, out):
@@ -54,9 +60,9 @@ def _bf16_or_f32(name, array):
     return array.dtype
 
 
-def rms_norm(x, weight, eps, out):
-    """out = x / sqrt(mean(x^2) + eps) * weight; x [T, H] bf16 or float32, out [T, H] bf16
-    (out may be x when both are bf16)."""
+def rms_norm(x, weight, eps, out, offset: float = 0.0):
+    """out = x / sqrt(mean(x^2) + eps) * (offset + weight); x [T, H] bf16 or float32, out
+    [T, H] bf16 (out may be x when both are bf16)."""
     rows, hidden = check("x", x, _bf16_or_f32("x", x), ndim=2).shape
     check("weight", weight, BF16, shape=(hidden,))
     check("out", out, BF16, shape=(rows, hidden))
@@ -65,11 +71,25 @@ def rms_norm(x, weight, eps, out):
     if rows:
         get_kernel("norm", kernel)(
             (rows,), (_norm_threads(hidden),),
-            (x, weight, out, i32(hidden), f32(eps), i32(vector)))
+            (x, weight, out, i32(hidden), f32(eps), f32(offset), i32(vector)))
 
 
-def silu_and_mul(gate_up, out):
-    """gate_up [T, 2I] (gate first); out [T, I] = silu(gate) * up."""
+def add_rms_norm(x, weight, eps, residual, offset: float = 0.0):
+    """residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight); x [T, H]
+    bf16."""
+    rows, hidden = check("x", x, BF16, ndim=2).shape
+    check("weight", weight, BF16, shape=(hidden,))
+    check("residual", residual, F32, shape=(rows, hidden))
+    vector = hidden % NORM_VECTOR == 0 and aligned16(x, weight, residual)
+    if rows:
+        get_kernel("norm", "add_rms_norm_kernel")(
+            (rows,), (_norm_threads(hidden),),
+            (x, weight, residual, i32(hidden), f32(eps), f32(offset), i32(vector)))
+
+
+def act_and_mul(gate_up, out, act: str = "silu"):
+    """gate_up [T, 2I] (gate first); out [T, I] = act(gate) * up; act "silu" or
+    "gelu_tanh"."""
     rows, width = check("gate_up", gate_up, BF16, ndim=2).shape
     if width % 2:
         raise ValueError(f"gate_up: width must be even (gate and up halves), got {width}")
@@ -78,24 +98,55 @@ def silu_and_mul(gate_up, out):
     vector = inter % SILU_VECTOR == 0 and aligned16(gate_up, out)
     if rows and inter:
         column_blocks = cdiv(inter, SILU_VECTOR * ROW_THREADS)
-        get_kernel("activation", "silu_and_mul_kernel")(
-            (rows, column_blocks), (ROW_THREADS,), (gate_up, out, i32(inter), i32(vector)))
+        get_kernel("activation", "act_and_mul_kernel")(
+            (rows, column_blocks), (ROW_THREADS,),
+            (gate_up, out, i32(inter), i32(vector), i32(ACTS[act])))
 
 
-def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out):
+def softcap(x, cap: float):
+    """x = cap * tanh(x / cap), in place; x float32 (the logits)."""
+    check("x", x, F32, ndim=None)
+    if x.size:
+        get_kernel("activation", "softcap_kernel")(
+            (cdiv(x.size, ROW_THREADS),), (ROW_THREADS,), (x, x.size, f32(cap)))
+
+
+def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out, bias=None,
+                   head_norm=None):
     """Rotate q and k (half-split pairs), q -> q_out [T, nh, d]; rotated k and plain v ->
-    the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped)."""
+    the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped).
+    bias [(nh + 2 nkv) d] bf16: added to qkv first. head_norm (interface.HeadNorm, weights
+    [d] bf16, d <= 256): each q and k head normed before it is rotated."""
     num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
         q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
-    check("qkv", qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    check("qkv", qkv, BF16, shape=(num_tokens, width))
+    if bias is not None:
+        check("bias", bias, BF16, shape=(width,))
+    q_norm = k_norm = None
+    eps, offset = 0.0, 0.0
+    if head_norm is not None:
+        q_norm = check("q_norm", head_norm.q_weight, BF16, shape=(head_dim,))
+        k_norm = check("k_norm", head_norm.k_weight, BF16, shape=(head_dim,))
+        eps, offset = head_norm.eps, head_norm.offset
+        if head_dim > 2 * _ROPE["HEAD_NORM_PAIRS"] * _ROPE["WARP_SIZE"]:
+            raise ValueError(f"q_out: head norms take head_dim up to "
+                             f"{2 * _ROPE['HEAD_NORM_PAIRS'] * _ROPE['WARP_SIZE']}, got {head_dim}")
     vector = (head_dim % (2 * _ROPE["ROPE_VECTOR"]) == 0
               and num_kv_heads * head_dim % _ROPE["ROPE_V_VECTOR"] == 0
-              and aligned16(qkv, cos_sin, k_cache, v_cache, q_out))
+              and aligned16(qkv, cos_sin, k_cache, v_cache, q_out,
+                            *(() if bias is None else (bias,))))
     if num_tokens:
         get_kernel("rope", "rope_and_cache_kernel")(
             (num_tokens,), (_ROPE["ROPE_THREADS"],),
             (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
-             i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector)))
+             i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector),
+             _pointer(bias), _pointer(q_norm), _pointer(k_norm), f32(eps), f32(offset)))
+
+
+def _pointer(array):
+    """A kernel's optional array argument: the array, or a null pointer (0) without one."""
+    return array if array is not None else np.uint64(0)
 
 
 def check_rope_operands(q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,

@@ -2,8 +2,9 @@
 products of decode (at most 16 rows), one of the kernels of gemv.cu:
   - "mma": the tensor-core streaming kernels (skinny_*), built to read the weights at HBM
     speed for every weight shape; their fused variants also take the RMSNorm before a
-    product and the SiLU-and-mul, RoPE and KV-cache write or residual add after it
-    (norm_linear, norm_gate_up_silu, norm_qkv_rope, linear(accumulate=True)), and they
+    product and the gated activation, the q/k/v biases with RoPE and KV-cache write, or
+    the residual add after it (norm_linear, norm_gate_up_act, norm_qkv_rope,
+    linear(accumulate=True)), and they
     launch programmatically (launch.py) so each starts streaming its weights while the
     kernel before it drains;
   - "gemv": the SIMT kernels (gemv_m*), which a measured choice table picks where they are
@@ -40,7 +41,7 @@ import numpy as np
 from ...util import cdiv
 from . import launch
 from .device import device_limits
-from .elementwise import check_rope_operands
+from .elementwise import ACTS, check_rope_operands
 from .kernels import (BF16, F32, aligned16, check, constants, get_kernel, i32, instances,
                       opt_in_shared)
 from .switches import SKINNY_CHOICES
@@ -63,7 +64,7 @@ GEMV_WARPS = _C["GEMV_WARPS"]
 SKINNY_KERNELS = {(pro, epi, warps, nt): name
                   for name, nt, pro, epi, warps, _ in instances("gemv", "DEFINE_SKINNY")}
 PRO_PLAIN, PRO_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"]
-EPI_STORE, EPI_SILU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_SILU"], _C["EPI_ROPE"]
+EPI_STORE, EPI_GLU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_GLU"], _C["EPI_ROPE"]
 OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
 MMA_WARPS = _C["SKINNY_WARPS"]
 MMA_WIDE_WARPS = _C["SKINNY_WIDE_WARPS"]  # plain products of long rows in few tiles
@@ -204,11 +205,12 @@ class Products:
         else:
             cublas_linear(x, weight, out, accumulate)
 
-    def norm_linear(self, x, norm_weight, eps, weight, out) -> bool:
-        """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K],
-        weight [N, K], out [M, N] bf16 or float32. False (nothing launched) where the fused
-        kernel cannot take it, or where the switch (or under "auto" the choice table) names
-        another kernel for the product: the caller then composes the two ops."""
+    def norm_linear(self, x, norm_weight, eps, weight, out, offset: float = 0.0) -> bool:
+        """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K]
+        (scaling by offset + weight), weight [N, K], out [M, N] bf16 or float32. False
+        (nothing launched) where the fused kernel cannot take it, or where the switch (or
+        under "auto" the choice table) names another kernel for the product: the caller
+        then composes the two ops."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
         m_rows, k = _check_norm_product(x, norm_weight, weight)
@@ -218,14 +220,15 @@ class Products:
             return False  # only the norm is at stake: the faster product wins
         if fused_unsupported(x, weight, norm_weight) is not None:
             return False
-        args = _norm_args(x, norm_weight, eps, weight, out)
+        args = _norm_args(x, norm_weight, eps, weight, out, offset)
         args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
         if m_rows:
             _launch_skinny(PRO_NORM, EPI_STORE, m_rows, n, k, args, self.programmatic)
         return True
 
-    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out) -> bool:
-        """out = silu(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
+    def norm_gate_up_act(self, x, norm_weight, eps, weight, out, offset: float = 0.0,
+                         act: str = "silu") -> bool:
+        """out = act(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
         rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
@@ -235,26 +238,31 @@ class Products:
         if (not self.fusing or n % MMA_TILE_ROWS
                 or fused_unsupported(x, weight, norm_weight) is not None):
             return False
+        args = _norm_args(x, norm_weight, eps, weight, out, offset)
+        args.act = ACTS[act]
         if m_rows:
-            _launch_skinny(PRO_NORM, EPI_SILU, m_rows, n, k,
-                           _norm_args(x, norm_weight, eps, weight, out), self.programmatic)
+            _launch_skinny(PRO_NORM, EPI_GLU, m_rows, n, k, args, self.programmatic)
         return True
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
-                      k_cache, v_cache, q_out) -> bool:
-        """rms_norm(x) @ weight.T, then what rope_and_cache does with it (elementwise.py),
-        in one kernel: q_out [M, nh, d] bf16, caches [num_blocks, block_size, nkv, d].
-        False where it cannot (see norm_linear; also d / 2 must be a multiple of 8)."""
+                      k_cache, v_cache, q_out, offset: float = 0.0, bias=None) -> bool:
+        """rms_norm(x) @ weight.T (+ bias [N] bf16), then what rope_and_cache does with it
+        (elementwise.py), in one kernel: q_out [M, nh, d] bf16, caches [num_blocks,
+        block_size, nkv, d]. False where it cannot (see norm_linear; also d / 2 must be a
+        multiple of 8)."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
         m_rows, k = _check_norm_product(x, norm_weight, weight)
         _, num_heads, num_kv_heads, head_dim = check_rope_operands(
             q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
         check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
+        if bias is not None:
+            check("bias", bias, BF16, shape=(weight.shape[0],))
         if (not self.fusing or head_dim % 16
                 or fused_unsupported(x, weight, norm_weight) is not None):
             return False
-        args = _norm_args(x, norm_weight, eps, weight, q_out)
+        args = _norm_args(x, norm_weight, eps, weight, q_out, offset)
+        args.bias = None if bias is None else bias.data.ptr
         args.positions, args.slot_mapping = positions.data.ptr, slot_mapping.data.ptr
         args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
         args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
@@ -300,11 +308,12 @@ class SkinnyArgs(ctypes.Structure):
                 ("w", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
                 ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("eps", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("norm_offset", ctypes.c_float),
+                ("act", ctypes.c_int)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -373,9 +382,9 @@ def fused_unsupported(x, weight, norm_weight) -> str | None:
     return reason
 
 
-def _norm_args(x, norm_weight, eps, weight, out) -> SkinnyArgs:
+def _norm_args(x, norm_weight, eps, weight, out, offset: float = 0.0) -> SkinnyArgs:
     return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=weight.data.ptr,
-                      out=out.data.ptr, eps=float(eps))
+                      out=out.data.ptr, eps=float(eps), norm_offset=float(offset))
 
 
 def _check_norm_product(x, norm_weight, weight):

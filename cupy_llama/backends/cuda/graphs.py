@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps (docs/ARCHITECTURE.md, Decisions 8).
 
 One graph per batch-size bucket holds a whole decode forward pass (every kernel and cuBLAS
-call of model/llama.py). A step of B sequences replays the smallest bucket >= B after one
+call of the model's forward, models/decoder.py). A step of B sequences replays the smallest bucket >= B after one
 asynchronous copy of its metadata into FIXED device buffers: each array sits at a fixed
 offset (StepLayout, sized for the largest bucket), and block tables have the fixed width of
 max_model_len. Rows past B are padding (PADDING). Nothing that
@@ -17,9 +17,7 @@ import time
 
 import numpy as np
 
-from ...model import llama
-from ...model.llama import forward_uploaded
-from ..base import ForwardBatch, StepLayout
+from ...interface import ForwardBatch, StepLayout
 from .attention import cluster_max_keys
 from .ops import H2D, DeviceBatch, pinned_array, sync_event
 
@@ -85,7 +83,7 @@ class DecodeGraphs:
             lambda bucket, limit: backend.ops.decode_clusters(
                 bucket, config.num_attention_heads, config.num_key_value_heads,
                 config.head_dim, limit))
-        # every array of a step of n sequences, at a fixed offset (backends/base.py)
+        # every array of a step of n sequences, at a fixed offset (interface.py)
         self.layout = StepLayout(n, n, width)
         # block tables last: a step copies the buffer up to its own rows of them
         assert list(self.layout.shapes)[-1] == "block_tables"
@@ -157,7 +155,7 @@ class DecodeGraphs:
                 and 0 < batch.num_seqs <= self.max_bucket and batch.block_tables.ndim == 2
                 and batch.block_tables.shape[1] <= self.width)
 
-    def run(self, config, batch: ForwardBatch):
+    def run(self, batch: ForwardBatch):
         """Logits [B, V] float32 of a decode batch (a view of the pool)."""
         if not self.can_run(batch):
             raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
@@ -165,25 +163,26 @@ class DecodeGraphs:
                              f"decode batch of at most {self.max_bucket} sequences")
         bucket = self.bucket_for(batch.num_seqs)
         limit = self.limit_for(bucket, batch.max_seq_len)
-        entry = self._graphs.get((bucket, limit)) or self.capture(config, bucket, limit)
+        entry = self._graphs.get((bucket, limit)) or self.capture(bucket, limit)
         graph, logits = entry
         stream = self._cupy.cuda.get_current_stream()
         self._stage(batch, bucket)
         graph.launch(stream)
         return logits[:batch.num_seqs]
 
-    def run_uncaptured(self, config, batch: ForwardBatch):
+    def run_uncaptured(self, batch: ForwardBatch):
         """The same launches as the graph of batch's bucket, run eagerly (tests and timing:
         replay must give exactly these logits)."""
         bucket = self.bucket_for(batch.num_seqs)
         self._stage(batch, bucket)
-        return self._forward(config, bucket, self.limit_for(bucket, batch.max_seq_len))[:batch.num_seqs]
+        return self._forward(bucket, self.limit_for(bucket, batch.max_seq_len))[:batch.num_seqs]
 
     # ---- capture -----------------------------------------------------------------------
-    def _forward(self, config, bucket: int, limit: int):
-        return forward_uploaded(self._backend, config, self._device_batch(bucket, limit))
+    def _forward(self, bucket: int, limit: int):
+        backend = self._backend
+        return backend.model.forward_uploaded(backend, self._device_batch(bucket, limit))
 
-    def capture(self, config, bucket: int, limit: int):
+    def capture(self, bucket: int, limit: int):
         """Capture the decode graph of one bucket for steps of at most `limit` tokens per
         sequence (an all-padding warm-up run first, so every kernel is compiled and loaded
         and no KV slot is touched)."""
@@ -193,18 +192,18 @@ class DecodeGraphs:
         stream.wait_event(caller.record())
         with stream:
             self._stage(None, bucket)
-            self._forward(config, bucket, limit)  # warm-up, not captured
+            self._forward(bucket, limit)  # warm-up, not captured
             stream.synchronize()
-            graph, logits = captured(stream, lambda: self._forward(config, bucket, limit))
+            graph, logits = captured(stream, lambda: self._forward(bucket, limit))
         caller.wait_event(stream.record())
         self._graphs[(bucket, limit)] = (graph, logits)
         return graph, logits
 
-    def capture_all(self, config) -> None:
+    def capture_all(self) -> None:
         started = time.perf_counter()
         for bucket, limit in self.graph_keys():
             if (bucket, limit) not in self._graphs:
-                self.capture(config, bucket, limit)
+                self.capture(bucket, limit)
         short = sorted(self.short_buckets)
         extra = (f", and for contexts up to {self.short_limit} tokens at batch sizes "
                  f"{', '.join(map(str, short))}" if short else "")
@@ -246,9 +245,10 @@ class StepGraphs:
     """CUDA graphs for the steps decode graphs do not take: prefill chunks and steps that
     mix them with decode tokens, of up to STEP_BUCKETS[-1] tokens (docs/ARCHITECTURE.md,
     Decisions 8). Only attention depends on how a step's tokens split into sequences, so
-    each piece of the forward pass between two attentions (model/llama.py: embed and layer
-    0's attention_in; layer i's attention_out_and_mlp and layer i + 1's attention_in; the
-    last layer's attention_out_and_mlp) is captured once per bucket of token counts; a step
+    each piece of the forward pass between two attentions (models/decoder.py pieces: embed
+    and layer 0's attention_in; layer i's attention_out_and_mlp and layer i + 1's
+    attention_in; the last layer's attention_out_and_mlp) is captured once per bucket of
+    token counts; a step
     replays them, padded to its bucket (STEP_PADDING), with attention and the LM head run
     eagerly on its own sequences in between. That is 17 graph launches and 16 attention
     launches in place of about 150 kernel launches from Python."""
@@ -310,21 +310,7 @@ class StepGraphs:
                            num_tokens=bucket, num_seqs=1, max_query_len=bucket,
                            max_seq_len=bucket, is_decode_only=False)
 
-    def _pieces(self, config, meta, buf) -> list:
-        backend, last = self._backend, config.num_hidden_layers - 1
-
-        def first():
-            llama.embed(backend, meta, buf)
-            llama.attention_in(backend, config, meta, buf, 0)
-
-        def between(i):
-            llama.attention_out_and_mlp(backend, config, buf, i)
-            llama.attention_in(backend, config, meta, buf, i + 1)
-
-        return ([first] + [lambda i=i: between(i) for i in range(last)]
-                + [lambda: llama.attention_out_and_mlp(backend, config, buf, last)])
-
-    def capture(self, config, bucket: int) -> list:
+    def capture(self, bucket: int) -> list:
         """Capture the pieces of one bucket (run once first on all-padding metadata, so
         every kernel is compiled and every cuBLAS algorithm chosen, and no KV slot is
         touched)."""
@@ -332,8 +318,9 @@ class StepGraphs:
         caller = cupy.cuda.get_current_stream()
         stream = self._capture_stream
         stream.wait_event(caller.record())
-        meta, buf = self._pieces_batch(bucket), self._backend.buffers(bucket, 1)
-        pieces = self._pieces(config, meta, buf)
+        backend = self._backend
+        meta, buf = self._pieces_batch(bucket), backend.buffers(bucket, 1)
+        pieces = backend.model.pieces(backend, meta, buf)
         with stream:
             self._stage(None, bucket)
             for piece in pieces:  # warm-up, not captured
@@ -344,23 +331,23 @@ class StepGraphs:
         self._graphs[bucket] = graphs
         return graphs
 
-    def capture_all(self, config) -> None:
+    def capture_all(self) -> None:
         started = time.perf_counter()
         for bucket in self.buckets:
             if bucket not in self._graphs:
-                self.capture(config, bucket)
+                self.capture(bucket)
         self._log(f"CUDA graphs: captured the pieces between attentions for steps of up to "
                   f"{', '.join(map(str, self.buckets))} tokens in "
                   f"{time.perf_counter() - started:.2f} s")
 
-    def run(self, config, batch: ForwardBatch):
+    def run(self, batch: ForwardBatch):
         """Logits [B, V] float32 of a prefill or mixed step (a view of the pool)."""
         if not self.can_run(batch):
             raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
                              f"sequences is not a step of at most {self.max_tokens} tokens "
                              "with a prefill in it")
         bucket = self.bucket_for(batch.num_tokens)
-        graphs = self._graphs.get(bucket) or self.capture(config, bucket)
+        graphs = self._graphs.get(bucket) or self.capture(bucket)
         self._stage(batch, bucket)
         B = batch.num_seqs
         meta = DeviceBatch(
@@ -368,13 +355,15 @@ class StepGraphs:
              for name in self.layout.shapes},
             num_tokens=batch.num_tokens, num_seqs=B, max_query_len=int(batch.max_query_len),
             max_seq_len=int(batch.max_seq_len), is_decode_only=False)
-        buf = self._backend.buffers(bucket, B)
+        backend = self._backend
+        model = backend.model
+        buf = backend.buffers(bucket, B)
         stream = self._cupy.cuda.get_current_stream()
-        graphs[0].launch(stream)
-        for i in range(config.num_hidden_layers):
-            llama.attention(self._backend, config, meta, buf, i)
+        graphs[0].launch(stream)  # the pieces' walk of models/decoder.py forward_uploaded
+        for i in range(model.config.num_hidden_layers):
+            model.attention(backend, meta, buf, i)
             graphs[i + 1].launch(stream)
-        return llama.head(self._backend, config, meta, buf)
+        return model.head(backend, meta, buf)
 
     @property
     def metadata_bytes(self) -> int:

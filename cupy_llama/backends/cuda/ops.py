@@ -1,4 +1,4 @@
-"""CudaOps: the ops of backends/base.py on the GPU (bf16 as uint16, fp32 math).
+"""CudaOps: the ops of interface.py on the GPU (bf16 as uint16, fp32 math).
 
 Step metadata and sampling settings reach the device through pinned staging buffers and
 one asynchronous copy each; only the sampled token ids come back (pinned, then one
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
+from ...interface import STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, launch
 from . import logprobs as logprob_kernels
@@ -134,47 +134,59 @@ class CudaOps(SublayerOps):
                            max_seq_len=int(batch.max_seq_len),
                            is_decode_only=bool(batch.is_decode_only))
 
-    def embedding(self, token_ids, table, out):
-        elementwise.embedding(token_ids, table, out, pending_tokens=self._tokens_device)
+    def embedding(self, token_ids, table, out, *, scale=None):
+        elementwise.embedding(token_ids, table, out, pending_tokens=self._tokens_device,
+                              scale=scale)
 
-    def rms_norm(self, x, weight, eps, out):
-        elementwise.rms_norm(x, weight, eps, out)
+    def rms_norm(self, x, weight, eps, out, *, offset=0.0):
+        elementwise.rms_norm(x, weight, eps, out, offset)
+
+    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0):
+        elementwise.add_rms_norm(x, weight, eps, residual, offset)
 
     def linear(self, x, weight, out, accumulate=False):
         self.products.linear(x, weight, out, accumulate)
 
     # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
     # else composed (SublayerOps)
-    def norm_linear(self, x, norm_weight, eps, weight, out, h):
-        if not self.products.norm_linear(x, norm_weight, eps, weight, out):
-            super().norm_linear(x, norm_weight, eps, weight, out, h)
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
+        if not self.products.norm_linear(x, norm_weight, eps, weight, out, offset):
+            super().norm_linear(x, norm_weight, eps, weight, out, h, offset=offset)
 
-    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
-        if not self.products.norm_gate_up_silu(x, norm_weight, eps, weight, out):
-            super().norm_gate_up_silu(x, norm_weight, eps, weight, out, h, gate_up)
+    def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
+                         act="silu"):
+        if not self.products.norm_gate_up_act(x, norm_weight, eps, weight, out, offset, act):
+            super().norm_gate_up_act(x, norm_weight, eps, weight, out, h, gate_up,
+                                     offset=offset, act=act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv):
-        if not self.products.norm_qkv_rope(x, norm_weight, eps, weight, meta.positions,
-                                           meta.slot_mapping, cos_sin, k_cache, v_cache, q_out):
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
+        # head norms need a whole head in one place, which the fused kernel's tiles never
+        # hold: the norm and product fuse, then the rope kernel norms and rotates
+        if head_norm is not None or not self.products.norm_qkv_rope(
+                x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
+                k_cache, v_cache, q_out, offset, bias):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
-                                  v_cache, q_out, h, qkv)
+                                  v_cache, q_out, h, qkv, offset=offset, bias=bias,
+                                  head_norm=head_norm)
 
-    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out):
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out, *, bias=None,
+                       head_norm=None):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
-                                   k_cache, v_cache, q_out)
+                                   k_cache, v_cache, q_out, bias, head_norm)
 
-    def attention(self, q, k_cache, v_cache, meta, scale, out):
+    def attention(self, q, k_cache, v_cache, meta, scale, out, *, window=None, softcap=None):
         num_splits, clusters = 1, False
-        if meta.is_decode_only:
+        if meta.is_decode_only:  # a windowed layer's keys are its window at most
+            seen = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
             num_splits, clusters = self.decode_split(
-                meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], meta.max_seq_len)
+                meta.num_seqs, q.shape[1], k_cache.shape[2], q.shape[2], seen)
         attention_kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             scale=scale, max_query_len=meta.max_query_len,
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
-            clusters=clusters, programmatic=self.programmatic)
+            clusters=clusters, programmatic=self.programmatic, window=window, softcap=softcap)
 
     def decode_split(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      max_seq_len: int) -> tuple[int, bool]:
@@ -198,8 +210,11 @@ class CudaOps(SublayerOps):
             num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, max_seq_len=max_seq_len, num_sms=self.num_sms)
 
-    def silu_and_mul(self, gate_up, out):
-        elementwise.silu_and_mul(gate_up, out)
+    def act_and_mul(self, gate_up, out, act="silu"):
+        elementwise.act_and_mul(gate_up, out, act)
+
+    def softcap(self, x, cap):
+        elementwise.softcap(x, cap)
 
     def gather_rows(self, x, indices, out):
         elementwise.gather_rows(x, indices, out)

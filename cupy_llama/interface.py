@@ -1,6 +1,9 @@
-"""The ops interface the Llama forward pass is written against.
+"""What passes between the models and the backends: the per-step arrays, the sampling
+settings and their results, and the ops a backend supplies. The models (models/) are
+written against this, the backends (backends/) implement it, and neither imports the
+other.
 
-Two backends implement it: `numpy_ops.NumpyOps` (float32 reference, CPU) and
+Two backends implement the ops: `numpy_ops.NumpyOps` (float32 reference, CPU) and
 `cuda.ops.CudaOps` (bf16 storage as uint16, fp32 math, kernels from cuda_src/). Every op
 writes into an `out` array the caller owns, so the CUDA backend can hand out views of one
 buffer pool and nothing is allocated inside the step loop.
@@ -15,7 +18,7 @@ flat slot is `block * block_size + row` (the slot mapping).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -184,22 +187,33 @@ class SampledTokens:
         return self._logprobs
 
 
+class HeadNorm(NamedTuple):
+    """RMSNorm of each q and k head over head_dim before RoPE (Qwen3, Gemma 3): one weight
+    [d] for all q heads and one for all k heads; out = x / rms(x) * (offset + weight)."""
+    q_weight: Any
+    k_weight: Any
+    eps: float
+    offset: float = 0.0
+
+
 class Backend(Protocol):
     """A loaded model on one device: ops, weights, KV cache and the activation pool."""
     ops: "Ops"
-    weights: dict           # keys of weights.plan_weight_blob: "embed", "layers.{i}.qkv", ...
+    weights: dict           # keys of the model's weight_plan: "embed", "layers.{i}.qkv", ...
     kv_caches: list         # per layer (k_cache, v_cache), each [num_blocks, block_size, nkv, d]
-    cos_sin: Any            # [max_model_len, d] float32 RoPE table (rope.py), on the device
+    rope_tables: dict       # layer type -> [max_model_len, d] float32 cos/sin (models/rope.py)
     num_kv_blocks: int
     block_size: int
 
     def buffers(self, num_tokens: int, num_seqs: int) -> dict:
-        """Activation buffers for one step, views of the pool (see model/llama.py for
-        names and shapes). The CUDA backend hands out views of memory allocated once."""
+        """Activation buffers for one step, views of the pool (models/decoder.py
+        buffer_shapes names them). The CUDA backend hands out views of memory allocated
+        once."""
 
 
 class Ops(Protocol):
-    """Array type `A` is numpy.ndarray (float32) or cupy.ndarray (uint16 = bf16 bits)."""
+    """Array type `A` is numpy.ndarray (float32) or cupy.ndarray (uint16 = bf16 bits).
+    Norm weights scale by (offset + weight): offset 0 for Llama's, 1 for Gemma's."""
 
     act_dtype: Any  # dtype of activations and KV cache
 
@@ -207,32 +221,47 @@ class Ops(Protocol):
     def upload(self, batch: ForwardBatch) -> Any:
         """Copy the batch's arrays to backend memory; the result is what the ops below take
         as `meta` (same field names; host ints stay host ints)."""
-    def embedding(self, token_ids, table, out) -> None:
-        """out[t] = table[token_ids[t]]; token_ids [T] int32, table [V, H], out [T, H]. An id
-        -(r + 1) is the token the latest sample_async call picked for row r."""
-    def rms_norm(self, x, weight, eps: float, out) -> None:
-        """out = x / sqrt(mean(x^2) + eps) * weight; x, out [T, H]."""
+    def embedding(self, token_ids, table, out, *, scale=None) -> None:
+        """out[t] = table[token_ids[t]] (times scale, where given); token_ids [T] int32,
+        table [V, H], out [T, H]. An id -(r + 1) is the token the latest sample_async call
+        picked for row r."""
+    def rms_norm(self, x, weight, eps: float, out, *, offset: float = 0.0) -> None:
+        """out = x / sqrt(mean(x^2) + eps) * (offset + weight); x, out [T, H]."""
+    def add_rms_norm(self, x, weight, eps: float, residual, *, offset: float = 0.0) -> None:
+        """residual (float32) += rms_norm(x): a sublayer's output normed before it joins the
+        residual stream (Gemma)."""
     def linear(self, x, weight, out, accumulate: bool = False) -> None:
         """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32;
         accumulate: out (float32) += x @ weight.T."""
-    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out) -> None:
-        """qkv [T, (nh + 2 nkv) d]: rotate q and k with RoPE at meta.positions (half-split
-        pairs (i, i + d/2)), write rotated q to q_out [T, nh, d], write rotated k and plain v
-        to the caches at meta.slot_mapping. cos_sin [max_pos, d] float32: cos in the first
-        d/2 columns, sin in the last d/2."""
-    def attention(self, q, k_cache, v_cache, meta, scale: float, out) -> None:
+    def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out, *, bias=None,
+                       head_norm: HeadNorm | None = None) -> None:
+        """qkv [T, (nh + 2 nkv) d], plus bias [(nh + 2 nkv) d] where given, each q and k
+        head normed by head_norm where given: rotate q and k with RoPE at meta.positions
+        (half-split pairs (i, i + d/2)), write rotated q to q_out [T, nh, d], write rotated
+        k and plain v to the caches at meta.slot_mapping. cos_sin [max_pos, d] float32: cos
+        in the first d/2 columns, sin in the last d/2."""
+    def attention(self, q, k_cache, v_cache, meta, scale: float, out, *,
+                  window: int | None = None, softcap: float | None = None) -> None:
         """Causal attention of q [T, nh, d] over the paged cache; out [T, nh * d]. GQA: query
-        head h reads kv head h // (nh // nkv)."""
-    def silu_and_mul(self, gate_up, out) -> None:
-        """gate_up [T, 2 I] (gate first); out [T, I] = silu(gate) * up."""
+        head h reads kv head h // (nh // nkv). window: a token at position p sees the keys
+        at p - window + 1 .. p only. softcap: scores (after the scale) become
+        softcap * tanh(score / softcap)."""
+    def act_and_mul(self, gate_up, out, act: str = "silu") -> None:
+        """gate_up [T, 2 I] (gate first); out [T, I] = act(gate) * up; act "silu" or
+        "gelu_tanh"."""
+    def softcap(self, x, cap: float) -> None:
+        """x = cap * tanh(x / cap), in place (float32 logits)."""
     def gather_rows(self, x, indices, out) -> None:
         """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
-    def norm_linear(self, x, norm_weight, eps: float, weight, out, h) -> None:
+    def norm_linear(self, x, norm_weight, eps: float, weight, out, h, *,
+                    offset: float = 0.0) -> None:
         """out = rms_norm(x) @ weight.T (SublayerOps)."""
-    def norm_gate_up_silu(self, x, norm_weight, eps: float, weight, out, h, gate_up) -> None:
-        """out = silu_and_mul(rms_norm(x) @ weight.T) (SublayerOps)."""
+    def norm_gate_up_act(self, x, norm_weight, eps: float, weight, out, h, gate_up, *,
+                         offset: float = 0.0, act: str = "silu") -> None:
+        """out = act_and_mul(rms_norm(x) @ weight.T) (SublayerOps)."""
     def norm_qkv_rope(self, x, norm_weight, eps: float, weight, meta, cos_sin, k_cache,
-                      v_cache, q_out, h, qkv) -> None:
+                      v_cache, q_out, h, qkv, *, offset: float = 0.0, bias=None,
+                      head_norm: HeadNorm | None = None) -> None:
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
@@ -248,19 +277,21 @@ class SublayerOps:
     does for steps of at most 16 tokens. `h` (the normalized x) and `qkv` / `gate_up` (the
     raw product) are scratch buffers only the composed form writes."""
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, h):
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
         """out = rms_norm(x) @ weight.T; x [T, H], out [T, N]."""
-        self.rms_norm(x, norm_weight, eps, h)
+        self.rms_norm(x, norm_weight, eps, h, offset=offset)
         self.linear(h, weight, out)
 
-    def norm_gate_up_silu(self, x, norm_weight, eps, weight, out, h, gate_up):
-        """out [T, I] = silu(gate) * up of rms_norm(x) @ weight.T (gate rows first)."""
-        self.norm_linear(x, norm_weight, eps, weight, gate_up, h)
-        self.silu_and_mul(gate_up, out)
+    def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
+                         act="silu"):
+        """out [T, I] = act(gate) * up of rms_norm(x) @ weight.T (gate rows first)."""
+        self.norm_linear(x, norm_weight, eps, weight, gate_up, h, offset=offset)
+        self.act_and_mul(gate_up, out, act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv):
-        """rms_norm(x) @ weight.T, then rope_and_cache: rotated q -> q_out [T, nh, d],
-        rotated k and plain v -> the caches."""
-        self.norm_linear(x, norm_weight, eps, weight, qkv, h)
-        self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out)
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
+        """rms_norm(x) @ weight.T, then rope_and_cache (with bias and head_norm): rotated q
+        -> q_out [T, nh, d], rotated k and plain v -> the caches."""
+        self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset)
+        self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out, bias=bias,
+                            head_norm=head_norm)

@@ -1,0 +1,124 @@
+"""Every family but Llama against Hugging Face transformers (float32), on tiny checkpoints
+that transformers wrote itself (tests/fixtures/arch_*, made by
+scripts/make_arch_fixtures.py): Qwen2 (q/k/v biases, yarn RoPE), Qwen3 (q/k norms, a
+sliding layer), Mistral (a sliding window on every layer), Gemma 3 (Gemma's norms,
+GeGLU, scaled embeddings, sliding and full layers with their own RoPE tables, linear
+scaling) and Gemma 2 (soft-capped scores and logits). Prompts are several windows long."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupy_llama import LLM, SamplingParams
+from cupy_llama.backends.cpu import CpuBackend
+from cupy_llama.interface import ForwardBatch
+from cupy_llama.models import model_for, read_config
+from cupy_llama.weights import open_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma2")
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def fixture(name: str) -> tuple[Path, dict]:
+    folder = FIXTURES / f"arch_{name}"
+    return folder, dict(np.load(folder / "reference.npz"))
+
+
+def legacy_copy(folder: Path, target: Path) -> Path:
+    """The same checkpoint with the released form of config.json (top-level rope_theta
+    and rope_scaling, no layer_types or rope_parameters)."""
+    shutil.copytree(folder, target)
+    shutil.copy(folder / "config_legacy.json", target / "config.json")
+    return target
+
+
+def every_position_logits(model_dir: Path) -> np.ndarray:
+    """The logits at every position of the fixture's long prompt, from one prefill into a
+    reversed block table, each position asked for as the last token of a query range."""
+    config = read_config(model_dir)
+    model = model_for(config)
+    prompt = fixture(model_dir.name.removesuffix("-legacy").removeprefix("arch_"))[1]["long_prompt"]
+    n, block_size = len(prompt), 16
+    with open_checkpoint(model_dir, model) as checkpoint:
+        backend = CpuBackend(model, checkpoint, max_model_len=256, max_num_seqs=n,
+                             num_kv_blocks=16, block_size=block_size)
+    table = np.arange(-(-n // block_size), dtype=np.int32)[::-1].copy()
+    positions = np.arange(n, dtype=np.int32)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    batch = ForwardBatch(
+        token_ids=prompt.astype(np.int32), positions=positions, slot_mapping=slots.astype(np.int32),
+        query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=positions + 1,
+        block_tables=np.repeat(table[None], n, axis=0), max_query_len=1, max_seq_len=n)
+    return backend.forward(batch)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_both_config_forms_read_the_same(name, tmp_path):
+    folder, _ = fixture(name)
+    new, old = read_config(folder), read_config(legacy_copy(folder, tmp_path / "legacy"))
+    for field in ("architecture", "rope", "layer_types", "sliding_window", "qkv_bias", "qk_norm",
+                  "norm_offset", "sandwich_norms", "hidden_act", "embed_scale", "attn_scale",
+                  "attn_logit_softcap", "final_logit_softcap", "head_dim"):
+        assert getattr(new, field) == getattr(old, field), field
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("form", ["transformers-5", "legacy"])
+def test_logits_at_every_position_match_transformers(name, form, tmp_path):
+    folder, reference = fixture(name)
+    if form == "legacy":
+        folder = legacy_copy(folder, tmp_path / f"arch_{name}-legacy")
+    logits = every_position_logits(folder)
+    diff = np.abs(logits - reference["logits"])
+    assert diff.max() < 1e-3, f"max abs logit difference {diff.max():.2e} at position {diff.max(1).argmax()}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_transformers_across_the_window(name):
+    """Through the whole engine: prefill chunks of 20 tokens (a window edge falls inside
+    chunks), paged decode with blocks of 16."""
+    folder, reference = fixture(name)
+    llm = LLM(folder, device="cpu", max_num_batched_tokens=20, log=None)
+    for which in ("short", "long"):
+        out = llm.generate(reference[f"{which}_prompt"].tolist(), GREEDY)
+        assert out.token_ids == reference[f"greedy_{which}"].tolist(), which
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_a_prefix_cache_hit_past_the_window_gives_the_same_tokens(name):
+    folder, reference = fixture(name)
+    llm = LLM(folder, device="cpu", max_num_batched_tokens=32, log=None)
+    prompt = reference["long_prompt"].tolist()
+    first = llm.generate(prompt, GREEDY)
+    again = llm.generate(prompt, GREEDY)
+    assert again.num_cached_tokens == len(prompt) // 16 * 16 > 2 * read_config(folder).sliding_window
+    assert first.token_ids == again.token_ids == reference["greedy_long"].tolist()
+
+
+def test_gemma_configs_follow_transformers_defaults():
+    """A Gemma 3 config.json of a released checkpoint (no layer_types, no rope_parameters):
+    every sliding_window_pattern-th layer full, sliding layers on rope_local_base_freq
+    without scaling, sqrt(hidden) rounded to bf16 (34 for the 1B's 1,152)."""
+    from cupy_llama.bench.random_model import GEMMA_3_1B, config_json
+    from cupy_llama.models import config_from_dicts
+    config = config_from_dicts(config_json(GEMMA_3_1B))
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert full == [5, 11, 17, 23] and config.sliding_window == 512
+    assert config.rope["sliding_attention"].theta == 10000.0
+    assert config.rope["full_attention"].theta == 1000000.0
+    assert config.embed_scale == 34.0 and config.attn_scale == 256 ** -0.5
+    assert config.norm_offset == 1.0 and config.sandwich_norms and config.qk_norm
+    assert config.hidden_act == "gelu_tanh" and config.attn_logit_softcap is None
+
+
+def test_qwen_sliding_window_is_off_unless_asked():
+    from cupy_llama.bench.random_model import QWEN2_5_1_5B, config_json
+    from cupy_llama.models import config_from_dicts
+    config = config_from_dicts(config_json(QWEN2_5_1_5B))
+    assert config.sliding_window is None and set(config.layer_types) == {"full_attention"}
+    assert config.qkv_bias and not config.qk_norm
+    config = config_from_dicts(config_json({**QWEN2_5_1_5B, "use_sliding_window": True}))
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    assert sliding == list(range(21, 28)) and config.sliding_window == 32768

@@ -1,0 +1,338 @@
+"""The kernel paths of the families beside Llama against the float32 NumPy reference, on
+fresh random bf16 inputs (outputs poisoned first, never-written KV slots NaN), then each
+family's whole model on the GPU against the CPU: eagerly, from the decode and step CUDA
+graphs, and with the fused skinny products.
+
+- norms scaling by (1 + w) (Gemma), the norm that adds a sublayer's output into the
+  residual stream, GeGLU's tanh GELU, soft-capped logits, scaled embeddings;
+- the q/k/v biases (Qwen2) and per-head q/k norms (Qwen3, Gemma 3) in the rope kernel and
+  the biases in the fused qkv product;
+- sliding windows in every attention kernel: prefill (a window edge inside a tile, chunks
+  after cached tokens), CUDA-core decode with host and device splits, clusters, the
+  tensor-core decode, the scalar kernel; soft-capped scores (scalar kernel); head_dim 256.
+Tolerances are docs/ARCHITECTURE.md's "Correctness bars". Needs CuPy and a CUDA GPU."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_cuda_graphs import (BLOCK_SIZE, EAGER_TOLERANCE, MAX_MODEL_LEN, REFERENCE_TOLERANCE,
+                              Sequences, assert_kv_written_by, assert_logits_close)
+from test_cuda_ops import (DECODE, MIXED_PREFILL, REF, TILE_EDGES, _gpu_available, assert_close,
+                           build_attention_case, poisoned, random_bf16, rope_table,
+                           run_ops_attention, run_paged_attention, to_float)
+
+from cupy_llama.interface import HeadNorm
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+@pytest.fixture
+def rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+# ------------------------------------------------------------------------- row kernels
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("hidden", [64, 1152, 90])
+def test_rms_norm_offset_and_the_norm_that_adds(cp, rng, hidden, offset):
+    from cupy_llama.backends.cuda import elementwise
+    x = rng.standard_normal((17, hidden), dtype=np.float32) * 3
+    w_bits, w = random_bf16(rng, (hidden,), scale=0.5)
+    expected = np.empty_like(x)
+    REF.rms_norm(x, w, 1e-6, expected, offset=offset)
+    out = poisoned(cp, x.shape)
+    elementwise.rms_norm(cp.asarray(x), cp.asarray(w_bits), 1e-6, out, offset)
+    assert_close(to_float(cp, out), expected, 1e-2, 1e-2, f"rms_norm offset {offset}")
+    x_bits, x16 = random_bf16(rng, (17, hidden), scale=3.0)
+    residual = rng.standard_normal((17, hidden), dtype=np.float32)
+    expected = residual.copy()
+    REF.add_rms_norm(x16, w, 1e-6, expected, offset=offset)
+    got = cp.asarray(residual)
+    elementwise.add_rms_norm(cp.asarray(x_bits), cp.asarray(w_bits), 1e-6, got, offset)
+    assert_close(cp.asnumpy(got), expected, 1e-4, 1e-4, f"add_rms_norm offset {offset}")
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (17, 6912), (5, 100)])
+def test_gelu_tanh_and_mul(cp, rng, shape):
+    from cupy_llama.backends.cuda import elementwise
+    bits, values = random_bf16(rng, (shape[0], 2 * shape[1]), scale=2.0)
+    expected = np.empty(shape, np.float32)
+    REF.act_and_mul(values, expected, "gelu_tanh")
+    out = poisoned(cp, shape)
+    elementwise.act_and_mul(cp.asarray(bits), out, "gelu_tanh")
+    assert_close(to_float(cp, out), expected, 1e-3, 1.6e-2, "gelu_tanh_and_mul")
+
+
+def test_softcap_and_scaled_embedding(cp, rng):
+    from cupy_llama.backends.cuda import elementwise
+    logits = rng.standard_normal((3, 1001), dtype=np.float32) * 40
+    expected = logits.copy()
+    REF.softcap(expected, 30.0)
+    got = cp.asarray(logits)
+    elementwise.softcap(got, 30.0)
+    assert_close(cp.asnumpy(got), expected, 1e-5, 1e-5, "softcap")
+    table_bits, table = random_bf16(rng, (300, 64))
+    ids = rng.integers(0, 300, 9).astype(np.int32)
+    expected = np.empty((9, 64), np.float32)
+    REF.embedding(ids, table, expected, scale=34.0)
+    out = cp.full((9, 64), np.nan, np.float32)
+    elementwise.embedding(cp.asarray(ids), cp.asarray(table_bits), out, scale=34.0)
+    np.testing.assert_array_equal(cp.asnumpy(out), expected)  # x * 34 is exact in float32
+
+
+# -------------------------------------------------------------- biases and head norms
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 16])
+@pytest.mark.parametrize("what", ["bias", "norm", "both"])
+def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
+    from cupy_llama.backends.cuda import elementwise
+    num_kv_heads, num_heads, num_tokens, num_blocks = 2, 8, 37, 16
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv_bits, qkv = random_bf16(rng, (num_tokens, width), scale=2.0)
+    bias_bits, bias = random_bf16(rng, (width,), scale=0.5)
+    q_bits, q_w = random_bf16(rng, (head_dim,), scale=0.3)
+    k_bits, k_w = random_bf16(rng, (head_dim,), scale=0.3)
+    use_bias, use_norm = what in ("bias", "both"), what in ("norm", "both")
+    positions = rng.integers(0, 4096, num_tokens).astype(np.int32)
+    slots = rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32)
+    slots[::7] = -1
+    cos_sin = rope_table(4096, head_dim)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    class Meta:
+        def __init__(self, keep):
+            self.positions, self.slot_mapping = positions[keep], slots[keep]
+
+    written = slots >= 0
+    ref_norm = HeadNorm(q_w, k_w, 1e-6, offset) if use_norm else None
+    q_ref = np.empty((num_tokens, num_heads, head_dim), np.float32)
+    scratch = np.empty(cache_shape, np.float32)
+    REF.rope_and_cache(qkv, Meta(np.ones(num_tokens, bool)), cos_sin, scratch, scratch.copy(),
+                       q_ref, bias=bias if use_bias else None, head_norm=ref_norm)
+    k_ref = np.full(cache_shape, np.nan, np.float32)
+    v_ref = np.full(cache_shape, np.nan, np.float32)
+    REF.rope_and_cache(qkv[written], Meta(written), cos_sin, k_ref, v_ref,
+                       np.empty((int(written.sum()), num_heads, head_dim), np.float32),
+                       bias=bias if use_bias else None, head_norm=ref_norm)
+    k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+    q_out = poisoned(cp, (num_tokens, num_heads, head_dim))
+    gpu_norm = (HeadNorm(cp.asarray(q_bits), cp.asarray(k_bits), 1e-6, offset)
+                if use_norm else None)
+    elementwise.rope_and_cache(cp.asarray(qkv_bits), cp.asarray(positions), cp.asarray(slots),
+                               cp.asarray(cos_sin), k_cache, v_cache, q_out,
+                               cp.asarray(bias_bits) if use_bias else None, gpu_norm)
+    label = f"{what} d={head_dim} offset={offset}"
+    assert_close(to_float(cp, q_out), q_ref, 2e-2, 2e-2, f"q ({label})")
+    for name, got, ref in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
+        got = to_float(cp, got)
+        assert (np.isnan(got) == np.isnan(ref)).all(), f"{name} cache ({label}): wrong slots written"
+        assert_close(np.nan_to_num(got), np.nan_to_num(ref), 2e-2, 2e-2, f"{name} cache ({label})")
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_fused_products_take_offsets_gelu_and_biases(cp, rng, m):
+    """The skinny kernels' norm prologue with Gemma's offset, the GeGLU epilogue and the qkv
+    epilogue with biases, against the composed NumPy ops."""
+    from cupy_llama.backends.cuda import gemm
+    products = gemm.Products("mma", programmatic=False)
+    k, inter = 1152, 512
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    norm_bits, norm_w = random_bf16(rng, (k,), scale=0.3)
+    w_bits, w = random_bf16(rng, (2 * inter, k), scale=0.03)
+    h = np.empty((m, k), np.float32)
+    REF.rms_norm(x, norm_w, 1e-6, h, offset=1.0)
+    h = np.asarray(h)
+    gate_up = h @ w.T
+    expected = np.empty((m, inter), np.float32)
+    REF.act_and_mul(gate_up, expected, "gelu_tanh")
+    out = poisoned(cp, (m, inter))
+    assert products.norm_gate_up_act(cp.asarray(x), cp.asarray(norm_bits), 1e-6, cp.asarray(w_bits),
+                                     out, 1.0, "gelu_tanh"), "not fused"
+    got = to_float(cp, out)
+    rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert rel < 2e-2, f"norm_gate_up_act gelu m={m}: relative error {rel:.3g}"
+
+    head_dim, num_heads, num_kv_heads, num_blocks = 128, 8, 2, 8
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv_bits, qkv_w = random_bf16(rng, (n, k), scale=0.03)
+    bias_bits, bias = random_bf16(rng, (n,), scale=0.5)
+    positions = rng.integers(0, 2048, m).astype(np.int32)
+    slots = rng.choice(num_blocks * BLOCK_SIZE, m, replace=False).astype(np.int32)
+    cos_sin = rope_table(2048, head_dim)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    class Meta:
+        pass
+
+    meta = Meta()
+    meta.positions, meta.slot_mapping = positions, slots
+    q_ref = np.empty((m, num_heads, head_dim), np.float32)
+    k_ref, v_ref = np.full(cache_shape, np.nan, np.float32), np.full(cache_shape, np.nan, np.float32)
+    REF.rope_and_cache(h @ qkv_w.T, meta, cos_sin, k_ref, v_ref, q_ref, bias=bias)
+    q_out = poisoned(cp, q_ref.shape)
+    k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+    assert products.norm_qkv_rope(cp.asarray(x), cp.asarray(norm_bits), 1e-6, cp.asarray(qkv_bits),
+                                  cp.asarray(positions), cp.asarray(slots), cp.asarray(cos_sin),
+                                  k_cache, v_cache, q_out, 1.0, cp.asarray(bias_bits)), "not fused"
+    assert_close(to_float(cp, q_out), q_ref, 3e-2, 3e-2, f"fused qkv with bias m={m}")
+    got_k = to_float(cp, k_cache)
+    assert (np.isnan(got_k) == np.isnan(k_ref)).all()
+    assert_close(np.nan_to_num(got_k), np.nan_to_num(k_ref), 3e-2, 3e-2, f"fused k cache m={m}")
+    assert_close(np.nan_to_num(to_float(cp, v_cache)), np.nan_to_num(v_ref), 3e-2, 3e-2,
+                 f"fused v cache m={m}")
+
+
+# ---------------------------------------------------------------- sliding windows
+
+# windows shorter and longer than the contexts, one inside a prefill tile, one a key
+WINDOWS = [1, 40, 100, 512, 4096]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_attention_with_a_window(cp, rng, head_dim, window):
+    for seqs in (MIXED_PREFILL, TILE_EDGES):
+        case = build_attention_case(cp, rng, seqs, 2, head_dim, 4, window=window)
+        got = run_paged_attention(cp, case, head_dim)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"prefill d={head_dim} window={window}")
+        got = run_paged_attention(cp, case, head_dim, kernel="scalar")
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"scalar d={head_dim} window={window}")
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_attention_with_a_window(cp, rng, head_dim, window):
+    """Every decode kernel: CUDA cores with host and device split lengths, clusters, tensor
+    cores, the scalar kernel, and through CudaOps (which picks the splits from the window)."""
+    from cupy_llama.backends.cuda import launch
+    group = 4
+    case = build_attention_case(cp, rng, DECODE, 2, head_dim, group, window=window)
+    kernels = ["decode", "scalar"] + (["decode_mma"] if head_dim != 256 else [])
+    for kernel in kernels:
+        for num_splits in (1, 3, 32):
+            for max_seq_len in ("batch", None):
+                got = run_paged_attention(cp, case, head_dim, num_splits=num_splits,
+                                          max_seq_len=max_seq_len, kernel=kernel)
+                assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                             f"{kernel} d={head_dim} window={window} splits={num_splits} {max_seq_len}")
+    if head_dim != 256 and launch.launch_attributes_usable():
+        got = run_paged_attention(cp, case, head_dim, num_splits=32, clusters=True)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"clusters d={head_dim} window={window}")
+    assert_close(run_ops_attention(cp, case, head_dim), case["expected"], 1.5e-2, 1e-2,
+                 f"CudaOps d={head_dim} window={window}")
+
+
+@pytest.mark.parametrize("seqs", [MIXED_PREFILL, DECODE], ids=["prefill", "decode"])
+def test_soft_capped_scores(cp, rng, seqs):
+    """Gemma 2's capped scores take the scalar kernel, whichever kernel the shape would
+    take, with and without a window; large scores so the cap matters."""
+    for window in (None, 100):
+        case = build_attention_case(cp, rng, seqs, 2, 64, 4, q_scale=8.0, window=window,
+                                    softcap=20.0)
+        got = run_paged_attention(cp, case, 64, num_splits=3 if seqs is DECODE else 1)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"softcap window={window}")
+
+
+def test_head_dim_256_prefill_and_decode_through_ops(cp, rng):
+    case = build_attention_case(cp, rng, MIXED_PREFILL, 1, 256, 4, window=512)
+    assert_close(run_ops_attention(cp, case, 256), case["expected"], 1.5e-2, 1e-2, "d256 prefill")
+    case = build_attention_case(cp, rng, [(int(n), 1) for n in rng.integers(0, 3000, 12)], 1,
+                                256, 4)
+    assert_close(run_ops_attention(cp, case, 256), case["expected"], 1.5e-2, 1e-2, "d256 decode")
+
+
+# -------------------------------------------------------------------- whole models
+
+# tiny random models of each family, with the fast kernels' head dims and windows the
+# prompts outgrow
+FAMILIES = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"],
+                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], head_dim=128, use_sliding_window=True,
+                  sliding_window=100, max_window_layers=1),
+    "mistral": dict(architectures=["MistralForCausalLM"], sliding_window=100),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], head_dim=128, query_pre_attn_scalar=128,
+                   sliding_window=100, sliding_window_pattern=2),
+    "gemma3-d256": dict(architectures=["Gemma3ForCausalLM"], head_dim=256, num_attention_heads=4,
+                        num_key_value_heads=1, query_pre_attn_scalar=256, sliding_window=100,
+                        sliding_window_pattern=2),
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], query_pre_attn_scalar=64,
+                   sliding_window=100, attn_logit_softcapping=20.0, final_logit_softcapping=15.0),
+}
+NUM_SEQS = 8
+NUM_KV_BLOCKS = NUM_SEQS * MAX_MODEL_LEN // BLOCK_SIZE
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    from cupy_llama.bench.random_model import make_random_model
+    from cupy_llama.models import model_for, read_config
+    from cupy_llama.weights import open_checkpoint
+    shape = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=768, vocab_size=1000, tie_word_embeddings=False)
+    directory = make_random_model(tmp_path_factory.mktemp(request.param) / "model", "tiny",
+                                  seed=0, **{**shape, **FAMILIES[request.param]})
+    config = read_config(directory)
+    return request.param, model_for(config), open_checkpoint(directory, model_for(config))
+
+
+def make_backends(family, skinny="auto"):
+    from cupy_llama.backends.cpu import CpuBackend
+    from cupy_llama.backends.cuda.backend import CudaBackend
+    from cupy_llama.backends.cuda.switches import KernelSwitches
+    _, model, checkpoint = family
+    cpu = CpuBackend(model, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS,
+                     block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+    gpu = CudaBackend(model, checkpoint, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS,
+                      max_num_batched_tokens=256, block_size=BLOCK_SIZE,
+                      num_kv_blocks=NUM_KV_BLOCKS, switches=KernelSwitches(skinny_gemm=skinny))
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("skinny", ["auto", "cublas"])
+def test_family_on_the_gpu_matches_the_cpu(family, rng, skinny):
+    """Prefill chunks of up to 80 tokens (step graphs; the window edge inside chunks),
+    then decode rounds of 1 to 8 sequences (decode graphs, contexts past the window),
+    each step against the eager pass and the CPU reference; padding rows write no KV."""
+    import cupy
+    name, model, _ = family
+    cpu, gpu = make_backends(family, skinny)
+    assert gpu.graphs is not None, f"graphs are off: {gpu.graphs_off_reason}"
+    lengths = [700, 37, 250, 16, 130, 1, 420, 90]
+    seqs = Sequences([rng.integers(0, 1000, n) for n in lengths], NUM_KV_BLOCKS, rng)
+    while True:
+        counts = {b: min(80, len(t) - 1 - seqs.computed[b]) for b, t in enumerate(seqs.tokens)}
+        counts = dict([(b, n) for b, n in counts.items() if n > 0][:3])
+        if not counts:
+            break
+        batch = seqs.batch(counts)
+        expected = cpu.forward(batch)
+        got = cupy.asnumpy(gpu.forward(batch))
+        assert_logits_close(got, expected, REFERENCE_TOLERANCE, f"{name}/{skinny}: prefill {counts}")
+        seqs.advance(counts)
+    for members in ([0], [1, 2, 3], list(range(NUM_SEQS)), [4, 6]):
+        for step in range(3):
+            counts = {b: 1 for b in members}
+            batch = seqs.batch(counts)
+            what = f"{name}/{skinny}: decode of {len(members)}, step {step}"
+            expected = cpu.forward(batch)
+            replayed = cupy.asnumpy(gpu.forward(batch))
+            eager = cupy.asnumpy(gpu.model.forward(gpu, batch))  # rewrites the same KV
+            assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: graph vs eager")
+            assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
+            seqs.advance(counts, np.argmax(expected, axis=-1))
+    assert_kv_written_by(gpu, seqs)
+    gpu.close()
