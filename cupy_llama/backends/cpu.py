@@ -62,9 +62,13 @@ class CpuBackend:
         self.memory = plan(model, engine_config, max_model_len)
         self.num_kv_blocks = self.memory.num_kv_blocks
         shape = (self.num_kv_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # NaN in never-written slots makes any stray read show up in the output
-        self.kv_caches = [(np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32))
+        # Never-written slots hold NaN, so that any stray read shows up in the output. The
+        # arrays are not filled up front (that would touch every page of what may be GiBs):
+        # a block is filled with NaN when a step first names it (forward), so the memory in
+        # use grows with the blocks in use.
+        self.kv_caches = [(np.empty(shape, np.float32), np.empty(shape, np.float32))
                           for _ in range(config.num_hidden_layers)]
+        self.nan_filled = np.zeros(self.num_kv_blocks, bool)  # blocks filled with NaN once
         self.kv_cache_bytes = self.num_kv_blocks * kv_bytes_per_block(config, block_size)
         if log:
             log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
@@ -84,4 +88,15 @@ class CpuBackend:
 
     def forward(self, batch):
         """One step of the model (models/decoder.py); logits [B, V] float32."""
+        self.fill_new_blocks(batch.block_tables)
         return self.model.forward(self, batch)
+
+    def fill_new_blocks(self, block_tables: np.ndarray) -> None:
+        """Fill with NaN the blocks of these tables that no step has named before."""
+        named = np.unique(block_tables[block_tables >= 0])
+        new = named[~self.nan_filled[named]]
+        if new.size:
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[new] = np.nan
+                v_cache[new] = np.nan
+            self.nan_filled[new] = True

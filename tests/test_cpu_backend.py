@@ -1,0 +1,42 @@
+"""The NumPy backend's memory: a KV cache sized for what the engine can use, whose pages
+are touched only as blocks come into use (its never-written slots still read NaN)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from cupy_llama import LLM, SamplingParams
+from cupy_llama.backends.cpu import DEFAULT_CPU_KV_BYTES
+
+
+def test_blocks_are_filled_with_nan_as_steps_first_name_them(model_dir):
+    llm = LLM(model_dir, device="cpu", log=None, num_kv_blocks=64)
+    backend = llm.backend
+    assert not backend.nan_filled.any()
+    out = llm.generate([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    used = np.flatnonzero(backend.nan_filled)
+    assert used.tolist() == [0, 1]  # 25 tokens of 16-token blocks, the first free blocks
+    written = len(out.prompt_token_ids) + len(out.token_ids) - 1  # the last token's K/V never ran
+    for cache in backend.kv_caches[0]:
+        slots = cache[used].reshape(2 * 16, -1)
+        assert np.isfinite(slots[:written]).all() and np.isnan(slots[written:]).all()
+
+
+def test_a_large_cache_costs_no_memory_until_used(model_dir):
+    """A cache planned at DEFAULT_CPU_KV_BYTES leaves the process's peak memory far below
+    it after loading and a short generation (its pages are not written up front)."""
+    code = f"""
+import json, resource
+from cupy_llama import LLM, SamplingParams
+llm = LLM({str(model_dir)!r}, device="cpu", log=None, max_num_seqs=4096)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+llm.generate("hello", SamplingParams(temperature=0, max_tokens=4))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({{"kv": llm.backend.kv_cache_bytes, "before": before, "after": after}}))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert numbers["kv"] == DEFAULT_CPU_KV_BYTES  # 4096 sequences of 4096 tokens, capped
+    assert numbers["after"] < numbers["kv"] / 4, numbers
