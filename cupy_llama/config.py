@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import ConfigError
@@ -24,6 +24,9 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# weight formats of the products besides bf16 (docs/ARCHITECTURE.md, "FP8 weights"): e4m3
+# codes with a float32 scale per output row
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    # the format of the products' weights (q/k/v, o, gate/up, down) as the engine runs
+    # them: None for bf16, "fp8"; and as the checkpoint stores them (quantization_config)
+    quantization: str | None = None
+    checkpoint_quantization: str | None = None
     # generation_config.json as it is ({} without one); sampling.py reads its defaults
     generation_config: dict = field(default_factory=dict)
 
@@ -121,6 +128,13 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"config.json: {name} must be > 0 or null, got {value!r}")
+        for name in ("quantization", "checkpoint_quantization"):
+            if getattr(self, name) not in (None, *QUANTIZATIONS):
+                raise ConfigError(f"{name} must be one of {', '.join(QUANTIZATIONS)} or None, "
+                                  f"got {getattr(self, name)!r}")
+        if self.checkpoint_quantization and self.quantization != self.checkpoint_quantization:
+            raise ConfigError(f"the checkpoint's weights are {self.checkpoint_quantization}; "
+                              f"they cannot run as {self.quantization or 'bf16'}")
         for token_id in self.eos_token_ids:
             if not 0 <= token_id < self.vocab_size:
                 raise ConfigError(f"eos_token_id {token_id} is outside the vocabulary "
@@ -213,6 +227,7 @@ class ConfigReader:
                 raise ConfigError(f"config.json: hidden_size ({hidden}) is not a multiple of "
                                   f"num_attention_heads ({heads}) and head_dim is not given")
             head_dim = hidden // heads
+        quantization = read_quantization_config(raw.get("quantization_config"))
         eos = _id_set(raw.get("eos_token_id")) | _id_set(gen.get("eos_token_id"))
         bos = gen.get("bos_token_id", raw.get("bos_token_id"))
         max_positions = raw.get("max_position_embeddings", 2048)
@@ -228,6 +243,7 @@ class ConfigReader:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(sorted(eos)), bos_token_id=bos if isinstance(bos, int) else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            quantization=quantization, checkpoint_quantization=quantization,
             generation_config=dict(gen))
 
     def hidden_act(self, name: str = "hidden_act", default: str = "silu") -> str:
@@ -339,6 +355,54 @@ def _rope_config(entry: dict, theta, raw: dict, where: str) -> RopeConfig:
                       truncate=truncate)
 
 
+_FP8_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def read_quantization_config(qc) -> str | None:
+    """config.json's quantization_config: None (bf16 weights) or "fp8" for the
+    compressed-tensors format's FP8 checkpoints (float8 e4m3 weights with a float32 or
+    bf16 scale per output channel or per tensor, as RedHat's and Neural Magic's "FP8" and
+    "FP8-dynamic" models are published). Their activation schemes need nothing: the
+    products take bf16 activations (more precise than FP8 ones). Anything else is a
+    ConfigError that names it."""
+    if qc is None:
+        return None
+    where = "config.json: quantization_config"
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{where} must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise ConfigError(
+            f"{where}: quant_method {method!r} is not supported; cupy-llama runs FP8 "
+            "checkpoints in the compressed-tensors format, or bf16 ones (FP8 at load "
+            "with --quantization fp8)")
+    if qc.get("format") not in _FP8_FORMATS:
+        raise ConfigError(f"{where}: format {qc.get('format')!r} is not supported (supported: "
+                          f"{', '.join(_FP8_FORMATS)}, the FP8 formats)")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ConfigError(f"{where}: kv_cache_scheme is not supported (the KV cache is bf16); "
+                          "use a checkpoint without KV-cache quantization")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where} needs config_groups")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        here = f"{where}.config_groups.{name}"
+        if not isinstance(weights, dict):
+            raise ConfigError(f"{here}.weights must be an object")
+        wanted = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+        for key, value in wanted.items():
+            if weights.get(key, value) != value:
+                raise ConfigError(f"{here}.weights.{key} is {weights.get(key)!r}; cupy-llama "
+                                  f"runs {key}={json.dumps(value)} only (FP8 e4m3 weights)")
+        if weights.get("strategy") not in ("channel", "tensor"):
+            raise ConfigError(f"{here}.weights.strategy {weights.get('strategy')!r} is not "
+                              "supported (supported: channel, tensor)")
+        if group.get("output_activations") is not None:
+            raise ConfigError(f"{here}.output_activations is not supported")
+    return "fp8"
+
+
 def rounded_to_dtype(value: float, torch_dtype: str) -> float:
     """value as the checkpoint's dtype holds it (round to nearest even): transformers
     multiplies Gemma's embeddings by sqrt(hidden) cast to the weights' dtype."""
@@ -402,6 +466,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False       # turn CUDA graphs off
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompts seen before
+    quantization: str | None = None   # "fp8": the products' bf16 weights to FP8 at load
 
     def __post_init__(self):
         # Python or NumPy numbers (never bools), stored as Python ones
@@ -422,6 +487,17 @@ class EngineConfig:
             if flag is None:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
             object.__setattr__(self, name, flag)
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or left "
+                              f"out for the checkpoint's own format), got {self.quantization!r}")
+
+    def model_config(self, model: ModelConfig) -> ModelConfig:
+        """The model's config with the products' weights in this engine's format: a bf16
+        checkpoint quantized at load where `quantization` asks; an FP8 checkpoint stays
+        FP8."""
+        if self.quantization is None or self.quantization == model.quantization:
+            return model
+        return replace(model, quantization=self.quantization)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -196,6 +196,18 @@ class HeadNorm(NamedTuple):
     offset: float = 0.0
 
 
+class Fp8Weight(NamedTuple):
+    """A product's weight [N, K] in FP8 (docs/ARCHITECTURE.md, "FP8 weights"): row n is
+    value(codes[n]) * scale[n], e4m3 codes and float32 scales (cupy_llama/fp8.py). On the
+    GPU `data` holds the codes (uint8); the NumPy backend keeps their float32 values."""
+    data: Any   # [N, K]
+    scale: Any  # [N] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+
 class Backend(Protocol):
     """A loaded model on one device: ops, weights, KV cache and the activation pool."""
     ops: "Ops"
@@ -231,8 +243,8 @@ class Ops(Protocol):
         """residual (float32) += rms_norm(x): a sublayer's output normed before it joins the
         residual stream (Gemma)."""
     def linear(self, x, weight, out, accumulate: bool = False) -> None:
-        """out = x @ weight.T; x [M, K], weight [N, K], out [M, N]. out may be float32;
-        accumulate: out (float32) += x @ weight.T."""
+        """out = x @ weight.T; x [M, K], weight [N, K] (or an Fp8Weight), out [M, N]. out
+        may be float32; accumulate: out (float32) += x @ weight.T."""
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out, *, bias=None,
                        head_norm: HeadNorm | None = None) -> None:
         """qkv [T, (nh + 2 nkv) d], plus bias [(nh + 2 nkv) d] where given, each q and k

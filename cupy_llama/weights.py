@@ -4,10 +4,13 @@ The header is parsed here (8-byte little-endian length, then UTF-8 JSON) and che
 full before any tensor is touched; tensor data is read through a read-only mmap. Nothing
 from a model directory is ever unpickled or executed: .bin/.pth checkpoints are refused.
 
-`layout_blob` lays a model's weights out in ONE bf16 allocation (docs/ARCHITECTURE.md,
+`layout_blob` lays a model's weights out in ONE allocation (docs/ARCHITECTURE.md,
 Decisions 2) as the model declares them (models/decoder.py weight_layout): q/k/v rows
-fused into one matrix per layer, gate/up likewise, each entry 256-byte aligned. The CUDA
-backend streams `iter_blob_pieces` into it; the NumPy backend uses `load_host_weights`.
+fused into one matrix per layer, gate/up likewise, each entry 256-byte aligned. Entries
+are bf16, or with FP8 weights the products' e4m3 codes and their float32 row scales
+(docs/ARCHITECTURE.md, "FP8 weights"), read from an FP8 checkpoint or made from bf16
+ones at load. The CUDA backend streams `iter_blob_pieces` into it and quantizes what
+`quantized_entries` names; the NumPy backend uses `load_host_weights`.
 """
 from __future__ import annotations
 
@@ -16,22 +19,27 @@ import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from .bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from .errors import CheckpointError
+from .fp8 import e4m3_to_float32, quantize_rows
+from .interface import Fp8Weight
 from .util import cdiv
 
 MAX_HEADER_BYTES = 100_000_000
 BLOB_ALIGNMENT = 256
-DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4}
-_NUMPY_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
-# Real safetensors dtypes that are valid files but not usable as Llama weights here.
+DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+_NUMPY_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8}
+FP8_DTYPE = "F8_E4M3"  # only the products' weights of an FP8 checkpoint (open_checkpoint)
+# Real safetensors dtypes that are valid files but not usable as weights here.
 _UNSUPPORTED_DTYPES = {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F64",
-                       "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+                       "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
 _KNOWN = ", ".join(DTYPE_SIZES)
+SCALE_SUFFIX = "_scale"        # an FP8 weight "...weight" has its scales in "...weight_scale"
+INPUT_SCALE_SUFFIX = ".input_scale"  # static activation scales: not needed (bf16 activations)
 _CORRUPT = "the file is corrupt or not safetensors; re-download or re-convert it"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -226,6 +234,15 @@ class Checkpoint:
             return bf16_bits_to_float32(array)
         return array.astype(np.float32)   # always a copy
 
+    def read_scales(self, name) -> np.ndarray:
+        """An FP8 weight's scales ("...weight_scale") as float32, one per row of the weight:
+        a per-channel [N, 1] or [N] tensor as it is, a per-tensor one repeated."""
+        rows = self.tensors[name.removesuffix(SCALE_SUFFIX)].shape[0]
+        scales = self.read_float32(name).reshape(-1)
+        if scales.size == 1:
+            return np.full(rows, scales[0], np.float32)
+        return np.ascontiguousarray(scales, dtype=np.float32)
+
     def close(self):
         maps, self._maps = self._maps, {}
         for buffer in maps.values():
@@ -258,19 +275,46 @@ def open_checkpoint(model_dir, model, log: Callable[[str], None] | None = None) 
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIX)}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the LM head reads embed_tokens
+    if config.checkpoint_quantization:  # static activation scales: the activations stay bf16
+        tensors = {n: t for n, t in tensors.items() if not n.endswith(INPUT_SCALE_SUFFIX)}
+    fp8_found = sorted((n for n, t in tensors.items() if t.dtype == FP8_DTYPE), key=_natural_key)
+    if fp8_found and not config.checkpoint_quantization:
+        raise CheckpointError(
+            f"{where}: tensor {fp8_found[0]!r} is FP8 (F8_E4M3), which only the projections "
+            "of a checkpoint with a compressed-tensors quantization_config in config.json may "
+            "be; put the checkpoint's quantization_config back into config.json")
     expected = model.tensor_shapes()
     _check_names(where, expected, tensors, config)
     for name, shape in expected.items():
         found = tensors[name].shape
-        if found != shape:
+        if found != shape and not (name.endswith(SCALE_SUFFIX) and found in _scale_shapes(shape)):
             raise CheckpointError(
                 f"{where}: tensor {name!r} has shape {list(found)}, config.json expects "
                 f"{list(shape)}; make sure config.json belongs to these weights")
+    fp8 = set(model.fp8_tensors()) if config.checkpoint_quantization else set()
+    for name in expected:
+        dtype = tensors[name].dtype
+        if name in fp8 and dtype != FP8_DTYPE:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is {dtype} but config.json's quantization_config "
+                "makes every projection FP8 (F8_E4M3); checkpoints that mix formats are not "
+                "supported")
+        if name not in fp8 and dtype == FP8_DTYPE:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is FP8 (F8_E4M3); only the projections' weights "
+                "may be (embeddings, norms and the LM head stay bf16)")
     tensors = {name: tensors[name] for name in expected}
-    converted = sorted({t.dtype for t in tensors.values()} - {"BF16"})
+    converted = sorted({t.dtype for n, t in tensors.items()
+                        if n not in fp8 and not n.endswith(SCALE_SUFFIX)} - {"BF16"})
     if converted and log is not None:
         log(f"converting {', '.join(converted)} weights to bf16 at load")
     return Checkpoint(model_dir, tensors)
+
+
+def _scale_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The shapes an FP8 weight's scales may have on disk besides [N, 1]: [N], or one
+    scale for the whole tensor ([1], [1, 1] or a scalar)."""
+    return ((shape[0],), (1,), (1, 1), ())
 
 
 def _no_weights_message(model_dir: Path) -> str:
@@ -382,29 +426,47 @@ def _natural_key(name: str):
 
 # --------------------------------------------------------------------------- the weight blob
 
+# the blob's entry formats and their bytes per element
+BLOB_DTYPES = {"bf16": 2, "e4m3": 1, "f32": 4}
+
+
+class LayoutItem(NamedTuple):
+    """One entry of a model's weight layout (models/decoder.py weight_layout)."""
+    key: str                  # internal name: "embed", "layers.{i}.qkv", ...
+    sources: tuple[str, ...]  # checkpoint tensors laid side by side along dim 0, in order
+    shape: tuple[int, ...]    # of the (possibly fused) tensor
+    dtype: str = "bf16"       # "bf16", "e4m3" (FP8 codes) or "f32" (an FP8 entry's scales)
+    quantize: bool = False    # FP8 codes and scales made at load from bf16 `sources`
+
+
 @dataclass(frozen=True)
 class BlobEntry:
     key: str                  # internal name: "embed", "layers.{i}.qkv", ...
     offset: int               # byte offset in the blob, BLOB_ALIGNMENT-aligned
     shape: tuple[int, ...]    # of the (possibly fused) tensor
-    sources: tuple[str, ...]  # HF tensor names concatenated along dim 0, in order
+    sources: tuple[str, ...]  # checkpoint tensor names concatenated along dim 0, in order
+    dtype: str = "bf16"       # see LayoutItem
+    quantize: bool = False
 
     @property
     def nbytes(self) -> int:
-        return _num_elements(self.shape) * 2   # bf16
+        return _num_elements(self.shape) * BLOB_DTYPES[self.dtype]
 
 
-def layout_blob(layout: list[tuple[str, tuple[str, ...]]],
-                shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, BlobEntry], int]:
-    """The blob of a model's weight layout ((key, tensors laid side by side along dim 0),
-    in blob order; models/decoder.py weight_layout) and the tensors' shapes: entries by key
-    in blob order, each BLOB_ALIGNMENT-aligned, and the blob's size in bytes."""
+def scale_key(key: str) -> str:
+    """The blob key of an FP8 entry's row scales."""
+    return key + ".scale"
+
+
+def layout_blob(layout: list[LayoutItem]) -> tuple[dict[str, BlobEntry], int]:
+    """The blob of a model's weight layout (in blob order; models/decoder.py
+    weight_layout): entries by key in blob order, each BLOB_ALIGNMENT-aligned, and the
+    blob's size in bytes."""
     plan, offset = {}, 0
-    for key, sources in layout:
-        first = shapes[sources[0]]
-        rows = sum(shapes[s][0] for s in sources)   # fused along dim 0
-        entry = BlobEntry(key, offset, (rows,) + first[1:], sources)
-        plan[key] = entry
+    for item in layout:
+        entry = BlobEntry(item.key, offset, tuple(item.shape), tuple(item.sources), item.dtype,
+                          item.quantize)
+        plan[item.key] = entry
         offset = _align(offset + entry.nbytes)
     return plan, offset
 
@@ -413,13 +475,32 @@ def _align(n: int) -> int:
     return cdiv(n, BLOB_ALIGNMENT) * BLOB_ALIGNMENT
 
 
+def _read_piece(checkpoint: Checkpoint, entry: BlobEntry, name: str) -> np.ndarray:
+    """One source tensor of an entry in the entry's format: bf16 bits, e4m3 codes as they
+    are stored, or an FP8 weight's scales as float32, one per row."""
+    if entry.dtype == "e4m3":
+        return checkpoint.read(name)
+    if entry.dtype == "f32":
+        return checkpoint.read_scales(name)
+    return checkpoint.read_bf16(name)
+
+
+def quantized_entries(plan: dict[str, BlobEntry]) -> list[tuple[BlobEntry, BlobEntry]]:
+    """(codes entry, scales entry) of each FP8 entry to be made from bf16 sources at load."""
+    return [(entry, plan[scale_key(entry.key)]) for entry in plan.values()
+            if entry.quantize and entry.dtype == "e4m3"]
+
+
 def iter_blob_pieces(checkpoint: Checkpoint,
                      plan: dict[str, BlobEntry]) -> Iterator[tuple[int, np.ndarray]]:
-    """(blob byte offset, contiguous uint16 bf16 bits), one per source tensor, in offset order."""
+    """(blob byte offset, contiguous array), one per source tensor, in offset order; the
+    entries quantized at load (quantized_entries) are not among them."""
     for entry in sorted(plan.values(), key=lambda e: e.offset):
+        if entry.quantize:
+            continue
         offset = entry.offset
         for name in entry.sources:
-            piece = np.ascontiguousarray(checkpoint.read_bf16(name))
+            piece = np.ascontiguousarray(_read_piece(checkpoint, entry, name))
             yield offset, piece
             offset += piece.nbytes
         if offset != entry.offset + entry.nbytes:
@@ -429,18 +510,37 @@ def iter_blob_pieces(checkpoint: Checkpoint,
 
 
 def load_host_weights(checkpoint: Checkpoint, plan: dict[str, BlobEntry],
-                      dtype=np.float32) -> dict[str, np.ndarray]:
-    """key -> array of the entry's shape, fused like the blob.
+                      dtype=np.float32) -> dict:
+    """key -> array of the entry's shape, fused like the blob; an FP8 entry -> an
+    Fp8Weight of its codes' values (in `dtype`) and its float32 scales.
 
-    Values are the bf16 weights the engine runs on (F16/F32 checkpoints are rounded to bf16
-    first, as on the GPU), so both backends compute with the same numbers."""
+    Values are the weights the engine runs on (F16/F32 checkpoints are rounded to bf16
+    first, and bf16 ones quantized to FP8 where the plan says, as on the GPU), so both
+    backends compute with the same numbers."""
     weights = {}
     for key, entry in plan.items():
-        parts = [bf16_bits_to_float32(checkpoint.read_bf16(name)) for name in entry.sources]
-        fused = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        if fused.shape != entry.shape:
-            raise CheckpointError(f"blob entry {key!r} expects shape {list(entry.shape)} but its "
-                                  f"tensors give {list(fused.shape)}; the checkpoint was opened "
-                                  "with a different config")
+        if entry.dtype == "f32":
+            continue  # an FP8 entry's scales: with its codes
+        if entry.dtype == "e4m3":
+            scales = plan[scale_key(key)]
+            if entry.quantize:
+                codes, scale = quantize_rows(_fused(key, entry, [
+                    bf16_bits_to_float32(checkpoint.read_bf16(name)) for name in entry.sources]))
+            else:
+                codes = _fused(key, entry, [checkpoint.read(name) for name in entry.sources])
+                scale = np.concatenate([checkpoint.read_scales(name) for name in scales.sources])
+            weights[key] = Fp8Weight(e4m3_to_float32(codes).astype(dtype, copy=False), scale)
+            continue
+        fused = _fused(key, entry, [bf16_bits_to_float32(checkpoint.read_bf16(name))
+                                    for name in entry.sources])
         weights[key] = fused.astype(dtype, copy=False)
     return weights
+
+
+def _fused(key: str, entry: BlobEntry, parts: list[np.ndarray]) -> np.ndarray:
+    fused = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    if fused.shape != entry.shape:
+        raise CheckpointError(f"blob entry {key!r} expects shape {list(entry.shape)} but its "
+                              f"tensors give {list(fused.shape)}; the checkpoint was opened "
+                              "with a different config")
+    return fused

@@ -222,7 +222,7 @@ def test_unknown_dtype(tmp_path):
     expect_error(lambda: read_safetensors_header(path), "'b'", "Q4", "BF16, F16, F32")
 
 
-@pytest.mark.parametrize("dtype", ["I64", "F64", "F8_E4M3", "U8"])
+@pytest.mark.parametrize("dtype", ["I64", "F64", "F8_E5M2", "U8"])
 def test_real_but_unsupported_dtype(tmp_path, dtype):
     path = small_file(tmp_path)
     rewrite_header(path, lambda h: h["b"].update(dtype=dtype))

@@ -30,11 +30,13 @@ def plan(model, engine_config, max_model_len: int) -> MemoryPlan:
         wanted = engine_config.max_num_seqs * cdiv(max_model_len, block_size)
         num_blocks = max(1, min(wanted, DEFAULT_CPU_KV_BYTES // per_block))
     weights, _ = model.weight_plan()
-    weight_bytes = 2 * sum(entry.nbytes for entry in weights.values())  # bf16 -> float32
+    weight_bytes = 4 * sum(int(np.prod(entry.shape)) for entry in weights.values())  # float32
     shapes = model.buffer_shapes(engine_config.max_num_batched_tokens,
                                  engine_config.max_num_seqs)
     buffer_bytes = sum(4 * int(np.prod(shape)) for shape in shapes.values())
-    rows = (("weights", weight_bytes, "float32"),
+    what = "float32" + (" (the FP8 projections as their codes' values, with row scales)"
+                        if config.quantization else "")
+    rows = (("weights", weight_bytes, what),
             ("buffers", buffer_bytes, f"one step of {engine_config.max_num_batched_tokens} "
                                       f"tokens, {engine_config.max_num_seqs} sequences"),
             ("KV cache", num_blocks * per_block, f"{num_blocks} blocks x {block_size} tokens "

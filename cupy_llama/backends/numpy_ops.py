@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ..interface import ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
+from ..interface import Fp8Weight, ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
 
 
 class NumpyOps(SublayerOps):
@@ -39,7 +39,13 @@ class NumpyOps(SublayerOps):
         residual += normed(x, weight, eps, offset)
 
     def linear(self, x, weight, out, accumulate=False):
-        if accumulate:
+        if isinstance(weight, Fp8Weight):  # the codes' values, then each row's scale
+            product = (x @ weight.data.T) * weight.scale
+            if accumulate:
+                out += product
+            else:
+                out[...] = product
+        elif accumulate:
             out += x @ weight.T
         else:
             np.matmul(x, weight.T, out=out)

@@ -171,6 +171,7 @@ class LLMEngine:
             verb = "applies" if len(ignored) == 1 else "apply"
             log(f"warning: {' and '.join(ignored)} {verb} to the GPU only; ignored on the CPU")
         engine_config = EngineConfig(**engine_options)
+        config = engine_config.model_config(config)
         max_model_len = engine_config.resolved_max_model_len(config)
         tokenizer = Tokenizer.from_dir(model_dir, config)
         tokenizer.check_chat_template()  # a broken template fails the load, not a chat

@@ -24,7 +24,7 @@ from typing import Callable, ClassVar
 
 from ..config import ConfigReader, ModelConfig
 from ..interface import Backend, ForwardBatch, HeadNorm
-from ..weights import BlobEntry, layout_blob
+from ..weights import SCALE_SUFFIX, BlobEntry, LayoutItem, layout_blob, scale_key
 from .rope import rope_table
 
 # a layer's tensors by role: the checkpoint names after "model.layers.{i}.", several where
@@ -40,6 +40,8 @@ LLAMA_LAYER_TENSORS = {
     "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down": ("mlp.down_proj.weight",),
 }
+# the roles of the products, whose weights may be FP8 (docs/ARCHITECTURE.md, "FP8 weights")
+PRODUCT_ROLES = ("qkv", "o_proj", "gate_up", "down")
 
 
 class Decoder:
@@ -81,20 +83,42 @@ class Decoder:
                 "k_norm": [(c.head_dim,)], "o_proj": [(H, q)], "gate_up": [(I, H), (I, H)],
                 "down": [(H, I)]}[role]
 
-    def weight_layout(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(blob key, the checkpoint tensors laid side by side under it), in blob order."""
-        layout = [("embed", ("model.embed_tokens.weight",))]
-        for i in range(self.config.num_hidden_layers):
+    def weight_layout(self) -> list[LayoutItem]:
+        """The blob's entries in blob order: each key, the checkpoint tensors laid side by
+        side under it, its shape and format. With FP8 products each product's entry holds
+        its e4m3 codes and is followed by its scales' (weights.scale_key), read from the
+        checkpoint's "..._scale" tensors or made at load from bf16 weights."""
+        c, shapes = self.config, self._checkpoint_shapes()
+
+        def item(key, sources):
+            rows = sum(shapes[s][0] for s in sources)   # fused along dim 0
+            return LayoutItem(key, sources, (rows,) + shapes[sources[0]][1:])
+
+        layout = [item("embed", ("model.embed_tokens.weight",))]
+        for i in range(c.num_hidden_layers):
             prefix = f"model.layers.{i}."
-            layout += [(f"layers.{i}.{role}", tuple(prefix + n for n in self.layer_tensors[role]))
-                       for role in self.layer_roles()]
-        layout.append(("final_norm", ("model.norm.weight",)))
-        if not self.config.tie_word_embeddings:
-            layout.append(("lm_head", ("lm_head.weight",)))
+            for role in self.layer_roles():
+                entry = item(f"layers.{i}.{role}", tuple(prefix + n for n in self.layer_tensors[role]))
+                if c.quantization is None or role not in PRODUCT_ROLES:
+                    layout.append(entry)
+                    continue
+                made = c.checkpoint_quantization is None  # quantized at load
+                scales = () if made else tuple(n + SCALE_SUFFIX for n in entry.sources)
+                layout += [entry._replace(dtype="e4m3", quantize=made),
+                           LayoutItem(scale_key(entry.key), scales, entry.shape[:1], "f32", made)]
+        layout.append(item("final_norm", ("model.norm.weight",)))
+        if not c.tie_word_embeddings:
+            layout.append(item("lm_head", ("lm_head.weight",)))
         return layout
 
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint tensor the model reads and its shape, in checkpoint order."""
+    def fp8_tensors(self) -> list[str]:
+        """The checkpoint tensors an FP8 checkpoint stores as e4m3: every product's weights."""
+        return [f"model.layers.{i}.{name}" for i in range(self.config.num_hidden_layers)
+                for role in self.layer_roles() if role in PRODUCT_ROLES
+                for name in self.layer_tensors[role]]
+
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's weights by checkpoint name and shape, in checkpoint order."""
         c = self.config
         shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
         for i in range(c.num_hidden_layers):
@@ -106,10 +130,20 @@ class Decoder:
             shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
         return shapes
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor the model reads and its shape, in checkpoint order; an
+        FP8 checkpoint's weight scales as [N, 1] (open_checkpoint also takes [N] and
+        per-tensor scales)."""
+        shapes = self._checkpoint_shapes()
+        if self.config.checkpoint_quantization is None:
+            return shapes
+        scales = {name + SCALE_SUFFIX: (shapes[name][0], 1) for name in self.fp8_tensors()}
+        return {**shapes, **scales}
+
     def weight_plan(self) -> tuple[dict[str, BlobEntry], int]:
         """The one weight blob (docs/ARCHITECTURE.md, Decisions 2): entries by key, and its
         size in bytes."""
-        return layout_blob(self.weight_layout(), self.tensor_shapes())
+        return layout_blob(self.weight_layout())
 
     # ---- memory ------------------------------------------------------------------------
     def buffer_shapes(self, num_tokens: int, num_seqs: int) -> dict[str, tuple]:
