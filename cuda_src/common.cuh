@@ -49,6 +49,27 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&pair);
 }
 
+// 8 e4m3 codes (one 8-byte word, fp8.py's format) -> 8 bf16 (one 16-byte word), exactly;
+// element 0 is the low byte of word x. The code's sign, exponent and mantissa bits slide
+// into bf16's places (two codes a 32-bit word: byte permute, shift, mask), which gives a
+// bf16 of value * 2^-120 (e4m3's exponent bias is 7, bf16's 127), subnormals included;
+// one bf16x2 multiply by 2^120 makes it the value. Needs no FP8 hardware.
+__device__ __forceinline__ unsigned e4m3x2_to_bf16x2(unsigned bytes_in_high_halves) {
+    const unsigned t = bytes_in_high_halves;  // [code1, 0, code0, 0]
+    const unsigned scaled = ((t >> 4) & 0x07F007F0u) | (t & 0x80008000u);
+    const __nv_bfloat162 two_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80),
+                                                      __ushort_as_bfloat16(0x7B80));
+    __nv_bfloat162 value = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&scaled), two_120);
+    return *reinterpret_cast<unsigned*>(&value);
+}
+
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2 codes) {
+    return make_uint4(e4m3x2_to_bf16x2(__byte_perm(codes.x, 0, 0x1404)),
+                      e4m3x2_to_bf16x2(__byte_perm(codes.x, 0, 0x3424)),
+                      e4m3x2_to_bf16x2(__byte_perm(codes.y, 0, 0x1404)),
+                      e4m3x2_to_bf16x2(__byte_perm(codes.y, 0, 0x3424)));
+}
+
 // The elementwise math that both a separate kernel and a fused epilogue compute, written
 // once so that the two give the same bits.
 

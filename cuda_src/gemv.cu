@@ -71,6 +71,8 @@
 // 4 fragment floats per lane
 #define SKINNY_PARTIAL_BYTES (2 * 4 * WARP_SIZE * 4)
 
+#define W_BF16 0   // weights bf16 [N, K]
+#define W_FP8 1    // weights e4m3 [N, K] (uint8) times w_scale [N] (cupy_llama/fp8.py)
 #define PRO_PLAIN 0
 #define PRO_NORM 1
 #define EPI_STORE 0
@@ -84,7 +86,7 @@
 struct SkinnyArgs {
     const void* x;            // bf16 [M, K] (PRO_PLAIN) or float32 [M, K] (PRO_NORM)
     const bf16* norm_weight;  // [K] (PRO_NORM)
-    const bf16* w;            // [N, K]
+    const void* w;            // [N, K]: bf16 (W_BF16) or e4m3 codes (W_FP8)
     void* out;                // see the epilogues
     const int* positions;     // [M] (EPI_ROPE, as the rest of this block)
     const int* slot_mapping;  // [M]; slot < 0: nothing written to the caches
@@ -92,6 +94,7 @@ struct SkinnyArgs {
     bf16* k_cache;            // [num_blocks, block_size, nkv, d]
     bf16* v_cache;
     const bf16* bias;         // [N] or nullptr (EPI_ROPE)
+    const float* w_scale;     // [N] (W_FP8): row n of w is its codes' values times w_scale[n]
     int m_rows, n, k;
     int out_mode;             // EPI_STORE
     int num_heads, num_kv_heads, head_dim;  // EPI_ROPE
@@ -108,14 +111,39 @@ __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
     return v;
 }
 
-// one group of SKINNY_UNROLL k steps of a warp (steps first, first + WARPS, ...): chunks
-// c and c + 4 of weight rows lo and hi per step, zero past the row's end
-template <int WARPS>
-__device__ __forceinline__ void load_group(uint4 (&wv)[SKINNY_UNROLL][4], const uint4* w_lo,
-                                           const uint4* w_hi, int first, int t, int chunks) {
-    const uint4 zero = make_uint4(0, 0, 0, 0);
+__device__ __forceinline__ uint2 load_streaming(const uint2* p) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// What a lane loads of a weight row for 8 consecutive k (a "chunk"): 16 bytes of bf16 or 8
+// bytes of e4m3 codes. A row is k / 8 chunks either way. FP8 blocks keep twice the steps in
+// flight (Weights<W_FP8>::UNROLL), so that as many bytes are on their way as with bf16.
+template <int W>
+struct Weights {
+    typedef uint4 Chunk;
+    static constexpr int UNROLL = SKINNY_UNROLL;
+    static constexpr int BYTES = 2;  // per weight
+    static __device__ __forceinline__ uint4 bf16x8(const uint4& chunk) { return chunk; }
+};
+
+template <>
+struct Weights<W_FP8> {
+    typedef uint2 Chunk;
+    static constexpr int UNROLL = 2 * SKINNY_UNROLL;
+    static constexpr int BYTES = 1;
+    static __device__ __forceinline__ uint4 bf16x8(const uint2& chunk) { return e4m3x8_to_bf16x8(chunk); }
+};
+
+// one group of UNROLL k steps of a warp (steps first, first + WARPS, ...): chunks c and
+// c + 4 of weight rows lo and hi per step, zero past the row's end
+template <int W, int WARPS, typename Chunk = typename Weights<W>::Chunk>
+__device__ __forceinline__ void load_group(Chunk (&wv)[Weights<W>::UNROLL][4], const Chunk* w_lo,
+                                           const Chunk* w_hi, int first, int t, int chunks) {
+    const Chunk zero = {};
 #pragma unroll
-    for (int u = 0; u < SKINNY_UNROLL; ++u) {
+    for (int u = 0; u < Weights<W>::UNROLL; ++u) {
         const int c = (first + u * WARPS) * (SKINNY_STEP / 8) + t;
         wv[u][0] = c < chunks ? load_streaming(w_lo + c) : zero;
         wv[u][1] = c + 4 < chunks ? load_streaming(w_lo + c + 4) : zero;
@@ -157,9 +185,10 @@ __device__ __forceinline__ TileRows tile_rows(const SkinnyArgs& a, int tile, int
     return {tile * SKINNY_TILE + g, tile * SKINNY_TILE + g + 8};
 }
 
-// a weight row as 16-byte chunks; rows past n re-read row n - 1 (never stored)
-__device__ __forceinline__ const uint4* weight_row(const SkinnyArgs& a, int row) {
-    return reinterpret_cast<const uint4*>(a.w) + (long long)min(row, a.n - 1) * (a.k / 8);
+// a weight row as chunks of 8 weights; rows past n re-read row n - 1 (never stored)
+template <int W>
+__device__ __forceinline__ const typename Weights<W>::Chunk* weight_row(const SkinnyArgs& a, int row) {
+    return reinterpret_cast<const typename Weights<W>::Chunk*>(a.w) + (long long)min(row, a.n - 1) * (a.k / 8);
 }
 
 // Bulk prefetch into L2 (sm_90; nothing before) of k columns [k_from, k_from + group_k)
@@ -167,11 +196,13 @@ __device__ __forceinline__ const uint4* weight_row(const SkinnyArgs& a, int row)
 // cover a tile's 16 rows. No registers or shared memory hold them: the register loads of
 // that part later find them in L2. One group of k steps at most, as much as the registers
 // hold.
+template <int W>
 __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows, int k_from,
                                               int group_k) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned bytes = (unsigned)(min(a.k, k_from + group_k) - k_from) * 2u;
-    const uint4* starts[2] = {weight_row(a, rows.lo) + k_from / 8, weight_row(a, rows.hi) + k_from / 8};
+    const unsigned bytes = (unsigned)(min(a.k, k_from + group_k) - k_from) * Weights<W>::BYTES;
+    const typename Weights<W>::Chunk* starts[2] = {weight_row<W>(a, rows.lo) + k_from / 8,
+                                                   weight_row<W>(a, rows.hi) + k_from / 8};
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(starts[r]), "r"(bytes) : "memory");
@@ -251,6 +282,7 @@ struct EpilogueInputs {
     int slot, position;        // EPI_ROPE: slot_mapping[m], positions[m]
     float cos, sin;            // EPI_ROPE: the rotation of row lo's pair at that position
     float bias_lo, bias_hi;    // EPI_ROPE: bias[lo], bias[hi] (0 without a bias)
+    float scale_lo, scale_hi;  // W_FP8: w_scale[lo], w_scale[hi] (1 for bf16 weights)
 };
 
 // RoPE's metadata of x row m (the same for every tile)
@@ -275,6 +307,14 @@ __device__ __forceinline__ void load_rotation(const SkinnyArgs& a, TileRows rows
         in.cos = table[i];
         in.sin = table[d / 2 + i];
     }
+}
+
+// the rows' FP8 scales (weights: constant, read before the wait)
+template <int W>
+__device__ __forceinline__ void load_scales(const SkinnyArgs& a, TileRows rows, EpilogueInputs& in) {
+    if (W != W_FP8) return;
+    in.scale_lo = a.w_scale[min(rows.lo, a.n - 1)];
+    in.scale_hi = a.w_scale[min(rows.hi, a.n - 1)];
 }
 
 template <int EPI>
@@ -331,9 +371,12 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
     }
 }
 
-// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block
-template <int NT, int PRO, int EPI, int WARPS>
+// NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block; W: the
+// weights' format
+template <int NT, int PRO, int EPI, int WARPS, int W>
 __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
+    typedef typename Weights<W>::Chunk Chunk;
+    constexpr int UNROLL = Weights<W>::UNROLL;
     extern __shared__ uint4 skinny_smem[];
     constexpr int PARTIAL_FLOATS = WARPS * NT * 4 * WARP_SIZE;  // one buffer
     static_assert(2 * PARTIAL_FLOATS * 4 == WARPS * NT * SKINNY_PARTIAL_BYTES, "partials");
@@ -353,22 +396,22 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     static_assert(WARPS * WARP_SIZE >= NT * 2 * WARP_SIZE, "one element per thread");
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
-    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f};  // of the tile being computed
+    EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f};  // of the tile being computed
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
-    uint4 wv[SKINNY_UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
+    Chunk wv[UNROLL][4];  // [step][lo c, lo c + 4, hi c, hi c + 4]
     TileRows rows = tile_rows<EPI>(a, blockIdx.x, g);  // of the tile being computed
     bool preloaded = blockIdx.x < tiles;  // wv holds the first group of the first tile
     if (preloaded) {
-        load_group<WARPS>(wv, weight_row(a, rows.lo), weight_row(a, rows.hi), warp, t, chunks);
+        load_group<W, WARPS>(wv, weight_row<W>(a, rows.lo), weight_row<W>(a, rows.hi), warp, t, chunks);
         // the next group of k steps streams into L2 meanwhile: the first tile's second
         // group, or where one group holds a whole tile, the block's next tile
-        constexpr int GROUP_K = WARPS * SKINNY_UNROLL * SKINNY_STEP;
+        constexpr int GROUP_K = WARPS * UNROLL * SKINNY_STEP;
         if (warp == 0 && t == 0) {
-            if (GROUP_K < a.k) prefetch_rows(a, rows, GROUP_K, GROUP_K);
+            if (GROUP_K < a.k) prefetch_rows<W>(a, rows, GROUP_K, GROUP_K);
             else if (blockIdx.x + gridDim.x < tiles)
-                prefetch_rows(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
+                prefetch_rows<W>(a, tile_rows<EPI>(a, blockIdx.x + gridDim.x, g), 0, GROUP_K);
         }
     }
     let_next_kernel_start();
@@ -377,6 +420,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     if (preloaded && finisher) {
         load_row_metadata<EPI>(a, e_m, inputs);
         load_rotation<EPI>(a, rows, inputs);
+        load_scales<W>(a, rows, inputs);
     }
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
@@ -385,9 +429,10 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const uint4 *w_lo = weight_row(a, rows.lo), *w_hi = weight_row(a, rows.hi);
+        const Chunk *w_lo = weight_row<W>(a, rows.lo), *w_hi = weight_row<W>(a, rows.hi);
         if (tile != blockIdx.x && finisher) {  // in flight while the tile streams
             load_rotation<EPI>(a, rows, inputs);
+            load_scales<W>(a, rows, inputs);
             load_residual_inputs<EPI>(a, e_m, rows, inputs);
         }
         float acc[NT][4];
@@ -396,14 +441,16 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[nt][j] = 0.0f;
 
-        for (int first = warp; first < steps; first += WARPS * SKINNY_UNROLL) {
-            if (!preloaded) load_group<WARPS>(wv, w_lo, w_hi, first, t, chunks);
+        for (int first = warp; first < steps; first += WARPS * UNROLL) {
+            if (!preloaded) load_group<W, WARPS>(wv, w_lo, w_hi, first, t, chunks);
             preloaded = false;
 #pragma unroll
-            for (int u = 0; u < SKINNY_UNROLL; ++u) {
+            for (int u = 0; u < UNROLL; ++u) {
                 const int step = first + u * WARPS;
                 if (step >= steps) continue;  // the same for the whole warp
                 const int c = step * (SKINNY_STEP / 8) + t;
+                const uint4 lo_a = Weights<W>::bf16x8(wv[u][0]), lo_b = Weights<W>::bf16x8(wv[u][1]);
+                const uint4 hi_a = Weights<W>::bf16x8(wv[u][2]), hi_b = Weights<W>::bf16x8(wv[u][3]);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     const int m = nt * 8 + g;
@@ -412,7 +459,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
                         xa = xs[m * x_stride + c];
                         xb = xs[m * x_stride + c + 4];
                     }
-                    mma_step(acc[nt], wv[u][0], wv[u][1], wv[u][2], wv[u][3], xa, xb);
+                    mma_step(acc[nt], lo_a, lo_b, hi_a, hi_b, xa, xb);
                 }
             }
         }
@@ -421,8 +468,8 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         TileRows next_rows = rows;
         if (tile + gridDim.x < tiles) {
             next_rows = tile_rows<EPI>(a, tile + gridDim.x, g);
-            load_group<WARPS>(wv, weight_row(a, next_rows.lo), weight_row(a, next_rows.hi), warp,
-                              t, chunks);
+            load_group<W, WARPS>(wv, weight_row<W>(a, next_rows.lo), weight_row<W>(a, next_rows.hi),
+                                 warp, t, chunks);
             preloaded = true;
         }
 
@@ -443,6 +490,10 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
                 lo_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j) * WARP_SIZE + lane];
                 hi_sum += part[v * NT * 4 * WARP_SIZE + (e_nt * 4 + e_j + 2) * WARP_SIZE + lane];
             }
+            if (W == W_FP8) {  // the rows' scales, before anything else sees the sums
+                lo_sum *= inputs.scale_lo;
+                hi_sum *= inputs.scale_hi;
+            }
             finish<EPI>(a, e_m, rows, lo_sum, hi_sum, inputs);
         }
         rows = next_rows;
@@ -450,25 +501,35 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
 }
 
-#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS)                               \
+#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS, W)                            \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
         NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI, WARPS>(args);                                              \
+        skinny_body<NT, PRO, EPI, WARPS, W>(args);                                           \
     }
 
 // NT: 8-column x tiles. The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
-// every SM two blocks, such as the down projection.
-DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
-DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1)
-DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
-DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2)
+// every SM two blocks, such as the down projection. W: bf16 or FP8 weights.
+DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16)
+DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16)
+DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16)
+DEFINE_SKINNY(skinny_fp8_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8)
+DEFINE_SKINNY(skinny_fp8_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_fp8_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8)
 
 // ------------------------------------------------------------------------------------------
 // SIMT products, the same out[M, N] = x[M, K] w[N, K]^T for M <= 16 on the CUDA cores: each

@@ -101,16 +101,22 @@ def test_norm_gate_up_act(cp, rng, k, inter, skinny_mma):
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 32, 8), (128, 8, 2), (64, 9, 3)])
 def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, num_kv_heads,
                                                 skinny_mma):
-    """Rotated q, and the k / v rows written at each token's slot (a slot of -1 writes
-    nothing; every other cache slot stays NaN)."""
-    from cupy_llama.backends.cuda import gemm
-    k, num_blocks = 512, 8
-    width = (num_heads + 2 * num_kv_heads) * head_dim
+    k = 512
+    w_bits, w = random_bf16(rng, ((num_heads + 2 * num_kv_heads) * head_dim, k), scale=0.05)
+    check_norm_qkv_rope(cp, rng, skinny_mma, cp.asarray(w_bits), w, k, head_dim, num_heads,
+                        num_kv_heads)
+
+
+def check_norm_qkv_rope(cp, rng, products, weight, w, k, head_dim, num_heads, num_kv_heads,
+                        rows=ROWS):
+    """products.norm_qkv_rope with `weight` (on the device; w: its float32 value) against
+    the composed reference ops: rotated q, and the k / v rows written at each token's slot
+    (a slot of -1 writes nothing; every other cache slot stays NaN)."""
+    num_blocks = 8
     norm_bits, norm_w = random_bf16(rng, (k,))
-    w_bits, w = random_bf16(rng, (width, k), scale=0.05)
     cos_sin = rope_table(4096, head_dim)
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    for m in ROWS:
+    for m in rows:
         x = _residual(rng, m, k)
         positions = rng.integers(0, 4096, m).astype(np.int32)
         slots = rng.choice(num_blocks * BLOCK_SIZE, m, replace=False).astype(np.int32)
@@ -132,9 +138,9 @@ def test_norm_qkv_rope_matches_the_composed_ops(cp, rng, head_dim, num_heads, nu
 
         q_out = poisoned(cp, (m, num_heads, head_dim))
         k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
-        assert skinny_mma.norm_qkv_rope(cp.asarray(x), cp.asarray(norm_bits), EPS, cp.asarray(w_bits),
-                                  cp.asarray(positions), cp.asarray(slots), cp.asarray(cos_sin),
-                                  k_cache, v_cache, q_out)
+        assert products.norm_qkv_rope(cp.asarray(x), cp.asarray(norm_bits), EPS, weight,
+                                      cp.asarray(positions), cp.asarray(slots), cp.asarray(cos_sin),
+                                      k_cache, v_cache, q_out)
         what = f"norm_qkv_rope m={m} d={head_dim} heads {num_heads}/{num_kv_heads}"
         for name, got, ref in (("q", q_out, q_ref), ("k cache", k_cache, k_ref),
                                ("v cache", v_cache, v_ref)):

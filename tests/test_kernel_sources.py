@@ -98,11 +98,16 @@ def test_expressions_and_unreadable_defines(tmp_path, monkeypatch):
 
 def test_kernel_families_come_from_the_define_lines():
     source = (kernel_dir() / "gemv.cu").read_text()
-    skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d\)$", source, re.M)
-    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 10
-    for name, nt, pro, epi, warps, in skinny:
-        key = (getattr(gemm, pro), getattr(gemm, epi), kernels.constants("gemv")[warps], int(nt))
+    skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d, (W_\w+)\)$",
+                        source, re.M)
+    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 20
+    for name, nt, pro, epi, warps, w in skinny:
+        key = (getattr(gemm, w), getattr(gemm, pro), getattr(gemm, epi),
+               kernels.constants("gemv")[warps], int(nt))
         assert gemm.SKINNY_KERNELS[key] == name
+    # every bf16 kernel has its FP8 twin
+    assert {key[1:] for key in gemm.SKINNY_KERNELS if key[0] == gemm.W_BF16} == {
+        key[1:] for key in gemm.SKINNY_KERNELS if key[0] == gemm.W_FP8}
     simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
     assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
     assert gemm.SKINNY_MAX_ROWS == 16

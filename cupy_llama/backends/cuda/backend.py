@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import DeviceError
+from ...interface import Fp8Weight
 from ...util import cdiv
-from ...weights import Checkpoint, iter_blob_pieces
+from ...weights import Checkpoint, iter_blob_pieces, quantized_entries, scale_key
 from . import attention as attention_kernels
+from . import fp8 as fp8_kernels
 from .device import check_cuda_device, device_name, import_cupy
 from .ops import CudaOps
 from .switches import KernelSwitches
@@ -48,6 +50,13 @@ def _align(n: int) -> int:
 
 
 FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
+
+
+def weight_format(config) -> str:
+    """The weights' formats in words, for the memory plan."""
+    if config.quantization == "fp8":
+        return "bf16 with the projections in FP8 (e4m3 and a float32 scale per row)"
+    return "bf16"
 
 
 def buffer_dtype(name: str):
@@ -109,11 +118,20 @@ class CudaBackend:
         free, total = cupy.cuda.runtime.memGetInfo()
 
         plan, weight_bytes = model.weight_plan()
+        if quantized_entries(plan) and self.capability < fp8_kernels.MIN_CAPABILITY:
+            raise DeviceError(
+                f"--quantization fp8 quantizes on the GPU, which needs compute capability "
+                f"{fp8_kernels.MIN_CAPABILITY // 10}.{fp8_kernels.MIN_CAPABILITY % 10} or newer "
+                f"(this one has {self.capability // 10}.{self.capability % 10}); run the bf16 "
+                "weights, or an FP8 checkpoint")
         self._regions, pool_bytes = plan_pool(model, self.max_num_tokens, max_num_seqs,
                                               max_model_len)
         rope_tables = model.rope_tables(max_model_len)
         rope_bytes = sum(table.nbytes for table in {id(t): t for t in rope_tables.values()}.values())
-        needed = weight_bytes + pool_bytes + rope_bytes
+        # FP8 products of more than 16 rows read their weights dequantized to bf16 here
+        fp8_sizes = [int(np.prod(e.shape)) for e in plan.values() if e.dtype == "e4m3"]
+        dequantized_bytes = 2 * max(fp8_sizes, default=0)
+        needed = weight_bytes + pool_bytes + rope_bytes + dequantized_bytes
         if needed > free:
             raise DeviceError(
                 f"not enough GPU memory: the weights and activation buffers need "
@@ -123,8 +141,10 @@ class CudaBackend:
         started = time.perf_counter()
         self._blob = self._allocate(weight_bytes, "the weights")
         upload_weight_pieces(cupy, self._blob, iter_blob_pieces(checkpoint, plan))
-        self.weights = {key: self._blob[e.offset:e.offset + e.nbytes].view(np.uint16).reshape(e.shape)
-                        for key, e in plan.items()}
+        self.weights = self._weight_views(plan)
+        self._quantize(checkpoint, plan)
+        self._dequantized = (self._allocate(dequantized_bytes, "the FP8 dequantization scratch")
+                             .view(np.uint16) if dequantized_bytes else None)
         self.load_seconds = time.perf_counter() - started
         on_device = {}  # layer types that share a table share its copy
         self.rope_tables = {kind: on_device.setdefault(id(table), cupy.asarray(table))
@@ -149,7 +169,7 @@ class CudaBackend:
                            max_blocks_per_seq=max_blocks_per_seq,
                            num_heads=config.num_attention_heads, head_dim=config.head_dim,
                            max_model_len=max_model_len, workspace=workspace,
-                           switches=self.switches)
+                           switches=self.switches, dequantized=self._dequantized)
 
         self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
                   f"weights loaded in {self.load_seconds:.2f} s")
@@ -165,6 +185,38 @@ class CudaBackend:
         self.graphs_off_reason = "enforce_eager=True" if enforce_eager else None
         if not enforce_eager:
             self.enable_graphs()
+
+    def _weight_views(self, plan) -> dict:
+        """The blob's entries as device arrays by key: bf16 ones as uint16, each FP8 entry
+        as an Fp8Weight of its codes (uint8) and its scales' entry (float32)."""
+        views = {"bf16": np.uint16, "e4m3": np.uint8, "f32": np.float32}
+        arrays = {key: self._blob[e.offset:e.offset + e.nbytes].view(views[e.dtype]).reshape(e.shape)
+                  for key, e in plan.items()}
+        weights = {}
+        for key, entry in plan.items():
+            if entry.dtype == "e4m3":
+                weights[key] = Fp8Weight(arrays[key], arrays[scale_key(key)])
+            elif entry.dtype == "bf16":
+                weights[key] = arrays[key]
+        return weights
+
+    def _quantize(self, checkpoint: Checkpoint, plan) -> None:
+        """Make the FP8 entries the plan quantizes at load: each bf16 source tensor goes to
+        the device and is quantized there into its rows of the codes and scales; no bf16
+        copy stays behind."""
+        cupy = self._cupy
+        for codes, _ in quantized_entries(plan):
+            weight, row = self.weights[codes.key], 0
+            for name in codes.sources:
+                source = cupy.asarray(np.ascontiguousarray(checkpoint.read_bf16(name)))
+                rows = source.shape[0]
+                fp8_kernels.quantize_rows(source, weight.data[row:row + rows],
+                                          weight.scale[row:row + rows])
+                row += rows
+                del source
+        if quantized_entries(plan):
+            cupy.cuda.get_current_stream().synchronize()
+            cupy.get_default_memory_pool().free_all_blocks()  # the bf16 copies' memory
 
     def enable_graphs(self) -> bool:
         """Capture decode graphs for every batch-size bucket and step graphs for every
@@ -194,7 +246,8 @@ class CudaBackend:
                            max_blocks_per_seq=old.max_blocks_per_seq,
                            num_heads=self.config.num_attention_heads,
                            head_dim=self.config.head_dim, max_model_len=self.max_model_len,
-                           workspace=(old._partial_out, old._partial_lse), switches=switches)
+                           workspace=(old._partial_out, old._partial_lse), switches=switches,
+                           dequantized=self._dequantized)
         if self.graphs is not None:
             self.graphs = self.step_graphs = None
             self.enable_graphs()
@@ -207,7 +260,7 @@ class CudaBackend:
         self._cupy.cuda.get_current_stream().synchronize()
         self._closed = True
         for name in ("graphs", "step_graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
-                     "_buffer_views", "rope_tables"):
+                     "_buffer_views", "rope_tables", "_dequantized"):
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
@@ -283,7 +336,8 @@ class CudaBackend:
         """(name, bytes, note) rows: weights, each pool region, the KV cache."""
         config = self.config
         rows = [("weights", int(self._blob.nbytes),
-                 f"{config.num_parameters / 1e9:.3f} B parameters, bf16, one allocation"),
+                 f"{config.num_parameters / 1e9:.3f} B parameters, {weight_format(config)}, "
+                 "one allocation"),
                 ("rope cos/sin", sum(int(t.nbytes) for t in {id(t): t for t in self.rope_tables.values()}.values()),
                  f"{len({id(t) for t in self.rope_tables.values()})} x [{self.max_model_len}, "
                  f"{config.head_dim}] float32")]
@@ -301,6 +355,9 @@ class CudaBackend:
             else:
                 note = "split-KV decode workspace, float32"
             rows.append(("pool: " + "/".join(region.names), region.nbytes, note))
+        if self._dequantized is not None:
+            rows.append(("FP8 dequantized weight", int(self._dequantized.nbytes),
+                         "the largest product's weight as bf16, for products past 16 rows"))
         if getattr(self, "graphs", None) is not None:
             from .gemm import WORKSPACE_BYTES
             rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes + self.step_graphs.metadata_bytes),

@@ -28,7 +28,13 @@ skinny kernels (the table times plain products; norm_linear, where only a norm i
 stake, follows it); under "cublas" they are composed of cuBLAS and the separate small
 kernels. A custom kernel that cannot take a product (alignment, K, shared memory) hands
 it to cuBLAS. CUDA graphs bake in what a Products chose when they were captured, so a
-backend's Products never changes (docs/ARCHITECTURE.md, "Kernels")."""
+backend's Products never changes (docs/ARCHITECTURE.md, "Kernels").
+
+FP8 weights (interface.Fp8Weight: e4m3 codes and a float32 scale per row) take the skinny
+kernels' FP8 variants up to 16 rows, which convert the codes to bf16 in registers and
+scale the sums in the epilogue, whatever the switch says; above, each product first
+dequantizes its weight to bf16 (fp8.cu) into a scratch matrix the backend owns, then runs
+on cuBLAS (docs/ARCHITECTURE.md, "FP8 weights")."""
 from __future__ import annotations
 
 import ctypes
@@ -38,11 +44,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ...interface import Fp8Weight
 from ...util import cdiv
 from . import launch
 from .device import device_limits
 from .elementwise import ACTS, check_rope_operands
-from .kernels import (BF16, F32, aligned16, check, constants, get_kernel, i32, instances,
+from .fp8 import dequantize
+from .kernels import (BF16, F32, U8, aligned16, check, constants, get_kernel, i32, instances,
                       opt_in_shared)
 from .switches import SKINNY_CHOICES
 
@@ -59,10 +67,11 @@ _C = constants("gemv")
 # SIMT kernels: rows -> (kernel, weight rows per warp), from the DEFINE_GEMV lines
 GEMV_VARIANTS = {m: (name, rows) for name, m, rows, _ in instances("gemv", "DEFINE_GEMV")}
 GEMV_WARPS = _C["GEMV_WARPS"]
-# tensor-core kernels: (prologue, epilogue, warps, 8-column x tiles) -> kernel, from the
-# DEFINE_SKINNY lines
-SKINNY_KERNELS = {(pro, epi, warps, nt): name
-                  for name, nt, pro, epi, warps, _ in instances("gemv", "DEFINE_SKINNY")}
+# tensor-core kernels: (weight format, prologue, epilogue, warps, 8-column x tiles) ->
+# kernel, from the DEFINE_SKINNY lines
+SKINNY_KERNELS = {(w, pro, epi, warps, nt): name
+                  for name, nt, pro, epi, warps, _, w in instances("gemv", "DEFINE_SKINNY")}
+W_BF16, W_FP8 = _C["W_BF16"], _C["W_FP8"]
 PRO_PLAIN, PRO_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"]
 EPI_STORE, EPI_GLU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_GLU"], _C["EPI_ROPE"]
 OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
@@ -72,7 +81,7 @@ MMA_TILE_ROWS = _C["SKINNY_TILE"]         # weight rows per tile
 MMA_STEP = _C["SKINNY_STEP"]              # k per step; x rows are staged zero-padded to it
 MMA_X_PAD_CHUNKS = _C["SKINNY_X_PAD"]     # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = _C["SKINNY_PARTIAL_BYTES"]  # per warp and x tile
-SKINNY_MAX_ROWS = 8 * max(nt for _, _, _, nt in SKINNY_KERNELS)
+SKINNY_MAX_ROWS = 8 * max(nt for *_, nt in SKINNY_KERNELS)
 assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels' row limits differ"
 # the launcher's own choices
 WIDE_MIN_K = 4096  # plain products of rows at least this long may take the wide variant
@@ -87,12 +96,32 @@ _cublas = None  # _CublasLibrary once loaded; False when ctypes could not load i
 
 
 def check_product(x, weight, out, accumulate: bool = False):
-    """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32 (float32 when
-    accumulating); returns (M, N)."""
+    """x [M, K] bf16, weight [N, K] bf16 (or an Fp8Weight), out [M, N] bf16 or float32
+    (float32 when accumulating); returns (M, N)."""
     m_rows, k = check("x", x, BF16, ndim=2).shape
-    n_cols = check("weight", weight, BF16, shape=(None, k)).shape[0]
+    n_cols = check_weight(weight, k).shape[0]
     _check_out(out, m_rows, n_cols, accumulate)
     return m_rows, n_cols
+
+
+def check_weight(weight, k: int | None = None, rows: int | None = None):
+    """A product's weight [rows, k]: bf16, or an Fp8Weight (uint8 codes, float32 scales
+    [rows]); returns the matrix (the codes of an Fp8Weight)."""
+    if isinstance(weight, Fp8Weight):
+        matrix = check("weight codes", weight.data, U8, shape=(rows, k))
+        check("weight scale", weight.scale, F32, shape=(matrix.shape[0],))
+        return matrix
+    return check("weight", weight, BF16, shape=(rows, k))
+
+
+def weight_format(weight) -> int:
+    """W_FP8 for an Fp8Weight, else W_BF16."""
+    return W_FP8 if isinstance(weight, Fp8Weight) else W_BF16
+
+
+def _matrix(weight):
+    """The [N, K] matrix a kernel streams: the weight, or an Fp8Weight's codes."""
+    return weight.data if isinstance(weight, Fp8Weight) else weight
 
 
 def _check_out(out, m_rows: int, n_cols: int, accumulate: bool = False) -> None:
@@ -161,14 +190,17 @@ class Products:
     programmatically. Made once per backend; a choice is worked out once per shape."""
 
     def __init__(self, skinny: str = "auto", programmatic: bool = False,
-                 table: dict | None = None):
-        """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file."""
+                 table: dict | None = None, dequantized=None):
+        """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file.
+        dequantized: flat bf16 device scratch that holds the largest FP8 weight as bf16
+        (products of FP8 weights past SKINNY_MAX_ROWS rows); None without FP8 weights."""
         if skinny not in SKINNY_CHOICES:
             raise ValueError(f"skinny must be one of {SKINNY_CHOICES}, got {skinny!r}")
         self.skinny = skinny
         self.programmatic = bool(programmatic) and launch.launch_attributes_usable()
         self._table = table
-        self._chosen = {}  # (n, k, m, accumulate) -> kernel
+        self._chosen = {}  # (n, k, m, accumulate, fp8) -> kernel
+        self.dequantized = dequantized
 
     @property
     def fusing(self) -> bool:
@@ -176,10 +208,14 @@ class Products:
         product, so the sublayer ops are composed around it)."""
         return self.skinny != "cublas"
 
-    def kernel_for(self, n: int, k: int, m: int, accumulate: bool = False) -> str:
-        """The kernel for an [m, k] x [n, k]^T product (accumulate: added to a float32 out)."""
+    def kernel_for(self, n: int, k: int, m: int, accumulate: bool = False,
+                   fp8: bool = False) -> str:
+        """The kernel for an [m, k] x [n, k]^T product (accumulate: added to a float32 out;
+        fp8: of FP8 weights, which only the skinny kernels read as they are)."""
         if m > SKINNY_MAX_ROWS:
             return "cublas"
+        if fp8:
+            return "mma"
         key = (n, k, m, accumulate)
         kernel = self._chosen.get(key)
         if kernel is None:
@@ -189,6 +225,19 @@ class Products:
             kernel = self._chosen[key] = choose(self.skinny, n, k, m, table, accumulate)
         return kernel
 
+    def bf16_weight(self, weight):
+        """A product's weight as a bf16 [N, K] matrix cuBLAS reads: the weight itself, or
+        an Fp8Weight dequantized into the scratch (valid until the next call)."""
+        if not isinstance(weight, Fp8Weight):
+            return weight
+        n, k = weight.data.shape
+        if self.dequantized is None or self.dequantized.size < n * k:
+            raise ValueError(f"an FP8 weight of {n} x {k} past {SKINNY_MAX_ROWS} rows needs a "
+                             f"dequantization scratch of {n * k} bf16 elements")
+        out = self.dequantized[:n * k].reshape(n, k)
+        dequantize(weight, out)
+        return out
+
     def linear(self, x, weight, out, accumulate: bool = False):
         """x [M, K] bf16, weight [N, K] bf16, out [M, N] bf16 or float32, all row-major.
         accumulate: out (float32) += x @ weight.T (the residual stream takes a sublayer's
@@ -197,13 +246,14 @@ class Products:
         k = x.shape[1]
         if m_rows == 0 or n_cols == 0:
             return
-        kernel = self.kernel_for(n_cols, k, m_rows, accumulate)
+        fp8 = isinstance(weight, Fp8Weight)
+        kernel = self.kernel_for(n_cols, k, m_rows, accumulate, fp8)
         if kernel == "mma" and mma_unsupported(x, weight) is None:
             _launch_mma(x, weight, out, accumulate, self.programmatic)
         elif kernel == "gemv" and gemv_supported(x, weight):
             _launch_gemv(x, weight, out)
         else:
-            cublas_linear(x, weight, out, accumulate)
+            cublas_linear(x, self.bf16_weight(weight), out, accumulate)
 
     def norm_linear(self, x, norm_weight, eps, weight, out, offset: float = 0.0) -> bool:
         """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K]
@@ -216,14 +266,15 @@ class Products:
         m_rows, k = _check_norm_product(x, norm_weight, weight)
         n = weight.shape[0]
         _check_out(out, m_rows, n)
-        if self.kernel_for(n, k, m_rows) != "mma":
+        if self.kernel_for(n, k, m_rows, fp8=isinstance(weight, Fp8Weight)) != "mma":
             return False  # only the norm is at stake: the faster product wins
         if fused_unsupported(x, weight, norm_weight) is not None:
             return False
         args = _norm_args(x, norm_weight, eps, weight, out, offset)
         args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
         if m_rows:
-            _launch_skinny(PRO_NORM, EPI_STORE, m_rows, n, k, args, self.programmatic)
+            _launch_skinny(weight_format(weight), PRO_NORM, EPI_STORE, m_rows, n, k, args,
+                           self.programmatic)
         return True
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, offset: float = 0.0,
@@ -241,7 +292,8 @@ class Products:
         args = _norm_args(x, norm_weight, eps, weight, out, offset)
         args.act = ACTS[act]
         if m_rows:
-            _launch_skinny(PRO_NORM, EPI_GLU, m_rows, n, k, args, self.programmatic)
+            _launch_skinny(weight_format(weight), PRO_NORM, EPI_GLU, m_rows, n, k, args,
+                           self.programmatic)
         return True
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
@@ -255,7 +307,7 @@ class Products:
         m_rows, k = _check_norm_product(x, norm_weight, weight)
         _, num_heads, num_kv_heads, head_dim = check_rope_operands(
             q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
-        check("weight", weight, BF16, shape=((num_heads + 2 * num_kv_heads) * head_dim, k))
+        check_weight(weight, k, rows=(num_heads + 2 * num_kv_heads) * head_dim)
         if bias is not None:
             check("bias", bias, BF16, shape=(weight.shape[0],))
         if (not self.fusing or head_dim % 16
@@ -267,8 +319,8 @@ class Products:
         args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
         args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
         if m_rows:
-            _launch_skinny(PRO_NORM, EPI_ROPE, m_rows, weight.shape[0], k, args,
-                           self.programmatic)
+            _launch_skinny(weight_format(weight), PRO_NORM, EPI_ROPE, m_rows, weight.shape[0],
+                           k, args, self.programmatic)
         return True
 
 
@@ -278,7 +330,8 @@ def gemv_supported(x, weight) -> bool:
     """The SIMT kernels need at most SKINNY_MAX_ROWS rows, K % 8 == 0 and 16-byte aligned
     rows."""
     m_rows, k = x.shape
-    return m_rows <= SKINNY_MAX_ROWS and k % 8 == 0 and aligned16(x, weight)
+    return (not isinstance(weight, Fp8Weight) and m_rows <= SKINNY_MAX_ROWS and k % 8 == 0
+            and aligned16(x, weight))
 
 
 def gemv(x, weight, out):
@@ -309,6 +362,7 @@ class SkinnyArgs(ctypes.Structure):
                 ("positions", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
                 ("cos_sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
                 ("v_cache", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("w_scale", ctypes.c_void_p),
                 ("m_rows", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("out_mode", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
@@ -325,9 +379,10 @@ def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
-def skinny_kernel(pro: int, epi: int, warps: int, m_rows: int):
-    """The skinny kernel of a prologue, epilogue and block size for m_rows x rows."""
-    return get_kernel("gemv", SKINNY_KERNELS[pro, epi, warps, cdiv(m_rows, 8)])
+def skinny_kernel(w: int, pro: int, epi: int, warps: int, m_rows: int):
+    """The skinny kernel of a weight format, prologue, epilogue and block size for m_rows x
+    rows."""
+    return get_kernel("gemv", SKINNY_KERNELS[w, pro, epi, warps, cdiv(m_rows, 8)])
 
 
 def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> str | None:
@@ -339,11 +394,12 @@ def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> st
         return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
     if k % 8:
         return f"K a multiple of 8 (got {k})"
-    if x.data.ptr % 16 or weight.data.ptr % 16:
+    if x.data.ptr % 16 or _matrix(weight).data.ptr % 16:
         return "16-byte aligned x and weight"
     if not launch.available():
         return "the CUDA driver's cuLaunchKernelEx"
-    static = skinny_kernel(pro, epi, warps, max(1, m_rows)).shared_size_bytes
+    kernel = skinny_kernel(weight_format(weight), pro, epi, warps, max(1, m_rows))
+    static = kernel.shared_size_bytes
     limit = device_limits()["max_shared_per_block"] - static
     if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
@@ -364,9 +420,14 @@ def mma(x, weight, out, programmatic: bool = False):
 
 def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool):
     mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
-    args = SkinnyArgs(x=x.data.ptr, w=weight.data.ptr, out=out.data.ptr, out_mode=mode)
-    _launch_skinny(PRO_PLAIN, EPI_STORE, x.shape[0], weight.shape[0], x.shape[1], args,
-                   programmatic)
+    args = SkinnyArgs(x=x.data.ptr, w=_matrix(weight).data.ptr, out=out.data.ptr,
+                      out_mode=mode, w_scale=_scale_pointer(weight))
+    _launch_skinny(weight_format(weight), PRO_PLAIN, EPI_STORE, x.shape[0], weight.shape[0],
+                   x.shape[1], args, programmatic)
+
+
+def _scale_pointer(weight):
+    return weight.scale.data.ptr if isinstance(weight, Fp8Weight) else None
 
 
 # fused variants (gemv.cu): the x rows are the float32 residual stream, normalized by the
@@ -383,40 +444,41 @@ def fused_unsupported(x, weight, norm_weight) -> str | None:
 
 
 def _norm_args(x, norm_weight, eps, weight, out, offset: float = 0.0) -> SkinnyArgs:
-    return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=weight.data.ptr,
-                      out=out.data.ptr, eps=float(eps), norm_offset=float(offset))
+    return SkinnyArgs(x=x.data.ptr, norm_weight=norm_weight.data.ptr, w=_matrix(weight).data.ptr,
+                      out=out.data.ptr, eps=float(eps), norm_offset=float(offset),
+                      w_scale=_scale_pointer(weight))
 
 
 def _check_norm_product(x, norm_weight, weight):
     m_rows, k = check("x", x, F32, ndim=2).shape
     check("norm_weight", norm_weight, BF16, shape=(k,))
-    check("weight", weight, BF16, shape=(None, k))
+    check_weight(weight, k)
     return m_rows, k
 
 
-def _launch_skinny(pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
+def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
                    programmatic: bool) -> None:
     import cupy
-    kernel, grid, warps, shared = _mma_launch_shape(pro, epi, n, k, m_rows)
+    kernel, grid, warps, shared = _mma_launch_shape(w, pro, epi, n, k, m_rows)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
                   args, programmatic)
 
 
-_mma_shapes = {}  # (pro, epi, n, k, m) -> (kernel, grid, warps, shared bytes)
+_mma_shapes = {}  # (w, pro, epi, n, k, m) -> (kernel, grid, warps, shared bytes)
 
 
-def _mma_launch_shape(pro: int, epi: int, n: int, k: int, m_rows: int):
+def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int):
     """Kernel, grid, warps per block and shared memory of a product, computed once per
     shape: enough blocks to fill every SM as far as registers and shared memory allow, at
     most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
     SMs take the wide variant (twice the loads in flight per block)."""
-    key = (pro, epi, n, k, m_rows)
+    key = (w, pro, epi, n, k, m_rows)
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = cdiv(n, MMA_TILE_ROWS)
         warps = _skinny_warps(pro, epi, n, k)
-        kernel = skinny_kernel(pro, epi, warps, m_rows)
+        kernel = skinny_kernel(w, pro, epi, warps, m_rows)
         shared = mma_shared_bytes(m_rows, k, warps)
         opt_in_shared(kernel, shared)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, kernel.shared_size_bytes, limits,

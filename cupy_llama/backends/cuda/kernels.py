@@ -248,6 +248,7 @@ def opt_in_shared(kernel, dynamic: int) -> None:
 BF16 = np.dtype(np.uint16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
+U8 = np.dtype(np.uint8)
 
 
 def check(name: str, array, dtype, shape=None, ndim=None):
@@ -276,6 +277,10 @@ def aligned16(*arrays) -> bool:
 
 def i32(value) -> np.int32:
     return np.int32(value)
+
+
+def i64(value) -> np.int64:
+    return np.int64(value)
 
 
 def f32(value) -> np.float32:
