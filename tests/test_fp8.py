@@ -289,3 +289,44 @@ def test_a_bf16_projection_in_an_fp8_checkpoint_is_refused(tmp_path):
         with open_checkpoint(target, model_for(config)):
             pass
 
+
+# ------------------------------------------------------------------ the command line
+
+def test_the_command_line_takes_quantization(tmp_path, capsys):
+    from cupy_llama.cli import main
+    from cupy_llama.cli.options import QUANTIZATIONS as CLI_QUANTIZATIONS
+    from cupy_llama.config import QUANTIZATIONS
+    assert CLI_QUANTIZATIONS == QUANTIZATIONS
+    folder = bf16_copy(tmp_path)
+    assert main(["info", "--model", str(folder), "--device", "cpu", "--quantization", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "projections FP8 (e4m3, a float32 scale per row; quantized at load)" in out
+    assert main(["info", "--model", str(FP8_MODEL), "--device", "cpu"]) == 0
+    assert "the checkpoint's" in capsys.readouterr().out
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    output = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(folder), "--input", str(prompts), "--output",
+                 str(output), "--device", "cpu", "--quantization", "fp8", "--max-tokens", "3",
+                 "--temperature", "0"]) == 0
+    assert json.loads(output.read_text().splitlines()[0])["text"]
+    assert main(["info", "--model", str(folder), "--device", "cpu", "--quantization", "int4"]) == 2
+    assert "'int4' is not 'fp8'" in capsys.readouterr().err
+
+
+def test_the_bandwidth_floor_counts_what_fp8_weights_read():
+    """bench latency's floor: the bytes a batch-1 step reads, a byte per FP8 weight plus a
+    float32 scale per row, against two bytes per bf16 weight (Llama-3.2-1B's shape)."""
+    from cupy_llama.bench.offline import bandwidth_floor
+    from cupy_llama.bench.random_model import PRESETS, config_json
+    config = config_from_dicts(config_json(PRESETS["llama-3.2-1b"]))
+    c = config
+    rows = c.q_size + 2 * c.kv_size + c.hidden_size + 2 * c.intermediate_size + c.hidden_size
+    products = c.num_hidden_layers * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                                      + 3 * c.hidden_size * c.intermediate_size)
+    rest = c.num_parameters - products  # embeddings (tied: read as the head), norms
+    bf16 = bandwidth_floor(config, 1e12, 100.0)
+    fp8 = bandwidth_floor(EngineConfig(quantization="fp8").model_config(config), 1e12, 100.0)
+    assert bf16["weight_bytes_per_step"] == 2 * c.num_parameters
+    assert fp8["weight_bytes_per_step"] == products + 4 * c.num_hidden_layers * rows + 2 * rest
+    assert fp8["floor_tok_s"] / bf16["floor_tok_s"] > 1.6  # the LM head stays bf16

@@ -254,15 +254,19 @@ def batch1_runs(llm, prompt, params: SamplingParams) -> tuple[float, list[dict]]
 
 def bandwidth_floor(config, bandwidth: float, tok_s: float) -> dict:
     """The GPU's batch-1 decode floor: the bytes one step must read over the device's
-    bandwidth. Those bytes: every layer weight, the final norm and the LM head matrix, in
-    bf16. The embedding lookup reads one row per token, so a tied embedding counts once
+    bandwidth. Those bytes: every layer weight, the final norm and the LM head matrix, as
+    the weight blob stores them (bf16; FP8 projections: a byte per weight and a scale per
+    row). The embedding lookup reads one row per token, so a tied embedding counts once
     (read in full as the head) and an untied one not at all."""
-    bytes_per_param = 2
-    embedding = config.vocab_size * config.hidden_size
-    read_params = config.num_parameters - (0 if config.tie_word_embeddings else embedding)
-    weight_bytes = read_params * bytes_per_param
+    from ..models import model_for
+    plan, _ = model_for(config).weight_plan()
+    read = [entry for key, entry in plan.items()
+            if key != "embed" or config.tie_word_embeddings]
+    weight_bytes = sum(entry.nbytes for entry in read)
+    read_params = sum(int(np.prod(entry.shape)) for entry in read if entry.dtype != "f32")
     floor_s = weight_bytes / bandwidth
-    return {"weight_bytes_per_step": weight_bytes, "bytes_per_parameter": bytes_per_param,
+    return {"weight_bytes_per_step": weight_bytes,
+            "bytes_per_parameter": round(weight_bytes / read_params, 4),
             "copy_bandwidth_bytes_s": bandwidth, "floor_ms_per_token": 1e3 * floor_s,
             "floor_tok_s": 1 / floor_s, "fraction_of_floor": tok_s * floor_s}
 

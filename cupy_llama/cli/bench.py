@@ -6,7 +6,8 @@ import click
 
 from ..bench.workloads import PRESETS
 from ..errors import OptionError, option_flag
-from .options import DEVICES, EXIT_OK, MODEL_PATH, auto_device, check_options, given, resolve_device
+from .options import (DEVICES, EXIT_OK, MODEL_PATH, QUANTIZATIONS, auto_device, check_options, given,
+                      resolve_device)
 
 
 @click.command()
@@ -32,6 +33,8 @@ from .options import DEVICES, EXIT_OK, MODEL_PATH, auto_device, check_options, g
 @click.option("--no-prefix-caching", "enable_prefix_caching", is_flag=True, flag_value=False,
               default=None, help="Prefix caching off (bench prefix runs with it on and off).")
 @click.option("--gpu-memory-utilization", type=float, help="Fraction of GPU memory to use.")
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS), help="Turn the projections' "
+              "bf16 weights into FP8 at load (default: the checkpoint's own format).")
 @click.option("--num-requests", type=int, default=256, show_default=True,
               help="Requests in the throughput workload (fewer: for quick checks only).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
@@ -66,7 +69,7 @@ def bench(mode, **flags):
     to stderr while it runs, a table to stdout at the end.
     """
     names = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager", "gpu_memory_utilization",
-             "enable_prefix_caching")
+             "enable_prefix_caching", "quantization")
     engine = given(flags, names)
     check_options({}, engine)
     rest = {name: value for name, value in flags.items() if name not in names}

@@ -48,8 +48,24 @@ def _describe(config) -> list[tuple[str, str]]:
                                 for kind, rope in config.rope.items())),
         ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
         ("dtype", config.torch_dtype),
+        ("weights", _weights(config)),
         ("eos ids", ", ".join(map(str, config.eos_token_ids)) or "none"),
     ]
+
+
+def _weights(config) -> str:
+    """The weights' format and the memory they take on the GPU (bf16 as they would be
+    without FP8, for comparison)."""
+    from dataclasses import replace
+
+    from ..models import model_for
+    size = model_for(config).weight_plan()[1]
+    if config.quantization is None:
+        return f"bf16, {_size(size)} on the GPU"
+    bf16 = model_for(replace(config, quantization=None, checkpoint_quantization=None)).weight_plan()[1]
+    source = "the checkpoint's" if config.checkpoint_quantization else "quantized at load"
+    return (f"projections FP8 (e4m3, a float32 scale per row; {source}), the rest bf16: "
+            f"{_size(size)} on the GPU against {_size(bf16)} in bf16")
 
 
 def _features(config) -> str:
