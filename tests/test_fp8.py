@@ -330,3 +330,11 @@ def test_the_bandwidth_floor_counts_what_fp8_weights_read():
     assert bf16["weight_bytes_per_step"] == 2 * c.num_parameters
     assert fp8["weight_bytes_per_step"] == products + 4 * c.num_hidden_layers * rows + 2 * rest
     assert fp8["floor_tok_s"] / bf16["floor_tok_s"] > 1.6  # the LM head stays bf16
+
+
+def test_the_fp8_product_switch_reads_from_the_environment():
+    from cupy_llama.backends.cuda.switches import KernelSwitches
+    assert KernelSwitches().fp8_gemm == "cublaslt"
+    assert KernelSwitches.from_environment({"CUPY_LLAMA_FP8_GEMM": "dequantize"}).fp8_gemm == "dequantize"
+    with pytest.raises(ConfigError, match="CUPY_LLAMA_FP8_GEMM must be one of cublaslt, dequantize"):
+        KernelSwitches.from_environment({"CUPY_LLAMA_FP8_GEMM": "cutlass"})

@@ -15,6 +15,7 @@ from ...util import cdiv
 from ...weights import Checkpoint, iter_blob_pieces, quantized_entries, scale_key
 from . import attention as attention_kernels
 from . import fp8 as fp8_kernels
+from .cublaslt import fp8_lt
 from .device import check_cuda_device, device_name, import_cupy
 from .ops import CudaOps
 from .switches import KernelSwitches
@@ -128,10 +129,14 @@ class CudaBackend:
                                               max_model_len)
         rope_tables = model.rope_tables(max_model_len)
         rope_bytes = sum(table.nbytes for table in {id(t): t for t in rope_tables.values()}.values())
-        # FP8 products of more than 16 rows read their weights dequantized to bf16 here
-        fp8_sizes = [int(np.prod(e.shape)) for e in plan.values() if e.dtype == "e4m3"]
-        dequantized_bytes = 2 * max(fp8_sizes, default=0)
-        needed = weight_bytes + pool_bytes + rope_bytes + dequantized_bytes
+        # FP8 products of more than 16 rows: their x quantized per row (cuBLASLt), or
+        # their weights dequantized to bf16 (gemm.py)
+        fp8_entries = [e for e in plan.values() if e.dtype == "e4m3"]
+        dequantized_bytes = 2 * max((int(np.prod(e.shape)) for e in fp8_entries), default=0)
+        longest_k = max((e.shape[1] for e in fp8_entries), default=0)
+        fp8_x_bytes = (_align(self.max_num_tokens * longest_k) + 4 * self.max_num_tokens
+                       if fp8_entries else 0)
+        needed = weight_bytes + pool_bytes + rope_bytes + dequantized_bytes + fp8_x_bytes
         if needed > free:
             raise DeviceError(
                 f"not enough GPU memory: the weights and activation buffers need "
@@ -145,6 +150,13 @@ class CudaBackend:
         self._quantize(checkpoint, plan)
         self._dequantized = (self._allocate(dequantized_bytes, "the FP8 dequantization scratch")
                              .view(np.uint16) if dequantized_bytes else None)
+        self._fp8_x = None  # (codes, scales) of x quantized per row
+        if fp8_x_bytes:
+            scratch = self._allocate(fp8_x_bytes, "the FP8 activation scratch")
+            split = _align(self.max_num_tokens * longest_k)
+            self._fp8_x = (scratch[:split], scratch[split:].view(np.float32))
+            if self.switches.fp8_gemm == "cublaslt":
+                fp8_lt()  # its handle and workspace now, not while a graph is captured
         self.load_seconds = time.perf_counter() - started
         on_device = {}  # layer types that share a table share its copy
         self.rope_tables = {kind: on_device.setdefault(id(table), cupy.asarray(table))
@@ -169,7 +181,8 @@ class CudaBackend:
                            max_blocks_per_seq=max_blocks_per_seq,
                            num_heads=config.num_attention_heads, head_dim=config.head_dim,
                            max_model_len=max_model_len, workspace=workspace,
-                           switches=self.switches, dequantized=self._dequantized)
+                           switches=self.switches, dequantized=self._dequantized,
+                           fp8_activations=self._fp8_x)
 
         self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
                   f"weights loaded in {self.load_seconds:.2f} s")
@@ -247,7 +260,7 @@ class CudaBackend:
                            num_heads=self.config.num_attention_heads,
                            head_dim=self.config.head_dim, max_model_len=self.max_model_len,
                            workspace=(old._partial_out, old._partial_lse), switches=switches,
-                           dequantized=self._dequantized)
+                           dequantized=self._dequantized, fp8_activations=self._fp8_x)
         if self.graphs is not None:
             self.graphs = self.step_graphs = None
             self.enable_graphs()
@@ -260,7 +273,7 @@ class CudaBackend:
         self._cupy.cuda.get_current_stream().synchronize()
         self._closed = True
         for name in ("graphs", "step_graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
-                     "_buffer_views", "rope_tables", "_dequantized"):
+                     "_buffer_views", "rope_tables", "_dequantized", "_fp8_x"):
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
@@ -358,6 +371,8 @@ class CudaBackend:
         if self._dequantized is not None:
             rows.append(("FP8 dequantized weight", int(self._dequantized.nbytes),
                          "the largest product's weight as bf16, for products past 16 rows"))
+            rows.append(("FP8 quantized x", int(sum(a.nbytes for a in self._fp8_x)),
+                         f"x of {self.max_num_tokens} tokens per row in e4m3, for cuBLASLt"))
         if getattr(self, "graphs", None) is not None:
             from .gemm import WORKSPACE_BYTES
             rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes + self.step_graphs.metadata_bytes),

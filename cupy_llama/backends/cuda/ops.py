@@ -58,11 +58,12 @@ class CudaOps(SublayerOps):
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  num_heads: int, head_dim: int, max_model_len: int, workspace=None,
-                 switches: KernelSwitches = KernelSwitches(), dequantized=None):
+                 switches: KernelSwitches = KernelSwitches(), dequantized=None,
+                 fp8_activations=None):
         """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
         decode (sized by attention.workspace_sizes), or None to allocate them here.
         switches: which kernels run (switches.py); fixed for the life of the ops.
-        dequantized: flat bf16 scratch for FP8 weights past 16 rows (gemm.Products)."""
+        dequantized, fp8_activations: scratch for FP8 weights past 16 rows (gemm.Products)."""
         cupy = import_cupy()
         self._cupy = cupy
         self.max_num_tokens = max_num_tokens
@@ -73,7 +74,8 @@ class CudaOps(SublayerOps):
         # what the switches ask for, where the GPU can
         self.programmatic = switches.programmatic and launch.launch_attributes_usable()
         self.clusters = switches.clusters and launch.launch_attributes_usable()
-        self.products = Products(switches.skinny_gemm, self.programmatic, dequantized=dequantized)
+        self.products = Products(switches.skinny_gemm, self.programmatic, dequantized=dequantized,
+                                 fp8_activations=fp8_activations, fp8_gemm=switches.fp8_gemm)
         # a step's arrays, packed back to back at the step's own sizes (StepLayout)
         capacity = StepLayout(max_num_tokens, max_num_seqs, max_blocks_per_seq).size
         self._meta_host = pinned_array(cupy, capacity, np.int32)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from ...errors import ConfigError
 
 SKINNY_CHOICES = ("auto", "mma", "cublas")
+FP8_CHOICES = ("cublaslt", "dequantize")
 ENVIRONMENT = {"programmatic": "CUPY_LLAMA_PDL", "clusters": "CUPY_LLAMA_CLUSTERS",
-               "skinny_gemm": "CUPY_LLAMA_SKINNY_GEMM"}
+               "skinny_gemm": "CUPY_LLAMA_SKINNY_GEMM", "fp8_gemm": "CUPY_LLAMA_FP8_GEMM"}
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,16 @@ class KernelSwitches:
     # who computes the products of at most 16 rows (gemm.py): "auto" (this GPU's measured
     # choice table), "mma" (the tensor-core skinny kernels) or "cublas"
     skinny_gemm: str = "auto"
+    # who computes the products of FP8 weights past 16 rows (gemm.py): "cublaslt" (x
+    # quantized per row, FP8 tensor cores; the dequantized weight where cuBLASLt cannot)
+    # or "dequantize" (the weight dequantized to bf16, then cuBLAS)
+    fp8_gemm: str = "cublaslt"
 
     def __post_init__(self):
-        if self.skinny_gemm not in SKINNY_CHOICES:
-            raise ConfigError(f"skinny_gemm must be one of {', '.join(SKINNY_CHOICES)}, got "
-                              f"{self.skinny_gemm!r}")
+        for name, choices in (("skinny_gemm", SKINNY_CHOICES), ("fp8_gemm", FP8_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
+                                  f"{getattr(self, name)!r}")
 
     @classmethod
     def from_environment(cls, environ=None) -> "KernelSwitches":
@@ -45,10 +51,11 @@ class KernelSwitches:
                 if text not in ("0", "1"):
                     raise ConfigError(f"{ENVIRONMENT[name]} must be 0 or 1, got {text!r}")
                 values[name] = text == "1"
-        skinny = environ.get(ENVIRONMENT["skinny_gemm"])
-        if skinny is not None:
-            if skinny not in SKINNY_CHOICES:
-                raise ConfigError(f"{ENVIRONMENT['skinny_gemm']} must be one of "
-                                  f"{', '.join(SKINNY_CHOICES)}, got {skinny!r}")
-            values["skinny_gemm"] = skinny
+        for name, choices in (("skinny_gemm", SKINNY_CHOICES), ("fp8_gemm", FP8_CHOICES)):
+            text = environ.get(ENVIRONMENT[name])
+            if text is not None:
+                if text not in choices:
+                    raise ConfigError(f"{ENVIRONMENT[name]} must be one of "
+                                      f"{', '.join(choices)}, got {text!r}")
+                values[name] = text
         return cls(**values)
