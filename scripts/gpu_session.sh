@@ -5,7 +5,7 @@
 #
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
-# Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo
+# Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo fp8
 # bench_hf wheel prefix serve (= serve_base serve_load serve_c1) families (= family_latency
 # family_throughput: bench latency and throughput of each family's preset shape)
 # (wheel: builds the wheel, installs it outside the checkout, runs the gpu tests and bench
@@ -13,7 +13,9 @@
 # ./.whl when they are not installed; prefix: bench prefix, scripts/prefix_check.py and the
 # offline workload with caching off)
 # (demo needs DEMO_GGUF: builds the demo model, compares it with transformers, runs the
-# engine checks and the CLI on it).
+# engine checks and the CLI on it; fp8: the FP8 gpu tests, bench latency, ttft and
+# throughput of the Llama-3.2-1B shape in bf16 and with --quantization fp8 one after the
+# other, and scripts/fp8_accuracy.py on it).
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -57,6 +59,14 @@ for mode in latency throughput; do
     done
   fi
 done
+if wants fp8; then
+  step fp8_tests 300 python3 -m pytest -q -m gpu tests/test_cuda_fp8.py tests/test_cuda_fused.py -p no:cacheprovider
+  for mode in latency ttft throughput; do
+    step bf16_$mode 200 python3 -m cupy_llama.cli bench $mode --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_${mode}_bf16.json"
+    step fp8_$mode 200 python3 -m cupy_llama.cli bench $mode --device cuda --model "$M1B" --quantization fp8 --commit "$COMMIT" --json "$OUT/bench_${mode}_fp8.json"
+  done
+  step fp8_accuracy_1b 300 python3 scripts/fp8_accuracy.py "$M1B" --device cuda --json "$OUT/fp8_accuracy_1b.json"
+fi
 if wants demo && [ -n "$DEMO_GGUF" ]; then
   [ -d "$WORK/demo" ] || step fetch_demo 300 python3 -m cupy_llama.cli fetch-demo --gguf "$DEMO_GGUF" --out "$WORK/demo" --no-check
   step compare_demo 300 python3 scripts/compare_hf.py "$WORK/demo" --chat --json "$OUT/compare_demo.json"
