@@ -24,6 +24,7 @@ from test_cuda_ops import (DECODE, MIXED_PREFILL, REF, TILE_EDGES, _gpu_availabl
                            run_ops_attention, run_paged_attention, to_float)
 
 from cupy_llama.interface import HeadNorm
+from cupy_llama.util import cdiv
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
@@ -98,8 +99,30 @@ def test_softcap_and_scaled_embedding(cp, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 16])
 @pytest.mark.parametrize("what", ["bias", "norm", "both"])
 def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
+    check_rope(cp, rng, what, 8, 2, head_dim, 37, offset)
+
+
+# (num_heads, num_kv_heads, head_dim, num_tokens): the head-norm kernel's blocks of
+# HEAD_NORM_WARPS q and k heads, all full (Qwen3-0.6B: 24 heads, 3 blocks; 40 heads, 5) or
+# one partial (Gemma-3-1B: 5 heads; 3 heads), at one token (a batch-1 decode step, with and
+# without a slot) and at several
+HEAD_NORM_SHAPES = [(16, 8, 128, 1), (4, 1, 256, 1), (16, 8, 128, 6), (4, 1, 256, 19),
+                    (32, 8, 64, 3), (2, 1, 128, 2)]
+
+
+@pytest.mark.parametrize("shape", HEAD_NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_head_norm_rope_across_blocks_of_heads(cp, rng, shape):
+    num_heads, num_kv_heads, head_dim, num_tokens = shape
+    for what, offset, padded in (("norm", 1.0, slice(1, None, 2)), ("both", 0.0, slice(0, None, 2))):
+        check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, offset, padded)
+
+
+def check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, offset,
+               padded=slice(0, None, 7)):
+    """rope_and_cache with biases ("bias"), head norms ("norm") or both against the
+    reference; the tokens slots[padded] have no slot (padding: no KV written)."""
     from cupy_llama.backends.cuda import elementwise
-    num_kv_heads, num_heads, num_tokens, num_blocks = 2, 8, 37, 16
+    num_blocks = cdiv(num_tokens, BLOCK_SIZE) + 1
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv_bits, qkv = random_bf16(rng, (num_tokens, width), scale=2.0)
     bias_bits, bias = random_bf16(rng, (width,), scale=0.5)
@@ -108,7 +131,7 @@ def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
     use_bias, use_norm = what in ("bias", "both"), what in ("norm", "both")
     positions = rng.integers(0, 4096, num_tokens).astype(np.int32)
     slots = rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32)
-    slots[::7] = -1
+    slots[padded] = -1
     cos_sin = rope_table(4096, head_dim)
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
 

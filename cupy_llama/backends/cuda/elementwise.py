@@ -116,19 +116,17 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_ou
     """Rotate q and k (half-split pairs), q -> q_out [T, nh, d]; rotated k and plain v ->
     the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped).
     bias [(nh + 2 nkv) d] bf16: added to qkv first. head_norm (interface.HeadNorm, weights
-    [d] bf16, d <= 256): each q and k head normed before it is rotated."""
+    [d] bf16, d <= 256): each q and k head normed before it is rotated (a kernel of its own:
+    a warp per head, HEAD_NORM_WARPS heads per block)."""
     num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
         q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     check("qkv", qkv, BF16, shape=(num_tokens, width))
     if bias is not None:
         check("bias", bias, BF16, shape=(width,))
-    q_norm = k_norm = None
-    eps, offset = 0.0, 0.0
     if head_norm is not None:
-        q_norm = check("q_norm", head_norm.q_weight, BF16, shape=(head_dim,))
-        k_norm = check("k_norm", head_norm.k_weight, BF16, shape=(head_dim,))
-        eps, offset = head_norm.eps, head_norm.offset
+        check("q_norm", head_norm.q_weight, BF16, shape=(head_dim,))
+        check("k_norm", head_norm.k_weight, BF16, shape=(head_dim,))
         if head_dim > 2 * _ROPE["HEAD_NORM_PAIRS"] * _ROPE["WARP_SIZE"]:
             raise ValueError(f"q_out: head norms take head_dim up to "
                              f"{2 * _ROPE['HEAD_NORM_PAIRS'] * _ROPE['WARP_SIZE']}, got {head_dim}")
@@ -136,12 +134,18 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_ou
               and num_kv_heads * head_dim % _ROPE["ROPE_V_VECTOR"] == 0
               and aligned16(qkv, cos_sin, k_cache, v_cache, q_out,
                             *(() if bias is None else (bias,))))
-    if num_tokens:
-        get_kernel("rope", "rope_and_cache_kernel")(
-            (num_tokens,), (_ROPE["ROPE_THREADS"],),
-            (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
-             i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector),
-             _pointer(bias), _pointer(q_norm), _pointer(k_norm), f32(eps), f32(offset)))
+    if not num_tokens:
+        return
+    args = (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out, i32(num_heads),
+            i32(num_kv_heads), i32(head_dim), i32(vector), _pointer(bias))
+    if head_norm is None:
+        get_kernel("rope", "rope_and_cache_kernel")((num_tokens,), (_ROPE["ROPE_THREADS"],), args)
+    else:
+        warps = _ROPE["HEAD_NORM_WARPS"]
+        get_kernel("rope", "rope_head_norm_and_cache_kernel")(
+            (num_tokens, cdiv(num_heads + num_kv_heads, warps)), (warps * _ROPE["WARP_SIZE"],),
+            args + (head_norm.q_weight, head_norm.k_weight, f32(head_norm.eps),
+                    f32(head_norm.offset)))
 
 
 def _pointer(array):
