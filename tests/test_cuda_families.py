@@ -238,8 +238,9 @@ def test_prefill_attention_with_a_window(cp, rng, head_dim, window):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_attention_with_a_window(cp, rng, head_dim, window):
-    """Every decode kernel: CUDA cores with host and device split lengths, clusters, tensor
-    cores, the scalar kernel, and through CudaOps (which picks the splits from the window)."""
+    """Every decode kernel: CUDA cores with host and device split lengths, clusters (host and
+    device lengths), tensor cores, the scalar kernel, and through CudaOps (which picks the
+    splits from the window)."""
     from cupy_llama.backends.cuda import launch
     group = 4
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group, window=window)
@@ -251,9 +252,12 @@ def test_decode_attention_with_a_window(cp, rng, head_dim, window):
                                           max_seq_len=max_seq_len, kernel=kernel)
                 assert_close(got, case["expected"], 1.5e-2, 1e-2,
                              f"{kernel} d={head_dim} window={window} splits={num_splits} {max_seq_len}")
-    if head_dim != 256 and launch.launch_attributes_usable():
-        got = run_paged_attention(cp, case, head_dim, num_splits=32, clusters=True)
-        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"clusters d={head_dim} window={window}")
+    if launch.launch_attributes_usable():
+        for max_seq_len in ("batch", None):
+            got = run_paged_attention(cp, case, head_dim, num_splits=32, clusters=True,
+                                      max_seq_len=max_seq_len)
+            assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                         f"clusters d={head_dim} window={window} {max_seq_len}")
     assert_close(run_ops_attention(cp, case, head_dim), case["expected"], 1.5e-2, 1e-2,
                  f"CudaOps d={head_dim} window={window}")
 
