@@ -46,7 +46,7 @@ def rng():
 # ------------------------------------------------------------------------- row kernels
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("hidden", [64, 1152, 90])
+@pytest.mark.parametrize("hidden", [64, 1152, 90, 5376])  # 5376: more than a group a thread
 def test_rms_norm_offset_and_the_norm_that_adds(cp, rng, hidden, offset):
     from cupy_llama.backends.cuda import elementwise
     x = rng.standard_normal((17, hidden), dtype=np.float32) * 3
