@@ -90,19 +90,23 @@ extern "C" __global__ void rms_norm_f32_kernel(const float* x, const bf16* __res
 // most one vector group (hidden <= NORM_VECTOR * blockDim.x: the launcher's thread count
 // gives that up to 4,096), x, the weight and the residual are loaded once, together, before
 // the sum (one round trip to memory, not two); the sums and roundings are the loops'.
-extern "C" __global__ void add_rms_norm_kernel(const bf16* __restrict__ x,
-                                               const bf16* __restrict__ weight,
-                                               float* __restrict__ residual, int hidden,
-                                               float eps, float offset, int vector) {
+// It may be launched programmatically (common.cuh): the weight loads before it waits for
+// the kernel before (the product whose output x is), x and the residual after; so neither
+// is __restrict__.
+extern "C" __global__ void add_rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
+                                               float* residual, int hidden, float eps,
+                                               float offset, int vector) {
+    let_next_kernel_start();  // the next product may load its weights meanwhile
     const long long row = (long long)blockIdx.x * hidden;
     if (vector && hidden <= NORM_VECTOR * (int)blockDim.x) {
         __shared__ float scratch[WARP_SIZE];
         const int i = threadIdx.x * NORM_VECTOR;
         float v[NORM_VECTOR] = {0.0f, 0.0f, 0.0f, 0.0f}, w[NORM_VECTOR];
         float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < hidden) load4(weight + i, w);
+        wait_for_previous_kernel();
         if (i < hidden) {
             load4(x + row + i, v);
-            load4(weight + i, w);
             r = *reinterpret_cast<const float4*>(residual + row + i);
         }
         float sum_sq = 0.0f;
@@ -118,6 +122,7 @@ extern "C" __global__ void add_rms_norm_kernel(const bf16* __restrict__ x,
         }
         return;
     }
+    wait_for_previous_kernel();
     const float inv_rms = row_inv_rms(x, row, hidden, eps, vector);
     if (vector) {
         for (int i = threadIdx.x * NORM_VECTOR; i < hidden; i += blockDim.x * NORM_VECTOR) {

@@ -14,7 +14,9 @@
 // head). Each lane holds the pairs (p, p + d/2) for p = lane, lane + 32, ... (at most
 // HEAD_NORM_PAIRS of them: d <= 256), issues every load of its head (values, biases,
 // norm weights, cos and sin) before it uses any, the warp sums their squares, and the
-// lanes rotate their normed pairs. The blocks of a token share its v copy.
+// lanes rotate their normed pairs. The blocks of a token share its v copy. It may be
+// launched programmatically (common.cuh): the weights, cos / sin and the step's metadata
+// load before it waits for the kernel before, qkv after.
 //
 // qkv [T, (nh + 2 nkv) d]: q heads, then k heads, then v heads; bias [(nh + 2 nkv) d] or
 // nullptr: added to qkv and the sum rounded to bf16, as a product with a bias rounds it.
@@ -69,28 +71,47 @@ __device__ __forceinline__ void rotate_group(const bf16* src, const bf16* bias, 
     *reinterpret_cast<uint2*>(dst + i + half) = pack_bf16x4(o2);
 }
 
-// one q or k head by one warp: its values (+ bias), normed over the head, rotated. Every
-// load is issued before the first use (the stores could alias the table, so the compiler
-// would not move a later pair's loads above an earlier pair's stores by itself); the sums
-// and roundings are the same whichever order the loads come in.
-__device__ __forceinline__ void norm_rotate_head(const bf16* src, const bf16* bias,
-                                                 const bf16* __restrict__ norm, bf16* dst,
-                                                 const float* table, int head_dim,
-                                                 float eps, float offset) {
-    const int lane = threadIdx.x % WARP_SIZE, half = head_dim / 2;
-    float x1[HEAD_NORM_PAIRS], x2[HEAD_NORM_PAIRS], w1[HEAD_NORM_PAIRS], w2[HEAD_NORM_PAIRS];
-    float c[HEAD_NORM_PAIRS], s[HEAD_NORM_PAIRS];
+// What a lane of a head-norm warp needs besides the head's values: the norm weights and
+// cos / sin of its pairs (p, p + d/2), p = lane, lane + 32, ... (zeros past d/2). They are
+// fixed for the step, so they load before the kernel waits for the one before.
+struct HeadNormPairs {
+    float w1[HEAD_NORM_PAIRS], w2[HEAD_NORM_PAIRS], c[HEAD_NORM_PAIRS], s[HEAD_NORM_PAIRS];
+};
+
+__device__ __forceinline__ HeadNormPairs load_head_norm_pairs(const bf16* __restrict__ norm,
+                                                              const float* table, int half) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    HeadNormPairs pairs;
 #pragma unroll
     for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
         const int p = lane + k * WARP_SIZE;
-        x1[k] = x2[k] = w1[k] = w2[k] = c[k] = s[k] = 0.0f;
+        pairs.w1[k] = pairs.w2[k] = pairs.c[k] = pairs.s[k] = 0.0f;
+        if (p < half) {
+            pairs.w1[k] = to_float(norm[p]);
+            pairs.w2[k] = to_float(norm[p + half]);
+            pairs.c[k] = table[p];
+            pairs.s[k] = table[half + p];
+        }
+    }
+    return pairs;
+}
+
+// one q or k head by one warp: its values (+ bias), normed over the head, rotated. Every
+// value is loaded before the first is used (the stores could alias them, so the compiler
+// would not move a later pair's loads above an earlier pair's stores by itself); the sums
+// and roundings are the same whichever order the loads come in.
+__device__ __forceinline__ void norm_rotate_head(const bf16* src, const bf16* bias,
+                                                 const HeadNormPairs& pairs, bf16* dst,
+                                                 int head_dim, float eps, float offset) {
+    const int lane = threadIdx.x % WARP_SIZE, half = head_dim / 2;
+    float x1[HEAD_NORM_PAIRS], x2[HEAD_NORM_PAIRS];
+#pragma unroll
+    for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
+        const int p = lane + k * WARP_SIZE;
+        x1[k] = x2[k] = 0.0f;
         if (p < half) {
             x1[k] = load_biased(src, bias, p);
             x2[k] = load_biased(src, bias, p + half);
-            w1[k] = to_float(norm[p]);
-            w2[k] = to_float(norm[p + half]);
-            c[k] = table[p];
-            s[k] = table[half + p];
         }
     }
     // the sum of squares in one fixed rounding order, x2^2 fused onto the rounded x1^2 (left
@@ -106,9 +127,9 @@ __device__ __forceinline__ void norm_rotate_head(const bf16* src, const bf16* bi
     for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
         const int p = lane + k * WARP_SIZE;
         if (p >= half) continue;
-        const float n1 = bf16_rounded(rms_scaled(x1[k], inv_rms, w1[k], offset));
-        const float n2 = bf16_rounded(rms_scaled(x2[k], inv_rms, w2[k], offset));
-        rotate_pair(n1, n2, c[k], s[k], dst[p], dst[p + half]);
+        const float n1 = bf16_rounded(rms_scaled(x1[k], inv_rms, pairs.w1[k], offset));
+        const float n2 = bf16_rounded(rms_scaled(x2[k], inv_rms, pairs.w2[k], offset));
+        rotate_pair(n1, n2, pairs.c[k], pairs.s[k], dst[p], dst[p + half]);
     }
 }
 
@@ -171,17 +192,22 @@ extern "C" __global__ void rope_and_cache_kernel(
            num_kv_heads * head_dim, vector, threadIdx.x, blockDim.x);
 }
 
+// Neither qkv nor the outputs are __restrict__: the product before writes qkv, and with
+// only restricted pointers written the compiler may read qkv through the non-coherent path
+// (DEVELOPERS.md, programmatic launches)
 extern "C" __global__ void rope_head_norm_and_cache_kernel(
-        const bf16* __restrict__ qkv, const int* __restrict__ positions,
+        const bf16* qkv, const int* __restrict__ positions,
         const int* __restrict__ slot_mapping, const float* __restrict__ cos_sin,
-        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_out,
+        bf16* k_cache, bf16* v_cache, bf16* q_out,
         int num_heads, int num_kv_heads, int head_dim, int vector, const bf16* bias,
         const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, float norm_eps,
         float norm_offset) {
+    let_next_kernel_start();  // attention may look up its first cache slots meanwhile
     const int t = blockIdx.x;
     const int head = blockIdx.y * HEAD_NORM_WARPS + threadIdx.x / WARP_SIZE;
     const int width = (num_heads + 2 * num_kv_heads) * head_dim;
     const bf16* row = qkv + (long long)t * width;
+    // the step's metadata and the weights and tables are there before its first kernel
     const float* table = cos_sin + (long long)positions[t] * head_dim;
     const long long slot = slot_mapping[t];
     const long long cache_row = slot * num_kv_heads * head_dim;
@@ -192,10 +218,15 @@ extern "C" __global__ void rope_head_norm_and_cache_kernel(
         dst = q_out + ((long long)t * num_heads + head) * head_dim;
     else if (head < num_heads + num_kv_heads && slot >= 0)
         dst = k_cache + cache_row + (long long)(head - num_heads) * head_dim;
+    HeadNormPairs pairs;
+    if (dst != nullptr)
+        pairs = load_head_norm_pairs(head < num_heads ? q_norm : k_norm, table, head_dim / 2);
+    // launched programmatically: qkv comes from the product before, and the caches and q
+    // may still be read by the kernels before it
+    wait_for_previous_kernel();
     if (dst != nullptr)
         norm_rotate_head(row + head * head_dim, bias == nullptr ? nullptr : bias + head * head_dim,
-                         head < num_heads ? q_norm : k_norm, dst, table, head_dim, norm_eps,
-                         norm_offset);
+                         pairs, dst, head_dim, norm_eps, norm_offset);
     if (slot < 0) return;
     copy_v(row, bias, v_cache, cache_row, (num_heads + num_kv_heads) * head_dim,
            num_kv_heads * head_dim, vector, blockIdx.y * blockDim.x + threadIdx.x,

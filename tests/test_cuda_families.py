@@ -165,6 +165,63 @@ def check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, off
         assert_close(np.nan_to_num(got), np.nan_to_num(ref), 2e-2, 2e-2, f"{name} cache ({label})")
 
 
+def test_programmatic_row_kernels_give_the_same_bits_eager_and_in_a_graph(cp, rng):
+    """The head-norm rope and the adding norm launched programmatically, each right after
+    a programmatic product that writes what it reads (and before one that reads what it
+    writes), give the bits of plain launches, eagerly and replayed from a CUDA graph: a
+    Qwen3-0.6B-shaped layer's chain, three times over."""
+    from cupy_llama.backends.cuda import elementwise, gemm, launch
+    if not launch.launch_attributes_usable():
+        pytest.skip("programmatic launches need cuLaunchKernelEx and an sm_90+ GPU")
+    num_tokens, hidden, num_heads, num_kv_heads, head_dim, num_blocks = 2, 1024, 16, 8, 128, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    weights = [cp.asarray(random_bf16(rng, shape, scale=scale)[0]) for shape, scale in (
+        ((hidden,), 0.3), ((width, hidden), 0.03), ((hidden, num_heads * head_dim), 0.03),
+        ((hidden,), 0.3), ((head_dim,), 0.3), ((head_dim,), 0.3))]
+    input_norm, w_qkv, w_o, out_norm, q_norm, k_norm = weights
+    head_norm = HeadNorm(q_norm, k_norm, 1e-6, 1.0)
+    positions = cp.asarray(rng.integers(0, 4096, num_tokens).astype(np.int32))
+    slots = cp.asarray(rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32))
+    cos_sin = cp.asarray(rope_table(4096, head_dim))
+    start = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    def run(programmatic, capture):
+        products = gemm.Products("mma", programmatic=programmatic)
+        residual = cp.asarray(start)
+        qkv = cp.empty((num_tokens, width), np.uint16)
+        q_out = poisoned(cp, (num_tokens, num_heads, head_dim))
+        h = cp.empty((num_tokens, hidden), np.uint16)
+        k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+
+        def chain():
+            for _ in range(3):
+                assert products.norm_linear(residual, input_norm, 1e-6, w_qkv, qkv, 1.0)
+                elementwise.rope_and_cache(qkv, positions, slots, cos_sin, k_cache, v_cache,
+                                           q_out, None, head_norm, programmatic)
+                products.linear(q_out.reshape(num_tokens, -1), w_o, h)
+                elementwise.add_rms_norm(h, out_norm, 1e-6, residual, 1.0, programmatic)
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            if capture:
+                stream.begin_capture()
+                chain()
+                stream.end_capture().launch(stream)
+            else:
+                chain()
+            stream.synchronize()
+        return [cp.asnumpy(a) for a in (residual, k_cache, v_cache)]
+
+    reference = run(False, False)
+    assert np.isfinite(reference[0]).all()
+    for programmatic, capture in ((True, False), (False, True), (True, True)):
+        for name, got, expected in zip(("residual", "k cache", "v cache"),
+                                       run(programmatic, capture), reference):
+            np.testing.assert_array_equal(got, expected, err_msg=(
+                f"{name}: programmatic={programmatic} graph={capture} differs from plain"))
+
+
 @pytest.mark.parametrize("m", [1, 7, 16])
 def test_fused_products_take_offsets_gelu_and_biases(cp, rng, m):
     """The skinny kernels' norm prologue with Gemma's offset, the GeGLU epilogue and the qkv
