@@ -11,9 +11,9 @@
 // spills, whether a cap is set or not), so the launcher sends capped attention there.
 //
 // Three kernels (the launcher in cupy_llama/backends/cuda/attention.py picks one):
-// - decode_attention_d{64,128}_g{1,2,4,8}: one new token per sequence, vectorized fp32
-//   CUDA cores, split-KV (the _cluster variants, sm_90+, merge the splits of a cluster
-//   on chip, without the combine kernel);
+// - decode_attention_d{64,128,256}_g{1,2,4,8}: one new token per sequence, vectorized
+//   fp32 CUDA cores, split-KV (the _cluster variants, sm_90+, merge the splits of a
+//   cluster on chip, without the combine kernel);
 // - prefill_attention_d{64,128}: any number of new tokens, tensor cores (mma.sync bf16);
 // - paged_attention_dpl*: the scalar fallback for every other shape (any head_dim <= 256,
 //   any block size, any group), prefill and decode.
@@ -345,7 +345,8 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 }
 
 // ====================================================================== decode (CUDA cores)
-// Launch: grid (num_splits, nkv, B), block (DECODE_THREADS), no dynamic shared memory.
+// Launch: grid (num_splits, nkv, B), block (WARPS * WARP_SIZE: the last argument of the
+// kernel's DEFINE_DECODE_ATTENTION line), no dynamic shared memory.
 // Every sequence has at most one new token (a sequence with none is skipped). A CTA serves
 // one (sequence, kv head, split) and all `group` query heads of that kv head, so each K/V
 // row is read once. A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte
@@ -354,13 +355,24 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // them against all query heads (dot products reduced over the slot's lanes by xor
 // shuffles, so every lane of a slot holds the same score), and keeps its own online
 // softmax per head (base-2: q is pre-scaled by scale * log2(e)). At the end the slots of a
-// warp merge through shuffles and the warps through shared memory.
+// warp merge through shuffles and the warps through shared memory: at most
+// DECODE_MERGE_WARPS warps' results at once (its size), so wider CTAs first fold their
+// upper half of warps onto the lower half.
+//
+// A step of the loop covers SLOTS * UNROLL keys, and a step costs a round trip to memory
+// (the block-table lookup, then K and V). The CTA width is chosen per head_dim so that a
+// step covers SPLIT_ALIGN keys (the unit of split lengths) where the register file allows:
+// 4 warps at head_dim 64, 8 at 128, 16 in the clusters of 256 (a 64-key split, and each
+// CTA of a cluster up to 512 keys, is then one step); 8 query heads per kv head take 2
+// keys per slot and as many registers as 4 heads take for 4, so they step half as far.
 
-#define DECODE_THREADS 128
 #define DECODE_CLUSTER 8  // CTAs per cluster of the clustered variant
-// CTAs per SM the register budget must allow (at most 128 registers per thread below 8
-// heads per group; without the hint ptxas picks 64 for some variants and spills)
-#define DECODE_MIN_CTAS(MAXG) ((MAXG) >= 8 ? 2 : 4)
+#define DECODE_MERGE_WARPS 8  // warps' results merged at once (the merge buffers' size)
+// CTAs per SM the register budget must allow: at most 128 registers per thread below 8
+// heads per group (65,536 per SM), 255 at 8; without the hint ptxas picks 64 for some
+// variants and spills
+#define DECODE_MIN_CTAS(MAXG, WARPS) \
+    ((((MAXG) >= 8 ? 8 : 16) / (WARPS)) > 0 ? (((MAXG) >= 8 ? 8 : 16) / (WARPS)) : 1)
 // keys per slot per step (the register budget): DECODE_UNROLL, or DECODE_UNROLL_G8 for
 // variants of 8 query heads per kv head
 #define DECODE_UNROLL 4
@@ -369,7 +381,7 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // q and the caches are not __restrict__: with it the compiler may read them through the
 // read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
 // known before it), reading q and K/V the kernel before has not written yet.
-template <int D, int MAXG, int CLUSTER>
+template <int D, int MAXG, int CLUSTER, int WARPS>
 __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache,
         const int* __restrict__ block_tables,
@@ -379,13 +391,17 @@ __device__ __forceinline__ void decode_attention_body(
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len, int window) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
-    constexpr int NUM_WARPS = DECODE_THREADS / WARP_SIZE;
+    constexpr int NUM_WARPS = WARPS;
+    constexpr int THREADS = NUM_WARPS * WARP_SIZE;
     constexpr int SLOTS = NUM_WARPS * SLOTS_PER_WARP;
     constexpr int UNROLL = MAXG >= 8 ? DECODE_UNROLL_G8 : DECODE_UNROLL;
     constexpr int STEP = SLOTS * UNROLL;       // keys per CTA per step
-    __shared__ float merge_m[NUM_WARPS][MAXG];
-    __shared__ float merge_l[NUM_WARPS][MAXG];
-    __shared__ float merge_acc[NUM_WARPS][MAXG][D];
+    // warps whose results the shared-memory merge takes at once; wider CTAs fold first
+    constexpr int MERGE_WARPS = NUM_WARPS < DECODE_MERGE_WARPS ? NUM_WARPS : DECODE_MERGE_WARPS;
+    static_assert(NUM_WARPS == MERGE_WARPS || NUM_WARPS == 2 * MERGE_WARPS, "one fold at most");
+    __shared__ float merge_m[MERGE_WARPS][MAXG];
+    __shared__ float merge_l[MERGE_WARPS][MAXG];
+    __shared__ float merge_acc[MERGE_WARPS][MAXG][D];
     // CLUSTER: this CTA's result for its key range (running max, sum, unnormalized
     // output), read by the other CTAs of its cluster
     constexpr int CTA_G = CLUSTER > 0 ? MAXG : 1, CTA_D = CLUSTER > 0 ? D : 1;
@@ -415,7 +431,7 @@ __device__ __forceinline__ void decode_attention_body(
     if (CLUSTER == 0 && key_begin >= key_end) {
         wait_for_previous_kernel();  // which may still read the outputs
         if (num_splits == 1) {
-            for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS)
+            for (int i = threadIdx.x; i < group * D; i += THREADS)
                 out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
         } else if (threadIdx.x < group) {
             const long long part = ((long long)b * num_heads + head0 + threadIdx.x) * num_splits + split;
@@ -554,7 +570,40 @@ __device__ __forceinline__ void decode_attention_body(
             m[g] = m_new;
         }
     }
-    if (lane < LANES_PER_KEY) {  // slot 0 of each warp now holds the warp's result
+    if constexpr (NUM_WARPS > MERGE_WARPS) {
+        // fold: warp w + MERGE_WARPS hands its result to warp w through shared memory
+        if (warp >= MERGE_WARPS && lane < LANES_PER_KEY) {
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g >= group) continue;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) merge_acc[warp - MERGE_WARPS][g][sub * 8 + i] = acc[g][i];
+                if (lane == 0) {
+                    merge_m[warp - MERGE_WARPS][g] = m[g];
+                    merge_l[warp - MERGE_WARPS][g] = l[g];
+                }
+            }
+        }
+        __syncthreads();
+        if (warp < MERGE_WARPS && lane < LANES_PER_KEY) {
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g >= group) continue;
+                const float m_other = merge_m[warp][g], l_other = merge_l[warp][g];
+                const float m_new = fmaxf(m[g], m_other);
+                const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+                const float w_self = exp2f(m[g] - m_use), w_other = exp2f(m_other - m_use);
+                l[g] = l[g] * w_self + l_other * w_other;
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    acc[g][i] = acc[g][i] * w_self + merge_acc[warp][g][sub * 8 + i] * w_other;
+                m[g] = m_new;
+            }
+        }
+        __syncthreads();  // the buffers are read; the lower warps write them again below
+    }
+    // slot 0 of each of the first MERGE_WARPS warps now holds the result of its warps
+    if ((NUM_WARPS == MERGE_WARPS || warp < MERGE_WARPS) && lane < LANES_PER_KEY) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             if (g >= group) continue;
@@ -568,12 +617,12 @@ __device__ __forceinline__ void decode_attention_body(
     }
     __syncthreads();
     // merge the warps: thread i writes dim i % D of head i / D
-    for (int i = threadIdx.x; i < group * D; i += DECODE_THREADS) {
+    for (int i = threadIdx.x; i < group * D; i += THREADS) {
         const int g = i / D, c = i % D;
         // m_max is finite where the range holds a key (its slot has l >= 1); -inf only for
         // an empty range of a cluster CTA, whose sums then stay 0
         float m_max, sum_l, sum_acc;
-        merge_parts<NUM_WARPS>([&](int w) { return merge_m[w][g]; },
+        merge_parts<MERGE_WARPS>([&](int w) { return merge_m[w][g]; },
                                [&](int w) { return merge_l[w][g]; },
                                [&](int w) { return merge_acc[w][g][c]; }, m_max, sum_l, sum_acc);
         if (CLUSTER > 0) {
@@ -597,7 +646,7 @@ __device__ __forceinline__ void decode_attention_body(
         // merge the cluster's CTAs through distributed shared memory: CTA r writes outputs
         // [r * per, (r + 1) * per) of the group's heads, reading every CTA's result in rank
         // order (the same sums whichever CTA computes them); one output per thread at most
-        static_assert(MAXG * D <= CLUSTER * DECODE_THREADS, "a CTA's outputs fit its threads");
+        static_assert(MAXG * D <= CLUSTER * THREADS, "a CTA's outputs fit its threads");
         cluster_barrier();  // every CTA's result is in its shared memory
         const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
         const int i = split * per + threadIdx.x;
@@ -626,8 +675,9 @@ __device__ __forceinline__ void decode_attention_body(
     }
 }
 
-#define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER)                                    \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_MIN_CTAS(MAXG)) \
+#define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER, WARPS)                             \
+    extern "C" __global__ void                                                            \
+    __launch_bounds__((WARPS) * WARP_SIZE, DECODE_MIN_CTAS(MAXG, WARPS))                  \
     NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
@@ -636,38 +686,45 @@ __device__ __forceinline__ void decode_attention_body(
         int window) {                                                                     \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         /* launched programmatically: the body waits before it reads q or writes */       \
-        decode_attention_body<D, MAXG, CLUSTER>(                                          \
+        decode_attention_body<D, MAXG, CLUSTER, WARPS>(                                   \
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,   \
             partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
             scale_log2, num_splits, split_len, window);                                       \
     }
 
-// group <= MAXG (query heads per kv head)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g1, 64, 1, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g2, 64, 2, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g4, 64, 4, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g8, 64, 8, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d256_g1, 256, 1, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d256_g2, 256, 2, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d256_g4, 256, 4, 0)
-DEFINE_DECODE_ATTENTION(decode_attention_d256_g8, 256, 8, 0)
+// group <= MAXG (query heads per kv head); WARPS: the CTA's width (see above). The split
+// kernels of head_dim 256 keep 4 warps: they serve every batch size of that head_dim (there
+// is no tensor-core decode kernel for it), and a CTA of 16 warps takes a whole SM's
+// registers, so large batches would lose the overlap of several CTAs per SM. Its clusters,
+// which run at small batches only (decode_clusters_pay), take 16.
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1, 64, 1, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2, 64, 2, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4, 64, 4, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8, 64, 8, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1, 128, 1, 0, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2, 128, 2, 0, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4, 128, 4, 0, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8, 128, 8, 0, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g1, 256, 1, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g2, 256, 2, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g4, 256, 4, 0, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g8, 256, 8, 0, 4)
 // Clustered (sm_90+): grid (DECODE_CLUSTER, nkv, B) launched as clusters of DECODE_CLUSTER
 // CTAs along x; the CTAs of a cluster split one (sequence, kv head)'s keys and merge their
 // results through distributed shared memory, so no partials go through global memory and
 // no combine kernel follows. num_splits, split_len, partial_out and partial_lse are not
 // read.
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d64_g8_cluster, 64, 8, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g1_cluster, 128, 1, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g2_cluster, 128, 2, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g4_cluster, 128, 4, DECODE_CLUSTER)
-DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g1_cluster, 64, 1, DECODE_CLUSTER, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g2_cluster, 64, 2, DECODE_CLUSTER, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g4_cluster, 64, 4, DECODE_CLUSTER, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d64_g8_cluster, 64, 8, DECODE_CLUSTER, 4)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g1_cluster, 128, 1, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g2_cluster, 128, 2, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g4_cluster, 128, 4, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g1_cluster, 256, 1, DECODE_CLUSTER, 16)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g2_cluster, 256, 2, DECODE_CLUSTER, 16)
+DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER, 16)
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory

@@ -86,12 +86,43 @@ extern "C" __global__ void rms_norm_f32_kernel(const float* x, const bf16* __res
 }
 
 // residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight), x [T, H] bf16:
-// a sublayer's output, normed in float32 and added unrounded
-extern "C" __global__ void add_rms_norm_kernel(const bf16* __restrict__ x,
-                                               const bf16* __restrict__ weight,
-                                               float* __restrict__ residual, int hidden,
-                                               float eps, float offset, int vector) {
+// a sublayer's output, normed in float32 and added unrounded. Where every thread holds at
+// most one vector group (hidden <= NORM_VECTOR * blockDim.x: the launcher's thread count
+// gives that up to 4,096), x, the weight and the residual are loaded once, together, before
+// the sum (one round trip to memory, not two); the sums and roundings are the loops'.
+// It may be launched programmatically (common.cuh): the weight loads before it waits for
+// the kernel before (the product whose output x is), x and the residual after; so neither
+// is __restrict__.
+extern "C" __global__ void add_rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
+                                               float* residual, int hidden, float eps,
+                                               float offset, int vector) {
+    let_next_kernel_start();  // the next product may load its weights meanwhile
     const long long row = (long long)blockIdx.x * hidden;
+    if (vector && hidden <= NORM_VECTOR * (int)blockDim.x) {
+        __shared__ float scratch[WARP_SIZE];
+        const int i = threadIdx.x * NORM_VECTOR;
+        float v[NORM_VECTOR] = {0.0f, 0.0f, 0.0f, 0.0f}, w[NORM_VECTOR];
+        float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < hidden) load4(weight + i, w);
+        wait_for_previous_kernel();
+        if (i < hidden) {
+            load4(x + row + i, v);
+            r = *reinterpret_cast<const float4*>(residual + row + i);
+        }
+        float sum_sq = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_VECTOR; ++k) sum_sq += v[k] * v[k];
+        const float inv_rms = rms_inv(block_sum(sum_sq, scratch), hidden, eps);
+        if (i < hidden) {
+            r.x += rms_scaled(v[0], inv_rms, w[0], offset);
+            r.y += rms_scaled(v[1], inv_rms, w[1], offset);
+            r.z += rms_scaled(v[2], inv_rms, w[2], offset);
+            r.w += rms_scaled(v[3], inv_rms, w[3], offset);
+            *reinterpret_cast<float4*>(residual + row + i) = r;
+        }
+        return;
+    }
+    wait_for_previous_kernel();
     const float inv_rms = row_inv_rms(x, row, hidden, eps, vector);
     if (vector) {
         for (int i = threadIdx.x * NORM_VECTOR; i < hidden; i += blockDim.x * NORM_VECTOR) {

@@ -1,20 +1,27 @@
 // RoPE on q and k, fused with the paged KV-cache write; before it, where the model has
 // them, the q/k/v biases (Qwen2) and an RMSNorm of each q and k head (Qwen3, Gemma 3).
-// Launch: grid (T), block (ROPE_THREADS).
 //
-// Without head norms, threads stride over groups of rotation pairs of all q and k heads,
-// then over the v elements. With vector != 0 (head_dim a multiple of 2 ROPE_VECTOR and nkv
-// head_dim of ROPE_V_VECTOR, every operand 16-byte aligned) a group is 4 adjacent pairs,
-// read and written in 8-byte words, and v moves in 16-byte words; else a group is one pair
-// and v one element at a time. With head norms (q_norm != nullptr), a warp takes one q or
-// k head at a time: each lane holds the pairs (p, p + d/2) for p = lane, lane + 32, ...
-// (at most HEAD_NORM_PAIRS of them: d <= 256), the warp sums their squares, and the lanes
-// rotate their normed pairs.
+// rope_and_cache_kernel (no head norms). Launch: grid (T), block (ROPE_THREADS). Threads
+// stride over groups of rotation pairs of all q and k heads, then over the v elements. With
+// vector != 0 (head_dim a multiple of 2 ROPE_VECTOR and nkv head_dim of ROPE_V_VECTOR, every
+// operand 16-byte aligned) a group is 4 adjacent pairs, read and written in 8-byte words,
+// and v moves in 16-byte words; else a group is one pair and v one element at a time.
+//
+// rope_head_norm_and_cache_kernel (q_norm, k_norm given). Launch: grid (T,
+// cdiv(nh + nkv, HEAD_NORM_WARPS)), block (HEAD_NORM_WARPS * WARP_SIZE): one warp per q or
+// k head, every head of a token at once (a small step is a few tokens, so a block per token
+// walking its heads in turn would leave the step waiting on one block's loads, head after
+// head). Each lane holds the pairs (p, p + d/2) for p = lane, lane + 32, ... (at most
+// HEAD_NORM_PAIRS of them: d <= 256), issues every load of its head (values, biases,
+// norm weights, cos and sin) before it uses any, the warp sums their squares, and the
+// lanes rotate their normed pairs. The blocks of a token share its v copy. It may be
+// launched programmatically (common.cuh): the weights, cos / sin and the step's metadata
+// load before it waits for the kernel before, qkv after.
 //
 // qkv [T, (nh + 2 nkv) d]: q heads, then k heads, then v heads; bias [(nh + 2 nkv) d] or
 // nullptr: added to qkv and the sum rounded to bf16, as a product with a bias rounds it.
-// q_norm, k_norm [d] or nullptr: x / rms(x) * (norm_offset + w) over each head, rounded to
-// bf16, as the model's norm returns it.
+// q_norm, k_norm [d]: x / rms(x) * (norm_offset + w) over each head, rounded to bf16, as
+// the model's norm returns it.
 // cos_sin [max_pos, d] float32: cos in columns [0, d/2), sin in [d/2, d).
 // Half-split pairs (i, i + d/2), rotated by rotate_pair (common.cuh).
 // Caches [num_blocks, block_size, nkv, d]: flat slot s = block * block_size + row starts at
@@ -26,6 +33,7 @@
 #define ROPE_VECTOR 4    // rotation pairs per group on the vector path: one 8-byte word
 #define ROPE_V_VECTOR 8  // v elements per copy on the vector path: one 16-byte word
 #define HEAD_NORM_PAIRS 4  // rotation pairs per lane with head norms: head_dim <= 256
+#define HEAD_NORM_WARPS 8  // heads per block with head norms (a warp each)
 static_assert(ROPE_VECTOR == 4, "rotate_group moves a group in one uint2 and one float4");
 static_assert(ROPE_V_VECTOR * sizeof(bf16) == sizeof(uint4), "v moves in uint4 words");
 
@@ -63,14 +71,40 @@ __device__ __forceinline__ void rotate_group(const bf16* src, const bf16* bias, 
     *reinterpret_cast<uint2*>(dst + i + half) = pack_bf16x4(o2);
 }
 
-// one q or k head by one warp: its values (+ bias), normed over the head, rotated
+// What a lane of a head-norm warp needs besides the head's values: the norm weights and
+// cos / sin of its pairs (p, p + d/2), p = lane, lane + 32, ... (zeros past d/2). They are
+// fixed for the step, so they load before the kernel waits for the one before.
+struct HeadNormPairs {
+    float w1[HEAD_NORM_PAIRS], w2[HEAD_NORM_PAIRS], c[HEAD_NORM_PAIRS], s[HEAD_NORM_PAIRS];
+};
+
+__device__ __forceinline__ HeadNormPairs load_head_norm_pairs(const bf16* __restrict__ norm,
+                                                              const float* table, int half) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    HeadNormPairs pairs;
+#pragma unroll
+    for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
+        const int p = lane + k * WARP_SIZE;
+        pairs.w1[k] = pairs.w2[k] = pairs.c[k] = pairs.s[k] = 0.0f;
+        if (p < half) {
+            pairs.w1[k] = to_float(norm[p]);
+            pairs.w2[k] = to_float(norm[p + half]);
+            pairs.c[k] = table[p];
+            pairs.s[k] = table[half + p];
+        }
+    }
+    return pairs;
+}
+
+// one q or k head by one warp: its values (+ bias), normed over the head, rotated. Every
+// value is loaded before the first is used (the stores could alias them, so the compiler
+// would not move a later pair's loads above an earlier pair's stores by itself); the sums
+// and roundings are the same whichever order the loads come in.
 __device__ __forceinline__ void norm_rotate_head(const bf16* src, const bf16* bias,
-                                                 const bf16* __restrict__ norm, bf16* dst,
-                                                 const float* table, int head_dim,
-                                                 float eps, float offset) {
+                                                 const HeadNormPairs& pairs, bf16* dst,
+                                                 int head_dim, float eps, float offset) {
     const int lane = threadIdx.x % WARP_SIZE, half = head_dim / 2;
     float x1[HEAD_NORM_PAIRS], x2[HEAD_NORM_PAIRS];
-    float sum_sq = 0.0f;
 #pragma unroll
     for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
         const int p = lane + k * WARP_SIZE;
@@ -78,17 +112,43 @@ __device__ __forceinline__ void norm_rotate_head(const bf16* src, const bf16* bi
         if (p < half) {
             x1[k] = load_biased(src, bias, p);
             x2[k] = load_biased(src, bias, p + half);
-            sum_sq += x1[k] * x1[k] + x2[k] * x2[k];
         }
     }
+    // the sum of squares in one fixed rounding order, x2^2 fused onto the rounded x1^2 (left
+    // to itself the compiler may contract either product, and that choice follows the code
+    // around it)
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < HEAD_NORM_PAIRS; ++k)
+        if (lane + k * WARP_SIZE < half)
+            sum_sq = __fadd_rn(sum_sq, __fmaf_rn(x2[k], x2[k], __fmul_rn(x1[k], x1[k])));
     const float inv_rms = rms_inv(warp_sum(sum_sq), head_dim, eps);
 #pragma unroll
     for (int k = 0; k < HEAD_NORM_PAIRS; ++k) {
         const int p = lane + k * WARP_SIZE;
         if (p >= half) continue;
-        const float n1 = bf16_rounded(rms_scaled(x1[k], inv_rms, to_float(norm[p]), offset));
-        const float n2 = bf16_rounded(rms_scaled(x2[k], inv_rms, to_float(norm[p + half]), offset));
-        rotate_pair(n1, n2, table[p], table[half + p], dst[p], dst[p + half]);
+        const float n1 = bf16_rounded(rms_scaled(x1[k], inv_rms, pairs.w1[k], offset));
+        const float n2 = bf16_rounded(rms_scaled(x2[k], inv_rms, pairs.w2[k], offset));
+        rotate_pair(n1, n2, pairs.c[k], pairs.s[k], dst[p], dst[p + half]);
+    }
+}
+
+// v (+ bias) of token row `row` -> the v cache at cache_row: element j by thread `index`
+// of `count` (every thread of the token's blocks)
+__device__ __forceinline__ void copy_v(const bf16* row, const bf16* bias, bf16* v_cache,
+                                       long long cache_row, int v_start, int v_size, int vector,
+                                       int index, int count) {
+    const bf16* v = row + v_start;
+    if (bias != nullptr) {
+        const bf16* v_bias = bias + v_start;
+        for (int j = index; j < v_size; j += count)
+            v_cache[cache_row + j] = to_bf16(to_float(v[j]) + to_float(v_bias[j]));
+    } else if (vector) {
+        for (int j = index * ROPE_V_VECTOR; j < v_size; j += count * ROPE_V_VECTOR)
+            *reinterpret_cast<uint4*>(v_cache + cache_row + j) =
+                *reinterpret_cast<const uint4*>(v + j);
+    } else {
+        for (int j = index; j < v_size; j += count) v_cache[cache_row + j] = v[j];
     }
 }
 
@@ -96,8 +156,7 @@ extern "C" __global__ void rope_and_cache_kernel(
         const bf16* __restrict__ qkv, const int* __restrict__ positions,
         const int* __restrict__ slot_mapping, const float* __restrict__ cos_sin,
         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, bf16* __restrict__ q_out,
-        int num_heads, int num_kv_heads, int head_dim, int vector, const bf16* bias,
-        const bf16* q_norm, const bf16* k_norm, float norm_eps, float norm_offset) {
+        int num_heads, int num_kv_heads, int head_dim, int vector, const bf16* bias) {
     const int t = blockIdx.x;
     const int half = head_dim / 2;
     const int width = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -106,58 +165,70 @@ extern "C" __global__ void rope_and_cache_kernel(
     const long long slot = slot_mapping[t];
     const long long cache_row = slot * num_kv_heads * head_dim;
 
-    if (q_norm != nullptr) {  // a warp per q or k head
-        const int warp = threadIdx.x / WARP_SIZE, num_warps = blockDim.x / WARP_SIZE;
-        for (int head = warp; head < num_heads + num_kv_heads; head += num_warps) {
-            bf16* dst;
-            if (head < num_heads)
-                dst = q_out + ((long long)t * num_heads + head) * head_dim;
-            else if (slot >= 0)
-                dst = k_cache + cache_row + (long long)(head - num_heads) * head_dim;
-            else
-                continue;  // the same for the whole warp
-            norm_rotate_head(row + head * head_dim,
-                             bias == nullptr ? nullptr : bias + head * head_dim,
-                             head < num_heads ? q_norm : k_norm, dst, table, head_dim,
-                             norm_eps, norm_offset);
-        }
-    } else {
-        const int group = vector ? ROPE_VECTOR : 1;
-        const int groups_per_head = half / group;
-        const int num_groups = (num_heads + num_kv_heads) * groups_per_head;
-        for (int p = threadIdx.x; p < num_groups; p += blockDim.x) {
-            const int head = p / groups_per_head;  // q heads first, then k heads
-            const int i = (p - head * groups_per_head) * group;
-            bf16* dst;
-            if (head < num_heads)
-                dst = q_out + ((long long)t * num_heads + head) * head_dim;
-            else if (slot >= 0)
-                dst = k_cache + cache_row + (long long)(head - num_heads) * head_dim;
-            else
-                continue;
-            const bf16* src = row + head * head_dim;
-            const bf16* head_bias = bias == nullptr ? nullptr : bias + head * head_dim;
-            if (vector) {
-                rotate_group(src, head_bias, dst, table, i, half);
-            } else {
-                rotate_pair(load_biased(src, head_bias, i), load_biased(src, head_bias, i + half),
-                            table[i], table[half + i], dst[i], dst[i + half]);
-            }
+    const int group = vector ? ROPE_VECTOR : 1;
+    const int groups_per_head = half / group;
+    const int num_groups = (num_heads + num_kv_heads) * groups_per_head;
+    for (int p = threadIdx.x; p < num_groups; p += blockDim.x) {
+        const int head = p / groups_per_head;  // q heads first, then k heads
+        const int i = (p - head * groups_per_head) * group;
+        bf16* dst;
+        if (head < num_heads)
+            dst = q_out + ((long long)t * num_heads + head) * head_dim;
+        else if (slot >= 0)
+            dst = k_cache + cache_row + (long long)(head - num_heads) * head_dim;
+        else
+            continue;
+        const bf16* src = row + head * head_dim;
+        const bf16* head_bias = bias == nullptr ? nullptr : bias + head * head_dim;
+        if (vector) {
+            rotate_group(src, head_bias, dst, table, i, half);
+        } else {
+            rotate_pair(load_biased(src, head_bias, i), load_biased(src, head_bias, i + half),
+                        table[i], table[half + i], dst[i], dst[i + half]);
         }
     }
     if (slot < 0) return;
-    const int v_start = (num_heads + num_kv_heads) * head_dim;
-    const bf16* v = row + v_start;
-    const int v_size = num_kv_heads * head_dim;
-    if (bias != nullptr) {
-        const bf16* v_bias = bias + v_start;
-        for (int j = threadIdx.x; j < v_size; j += blockDim.x)
-            v_cache[cache_row + j] = to_bf16(to_float(v[j]) + to_float(v_bias[j]));
-    } else if (vector) {
-        for (int j = threadIdx.x * ROPE_V_VECTOR; j < v_size; j += blockDim.x * ROPE_V_VECTOR)
-            *reinterpret_cast<uint4*>(v_cache + cache_row + j) =
-                *reinterpret_cast<const uint4*>(v + j);
-    } else {
-        for (int j = threadIdx.x; j < v_size; j += blockDim.x) v_cache[cache_row + j] = v[j];
-    }
+    copy_v(row, bias, v_cache, cache_row, (num_heads + num_kv_heads) * head_dim,
+           num_kv_heads * head_dim, vector, threadIdx.x, blockDim.x);
+}
+
+// Neither qkv nor the outputs are __restrict__: the product before writes qkv, and with
+// only restricted pointers written the compiler may read qkv through the non-coherent path
+// (DEVELOPERS.md, programmatic launches)
+extern "C" __global__ void rope_head_norm_and_cache_kernel(
+        const bf16* qkv, const int* __restrict__ positions,
+        const int* __restrict__ slot_mapping, const float* __restrict__ cos_sin,
+        bf16* k_cache, bf16* v_cache, bf16* q_out,
+        int num_heads, int num_kv_heads, int head_dim, int vector, const bf16* bias,
+        const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm, float norm_eps,
+        float norm_offset) {
+    let_next_kernel_start();  // attention may look up its first cache slots meanwhile
+    const int t = blockIdx.x;
+    const int head = blockIdx.y * HEAD_NORM_WARPS + threadIdx.x / WARP_SIZE;
+    const int width = (num_heads + 2 * num_kv_heads) * head_dim;
+    const bf16* row = qkv + (long long)t * width;
+    // the step's metadata and the weights and tables are there before its first kernel
+    const float* table = cos_sin + (long long)positions[t] * head_dim;
+    const long long slot = slot_mapping[t];
+    const long long cache_row = slot * num_kv_heads * head_dim;
+
+    // this warp's head (the same for the whole warp): q, or k where the token has a slot
+    bf16* dst = nullptr;
+    if (head < num_heads)
+        dst = q_out + ((long long)t * num_heads + head) * head_dim;
+    else if (head < num_heads + num_kv_heads && slot >= 0)
+        dst = k_cache + cache_row + (long long)(head - num_heads) * head_dim;
+    HeadNormPairs pairs;
+    if (dst != nullptr)
+        pairs = load_head_norm_pairs(head < num_heads ? q_norm : k_norm, table, head_dim / 2);
+    // launched programmatically: qkv comes from the product before, and the caches and q
+    // may still be read by the kernels before it
+    wait_for_previous_kernel();
+    if (dst != nullptr)
+        norm_rotate_head(row + head * head_dim, bias == nullptr ? nullptr : bias + head * head_dim,
+                         pairs, dst, head_dim, norm_eps, norm_offset);
+    if (slot < 0) return;
+    copy_v(row, bias, v_cache, cache_row, (num_heads + num_kv_heads) * head_dim,
+           num_kv_heads * head_dim, vector, blockIdx.y * blockDim.x + threadIdx.x,
+           gridDim.y * blockDim.x);
 }

@@ -5,9 +5,14 @@
 #
 #   STEPS="selftest gpu_tests compare_1b bench" bash scripts/gpu_session.sh [DEMO_GGUF]
 #
-# Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels bench compare_1b engine_1b info_1b demo fp8
-# bench_hf wheel prefix serve (= serve_base serve_load serve_c1) families (= family_latency
-# family_throughput: bench latency and throughput of each family's preset shape)
+# Steps: selftest gpu_tests attention_bench perf perf_steps perf_kernels perf_kernels_families
+# bench compare_1b engine_1b info_1b demo fp8 bench_hf wheel prefix serve (= serve_base serve_load
+# serve_c1) families (= family_latency family_throughput: bench latency and throughput of
+# each family's preset shape)
+# (perf_kernels_families: scripts/perf.py --kernels-only on the random models of
+# $KERNEL_FAMILIES' preset shapes, default llama-3.2-1b qwen3-0.6b gemma-3-1b, batch 1, 8
+# and 64 at contexts 288, 512 and 2,048, JSON to $OUT/perf_kernels_PRESET.json; the models
+# are bench's, written once into its cache, and the Llama one is $M1B)
 # (wheel: builds the wheel, installs it outside the checkout, runs the gpu tests and bench
 # latency/throughput from it; serve: needs fastapi, uvicorn and pydantic, from wheels in
 # ./.whl when they are not installed; prefix: bench prefix, scripts/prefix_check.py and the
@@ -47,6 +52,20 @@ wants attention_bench && step attention_bench 240 python3 scripts/attention_benc
 wants perf && step perf 300 python3 scripts/perf.py "$M1B"
 wants perf_steps && step perf_steps 300 python3 scripts/perf.py "$M1B" --steps-only
 wants perf_kernels && step perf_kernels 300 python3 scripts/perf.py "$M1B" --kernels-only
+if wants perf_kernels_families; then
+  for preset in ${KERNEL_FAMILIES:-llama-3.2-1b qwen3-0.6b gemma-3-1b}; do
+    if [ "$preset" = llama-3.2-1b ]; then
+      model=$M1B  # made above
+    else
+      model=$CUPY_LLAMA_CACHE/bench-models/$preset-seed0  # where bench keeps its preset models
+      if [ ! -f "$model/.complete" ]; then
+        rm -rf "$model"
+        step make_$preset 300 bash -c "python3 scripts/make_random_model.py '$model' --preset $preset && touch '$model/.complete'"
+      fi
+    fi
+    step perf_kernels_$preset 300 python3 scripts/perf.py "$model" --kernels-only --batches 1,8,64 --contexts 288,512,2048 --json "$OUT/perf_kernels_$preset.json"
+  done
+fi
 wants bench && step bench 300 python3 -m cupy_llama.cli bench all --device cuda --model "$M1B" --commit "$COMMIT" --json "$OUT/bench_h200.json"
 wants compare_1b && step compare_1b 400 python3 scripts/compare_hf.py "$M1B" --json "$OUT/compare_1b.json"
 wants engine_1b && step engine_1b 300 python3 scripts/gpu_engine_checks.py "$M1B" --json "$OUT/engine_1b.json"

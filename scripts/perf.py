@@ -1,6 +1,7 @@
 """Timings of the CUDA hot path, in one command on the GPU machine:
 
     python3 scripts/perf.py MODEL_DIR [--context 512] [--tune | --steps-only | --kernels-only]
+        [--batches 1,8,64,256] [--contexts 512,2048] [--json PATH]
 
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
@@ -22,11 +23,12 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      fastest per shape and M is the choice table that gemm's "auto" switch reads;
   4. end-to-end batch-1 greedy decode (host batch building, step, sampling, token
      readback), tok/s with graphs (cuBLAS and "auto" skinny products) and eager;
-then a short table. With $OUT set, everything also goes to $OUT/perf.json and the choice
-table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With --tune only step 3
-runs (no weights are loaded; the model directory gives the shapes); --steps-only skips it;
---kernels-only runs step 1 alone. The KV cache is zeroed instead of prefilled: timings do
-not depend on its values."""
+then a short table. With $OUT set, everything also goes to $OUT/perf.json (or to --json)
+and the choice table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With
+--tune only step 3 runs (no weights are loaded; the model directory gives the shapes);
+--steps-only skips it; --kernels-only runs step 1 alone. --batches and --contexts choose
+the batch sizes (of steps 1, 2 and 4) and contexts (of step 1). The KV cache is zeroed
+instead of prefilled: timings do not depend on its values."""
 from __future__ import annotations
 
 import argparse
@@ -408,10 +410,27 @@ def end_to_end(cupy, backend, config, context, use_graphs: bool, rng) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """"1,8,64" -> (1, 8, 64): positive integers."""
+    try:
+        values = tuple(int(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
+    parser.add_argument("--batches", type=int_list, default=GRAPH_BATCHES,
+                        help="decode batch sizes, comma-separated (default 1,8,64,256)")
+    parser.add_argument("--contexts", type=int_list, default=KERNEL_CONTEXTS,
+                        help="contexts of the kernel table, comma-separated (default 512,2048)")
+    parser.add_argument("--json", help="write the results here (default: $OUT/perf.json "
+                                       "where OUT is set)")
     parser.add_argument("--tune", action="store_true",
                         help="only time the skinny products and write the choice table")
     parser.add_argument("--steps-only", action="store_true",
@@ -432,8 +451,8 @@ def main(argv=None) -> int:
         print(f"tuned in {time.perf_counter() - started:.1f} s")
         return 0
     checkpoint = open_checkpoint(args.model_dir, model_for(config))
-    max_num_seqs = max(GRAPH_BATCHES)
-    max_model_len = max(2048, max(KERNEL_CONTEXTS) + 1, args.context + E2E_STEPS + 16)
+    max_num_seqs = max(args.batches)
+    max_model_len = max(2048, max(args.contexts) + 1, args.context + E2E_STEPS + 16)
     blocks_per_seq = cdiv(max_model_len, 16)
     started = time.perf_counter()
     backend = CudaBackend(model_for(config), checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -449,19 +468,19 @@ def main(argv=None) -> int:
     backend._kv.fill(0)
 
     result["kernels"] = {}
-    for context in KERNEL_CONTEXTS:
-        for b in GRAPH_BATCHES:
+    for context in args.contexts:
+        for b in args.batches:
             result["kernels"][f"b={b} context={context}"] = kernel_table(
                 cupy, backend, config, b, context, blocks_per_seq, rng)
     if args.kernels_only:
-        return finish(result)
+        return finish(result, args.json)
 
     result["gemv"], result["gemm_choice"] = ([], {}) if args.steps_only else tune(cupy, config, gpu)
     result["sublayer_us"] = sublayer_comparison(cupy, backend, config)
     result["step_ms"] = {}
     for name, switches in STEP_VARIANTS.items():
         backend.use_switches(switches)
-        for b in GRAPH_BATCHES:
+        for b in args.batches:
             batch = decode_batch(b, args.context, 16, blocks_per_seq, rng)
             row = {"eager": event_time(cupy, lambda: backend.model.forward(backend, batch))}
             if backend.graphs is not None:
@@ -476,14 +495,16 @@ def main(argv=None) -> int:
             result["e2e_batch1_tok_s"][f"graph {skinny}"] = end_to_end(cupy, backend, config, args.context, True, rng)
         result["e2e_batch1_tok_s"][f"eager {skinny}"] = end_to_end(cupy, backend, config, args.context, False, rng)
     backend.use_switches(initial)
-    return finish(result)
+    return finish(result, args.json)
 
 
-def finish(result) -> int:
+def finish(result, json_path: str | None = None) -> int:
     result["bandwidth_floor_ms"] = result["weight_bytes"] / HBM_BYTES_S * 1e3
     out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir, "perf.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if json_path is None and out_dir:
+        json_path = str(Path(out_dir, "perf.json"))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print_table(result)
     return 0
 

@@ -55,20 +55,25 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
         return attention.decode_clusters_pay(num_seqs=num_seqs, num_heads=num_heads,
                                              num_kv_heads=num_kv_heads, head_dim=head_dim,
                                              max_seq_len=max_seq_len, num_sms=H200_SMS)
-    # one step: 16 slots x 4 keys (head_dim 64), 8 slots x 4 (128), 2 keys per slot past
-    # 4 query heads per kv head (attention.cu: SLOTS * UNROLL)
+    # one step: 16 slots x 4 keys (head_dim 64 in 4 warps, 128 in 8, 256 in 16: its
+    # clusters), 2 keys per slot past 4 query heads per kv head (attention.cu: SLOTS * UNROLL)
     step = attention.decode_step_keys
-    assert step(64, 4) == step(64, 1) == 64 and step(128, 4) == step(64, 8) == 32
-    assert step(128, 8) == 16
+    assert step(64, 4) == step(64, 1) == step(128, 4) == step(256, 3, cluster=True) == 64
+    assert step(128, 2, cluster=True) == step(256, 4, cluster=True) == 64
+    assert step(64, 8) == step(128, 8) == 32 and step(256, 8) == 8 and step(256, 4) == 16
     # a CTA's range is a multiple of SPLIT_ALIGN (64) keys: only 64-key steps give one step
-    assert attention.cluster_max_keys(64, 4) == attention.cluster_max_keys(64, 1) == 512
-    for head_dim, group in ((128, 4), (64, 8), (128, 8), (64, 16), (96, 4)):
+    for head_dim, group in ((64, 4), (64, 1), (128, 4), (128, 2), (256, 4), (256, 1)):
+        assert attention.cluster_max_keys(head_dim, group) == 512, (head_dim, group)
+    for head_dim, group in ((64, 8), (128, 8), (256, 8), (64, 16), (96, 4)):
         assert attention.cluster_max_keys(head_dim, group) == 0, (head_dim, group)
     assert pay(1, 289) and pay(2, 512)
     assert not pay(1, 513)  # two steps per CTA
     assert not pay(4, 289)  # 256 CTAs on 132 SMs
     assert pay(8, 289, num_kv_heads=2, num_heads=8) and not pay(9, 289, num_kv_heads=2, num_heads=8)
-    assert not pay(1, 100, head_dim=128)  # 32-key steps: two per CTA
+    assert pay(1, 512, head_dim=128) and not pay(1, 513, head_dim=128)
+    assert pay(1, 512, head_dim=256, num_heads=4, num_kv_heads=1)  # Gemma-3-1B
+    assert pay(16, 289, head_dim=256, num_heads=4, num_kv_heads=1)  # 128 CTAs
+    assert not pay(1, 100, head_dim=128, num_heads=48, num_kv_heads=8)  # 32-key steps
     assert not pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: no decode kernel
     assert not pay(1, 100, head_dim=96)
 
@@ -136,14 +141,24 @@ def test_other_shapes_fall_back_to_the_scalar_kernel(overrides):
     assert p.shared_mem == attention.smem_bytes(head_dim)
 
 
-def test_head_dim_256_decodes_on_the_cuda_cores_and_prefills_scalar():
-    """Gemma's head_dim 256: a decode kernel of its own (no cluster: a CTA's step covers 16
-    keys, fewer than SPLIT_ALIGN), the scalar kernel for prefill and for the tensor-core
-    decode's batch sizes."""
+def test_wider_head_dims_decode_in_wider_ctas():
+    """head_dim 128 decodes in CTAs of 8 warps, and 256 in clusters of CTAs of 16 (a step of
+    64 keys, as head_dim 64 takes in 4); Gemma's head_dim 256 decodes on the CUDA cores at
+    every batch size (no tensor-core decode kernel), split in CTAs of 4 warps, and prefills
+    on the scalar kernel."""
     for num_seqs in (1, 64):
-        assert plan(head_dim=256, num_heads=4, num_kv_heads=1, num_seqs=num_seqs,
-                    num_splits=3, clusters=True).kernel == "decode_attention_d256_g4"
-    assert attention.cluster_max_keys(256, 4) == 0
+        p = plan(head_dim=256, num_heads=4, num_kv_heads=1, num_seqs=num_seqs, num_splits=3)
+        assert p.kernel == "decode_attention_d256_g4" and p.block == 128
+        assert p.grid == (3, 1, num_seqs) and p.shared_mem == 0
+    p = plan(head_dim=256, num_heads=4, num_kv_heads=1, num_splits=3, clusters=True)
+    assert p.kernel == "decode_attention_d256_g4_cluster" and p.block == 512
+    assert p.grid == (attention.DECODE_CLUSTER, 1, 4) and p.cluster == attention.DECODE_CLUSTER
+    p = plan(head_dim=128, num_heads=16, num_kv_heads=8, num_seqs=1, num_splits=8, clusters=True)
+    assert p.kernel == "decode_attention_d128_g2_cluster" and p.block == 256
+    assert plan(head_dim=128, num_seqs=3, num_splits=5).block == 256
+    # 8 query heads per kv head at head_dim 256: 4 warps, no cluster variant
+    p = plan(head_dim=256, num_heads=16, num_kv_heads=2, num_seqs=1, num_splits=3, clusters=True)
+    assert p.kernel == "decode_attention_d256_g8" and p.block == 128 and p.cluster == 1
     assert plan(head_dim=256, max_query_len=40).kernel == "paged_attention_dpl8"
 
 
@@ -189,10 +204,12 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
     """The planner's kernels are the DEFINE_* lines of attention.cu, read off the source
     (kernels.instances), and the variants it can pick follow from them."""
     source = (kernel_dir() / "attention.cu").read_text()
-    lines = re.findall(r"^DEFINE_DECODE_ATTENTION\((\w+), (\d+), (\d+), (\w+)\)$", source, re.M)
-    assert len(lines) == len(attention.DECODE_KERNELS) == 20
-    for name, d, g, cluster in lines:
+    lines = re.findall(r"^DEFINE_DECODE_ATTENTION\((\w+), (\d+), (\d+), (\w+), (\d+)\)$",
+                       source, re.M)
+    assert len(lines) == len(attention.DECODE_KERNELS) == len(attention.DECODE_WARPS) == 23
+    for name, d, g, cluster, warps in lines:
         assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
+        assert attention.DECODE_WARPS[name] == int(warps)
     assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.DECODE_HEAD_DIMS == (64, 128, 256)
     prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+)\)$", source, re.M)
     assert {int(d): name for name, d in prefill} == attention.PREFILL_KERNELS

@@ -24,6 +24,7 @@ from test_cuda_ops import (DECODE, MIXED_PREFILL, REF, TILE_EDGES, _gpu_availabl
                            run_ops_attention, run_paged_attention, to_float)
 
 from cupy_llama.interface import HeadNorm
+from cupy_llama.util import cdiv
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
@@ -45,7 +46,7 @@ def rng():
 # ------------------------------------------------------------------------- row kernels
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("hidden", [64, 1152, 90])
+@pytest.mark.parametrize("hidden", [64, 1152, 90, 5376])  # 5376: more than a group a thread
 def test_rms_norm_offset_and_the_norm_that_adds(cp, rng, hidden, offset):
     from cupy_llama.backends.cuda import elementwise
     x = rng.standard_normal((17, hidden), dtype=np.float32) * 3
@@ -98,8 +99,30 @@ def test_softcap_and_scaled_embedding(cp, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 16])
 @pytest.mark.parametrize("what", ["bias", "norm", "both"])
 def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
+    check_rope(cp, rng, what, 8, 2, head_dim, 37, offset)
+
+
+# (num_heads, num_kv_heads, head_dim, num_tokens): the head-norm kernel's blocks of
+# HEAD_NORM_WARPS q and k heads, all full (Qwen3-0.6B: 24 heads, 3 blocks; 40 heads, 5) or
+# one partial (Gemma-3-1B: 5 heads; 3 heads), at one token (a batch-1 decode step, with and
+# without a slot) and at several
+HEAD_NORM_SHAPES = [(16, 8, 128, 1), (4, 1, 256, 1), (16, 8, 128, 6), (4, 1, 256, 19),
+                    (32, 8, 64, 3), (2, 1, 128, 2)]
+
+
+@pytest.mark.parametrize("shape", HEAD_NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_head_norm_rope_across_blocks_of_heads(cp, rng, shape):
+    num_heads, num_kv_heads, head_dim, num_tokens = shape
+    for what, offset, padded in (("norm", 1.0, slice(1, None, 2)), ("both", 0.0, slice(0, None, 2))):
+        check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, offset, padded)
+
+
+def check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, offset,
+               padded=slice(0, None, 7)):
+    """rope_and_cache with biases ("bias"), head norms ("norm") or both against the
+    reference; the tokens slots[padded] have no slot (padding: no KV written)."""
     from cupy_llama.backends.cuda import elementwise
-    num_kv_heads, num_heads, num_tokens, num_blocks = 2, 8, 37, 16
+    num_blocks = cdiv(num_tokens, BLOCK_SIZE) + 1
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv_bits, qkv = random_bf16(rng, (num_tokens, width), scale=2.0)
     bias_bits, bias = random_bf16(rng, (width,), scale=0.5)
@@ -108,7 +131,7 @@ def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
     use_bias, use_norm = what in ("bias", "both"), what in ("norm", "both")
     positions = rng.integers(0, 4096, num_tokens).astype(np.int32)
     slots = rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32)
-    slots[::7] = -1
+    slots[padded] = -1
     cos_sin = rope_table(4096, head_dim)
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
 
@@ -140,6 +163,63 @@ def test_rope_with_biases_and_head_norms(cp, rng, what, head_dim, offset):
         got = to_float(cp, got)
         assert (np.isnan(got) == np.isnan(ref)).all(), f"{name} cache ({label}): wrong slots written"
         assert_close(np.nan_to_num(got), np.nan_to_num(ref), 2e-2, 2e-2, f"{name} cache ({label})")
+
+
+def test_programmatic_row_kernels_give_the_same_bits_eager_and_in_a_graph(cp, rng):
+    """The head-norm rope and the adding norm launched programmatically, each right after
+    a programmatic product that writes what it reads (and before one that reads what it
+    writes), give the bits of plain launches, eagerly and replayed from a CUDA graph: a
+    Qwen3-0.6B-shaped layer's chain, three times over."""
+    from cupy_llama.backends.cuda import elementwise, gemm, launch
+    if not launch.launch_attributes_usable():
+        pytest.skip("programmatic launches need cuLaunchKernelEx and an sm_90+ GPU")
+    num_tokens, hidden, num_heads, num_kv_heads, head_dim, num_blocks = 2, 1024, 16, 8, 128, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    weights = [cp.asarray(random_bf16(rng, shape, scale=scale)[0]) for shape, scale in (
+        ((hidden,), 0.3), ((width, hidden), 0.03), ((hidden, num_heads * head_dim), 0.03),
+        ((hidden,), 0.3), ((head_dim,), 0.3), ((head_dim,), 0.3))]
+    input_norm, w_qkv, w_o, out_norm, q_norm, k_norm = weights
+    head_norm = HeadNorm(q_norm, k_norm, 1e-6, 1.0)
+    positions = cp.asarray(rng.integers(0, 4096, num_tokens).astype(np.int32))
+    slots = cp.asarray(rng.choice(num_blocks * BLOCK_SIZE, num_tokens, replace=False).astype(np.int32))
+    cos_sin = cp.asarray(rope_table(4096, head_dim))
+    start = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    def run(programmatic, capture):
+        products = gemm.Products("mma", programmatic=programmatic)
+        residual = cp.asarray(start)
+        qkv = cp.empty((num_tokens, width), np.uint16)
+        q_out = poisoned(cp, (num_tokens, num_heads, head_dim))
+        h = cp.empty((num_tokens, hidden), np.uint16)
+        k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+
+        def chain():
+            for _ in range(3):
+                assert products.norm_linear(residual, input_norm, 1e-6, w_qkv, qkv, 1.0)
+                elementwise.rope_and_cache(qkv, positions, slots, cos_sin, k_cache, v_cache,
+                                           q_out, None, head_norm, programmatic)
+                products.linear(q_out.reshape(num_tokens, -1), w_o, h)
+                elementwise.add_rms_norm(h, out_norm, 1e-6, residual, 1.0, programmatic)
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            if capture:
+                stream.begin_capture()
+                chain()
+                stream.end_capture().launch(stream)
+            else:
+                chain()
+            stream.synchronize()
+        return [cp.asnumpy(a) for a in (residual, k_cache, v_cache)]
+
+    reference = run(False, False)
+    assert np.isfinite(reference[0]).all()
+    for programmatic, capture in ((True, False), (False, True), (True, True)):
+        for name, got, expected in zip(("residual", "k cache", "v cache"),
+                                       run(programmatic, capture), reference):
+            np.testing.assert_array_equal(got, expected, err_msg=(
+                f"{name}: programmatic={programmatic} graph={capture} differs from plain"))
 
 
 @pytest.mark.parametrize("m", [1, 7, 16])
@@ -215,8 +295,9 @@ def test_prefill_attention_with_a_window(cp, rng, head_dim, window):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_attention_with_a_window(cp, rng, head_dim, window):
-    """Every decode kernel: CUDA cores with host and device split lengths, clusters, tensor
-    cores, the scalar kernel, and through CudaOps (which picks the splits from the window)."""
+    """Every decode kernel: CUDA cores with host and device split lengths, clusters (host and
+    device lengths), tensor cores, the scalar kernel, and through CudaOps (which picks the
+    splits from the window)."""
     from cupy_llama.backends.cuda import launch
     group = 4
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group, window=window)
@@ -228,9 +309,12 @@ def test_decode_attention_with_a_window(cp, rng, head_dim, window):
                                           max_seq_len=max_seq_len, kernel=kernel)
                 assert_close(got, case["expected"], 1.5e-2, 1e-2,
                              f"{kernel} d={head_dim} window={window} splits={num_splits} {max_seq_len}")
-    if head_dim != 256 and launch.launch_attributes_usable():
-        got = run_paged_attention(cp, case, head_dim, num_splits=32, clusters=True)
-        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"clusters d={head_dim} window={window}")
+    if launch.launch_attributes_usable():
+        for max_seq_len in ("batch", None):
+            got = run_paged_attention(cp, case, head_dim, num_splits=32, clusters=True,
+                                      max_seq_len=max_seq_len)
+            assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                         f"clusters d={head_dim} window={window} {max_seq_len}")
     assert_close(run_ops_attention(cp, case, head_dim), case["expected"], 1.5e-2, 1e-2,
                  f"CudaOps d={head_dim} window={window}")
 

@@ -471,7 +471,7 @@ def test_attention_block_sizes(cp, rng, seqs, block_size):
 
 @pytest.mark.parametrize("num_splits", [1, 3, 32])
 @pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
     """Every CUDA-core decode kernel variant (groups up to 8, more falls back), host-chosen
     and device-derived split lengths."""
@@ -483,8 +483,8 @@ def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
                      f"decode d={head_dim} group={group} splits={num_splits} max_seq_len={max_seq_len}")
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_clusters(cp, rng, head_dim, group):
     """The clustered decode kernel (sm_90+): contexts from 1 key (seven of the cluster's
     eight CTAs without a key) to 4,098 (several steps per CTA), host- and device-derived
@@ -511,6 +511,57 @@ def test_attention_decode_clusters(cp, rng, head_dim, group):
     large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
     got = run_paged_attention(cp, large, head_dim, num_splits=3, clusters=True)
     assert_close(got, large["expected"], 1.5e-2, 1e-2, "cluster decode with large scores")
+
+
+# contexts on both sides of the split and cluster edges: 64-key ranges (SPLIT_ALIGN), one
+# step of a CTA (64 keys for every cluster variant up to 4 query heads per kv head), the
+# 512 keys up to which a cluster covers a context in one step per CTA, and their doubles
+SPLIT_EDGES = [(63, 1), (64, 1), (127, 1), (510, 1), (511, 1), (512, 1), (1023, 1), (1024, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_attention_decode_at_split_edges(cp, rng, head_dim, group):
+    """The CUDA-core decode kernels, split and clustered, where the key ranges end at and
+    just past their edges; with a window of 512 keys too (Gemma 3's sliding layers), whose
+    ranges start past key 0."""
+    from cupy_llama.backends.cuda import launch
+    clusters = [False] + ([True] if launch.launch_attributes_usable() else [])
+    for window in (None, 512):
+        case = build_attention_case(cp, rng, SPLIT_EDGES, 2, head_dim, group, window=window)
+        for num_splits in (1, 8, 32):
+            for max_seq_len in ("batch", None):
+                for clustered in clusters:
+                    got = run_paged_attention(cp, case, head_dim, num_splits=num_splits,
+                                              max_seq_len=max_seq_len, kernel="decode",
+                                              clusters=clustered)
+                    assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                                 f"decode d={head_dim} group={group} window={window} splits="
+                                 f"{num_splits} {max_seq_len} clusters={clustered}")
+
+
+# the families' batch-1 shapes: (num_heads, num_kv_heads, head_dim, window)
+FAMILY_DECODE_SHAPES = {"qwen3-0.6b": (16, 8, 128, None), "gemma-3-1b": (4, 1, 256, 512),
+                        "gemma-3-1b full layers": (4, 1, 256, None),
+                        "qwen2.5-1.5b": (12, 2, 128, None)}
+
+
+@pytest.mark.parametrize("shape", sorted(FAMILY_DECODE_SHAPES))
+def test_attention_decode_of_the_families_through_ops(cp, rng, shape):
+    """Batch 1 and 2 of each family's attention shape through CudaOps, as a decode step
+    runs it, at contexts the clusters cover in one step per CTA and past them; on sm_90+
+    the shapes whose cluster kernel steps 64 keys take it up to 512 keys."""
+    from cupy_llama.backends.cuda import attention, launch
+    num_heads, num_kv_heads, head_dim, window = FAMILY_DECODE_SHAPES[shape]
+    group = num_heads // num_kv_heads
+    for seqs in ([(288, 1)], [(511, 1)], [(100, 1), (400, 1)], [(700, 1)], [(2047, 1)]):
+        case = build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, window=window)
+        got = run_ops_attention(cp, case, head_dim)
+        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"{shape} decode of {seqs}")
+    ops = make_ops(2, 2, 4, num_heads, head_dim, 2048)
+    clustered = ops.decode_split(1, num_heads, num_kv_heads, head_dim, 512)[1]
+    assert clustered == (launch.launch_attributes_usable()
+                         and attention.cluster_max_keys(head_dim, group) == 512), shape
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 32])

@@ -14,7 +14,6 @@ SHARED = {
     (attention, "ROWS_PER_CTA"): ("attention", "ROWS_PER_CTA"),
     (attention, "KEY_TILE"): ("attention", "KEY_TILE"),
     (attention, "K_TILE_PAD"): ("attention", "K_TILE_PAD"),
-    (attention, "DECODE_THREADS"): ("attention", "DECODE_THREADS"),
     (attention, "DECODE_CLUSTER"): ("attention", "DECODE_CLUSTER"),
     (attention, "PREFILL_THREADS"): ("attention", "PREFILL_THREADS"),
     (attention, "PREFILL_ROWS"): ("attention", "PREFILL_ROWS"),

@@ -75,6 +75,23 @@ def test_kernel_args_convert_each_kind():
         launch.kernel_args(7)  # a Python int has no fixed width: refused
 
 
+def test_row_kernel_arguments_convert_null_pointers_too():
+    """The programmatic row launches (elementwise._launch) pass an absent optional array
+    (elementwise._pointer: 0) as a null pointer beside arrays and scalars."""
+    from cupy_llama.backends.cuda import elementwise
+
+    class Array:  # what kernel_args reads off a cupy array
+        class data:
+            ptr = 4096
+
+    values = elementwise.launch_values((Array(), np.int32(-3), np.float32(0.5),
+                                        elementwise._pointer(None)))
+    assert [type(v) for v in values] == [ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                         ctypes.c_void_p]
+    assert (values[0].value, values[1].value, values[2].value, values[3].value) == \
+        (4096, -3, 0.5, None)
+
+
 def test_loaded_library_path_finds_what_the_process_loaded():
     assert launch.loaded_library_path("c") is not None  # libc is in every process
     assert launch.loaded_library_path("no_such_library_xyz") is None

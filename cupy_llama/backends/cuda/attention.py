@@ -2,12 +2,12 @@
 combine step of split-KV decode.
 
 Which kernel runs (`attention_plan`):
-- decode batches (at most one new token per sequence), head_dim 64/128, at most 8 query
-  heads per kv head: decode_attention_d{D}_g{G} (one CTA per sequence, kv head and split;
-  16-byte K/V loads; fp32 online softmax). Where the keys are split and the GPU launches
-  thread-block clusters (sm_90+), decode_attention_d{D}_g{G}_cluster instead: a cluster of
-  DECODE_CLUSTER CTAs per sequence and kv head splits the keys and merges on chip, with no
-  combine kernel after it;
+- decode batches (at most one new token per sequence), head_dim 64/128/256, at most 8
+  query heads per kv head: decode_attention_d{D}_g{G} (one CTA per sequence, kv head and
+  split, of DECODE_WARPS[kernel] warps; 16-byte K/V loads; fp32 online softmax). Where the
+  keys are split and the GPU launches thread-block clusters (sm_90+),
+  decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
+  sequence and kv head splits the keys and merges on chip, with no combine kernel after it;
 - every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
   cores, flash-attention 2 over K/V tiles gathered from the paged cache);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
@@ -30,7 +30,6 @@ ROWS_PER_CTA = _C["ROWS_PER_CTA"]  # scalar fallback: query rows per CTA
 KEY_TILE = _C["KEY_TILE"]
 K_TILE_PAD = _C["K_TILE_PAD"]
 THREADS = _C["ATTN_WARPS"] * _C["WARP_SIZE"]
-DECODE_THREADS = _C["DECODE_THREADS"]
 DECODE_CLUSTER = _C["DECODE_CLUSTER"]  # CTAs per cluster of the clustered decode kernels
 PREFILL_THREADS = _C["PREFILL_THREADS"]
 PREFILL_ROWS = _C["PREFILL_ROWS"]
@@ -41,7 +40,9 @@ MAX_SPLITS = _C["COMBINE_MAX_SPLITS"]  # the combine kernel merges at most this 
 # kernel name by its template arguments, as the DEFINE_* lines instantiate them
 SCALAR_KERNELS = {dpl: name for name, dpl in instances("attention", "DEFINE_PAGED_ATTENTION")}
 DECODE_KERNELS = {(d, g, cluster > 0): name
-                  for name, d, g, cluster in instances("attention", "DEFINE_DECODE_ATTENTION")}
+                  for name, d, g, cluster, _ in instances("attention", "DEFINE_DECODE_ATTENTION")}
+DECODE_WARPS = {name: warps  # a CUDA-core decode kernel's CTA width
+                for name, _, _, _, warps in instances("attention", "DEFINE_DECODE_ATTENTION")}
 PREFILL_KERNELS = {d: name for name, d in instances("attention", "DEFINE_PREFILL_ATTENTION")}
 DECODE_MMA_KERNELS = {d: name for name, d in instances("attention", "DEFINE_DECODE_ATTENTION_MMA")}
 DECODE_MMA_THREADS = _C["DECODE_MMA_THREADS"]
@@ -109,24 +110,25 @@ def decode_group_bound(group: int) -> int | None:
     return next((g for g in DECODE_GROUPS if g >= group), None)
 
 
-def decode_step_keys(head_dim: int, group: int) -> int:
+def decode_step_keys(head_dim: int, group: int, cluster: bool = False) -> int:
     """Keys a decode CTA scores per step of its loop (attention.cu: SLOTS * UNROLL), for
-    the kernel variant of this group size (at most DECODE_GROUPS[-1])."""
+    the kernel variant of this group size (at most DECODE_GROUPS[-1]), clustered or not."""
     bound = decode_group_bound(group)
     warp = _C["WARP_SIZE"]
-    slots = DECODE_THREADS // warp * (warp // (head_dim // 8))  # a key: 16 bytes per lane
+    warps = DECODE_WARPS[DECODE_KERNELS[head_dim, bound, cluster]]
+    slots = warps * (warp // (head_dim // 8))  # a key: 16 bytes per lane
     return slots * (_C["DECODE_UNROLL_G8"] if bound >= 8 else _C["DECODE_UNROLL"])
 
 
 def cluster_max_keys(head_dim: int, group: int) -> int:
-    """The longest context the clustered kernel runs at: one step of keys per CTA (512 for
-    the Llama-3.2-1B shape: head_dim 64, 4 query heads per kv head). The kernel rounds each
-    CTA's range up to SPLIT_ALIGN keys, so a variant whose step covers fewer (head_dim 128,
-    or 8 query heads per kv head) would take several steps per CTA, where the cluster was
-    measured to lose: 0 for those, and for shapes without a decode kernel."""
+    """The longest context the clustered kernel runs at: one step of keys per CTA (512 where
+    a CTA's step covers SPLIT_ALIGN keys: head_dim 64, 128 and 256 up to 4 query heads per
+    kv head). The kernel rounds each CTA's range up to SPLIT_ALIGN keys, so a variant whose
+    step covers fewer (8 query heads per kv head) would take several steps per CTA, where
+    the cluster was measured to lose: 0 for those, and for shapes without a decode kernel."""
     if (head_dim, decode_group_bound(group), True) not in DECODE_KERNELS:
         return 0
-    step = decode_step_keys(head_dim, group)
+    step = decode_step_keys(head_dim, group, cluster=True)
     return DECODE_CLUSTER * step if step >= SPLIT_ALIGN else 0
 
 
@@ -137,7 +139,9 @@ def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, hea
     each CTA of a cluster takes one step of keys (cluster_max_keys; none for shapes where it
     cannot) and the clusters take at most one CTA per SM. Per layer at batch 1 (qkv,
     attention, o_proj in a graph chain): context 288 14.0 against 15.3 us; 513 keys (two
-    steps per CTA) 17.1 against 15.7; batch 2 at context 288 16.2 against 16.3."""
+    steps per CTA) 17.1 against 15.7; batch 2 at context 288 16.2 against 16.3. The same
+    rule serves head_dim 128 and 256, whose CTAs are wider so that one step covers as many
+    keys (change 33)."""
     return (max_seq_len <= cluster_max_keys(head_dim, num_heads // num_kv_heads)
             and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
 
@@ -195,12 +199,12 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                                  (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
                                  decode_mma_smem_bytes(head_dim))
         if cuda_core_can and kernel != "decode_mma":
+            name = DECODE_KERNELS[head_dim, bound, clustered]
+            threads = DECODE_WARPS[name] * _C["WARP_SIZE"]
             if clustered:
-                return AttentionPlan(DECODE_KERNELS[head_dim, bound, True],
-                                     (DECODE_CLUSTER, num_kv_heads, num_seqs), DECODE_THREADS, 0,
+                return AttentionPlan(name, (DECODE_CLUSTER, num_kv_heads, num_seqs), threads, 0,
                                      DECODE_CLUSTER)
-            return AttentionPlan(DECODE_KERNELS[head_dim, bound, False],
-                                 (num_splits, num_kv_heads, num_seqs), DECODE_THREADS, 0)
+            return AttentionPlan(name, (num_splits, num_kv_heads, num_seqs), threads, 0)
     if fast and num_splits == 1 and head_dim in PREFILL_KERNELS:
         row_tiles = max(1, cdiv(max_query_len * group, PREFILL_ROWS))
         return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),

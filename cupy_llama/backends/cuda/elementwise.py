@@ -1,10 +1,15 @@
 """Launchers for the row-wise kernels: embedding.cu, norm.cu, activation.cu, rope.cu.
-Each checks its arguments, then launches on the current stream."""
+Each checks its arguments, then launches on the current stream. The kernels that wait for
+the kernel before (the adding norm, the head-norm rope) launch programmatically where the
+caller asks (launch.py)."""
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
 from ...util import cdiv
+from . import launch
 from .kernels import BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32
 
 ROW_THREADS = 256
@@ -74,17 +79,17 @@ def rms_norm(x, weight, eps, out, offset: float = 0.0):
             (x, weight, out, i32(hidden), f32(eps), f32(offset), i32(vector)))
 
 
-def add_rms_norm(x, weight, eps, residual, offset: float = 0.0):
+def add_rms_norm(x, weight, eps, residual, offset: float = 0.0, programmatic: bool = False):
     """residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight); x [T, H]
-    bf16."""
+    bf16. programmatic: launch programmatically (the caller has checked that the GPU can)."""
     rows, hidden = check("x", x, BF16, ndim=2).shape
     check("weight", weight, BF16, shape=(hidden,))
     check("residual", residual, F32, shape=(rows, hidden))
     vector = hidden % NORM_VECTOR == 0 and aligned16(x, weight, residual)
     if rows:
-        get_kernel("norm", "add_rms_norm_kernel")(
-            (rows,), (_norm_threads(hidden),),
-            (x, weight, residual, i32(hidden), f32(eps), f32(offset), i32(vector)))
+        _launch(get_kernel("norm", "add_rms_norm_kernel"), (rows,), _norm_threads(hidden),
+                (x, weight, residual, i32(hidden), f32(eps), f32(offset), i32(vector)),
+                programmatic)
 
 
 def act_and_mul(gate_up, out, act: str = "silu"):
@@ -112,23 +117,23 @@ def softcap(x, cap: float):
 
 
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out, bias=None,
-                   head_norm=None):
+                   head_norm=None, programmatic: bool = False):
     """Rotate q and k (half-split pairs), q -> q_out [T, nh, d]; rotated k and plain v ->
     the caches [num_blocks, block_size, nkv, d] at slot_mapping (slot < 0: skipped).
     bias [(nh + 2 nkv) d] bf16: added to qkv first. head_norm (interface.HeadNorm, weights
-    [d] bf16, d <= 256): each q and k head normed before it is rotated."""
+    [d] bf16, d <= 256): each q and k head normed before it is rotated (a kernel of its own:
+    a warp per head, HEAD_NORM_WARPS heads per block), launched programmatically where
+    `programmatic` (the caller has checked that the GPU can); the kernel without head norms
+    always launches the plain way."""
     num_tokens, num_heads, num_kv_heads, head_dim = check_rope_operands(
         q_out, k_cache, v_cache, positions, slot_mapping, cos_sin)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     check("qkv", qkv, BF16, shape=(num_tokens, width))
     if bias is not None:
         check("bias", bias, BF16, shape=(width,))
-    q_norm = k_norm = None
-    eps, offset = 0.0, 0.0
     if head_norm is not None:
-        q_norm = check("q_norm", head_norm.q_weight, BF16, shape=(head_dim,))
-        k_norm = check("k_norm", head_norm.k_weight, BF16, shape=(head_dim,))
-        eps, offset = head_norm.eps, head_norm.offset
+        check("q_norm", head_norm.q_weight, BF16, shape=(head_dim,))
+        check("k_norm", head_norm.k_weight, BF16, shape=(head_dim,))
         if head_dim > 2 * _ROPE["HEAD_NORM_PAIRS"] * _ROPE["WARP_SIZE"]:
             raise ValueError(f"q_out: head norms take head_dim up to "
                              f"{2 * _ROPE['HEAD_NORM_PAIRS'] * _ROPE['WARP_SIZE']}, got {head_dim}")
@@ -136,17 +141,42 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_ou
               and num_kv_heads * head_dim % _ROPE["ROPE_V_VECTOR"] == 0
               and aligned16(qkv, cos_sin, k_cache, v_cache, q_out,
                             *(() if bias is None else (bias,))))
-    if num_tokens:
-        get_kernel("rope", "rope_and_cache_kernel")(
-            (num_tokens,), (_ROPE["ROPE_THREADS"],),
-            (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out,
-             i32(num_heads), i32(num_kv_heads), i32(head_dim), i32(vector),
-             _pointer(bias), _pointer(q_norm), _pointer(k_norm), f32(eps), f32(offset)))
+    if not num_tokens:
+        return
+    args = (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, q_out, i32(num_heads),
+            i32(num_kv_heads), i32(head_dim), i32(vector), _pointer(bias))
+    if head_norm is None:
+        get_kernel("rope", "rope_and_cache_kernel")((num_tokens,), (_ROPE["ROPE_THREADS"],), args)
+    else:
+        warps = _ROPE["HEAD_NORM_WARPS"]
+        _launch(get_kernel("rope", "rope_head_norm_and_cache_kernel"),
+                (num_tokens, cdiv(num_heads + num_kv_heads, warps)), warps * _ROPE["WARP_SIZE"],
+                args + (head_norm.q_weight, head_norm.k_weight, f32(head_norm.eps),
+                        f32(head_norm.offset)), programmatic)
 
 
 def _pointer(array):
     """A kernel's optional array argument: the array, or a null pointer (0) without one."""
     return array if array is not None else np.uint64(0)
+
+
+def _launch(kernel, grid: tuple, block: int, args: tuple, programmatic: bool) -> None:
+    """Launch a row kernel that calls wait_for_previous_kernel on the current stream:
+    programmatically where asked, else with CuPy's plain call. args as CuPy's call takes
+    them, _pointer's null pointers included."""
+    if not programmatic:
+        kernel(grid, (block,), args)
+        return
+    import cupy
+    launch.launch(kernel, grid, block, 0, cupy.cuda.get_current_stream().ptr,
+                  launch_values(args), programmatic=True)
+
+
+def launch_values(args: tuple) -> list:
+    """A row kernel's arguments as CuPy's call takes them (arrays, NumPy int32 and float32
+    scalars, _pointer's null pointers) -> the ctypes values launch.launch takes."""
+    return [ctypes.c_void_p(int(value)) if isinstance(value, np.uint64)
+            else launch.kernel_args(value)[0] for value in args]
 
 
 def check_rope_operands(q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,

@@ -145,7 +145,7 @@ class CudaOps(SublayerOps):
         elementwise.rms_norm(x, weight, eps, out, offset)
 
     def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0):
-        elementwise.add_rms_norm(x, weight, eps, residual, offset)
+        elementwise.add_rms_norm(x, weight, eps, residual, offset, self.programmatic)
 
     def linear(self, x, weight, out, accumulate=False):
         self.products.linear(x, weight, out, accumulate)
@@ -176,7 +176,7 @@ class CudaOps(SublayerOps):
     def rope_and_cache(self, qkv, meta, cos_sin, k_cache, v_cache, q_out, *, bias=None,
                        head_norm=None):
         elementwise.rope_and_cache(qkv, meta.positions, meta.slot_mapping, cos_sin,
-                                   k_cache, v_cache, q_out, bias, head_norm)
+                                   k_cache, v_cache, q_out, bias, head_norm, self.programmatic)
 
     def attention(self, q, k_cache, v_cache, meta, scale, out, *, window=None, softcap=None):
         num_splits, clusters = 1, False
