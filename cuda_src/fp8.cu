@@ -7,6 +7,8 @@
 // written at an offset inside a larger matrix (the q/k/v or gate/up rows side by side).
 // Launch: grid (N), block (FP8_THREADS).
 //
+// (scale_product_kernel, at the end: the scales of cuBLASLt's FP8 products.)
+//
 // dequantize_rows_kernel: codes [N, K] and scale [N] -> w [N, K] bf16 = bf16(value * scale),
 // for the products that go to cuBLAS (more than 16 rows). Each thread converts one 8-byte
 // word of codes (e4m3x8_to_bf16x8, common.cuh). Needs K % 8 == 0 and 16-byte aligned rows.
@@ -69,4 +71,26 @@ extern "C" __global__ void dequantize_rows_kernel(const uint2* __restrict__ code
 #pragma unroll
     for (int j = 0; j < 4; ++j) packed[j] = pack_bf16x2(v[2 * j] * s, v[2 * j + 1] * s);
     w[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// scale_product_kernel: the float32 sums of a product of e4m3 codes, acc [M, N] (cuBLASLt's
+// FP8 product, gemm.py), times each x row's scale and each weight row's scale:
+// out[m, n] = acc[m, n] * x_scale[m] * w_scale[n], stored as bf16 (OUT_BF16), float32
+// (OUT_F32) or added to a float32 out (OUT_F32_ADD: the residual stream).
+// Launch: grid (ceil(M * N / FP8_THREADS)), block (FP8_THREADS).
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_F32_ADD 2
+
+extern "C" __global__ void scale_product_kernel(const float* __restrict__ acc,
+                                                const float* __restrict__ x_scale,
+                                                const float* __restrict__ w_scale,
+                                                void* __restrict__ out, int n,
+                                                long long total, int out_mode) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const float v = acc[i] * x_scale[i / n] * w_scale[i % n];
+    if (out_mode == OUT_BF16) static_cast<bf16*>(out)[i] = to_bf16(v);
+    else if (out_mode == OUT_F32) static_cast<float*>(out)[i] = v;
+    else static_cast<float*>(out)[i] += v;
 }

@@ -83,6 +83,26 @@ def test_dequantize_equals_the_reference_rounded_to_bf16(cp, rng, n, k):
     assert np.array_equal(cp.asnumpy(out), expected)
 
 
+def test_scale_product_scales_each_sum_by_its_row_and_column(cp, rng):
+    """cuBLASLt's sums times the x row's and the weight row's scale, stored three ways."""
+    from cupy_llama.backends.cuda import fp8
+    acc = rng.standard_normal((37, 48), dtype=np.float32) * 100
+    x_scale = rng.random(37, dtype=np.float32)
+    w_scale = rng.random(48, dtype=np.float32)
+    expected = acc * x_scale[:, None] * w_scale[None, :]  # float32, in that order
+    out = poisoned(cp, acc.shape)
+    fp8.scale_product(cp.asarray(acc), cp.asarray(x_scale), cp.asarray(w_scale), out)
+    assert np.array_equal(cp.asnumpy(out), float32_to_bf16_bits(expected))
+    out = cp.zeros(acc.shape, np.float32)
+    fp8.scale_product(cp.asarray(acc), cp.asarray(x_scale), cp.asarray(w_scale), out)
+    assert np.array_equal(cp.asnumpy(out), expected)
+    start = rng.standard_normal(acc.shape, dtype=np.float32)
+    out = cp.asarray(start)
+    fp8.scale_product(cp.asarray(acc), cp.asarray(x_scale), cp.asarray(w_scale), out,
+                      accumulate=True)
+    assert np.array_equal(cp.asnumpy(out), start + expected)
+
+
 # ------------------------------------------------------------------ products
 
 def reference_product(x, values, scale):
@@ -98,8 +118,9 @@ def reference_w8a8(x, values, scale):
 
 def fp8_products(cp, gemm, n, k, fp8_gemm="cublaslt", skinny="auto", rows=256):
     """Products with the scratch a backend gives them for FP8 weights of [n, k]."""
-    return gemm.Products(skinny, dequantized=cp.empty(n * k, np.uint16),
-                         fp8_activations=(cp.empty(rows * k, np.uint8), cp.empty(rows, np.float32)),
+    scratch = (cp.empty(rows * k, np.uint8), cp.empty(rows, np.float32),
+               cp.empty(rows * n, np.float32))
+    return gemm.Products(skinny, dequantized=cp.empty(n * k, np.uint16), fp8_activations=scratch,
                          fp8_gemm=fp8_gemm)
 
 
@@ -119,14 +140,12 @@ def test_linear_of_fp8_weights_at_every_row_count(cp, rng, k, n, out_dtype):
                 x_bits, x = random_bf16(rng, (m, k))
                 out = poisoned(cp, (m, n), out_dtype)
                 products.linear(cp.asarray(x_bits), weight, out)
-                path = "mma" if m <= 16 else products.fp8_path(m, n, k, out_dtype == np.float32)
+                path = "mma" if m <= 16 else products.fp8_path(m, n, k)
                 if m > 16 and fp8_gemm == "cublaslt" and capability >= 90 and k % 16 == 0 \
                         and n % 16 == 0:
                     assert path == "cublaslt", f"cuBLASLt refused [{m},{k}]x[{n},{k}]^T"
-                if path == "cublaslt":
-                    expected, bound = reference_w8a8(x, values, scale), 5e-3
-                else:
-                    expected, bound = reference_product(x, values, scale), 1e-2
+                reference = reference_w8a8 if path == "cublaslt" else reference_product
+                expected, bound = reference(x, values, scale), 1e-2
                 rel = _relative_error(to_float(cp, out), expected)
                 assert rel < bound, f"{skinny}/{path} [{m},{k}]x[{n},{k}]^T fp8: relative error {rel:.3g}"
 
@@ -142,7 +161,7 @@ def test_linear_of_fp8_weights_accumulates(cp, rng, m):
     out = cp.asarray(start)
     products.linear(cp.asarray(x_bits), weight, out, accumulate=True)
     added = cp.asnumpy(out).astype(np.float64) - start
-    w8a8 = m > 16 and products.fp8_path(m, n, k, True) == "cublaslt"
+    w8a8 = m > 16 and products.fp8_path(m, n, k) == "cublaslt"
     expected = (reference_w8a8 if w8a8 else reference_product)(x, values, scale)
     rel = _relative_error(added, expected)
     assert rel < 1e-2, f"accumulate {m} rows: relative error {rel:.3g}"

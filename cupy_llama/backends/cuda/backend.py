@@ -134,8 +134,10 @@ class CudaBackend:
         fp8_entries = [e for e in plan.values() if e.dtype == "e4m3"]
         dequantized_bytes = 2 * max((int(np.prod(e.shape)) for e in fp8_entries), default=0)
         longest_k = max((e.shape[1] for e in fp8_entries), default=0)
-        fp8_x_bytes = (_align(self.max_num_tokens * longest_k) + 4 * self.max_num_tokens
-                       if fp8_entries else 0)
+        widest_n = max((e.shape[0] for e in fp8_entries), default=0)
+        fp8_x_sizes = (_align(self.max_num_tokens * longest_k), _align(4 * self.max_num_tokens),
+                       4 * self.max_num_tokens * widest_n)
+        fp8_x_bytes = sum(fp8_x_sizes) if fp8_entries else 0
         needed = weight_bytes + pool_bytes + rope_bytes + dequantized_bytes + fp8_x_bytes
         if needed > free:
             raise DeviceError(
@@ -150,11 +152,13 @@ class CudaBackend:
         self._quantize(checkpoint, plan)
         self._dequantized = (self._allocate(dequantized_bytes, "the FP8 dequantization scratch")
                              .view(np.uint16) if dequantized_bytes else None)
-        self._fp8_x = None  # (codes, scales) of x quantized per row
+        self._fp8_x = None  # x quantized per row (codes, scales) and the products' sums
         if fp8_x_bytes:
             scratch = self._allocate(fp8_x_bytes, "the FP8 activation scratch")
-            split = _align(self.max_num_tokens * longest_k)
-            self._fp8_x = (scratch[:split], scratch[split:].view(np.float32))
+            codes_end = fp8_x_sizes[0]
+            scales_end = codes_end + fp8_x_sizes[1]
+            self._fp8_x = (scratch[:codes_end], scratch[codes_end:scales_end].view(np.float32),
+                           scratch[scales_end:].view(np.float32))
             if self.switches.fp8_gemm == "cublaslt":
                 fp8_lt()  # its handle and workspace now, not while a graph is captured
         self.load_seconds = time.perf_counter() - started
@@ -371,8 +375,9 @@ class CudaBackend:
         if self._dequantized is not None:
             rows.append(("FP8 dequantized weight", int(self._dequantized.nbytes),
                          "the largest product's weight as bf16, for products past 16 rows"))
-            rows.append(("FP8 quantized x", int(sum(a.nbytes for a in self._fp8_x)),
-                         f"x of {self.max_num_tokens} tokens per row in e4m3, for cuBLASLt"))
+            rows.append(("FP8 quantized x and sums", int(sum(a.nbytes for a in self._fp8_x)),
+                         f"x of {self.max_num_tokens} tokens in e4m3 and the float32 sums of "
+                         "their widest product, for cuBLASLt"))
         if getattr(self, "graphs", None) is not None:
             from .gemm import WORKSPACE_BYTES
             rows.append(("CUDA graph metadata", int(self.graphs.metadata_bytes + self.step_graphs.metadata_bytes),

@@ -1,8 +1,8 @@
 """FP8 products of many rows on the tensor cores through cuBLASLt, called with ctypes (CuPy
-has no cuBLASLt binding): out = (x quantized per row to e4m3) @ (the weight's e4m3 codes)^T,
-each product scaled by its weight row's scale and its x row's scale (cuBLASLt's
-"outer vector" scaling, cuBLAS 12.9 and newer), summed in float32 and written as bf16 or
-added to a float32 out (docs/ARCHITECTURE.md, "FP8 weights").
+has no cuBLASLt binding): acc = (x's e4m3 codes) @ (the weight's e4m3 codes)^T, summed in
+float32 (docs/ARCHITECTURE.md, "FP8 weights"). The scales are the caller's (fp8.cu
+scale_product_kernel): cuBLASLt's per-row ("outer vector") scales are refused on Hopper
+by cuBLAS 13.1, and its scalar ones cannot say a scale per row.
 
 Row-major out [M, N] = x [M, K] @ W [N, K]^T is column-major out^T = W^T' x': A is the
 weight read as [K, N] column-major and transposed, B is x as [K, M] column-major, the
@@ -22,9 +22,6 @@ CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 14, 28
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
-DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18
-DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
-SCALE_OUTER_VEC_32F = 3
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20
 
@@ -39,15 +36,13 @@ class HeuristicResult(ctypes.Structure):
 class _Shape:
     """The descriptors and algorithm of one product shape."""
 
-    def __init__(self, lt, m_rows: int, n: int, k: int, out_type: int):
+    def __init__(self, lt, m_rows: int, n: int, k: int):
         self.desc = lt.new_desc()
-        for attribute, value in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N),
-                                 (DESC_A_SCALE_MODE, SCALE_OUTER_VEC_32F),
-                                 (DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F)):
+        for attribute, value in ((DESC_TRANSA, CUBLAS_OP_T), (DESC_TRANSB, CUBLAS_OP_N)):
             lt.set_int(self.desc, attribute, value)
         self.a = lt.layout(CUDA_R_8F_E4M3, k, n, k)   # the weight, [K, N] column-major
         self.b = lt.layout(CUDA_R_8F_E4M3, k, m_rows, k)  # x, [K, M] column-major
-        self.d = lt.layout(out_type, n, m_rows, n)    # out, [N, M] column-major
+        self.d = lt.layout(CUDA_R_32F, n, m_rows, n)  # acc, [N, M] column-major
         self.algo = lt.best_algo(self.desc, self.a, self.b, self.d)
 
 
@@ -90,7 +85,7 @@ class FP8Lt:
             self._preference, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)),
             "cublasLtMatmulPreferenceSetAttribute")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._shapes = {}  # (m, n, k, out type) -> _Shape
+        self._shapes = {}  # (m, n, k) -> _Shape
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -105,12 +100,6 @@ class FP8Lt:
 
     def set_int(self, desc, attribute: int, value: int) -> None:
         value = ctypes.c_int32(value)
-        self._check(self._lib.cublasLtMatmulDescSetAttribute(
-            desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
-            f"cublasLtMatmulDescSetAttribute({attribute})")
-
-    def set_pointer(self, desc, attribute: int, pointer: int) -> None:
-        value = ctypes.c_void_p(pointer)
         self._check(self._lib.cublasLtMatmulDescSetAttribute(
             desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
             f"cublasLtMatmulDescSetAttribute({attribute})")
@@ -130,28 +119,25 @@ class FP8Lt:
             raise RuntimeError("cuBLASLt has no FP8 algorithm for this product")
         return result
 
-    def shape(self, m_rows: int, n: int, k: int, out_f32: bool) -> _Shape:
-        key = (m_rows, n, k, out_f32)
+    def shape(self, m_rows: int, n: int, k: int) -> _Shape:
+        """The descriptors and algorithm of an [m, k] x [n, k]^T product; RuntimeError
+        where cuBLASLt has no FP8 algorithm for it."""
+        key = (m_rows, n, k)
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = _Shape(self, m_rows, n, k,
-                                               CUDA_R_32F if out_f32 else CUDA_R_16BF)
+            shape = self._shapes[key] = _Shape(self, m_rows, n, k)
         return shape
 
-    def matmul(self, codes, codes_scale, weight, out, accumulate: bool, stream: int) -> None:
-        """out [M, N] (bf16, or float32: accumulate adds to it) = codes [M, K] e4m3 with row
-        scales codes_scale [M] against the Fp8Weight [N, K]."""
+    def matmul(self, codes, weight_codes, acc, stream: int) -> None:
+        """acc [M, N] float32 = codes [M, K] @ weight_codes [N, K]^T, both e4m3 (uint8)."""
         m_rows, k = codes.shape
-        n = weight.data.shape[0]
-        shape = self.shape(m_rows, n, k, out.dtype == np.float32)
-        self.set_pointer(shape.desc, DESC_A_SCALE_POINTER, weight.scale.data.ptr)
-        self.set_pointer(shape.desc, DESC_B_SCALE_POINTER, codes_scale.data.ptr)
-        beta = self._one if accumulate else self._zero
+        n = weight_codes.shape[0]
+        shape = self.shape(m_rows, n, k)
         self._check(self._lib.cublasLtMatmul(
-            self.handle, shape.desc, ctypes.byref(self._one), weight.data.data.ptr, shape.a,
-            codes.data.ptr, shape.b, ctypes.byref(beta), out.data.ptr, shape.d, out.data.ptr,
-            shape.d, ctypes.byref(shape.algo, 0), self.workspace.data.ptr, WORKSPACE_BYTES,
-            stream), "cublasLtMatmul")
+            self.handle, shape.desc, ctypes.byref(self._one), weight_codes.data.ptr, shape.a,
+            codes.data.ptr, shape.b, ctypes.byref(self._zero), acc.data.ptr, shape.d,
+            acc.data.ptr, shape.d, ctypes.byref(shape.algo, 0), self.workspace.data.ptr,
+            WORKSPACE_BYTES, stream), "cublasLtMatmul")
 
 
 _lt = None  # FP8Lt once made; False where it cannot be

@@ -7,7 +7,9 @@ from ...interface import Fp8Weight
 from ...util import cdiv
 from .kernels import BF16, F32, U8, check, constants, get_kernel, i32, i64
 
-THREADS = constants("fp8")["FP8_THREADS"]
+_C = constants("fp8")
+THREADS = _C["FP8_THREADS"]
+OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
 MIN_CAPABILITY = 89  # the e4m3 conversion instruction quantize_rows_kernel uses
 
 
@@ -35,3 +37,21 @@ def dequantize(weight: Fp8Weight, out) -> None:
     if words:
         get_kernel("fp8", "dequantize_rows_kernel")(
             (cdiv(words, THREADS),), (THREADS,), (weight.data, weight.scale, out, i32(k), i64(words)))
+
+
+def scale_product(acc, x_scale, w_scale, out, accumulate: bool = False) -> None:
+    """out [M, N] = acc [M, N] float32 * x_scale[m] * w_scale[n]: bf16 or float32, or added
+    to a float32 out (accumulate)."""
+    m_rows, n = check("acc", acc, F32, ndim=2).shape
+    check("x_scale", x_scale, F32, shape=(m_rows,))
+    check("w_scale", w_scale, F32, shape=(n,))
+    if out.dtype not in (BF16, F32) or (accumulate and out.dtype != F32):
+        raise ValueError(f"out: expected {'float32' if accumulate else 'bf16 or float32'}, "
+                         f"got {out.dtype.name}")
+    check("out", out, out.dtype, shape=(m_rows, n))
+    mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
+    total = m_rows * n
+    if total:
+        get_kernel("fp8", "scale_product_kernel")(
+            (cdiv(total, THREADS),), (THREADS,), (acc, x_scale, w_scale, out, i32(n), i64(total),
+                                                  i32(mode)))

@@ -33,10 +33,11 @@ backend's Products never changes (docs/ARCHITECTURE.md, "Kernels").
 FP8 weights (interface.Fp8Weight: e4m3 codes and a float32 scale per row) take the skinny
 kernels' FP8 variants up to 16 rows, which convert the codes to bf16 in registers and
 scale the sums in the epilogue, whatever the skinny switch says. Above, the fp8_gemm
-switch chooses: "cublaslt" quantizes x per row into a scratch the backend owns and runs
-cuBLASLt's FP8 product (cublaslt.py), where cuBLASLt can take the shape; otherwise, and
-under "dequantize", the weight is dequantized to bf16 (fp8.cu) into another scratch and
-the product runs on cuBLAS (docs/ARCHITECTURE.md, "FP8 weights")."""
+switch chooses: "cublaslt" quantizes x per row into a scratch the backend owns, runs
+cuBLASLt's FP8 product into a float32 scratch (cublaslt.py) and scales it into out
+(fp8.cu), where cuBLASLt can take the shape; otherwise, and under "dequantize", the weight
+is dequantized to bf16 (fp8.cu) into another scratch and the product runs on cuBLAS
+(docs/ARCHITECTURE.md, "FP8 weights")."""
 from __future__ import annotations
 
 import ctypes
@@ -52,7 +53,7 @@ from . import launch
 from .device import device_limits
 from .elementwise import ACTS, check_rope_operands
 from .cublaslt import fp8_lt
-from .fp8 import dequantize, quantize_rows
+from .fp8 import dequantize, quantize_rows, scale_product
 from .kernels import (BF16, F32, U8, aligned16, check, constants, get_kernel, i32, instances,
                       opt_in_shared)
 from .switches import FP8_CHOICES, SKINNY_CHOICES
@@ -197,9 +198,10 @@ class Products:
                  fp8_gemm: str = "cublaslt"):
         """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file.
         For FP8 weights past SKINNY_MAX_ROWS rows: dequantized, flat bf16 device scratch
-        that holds the largest weight as bf16; fp8_activations, (codes, scales) scratch
-        for x quantized per row (flat uint8 of the most rows times the longest K, float32
-        of the most rows), or None; fp8_gemm, the switch (switches.py)."""
+        that holds the largest weight as bf16; fp8_activations, (codes, scales, sums)
+        scratch for x quantized per row and the product's float32 sums (flat uint8 of the
+        most rows times the longest K, float32 of the most rows, float32 of the most rows
+        times the widest N), or None; fp8_gemm, the switch (switches.py)."""
         if skinny not in SKINNY_CHOICES:
             raise ValueError(f"skinny must be one of {SKINNY_CHOICES}, got {skinny!r}")
         if fp8_gemm not in FP8_CHOICES:
@@ -210,7 +212,7 @@ class Products:
         self._chosen = {}  # (n, k, m, accumulate) -> kernel
         self.dequantized = dequantized
         self.fp8_activations, self.fp8_gemm = fp8_activations, fp8_gemm
-        self._fp8_paths = {}  # (m, n, k, float32 out) -> path
+        self._fp8_paths = {}  # (m, n, k) -> path
 
     @property
     def fusing(self) -> bool:
@@ -235,20 +237,20 @@ class Products:
             kernel = self._chosen[key] = choose(self.skinny, n, k, m, table, accumulate)
         return kernel
 
-    def fp8_path(self, m: int, n: int, k: int, out_f32: bool) -> str:
+    def fp8_path(self, m: int, n: int, k: int) -> str:
         """How an [m, k] x [n, k]^T product of FP8 weights past SKINNY_MAX_ROWS rows runs:
-        "cublaslt" where the switch asks, the x scratch holds it and cuBLASLt has an FP8
+        "cublaslt" where the switch asks, the scratch holds it and cuBLASLt has an FP8
         algorithm for the shape, else "dequantize"."""
-        key = (m, n, k, out_f32)
+        key = (m, n, k)
         path = self._fp8_paths.get(key)
         if path is None:
             path = "dequantize"
-            codes = self.fp8_activations[0] if self.fp8_activations is not None else None
-            lt = fp8_lt() if self.fp8_gemm == "cublaslt" and codes is not None else None
-            if lt is not None and m * k <= codes.size and m <= self.fp8_activations[1].size \
-                    and k % 16 == 0 and n % 16 == 0:
+            scratch = self.fp8_activations
+            lt = fp8_lt() if self.fp8_gemm == "cublaslt" and scratch is not None else None
+            if (lt is not None and m * k <= scratch[0].size and m <= scratch[1].size
+                    and m * n <= scratch[2].size and k % 16 == 0 and n % 16 == 0):
                 try:
-                    lt.shape(m, n, k, out_f32)
+                    lt.shape(m, n, k)
                     path = "cublaslt"
                 except RuntimeError:
                     pass  # no FP8 algorithm for this shape: the dequantized weight
@@ -256,14 +258,18 @@ class Products:
         return path
 
     def _fp8_lt_linear(self, x, weight, out, accumulate: bool) -> None:
-        """x quantized per row into the scratch, then cuBLASLt's FP8 product."""
+        """x quantized per row into the scratch, cuBLASLt's FP8 product of the codes, then
+        both rows' scales on its sums."""
         import cupy
         m_rows, k = x.shape
-        codes = self.fp8_activations[0][:m_rows * k].reshape(m_rows, k)
-        scales = self.fp8_activations[1][:m_rows]
+        n = weight.data.shape[0]
+        codes_scratch, scales_scratch, sums_scratch = self.fp8_activations
+        codes = codes_scratch[:m_rows * k].reshape(m_rows, k)
+        scales = scales_scratch[:m_rows]
+        sums = sums_scratch[:m_rows * n].reshape(m_rows, n)
         quantize_rows(x, codes, scales)
-        fp8_lt().matmul(codes, scales, weight, out, accumulate,
-                        cupy.cuda.get_current_stream().ptr)
+        fp8_lt().matmul(codes, weight.data, sums, cupy.cuda.get_current_stream().ptr)
+        scale_product(sums, scales, weight.scale, out, accumulate)
 
     def bf16_weight(self, weight):
         """A product's weight as a bf16 [N, K] matrix cuBLAS reads: the weight itself, or
@@ -292,7 +298,7 @@ class Products:
             _launch_mma(x, weight, out, accumulate, self.programmatic)
         elif kernel == "gemv" and gemv_supported(x, weight):
             _launch_gemv(x, weight, out)
-        elif fp8 and self.fp8_path(m_rows, n_cols, k, out.dtype == F32) == "cublaslt":
+        elif fp8 and self.fp8_path(m_rows, n_cols, k) == "cublaslt":
             self._fp8_lt_linear(x, weight, out, accumulate)
         else:
             cublas_linear(x, self.bf16_weight(weight), out, accumulate)
