@@ -163,6 +163,16 @@ class Tokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """tokenizer.json as the tokenizers library holds it, without padding or
+        truncation (what llguidance builds its token trie from)."""
+        backend = self._backend
+        if backend.padding is not None or backend.truncation is not None:
+            backend = BackendTokenizer.from_str(backend.to_str())
+            backend.no_padding()
+            backend.no_truncation()
+        return backend.to_str()
+
     # ---- encode / decode -------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True,
