@@ -185,7 +185,7 @@ class StructuredSpec:
         try:
             if self.kind == "json":
                 schema = json.loads(self.text)
-                own = schema.get("x-guidance")
+                own = schema.get("x-guidance") if isinstance(schema, dict) else None
                 keeps_own = isinstance(own, dict) and any(k in own for k in _X_GUIDANCE_WHITESPACE)
                 defaults = None if keeps_own else {"whitespace_pattern": JSON_WHITESPACE}
                 return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)

@@ -161,6 +161,9 @@ def test_without_llguidance_a_constraint_names_the_extra(monkeypatch, tiny_token
     (StructuredSpec.grammar("start: foo", "structured_outputs.grammar"),
      'structured_outputs.grammar: the grammar does not compile: at 1(8): unknown name: "foo"'),
     (StructuredSpec.grammar('root ::= "a" | missing'), "Rule 'missing' not found"),
+    # made directly, past the makers' checks
+    (StructuredSpec("json", "[1]"), "the JSON schema does not compile: Expecting object schema"),
+    (StructuredSpec("json", "{oops"), "the JSON schema does not compile: Expecting property name"),
 ])
 def test_a_spec_that_does_not_compile_quotes_the_compiler(compiler, spec, quoted):
     with pytest.raises(RequestError) as caught:
