@@ -2,9 +2,10 @@
 jinja2 sandbox, and an incremental detokenizer for streaming.
 
 Prompt safety: in `encode_chat` only the template's own text may produce special tokens.
-Special-token spellings inside message fields are broken with an invisible marker before
-rendering, so the rendered prompt's special tokens all come from the template; the text
-between them is then encoded with special-token parsing off (and the marker removed).
+Special-token spellings inside message fields and tool definitions (strings nested at any
+depth: tool calls' arguments too) are broken with an invisible marker before rendering, so
+the rendered prompt's special tokens all come from the template; the text between them is
+then encoded with special-token parsing off (and the marker removed).
 """
 from __future__ import annotations
 
@@ -163,6 +164,16 @@ class Tokenizer:
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    def to_json(self) -> str:
+        """tokenizer.json as the tokenizers library holds it, without padding or
+        truncation (what llguidance builds its token trie from)."""
+        backend = self._backend
+        if backend.padding is not None or backend.truncation is not None:
+            backend = BackendTokenizer.from_str(backend.to_str())
+            backend.no_padding()
+            backend.no_truncation()
+        return backend.to_str()
+
     # ---- encode / decode -------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True,
@@ -207,9 +218,10 @@ class Tokenizer:
                     template_kwargs: dict | None = None) -> list[int]:
         """Prompt ids for a chat; special tokens come only from the template's own text."""
         messages = validate_messages(messages)
-        marker = _pick_marker(messages)
-        guarded = [{key: self._break_specials(value, marker) if isinstance(value, str) else value
-                    for key, value in message.items()} for message in messages]
+        marker = _pick_marker([messages, tools])
+        guarded = self._guard(messages, marker)
+        if tools is not None:  # tool descriptions are the caller's text too
+            tools = self._guard(tools, marker)
         text = self._render(guarded, add_generation_prompt, date_string, tools, template_kwargs)
         ids: list[int] = []
         for piece, special in self._split_on_specials(text):
@@ -219,6 +231,17 @@ class Tokenizer:
                 ids.extend(self._plain.encode(piece.replace(marker, ""),
                                               add_special_tokens=False).ids)
         return ids
+
+    def _guard(self, value, marker: str):
+        """A copy of value (messages, tools: dicts, lists and strings nested in any way)
+        with every special-token spelling in its strings broken by the marker."""
+        if isinstance(value, str):
+            return self._break_specials(value, marker)
+        if isinstance(value, dict):
+            return {self._guard(k, marker): self._guard(v, marker) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._guard(item, marker) for item in value]
+        return value
 
     def _break_specials(self, text: str, marker: str) -> str:
         if self._special_pattern is None:
@@ -328,25 +351,87 @@ class IncrementalDetokenizer:
 
 
 def validate_messages(messages) -> list[dict]:
-    """A chat must be a non-empty list of {"role": str, "content": str, ...} dicts."""
+    """A chat: a non-empty list of {"role": str, "content": str, ...} dicts, as OpenAI's chat
+    API writes them. An assistant message may carry "tool_calls" ([{"id", "type":
+    "function", "function": {"name", "arguments"}}]), its content then null or left out; a
+    "tool" message answers a call ("tool_call_id"). Other keys pass to the template as
+    they are. Tool-call arguments sent as JSON text (OpenAI's form) reach the template as
+    the object they hold: chat templates write them with tojson, as transformers documents
+    them. Returns the messages, copied where they changed."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
         raise RequestError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
                            f"got {type(messages).__name__}")
     if not messages:
         raise RequestError("messages is empty; send at least one {'role': 'user', "
                            "'content': ...} message")
+    checked = []
     for index, message in enumerate(messages):
+        where = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise RequestError(f"messages[{index}] must be a dict with 'role' and 'content', "
+            raise RequestError(f"{where} must be a dict with 'role' and 'content', "
                                f"got {type(message).__name__}")
-        for key in ("role", "content"):
-            if key not in message:
-                raise RequestError(f"messages[{index}] has no {key!r}")
-            if not isinstance(message[key], str):
-                raise RequestError(f"messages[{index}][{key!r}] must be a string, got "
-                                   f"{type(message[key]).__name__}")
-            check_unicode(message[key], f"messages[{index}][{key!r}]")
-    return list(messages)
+        if "role" not in message:
+            raise RequestError(f"{where} has no 'role'")
+        if not isinstance(message["role"], str):
+            raise RequestError(f"{where}['role'] must be a string, got "
+                               f"{type(message['role']).__name__}")
+        check_unicode(message["role"], f"{where}['role']")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if message["role"] != "assistant":
+                raise RequestError(f"{where} has tool_calls but its role is "
+                                   f"{message['role']!r}; only assistant messages call tools")
+            tool_calls = _check_tool_calls(tool_calls, f"{where}['tool_calls']")
+        content = message.get("content")
+        if not (tool_calls and content is None):  # a message of tool calls needs no text
+            if "content" not in message:
+                raise RequestError(f"{where} has no 'content'")
+            if not isinstance(content, str):
+                raise RequestError(f"{where}['content'] must be a string, got "
+                                   f"{type(content).__name__}")
+            check_unicode(content, f"{where}['content']")
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+            raise RequestError(f"{where}['tool_call_id'] must be a string, got "
+                               f"{type(message['tool_call_id']).__name__}")
+        if tool_calls is not None:
+            message = {key: value for key, value in message.items() if key != "tool_calls"}
+            if tool_calls:  # an empty list is no call at all
+                message["tool_calls"] = tool_calls
+        checked.append(message)
+    return checked
+
+
+def _check_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool calls, their JSON-text arguments decoded."""
+    shape = "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, (list, tuple)):
+        raise RequestError(f"{where} must be a list of {shape}, got {type(calls).__name__}")
+    decoded = []
+    for j, call in enumerate(calls):
+        here = f"{where}[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(f"{here} must be {shape}")
+        function = call["function"]
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"{here}['function']['name'] must be a non-empty string")
+        for key in ("id", "type"):
+            if call.get(key) is not None and not isinstance(call[key], str):
+                raise RequestError(f"{here}['{key}'] must be a string")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None  # not JSON: the template gets the text as it is
+            if isinstance(parsed, dict):
+                arguments = parsed
+        elif not isinstance(arguments, dict):
+            raise RequestError(f"{here}['function']['arguments'] must be a JSON object or "
+                               f"its text, got {type(arguments).__name__}")
+        for text in _strings_in([call, arguments]):
+            check_unicode(text, f"{here}['function']")
+        decoded.append({**call, "function": {**function, "arguments": arguments}})
+    return decoded
 
 
 # variables the renderer sets itself: a request's chat-template keyword arguments may not
@@ -437,13 +522,26 @@ def _alternation(tokens) -> re.Pattern | None:
     return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
 
 
-def _pick_marker(messages) -> str:
-    texts = [v for m in messages for v in m.values() if isinstance(v, str)]
+def _pick_marker(values) -> str:
+    texts = list(_strings_in(values))
     for marker in _MARKER_CANDIDATES:
         if not any(marker in text for text in texts):
             return marker
     raise RequestError("messages contain every private-use character U+F8F1..U+F8FF; "
                        "remove them from the message text")
+
+
+def _strings_in(value):
+    """Every string in nested dicts (keys too) and lists."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings_in(key)
+            yield from _strings_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings_in(item)
 
 
 def _post_processor_adds(backend: BackendTokenizer, bos_id: int | None) -> bool:

@@ -68,3 +68,39 @@ def script_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---- tiny models whose chat templates offer tools (tests/fixtures/chat_templates) -------
+
+CHAT_TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+# style -> (random_model shape overrides, template file, tokens added to the byte-level
+# tokenizer as (text, special)), after the released tokenizers: Llama 3.1+'s
+# <|python_tag|> and <|eom_id|> are special; Qwen2.5's <tool_call> tags are added tokens
+# that are not special; Mistral's v11 tool tokens are special
+TOOL_MODEL_STYLES = {
+    "llama3_json": (dict(), "llama3.2_json_tools.jinja",
+                    [("<|python_tag|>", True), ("<|eom_id|>", True)]),
+    "hermes": (dict(architectures=["Qwen2ForCausalLM"]), "hermes_tools.jinja",
+               [("<tool_call>", False), ("</tool_call>", False)]),
+    "mistral": (dict(architectures=["MistralForCausalLM"]), "mistral_tools.jinja",
+                [("[TOOL_CALLS]", True), ("[ARGS]", True), ("[CALL_ID]", True),
+                 ("[AVAILABLE_TOOLS]", True), ("[/AVAILABLE_TOOLS]", True),
+                 ("[TOOL_RESULTS]", True), ("[/TOOL_RESULTS]", True)]),
+}
+
+
+def make_tool_model(out_dir, style: str, seed: int = 0) -> Path:
+    """A tiny random model (byte-level tokenizer) whose chat template and tokens are those
+    of a tool-calling family: "llama3_json", "hermes" or "mistral"."""
+    from tokenizers import AddedToken, Tokenizer
+
+    overrides, template, tokens = TOOL_MODEL_STYLES[style]
+    model_dir = make_random_model(out_dir, "tiny", seed=seed, std=0.15, **overrides)
+    path = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    for text, special in tokens:
+        token = AddedToken(text, special=special, normalized=False)
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)([token])
+    tokenizer.save(str(path))
+    (model_dir / "chat_template.jinja").write_text((CHAT_TEMPLATES / template).read_text())
+    return model_dir

@@ -1,0 +1,471 @@
+"""Structured outputs: a constraint on what a sequence may generate (a JSON schema, any
+JSON object, a regular expression, one of a list of strings, or a Lark grammar), enforced
+token by token through an allowed-token bitmask (docs/ARCHITECTURE.md, "Structured outputs
+and tools").
+
+- `StructuredSpec` is a constraint as a request states it: a plain value that pickles,
+  checked when it is made, needing nothing installed.
+- `GrammarCompiler`, one per model, compiles specs with llguidance (the `structured` extra)
+  and caches them by the spec's text. Front ends compile before they queue a request, so
+  a spec that does not compile is a RequestError quoting the compiler, and the step loop
+  never compiles (`compile_async` compiles on a worker thread where it must not wait).
+- `GrammarMatcher`, one per constrained sequence, writes its row of a step's bitmask and
+  advances by each sampled token.
+
+Bitmask layout: one row of uint32 words per constrained sequence; token t is allowed when
+bit t % 32 of word t // 32 is set. A row holds `bitmask_words(vocab_size)` words for the
+model's vocabulary, which may be larger than the tokenizer's (ids past the tokenizer have
+no text and are never allowed). `apply_token_bitmask` is the reference of what the
+sampling kernels do with it.
+
+This module imports numpy only inside the functions that take arrays: sampling.py and the
+scheduler's side import the spec and must stay free of numpy.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .errors import RequestError
+from .util import cdiv
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+EXTRA_HINT = "pip install 'cupy-llama[structured]'"
+# JSON output may hold at most this much whitespace at any one place: enough for
+# pretty-printed JSON, and a bound on a model that would otherwise pad with newlines until
+# max_tokens. A schema's own "x-guidance" whitespace settings take precedence.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,20}"
+_X_GUIDANCE_WHITESPACE = ("whitespace_flexible", "whitespace_pattern")
+# What each kind is called in messages.
+_NOUNS = {"json": "JSON schema", "json_object": "JSON object constraint",
+          "regex": "regular expression", "choice": "choice list", "grammar": "grammar"}
+MAX_QUOTED_ERROR = 300  # characters of a compiler message quoted in an error
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on a sequence's output. Make one with the class methods (`json`,
+    `json_object`, `regex`, `choice`, `grammar`) or from request fields
+    (`from_structured_outputs`, `from_response_format`); `text` is the canonical text that
+    identifies the compiled grammar (`key`). `source` names the request field it came from,
+    for messages; it plays no part in equality."""
+    kind: str
+    text: str = ""
+    source: str = field(default="structured", compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise RequestError(f"{self.source}: unknown kind {self.kind!r}; use one of "
+                               f"{', '.join(KINDS)}")
+        if not isinstance(self.text, str):
+            raise RequestError(f"{self.source}: the constraint text must be a string")
+
+    # ---- makers -------------------------------------------------------------------------
+
+    @classmethod
+    def json(cls, schema, source: str = "structured") -> "StructuredSpec":
+        """A JSON schema (a dict, or its JSON text). Properties come out in the schema's
+        order, as llguidance generates them."""
+        if isinstance(schema, (str, bytes)):
+            try:
+                schema = json.loads(schema)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise RequestError(f"{source}: the JSON schema is not valid JSON ({e})") from None
+        if not isinstance(schema, dict):
+            raise RequestError(f"{source} must be a JSON schema (a JSON object), got "
+                               f"{_type_name(schema)}")
+        try:
+            text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"),
+                              allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{source}: the JSON schema cannot be written as JSON "
+                               f"({e})") from None
+        return cls("json", text, source)
+
+    @classmethod
+    def json_object(cls, source: str = "structured") -> "StructuredSpec":
+        """Any JSON object."""
+        return cls("json_object", "", source)
+
+    @classmethod
+    def regex(cls, pattern, source: str = "structured") -> "StructuredSpec":
+        """Output that matches the whole regular expression (Rust regex syntax, which is
+        Python's for everything but look-around and backreferences)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise RequestError(f"{source} must be a non-empty regular expression (a "
+                               f"string), got {_describe(pattern)}")
+        return cls("regex", pattern, source)
+
+    @classmethod
+    def choice(cls, options, source: str = "structured") -> "StructuredSpec":
+        """Output that is exactly one of the strings."""
+        if (isinstance(options, (str, bytes)) or not isinstance(options, (list, tuple))
+                or not options or not all(isinstance(o, str) for o in options)):
+            raise RequestError(f"{source} must be a non-empty list of strings, got "
+                               f"{_describe(options)}")
+        return cls("choice", json.dumps(list(options), ensure_ascii=False), source)
+
+    @classmethod
+    def grammar(cls, text, source: str = "structured") -> "StructuredSpec":
+        """A Lark grammar in llguidance's dialect (GBNF is converted)."""
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(f"{source} must be a non-empty grammar (a string), got "
+                               f"{_describe(text)}")
+        return cls("grammar", text, source)
+
+    @classmethod
+    def from_structured_outputs(cls, value, source: str = "structured_outputs"
+                                ) -> "StructuredSpec | None":
+        """vLLM's `structured_outputs` object: exactly one of json, json_object (true),
+        regex, choice, grammar; fields set to null count as left out. None for an object
+        that sets none of them."""
+        if isinstance(value, StructuredSpec) or value is None:
+            return value
+        if not isinstance(value, dict):
+            raise RequestError(f"{source} must be an object with one of {', '.join(KINDS)}, "
+                               f"got {_type_name(value)}")
+        given = [key for key in KINDS if value.get(key) is not None]
+        unknown = sorted(key for key, v in value.items() if key not in KINDS and v is not None)
+        if unknown:
+            raise RequestError(f"{source}.{unknown[0]} is not supported; use one of "
+                               f"{', '.join(KINDS)}")
+        if len(given) > 1:
+            raise RequestError(f"{source} sets {given[0]} and {given[1]}; set only one")
+        if not given:
+            return None
+        kind = given[0]
+        where = f"{source}.{kind}"
+        if kind == "json_object":
+            if value[kind] is not True:
+                raise RequestError(f"{where} must be true, got {_describe(value[kind])}")
+            return cls.json_object(where)
+        return getattr(cls, kind)(value[kind], where)
+
+    @classmethod
+    def from_response_format(cls, value, source: str = "response_format"
+                             ) -> "StructuredSpec | None":
+        """OpenAI's `response_format`: {"type": "text"} (None: no constraint),
+        {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name",
+        "schema", "strict"}}."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise RequestError(f"{source} must be an object such as {{\"type\": "
+                               f"\"json_object\"}}, got {_type_name(value)}")
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object(source)
+        if kind == "json_schema":
+            inner = value.get("json_schema")
+            if not isinstance(inner, dict):
+                raise RequestError(f"{source}.json_schema is missing; give {{\"name\": ..., "
+                                   f"\"schema\": {{...}}}}")
+            if inner.get("schema") is None:
+                raise RequestError(f"{source}.json_schema.schema is missing; give the JSON "
+                                   f"schema the answer must follow")
+            return cls.json(inner["schema"], f"{source}.json_schema.schema")
+        raise RequestError(f"{source}.type must be 'text', 'json_object' or 'json_schema', "
+                           f"got {_describe(kind)}")
+
+    # ---- what it is -------------------------------------------------------------------
+
+    @property
+    def key(self) -> str:
+        """The text compiled grammars are cached by."""
+        return f"{self.kind}:{self.text}"
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own form (needs llguidance)."""
+        llg = _llguidance()
+        try:
+            if self.kind == "json":
+                schema = json.loads(self.text)
+                own = schema.get("x-guidance") if isinstance(schema, dict) else None
+                keeps_own = isinstance(own, dict) and any(k in own for k in _X_GUIDANCE_WHITESPACE)
+                defaults = None if keeps_own else {"whitespace_pattern": JSON_WHITESPACE}
+                return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=defaults)
+            if self.kind == "json_object":
+                return llg.LLMatcher.grammar_from_json_schema(
+                    '{"type": "object"}', defaults={"whitespace_pattern": JSON_WHITESPACE})
+            if self.kind == "regex":
+                return llg.LLMatcher.grammar_from_regex(self.text)
+            if self.kind == "choice":
+                return llg.grammar_from("choice", self.text)
+            return llg.grammar_from("grammar", self.text)  # Lark as it is, GBNF converted
+        except (ValueError, TypeError) as e:
+            raise self._error(str(e)) from None
+
+    def _error(self, message: str) -> RequestError:
+        return RequestError(f"{self.source}: the {_NOUNS[self.kind]} does not compile: "
+                            f"{compiler_message(message, self.kind)}")
+
+
+class CompiledGrammar:
+    """A spec compiled for one model's tokenizer: a fresh matcher to copy for each
+    sequence (copying costs microseconds; compiling costs milliseconds)."""
+
+    def __init__(self, spec: StructuredSpec, prototype, num_words: int):
+        self.spec = spec
+        self._prototype = prototype
+        self._num_words = num_words
+
+    def matcher(self) -> "GrammarMatcher":
+        """A matcher at the start of the grammar, for one sequence."""
+        return GrammarMatcher(self._prototype.deep_copy(), self._num_words, self.spec)
+
+
+class GrammarMatcher:
+    """The state of one constrained sequence: which tokens may come next.
+
+    The engine keeps it equal to the sequence's known output tokens: `advance` by each
+    token as it comes back from the device, before filling the mask of the step that
+    follows it. A preempted sequence keeps its output tokens and is recomputed from them,
+    so its matcher needs nothing on recompute; `rollback` is for tokens the engine takes
+    back after advancing by them."""
+
+    __slots__ = ("_matcher", "_num_words", "spec", "num_tokens")
+
+    def __init__(self, matcher, num_words: int, spec: StructuredSpec):
+        self._matcher = matcher
+        self._num_words = num_words
+        self.spec = spec
+        self.num_tokens = 0  # tokens advanced by, less those rolled back
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]`: bitmask is a 2-D array of
+        4-byte words (uint32, or int32 holding the same bits) whose rows are contiguous and
+        at least `bitmask_words(vocab_size)` words long; words past that are left alone.
+        Once the grammar is complete (or the matcher failed) only EOS is allowed."""
+        dtype = bitmask.dtype
+        if dtype.kind not in "ui" or dtype.itemsize != 4 or bitmask.ndim != 2:
+            raise ValueError(f"bitmask must be a 2-D array of uint32 words, got "
+                             f"{bitmask.ndim}-D {dtype}")
+        if bitmask.shape[1] < self._num_words or bitmask.strides[1] != 4:
+            raise ValueError(f"bitmask rows must hold {self._num_words} contiguous words, "
+                             f"got {bitmask.shape[1]} with stride {bitmask.strides[1]}")
+        if not 0 <= row < bitmask.shape[0]:
+            raise ValueError(f"row {row} is outside the bitmask's {bitmask.shape[0]} rows")
+        if not bitmask.flags.writeable:
+            raise ValueError("the bitmask is read-only")
+        address = bitmask.ctypes.data + row * bitmask.strides[0]
+        self._matcher.unsafe_compute_mask_ptr(address, 4 * self._num_words)
+
+    def advance(self, token_id: int) -> bool:
+        """Advance by a sampled token (EOS included). False when the grammar rejects it,
+        which a token sampled under this matcher's mask never is: the matcher has then
+        failed (`error` says why) and allows only EOS from there on."""
+        accepted = self._matcher.consume_token(int(token_id))
+        self.num_tokens += accepted
+        return accepted
+
+    @property
+    def eos_allowed(self) -> bool:
+        """Whether the output may end here: the grammar accepts what came so far."""
+        return self._matcher.is_accepting()
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar is satisfied and nothing may follow but EOS: the sequence is done
+        (finish_reason "stop") without waiting for the model to sample EOS."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a rejected token), or None."""
+        return compiler_message(self._matcher.get_error()) if self._matcher.is_error() else None
+
+    def fork(self) -> "GrammarMatcher":
+        """An independent copy in the same state (a sample of n > 1 that forks later than
+        its prompt; samples forked at the prompt take fresh matchers)."""
+        copy = GrammarMatcher(self._matcher.deep_copy(), self._num_words, self.spec)
+        copy.num_tokens = self.num_tokens
+        return copy
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last num_tokens tokens advanced by."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_tokens} tokens")
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: "
+                               f"{compiler_message(self._matcher.get_error())}")
+        self.num_tokens -= num_tokens
+
+
+class GrammarCompiler:
+    """Compiles specs for one model. Building it reads the whole vocabulary into
+    llguidance's token trie: about 3 s for Llama 3's 128,256 tokens on a 2-core x86-64
+    (the interpreter lock is held meanwhile), so a model builds one, once, before it
+    serves constrained requests.
+
+    vocab_size: the model's vocabulary (config.json), which may exceed the tokenizer's;
+    eos_token_ids: every id that ends a sequence (config.json, generation_config.json and
+    the chat template's end-of-turn tokens): a grammar allows them where it may end."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids,
+                 cache_size: int = 256):
+        llg = _llguidance()
+        eos = sorted({int(i) for i in eos_token_ids})
+        if not eos:
+            raise ValueError("a grammar needs at least one EOS token id")
+        try:
+            tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=eos)
+        except ValueError:
+            # the tokenizer has more ids than the model (ids the model can never sample):
+            # the mask covers the tokenizer's, of which the model reads its own
+            tokenizer = llg.LLTokenizer(tokenizer_json, eos_token=eos)
+            if tokenizer.vocab_size < vocab_size:
+                raise
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size  # what a bitmask row covers
+        self.eos_token_ids = tuple(eos)
+        self.num_words = bitmask_words(self.vocab_size)
+        # error messages quote the compiler, never the grammar or the parser's state
+        self._limits = llg.LLParserLimits(verbose_errors=False)
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._pool = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids,
+                       cache_size: int = 256) -> "GrammarCompiler":
+        """From a cupy_llama Tokenizer (its tokenizer.json as the tokenizers library
+        reads it)."""
+        return cls(tokenizer.to_json(), vocab_size, eos_token_ids, cache_size)
+
+    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        """The compiled grammar of spec, from the cache when it was compiled before;
+        RequestError quoting the compiler when it does not compile."""
+        if not isinstance(spec, StructuredSpec):
+            raise TypeError(f"expected a StructuredSpec, got {type(spec).__name__}")
+        key = spec.key
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        grammar = spec.llguidance_grammar()
+        # LLMatcher never raises for a bad grammar: it is born failed, with the reason; it
+        # lets go of the interpreter lock while it builds
+        prototype = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0,
+                                            limits=self._limits)
+        if prototype.is_error():
+            raise spec._error(prototype.get_error())
+        compiled = CompiledGrammar(spec, prototype, self.num_words)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def compile_async(self, spec: StructuredSpec):
+        """compile() on a worker thread: a concurrent.futures.Future of the
+        CompiledGrammar (or of the RequestError). For a loop that must not wait: it
+        polls future.done() between steps."""
+        with self._lock:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="cupy-llama-grammar")
+            pool = self._pool
+        return pool.submit(self.compile, spec)
+
+    def matcher(self, spec: StructuredSpec) -> GrammarMatcher:
+        """A new sequence's matcher (compiling spec if it is not cached)."""
+        return self.compile(spec).matcher()
+
+    def close(self) -> None:
+        """Stop the worker thread of compile_async, if one was started."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- the bitmask ------------------------------------------------------------------------
+
+def bitmask_words(vocab_size: int) -> int:
+    """uint32 words in one bitmask row for a vocabulary."""
+    return cdiv(vocab_size, 32)
+
+
+def apply_token_bitmask(logits, bitmask, mask_rows=None) -> None:
+    """The reference of masking on the device: set the logits of disallowed tokens to -inf,
+    in place. logits: [B, V] float; bitmask: [R, W] uint32 words (W * 32 >= V); mask_rows:
+    [B] ints, the bitmask row of each logits row or -1 for a row without a constraint
+    (None: logits row b reads bitmask row b)."""
+    import numpy as np
+
+    num_rows, vocab = logits.shape
+    if bitmask.ndim != 2 or bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"bitmask of shape {bitmask.shape} does not cover {vocab} tokens")
+    rows = np.arange(num_rows) if mask_rows is None else np.asarray(mask_rows)
+    constrained = np.flatnonzero(rows >= 0)
+    if not constrained.size:
+        return
+    words = np.ascontiguousarray(bitmask[rows[constrained]], dtype="<u4")
+    # bit t % 32 of word t // 32, little-endian: byte 4w + k holds bits 8k..8k+7 of word w
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    block = logits[constrained]
+    block[allowed == 0] = -np.inf
+    logits[constrained] = block
+
+
+def allowed_token_ids(bitmask_row, vocab_size: int):
+    """The token ids a bitmask row allows, ascending (an int64 array)."""
+    import numpy as np
+
+    words = np.ascontiguousarray(bitmask_row, dtype="<u4")
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+def llguidance_available() -> bool:
+    try:
+        _llguidance()
+    except RequestError:
+        return False
+    return True
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise RequestError(f"structured outputs need the llguidance package; install it "
+                           f"with: {EXTRA_HINT}") from None
+    return llguidance
+
+
+def compiler_message(message: str, kind: str | None = None) -> str:
+    """llguidance's message on one line: its first line and the line naming the error
+    (regex errors put the reason on a later line), without the location in a grammar the
+    user did not write (every kind but a grammar is compiled through a generated one)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    text = lines[0]
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if reason:
+        text = f"{text.rstrip(':')}: {reason.removeprefix('error:').strip()}"
+    if kind is not None and kind != "grammar":
+        text = re.sub(r"^at \d+\(\d+\): ", "", text)
+    if len(text) > MAX_QUOTED_ERROR:
+        text = text[:MAX_QUOTED_ERROR - 3] + "..."
+    return text
+
+
+def _type_name(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else _type_name(value)

@@ -1,0 +1,222 @@
+"""OpenAI `tools` and `tool_choice`, checked, and the grammars that enforce a choice.
+
+`tool_choice` "none" offers no tools to the chat template; "auto" lets the model answer or
+call, and its reply is parsed (tool_parsers.py). "required", a named function, and
+`parallel_tool_calls: false` are enforced while the model writes: `tool_call_grammar`
+gives a Lark grammar (llguidance's dialect, with the functions' parameter schemas inline
+as %json) that admits only calls in the model's own format, to listed functions, with
+arguments that follow their schemas; the reply then parses into exactly those calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from .errors import RequestError
+from .structured import JSON_WHITESPACE, StructuredSpec
+from .tool_parsers import PARSER_NAMES, check_parser_name
+
+TOOL_CHOICES = ("none", "auto", "required")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+# what a tool without parameters takes
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def check_tools(tools, field: str = "tools") -> list[dict]:
+    """OpenAI's tools: [{"type": "function", "function": {"name", "description",
+    "parameters" (a JSON schema), "strict"}}]. Returns them as they are (the chat template
+    gets them so); RequestError naming the field otherwise."""
+    if tools is None:
+        return []
+    if not isinstance(tools, (list, tuple)):
+        raise RequestError(f"{field} must be a list of {{\"type\": \"function\", \"function\": "
+                           f"{{...}}}} objects, got {type(tools).__name__}")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"{field}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise RequestError(f"{where}.type must be \"function\" (the only kind of tool "
+                               f"supported)")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise RequestError(f"{where}.function must be an object with a name")
+        name = function.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise RequestError(f"{where}.function.name must be 1 to 64 letters, digits, "
+                               f"underscores or dashes, got {name!r}")
+        if name in names:
+            raise RequestError(f"{where}.function.name {name!r} is given twice; tool names "
+                               f"must differ")
+        names.add(name)
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise RequestError(f"{where}.function.description must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, dict):
+                raise RequestError(f"{where}.function.parameters must be a JSON schema (an "
+                                   f"object), got {type(parameters).__name__}")
+            try:
+                json.dumps(parameters, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"{where}.function.parameters cannot be written as JSON "
+                                   f"({e})") from None
+    return list(tools)
+
+
+def check_tool_choice(tool_choice, tools: list[dict], field: str = "tool_choice"):
+    """"none", "auto", "required", or {"type": "function", "function": {"name": N}} for a
+    tool in tools. Left out: "auto" with tools, "none" without (as OpenAI does)."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if isinstance(tool_choice, str):
+        if tool_choice not in TOOL_CHOICES:
+            raise RequestError(f"{field} must be one of {', '.join(TOOL_CHOICES)} or "
+                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                               f"got {tool_choice!r}")
+        if tool_choice == "required" and not tools:
+            raise RequestError(f"{field} is \"required\" but no tools are given")
+        return tool_choice
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function"
+            or not isinstance(function, dict) or not isinstance(function.get("name"), str)):
+        raise RequestError(f"{field} must be one of {', '.join(TOOL_CHOICES)} or "
+                           f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    names = [tool["function"]["name"] for tool in tools]
+    if function["name"] not in names:
+        listed = ", ".join(names) if names else "none are given"
+        raise RequestError(f"{field}.function.name {function['name']!r} is not one of the "
+                           f"tools ({listed})")
+    return {"type": "function", "function": {"name": function["name"]}}
+
+
+def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice,
+                      parallel_tool_calls: bool | None = True,
+                      token_id=None) -> StructuredSpec | None:
+    """The constraint that enforces tool_choice (checked by check_tool_choice) in the
+    format of parser_name; None where nothing is enforced ("auto" or "none").
+    parallel_tool_calls false: exactly one call, else one or more.
+    token_id: text -> the id of the tokenizer's token spelled so, or None (a
+    Tokenizer's token_to_id): a format's tags are written as those tokens where the
+    tokenizer has them, as the model writes them."""
+    check_parser_name(parser_name)
+    if tool_choice in (None, "none", "auto"):
+        return None
+    if isinstance(tool_choice, dict):
+        wanted = tool_choice["function"]["name"]
+        functions = [t["function"] for t in tools if t["function"]["name"] == wanted]
+    else:
+        functions = [t["function"] for t in tools]
+    token_id = token_id or (lambda text: None)
+    many = parallel_tool_calls is not False
+    lark = _GRAMMARS[parser_name](functions, many, token_id)
+    return StructuredSpec.grammar(lark, "tool_choice")
+
+
+# ---- the formats ------------------------------------------------------------------------
+
+def _calls_schema(functions: list[dict], arguments_key: str) -> dict:
+    """Any one of the calls, each a JSON object of its name and then its arguments
+    (llguidance writes properties in the schema's order, as the families write them).
+    Each function's parameters move to the root's $defs, and references inside them
+    follow: a schema's "$ref": "#/$defs/..." means its own root, which is no longer the
+    root here (pydantic writes such references)."""
+    calls, defs = [], {}
+    for i, function in enumerate(functions):
+        parameters = function.get("parameters") or _NO_PARAMETERS
+        own = f"tool_{i}"
+        moved = {key: value for key, value in parameters.items()
+                 if key not in ("$defs", "definitions")}
+        for section in ("$defs", "definitions"):
+            for name, schema in (parameters.get(section) or {}).items():
+                defs[f"{own}_{section.strip('$')}_{name}"] = _rebased(schema, own)
+        defs[own] = _rebased(moved, own)
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": function["name"]},
+                                     arguments_key: {"$ref": f"#/$defs/{own}"}},
+                      "required": ["name", arguments_key], "additionalProperties": False})
+    return {"anyOf": calls, "$defs": defs}
+
+
+def _rebased(schema, own: str):
+    """schema with its references into its own root pointed at its place in $defs."""
+    if isinstance(schema, list):
+        return [_rebased(item, own) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: _rebased(value, own) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        parts = ref[1:].split("/")  # "", then the pointer's tokens
+        if len(parts) >= 3 and parts[1] in ("$defs", "definitions"):
+            name = _unescape(parts[2])
+            parts = ["", "$defs", _escape(f"{own}_{parts[1].strip('$')}_{name}")] + parts[3:]
+        else:
+            parts = ["", "$defs", own] + parts[1:]
+        moved["$ref"] = "#" + "/".join(parts).rstrip("/")
+    return moved
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def _unescape(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def _json(schema: dict) -> str:
+    """A %json terminal: the schema, JSON whitespace bounded as in structured outputs."""
+    return "%json " + json.dumps({"x-guidance": {"whitespace_pattern": JSON_WHITESPACE},
+                                  **schema}, ensure_ascii=False)
+
+
+def _tag(text: str, token_id) -> str:
+    """A format's tag: the token the tokenizer has for it (llguidance takes every added
+    token spelled <...> for a special one, which a string terminal never matches), else
+    the text."""
+    found = token_id(text)
+    return f"<[{found}]>" if found is not None else json.dumps(text)
+
+
+def _repeat(rule: str, separator: str, many: bool) -> str:
+    return f"{rule} ({separator} {rule})*" if many else rule
+
+
+def _llama3_json(functions, many, token_id) -> str:
+    """{"name": ..., "parameters": {...}}, several joined by "; "."""
+    calls = _calls_schema(functions, "parameters")
+    return "\n".join([f"start: {_repeat('call', json.dumps('; '), many)}",
+                      f"call: {_json(calls)}"])
+
+
+def _hermes(functions, many, token_id) -> str:
+    """<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one a line."""
+    calls = _calls_schema(functions, "arguments")
+    return "\n".join([f"start: {_repeat('call', json.dumps(chr(10)), many)}",
+                      f"call: {_tag('<tool_call>', token_id)} \"\\n\" body \"\\n\" "
+                      f"{_tag('</tool_call>', token_id)}",
+                      f"body: {_json(calls)}"])
+
+
+def _mistral(functions, many, token_id) -> str:
+    """With [ARGS] in the vocabulary (v11 and later): [TOOL_CALLS]name[ARGS]{...} per call;
+    before it, [TOOL_CALLS] and one JSON list of {"name", "arguments"} objects."""
+    opener = _tag("[TOOL_CALLS]", token_id)
+    if token_id("[ARGS]") is not None:
+        arguments = _tag("[ARGS]", token_id)
+        rules = [f"start: {'call+' if many else 'call'}",
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        rules += [f"call_{i}: {opener} {json.dumps(f['name'])} {arguments} "
+                  f"{_json(f.get('parameters') or _NO_PARAMETERS)}"
+                  for i, f in enumerate(functions)]
+        return "\n".join(rules)
+    calls = _calls_schema(functions, "arguments")
+    schema = {"type": "array", "items": {"anyOf": calls["anyOf"]}, "minItems": 1,
+              "$defs": calls["$defs"]}
+    if not many:
+        schema["maxItems"] = 1
+    return "\n".join([f"start: {opener} \" \"? calls", f"calls: {_json(schema)}"])
+
+
+_GRAMMARS = {"llama3_json": _llama3_json, "hermes": _hermes, "mistral": _mistral}
+assert set(_GRAMMARS) == set(PARSER_NAMES)
