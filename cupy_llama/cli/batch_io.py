@@ -351,19 +351,24 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
                 results[index], failed[index] = refused, True
         summary.num_written = _write_ready(results, out, 0)
         num_done = len(requests) - runner.num_running
+        generated = 0  # by every request, finished or not: the progress rate's
         while engine.has_unfinished_requests():
             for output in engine.step():
-                summary.completion_tokens += len(output.delta_token_ids)
+                generated += len(output.delta_token_ids)
                 line = runner.finish(output) if output.finished else None
                 if line is not None:
                     results[line.index] = line.result
+                    # the summary counts finished requests' tokens, prompt and completion
+                    # alike (an interrupted run's running requests count in neither)
                     for prompt_outputs in line.outputs:
                         summary.prompt_tokens += len(prompt_outputs[0].prompt_token_ids)
                         summary.cached_prompt_tokens += prompt_outputs[0].num_cached_tokens
+                        summary.completion_tokens += sum(len(o.token_ids)
+                                                         for o in prompt_outputs)
                     num_done += 1
             summary.num_written = _write_ready(results, out, summary.num_written)
             if progress is not None:
-                progress(num_done, summary.completion_tokens)
+                progress(num_done, generated)
     except KeyboardInterrupt:
         summary.interrupted = True
     finally:
