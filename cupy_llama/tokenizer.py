@@ -184,7 +184,7 @@ class Tokenizer:
             raise RequestError(f"prompt must be a string, got {type(text).__name__}")
         check_unicode(text, "the prompt")
         backend = self._plain if split_special_tokens else self._backend
-        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(backend, text, add_special_tokens)
         if add_special_tokens and self._add_bos:
             ids = [self.bos_token_id] + ids
         return ids
@@ -238,8 +238,7 @@ class Tokenizer:
             if special is not None:
                 ids.append(special)
             elif piece:
-                ids.extend(self._plain.encode(piece.replace(marker, ""),
-                                              add_special_tokens=False).ids)
+                ids.extend(_encode(self._plain, piece.replace(marker, ""), False))
         return ids
 
     def _guard(self, value, marker: str):
@@ -493,6 +492,17 @@ def _continue_final(text: str, messages: list[dict], add_generation_prompt: bool
     if text[at:end] != final:  # the template trimmed space around it
         end = at + len(final.strip())
     return text[:end]
+
+
+# a text this long is encoded with the interpreter lock released (encode_batch lets it go,
+# encode keeps it), so that a server's other threads run meanwhile
+_LONG_TEXT = 4096
+
+
+def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < _LONG_TEXT:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 # ---- chat template environment (what transformers provides when it renders) -------------
