@@ -163,3 +163,29 @@ def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
         assert "the engine process stopped unexpectedly" in one_error_line(server.log_text())
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_stopped_engine_fails_its_requests_and_the_server_exits_1(model_dir):
+    """The shape of a hung GPU: the engine process stopped (SIGSTOP) while a stream runs.
+    After --engine-timeout the stream ends with an error event and [DONE] and the server
+    exits 1 (as when the engine dies) so that a supervisor restarts it (test_server_hostile.py
+    checks /health and a request not begun, with an engine that stops stepping)."""
+    import os
+    server = ServerProcess(model_dir, "--max-num-seqs", "2", "--engine-timeout", "1")
+    try:
+        body = {"prompt": "abc", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(server.engine_pid(), signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert "--engine-timeout 1" in error["message"] and error["type"] == "server_error"
+        assert 1 <= time.monotonic() - stopped_at < 10
+        assert server.proc.wait(timeout=15) == 1
+        assert "--engine-timeout" in one_error_line(server.log_text())
+    finally:
+        server.stop(signal.SIGKILL)

@@ -404,6 +404,7 @@ class _Runner:
         self.model_defaults = model_sampling_defaults(llm.config.generation_config)
         self.protocol = None          # server/protocol.py, once an OpenAI line comes
         self.token_strings = None     # for an OpenAI body's logprobs
+        self.fingerprint = None       # an OpenAI body's system_fingerprint, as serve's
         self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index
 
     @property
@@ -452,6 +453,8 @@ class _Runner:
         if self.protocol is None:
             self.protocol = openai_protocol()
             self.token_strings = self.protocol.TokenStrings(self.llm.tokenizer)
+            self.fingerprint = self.protocol.system_fingerprint(self.llm.model_dir,
+                                                                self.llm.device)
         protocol, line = self.protocol, request.batch_line
         try:
             api = protocol.parse_batch_request(line["method"], line["url"],
@@ -501,7 +504,8 @@ class _Runner:
         else:
             api = line.api
             body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
-                                     self.model_name, line.outputs, self.token_strings)
+                                     self.model_name, line.outputs, self.token_strings,
+                                     self.fingerprint)
             line.result = self.protocol.batch_output(line.request.id, body)
         return line
 

@@ -128,10 +128,9 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         requests = todo
     if output_path != "-" and earlier is None:
         _options_path(output_path).write_text(json.dumps(run_options) + "\n")
-    model_name = str(model_dir)  # an OpenAI body's "model", as serve names it
+    model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
-        from .demo import DEMO_NAME
-        model_dir, model_name = options.default_model_dir(), DEMO_NAME
+        model_dir = options.default_model_dir()
     llm = options.load(model_dir, device, engine)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "

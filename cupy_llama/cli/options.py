@@ -142,6 +142,15 @@ def load(model_dir, device: str, engine: dict):
     return llm
 
 
+def served_name(model_dir) -> str:
+    """The model's name in the API when none is given: its folder's name (never its path,
+    which would tell clients and metrics where it lives); the demo model's name."""
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        return DEMO_NAME
+    return Path(model_dir).expanduser().resolve().name
+
+
 def default_model_dir() -> Path:
     from .demo import build_demo_model, demo_model_dir, is_built
 
