@@ -696,3 +696,19 @@ def test_an_interrupted_summary_counts_the_finished_requests_only(llm):
     summary = run_batch(llm, requests, io.StringIO(), {}, progress=interrupt_later)
     assert summary.interrupted
     assert (summary.prompt_tokens, summary.completion_tokens) == (3 * 6, 3 * 2)
+
+
+def test_the_cpu_warning_is_one_short_line_that_device_cpu_silences(model_dir, tmp_path,
+                                                                    capsys):
+    """Every command on a machine without a usable GPU warned in 160 characters; the line
+    is short now, says why, and --device cpu (which asks for the CPU) has none."""
+    from cupy_llama.backends.cuda import cuda_usable
+    if cuda_usable()[0]:
+        pytest.skip("a usable GPU is present: auto means the GPU there")
+    args = ["chat", "--model", str(model_dir), "--max-tokens", "1", "Hi"]
+    assert main(args) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and len(warnings[0]) <= 100, warnings
+    assert "running on the CPU" in warnings[0] and "--device cpu" in warnings[0]
+    assert main(args + ["--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -104,6 +104,8 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     config = read_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
     sock = _listen(host, port)
+    if device == "auto":  # said here, in the command line's short words, not by the engine
+        device = options.auto_device(log=log)
     settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
                               device=device, engine_options=engine, api_key=api_key or None,
                               max_waiting=max_waiting, log_requests=log_requests,
