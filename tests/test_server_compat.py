@@ -404,3 +404,29 @@ def test_routes_answer_without_the_v1_prefix(state):
     assert bare["data"][0]["id"] == prefixed["data"][0]["id"] == "m"
     for short, full in ((answers[2], answers[3]), (answers[4], answers[5])):
         assert short.json()["choices"] == full.json()["choices"]
+
+
+def test_the_readme_serve_examples_run_against_the_quick_start_server(model_dir, llm):
+    """README's Serve section: its curl and openai examples name the model that plain
+    `cupy-llama serve` (the Quick start's demo model) serves, its ready line is the one the
+    server prints, and the curl body is answered."""
+    import json as json_module
+    from pathlib import Path
+    from cupy_llama.cli.demo import DEMO_NAME
+    from cupy_llama.server.app import ServerSettings, ready_line
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    serve = readme[readme.index("## Serve\n"):readme.index("`cupy-llama bench serve`")]
+    names = re.findall(r'"model": "([^"]+)"', serve) + re.findall(r'model="([^"]+)"', serve)
+    assert names and set(names) == {DEMO_NAME}, names
+    printed = re.search(r"^# (serving .*)$", serve, re.M).group(1)
+
+    class Info:
+        device, context_limit, load_seconds = "cpu", 8192, 1.2
+
+    assert printed == ready_line(ServerSettings(model_dir="x", served_model_name=DEMO_NAME),
+                                 "http://127.0.0.1:8000", Info())
+    body = json_module.loads(re.search(r"-d '(\{.*\})'", serve).group(1))
+    state = make_state(model_dir, llm)
+    state.settings.served_model_name = DEMO_NAME
+    answer = ask_one(state, "POST", "/v1/chat/completions", json={**body, "max_tokens": 4})
+    assert answer.status == 200 and answer.json()["model"] == DEMO_NAME

@@ -91,6 +91,16 @@ def test_integers_sent_as_floats_with_no_fraction_are_integers(state, llm):
     assert detokenized.status == 200
 
 
+def test_health_probes_log_at_debug(state, caplog):
+    """A balancer's /health every few seconds would fill the log: a 200 logs at DEBUG; a
+    503 (loading, stopping) and every other request at INFO."""
+    caplog.set_level(logging.DEBUG, logger="cupy_llama.server")
+    ask(state, [("GET", "/health", {}), ("GET", "/version", {})])
+    levels = {r.getMessage().split(" ")[1]: r.levelno for r in caplog.records
+              if r.getMessage().startswith("GET ")}
+    assert levels == {"/health": logging.DEBUG, "/version": logging.INFO}
+
+
 def test_405_keeps_its_allow_header(state):
     answer = ask_one(state, "GET", "/v1/completions")
     assert_openai_error(answer, 405)

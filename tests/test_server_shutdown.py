@@ -144,6 +144,7 @@ def test_a_missing_serve_extra_names_the_pip_command(model_dir, capsys, monkeypa
     assert main(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "fastapi" in line and "pip install 'cupy-llama[serve]'" in line
+    assert "pip install -e '.[serve]'" in line  # what a checkout needs
 
 
 def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
