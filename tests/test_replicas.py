@@ -309,6 +309,7 @@ def test_nginx_spreads_the_requests_and_outputs_equal_generate(cluster, llm):
     assert too_large.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_wave_loses_only_the_streams_it_had_begun(cluster, llm):
     victim, survivor = cluster.names
     expected = _expected(llm, LONG_WAVE)
@@ -364,6 +365,7 @@ def test_a_replica_killed_mid_wave_loses_only_the_streams_it_had_begun(cluster, 
     assert gone.status_code == 502 and gone.json()["error"]["code"] == "no_replica"
 
 
+@pytest.mark.slow
 def test_a_replica_sent_sigterm_drains_while_nginx_moves_on(model_dir, tmp_path, nginx, llm):
     cluster = Cluster(model_dir, tmp_path / "nginx", nginx, args=("--drain-delay", "2"))
     try:

@@ -394,6 +394,7 @@ def test_sixteen_concurrent_streams_equal_generate(server, llm):
     assert asyncio.run(main()) == [w.text for w in wanted]
 
 
+@pytest.mark.slow
 def test_max_tokens_left_out(client, http, llm):
     # completions: OpenAI's 16; chat: the rest of the context (long here: 4 tokens asked)
     response = client.completions.create(model="tiny", prompt="abc", temperature=0)
@@ -575,6 +576,7 @@ def test_a_client_that_disconnects_frees_its_request(server, http):
     assert time.monotonic() - closed < 1.0
 
 
+@pytest.mark.slow
 def test_load_with_disconnects_leaves_nothing_behind(server, http, llm):
     """64 clients x 4 streamed requests, 10% of the clients hang up mid-stream; every other
     request gets LLM.generate's text; afterwards nothing runs, no block is used, and the
@@ -731,6 +733,7 @@ def _post_raw(server, body: bytes) -> tuple[int, dict]:
     return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
 
 
+@pytest.mark.slow
 def test_a_maximal_prompt_delays_only_itself(server, http):
     """A prompt of 15.6 MB (under the 16 MiB body limit) was tokenized on the event loop for
     up to 42 s before its context check, freezing /health and every stream. Text that

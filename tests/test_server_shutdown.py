@@ -85,6 +85,7 @@ def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_lim
     assert "Traceback" not in server.log_text()
 
 
+@pytest.mark.slow
 def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
     # 2 run, 6 wait: the limit of 6 waiting turns a ninth request away with 503
     server = ServerProcess(model_dir, "--max-num-seqs", "2", "--max-waiting", "6")
@@ -94,6 +95,7 @@ def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sigint_stops_cleanly_too(model_dir):
     server = ServerProcess(model_dir, "--max-num-seqs", "4", "--log-requests")
     try:
@@ -103,6 +105,7 @@ def test_sigint_stops_cleanly_too(model_dir):
     assert '"prompt": "abc"' in server.log_text()  # --log-requests: bodies are logged
 
 
+@pytest.mark.slow
 def test_a_bad_model_is_one_line_exit_1(model_dir, tmp_path):
     result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
                              str(tmp_path / "nope"), "--device", "cpu", "--port", "0"],
@@ -166,6 +169,7 @@ def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_stopped_engine_fails_its_requests_and_the_server_exits_1(model_dir):
     """The shape of a hung GPU: the engine process stopped (SIGSTOP) while a stream runs.
     After --engine-timeout the stream ends with an error event and [DONE] and the server
