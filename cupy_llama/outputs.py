@@ -13,6 +13,16 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a sample passed the engine's stages, in time.monotonic() seconds: the
+    request's metrics (queue, prefill and decode time, time to the first token)."""
+    added: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -27,6 +37,9 @@ class RequestOutput:
     # one per token of token_ids where the request asked (SamplingParams.logprobs), else None;
     # the delta's are the last len(delta_token_ids)
     logprobs: list[TokenLogprob] | None = None
+    # on a finished output: when the engine took the sample, first scheduled it, and had its
+    # first and last token (time.monotonic(); None where it never came to that)
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:

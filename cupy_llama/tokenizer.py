@@ -184,7 +184,7 @@ class Tokenizer:
             raise RequestError(f"prompt must be a string, got {type(text).__name__}")
         check_unicode(text, "the prompt")
         backend = self._plain if split_special_tokens else self._backend
-        ids = backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(backend, text, add_special_tokens)
         if add_special_tokens and self._add_bos:
             ids = [self.bos_token_id] + ids
         return ids
@@ -206,30 +206,39 @@ class Tokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             date_string: str | None = None, tools=None,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> str:
         """The prompt text the model's chat template renders for these messages.
         template_kwargs: more variables for the template (Qwen3's enable_thinking, say), as
-        transformers' apply_chat_template takes them."""
-        return self._render(validate_messages(messages), add_generation_prompt,
-                            date_string, tools, template_kwargs)
+        transformers' apply_chat_template takes them. continue_final_message: the text ends
+        with the last message's content, left open for the model to continue (as in
+        transformers; it excludes add_generation_prompt)."""
+        messages = validate_messages(messages)
+        text = self._render(messages, add_generation_prompt, date_string, tools,
+                            template_kwargs)
+        return _continue_final(text, messages, add_generation_prompt) \
+            if continue_final_message else text
 
     def encode_chat(self, messages, add_generation_prompt: bool = True,
                     date_string: str | None = None, tools=None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        """Prompt ids for a chat; special tokens come only from the template's own text."""
+                    template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Prompt ids for a chat; special tokens come only from the template's own text.
+        continue_final_message as in apply_chat_template."""
         messages = validate_messages(messages)
         marker = _pick_marker([messages, tools])
         guarded = self._guard(messages, marker)
         if tools is not None:  # tool descriptions are the caller's text too
             tools = self._guard(tools, marker)
         text = self._render(guarded, add_generation_prompt, date_string, tools, template_kwargs)
+        if continue_final_message:
+            text = _continue_final(text, guarded, add_generation_prompt)
         ids: list[int] = []
         for piece, special in self._split_on_specials(text):
             if special is not None:
                 ids.append(special)
             elif piece:
-                ids.extend(self._plain.encode(piece.replace(marker, ""),
-                                              add_special_tokens=False).ids)
+                ids.extend(_encode(self._plain, piece.replace(marker, ""), False))
         return ids
 
     def _guard(self, value, marker: str):
@@ -463,6 +472,37 @@ def check_unicode(text: str, what: str) -> None:
         raise RequestError(f"{what} is not valid text: character {e.start} is "
                            f"{text[e.start]!r}, which is not valid Unicode (is the input "
                            f"UTF-8?)") from None
+
+
+def _continue_final(text: str, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The rendered chat cut right after the last message's content, as transformers'
+    continue_final_message does (trailing spaces the template trimmed stay trimmed)."""
+    if add_generation_prompt:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be "
+                           "true; continuing the last message adds no generation prompt")
+    final = messages[-1].get("content")
+    if not isinstance(final, str) or not final.strip():  # (tool calls carry no content)
+        raise RequestError("continue_final_message: the last message is empty, so there is "
+                           "nothing to continue; send add_generation_prompt instead")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the last message's content does not "
+                           "appear in the rendered chat (the chat template leaves it out)")
+    end = at + len(final.lstrip())
+    if text[at:end] != final:  # the template trimmed space around it
+        end = at + len(final.strip())
+    return text[:end]
+
+
+# a text this long is encoded with the interpreter lock released (encode_batch lets it go,
+# encode keeps it), so that a server's other threads run meanwhile
+_LONG_TEXT = 4096
+
+
+def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < _LONG_TEXT:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 # ---- chat template environment (what transformers provides when it renders) -------------

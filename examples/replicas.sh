@@ -8,8 +8,11 @@
 # of $CUDA_VISIBLE_DEVICES when that is set, else of nvidia-smi's list (none with --device
 # cpu, or where there is no GPU). nginx listens on $HOST:$PORT, in the foreground and as
 # whoever runs this, with its config, pid file and logs in a temp folder. The script waits
-# for every replica's /health and for nginx, prints the URL, and stops them all on Ctrl-C,
-# on SIGTERM, or as soon as one of them exits.
+# for every replica's /health and for nginx and prints the URL. A replica that exits later
+# (a crash, a stuck engine) is started again after a pause that doubles with each restart
+# (1 s, 2 s, ... up to 30 s; back to 1 s once it has run for a minute), while nginx sends
+# its requests to the others. Ctrl-C or SIGTERM stops them all; so does nginx exiting, or
+# a replica that fails before it ever served.
 #
 # Environment: PORT (default 8000), HOST (127.0.0.1; 0.0.0.0 for every interface), BASE_PORT
 # ($PORT + 1), NGINX (nginx on the PATH, else /usr/sbin/nginx), CUPY_LLAMA (the command
@@ -24,6 +27,7 @@ usage() {
 [[ $# -ge 1 && $1 =~ ^[1-9][0-9]*$ ]] || usage
 count=$1
 shift
+serve_options=("$@")
 port=${PORT:-8000}
 host=${HOST:-127.0.0.1}
 base_port=${BASE_PORT:-$((port + 1))}
@@ -94,17 +98,23 @@ trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-addresses=()
-for ((i = 0; i < count; i++)); do
-    replica_port=$((base_port + i))
-    addresses+=("127.0.0.1:$replica_port")
-    device=()
+started_at=()  # when each replica was last started ($SECONDS)
+
+start_replica() {  # $1: the replica's index; its log grows across restarts
+    local i=$1 device=()
     ((${#gpus[@]})) && device=(env "CUDA_VISIBLE_DEVICES=${gpus[i]}")
     set -m
-    "${device[@]}" "${cupy_llama[@]}" serve "$@" --host 127.0.0.1 --port "$replica_port" \
-        < /dev/null > "$folder/logs/replica-$i.log" 2>&1 &
+    "${device[@]}" "${cupy_llama[@]}" serve "${serve_options[@]}" --host 127.0.0.1 \
+        --port "$((base_port + i))" < /dev/null >> "$folder/logs/replica-$i.log" 2>&1 &
     set +m
-    replicas+=($!)
+    replicas[i]=$!
+    started_at[i]=$SECONDS
+}
+
+addresses=()
+for ((i = 0; i < count; i++)); do
+    addresses+=("127.0.0.1:$((base_port + i))")
+    start_replica "$i"
 done
 
 # examples/nginx.conf with one upstream line per replica (copied from the first one) and
@@ -173,9 +183,25 @@ until healthy "$port" "$probe"; do
 done
 echo "serving at http://$host:$port/v1 through nginx, $count replicas; Ctrl-C stops"
 
-# until one of them exits (or a signal comes: its trap exits)
-wait -n || true
-alive "$nginx_pid" || died "$folder/logs/nginx.out" nginx
+# Until a signal comes (its trap exits): a replica that exits is started again after its
+# pause, while nginx sends its requests to the others.
+pause=()
 for i in "${!replicas[@]}"; do
-    alive "${replicas[i]}" || died "$folder/logs/replica-$i.log" "replica $i"
+    pause[i]=1
+done
+while true; do
+    wait -n || true
+    alive "$nginx_pid" || died "$folder/logs/nginx.out" nginx
+    for i in "${!replicas[@]}"; do
+        alive "${replicas[i]}" && continue
+        code=0
+        wait "${replicas[i]}" || code=$?
+        ((SECONDS - started_at[i] >= 60)) && pause[i]=1  # it ran a while: a fresh start
+        echo "replica $i exited (code $code); restarting it in ${pause[i]} s; its log:" \
+             "$folder/logs/replica-$i.log" >&2
+        sleep "${pause[i]}" &
+        wait $!  # (a signal's trap runs at once)
+        start_replica "$i"
+        pause[i]=$((pause[i] * 2 > 30 ? 30 : pause[i] * 2))
+    done
 done

@@ -220,6 +220,7 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
 NVCC = shutil.which("nvcc")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_fast_kernels_build_without_spills(tmp_path, arch):

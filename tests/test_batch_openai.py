@@ -106,7 +106,7 @@ def test_an_openai_batch_file_answers_as_serve_does(model_dir, server, tmp_path,
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": [{"type": "text", "text": "Hello"},
                                                  {"type": "text", "text": "there"}]}]
-    harmless = {**HARMLESS, "model": str(model_dir)}  # the server's name for it
+    harmless = {**HARMLESS, "model": model_dir.name}  # the server's name for it
     lines = [
         batch_line("chat-harmless", {"messages": conversation, "max_tokens": 6,
                                      "temperature": 0, "logprobs": False, **harmless},
@@ -212,7 +212,7 @@ def test_command_line_sampling_options_fill_in_what_a_body_leaves_out(model_dir,
     assert tokens == [3, 2, 1]
     # the body's model is not checked (the run has the one model of --model), and the
     # answer names the model that ran, as the server names it
-    assert {row["response"]["body"]["model"] for row in rows} == {str(model_dir)}
+    assert {row["response"]["body"]["model"] for row in rows} == {model_dir.name}
     # as if the body had them: the server's answer to the filled-in body
     filled = dict(lines[0], body={"prompt": "Once upon a time", "max_tokens": 3,
                                   "temperature": 0, "stop": ["never seen"]})
@@ -309,3 +309,12 @@ def test_an_interrupted_run_keeps_whole_lines_and_leaves_no_request_behind(llm):
     assert not llm.engine.has_unfinished_requests()  # the long ones' samples were aborted
     assert summary.prompt_tokens == 2 * sum(len(llm.tokenizer.encode(p))
                                             for p in ("abc", "Hello there"))
+
+
+def test_a_server_without_a_name_serves_the_folder_name_never_the_path(server, model_dir):
+    """With no --served-model-name the model's name in the API and in /metrics' model_name
+    label is its folder's name: the filesystem path is never shown to clients."""
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == model_dir.name
+    metrics = httpx.get(server.url + "/metrics").text
+    assert set(re.findall(r'model_name="([^"]*)"', metrics)) == {model_dir.name}
+    assert str(model_dir) not in metrics

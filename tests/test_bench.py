@@ -336,6 +336,7 @@ def test_host_path_profiler_runs_the_real_engine():
     assert "whole run, seconds:" in done.stdout and "total" in done.stdout
 
 
+@pytest.mark.slow
 def test_prefix_check_script_finds_no_difference_on_the_reference_backend(tmp_path):
     """scripts/prefix_check.py (run on the GPU for the report) compares greedy outputs with
     prefix caching on and off; on the float32 reference they must all be identical."""

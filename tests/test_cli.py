@@ -24,7 +24,7 @@ def run_generate(model_dir, tmp_path, content: bytes, name="in.jsonl", *extra):
     path.write_bytes(content)
     out = tmp_path / "out.jsonl"
     code = main(["generate", "--model", str(model_dir), "--input", str(path), "--output",
-                 str(out), *CPU, "--temperature", "0", "--max-tokens", "6", *extra])
+                 str(out), *CPU, "--temperature", "0", "--max-tokens", "6", "--overwrite", *extra])
     lines = out.read_text(encoding="utf-8").splitlines()
     return code, [json.loads(line) for line in lines]
 
@@ -515,7 +515,8 @@ def test_resume_runs_a_cut_last_line_again_and_checks_the_file(model_dir, llm, t
     assert main(args + ["--resume"]) == 0
     assert out.read_text() == whole
     assert main(args + ["--resume"]) == 0   # nothing left to do
-    assert "resuming: 4 of 4" in capsys.readouterr().err and out.read_text() == whole
+    assert "nothing to do: all 4 requests are already in" in capsys.readouterr().err
+    assert out.read_text() == whole
     out.write_text(lines[0] + '{"id": 99, "text": "x"}\n')
     assert main(args + ["--resume"]) == 1
     assert "holds id 99, which the input does not have" in one_error_line(
@@ -619,3 +620,95 @@ def test_generate_and_info_default_to_the_demo_model(model_dir, llm, tmp_path, m
     assert row["response"]["status_code"] == 200
     assert row["response"]["body"]["model"] == DEMO_NAME
     assert row["response"]["body"]["choices"][0]["text"] == expected(llm, "hello", max_tokens=3).text
+
+
+def test_an_output_with_results_is_kept_unless_resume_or_overwrite(model_dir, tmp_path, capsys):
+    """A finished output is never replaced without a word: a run to an --output that holds
+    results is refused (exit 2, before the model loads) unless --resume finishes it or
+    --overwrite replaces it."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\ntwo\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(path), "--output", str(out),
+            *CPU, "--temperature", "0", "--max-tokens", "3"]
+    assert main(args) == 0
+    first = out.read_text()
+    capsys.readouterr()
+    assert main(args) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "already holds results" in line and "--resume" in line and "--overwrite" in line
+    assert out.read_text() == first
+    assert main(args + ["--overwrite", "--max-tokens", "2"]) == 0
+    assert out.read_text() != first and len(out.read_text().splitlines()) == 2
+    assert main(args + ["--resume", "--overwrite"]) == 2
+    out.write_text("")  # an empty file holds nothing to keep
+    assert main(args) == 0
+
+
+def test_resume_refuses_other_options_and_loads_nothing_when_done(model_dir, tmp_path, capsys,
+                                                                    monkeypatch):
+    """The options that shape the results are kept beside the output: a --resume that gives
+    other ones is refused naming each (exit 2); a --resume with nothing left says so
+    without loading the model."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\ntwo\nthree\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(path), "--output", str(out),
+            *CPU, "--temperature", "0", "--max-tokens", "3"]
+    assert main(args) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0])
+    capsys.readouterr()
+    assert main(args[:-1] + ["5", "--raw", "--resume"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--max-tokens 5 (the first run: --max-tokens 3)" in line
+    assert "--raw (the first run: no --raw)" in line and "--overwrite" in line
+    assert out.read_text() == lines[0]
+    assert main(args + ["--resume"]) == 0
+    assert out.read_text() == "".join(lines)
+    capsys.readouterr()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("cupy_llama.cli.options.load", no_loading)
+    assert main(args + ["--resume"]) == 0
+    assert "nothing to do: all 3 requests are already in" in capsys.readouterr().err
+
+
+def test_an_interrupted_summary_counts_the_finished_requests_only(llm):
+    """Ctrl-C's summary counts prompt and completion tokens of the same requests, those that
+    finished: not the prompts of the finished ones beside the tokens of running ones."""
+    import io
+    from cupy_llama.cli.batch_io import BatchRequest, run_batch
+    requests = [BatchRequest(i + 1, i + 1, prompt=[10 + i] * 6,
+                             sampling={"max_tokens": 2 if i % 2 else 60, "ignore_eos": True,
+                                       "temperature": 0})
+                for i in range(6)]
+    calls = 0
+
+    def interrupt_later(num_done, generated):
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # the 2-token requests are done, the 60-token ones run
+            raise KeyboardInterrupt
+
+    summary = run_batch(llm, requests, io.StringIO(), {}, progress=interrupt_later)
+    assert summary.interrupted
+    assert (summary.prompt_tokens, summary.completion_tokens) == (3 * 6, 3 * 2)
+
+
+def test_the_cpu_warning_is_one_short_line_that_device_cpu_silences(model_dir, tmp_path,
+                                                                    capsys):
+    """Every command on a machine without a usable GPU warned in 160 characters; the line
+    is short now, says why, and --device cpu (which asks for the CPU) has none."""
+    from cupy_llama.backends.cuda import cuda_usable
+    if cuda_usable()[0]:
+        pytest.skip("a usable GPU is present: auto means the GPU there")
+    args = ["chat", "--model", str(model_dir), "--max-tokens", "1", "Hi"]
+    assert main(args) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and len(warnings[0]) <= 100, warnings
+    assert "running on the CPU" in warnings[0] and "--device cpu" in warnings[0]
+    assert main(args + ["--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err

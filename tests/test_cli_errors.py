@@ -216,7 +216,7 @@ def too_long_prompt(good_model, tmp_path, capsys, *options):
     prompts.write_text("x" * 5000 + "\n")
     out = tmp_path / "out.jsonl"
     assert main(["generate", "--model", str(good_model), "--input", str(prompts), "--output",
-                 str(out), "--device", "cpu", *options]) == 1
+                 str(out), "--device", "cpu", "--overwrite", *options]) == 1
     capsys.readouterr()
     return json.loads(out.read_text())["error"]
 

@@ -45,6 +45,7 @@ def test_the_headers_hash_follows_their_content(tmp_path, monkeypatch):
         kernels.header_digest.cache_clear()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", module_names())

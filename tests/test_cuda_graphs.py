@@ -658,6 +658,7 @@ def test_mma_shared_memory_and_residency():
 NVCC = shutil.which("nvcc")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_mma_kernels_compile_without_spills(tmp_path, arch):

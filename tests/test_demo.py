@@ -131,6 +131,7 @@ def test_bad_gguf_leaves_no_half_model(tmp_path):
     assert not (tmp_path / "models").exists() or not list((tmp_path / "models").iterdir())
 
 
+@pytest.mark.slow
 def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
     out = tmp_path / "demo"
 
@@ -143,6 +144,7 @@ def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_tokenizer_only_build(tmp_path):
     out = build_demo_tokenizer(tmp_path / "tok", **QUIET)
     names = sorted(p.name for p in out.iterdir())
@@ -221,6 +223,7 @@ def _require_llm():
     return cupy_llama
 
 
+@pytest.mark.slow
 def test_greedy_answer_names_paris(model_dir):
     _require_llm()
     assert "Paris" in verify_demo_model(model_dir)

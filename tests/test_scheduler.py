@@ -270,6 +270,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
+TestSchedulerMachine.pytestmark = [pytest.mark.slow]  # 400 runs of 50 steps: about 16 s
 
 
 def test_preempts_the_newest_and_recomputes_it():

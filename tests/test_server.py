@@ -317,7 +317,8 @@ def test_streamed_logprobs_add_up_to_the_whole(http):
             "logprobs": True, "top_logprobs": 3}
     content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
     with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
-        streamed = [e for c in sse_events(response) for e in c["choices"][0]["logprobs"]["content"]]
+        streamed = [e for c in sse_events(response)
+                    for e in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
     assert streamed == content
 
 
@@ -393,6 +394,7 @@ def test_sixteen_concurrent_streams_equal_generate(server, llm):
     assert asyncio.run(main()) == [w.text for w in wanted]
 
 
+@pytest.mark.slow
 def test_max_tokens_left_out(client, http, llm):
     # completions: OpenAI's 16; chat: the rest of the context (long here: 4 tokens asked)
     response = client.completions.create(model="tiny", prompt="abc", temperature=0)
@@ -574,6 +576,7 @@ def test_a_client_that_disconnects_frees_its_request(server, http):
     assert time.monotonic() - closed < 1.0
 
 
+@pytest.mark.slow
 def test_load_with_disconnects_leaves_nothing_behind(server, http, llm):
     """64 clients x 4 streamed requests, 10% of the clients hang up mid-stream; every other
     request gets LLM.generate's text; afterwards nothing runs, no block is used, and the
@@ -647,6 +650,43 @@ def test_the_log_holds_no_prompt_text(client, server):
     assert "secret" not in log
 
 
+VLLM_METRICS = (  # vLLM's names (vllm:...), which its dashboards read
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+    "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+    "request_success_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+    "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+    "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+    "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+    "request_inference_time_seconds_count", "request_prompt_tokens_count",
+    "request_generation_tokens_count", "request_params_max_tokens_count",
+    "request_params_n_count", "iteration_tokens_total_count")
+
+
+def test_metrics_count_every_request_as_vllm_does(http):
+    """vLLM's metrics (its metrics design doc and vllm/v1/metrics/loggers.py): TTFT, time
+    per output token, e2e latency, queue, prefill, decode and inference time count every
+    request, streamed or not; prompt and generation tokens, max_tokens and n per request;
+    tokens per step; a cache_config_info gauge; vLLM's label names; no _created series;
+    the model_name label is the served name."""
+    before = http.get("/metrics").text
+    for stream in (True, False):
+        response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                       "temperature": 0, "stream": stream,
+                                                       "ignore_eos": True})
+        assert response.status_code == 200
+    after = wait_until_idle(http, timeout=5)
+    for name in VLLM_METRICS:
+        grew = metric(after, name) - metric(before, name)  # (each one is there)
+        if name.endswith("_count") and name != "iteration_tokens_total_count":
+            assert grew == 2, (name, grew)  # the streamed request and the other
+    assert metric(after, "iteration_tokens_total_count") - \
+        metric(before, "iteration_tokens_total_count") >= 8
+    assert "_created" not in after
+    assert re.search(r'^cupy_llama:cache_config_info\{.*block_size="16".*\} 1\.0$', after, re.M)
+    labels = set(re.findall(r'model_name="([^"]*)"', after))
+    assert labels == {"tiny"}
+
+
 def test_metrics_count_what_happened(http):
     before = http.get("/metrics").text
     response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
@@ -667,3 +707,79 @@ def test_metrics_count_what_happened(http):
         "stop", "length", "abort"}
     for name in ("num_preemptions_total", "e2e_request_latency_seconds_count"):
         metric(after, name)
+
+
+# ---- hostile input that needs a real server ---------------------------------------------
+
+def _latency(get) -> float:
+    started = time.perf_counter()
+    assert get().status_code == 200
+    return time.perf_counter() - started
+
+
+def _post_raw(server, body: bytes) -> tuple[int, dict]:
+    """POST /v1/completions over a plain socket: one sendall of the prepared bytes, so that
+    this process spends next to nothing on it (the test measures the server)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    answer = b""
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        sock.sendall(head + body)
+        while data := sock.recv(65536):
+            answer += data
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.slow
+def test_a_maximal_prompt_delays_only_itself(server, http):
+    """A prompt of 15.6 MB (under the 16 MiB body limit) was tokenized on the event loop for
+    up to 42 s before its context check, freezing /health and every stream. Text that
+    cannot fit the context is now refused before it is tokenized, and tokenizing runs in a
+    worker thread: while such prompts are refused (one over the byte bound, one just under
+    it, which is tokenized), /health and a running stream keep answering within 100 ms of
+    their usual time (the slowest of each with the stream running, against the median
+    while the prompts are refused; none waits a second)."""
+    import statistics
+    import threading
+    context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    bodies = [json.dumps({"prompt": text, "max_tokens": 1}).encode()
+              for text in ("x" * 15_600_000, "y" * (context * 18))]  # over, and under
+    answers = []
+    body = {"prompt": "abc", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        next(lines)
+        usual_health, gaps = [], []
+        for _ in range(10):  # the usual pace of both, with the stream running
+            usual_health.append(_latency(lambda: httpx.get(server.url + "/health")))
+            started = time.perf_counter()
+            next(lines)
+            gaps.append(time.perf_counter() - started)
+        usual_health, usual_gap = max(usual_health), max(gaps)
+        senders = [threading.Thread(target=lambda b=body: answers.append(_post_raw(server, b)))
+                   for body in bodies]
+        for sender in senders:
+            sender.start()
+        health, stream_gaps = [], []
+        while any(sender.is_alive() for sender in senders) or len(health) < 3:
+            health.append(_latency(lambda: httpx.get(server.url + "/health")))
+            started = time.perf_counter()
+            next(lines)
+            stream_gaps.append(time.perf_counter() - started)
+        for sender in senders:
+            sender.join()
+    assert [(status, body["error"]["code"]) for status, body in answers] == \
+        [(400, "context_length_exceeded")] * 2, answers
+    assert statistics.median(health) < usual_health + 0.1, (health, usual_health)
+    assert statistics.median(stream_gaps) < usual_gap + 0.1, (stream_gaps, usual_gap)
+    assert max(health + stream_gaps) < 1.0, (health, stream_gaps)
+
+
+def test_responses_name_the_replica_by_its_port(server, http):
+    """x-served-by carries --replica-name, by default the port: never the host's name."""
+    port = server.url.rsplit(":", 1)[1]
+    assert http.get("/health").headers["x-served-by"] == port

@@ -34,6 +34,7 @@ def check_report(report: dict, num_requests: int) -> dict:
     return r
 
 
+@pytest.mark.slow
 def test_bench_serve_starts_its_own_server(model_dir, tmp_path, capsys):
     out = tmp_path / "serve.json"
     code = main(["bench", "serve", "--device", "cpu", "--model", str(model_dir), *QUICK,
@@ -51,6 +52,7 @@ def test_bench_serve_starts_its_own_server(model_dir, tmp_path, capsys):
     assert "cupy-llama bench serve" in report["command"]
 
 
+@pytest.mark.slow
 def test_bench_serve_at_a_url_with_two_client_processes(model_dir, tmp_path):
     server = ServerProcess(model_dir, "--max-num-seqs", "4")
     try:

@@ -93,7 +93,7 @@ def test_builders_make_openai_bodies():
     outputs = [[RequestOutput("r-0", [1, 2, 3], [7, 8], "hi", "stop")],
                [RequestOutput("r-1", [4], [9, 9, 9], "abc", "abort")]]
     request = parse(CompletionRequest, {"prompt": ["x", "y"]})
-    body = protocol.completion_response(request, "cmpl-1", 123, "m", outputs)
+    body = protocol.completion_response(request, "cmpl-1", 123, "m", outputs, None, "fp_1")
     two = [[RequestOutput("r-0", [1] * 40, [7], "b", "stop", index=1),
             RequestOutput("r-0", [1] * 40, [8, 9], "a", "length", index=0, num_cached_tokens=32)]]
     body_n = protocol.completion_response(parse(CompletionRequest, {"prompt": "x", "n": 2}),
@@ -102,7 +102,7 @@ def test_builders_make_openai_bodies():
     assert body_n["usage"] == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
                                "prompt_tokens_details": {"cached_tokens": 32}}
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "m",
-                    "choices": [{"index": 0, "text": "hi", "logprobs": None,
+                    "system_fingerprint": "fp_1", "choices": [{"index": 0, "text": "hi", "logprobs": None,
                                  "finish_reason": "stop"},
                                 {"index": 1, "text": "abc", "logprobs": None,
                                  "finish_reason": "length"}],  # cut short: "length"
@@ -110,14 +110,18 @@ def test_builders_make_openai_bodies():
                               "prompt_tokens_details": {"cached_tokens": 0}}}
     chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                          "stream": True, "stream_options": {"include_usage": True}})
-    stream = protocol.ChatCompletionStream(chat, "c-1", 5, "m")
-    first, second, last = (stream.chunk(0, "a", None, None), stream.chunk(0, "", None, None),
-                           stream.chunk(0, "b", None, "length"))
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    stream = protocol.ChatCompletionStream(chat, "c-1", 5, "m", None, "fp_2")
+    # OpenAI's first chunk: the role and empty content; the text follows
+    (opening, first), (second,), (last,) = (stream.chunks(0, "a", None, None),
+                                            stream.chunks(0, "", None, None),
+                                            stream.chunks(0, "b", None, "length"))
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["delta"] == {"content": "a"}
     assert second["choices"][0]["delta"] == {} and last["choices"][0]["delta"] == {"content": "b"}
-    assert [c["choices"][0]["finish_reason"] for c in (first, second, last)] == [None, None, "length"]
+    chunks = (opening, first, second, last)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert all(c["usage"] is None and c["object"] == "chat.completion.chunk"
-               for c in (first, second, last))
+               and c["system_fingerprint"] == "fp_2" for c in chunks)
     usage = stream.usage_chunk(protocol.usage(3, 2))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
 
@@ -164,16 +168,16 @@ def test_an_engine_refusal_or_its_end_is_an_error_of_the_request(state):
                                                   "limit is 8 (...)")))
     assert (refused.status, refused.param) == (400, None) and "9 tokens" in refused.message
     stopped = asyncio.run(go(ENGINE_STOPPED))
-    assert stopped.status == 500 and stopped.type == "server_error"
+    assert stopped.status == 503 and stopped.type == "server_error"
 
 
 def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     async def go():
         job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
         for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
-            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0))
-        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0))
+            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None))
+        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None))
         updates = await job.next_updates()
         return job, updates
 
@@ -196,7 +200,8 @@ def test_logprobs_in_both_shapes(llm):
     entries = [(h, -0.5, [(h, -0.5), (i, -1.25)]), (beyond, float("-inf"), [])]
     legacy, offset = protocol.completion_logprobs(entries, strings, 3)
     assert legacy == {"tokens": ["h", ""], "token_logprobs": [-0.5, -9999.0],
-                      "top_logprobs": [{"h": -0.5, "i": -1.25}, {}], "text_offset": [3, 4]}
+                      "top_logprobs": [{"h": -0.5, "i": -1.25}, {"": -9999.0}],
+                      "text_offset": [3, 4]}
     assert offset == 4
     chat = protocol.chat_logprobs(entries[:1], strings)
     assert chat == {"content": [{"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [

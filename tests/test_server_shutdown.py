@@ -85,6 +85,7 @@ def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_lim
     assert "Traceback" not in server.log_text()
 
 
+@pytest.mark.slow
 def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
     # 2 run, 6 wait: the limit of 6 waiting turns a ninth request away with 503
     server = ServerProcess(model_dir, "--max-num-seqs", "2", "--max-waiting", "6")
@@ -94,6 +95,7 @@ def test_sigterm_during_eight_streams_ends_them_and_exits_0(model_dir):
         server.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sigint_stops_cleanly_too(model_dir):
     server = ServerProcess(model_dir, "--max-num-seqs", "4", "--log-requests")
     try:
@@ -103,6 +105,7 @@ def test_sigint_stops_cleanly_too(model_dir):
     assert '"prompt": "abc"' in server.log_text()  # --log-requests: bodies are logged
 
 
+@pytest.mark.slow
 def test_a_bad_model_is_one_line_exit_1(model_dir, tmp_path):
     result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
                              str(tmp_path / "nope"), "--device", "cpu", "--port", "0"],
@@ -144,6 +147,7 @@ def test_a_missing_serve_extra_names_the_pip_command(model_dir, capsys, monkeypa
     assert main(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "fastapi" in line and "pip install 'cupy-llama[serve]'" in line
+    assert "pip install -e '.[serve]'" in line  # what a checkout needs
 
 
 def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
@@ -161,5 +165,32 @@ def test_an_engine_process_that_dies_ends_the_server_with_exit_1(model_dir):
         assert json.loads(rest[-2][6:])["error"]["type"] == "server_error"
         assert server.proc.wait(timeout=10) == 1
         assert "the engine process stopped unexpectedly" in one_error_line(server.log_text())
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_fails_its_requests_and_the_server_exits_1(model_dir):
+    """The shape of a hung GPU: the engine process stopped (SIGSTOP) while a stream runs.
+    After --engine-timeout the stream ends with an error event and [DONE] and the server
+    exits 1 (as when the engine dies) so that a supervisor restarts it (test_server_hostile.py
+    checks /health and a request not begun, with an engine that stops stepping)."""
+    import os
+    server = ServerProcess(model_dir, "--max-num-seqs", "2", "--engine-timeout", "1")
+    try:
+        body = {"prompt": "abc", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(server.engine_pid(), signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert "--engine-timeout 1" in error["message"] and error["type"] == "server_error"
+        assert 1 <= time.monotonic() - stopped_at < 10
+        assert server.proc.wait(timeout=15) == 1
+        assert "--engine-timeout" in one_error_line(server.log_text())
     finally:
         server.stop(signal.SIGKILL)

@@ -361,3 +361,26 @@ def test_chat_template_kwargs_reach_the_template(demo_dir, tmp_path):
                          ({"1x": True}, "keys are names"), (["x"], "must be an object")):
         with pytest.raises(RequestError, match=message):
             tokenizer.apply_chat_template(chat, template_kwargs=bad)
+
+
+def test_continue_final_message_leaves_the_last_message_open(demo):
+    """transformers' continue_final_message: the rendered chat ends with the last message's
+    content, without the end of its turn, for the model to go on with it; it excludes
+    add_generation_prompt, and an empty last message has nothing to continue."""
+    chat = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "The colour is"}]
+    closed = demo.apply_chat_template(chat, add_generation_prompt=False)
+    text = demo.apply_chat_template(chat, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert text.endswith("The colour is") and closed.startswith(text) and closed != text
+    ids = demo.encode_chat(chat, add_generation_prompt=False, continue_final_message=True)
+    assert demo.decode(ids, skip_special_tokens=False) == text
+    assert ids == demo.encode_chat(chat, add_generation_prompt=False)[:len(ids)]
+    spaced = [chat[0], {"role": "assistant", "content": "The colour is "}]  # kept as sent
+    assert demo.apply_chat_template(spaced, add_generation_prompt=False,
+                                    continue_final_message=True).endswith("The colour is ")
+    with pytest.raises(RequestError, match="cannot both be true"):
+        demo.encode_chat(chat, continue_final_message=True)
+    with pytest.raises(RequestError, match="empty"):
+        demo.encode_chat([chat[0], {"role": "assistant", "content": " "}],
+                         add_generation_prompt=False, continue_final_message=True)

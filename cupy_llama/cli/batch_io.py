@@ -351,19 +351,24 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
                 results[index], failed[index] = refused, True
         summary.num_written = _write_ready(results, out, 0)
         num_done = len(requests) - runner.num_running
+        generated = 0  # by every request, finished or not: the progress rate's
         while engine.has_unfinished_requests():
             for output in engine.step():
-                summary.completion_tokens += len(output.delta_token_ids)
+                generated += len(output.delta_token_ids)
                 line = runner.finish(output) if output.finished else None
                 if line is not None:
                     results[line.index] = line.result
+                    # the summary counts finished requests' tokens, prompt and completion
+                    # alike (an interrupted run's running requests count in neither)
                     for prompt_outputs in line.outputs:
                         summary.prompt_tokens += len(prompt_outputs[0].prompt_token_ids)
                         summary.cached_prompt_tokens += prompt_outputs[0].num_cached_tokens
+                        summary.completion_tokens += sum(len(o.token_ids)
+                                                         for o in prompt_outputs)
                     num_done += 1
             summary.num_written = _write_ready(results, out, summary.num_written)
             if progress is not None:
-                progress(num_done, summary.completion_tokens)
+                progress(num_done, generated)
     except KeyboardInterrupt:
         summary.interrupted = True
     finally:
@@ -399,6 +404,7 @@ class _Runner:
         self.model_defaults = model_sampling_defaults(llm.config.generation_config)
         self.protocol = None          # server/protocol.py, once an OpenAI line comes
         self.token_strings = None     # for an OpenAI body's logprobs
+        self.fingerprint = None       # an OpenAI body's system_fingerprint, as serve's
         self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index
 
     @property
@@ -447,6 +453,8 @@ class _Runner:
         if self.protocol is None:
             self.protocol = openai_protocol()
             self.token_strings = self.protocol.TokenStrings(self.llm.tokenizer)
+            self.fingerprint = self.protocol.system_fingerprint(self.llm.model_dir,
+                                                                self.llm.device)
         protocol, line = self.protocol, request.batch_line
         try:
             api = protocol.parse_batch_request(line["method"], line["url"],
@@ -496,7 +504,8 @@ class _Runner:
         else:
             api = line.api
             body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
-                                     self.model_name, line.outputs, self.token_strings)
+                                     self.model_name, line.outputs, self.token_strings,
+                                     self.fingerprint)
             line.result = self.protocol.batch_output(line.request.id, body)
         return line
 

@@ -197,7 +197,10 @@ class ChatSession:
         first_token_at = last_token_at = None
         text, output = "", None
         try:
-            for output in stream:
+            for latest in stream:
+                if should_stop():  # Ctrl-C came while this step ran: its token is not shown
+                    break
+                output = latest
                 now = time.perf_counter()
                 if first_token_at is None and output.token_ids:
                     first_token_at = now
@@ -205,8 +208,6 @@ class ChatSession:
                 if output.delta:
                     text += output.delta
                     yield output.delta
-                if should_stop():
-                    break
         finally:
             stream.close()  # aborts the request if it is still running
         finished = output is not None and output.finished
@@ -280,9 +281,9 @@ class ChatSession:
                                "writes") from None
         system, history = parse_conversation(data, path)
         self.system, self.history = system, history
-        prompt = "a system prompt" if system else "no system prompt"
-        turns = len(history) // 2
-        return f"loaded {turns} turn{'' if turns == 1 else 's'} from {path} ({prompt})"
+        count = len(self.conversation())  # as /save counts them: the system prompt too
+        prompt = "a system prompt among them" if system else "no system prompt"
+        return f"loaded {count} message{'' if count == 1 else 's'} from {path} ({prompt})"
 
 
 def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
@@ -550,6 +551,9 @@ def _command(session: ChatSession, line: str, console, err_console, interrupts) 
         session.clear()
         say("conversation cleared")
     elif name == "/retry":
+        if session.history and session.params.is_greedy:
+            say("(greedy decoding, temperature 0, gives the same reply again; "
+                "/set temperature 0.7 samples a different one)")
         _show_reply(session, console, err_console, interrupts, session.retry)
     elif name == "/system":
         session.system = argument or None

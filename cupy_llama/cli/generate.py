@@ -2,6 +2,7 @@
 progress, Ctrl-C and --resume."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -38,13 +39,15 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
               help="Keep generating past end-of-sequence tokens.")
 @click.option("--resume", is_flag=True, help="Skip the requests whose ids --output already "
               "holds (from a run that was stopped) and append the others; give the options "
-              "of that run (--raw among them) again.")
+              "of that run (--raw among them) again: other ones are refused.")
+@click.option("--overwrite", is_flag=True, help="Replace an --output file that holds results "
+              "(without --resume or --overwrite such a file is refused).")
 @click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
               help="Seconds between progress lines on stderr when it is not a terminal (0: "
                    "after every step); a terminal gets a progress bar.")
 @engine_options
 def generate(model_dir, input_path, output_path, input_format, raw, device, resume,
-             progress_interval, **flags):
+             overwrite, progress_interval, **flags):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
@@ -76,7 +79,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     Exit code: 0 when every request succeeded, 1 when any failed (the summary says how
     many), 130 when stopped with Ctrl-C: the lines written so far are whole, and the same
     command with --resume does the rest (a .txt input's ids are its line numbers, so
-    resume with the file unedited).
+    resume with the file unedited). The options that shape the results are kept beside
+    the output (OUTPUT.run.json), and a --resume with other ones is refused.
     """
     from .batch_io import input_format as format_of, read_requests, still_to_run
 
@@ -89,6 +93,12 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     elif resume:
         raise OptionError("--resume needs --output FILE: it skips the requests that file "
                           "already holds")
+    if resume and overwrite:
+        raise OptionError("--resume and --overwrite contradict each other: --resume adds to "
+                          "the output, --overwrite replaces it; give one")
+    if output_path != "-" and not (resume or overwrite) and _holds_results(output_path):
+        raise OptionError(f"--output {output_path!r} already holds results; add --resume to "
+                          "finish that run, or --overwrite to replace it")
     if not progress_interval >= 0:
         raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
@@ -99,20 +109,28 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         del defaults["stop"]
     engine = given(flags, ENGINE_NAMES)
     check_options(defaults, engine)
+    run_options = _run_options(model_dir, format, raw, defaults)
     earlier = _read_earlier_output(output_path) if resume else None
     num_skipped = 0
     if earlier is not None:
+        _check_same_options(output_path, run_options)
         todo = still_to_run(requests, earlier, repr(output_path))
         num_skipped = len(requests) - len(todo)
-        log(f"resuming: {num_skipped} of {len(requests)} requests are already in "
+        if not todo:
+            failed = earlier.num_errors
+            log(f"nothing to do: all {_plural(len(requests), 'request')} are already in "
+                f"{output_path!r}" + (f", {failed} of them failed" if failed else ""))
+            return EXIT_ERROR if failed else EXIT_OK
+        log(f"resuming: {num_skipped} of {_plural(len(requests), 'request')} are already in "
              f"{output_path!r}; running the other {len(todo)}"
              + (" (its last line was cut short: that request runs again)"
                 if earlier.dropped_partial else ""))
         requests = todo
-    model_name = str(model_dir)  # an OpenAI body's "model", as serve names it
+    if output_path != "-" and earlier is None:
+        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
+    model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
-        from .demo import DEMO_NAME
-        model_dir, model_name = options.default_model_dir(), DEMO_NAME
+        model_dir = options.default_model_dir()
     llm = options.load(model_dir, device, engine)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
@@ -137,6 +155,54 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _holds_results(output_path: str) -> bool:
+    path = Path(output_path).expanduser()
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _options_path(output_path: str) -> Path:
+    """Where a run keeps the options that shape its results: beside the output."""
+    path = Path(output_path).expanduser()
+    return path.with_name(path.name + ".run.json")
+
+
+def _run_options(model_dir, format: str, raw: bool, defaults: dict) -> dict:
+    """The options that decide a run's results, by flag: a --resume must give the same."""
+    return {"--model": str(Path(model_dir).resolve()) if model_dir else None,
+            "--format": format, "--raw": raw,
+            **{"--" + name.replace("_", "-"): value for name, value in sorted(defaults.items())}}
+
+
+def _check_same_options(output_path: str, run_options: dict) -> None:
+    """OptionError naming each option that differs from the first run's (an output written
+    before options were kept has no record: nothing to compare)."""
+    path = _options_path(output_path)
+    try:
+        first = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(first, dict):
+        return
+
+    def shown(flag, value):
+        if value is None or value is False:
+            return f"no {flag}"
+        return flag if value is True else f"{flag} {json.dumps(value)}"
+
+    differ = [f"{shown(flag, run_options.get(flag))} (the first run: "
+              f"{shown(flag, first.get(flag))})"
+              for flag in sorted(set(first) | set(run_options))
+              if first.get(flag) != run_options.get(flag)]
+    if differ:
+        raise OptionError(f"--resume with other options than the run that wrote "
+                          f"{output_path!r}: {'; '.join(differ)}; give that run's options, "
+                          "or --overwrite to start again")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -244,7 +310,7 @@ class _ProgressLines:
         elapsed = now - self.started
         rate = completion_tokens / elapsed if elapsed > 0 else 0.0
         eta = _duration((self.total - num_done) * elapsed / num_done) if num_done else "unknown"
-        log(f"progress: {num_done}/{self.total} requests done, {rate:,.1f} completion "
+        log(f"progress: {num_done}/{_plural(self.total, 'request')} done, {rate:,.1f} completion "
              f"tok/s, ETA {eta}")
 
 
@@ -297,16 +363,17 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
     if summary.interrupted:
         left = summary.num_requests - summary.num_written
         if where == "stdout":
-            log(f"interrupted: {summary.num_written} results went to stdout; the other "
-                 f"{left} requests did not run")
+            log(f"interrupted: {_plural(summary.num_written, 'result')} went to stdout; "
+                f"the other {_plural(left, 'request')} did not run")
         else:
-            log(f"interrupted: {num_skipped + summary.num_written} of {total} results are "
-                 f"in {where}; the same command with --resume runs the other {left}")
+            log(f"interrupted: {num_skipped + summary.num_written} of "
+                f"{_plural(total, 'result')} are in {where}; the same command with --resume "
+                f"runs the other {left}")
         return EXIT_INTERRUPTED
     failed = summary.num_errors + earlier_errors
     if failed:
-        log(f"error: {failed} of {total} requests failed; their lines in {where} hold "
-             "an \"error\" that says why")
+        log(f"error: {failed} of {_plural(total, 'request')} failed; their lines in {where} "
+            "hold an \"error\" that says why")
         return EXIT_ERROR
     return EXIT_OK
 

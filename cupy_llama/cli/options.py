@@ -142,6 +142,15 @@ def load(model_dir, device: str, engine: dict):
     return llm
 
 
+def served_name(model_dir) -> str:
+    """The model's name in the API when none is given: its folder's name (never its path,
+    which would tell clients and metrics where it lives); the demo model's name."""
+    if model_dir is None:
+        from .demo import DEMO_NAME
+        return DEMO_NAME
+    return Path(model_dir).expanduser().resolve().name
+
+
 def default_model_dir() -> Path:
     from .demo import build_demo_model, demo_model_dir, is_built
 
@@ -154,6 +163,16 @@ def default_model_dir() -> Path:
 
 
 def auto_device(log=None) -> str:
-    """cuda when a usable GPU is there, else cpu (and log says why, when given)."""
+    """cuda when a usable GPU is there, else cpu (and log hears why in one short line, when
+    given: every command says it, so it says the reason's first clause and how to silence
+    it)."""
     from ..backends import resolve_device as backend_device
-    return backend_device("auto", log)
+    if log is None:
+        return backend_device("auto")
+    reasons = []
+    device = backend_device("auto", lambda line: reasons.append(line))
+    if device == "cpu" and reasons:
+        reason = reasons[0].removeprefix("warning: running on the CPU (slow): ")
+        log(f"warning: running on the CPU (slow): {reason.split(';')[0]}; --device cpu "
+            "hides this warning")
+    return device

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 
 import click
 
@@ -26,8 +28,8 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 @click.option("--api-key", envvar="CUPY_LLAMA_API_KEY", show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on the API (default: "
                    "$CUPY_LLAMA_API_KEY, else no key).")
-@click.option("--served-model-name", help="The model's name in the API (default: the "
-              "--model argument as given).")
+@click.option("--served-model-name", help="The model's name in the API (default: the model "
+              "folder's name; the demo model's is smollm2-135m-instruct).")
 @device_option
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
               help="Sequences that may wait for a free slot (a request of n samples has "
@@ -35,16 +37,33 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 @click.option("--log-requests", is_flag=True, help="Also log request bodies and generated "
               "text (by default the log holds method, path, status and time only).")
 @click.option("--replica-name", help="This server's name in the x-served-by header of every "
-              "response (default: hostname:port).")
+              "response (default: the port).")
 @click.option("--drain-delay", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds between SIGTERM and closing the listener, while /health answers "
                    "503 and requests are still served: time for a load balancer to take this "
                    "replica out.")
+@click.option("--engine-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds the engine may take for a step while requests wait for it; past "
+                   "that it counts as stuck: /health answers 503, its requests end with an "
+                   "error and the server exits 1, for a supervisor to restart it (default: "
+                   "30 on a GPU, 300 on the CPU).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Seconds a connection has to send a request's headers "
+              "before it is closed.")
+@click.option("--allowed-origins", metavar="JSON", default="[]", show_default=True,
+              help='Origins a browser may call the API from, as a JSON list '
+                   '(\'["http://localhost:3000"]\', or \'["*"]\'); none: no cross-origin '
+                   'access.')
+@click.option("--allowed-methods", metavar="JSON", default='["*"]', show_default=True,
+              help="HTTP methods cross-origin requests may use, as a JSON list.")
+@click.option("--allowed-headers", metavar="JSON", default='["*"]', show_default=True,
+              help="Request headers cross-origin requests may send, as a JSON list.")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
-          log_requests, replica_name, drain_delay, **flags):
+          log_requests, replica_name, drain_delay, engine_timeout, header_timeout,
+          allowed_origins, allowed_methods, allowed_headers, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
@@ -54,6 +73,15 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     """
     engine = given(flags, SERVE_ENGINE_NAMES)
     check_options({}, engine)
+    if api_key is None and os.environ.get("CUPY_LLAMA_API_KEY") == "":
+        api_key = ""  # click reads an empty variable as unset: it is a mistake all the same
+    if api_key is not None and not api_key.strip():
+        raise OptionError("--api-key is empty (or $CUPY_LLAMA_API_KEY is set to nothing), which "
+                          "would turn the key off; give a key, or unset it to serve without one")
+    cors = {name: _json_list(flag, value) for name, flag, value in (
+        ("allowed_origins", "--allowed-origins", allowed_origins),
+        ("allowed_methods", "--allowed-methods", allowed_methods),
+        ("allowed_headers", "--allowed-headers", allowed_headers))}
     if replica_name is not None and not (replica_name.strip() and replica_name.isascii()
                                          and replica_name.isprintable()):
         raise OptionError(f"--replica-name {replica_name!r} must be printable ASCII (it goes "
@@ -63,23 +91,27 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
             __import__(package)
         except ImportError:
             raise CupyLlamaError(f"cupy-llama serve needs the serve extra ({package} is not "
-                                 "installed): pip install 'cupy-llama[serve]'") from None
+                                 "installed): pip install 'cupy-llama[serve]', or in a "
+                                 "checkout pip install -e '.[serve]'") from None
     from ..engine.async_engine import EngineStartError
     from ..models import read_config
     from ..server.app import ServerSettings, run_server
     from ..tokenizer import Tokenizer
 
-    name = served_model_name or model_dir
+    name = served_model_name or options.served_name(model_dir)
     if model_dir is None:
-        from .demo import DEMO_NAME
-        model_dir, name = options.default_model_dir(), served_model_name or DEMO_NAME
+        model_dir = options.default_model_dir()
     config = read_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
     sock = _listen(host, port)
+    if device == "auto":  # said here, in the command line's short words, not by the engine
+        device = options.auto_device(log=log)
     settings = ServerSettings(model_dir=str(model_dir), served_model_name=str(name),
                               device=device, engine_options=engine, api_key=api_key or None,
                               max_waiting=max_waiting, log_requests=log_requests,
-                              replica_name=replica_name, drain_delay_s=drain_delay)
+                              replica_name=replica_name, drain_delay_s=drain_delay,
+                              engine_timeout_s=engine_timeout, header_timeout_s=header_timeout,
+                              **cors)
     try:
         run_server(settings, sock, tokenizer, config)
     except EngineStartError as e:
@@ -97,6 +129,18 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     finally:
         sock.close()
     return EXIT_OK
+
+
+def _json_list(flag: str, text: str) -> tuple[str, ...]:
+    """A CORS flag's JSON list of strings (vLLM's form)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise OptionError(f"{flag} must be a JSON list of strings, such as "
+                          f"'[\"http://localhost:3000\"]', got {text!r}")
+    return tuple(value)
 
 
 def _listen(host: str, port: int):

@@ -35,6 +35,7 @@ plain tuple DELTA_FIELDS names (plain tuples pickle about 8x faster than named o
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import pickle
 import select
@@ -50,9 +51,13 @@ from pathlib import Path
 
 # one engine output, as the engine process sends it: the text and token ids added since
 # the request's previous delta, "stop" / "length" / "abort" once it ends, the new tokens'
-# log-probabilities (None unless asked for) and the prompt tokens the prefix cache served
+# log-probabilities (None unless asked for), the prompt tokens the prefix cache served,
+# and at the end the sample's times (RequestTimes as a tuple: taken in, first scheduled,
+# first token, last token)
 DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
-                "num_cached_tokens")
+                "num_cached_tokens", "times")
+# the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _HEADER = struct.Struct("<I")
 _READ_SIZE = 1 << 20
@@ -153,6 +158,9 @@ class _EngineLoop:
         self.num_added_seqs = 0  # sequences of the requests taken in (n per request)
         self.step_seconds = 0.0   # inside LLMEngine.step()
         self.loop_seconds = 0.0   # whole turns that stepped: messages, step, sending
+        # steps by the tokens they computed: counts per ITERATION_TOKEN_BUCKETS bound, + inf
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     def run(self) -> None:
         engine, channel = self.engine, self.channel
@@ -184,6 +192,10 @@ class _EngineLoop:
                 started = time.perf_counter()
                 outputs = engine.step()
                 self.step_seconds += time.perf_counter() - started
+                if engine.num_step_tokens:
+                    self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS,
+                                                             engine.num_step_tokens)] += 1
+                    self.iteration_tokens_sum += engine.num_step_tokens
                 deltas.extend(_as_delta(output) for output in outputs)
                 stepped = True
             else:
@@ -196,7 +208,9 @@ class _EngineLoop:
     def stats(self) -> dict:
         """The engine's EngineStats as a dict, and the loop's own counts and times."""
         return {**asdict(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
-                "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds}
+                "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds,
+                "iteration_tokens": self.iteration_tokens,
+                "iteration_tokens_sum": self.iteration_tokens_sum}
 
 
 def _as_delta(output) -> tuple:
@@ -205,14 +219,18 @@ def _as_delta(output) -> tuple:
     if logprobs is not None:
         logprobs = [(entry.token_id, entry.logprob, entry.top)
                     for entry in logprobs[len(logprobs) - len(output.delta_token_ids):]]
+    times = output.times
+    if times is not None:
+        times = (times.added, times.scheduled, times.first_token, times.last_token)
     return (output.request_id, output.index, output.delta, output.delta_token_ids,
-            output.finish_reason, logprobs, output.num_cached_tokens)
+            output.finish_reason, logprobs, output.num_cached_tokens, times)
 
 
 def _engine_info(engine) -> dict:
     return {"device": engine.device, "context_limit": engine.context_limit,
             "num_blocks": engine.stats().num_blocks, "block_size": engine.backend.block_size,
             "max_num_seqs": engine.engine_config.max_num_seqs,
+            "prefix_caching": engine.engine_config.enable_prefix_caching,
             "load_seconds": engine.load_seconds, "pid": os.getpid()}
 
 
@@ -284,6 +302,7 @@ class EngineInfo:
     max_num_seqs: int
     load_seconds: float
     pid: int
+    prefix_caching: bool = True
 
 
 class Rejected:
@@ -367,6 +386,9 @@ class AsyncEngine:
         self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
         self._stopping = False
         self._stopped = False
+        # the last sign of the engine's progress: an output frame (one after every step),
+        # or work arriving at an idle engine (stalled_for)
+        self._progress_at = time.monotonic()
 
     # ---- lifetime ----------------------------------------------------------------------
     async def start(self) -> EngineInfo:
@@ -414,6 +436,19 @@ class AsyncEngine:
         if self._transport is not None:
             self._transport.close()
 
+    def kill(self) -> None:
+        """End the engine process at once (it is stuck): the requests it had end as when
+        it dies (ENGINE_STOPPED), and on_stopped is called."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has made no progress while requests wait for it (0 while
+        none does): since its last output frame, or since work came to an idle engine."""
+        if not self._streams or self._stopped:
+            return 0.0
+        return time.monotonic() - self._progress_at
+
     @property
     def is_running(self) -> bool:
         return self.info is not None and not self._stopped
@@ -426,6 +461,8 @@ class AsyncEngine:
         if self._stopped:
             sink.put(ENGINE_STOPPED)
             return
+        if not self._streams:  # the engine was idle: its time to progress starts now
+            self._progress_at = time.monotonic()
         self._streams[request_id] = sink
         self._num_unfinished[request_id] = params.n
         self._num_seqs_sent += params.n
@@ -459,6 +496,7 @@ class AsyncEngine:
         kind = message[0]
         if kind == "out":
             _, deltas, rejected, self.stats = message
+            self._progress_at = time.monotonic()
             streams, unfinished = self._streams, self._num_unfinished
             for delta in deltas:
                 request_id = delta[0]

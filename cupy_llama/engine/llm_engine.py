@@ -10,7 +10,7 @@ from typing import Iterator
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
-from ..outputs import RequestOutput, TokenLogprob, is_token_id
+from ..outputs import RequestOutput, RequestTimes, TokenLogprob, is_token_id
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -46,6 +46,12 @@ class _Sample:
         self.finish_reason: str | None = None
         # one per resolved output token where the request asked for them
         self.logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
+        # the request's metrics (RequestOutput.times): when the engine took the sample, first
+        # scheduled it, and had its first and last token
+        self.added_at = time.monotonic()
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     def add_text(self, token_id: int) -> bool:
         """Adds the token's text; True when that completes a stop string (the text is then
@@ -81,12 +87,15 @@ class _Sample:
         delta_ids = token_ids[self.num_emitted_tokens:]
         self.num_emitted_chars = visible
         self.num_emitted_tokens = len(token_ids)
+        times = None if self.finish_reason is None else RequestTimes(
+            self.added_at, self.scheduled_at, self.first_token_at, self.last_token_at)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=token_ids, text=self.text[:visible],
             finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
             index=seq.index, num_cached_tokens=max(0, seq.num_cached_tokens),
-            logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)])
+            logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)],
+            times=times)
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,8 @@ class LLMEngine:
                                    max_model_len=max_model_len)
         self.runner = ModelRunner(model_config, backend)
         self.num_steps = 0
+        self.num_step_tokens = 0  # tokens the last launched step computes (prefill and decode)
+        self._num_unscheduled = 0  # samples added and never scheduled yet
         self.load_seconds = 0.0  # load() sets it: reading, checking and uploading the model
         # config.json + generation_config.json, plus the end-of-turn tokens of the template
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
@@ -225,6 +236,7 @@ class LLMEngine:
             self.scheduler.add(seq)
             samples.append(_Sample(seq, self.tokenizer, stream))
         self.requests[request_id] = samples
+        self._num_unscheduled += len(samples)
         return request_id
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -255,6 +267,7 @@ class LLMEngine:
         for sample in samples or ():
             if sample.finish_reason is not None:
                 continue
+            self._num_unscheduled -= sample.scheduled_at is None
             self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
             del sample.seq.output_token_ids[sample.num_resolved:]  # tokens still coming
             sample.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not
@@ -301,6 +314,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         self.num_steps += launched is not None
+        self.num_step_tokens = batch.num_tokens if batch else 0
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return []
@@ -308,6 +322,8 @@ class LLMEngine:
         return self._finish_step(previous)
 
     def _launch(self, batch) -> "_Launched":
+        if self._num_unscheduled:
+            self._note_scheduled(batch)
         sampled = self.runner.run(batch)
         waiting_for = []
         for row, seq in self.scheduler.update_after_step(batch):
@@ -319,10 +335,21 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return _Launched(sampled, waiting_for)
 
+    def _note_scheduled(self, batch) -> None:
+        """The first scheduling of each sample in the batch that had none yet."""
+        now = time.monotonic()
+        for seq in batch.seqs:
+            samples = self.requests.get(seq.request_id)
+            sample = samples[seq.index] if samples and seq.index < len(samples) else None
+            if sample is not None and sample.seq is seq and sample.scheduled_at is None:
+                sample.scheduled_at = now
+                self._num_unscheduled -= 1
+
     def _finish_step(self, launched: "_Launched") -> list[RequestOutput]:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
         interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
+        now = time.monotonic()  # when these tokens are known
         outputs = []
         waiting_for = launched.waiting_for
         while waiting_for:
@@ -335,6 +362,9 @@ class LLMEngine:
             if sample.logprobs is not None:
                 token_id, logprob, top = launched.sampled.logprobs().of_row(row, seq.params.logprobs)
                 sample.logprobs.append(TokenLogprob(token_id, logprob, top))
+            if sample.first_token_at is None:
+                sample.first_token_at = now
+            sample.last_token_at = now
             output = self._append_token(sample, index)
             if output is not None:
                 outputs.append(output)

@@ -2,12 +2,17 @@
 
 A request goes: API key, body (size limit, JSON), the endpoint's request model
 (server/protocol.py) to prompts and SamplingParams, one engine request per prompt, then
-the engine's deltas back through a RequestStream to JSON or server-sent events. The
-server starts listening before the model is loaded (/health answers 503 until then) and
-prints its URL once the engine reports ready. Every response names the server in an
-x-served-by header (--replica-name, else hostname:port), so that behind a load balancer a
-client sees which replica answered. A client that goes away aborts its requests: the
-engine frees their blocks before its next step. On SIGTERM /health answers 503 first and
+the engine's deltas back through a RequestStream to JSON or server-sent events. Parsing a
+body and tokenizing its prompts run in a worker thread (a prompt of megabytes takes seconds
+to tokenize), and text that cannot fit the context is refused before it is tokenized, so a
+large request delays only itself. The server starts listening before the model is loaded
+(/health answers 503 until then) and prints its URL once the engine reports ready. Every
+response names the server in an x-served-by header (--replica-name, else the port), so
+that behind a load balancer a client sees which replica answered. A client that goes away
+aborts its requests: the engine frees their blocks before its next step. An engine that
+finishes no step for engine_timeout_s while requests wait for it (a hung device) is
+stopped, its requests end with an error, and the server exits with an error, as when the
+engine process dies, so that a supervisor restarts it. On SIGTERM /health answers 503 first and
 requests that still arrive are served for drain_delay_s (time for a balancer to take the
 replica out); then, as at once on SIGINT, it stops accepting connections, gives what is
 running SHUTDOWN_GRACE_S to finish, cuts the rest short (a last chunk with finish_reason
@@ -21,18 +26,21 @@ import hmac
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
@@ -47,6 +55,13 @@ DEFAULT_MAX_WAITING = 1024
 MAX_BODY_BYTES = 16 << 20        # larger bodies get 413 (a 100k-token prompt is about 1 MB)
 SHUTDOWN_GRACE_S = 2.0           # how long running requests may go on once a shutdown begins
 DRAIN_DELAY_S = 1.0              # SIGTERM: /health 503 for this long before the listener closes
+HEADER_TIMEOUT_S = 10.0          # a connection must send a request's headers within this
+KEEP_ALIVE_S = 5                 # an idle kept-alive connection is closed after this
+MAX_HEADER_BYTES = 16 << 10      # a request line and headers larger than this get 400
+# --engine-timeout's default: far above any legitimate step (a GPU step takes milliseconds,
+# its first kernels compile while the model loads); a CPU step of a long prompt on a large
+# model can take a minute
+ENGINE_TIMEOUT_S = {"cuda": 30.0, "cpu": 300.0}
 SERVED_BY = b"x-served-by"       # the response header that names the replica
 CLIENT_CLOSED = 499              # nginx's code for a client that left before the response
 RETRY_AFTER = {"Retry-After": "1"}
@@ -67,7 +82,13 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     shutdown_grace_s: float = SHUTDOWN_GRACE_S
     drain_delay_s: float = DRAIN_DELAY_S
-    replica_name: str | None = None  # x-served-by; run_server's default: hostname:port
+    replica_name: str | None = None  # x-served-by; run_server's default: the port
+    engine_timeout_s: float | None = None  # None: ENGINE_TIMEOUT_S of the device
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    # CORS (vLLM's --allowed-origins, ...): no origin means no cross-origin access
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
 
 
 class _ClientGone(Exception):
@@ -94,18 +115,22 @@ class ServerState:
         self.token_strings = protocol.TokenStrings(tokenizer)
         self.vocab_size = model_config.vocab_size
         self.model_defaults = model_sampling_defaults(model_config.generation_config)
+        self.max_bytes_per_token = protocol.max_bytes_per_token(tokenizer)
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
                                   on_stopped=self._engine_stopped)
         self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
                                settings.served_model_name)
         self.phase = self.LOADING
         self.info = None
+        self.fingerprint: str | None = None  # system_fingerprint, once the device is known
+        self.engine_timeout_s: float | None = settings.engine_timeout_s
         self.failure: Exception | None = None  # why the server stopped by itself
         self.created = int(time.time())
         self.jobs: set[_Job] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_ready = lambda info: None
         self.request_exit = lambda: None     # asks the HTTP server to stop
+        self._watchdog: asyncio.Task | None = None
 
     async def load(self) -> None:
         try:
@@ -114,15 +139,61 @@ class ServerState:
             self.failure = e
             self.request_exit()
             return
+        info = self.info
+        self.fingerprint = protocol.system_fingerprint(self.settings.model_dir, info.device)
+        if self.engine_timeout_s is None:
+            self.engine_timeout_s = ENGINE_TIMEOUT_S.get(info.device, ENGINE_TIMEOUT_S["cpu"])
+        self.metrics.set_cache_config(block_size=info.block_size, num_blocks=info.num_blocks,
+                                      prefix_caching=info.prefix_caching)
         if self.phase == self.LOADING:
             self.phase = self.READY
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
             self.on_ready(self.info)
 
+    def failure_message(self) -> str:
+        """What a request cut off by the engine's end is told."""
+        if self.failure is not None:
+            return f"{self.failure}"
+        return "the engine process stopped; the server is shutting down"
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The most bytes of prompt text that can fit the context (see
+        protocol.max_bytes_per_token): more is refused before it is tokenized."""
+        return self.info.context_limit * self.max_bytes_per_token
+
     def _engine_stopped(self) -> None:
-        self.failure = RuntimeError("the engine process stopped unexpectedly; see the "
-                                    "messages above")
+        if self.failure is None:
+            self.failure = RuntimeError("the engine process stopped unexpectedly; see the "
+                                        "messages above")
         self.phase = self.DRAINING
         self.request_exit()
+
+    # ---- the watchdog ------------------------------------------------------------------
+    async def _watch_engine(self) -> None:
+        """Checks, a few times per engine_timeout_s, that an engine with requests to run
+        keeps finishing steps."""
+        interval = min(1.0, self.engine_timeout_s / 4)
+        while self.phase in (self.READY, self.LEAVING):
+            await asyncio.sleep(interval)
+            self.check_engine()
+
+    def check_engine(self) -> None:
+        """An engine that has finished no step for engine_timeout_s while requests run or
+        wait (a hung GPU, a stopped process) is stuck: /health answers 503, the engine
+        process is killed (its requests end with an error: a 503, or an error event and
+        [DONE] in a stream that has begun) and the server exits with an error, as when the
+        engine process dies, so that a supervisor restarts it."""
+        stalled = self.engine.stalled_for()
+        if stalled < self.engine_timeout_s or self.phase == self.DRAINING:
+            return
+        message = (f"the engine has finished no step for {stalled:.0f} s while requests "
+                   f"were waiting for it (--engine-timeout {self.engine_timeout_s:g}); "
+                   "stopping, so that a supervisor can restart the server")
+        log.error(message)
+        self.failure = RuntimeError(message)
+        self.phase = self.DRAINING
+        self.engine.kill()
 
     def begin_leaving(self) -> None:
         """SIGTERM: /health answers 503 at once, so a load balancer takes this replica out,
@@ -148,8 +219,10 @@ class ServerState:
             return
         self.phase = self.DRAINING
         if self.jobs:
-            log.info("shutting down: %d requests still running get %.0f s to finish",
-                     len(self.jobs), self.settings.shutdown_grace_s)
+            count = len(self.jobs)
+            log.info("shutting down: %d request%s still running get%s %.0f s to finish", count,
+                     "" if count == 1 else "s", "s" if count == 1 else "",
+                     self.settings.shutdown_grace_s)
         self.loop.call_later(self.settings.shutdown_grace_s, self._cut_short)
 
     def _cut_short(self) -> None:
@@ -186,6 +259,7 @@ class ServerState:
                                 "until its listener closes", code="shutting_down")
 
     def check_model(self, name: str | None) -> None:
+        """A request without a model is served by the one model, as vLLM does."""
         served = self.settings.served_model_name
         if name is not None and name != served:
             raise APIError(404, f"model {name!r} does not exist; this server serves "
@@ -210,6 +284,7 @@ class ServerState:
                            code="server_busy", headers=RETRY_AFTER)
         job = _Job(self, response_id, prompts, n, stream)
         for request_id, prompt, sampling in zip(job.request_ids, prompts, params):
+            self.metrics.request_params(sampling.max_tokens, sampling.n)
             self.engine.add(request_id, prompt, sampling, stream, job.sink)
         self.jobs.add(job)
         return job
@@ -218,15 +293,13 @@ class ServerState:
 # ---- one HTTP request's engine requests ---------------------------------------------------
 
 class _Choice:
-    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason", "first_at", "last_at")
+    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason")
 
     def __init__(self):
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list | None = None  # (token id, logprob, top) per token, when asked
         self.finish_reason: str | None = None
-        self.first_at: float | None = None
-        self.last_at = 0.0
 
 
 class _Job:
@@ -263,14 +336,14 @@ class _Job:
         for item in items:
             if type(item) is not tuple:
                 self._fail(item)
-            request_id, index, text, token_ids, finish_reason, logprobs, num_cached = item
+            request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times = item
             i = self._prompt_of[request_id]
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
             if index == 0:  # the sample that computed the prompt
                 self._cached[i] = num_cached
-            self._record(i, choice, text, token_ids, logprobs, finish_reason, now)
+            self._record(i, choice, text, token_ids, logprobs, finish_reason, times, now)
             update = updates.get((i, index))
             if update is None:
                 updates[(i, index)] = [text, token_ids, logprobs, finish_reason]
@@ -283,7 +356,7 @@ class _Job:
         return updates
 
     def _record(self, i: int, choice: _Choice, text: str, token_ids: list[int], logprobs,
-                finish_reason: str | None, now: float) -> None:
+                finish_reason: str | None, times, now: float) -> None:
         metrics = self.metrics
         if not self._admitted[i]:
             self._admitted[i] = True
@@ -291,26 +364,17 @@ class _Job:
         if text:
             choice.texts.append(text)
         if token_ids:
-            if choice.first_at is None:
-                choice.first_at = now
-                if self.stream:
-                    metrics.time_to_first_token.observe(now - self.arrival)
             choice.token_ids += token_ids
             if logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + logprobs
-            choice.last_at = now
             metrics.generation_tokens.inc(len(token_ids))
         if finish_reason is not None:
             choice.finish_reason = finish_reason
             self.num_unfinished -= 1
             if all(c.finish_reason is not None for c in self.choices[i]):
                 self._running.discard(self.request_ids[i])
-            metrics.request_finished(finish_reason)
-            metrics.e2e_request_latency.observe(now - self.arrival)
-            num_tokens = len(choice.token_ids)
-            if self.stream and num_tokens > 1:
-                metrics.time_per_output_token.observe(
-                    (choice.last_at - choice.first_at) / (num_tokens - 1))
+            metrics.request_finished(finish_reason, len(self.prompts[i]),
+                                     len(choice.token_ids), self.arrival, times, now)
 
     def _fail(self, item) -> None:
         if item is DISCONNECTED:
@@ -320,7 +384,7 @@ class _Job:
             raise protocol.request_error(item.message)
         if item is ENGINE_STOPPED:
             self._running.clear()
-            raise APIError(500, "the engine process stopped; the server is shutting down")
+            raise APIError(503, self.state.failure_message(), code="engine_stopped")
         raise TypeError(f"unexpected item {item!r}")
 
     async def final_outputs(self) -> list[list[RequestOutput]]:
@@ -335,8 +399,12 @@ class _Job:
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
         for (i, j), (text, token_ids, logprobs, finish_reason) in updates.items():
-            chunk = stream_builder.chunk(i * self.n + j, text, logprobs, finish_reason)
-            parts.append(_sse(chunk))
+            usage = None
+            if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
+                usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
+            for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
+                                               usage):
+                parts.append(_sse(chunk))
         return b"".join(parts)
 
     def usage(self) -> dict:
@@ -356,7 +424,7 @@ class _Job:
             for choices in self.choices:
                 for choice in choices:
                     if choice.finish_reason is None:
-                        self.metrics.request_finished("abort")
+                        self.metrics.request_aborted()
             self.abort_unfinished()
             self._running.clear()
         self.state.jobs.discard(self)
@@ -368,6 +436,18 @@ class _Job:
 def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
         + b"\n\n"
+
+
+class _ErrorResponse(JSONResponse):
+    """An error in OpenAI's shape, as ASCII JSON: a message may quote a request's value, and
+    a lone surrogate (a request's "\\ud800") has no UTF-8 form; escaped, it reads back the
+    same."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.body(), status_code=error.status, headers=error.headers)
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 class _EventStream(Response):
@@ -441,11 +521,11 @@ async def _events(job: _Job, stream_builder, updates: dict):
     except _ClientGone:
         return
     except APIError as e:  # the engine went away mid-stream
-        yield _sse(e.body())
+        yield b"data: " + json.dumps(e.body()).encode() + b"\n\n"
         yield SSE_DONE
 
 
-async def _read_json(request: Request, limit: int):
+async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None:
         if not length.strip().isdigit():
@@ -461,10 +541,23 @@ async def _read_json(request: Request, limit: int):
             raise APIError(413, f"the request body is larger than the limit of {limit:,} "
                                 "bytes", code="request_too_large",
                            headers={"Connection": "close"})
+    return bytes(body)
+
+
+def _decode_json(body: bytes):
+    """The body's JSON; APIError(400) for what Python's parser refuses, valid JSON among it
+    (nesting past the interpreter's recursion limit, integers of more than 4300 digits)."""
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply; send at "
+                            "most a few hundred levels") from None
+    except ValueError:  # the int-string conversion limit
+        raise APIError(400, f"the request body holds an integer of more than "
+                            f"{sys.get_int_max_str_digits()} digits; send smaller numbers") \
+            from None
 
 
 # ---- the application ----------------------------------------------------------------------
@@ -491,7 +584,8 @@ class _ServedBy:
 
 class _AccessLog:
     """One log line per request: method, path, status, milliseconds (to the end of a
-    stream). No bodies: those are logged by the routes, and only with --log-requests."""
+    stream). No bodies: those are logged by the routes, and only with --log-requests.
+    Successful /health probes (a balancer's, every few seconds) log at DEBUG."""
 
     def __init__(self, app):
         self.app = app
@@ -510,8 +604,10 @@ class _AccessLog:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            log.info("%s %s %s %.1f ms", scope["method"], scope["path"],
-                     status[0] if status else 500, 1e3 * (time.perf_counter() - started))
+            code = status[0] if status else 500
+            level = logging.DEBUG if scope["path"] == "/health" and code == 200 else logging.INFO
+            log.log(level, "%s %s %s %.1f ms", scope["method"], scope["path"], code,
+                    1e3 * (time.perf_counter() - started))
 
 
 def create_app(state: ServerState):
@@ -531,65 +627,91 @@ def create_app(state: ServerState):
 
     app = FastAPI(title="cupy-llama", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None, lifespan=lifespan)
+    if settings.allowed_origins:  # inside the access log: preflight requests are logged
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods),
+                           allow_headers=list(settings.allowed_headers))
     app.add_middleware(_AccessLog)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _ErrorResponse(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         if e.status_code == 404:
             routes = sorted(f"{method} {route.path}" for route in app.routes
-                            if isinstance(route, APIRoute) for method in route.methods)
+                            if isinstance(route, APIRoute) and route.include_in_schema
+                            for method in route.methods)
             message = (f"{request.method} {request.url.path} is not served here; the routes "
                        f"are {', '.join(routes)}")
         else:
             message = f"{request.method} {request.url.path}: {e.detail}"
-        return JSONResponse(APIError(e.status_code, message).body(), status_code=e.status_code)
+        # the headers stay: a 405's Allow names the methods the route takes
+        return _ErrorResponse(APIError(e.status_code, message, headers=e.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(500, "internal server error; see the server log").body(),
-                            status_code=500)
+        # where it failed, not what it said: an exception's message may quote the request
+        frames = "".join(traceback.format_tb(e.__traceback__))
+        log.error("internal error on %s %s: %s (message withheld: it may quote the "
+                  "request)\nTraceback (most recent call last):\n%s%s", request.method,
+                  request.url.path, type(e).__name__, frames, type(e).__name__)
+        return _ErrorResponse(APIError(500, "internal server error; see the server log"))
 
     async def body_of(request: Request, model):
+        """The body parsed by the endpoint's request model (in a worker thread: a large
+        body takes a while), its model checked."""
         state.check_key(request)
         state.check_ready()
         try:
-            body = await _read_json(request, settings.max_body_bytes)
+            body = await _read_body(request, settings.max_body_bytes)
         except ClientDisconnect:
             raise _ClientGone() from None
-        parsed = protocol.parse(model, body)
+
+        def parse():
+            decoded = _decode_json(body)
+            return protocol.parse(model, decoded), decoded
+
+        parsed, decoded = await asyncio.to_thread(parse)
         state.check_model(parsed.model)
-        return parsed, body
+        return parsed, decoded
 
     def log_request(response_id: str, body: dict) -> None:
         if settings.log_requests:
             log.info("request %s: %s", response_id, json.dumps(body, ensure_ascii=False))
 
-    @app.get("/health")
+    def route(method: str, path: str, prefixed_too: bool = False):
+        """A route; with prefixed_too also without its /v1 prefix (llama.cpp's server answers
+        both, and some clients leave the prefix out)."""
+        def add(handler):
+            paths = [path, path.removeprefix("/v1")] if prefixed_too else [path]
+            for i, each in enumerate(paths):
+                app.add_api_route(each, handler, methods=[method], include_in_schema=i == 0)
+            return handler
+        return add
+
+    @route("GET", "/health")
     async def health():
         state.check_healthy()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @route("GET", "/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @route("GET", "/version")
     async def version():
         return JSONResponse({"version": __version__})
 
-    @app.get("/v1/models")
+    @route("GET", "/v1/models", prefixed_too=True)
     async def models(request: Request):
         state.check_key(request)
         state.check_ready()
         return JSONResponse(protocol.model_list(settings.served_model_name, state.created,
                                                 state.info.context_limit))
 
-    @app.get("/v1/models/{name:path}")
+    @route("GET", "/v1/models/{name:path}", prefixed_too=True)
     async def model(name: str, request: Request):
         state.check_key(request)
         state.check_ready()
@@ -598,46 +720,106 @@ def create_app(state: ServerState):
 
     async def generate(request: Request, request_model, stream_class):
         """/v1/completions and /v1/chat/completions: the body parsed by the endpoint's
-        request model, its engine requests started, and the answer streamed or whole."""
+        request model, its prompts tokenized (both in a worker thread), its engine requests
+        started, and the answer streamed or whole."""
         try:
             parsed, body = await body_of(request, request_model)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        prompts, params = parsed.engine_inputs(state.tokenizer, state.vocab_size,
-                                               state.info.context_limit, state.model_defaults)
+        prompts, params = await asyncio.to_thread(
+            parsed.engine_inputs, state.tokenizer, state.vocab_size, state.info.context_limit,
+            state.model_defaults, state.max_prompt_bytes)
+        state.check_ready()  # it may have begun to stop meanwhile
         response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
         job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
-        stream = stream_class(parsed, response_id, created, name, strings) \
+        stream = stream_class(parsed, response_id, created, name, strings, state.fingerprint) \
             if parsed.stream else None
         return await _respond(request, job, stream, lambda outputs: parsed.response_body(
-            response_id, created, name, outputs, strings))
+            response_id, created, name, outputs, strings, state.fingerprint))
 
-    @app.post("/v1/completions")
+    @route("POST", "/v1/completions", prefixed_too=True)
     async def completions(request: Request):
         return await generate(request, protocol.CompletionRequest, protocol.CompletionStream)
 
-    @app.post("/v1/chat/completions")
+    @route("POST", "/v1/chat/completions", prefixed_too=True)
     async def chat_completions(request: Request):
         return await generate(request, protocol.ChatCompletionRequest,
                               protocol.ChatCompletionStream)
 
-    @app.post("/tokenize")
+    @route("POST", "/tokenize")
     async def tokenize(request: Request):
         parsed, _ = await body_of(request, protocol.TokenizeRequest)
-        return JSONResponse(protocol.tokenize_response(parsed.token_ids(state.tokenizer),
-                                                       state.info.context_limit))
+        token_ids = await asyncio.to_thread(parsed.token_ids, state.tokenizer,
+                                            state.max_prompt_bytes)
+        return JSONResponse(parsed.response(state.tokenizer, token_ids,
+                                            state.info.context_limit))
 
-    @app.post("/detokenize")
+    @route("POST", "/detokenize")
     async def detokenize(request: Request):
         parsed, _ = await body_of(request, protocol.DetokenizeRequest)
         return JSONResponse(protocol.detokenize_response(parsed.text(state.tokenizer)))
 
-    return _ServedBy(app, settings.replica_name or socket.gethostname())
+    return _ServedBy(app, settings.replica_name or "cupy-llama")
 
 
 # ---- running it ---------------------------------------------------------------------------
+
+class _HTTP(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with two changes. A request the HTTP layer refuses (a bad
+    request line or header, a bad Content-Length, headers past MAX_HEADER_BYTES) gets
+    OpenAI's error shape instead of plain text. And a connection must send each request's
+    headers within header_timeout_s (uvicorn times out idle kept-alive connections only, so
+    a client that connects and sends nothing, or its headers a byte at a time, would hold
+    a connection for ever)."""
+
+    header_timeout_s = HEADER_TIMEOUT_S  # run_server sets the settings' value
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = None
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._waiting_cycle = self.cycle  # a new cycle: its headers came
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.cycle is self._waiting_cycle and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and self.cycle is not self._waiting_cycle:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._arm_header_timer()  # before the next cycle starts (a pipelined request)
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(APIError(400, "the request is not valid HTTP/1.1 (its request line, "
+                                        "a header or Content-Length is malformed, or the "
+                                        f"headers are larger than {MAX_HEADER_BYTES // 1024} "
+                                        "KiB)", code="invalid_http_request").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
 
 class _Server(uvicorn.Server):
     """uvicorn's server, with a shutdown that drains the engine first and ends the process
@@ -691,25 +873,30 @@ def url_of(sock) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def ready_line(settings: ServerSettings, url: str, info) -> str:
+    """The one line on stdout once the model is loaded: the name clients send as "model",
+    the URL, and whether they need the API key."""
+    key = "API key required" if settings.api_key is not None else "no API key"
+    return (f"serving {settings.served_model_name!r} at {url}/v1 ({info.device}, context "
+            f"{info.context_limit} tokens, {key}, loaded in {info.load_seconds:.1f} s); "
+            "Ctrl-C stops")
+
+
 def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
     """Serve on the bound socket until a signal (or the engine's failure) ends it. Raises
     EngineStartError when the model could not be loaded, RuntimeError when the engine
-    process died."""
+    process died or got stuck."""
     _setup_logging()
     if settings.replica_name is None:
-        port = sock.getsockname()[1]
-        settings = replace(settings, replica_name=f"{socket.gethostname()}:{port}")
+        settings = replace(settings, replica_name=str(sock.getsockname()[1]))
     state = ServerState(settings, tokenizer, model_config)
     url = url_of(sock)
-
-    def ready(info) -> None:
-        print(f"serving {settings.served_model_name!r} at {url}/v1 ({info.device}, context "
-              f"{info.context_limit} tokens, loaded in {info.load_seconds:.1f} s); "
-              "Ctrl-C stops", flush=True)
-
-    state.on_ready = ready
+    state.on_ready = lambda info: print(ready_line(settings, url, info), flush=True)
+    http = type("HTTP", (_HTTP,), {"header_timeout_s": settings.header_timeout_s})
     config = uvicorn.Config(create_app(state), log_config=None, log_level="warning",
-                            access_log=False, lifespan="on", timeout_keep_alive=5,
+                            access_log=False, lifespan="on", http=http,
+                            timeout_keep_alive=KEEP_ALIVE_S,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     server = _Server(config, state)
     state.request_exit = lambda: setattr(server, "should_exit", True)

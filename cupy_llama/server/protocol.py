@@ -20,16 +20,19 @@ defaults, greedy unless it says do_sample, as everywhere in cupy-llama.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import fields
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..tokenizer import check_template_kwargs
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -78,6 +81,19 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def _integral(value):
+    """5.0 is the integer 5: JSON Schema counts a number with a zero fraction as an
+    integer, and OpenAI's API takes it; 5.5 stays a float, which an integer field refuses."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer field: an int, or a float with a zero fraction (never a string or a bool)
+Int = Annotated[int, BeforeValidator(_integral)]
+SEED_RANGE = (-2**63, 2**64)  # vLLM's signed 64-bit seeds, and the device's unsigned ones
+
+
 def parse(model: type[_Model], body) -> _Model:
     """Validate a decoded JSON body; APIError(400) naming the first field at fault."""
     if not isinstance(body, dict):
@@ -116,8 +132,8 @@ def _field_path(loc) -> str:
 def _preview(value, limit: int = 60) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError, RecursionError):
+        text = _json_type(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -148,6 +164,9 @@ UNSUPPORTED = {
     "include_stop_str_in_output": _off(False), "skip_special_tokens": _off(True),
     "prompt_logprobs": _off(), "use_beam_search": _off(False), "guided_json": _off(),
     "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
+    "allowed_token_ids": _off(), "bad_words": _off([]), "chat_template": _off(),
+    # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
+    "grammar": _off(), "json_schema": _off(),
 }
 
 
@@ -167,22 +186,24 @@ class _Unsupported:
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Unsupported, _Model):
     """What completions and chat completions share."""
-    model: str | None = None
+    model: str | None = None      # left out: the one model this server serves, as vLLM does
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None      # vLLM's extension; -1 means off, as there
+    top_k: Int | None = None      # vLLM's extension; -1 means off, as there
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None       # any signed or unsigned 64-bit integer
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None       # accepted and not used
+    user: str | None = None       # accepted and not used: it changes no output
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None
@@ -198,16 +219,30 @@ class _SamplingFields(_Unsupported, _Model):
     guided_choice: Any = None
     guided_grammar: Any = None
     best_of: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    grammar: Any = None
+    json_schema: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
+        low, high = SEED_RANGE
+        if self.seed is not None and not low <= self.seed < high:
+            raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got {self.seed}",
+                           param="seed")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage on every chunk (with include_usage, as
+        vLLM asks)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
@@ -237,6 +272,8 @@ class _SamplingFields(_Unsupported, _Model):
                   if getattr(self, name) is not None}
         if values.get("top_k") == -1:
             values["top_k"] = 0
+        if "seed" in values:  # a negative seed names the unsigned seed of its 64 bits
+            values["seed"] %= 2**64
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
@@ -281,13 +318,19 @@ def _number(logprob: float) -> float:
 
 def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[dict, int]:
     """The legacy completions form: parallel lists, top_logprobs as {token: logprob}; and
-    the text offset after these tokens (text offsets count from the completion's start)."""
+    the text offset after these tokens (text offsets count from the completion's start).
+    As OpenAI's legacy completions and vLLM give them, a position's top_logprobs holds the
+    `logprobs` most likely tokens and the sampled token when it is not among them (up to
+    logprobs + 1 entries; logprobs 0: the sampled token alone)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, top in entries:
         text = token_strings(token_id)
         tokens.append(text)
         token_logprobs.append(_number(logprob))
-        top_logprobs.append({token_strings(t): _number(lp) for t, lp in top})
+        alternatives = {token_strings(t): _number(lp) for t, lp in top}
+        if all(t != token_id for t, _ in top):
+            alternatives.setdefault(text, _number(logprob))
+        top_logprobs.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -310,21 +353,24 @@ def chat_logprobs(entries, token_strings) -> dict:
 class CompletionRequest(_SamplingFields):
     ID_PREFIX: ClassVar[str] = "cmpl-"
     prompt: Any = Field()  # a string, strings, token ids or lists of them: checked below
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: Int | None = None
+    logprobs: Int | None = None
     echo: Any = None
     suffix: Any = None
 
-    def prompt_token_ids(self, tokenizer, vocab_size: int) -> list[list[int]]:
+    def prompt_token_ids(self, tokenizer, vocab_size: int,
+                         max_prompt_bytes: int | None = None) -> list[list[int]]:
         """One list of ids per prompt: strings are tokenized as a completion prompt is
-        (with the tokenizer's special tokens, BOS), token ids are checked."""
+        (with the tokenizer's special tokens, BOS), token ids are checked. A string longer
+        than max_prompt_bytes (PromptLimit) is refused before it is tokenized."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return [_encode(tokenizer, prompt, "prompt")]
+            return [_encode(tokenizer, prompt, "prompt", max_prompt_bytes)]
         if isinstance(prompt, list) and prompt:
             if all(isinstance(p, str) for p in prompt):
-                return [_encode(tokenizer, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-            if all(is_token_id(t) for t in prompt):
+                return [_encode(tokenizer, p, f"prompt[{i}]", max_prompt_bytes)
+                        for i, p in enumerate(prompt)]
+            if all(_is_token_id(t) for t in prompt):
                 return [_check_ids(prompt, vocab_size, "prompt")]
             if all(isinstance(p, list) for p in prompt):
                 return [_check_ids(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt)]
@@ -343,22 +389,50 @@ class CompletionRequest(_SamplingFields):
                                      COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
-                      model_defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
+                      model_defaults: dict, max_prompt_bytes: int | None = None
+                      ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Each prompt's token ids and SamplingParams: one engine request per prompt."""
-        prompts = self.prompt_token_ids(tokenizer, vocab_size)
+        prompts = self.prompt_token_ids(tokenizer, vocab_size, max_prompt_bytes)
         return prompts, [self.sampling_params(len(p), max_model_len, model_defaults)
                          for p in prompts]
 
     def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
-                      token_strings=None) -> dict:
-        return completion_response(self, response_id, created, model, outputs, token_strings)
+                      token_strings=None, fingerprint: str | None = None) -> dict:
+        return completion_response(self, response_id, created, model, outputs, token_strings,
+                                   fingerprint)
 
 
-def _encode(tokenizer, text: str, param: str) -> list[int]:
+def max_bytes_per_token(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token of this vocabulary stands for, at most: no
+    token's spelling is shorter in bytes than the text it encodes (a byte-level token spells
+    each byte with one character of one or two bytes, SentencePiece's spells a space with
+    three). So a text of more than this many bytes per context token cannot fit."""
+    return max(1, max(len((tokenizer.id_to_token(i) or "").encode("utf-8", "replace"))
+                      for i in range(tokenizer.vocab_size)))
+
+
+def check_prompt_bytes(num_bytes: int, max_prompt_bytes: int | None, param: str) -> None:
+    """Refuse a prompt too long to fit the context before tokenizing it (tokenizing a
+    prompt of megabytes takes seconds)."""
+    if max_prompt_bytes is not None and num_bytes > max_prompt_bytes:
+        raise APIError(400, f"{param} has {num_bytes:,} bytes of text, more than the context "
+                            f"can hold ({max_prompt_bytes:,} bytes at most for this model's "
+                            "vocabulary); shorten the prompt", param=param,
+                       code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str, param: str, max_prompt_bytes: int | None = None) -> list[int]:
+    if max_prompt_bytes is not None and len(text) * 4 > max_prompt_bytes:  # else it fits
+        check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), max_prompt_bytes, param)
     try:
         return tokenizer.encode(text)
     except RequestError as e:
         raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def _is_token_id(value) -> bool:
+    """A token id: an int, or a float with a zero fraction (JSON Schema's integer)."""
+    return is_token_id(value) or (type(value) is float and value.is_integer())
 
 
 def _check_ids(ids: list, vocab_size: int, param: str) -> list[int]:
@@ -368,17 +442,18 @@ def _check_ids(ids: list, vocab_size: int, param: str) -> list[int]:
     if all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < vocab_size:
         return ids  # every id fine: the common case, checked in C-speed passes
     for token_id in ids:
-        if not is_token_id(token_id):
+        if not _is_token_id(token_id):
             raise APIError(400, f"{param} must hold only token ids (integers), got "
                                 f"{_preview(token_id)}", param=param)
         if not 0 <= token_id < vocab_size:
-            raise APIError(400, f"{param}: token id {token_id} is outside the vocabulary "
-                                f"[0, {vocab_size})", param=param)
-    return list(ids)
+            raise APIError(400, f"{param}: token id {_preview(token_id)} is outside the "
+                                f"vocabulary [0, {vocab_size})", param=param)
+    return [int(token_id) for token_id in ids]
 
 
 def completion_response(request: CompletionRequest, response_id: str, created: int,
-                        model: str, outputs: list[list], token_strings=None) -> dict:
+                        model: str, outputs: list[list], token_strings=None,
+                        fingerprint: str | None = None) -> dict:
     """The body of a non-streamed completion. outputs: for each prompt, its RequestOutputs
     (one per choice). Choice i * n + j is prompt i's choice j."""
     choices = []
@@ -392,27 +467,38 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                             "logprobs": logprobs,
                             "finish_reason": FINISH_REASONS[output.finish_reason]})
     return {"id": response_id, "object": "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage_of(outputs)}
+            "model": model, "system_fingerprint": fingerprint, "choices": choices,
+            "usage": usage_of(outputs)}
 
 
 class _Stream:
     """What the streams of both endpoints share: each chunk's head (id, object, created,
-    model) and one choice, "usage": null on every chunk when the request asked for usage,
+    model, system_fingerprint) and one choice; "usage" on every chunk when the request
+    asked for usage (null, or with vLLM's continuous_usage_stats the choice's usage so far),
     and usage_chunk() last."""
     OBJECT = ""
 
-    def __init__(self, request, response_id: str, created: int, model: str, token_strings):
+    def __init__(self, request, response_id: str, created: int, model: str, token_strings,
+                 fingerprint: str | None = None):
         self.include_usage = request.include_usage
+        self.continuous_usage = request.continuous_usage
         self._token_strings = token_strings
         self._head = {"id": response_id, "object": self.OBJECT, "created": created,
-                      "model": model}
+                      "model": model, "system_fingerprint": fingerprint}
 
-    def _chunk(self, index: int, finish_reason: str | None, **fields) -> dict:
+    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
+               usage: dict | None = None) -> list[dict]:
+        """The chunks that carry a choice's new text (logprobs: the new tokens' (token id,
+        log-probability, top) entries; usage: the choice's usage so far)."""
+        return [self.chunk(index, text, logprobs, finish_reason, usage)]
+
+    def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
+               **fields) -> dict:
         choice = {"index": index, **fields,
                   "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
         body = {**self._head, "choices": [choice]}
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = usage if self.continuous_usage else None
         return body
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -420,23 +506,23 @@ class _Stream:
 
 
 class CompletionStream(_Stream):
-    """The chunks of a streamed completion, in order: chunk() for each new piece of a
+    """The chunks of a streamed completion, in order: chunks() for each new piece of a
     choice's text, usage_chunk() last when request.include_usage."""
     OBJECT = "text_completion"
 
     def __init__(self, request: CompletionRequest, response_id: str, created: int,
-                 model: str, token_strings=None):
-        super().__init__(request, response_id, created, model, token_strings)
+                 model: str, token_strings=None, fingerprint: str | None = None):
+        super().__init__(request, response_id, created, model, token_strings, fingerprint)
         self._wants_logprobs = request.logprobs is not None
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
 
-    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
-        """logprobs: the new tokens' (token id, log-probability, top) entries."""
+    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
+              usage: dict | None = None) -> dict:
         choice_logprobs = None
         if self._wants_logprobs:
             choice_logprobs, self._text_offsets[index] = completion_logprobs(
                 logprob_entries(logprobs), self._token_strings, self._text_offsets.get(index, 0))
-        return self._chunk(index, finish_reason, text=text, logprobs=choice_logprobs)
+        return self._chunk(index, finish_reason, usage, text=text, logprobs=choice_logprobs)
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------
@@ -449,18 +535,79 @@ class ChatMessage(_Model):
     role: str
     content: Any = None        # a string or [{"type": "text", "text": ...}, ...]: checked below
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
+    tool_calls: Any = None     # refused: tools are not supported
+    tool_call_id: Any = None   # refused: tools are not supported
+    function_call: Any = None  # refused: tools are not supported
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatPrompt:
+    """What makes a chat's prompt, as chat completions and /tokenize take it: the messages
+    through the chat template, with vLLM's add_generation_prompt, continue_final_message
+    and chat_template_kwargs."""
+
+    def check_chat_options(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
+                                "be true; send add_generation_prompt: false to continue the "
+                                "last message", param="continue_final_message")
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except RequestError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them: {"role", "content"} with the
+        content's text parts joined by newlines."""
+        conversation = []
+        for i, message in enumerate(self.messages):
+            where = f"messages[{i}]"
+            role = CHAT_ROLES.get(message.role)
+            if role is None:
+                tools = " (tools are not supported)" if message.role in ("tool", "function") else ""
+                raise APIError(400, f"{where}.role {message.role!r} is not supported{tools}; "
+                                    f"use system, developer, user or assistant",
+                               param=f"{where}.role")
+            for name in ("tool_calls", "tool_call_id", "function_call"):
+                if getattr(message, name):
+                    raise APIError(400, f"{where}.{name} is not supported (tools are not "
+                                        "supported)", param=f"{where}.{name}",
+                                   code="unsupported_parameter")
+            entry = {"role": role, "content": _message_text(message, role, where)}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        return conversation
+
+    def prompt_token_ids(self, tokenizer, max_prompt_bytes: int | None = None) -> list[int]:
+        """The prompt the model's chat template renders: ending in the assistant's turn
+        (add_generation_prompt), or in the last message left open (continue_final_message).
+        Messages of more text than max_prompt_bytes are refused before they are rendered."""
+        conversation = self.conversation()
+        if max_prompt_bytes is not None:
+            text_bytes = sum(len(m["content"]) for m in conversation) * 4
+            if text_bytes > max_prompt_bytes:  # else they fit, whatever their characters
+                check_prompt_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass"))
+                                       for m in conversation), max_prompt_bytes, "messages")
+        try:
+            return tokenizer.encode_chat(conversation,
+                                         add_generation_prompt=self.add_generation_prompt,
+                                         continue_final_message=self.continue_final_message,
+                                         template_kwargs=self.chat_template_kwargs)
+        except CupyLlamaError as e:  # the template refused the messages, or there is none
+            raise APIError(400, str(e), param="messages") from None
+
+
+class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     ID_PREFIX: ClassVar[str] = "chatcmpl-"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True       # vLLM's
+    continue_final_message: bool = False     # vLLM's
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
+    chat_template: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -476,36 +623,7 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-
-    def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them: {"role", "content"} with the
-        content's text parts joined by newlines."""
-        conversation = []
-        for i, message in enumerate(self.messages):
-            where = f"messages[{i}]"
-            role = CHAT_ROLES.get(message.role)
-            if role is None:
-                tools = " (tools are not supported)" if message.role in ("tool", "function") else ""
-                raise APIError(400, f"{where}.role {message.role!r} is not supported{tools}; "
-                                    f"use system, developer, user or assistant",
-                               param=f"{where}.role")
-            for name in ("tool_calls", "function_call"):
-                if getattr(message, name):
-                    raise APIError(400, f"{where}.{name} is not supported (tools are not "
-                                        "supported)", param=f"{where}.{name}",
-                                   code="unsupported_parameter")
-            entry = {"role": role, "content": _message_text(message, role, where)}
-            if message.name is not None:
-                entry["name"] = message.name
-            conversation.append(entry)
-        return conversation
-
-    def prompt_token_ids(self, tokenizer) -> list[int]:
-        """The prompt the model's chat template renders, ending in the assistant's turn."""
-        try:
-            return tokenizer.encode_chat(self.conversation(), add_generation_prompt=True)
-        except CupyLlamaError as e:  # the template refused the messages, or there is none
-            raise APIError(400, str(e), param="messages") from None
+        self.check_chat_options()
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
@@ -516,18 +634,19 @@ class ChatCompletionRequest(_SamplingFields):
                                      max_model_len, model_defaults, None, "messages", logprobs)
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
-                      model_defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
+                      model_defaults: dict, max_prompt_bytes: int | None = None
+                      ) -> tuple[list[list[int]], list[SamplingParams]]:
         """The one prompt (the rendered conversation) and its SamplingParams, in lists as
         CompletionRequest gives them."""
-        prompt = self.prompt_token_ids(tokenizer)
+        prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
 
     def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
-                      token_strings=None) -> dict:
+                      token_strings=None, fingerprint: str | None = None) -> dict:
         """outputs: one list, the prompt's RequestOutputs (as engine_inputs has one prompt)."""
         (choices,) = outputs
         return chat_completion_response(self, response_id, created, model, choices,
-                                        token_strings)
+                                        token_strings, fingerprint)
 
 
 def _message_text(message: ChatMessage, role: str, where: str) -> str:
@@ -555,9 +674,11 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
 
 
 def chat_completion_response(request: ChatCompletionRequest, response_id: str, created: int,
-                             model: str, outputs: list, token_strings=None) -> dict:
+                             model: str, outputs: list, token_strings=None,
+                             fingerprint: str | None = None) -> dict:
     """The body of a non-streamed chat completion; outputs: the RequestOutputs, one per
-    choice."""
+    choice. A choice's logprobs hold top_logprobs alternatives per token, as OpenAI's chat
+    API gives them (the sampled token is not added to them, unlike legacy completions)."""
     choices = []
     for output in sorted(outputs, key=_index):
         logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
@@ -567,30 +688,42 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
                         "logprobs": logprobs,
                         "finish_reason": FINISH_REASONS[output.finish_reason]})
     return {"id": response_id, "object": "chat.completion", "created": created,
-            "model": model, "choices": choices, "usage": usage_of([outputs])}
+            "model": model, "system_fingerprint": fingerprint, "choices": choices,
+            "usage": usage_of([outputs])}
 
 
 class ChatCompletionStream(_Stream):
-    """The chunks of a streamed chat completion: each choice's first delta carries the
-    role; usage_chunk() last when request.include_usage."""
+    """The chunks of a streamed chat completion: each choice opens with a chunk whose delta
+    is {"role": "assistant", "content": ""}, as OpenAI sends it, and its text follows in the
+    next ones; usage_chunk() last when request.include_usage."""
     OBJECT = "chat.completion.chunk"
 
     def __init__(self, request: ChatCompletionRequest, response_id: str, created: int,
-                 model: str, token_strings=None):
-        super().__init__(request, response_id, created, model, token_strings)
+                 model: str, token_strings=None, fingerprint: str | None = None):
+        super().__init__(request, response_id, created, model, token_strings, fingerprint)
         self._wants_logprobs = request.logprobs
         self._started: set[int] = set()
 
-    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None) -> dict:
-        """logprobs: the new tokens' (token id, log-probability, top) entries."""
-        if index in self._started:
-            delta = {"content": text} if text else {}
-        else:
+    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
+               usage: dict | None = None) -> list[dict]:
+        chunks = []
+        if index not in self._started:
             self._started.add(index)
-            delta = {"role": "assistant", "content": text}
+            opening = None if usage is None else \
+                {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+            chunks.append(self._chunk(index, None, opening,
+                                      delta={"role": "assistant", "content": ""},
+                                      logprobs=None))
+        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage))
+        return chunks
+
+    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
+              usage: dict | None = None) -> dict:
+        """A chunk of text after the choice's opening one."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
-        return self._chunk(index, finish_reason, delta=delta, logprobs=choice_logprobs)
+        return self._chunk(index, finish_reason, usage, delta={"content": text} if text else {},
+                           logprobs=choice_logprobs)
 
 
 # ---- usage ----------------------------------------------------------------------------
@@ -617,6 +750,30 @@ def usage_of(outputs: list[list]) -> dict:
 
 # ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
 
+# the files whose content makes the model's answers; weights are named by size and time
+FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja")
+
+
+def system_fingerprint(model_dir, device: str) -> str:
+    """OpenAI's system_fingerprint: a value that changes when what makes the answers
+    changes: the model (its configuration, tokenizer and chat template by content, its
+    weight files by name, size and modification time), the device ("cpu" or "cuda", whose
+    numerics differ) and cupy-llama's version."""
+    from .. import __version__
+
+    folder = Path(model_dir)
+    digest = hashlib.sha256(f"cupy-llama {__version__} {device}".encode())
+    for name in FINGERPRINT_FILES:
+        path = folder / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(f"{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return "fp_" + digest.hexdigest()[:10]
+
+
 def model_list(name: str, created: int, max_model_len: int) -> dict:
     return {"object": "list", "data": [model_card(name, created, max_model_len)]}
 
@@ -626,25 +783,57 @@ def model_card(name: str, created: int, max_model_len: int) -> dict:
             "max_model_len": max_model_len}
 
 
-class TokenizeRequest(_Unsupported, _Model):
-    """{"prompt": text} (tokenized as a completion prompt is) or {"messages": [...]} (as a
-    chat prompt is, through the chat template)."""
+class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
+    """vLLM's /tokenize: {"prompt": text} (tokenized as a completion prompt is, with the
+    tokenizer's special tokens unless add_special_tokens is false) or {"messages": [...]}
+    (as a chat prompt is, through the chat template, with add_generation_prompt,
+    continue_final_message and chat_template_kwargs as chat completions take them; there
+    add_special_tokens, false by default, adds the tokenizer's special tokens on top of the
+    template's). return_token_strs: each token's spelling too."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None   # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    chat_template: Any = None
+    tools: Any = None
+    return_token_strs: bool = False
 
-    def token_ids(self, tokenizer) -> list[int]:
+    def check_supported(self) -> None:
+        super().check_supported()
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt (a string) or messages (a chat)",
                            param="prompt")
+        if self.prompt is not None:
+            for name in ("add_generation_prompt", "continue_final_message",
+                         "chat_template_kwargs"):
+                if name in self.model_fields_set:
+                    raise APIError(400, f"{name} applies to messages (a chat), not to a "
+                                        "prompt; remove it", param=name)
+        self.check_chat_options()
+
+    def token_ids(self, tokenizer, max_prompt_bytes: int | None = None) -> list[int]:
         if self.messages is not None:
-            chat = ChatCompletionRequest.model_validate({"messages": self.messages})
-            return chat.prompt_token_ids(tokenizer)
+            ids = self.prompt_token_ids(tokenizer, max_prompt_bytes)
+            if self.add_special_tokens:  # what the tokenizer adds around a text, on top
+                ids = tokenizer.encode("", add_special_tokens=True) + ids
+            return ids
+        if max_prompt_bytes is not None and len(self.prompt) * 4 > max_prompt_bytes:
+            check_prompt_bytes(len(self.prompt.encode("utf-8", "surrogatepass")),
+                               max_prompt_bytes, "prompt")
         try:
-            return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+            return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens
+                                    is not False)
         except RequestError as e:
             raise APIError(400, f"prompt: {e}", param="prompt") from None
+
+    def response(self, tokenizer, token_ids: list[int], max_model_len: int) -> dict:
+        body = tokenize_response(token_ids, max_model_len)
+        body["token_strs"] = [tokenizer.id_to_token(t) for t in token_ids] \
+            if self.return_token_strs else None
+        return body
 
 
 def tokenize_response(token_ids: list[int], max_model_len: int) -> dict:
@@ -653,7 +842,7 @@ def tokenize_response(token_ids: list[int], max_model_len: int) -> dict:
 
 class DetokenizeRequest(_Unsupported, _Model):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
     def text(self, tokenizer) -> str:
         """The ids' text, special tokens included (the inverse of /tokenize)."""
