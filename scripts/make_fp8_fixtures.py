@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cupy_llama.bench.random_model import TOKENIZER_OF, write_tokenizer  # noqa: E402
+from make_arch_fixtures import greedy  # noqa: E402  (this folder is on the path)
 
 FIXTURES = ROOT / "tests" / "fixtures"
 SHAPE = dict(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -74,17 +75,6 @@ def rounding_fixture(torch) -> None:
     np.savez_compressed(FIXTURES / "e4m3_torch.npz", inputs=inputs, codes=codes,
                         values=e4m3_table(torch), torch_version=torch.__version__)
     print(f"e4m3_torch.npz: {inputs.size} values")
-
-
-def greedy(model, torch, prompt: list[int], steps: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model(ids, use_cache=True)
-    tokens = []
-    for _ in range(steps):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
 
 
 def checkpoint_fixture(torch) -> None:

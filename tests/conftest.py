@@ -53,6 +53,34 @@ def prompt_tokens_computed(llm):
         scheduler.schedule = schedule
 
 
+def logits_at_every_position(model_dir, prompt, config=None):
+    """The CPU backend's logits after every token of `prompt` in one prefill: each position
+    a query range of its own over one block table (in reverse block order, so a block
+    table the kernels read wrongly shows). config: the ModelConfig to run (default: the
+    folder's)."""
+    import numpy as np
+
+    from cupy_llama.backends.cpu import CpuBackend
+    from cupy_llama.interface import ForwardBatch
+    from cupy_llama.models import model_for, read_config
+    from cupy_llama.weights import open_checkpoint
+    model = model_for(config or read_config(model_dir))
+    n, block_size = len(prompt), 16
+    num_blocks = -(-n // block_size)
+    with open_checkpoint(model_dir, model) as checkpoint:
+        backend = CpuBackend(model, checkpoint, max_model_len=max(256, n), max_num_seqs=n,
+                             num_kv_blocks=num_blocks, block_size=block_size)
+    table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()
+    positions = np.arange(n, dtype=np.int32)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    batch = ForwardBatch(
+        token_ids=np.asarray(prompt, np.int32), positions=positions,
+        slot_mapping=slots.astype(np.int32), query_start_loc=np.arange(n + 1, dtype=np.int32),
+        seq_lens=positions + 1, block_tables=np.repeat(table[None], n, axis=0),
+        max_query_len=1, max_seq_len=n)
+    return backend.forward(batch)
+
+
 def one_error_line(err: str) -> str:
     """The one `error:` line, last on stderr (after any progress lines), no traceback."""
     lines = [line for line in err.splitlines() if line.strip()]

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import logits_at_every_position
 
 from cupy_llama import LLM, SamplingParams
-from cupy_llama.backends.cpu import CpuBackend
-from cupy_llama.interface import ForwardBatch
-from cupy_llama.models import model_for, read_config
-from cupy_llama.weights import open_checkpoint
+from cupy_llama.models import read_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma2")
@@ -35,23 +33,9 @@ def legacy_copy(folder: Path, target: Path) -> Path:
 
 
 def every_position_logits(model_dir: Path) -> np.ndarray:
-    """The logits at every position of the fixture's long prompt, from one prefill into a
-    reversed block table, each position asked for as the last token of a query range."""
-    config = read_config(model_dir)
-    model = model_for(config)
-    prompt = fixture(model_dir.name.removesuffix("-legacy").removeprefix("arch_"))[1]["long_prompt"]
-    n, block_size = len(prompt), 16
-    with open_checkpoint(model_dir, model) as checkpoint:
-        backend = CpuBackend(model, checkpoint, max_model_len=256, max_num_seqs=n,
-                             num_kv_blocks=16, block_size=block_size)
-    table = np.arange(-(-n // block_size), dtype=np.int32)[::-1].copy()
-    positions = np.arange(n, dtype=np.int32)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    batch = ForwardBatch(
-        token_ids=prompt.astype(np.int32), positions=positions, slot_mapping=slots.astype(np.int32),
-        query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=positions + 1,
-        block_tables=np.repeat(table[None], n, axis=0), max_query_len=1, max_seq_len=n)
-    return backend.forward(batch)
+    """The logits at every position of the fixture's long prompt."""
+    name = model_dir.name.removesuffix("-legacy").removeprefix("arch_")
+    return logits_at_every_position(model_dir, fixture(name)[1]["long_prompt"])
 
 
 @pytest.mark.parametrize("name", NAMES)

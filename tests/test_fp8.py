@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import logits_at_every_position
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.backends.cpu import CpuBackend
@@ -17,7 +18,7 @@ from cupy_llama.config import EngineConfig
 from cupy_llama.errors import CheckpointError, ConfigError
 from cupy_llama.fp8 import (E4M3_VALUES, dequantize_rows, e4m3_to_float32, float32_to_e4m3,
                             quantize_rows, row_scales)
-from cupy_llama.interface import Fp8Weight, ForwardBatch
+from cupy_llama.interface import Fp8Weight
 from cupy_llama.models import config_from_dicts, model_for, read_config
 from cupy_llama.weights import open_checkpoint
 
@@ -138,20 +139,8 @@ def test_the_quantization_option_is_checked():
 
 def every_position_logits(model_dir: Path, quantization=None) -> np.ndarray:
     config = EngineConfig(quantization=quantization).model_config(read_config(model_dir))
-    model = model_for(config)
     prompt = np.load(FP8_MODEL / "reference.npz")["prompt"]
-    n, block_size = len(prompt), 16
-    with open_checkpoint(model_dir, model) as checkpoint:
-        backend = CpuBackend(model, checkpoint, max_model_len=128, max_num_seqs=n,
-                             num_kv_blocks=8, block_size=block_size)
-    table = np.arange(-(-n // block_size), dtype=np.int32)
-    positions = np.arange(n, dtype=np.int32)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    batch = ForwardBatch(
-        token_ids=prompt.astype(np.int32), positions=positions, slot_mapping=slots.astype(np.int32),
-        query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=positions + 1,
-        block_tables=np.repeat(table[None], n, axis=0), max_query_len=1, max_seq_len=n)
-    return backend.forward(batch)
+    return logits_at_every_position(model_dir, prompt, config)
 
 
 def test_an_fp8_checkpoint_matches_transformers_on_its_dequantized_weights():
