@@ -139,13 +139,19 @@ def test_linear_of_fp8_weights_at_every_row_count(cp, rng, k, n, out_dtype):
             for m in SKINNY_ROWS + WIDE_ROWS:
                 x_bits, x = random_bf16(rng, (m, k))
                 out = poisoned(cp, (m, n), out_dtype)
-                products.linear(cp.asarray(x_bits), weight, out)
-                path = "mma" if m <= 16 else products.fp8_path(m, n, k)
-                if m > 16 and fp8_gemm == "cublaslt" and capability >= 90 and k % 16 == 0 \
-                        and n % 16 == 0:
+                x_device = cp.asarray(x_bits)
+                products.linear(x_device, weight, out)
+                # the route linear takes: the skinny kernel where it can stage x (16 rows of
+                # K = 8192 do not fit its shared memory), else cuBLASLt or the dequantized weight
+                skinny_fits = m <= 16 and gemm.mma_unsupported(x_device, weight) is None
+                path = "mma" if skinny_fits else products.fp8_path(m, n, k)
+                if not skinny_fits and fp8_gemm == "cublaslt" and capability >= 90 \
+                        and k % 16 == 0 and n % 16 == 0:
                     assert path == "cublaslt", f"cuBLASLt refused [{m},{k}]x[{n},{k}]^T"
-                reference = reference_w8a8 if path == "cublaslt" else reference_product
-                expected, bound = reference(x, values, scale), 1e-2
+                if path == "cublaslt":
+                    expected, bound = reference_w8a8(x, values, scale), 5e-3
+                else:
+                    expected, bound = reference_product(x, values, scale), 1e-2
                 rel = _relative_error(to_float(cp, out), expected)
                 assert rel < bound, f"{skinny}/{path} [{m},{k}]x[{n},{k}]^T fp8: relative error {rel:.3g}"
 
