@@ -142,6 +142,9 @@ class SamplingTensors:
     # int32; -1: no log-probabilities, k >= 0: the sampled token's and the top k's
     # (None: no row asks)
     num_logprobs: np.ndarray | None = None
+    # bool; True: the row's token is drawn later, under its grammar's bitmask, by
+    # Ops.sample_masked (structured outputs; None: no row is)
+    deferred: np.ndarray | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -185,6 +188,10 @@ class SampledTokens:
     def logprobs(self) -> Logprobs | None:
         """Call after get()."""
         return self._logprobs
+
+    def set_logprobs(self, logprobs: Logprobs | None) -> None:
+        """(Ops.sample_masked) the log-probabilities, once the deferred rows are drawn."""
+        self._logprobs = logprobs
 
 
 class HeadNorm(NamedTuple):
@@ -280,7 +287,15 @@ class Ops(Protocol):
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
         """sample() without waiting: the tokens come back while the host prepares the next
         step, which may already name them (token id -(r + 1), see ForwardBatch). The rows
-        that ask (sampling.num_logprobs) also get log-probabilities of the raw logits."""
+        that ask (sampling.num_logprobs) also get log-probabilities of the raw logits.
+        Rows marked sampling.deferred are left for sample_masked, which must be called
+        before the tokens are read or the next step is launched."""
+    def sample_masked(self, pending: SampledTokens, rows, bitmask) -> None:
+        """Draw the deferred rows of a sample_async call: logits row rows[i] (host int32
+        [R]) under bitmask row i (host uint32 [R, W], W * 32 >= V; a disallowed token's
+        logit counts as -inf, as structured.apply_token_bitmask says), with the row's own
+        sampling settings; log-probabilities stay those of the raw logits. Deferred rows
+        left out of `rows` get no token (their sequences ended)."""
 
 
 class SublayerOps:
