@@ -158,3 +158,23 @@ def test_masked_sampling_on_the_numpy_backend():
     assert tokens[3] == allowed[int(np.argmax(logits[3, allowed]))]
     top = pending.logprobs().of_row(3, 2)[2]
     assert [t for t, _ in top] == list(np.argsort(-logits[3])[:2])
+
+
+def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
+    """`generate` with plain lines: structured (vLLM's object) and the server's names."""
+    from cupy_llama.cli import main
+    lines = [{"id": "a", "prompt": "x", "max_tokens": 300, "structured": {"json": PERSON}},
+             {"id": "b", "prompt": "y", "max_tokens": 50, "guided_choice": ["up", "down"]},
+             {"id": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+              "response_format": {"type": "json_object"}},
+             {"id": "d", "prompt": "z", "structured_outputs": {"grammar": "start: nowhere"}}]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
+                 str(path), "--output", str(out)])
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert code == 1  # line d failed
+    jsonschema.validate(json.loads(rows["a"]["text"]), PERSON)
+    assert rows["b"]["text"] in ("up", "down")
+    assert isinstance(json.loads(rows["c"]["text"]), dict)
+    assert "structured_outputs.grammar: the grammar does not compile" in rows["d"]["error"]
