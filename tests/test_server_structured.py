@@ -321,3 +321,38 @@ def test_a_two_turn_exchange_through_the_openai_client(tool_server):
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     weather = parsed.choices[0].message.parsed
     assert isinstance(weather, Weather) and -40 <= weather.celsius <= 50
+
+
+def test_langchain_bind_tools_and_with_structured_output(tool_server):
+    """LangChain's ChatOpenAI against the app: bind_tools(...).invoke with a required call,
+    and with_structured_output(PydanticModel).invoke (a json_schema response_format)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pydantic = pytest.importorskip("pydantic")
+    model_dir, llm = tool_server
+    state = make_state(model_dir, llm)
+
+    class Weather(pydantic.BaseModel):
+        """The weather of a city."""
+        city: str = pydantic.Field(max_length=8)
+        celsius: int = pydantic.Field(ge=-40, le=50)
+
+    async def go():
+        state.loop = asyncio.get_running_loop()
+        await state.load()
+        transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+        chat = langchain_openai.ChatOpenAI(
+            model="m", base_url="http://app/v1", api_key="none", max_retries=0,
+            temperature=1.0, seed=3, max_tokens=500,
+            http_async_client=httpx.AsyncClient(transport=transport))
+        called = await chat.bind_tools(TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False).ainvoke("Weather in Paris?")
+        structured = await chat.with_structured_output(Weather, method="json_schema").ainvoke(
+            "Weather in Paris?")
+        if state._watchdog is not None:
+            state._watchdog.cancel()
+        return called, structured
+
+    called, structured = asyncio.run(go())
+    (call,) = called.tool_calls
+    jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    assert isinstance(structured, Weather)
