@@ -394,6 +394,36 @@ def test_sixteen_concurrent_streams_equal_generate(server, llm):
     assert asyncio.run(main()) == [w.text for w in wanted]
 
 
+def test_constraints_through_the_engine_process(server, llm):
+    """Constrained requests through the engine process (whose loop compiles grammars on a
+    worker thread) beside unconstrained ones: each follows its constraint, and equals the
+    same request through LLM.generate."""
+    pytest.importorskip("llguidance")
+    schemas = [{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                       "maximum": 99}}, "required": ["n"]},
+               {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}]
+    regex = "[0-9]{2}-[a-z]{2}"
+    kinds = [{"guided_json": schemas[0]}, {"guided_json": schemas[1]}, {"guided_regex": regex},
+             {}, {"guided_choice": ["yes", "no"]}, {}]
+    wanted = llm.generate(["Go:"] * len(kinds), [SamplingParams(
+        temperature=0, max_tokens=200, structured=None if not kind else
+        {"json": next(iter(kind.values()))} if "guided_json" in kind else
+        {"regex": regex} if "guided_regex" in kind else {"choice": ["yes", "no"]})
+        for kind in kinds])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt="Go:", max_tokens=200, temperature=0, extra_body=kind)
+                for kind in kinds))
+
+    answers = [a.choices[0].text for a in asyncio.run(main())]
+    assert answers == [w.text for w in wanted]
+    assert isinstance(json.loads(answers[0])["n"], int) and json.loads(answers[1])
+    assert re.fullmatch(regex, answers[2]) and answers[4] in ("yes", "no")
+
+
 @pytest.mark.slow
 def test_max_tokens_left_out(client, http, llm):
     # completions: OpenAI's 16; chat: the rest of the context (long here: 4 tokens asked)

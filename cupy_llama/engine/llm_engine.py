@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -154,6 +155,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._grammars = None  # GrammarCompiler, made at the first constrained request
+        self._grammars_lock = threading.Lock()
+        self._compile_pool = None  # the worker thread of compile_structured_async
         self._bitmask = None  # [max_num_seqs, words] uint32: a step's mask rows, filled here
 
     @classmethod
@@ -227,11 +230,21 @@ class LLMEngine:
         """The compiled grammar of a StructuredSpec (cached by its text): RequestError
         quoting the compiler when it does not compile, or naming the `structured` extra
         when llguidance is missing. Front ends call it before they queue a request."""
-        if self._grammars is None:
-            from ..structured import GrammarCompiler
-            self._grammars = GrammarCompiler.from_tokenizer(
-                self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:
+            if self._grammars is None:  # reads the whole vocabulary: seconds for 128k tokens
+                from ..structured import GrammarCompiler
+                self._grammars = GrammarCompiler.from_tokenizer(
+                    self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         return self._grammars.compile(spec)
+
+    def compile_structured_async(self, spec):
+        """compile_structured on a worker thread: a concurrent.futures.Future, for a loop
+        that must not wait (the server's engine process adds a constrained request once
+        its grammar is compiled; add_request then finds it in the cache)."""
+        if self._compile_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="cupy-llama-grammar")
+        return self._compile_pool.submit(self.compile_structured, spec)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, stream: bool = True) -> str:
@@ -302,8 +315,9 @@ class LLMEngine:
             self.abort(request_id)
         self._in_flight = self._unhandled = None
         self._undelivered.clear()
-        if self._grammars is not None:
-            self._grammars.close()
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
         close_backend = getattr(self.backend, "close", None)
         if close_backend is not None:
             close_backend()
