@@ -215,7 +215,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "hermes"])
+@pytest.fixture(scope="module", params=["llama3_json", "hermes", "mistral"])
 def tool_server(request, tmp_path_factory):
     model_dir = make_tool_model(tmp_path_factory.mktemp(request.param), request.param)
     llm = LLM(model_dir, device="cpu", log=None)

@@ -430,7 +430,7 @@ class _Job:
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
             for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
-                                               usage):
+                                               usage, token_ids):
                 parts.append(_sse(chunk))
         return b"".join(parts)
 

@@ -33,7 +33,7 @@ from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredSpec
-from ..tokenizer import check_template_kwargs
+from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
 from ..tool_choice import check_tool_choice, check_tools, tool_call_grammar
 from ..tool_parsers import PARSER_NAMES, make_tool_parser, parse_tool_calls, tool_parser_for_template
 
@@ -520,9 +520,10 @@ class _Stream:
                       "model": model, "system_fingerprint": fingerprint}
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+               usage: dict | None = None, token_ids=None) -> list[dict]:
         """The chunks that carry a choice's new text (logprobs: the new tokens' (token id,
-        log-probability, top) entries; usage: the choice's usage so far)."""
+        log-probability, top) entries; usage: the choice's usage so far; token_ids: the
+        new tokens)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
@@ -740,6 +741,23 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
             [t for t in output.token_ids if t < tokenizer.vocab_size and t not in ends],
             skip_special_tokens=False)
 
+    def new_reply_text(self):
+        """For a parser whose tag is a special token (Mistral's), one streamed choice's: a
+        function of its new token ids (and whether they are its last) giving their text
+        with special tokens spelled out; None for the other parsers, which read the
+        reply's text."""
+        if self._parser != "mistral":
+            return None
+        tokenizer = self._tokenizer
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, checked=False)
+        ends = set(getattr(tokenizer, "eos_token_ids", ()))
+
+        def text_of(token_ids, last: bool) -> str:
+            text = "".join(detokenizer.add(t) for t in token_ids
+                           if t < tokenizer.vocab_size and t not in ends)
+            return text + detokenizer.flush() if last else text
+        return text_of
+
     def new_stream_parser(self):
         """A streamed choice's tool-call parser, where replies are parsed; else None."""
         return make_tool_parser(self._parser) if self.uses_tools else None
@@ -813,9 +831,10 @@ class ChatCompletionStream(_Stream):
         self._started: set[int] = set()
         self._request = request
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
+        self._reply_texts: dict = {}  # choice index -> new_reply_text(), with tools
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+               usage: dict | None = None, token_ids=None) -> list[dict]:
         chunks = []
         if index not in self._started:
             self._started.add(index)
@@ -824,11 +843,11 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage))
+        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage, token_ids))
         return chunks
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
-              usage: dict | None = None) -> dict:
+              usage: dict | None = None, token_ids=None) -> dict:
         """A chunk of text after the choice's opening one."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
@@ -837,6 +856,10 @@ class ChatCompletionStream(_Stream):
             parser = self._tool_parsers.get(index)
             if parser is None:
                 parser = self._tool_parsers[index] = self._request.new_stream_parser()
+                self._reply_texts[index] = self._request.new_reply_text()
+            reply = self._reply_texts[index]
+            if reply is not None:  # the text with its special tokens (Mistral's tag)
+                text = reply(token_ids or [], finish_reason is not None)
             parsed = parser.feed(text)
             if finish_reason is not None:
                 last = parser.finish()
