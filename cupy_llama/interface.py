@@ -177,6 +177,10 @@ class SampledTokens:
     """Token ids of one sampling call, ready now (`get` returns them), and the
     log-probabilities of the rows that asked (`logprobs`, None where none did)."""
 
+    # not None while rows deferred by sampling.deferred wait for Ops.sample_masked (what
+    # the backend keeps for it)
+    deferred_inputs = None
+
     def __init__(self, tokens: np.ndarray, logprobs: Logprobs | None = None):
         self._tokens = tokens
         self._logprobs = logprobs

@@ -178,3 +178,18 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
     assert rows["b"]["text"] in ("up", "down")
     assert isinstance(json.loads(rows["c"]["text"]), dict)
     assert "structured_outputs.grammar: the grammar does not compile" in rows["d"]["error"]
+
+
+def test_a_constrained_prompt_in_chunks_beside_logprobs(model_dir, llm):
+    """Steps where a constrained sequence computes only part of its prompt (deferred, with
+    no token to draw) still finish their draw: the other rows' tokens and logprobs come."""
+    chunked = LLM(model_dir, device="cpu", log=None, max_num_batched_tokens=32)
+    long_prompt = "a long prompt " * 12
+    plain = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    bound = SamplingParams(temperature=0.0, max_tokens=300, structured={"json": PERSON})
+    outputs = chunked.generate(["Hi", long_prompt], [plain, bound])
+    assert outputs[0].token_ids == llm.generate("Hi", plain).token_ids
+    assert len(outputs[0].logprobs) == 12
+    jsonschema.validate(json.loads(outputs[1].text), PERSON)
+    assert outputs[1].text == llm.generate(long_prompt, bound).text
+    chunked.close()

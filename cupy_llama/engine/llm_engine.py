@@ -370,9 +370,9 @@ class LLMEngine:
         """Fill the masks of a launched step's constrained rows from their matchers (which
         have seen every earlier token) and queue their masked draw. Rows of sequences that
         ended meanwhile are left out: their tokens are dropped anyway."""
-        if launched is None or launched.constrained is None:
-            return
-        constrained, launched.constrained = launched.constrained, None
+        if launched is None or launched.sampled.deferred_inputs is None:
+            return  # no row was deferred (or they are drawn already)
+        constrained = launched.constrained or ()  # none: only prompt chunks were deferred
         if self._bitmask is None:
             import numpy as np
             self._bitmask = np.zeros((self.engine_config.max_num_seqs,
@@ -386,6 +386,7 @@ class LLMEngine:
             sample.matcher.fill_bitmask(self._bitmask, len(rows))
             rows.append(row)
         self.runner.backend.ops.sample_masked(launched.sampled, rows, self._bitmask)
+        launched.sampled.deferred_inputs = None
 
     def _sample_of(self, seq: Sequence) -> "_Sample | None":
         """seq's sample, while its request runs (its id may be in use again)."""

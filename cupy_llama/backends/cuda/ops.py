@@ -383,7 +383,8 @@ class PendingTokens:
 
     def __init__(self):
         self._tokens = self._logprobs = None
-        self.deferred_inputs = None  # sample_async's, for sample_masked
+        # sample_async's, while deferred rows wait for sample_masked (interface.py)
+        self.deferred_inputs = None
 
     def attach(self, copied, host_tokens: np.ndarray, logprobs=None) -> None:
         """The copies are queued. logprobs: None, or (rows, values, ids) with values and ids
