@@ -356,3 +356,25 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server):
     (call,) = called.tool_calls
     jsonschema.validate(call["args"], SCHEMAS[call["name"]])
     assert isinstance(structured, Weather)
+
+
+def test_the_tool_call_parser_option(model_dir, llm, tmp_path, capsys):
+    """--tool-call-parser: an unknown name is a usage error before anything loads; without
+    it, tools on a model whose template shows no format are a 400 that names the option;
+    with it, the named format is enforced and parsed, whatever the template shows."""
+    from cupy_llama.cli import main
+    from conftest import one_error_line
+    assert main(["serve", "--model", str(model_dir), "--tool-call-parser", "nope"]) == 2
+    assert "--tool-call-parser: unknown parser 'nope'" in one_error_line(capsys.readouterr().err)
+    body = tool_request(1, tool_choice="required")
+    without = ask_one(make_state(model_dir, llm), "POST", "/v1/chat/completions", json=body)
+    assert without.status == 400 and without.json()["error"]["param"] == "tools"
+    assert "--tool-call-parser" in without.json()["error"]["message"]
+    llama_dir = make_tool_model(tmp_path, "llama3_json")
+    with LLM(llama_dir, device="cpu", log=None) as llama:
+        state = make_state(llama_dir, llama, tool_call_parser="hermes")
+        answer = ask_one(state, "POST", "/v1/chat/completions", json=body)
+    assert answer.status == 200, answer.body
+    choice = answer.json()["choices"][0]
+    assert_valid_calls(choice, SCHEMAS)
+    assert choice["message"]["content"] is None  # the <tool_call> tags are the parser's
