@@ -370,7 +370,7 @@ class LLMEngine:
         """Fill the masks of a launched step's constrained rows from their matchers (which
         have seen every earlier token) and queue their masked draw. Rows of sequences that
         ended meanwhile are left out: their tokens are dropped anyway."""
-        if launched is None or launched.sampled.deferred_inputs is None:
+        if launched is None or getattr(launched.sampled, "deferred_inputs", None) is None:
             return  # no row was deferred (or they are drawn already)
         constrained = launched.constrained or ()  # none: only prompt chunks were deferred
         if self._bitmask is None:
