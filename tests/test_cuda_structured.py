@@ -142,3 +142,50 @@ def test_deferred_rows_are_drawn_by_the_second_launch(cp, rng):
             log_softmax = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
             assert abs(value - log_softmax[token]) < 1e-3
             assert [t for t, _ in top] == [t for t, _ in raw.of_row(row, 2)[2]]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_constrained_requests_through_the_cuda_engine(tmp_path, enforce_eager):
+    """The engine on the GPU (graphs on and off): constrained requests beside plain ones,
+    greedy and sampled, n > 1 and logprobs, each answer following its constraint."""
+    pytest.importorskip("llguidance")
+    import json
+    import re
+
+    from cupy_llama import LLM, SamplingParams
+    from cupy_llama.bench.random_model import make_random_model
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+    model_dir = make_random_model(tmp_path / "model", "tiny", seed=0, std=0.15)
+    with LLM(model_dir, device="cuda", log=None, enforce_eager=enforce_eager) as llm:
+        prompts = [f"Request {i}:" for i in range(12)]
+        params = []
+        for i in range(12):
+            kind = i % 4
+            structured = ({"json": schema}, {"regex": "[a-c]{3}-[0-9]{2}"},
+                          {"choice": ["yes", "no"]}, None)[kind]
+            params.append(SamplingParams(temperature=0.0 if i < 6 else 1.0, seed=i,
+                                         max_tokens=300, structured=structured,
+                                         n=2 if i == 5 else 1, logprobs=2 if i % 3 == 0 else None))
+        outputs = llm.generate(prompts, params)
+        index = 0
+        for i, p in enumerate(params):
+            for _ in range(p.n):
+                output = outputs[index]
+                index += 1
+                kind = i % 4
+                if kind == 0:
+                    json.loads(output.text)  # and the schema's bounds:
+                    value = json.loads(output.text)
+                    assert 0 <= value["age"] <= 120 and len(value["name"]) <= 8
+                elif kind == 1:
+                    assert re.fullmatch("[a-c]{3}-[0-9]{2}", output.text), output.text
+                elif kind == 2:
+                    assert output.text in ("yes", "no")
+                if kind != 3:
+                    assert output.finish_reason == "stop", output.text
+                if p.logprobs is not None:
+                    assert len(output.logprobs) == len(output.token_ids)
