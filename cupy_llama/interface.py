@@ -293,7 +293,8 @@ class Ops(Protocol):
         step, which may already name them (token id -(r + 1), see ForwardBatch). The rows
         that ask (sampling.num_logprobs) also get log-probabilities of the raw logits.
         Rows marked sampling.deferred are left for sample_masked, which must be called
-        before the tokens are read or the next step is launched."""
+        before the tokens are read or the next step is launched, and after the previous
+        step's tokens were read."""
     def sample_masked(self, pending: SampledTokens, rows, bitmask) -> None:
         """Draw the deferred rows of a sample_async call: logits row rows[i] (host int32
         [R]) under bitmask row i (host uint32 [R, W], W * 32 >= V; a disallowed token's

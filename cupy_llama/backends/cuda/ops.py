@@ -319,9 +319,10 @@ class CudaOps(SublayerOps):
         R, words = rows.size, bitmask.shape[1]
         stream = self._cupy.cuda.get_current_stream()
         if R:
-            # the host buffers are free: their last copies ran before this step's settings
-            # copy, which sample_async waited for; the device buffers too: the kernels that
-            # read them ran before the last token copy, which that settings copy followed
+            # the host buffers are free: their last copies were queued before the last
+            # step's token copy, which the caller has waited for (PendingTokens.get) before
+            # it draws this step; the device buffers too: the kernel that read them ran
+            # before that token copy, which this step's copies follow on the copy stream
             if self._bitmask_host is None or self._bitmask_host.shape[1] != words:
                 self._bitmask_host = pinned_array(
                     self._cupy, self.max_num_seqs * words, np.uint32).reshape(-1, words)
