@@ -28,6 +28,12 @@
 // row. The selections see the same candidate keys, with exact integer counts and masses,
 // and each thread's CDF sum adds the same weights in the same order, so the drawn token is
 // the one the passes over the whole row would draw (a GPU test runs both).
+//
+// Structured outputs. mask_rows[b] (when given) picks row b's bitmask: -1 reads none, a
+// row r >= 0 allows token i only where bit i % 32 of word i / 32 of bitmask row r is set
+// (a disallowed logit counts as -inf wherever the row is read, so there is no extra pass
+// and the logits stay raw for the log-probabilities), and MASK_SKIP leaves row b alone
+// (its token is drawn by another launch). structured.apply_token_bitmask is the reference.
 
 #include "common.cuh"
 
@@ -42,6 +48,12 @@
 #define LOG2_E 1.4426950408889634f
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
 #define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
+#define MASK_SKIP -2  // mask_rows: this launch draws no token for the row
+
+// whether a bitmask row (null: no constraint) allows token i
+__device__ __forceinline__ bool token_allowed(const unsigned int* __restrict__ mask, int i) {
+    return mask == nullptr || ((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u);
+}
 
 __device__ __forceinline__ unsigned int order_key(float f) {
     const unsigned int u = __float_as_uint(f == 0.0f ? 0.0f : f);  // -0 and +0 are equal
@@ -128,9 +140,10 @@ struct RowView {
     int vocab;
     bool aligned;    // the row starts at a 16-byte boundary
     int per_thread;  // elements per thread (the same for every thread)
+    const unsigned int* mask;  // the row's bitmask row, or null
 
-    // the values of this thread's groups q0 .. q0 + G - 1 (0 past the row); loads issue
-    // together
+    // the values of this thread's groups q0 .. q0 + G - 1 (0 past the row, -inf where the
+    // mask disallows); loads issue together
     template <int G>
     __device__ __forceinline__ void load_values(int q0, float (&v)[G][4]) const {
 #pragma unroll
@@ -142,6 +155,11 @@ struct RowView {
             } else {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) v[h][j] = first + j < vocab ? row[first + j] : 0.0f;
+            }
+            if (mask != nullptr) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (first + j < vocab && !token_allowed(mask, first + j)) v[h][j] = neg_inf();
             }
         }
     }
@@ -516,16 +534,22 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
 // thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
 // slots: candidate slots per thread in the dynamic shared memory (0: always the row);
 // used_slots (may be null): [B], 1 where the slots served the draw, else 0.
+// bitmask [rows, mask_words] and mask_rows [B] (both may be null): see "Structured outputs".
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
         const int* __restrict__ top_k, const float* __restrict__ top_p,
         const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
         const int* __restrict__ steps, int* __restrict__ out_tokens, int slots,
-        int* __restrict__ used_slots) {
+        int* __restrict__ used_slots, const unsigned int* __restrict__ bitmask,
+        int mask_words, const int* __restrict__ mask_rows) {
     __shared__ SampleShared sh;
     extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
     static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
     const int b = blockIdx.x;
+    const int mask_row = mask_rows != nullptr ? mask_rows[b] : -1;
+    if (mask_row == MASK_SKIP) return;  // the whole CTA: before any barrier
+    const unsigned int* mask =
+        mask_row >= 0 ? bitmask + (long long)mask_row * mask_words : nullptr;
     const float* row = logits + (long long)b * vocab;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
 
@@ -550,12 +574,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
             const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (in_row && values[e] > best) { best = values[e]; best_i = 4 * j + e; }
+                if (in_row && values[e] > best && token_allowed(mask, 4 * j + e)) {
+                    best = values[e]; best_i = 4 * j + e;
+                }
         }
     }
     for (int i = 4 * vectors + tid; i < vocab; i += blockDim.x) {  // the rest, in order
         const float v = row[i];
-        if (v > best) { best = v; best_i = i; }
+        if (v > best && token_allowed(mask, i)) { best = v; best_i = i; }
     }
     warp_argmax(best, best_i);
     if (lane == 0) { sh.scratch[warp] = best; sh.best_index[warp] = best_i; }
@@ -589,7 +615,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     // the row's pass: every weight summed in this thread's order, the candidates written
     // to this thread's slots (counted past the slots, so an overflow is seen)
     const RowView row_view = {row, vocab, aligned,
-                              4 * (((vocab + 3) / 4 + (int)blockDim.x - 1) / (int)blockDim.x)};
+                              4 * (((vocab + 3) / 4 + (int)blockDim.x - 1) / (int)blockDim.x),
+                              mask};
     const unsigned int cut_key = order_key(in.max_logit - CANDIDATE_CUT * temp);
     float mass = 0.0f, candidate_mass = 0.0f;
     int candidates = 0;

@@ -142,6 +142,9 @@ class SamplingTensors:
     # int32; -1: no log-probabilities, k >= 0: the sampled token's and the top k's
     # (None: no row asks)
     num_logprobs: np.ndarray | None = None
+    # bool; True: the row's token is drawn later, under its grammar's bitmask, by
+    # Ops.sample_masked (structured outputs; None: no row is)
+    deferred: np.ndarray | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -174,6 +177,10 @@ class SampledTokens:
     """Token ids of one sampling call, ready now (`get` returns them), and the
     log-probabilities of the rows that asked (`logprobs`, None where none did)."""
 
+    # not None while rows deferred by sampling.deferred wait for Ops.sample_masked (what
+    # the backend keeps for it)
+    deferred_inputs = None
+
     def __init__(self, tokens: np.ndarray, logprobs: Logprobs | None = None):
         self._tokens = tokens
         self._logprobs = logprobs
@@ -185,6 +192,10 @@ class SampledTokens:
     def logprobs(self) -> Logprobs | None:
         """Call after get()."""
         return self._logprobs
+
+    def set_logprobs(self, logprobs: Logprobs | None) -> None:
+        """(Ops.sample_masked) the log-probabilities, once the deferred rows are drawn."""
+        self._logprobs = logprobs
 
 
 class HeadNorm(NamedTuple):
@@ -280,7 +291,16 @@ class Ops(Protocol):
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:
         """sample() without waiting: the tokens come back while the host prepares the next
         step, which may already name them (token id -(r + 1), see ForwardBatch). The rows
-        that ask (sampling.num_logprobs) also get log-probabilities of the raw logits."""
+        that ask (sampling.num_logprobs) also get log-probabilities of the raw logits.
+        Rows marked sampling.deferred are left for sample_masked, which must be called
+        before the tokens are read or the next step is launched, and after the previous
+        step's tokens were read."""
+    def sample_masked(self, pending: SampledTokens, rows, bitmask) -> None:
+        """Draw the deferred rows of a sample_async call: logits row rows[i] (host int32
+        [R]) under bitmask row i (host uint32 [R, W], W * 32 >= V; a disallowed token's
+        logit counts as -inf, as structured.apply_token_bitmask says), with the row's own
+        sampling settings; log-probabilities stay those of the raw logits. Deferred rows
+        left out of `rows` get no token (their sequences ended)."""
 
 
 class SublayerOps:

@@ -101,13 +101,23 @@ class LLM:
         return self.generate(prompts, params, stream=True)
 
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
-             date_string: str | None = None, chat_template_kwargs: dict | None = None):
+             date_string: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list | None = None, tool_choice=None, parallel_tool_calls: bool = True,
+             tool_call_parser: str | None = None):
         """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
         or a list of such conversations, answered with a list (of one for a list of one);
         with SamplingParams(n=k), k replies per conversation, ordered as generate() orders
         them; with stream=True, an iterator of RequestOutputs carrying text deltas.
         chat_template_kwargs: more variables for the chat template, such as
-        {"enable_thinking": False} for Qwen3's."""
+        {"enable_thinking": False} for Qwen3's.
+
+        tools: OpenAI's [{"type": "function", "function": {"name", "description",
+        "parameters"}}], shown to the chat template; tool_choice "auto" (the default with
+        tools), "none" (no tools shown), "required" or {"type": "function", "function":
+        {"name": ...}} (a call enforced by a grammar); parallel_tool_calls=False: at most
+        one call. Each finished reply is parsed (tool_call_parser, or the format the chat
+        template shows): its calls go to RequestOutput.tool_calls, its other text to
+        .content, and finish_reason becomes "tool_calls". Streamed replies are not parsed."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -115,13 +125,66 @@ class LLM:
                  and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
         self._live_engine()
+        tools, parser, params = self._tool_setup(tools, tool_choice, parallel_tool_calls,
+                                                 tool_call_parser, params)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
-                                              template_kwargs=chat_template_kwargs)
+                                              tools=tools, template_kwargs=chat_template_kwargs)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
+        if parser is not None and not stream:
+            for output in result if isinstance(result, list) else [result]:
+                self._parse_tool_calls(output, parser)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
             return result
         return result[0]
+
+    def _tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
+        """(the tools the template shows or None, the parser of the replies or None, the
+        params with the grammar that enforces tool_choice)."""
+        from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
+        from .tool_parsers import check_parser_name, tool_parser_for_template
+
+        tools = check_tools(tools)
+        choice = check_tool_choice(tool_choice, tools)
+        if parallel_tool_calls not in (True, False):
+            raise RequestError(f"parallel_tool_calls must be true or false, got "
+                               f"{parallel_tool_calls!r}")
+        if choice == "none":
+            return None, None, params
+        if parser_name is not None:
+            parser_name = check_parser_name(parser_name, "tool_call_parser")
+        else:
+            parser_name = tool_parser_for_template(self.tokenizer.chat_template)
+            if parser_name is None:
+                raise RequestError("the model's chat template shows no tool-call format "
+                                   "this engine knows; pass tool_call_parser= "
+                                   "('llama3_json', 'hermes' or 'mistral')")
+        grammar = tool_call_grammar(parser_name, tools, choice, parallel_tool_calls,
+                                    token_id=self.tokenizer.token_to_id)
+        if grammar is not None:
+            params = self._param_list(params, 1)[0]
+            if params.structured is not None:
+                raise RequestError("tool_choice \"required\" or a named function sets the "
+                                   "output's grammar; leave params.structured out")
+            params = replace(params, structured=grammar)
+        return tools, parser_name, params
+
+    def _parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
+        from .tool_parsers import parse_tool_calls
+
+        text = output.text
+        if parser_name == "mistral":  # its [TOOL_CALLS] tag is a special token
+            ends = self.engine.eos_token_ids
+            vocab = self.tokenizer.vocab_size  # ids past it (a padded vocabulary) have no text
+            text = self.tokenizer.decode_unchecked(
+                [t for t in output.token_ids if t not in ends and t < vocab],
+                skip_special_tokens=False)
+        parsed = parse_tool_calls(text, parser_name)
+        output.content = parsed.content
+        if parsed.tool_calls:
+            output.tool_calls = parsed.tool_calls
+            if output.finish_reason == "stop":
+                output.finish_reason = "tool_calls"
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:

@@ -40,6 +40,11 @@ class RequestOutput:
     # on a finished output: when the engine took the sample, first scheduled it, and had its
     # first and last token (time.monotonic(); None where it never came to that)
     times: RequestTimes | None = None
+    # LLM.chat with tools: the calls parsed from the reply (tool_parsers.ToolCall: id,
+    # name, arguments as JSON text), finish_reason then "tool_calls"; `content` is the
+    # reply's text besides them (None when there is none)
+    tool_calls: list | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

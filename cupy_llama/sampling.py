@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError, RequestError
+from .structured import StructuredSpec
 from .util import as_flag
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
@@ -38,10 +39,18 @@ class SamplingParams:
     # k most likely tokens, from the model's log-softmax before temperature and filters
     logprobs: int | None = None
     n: int = 1                 # samples of the prompt (RequestOutput.index tells them apart)
+    # None, or what the output must follow: a StructuredSpec (a JSON schema, any JSON
+    # object, a regex, a choice list or a Lark grammar), or vLLM's structured_outputs
+    # object ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...},
+    # {"json_object": true}), turned into a StructuredSpec here
+    structured: StructuredSpec | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured, dict):
+            self.structured = StructuredSpec.from_structured_outputs(self.structured,
+                                                                     "structured")
         if as_flag(self.ignore_eos) is not None:
             self.ignore_eos = as_flag(self.ignore_eos)
         # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
@@ -87,6 +96,9 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
                                f"prompt), got {self.n!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise RequestError(f"structured must be a StructuredSpec or an object such as "
+                               f"{{\"json\": schema}}, got {type(self.structured).__name__}")
 
     @property
     def is_greedy(self) -> bool:

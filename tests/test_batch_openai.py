@@ -126,6 +126,13 @@ def test_an_openai_batch_file_answers_as_serve_does(model_dir, server, tmp_path,
                               "max_tokens": 3, "temperature": 1.0, "seed": 7, "n": 2}),
         batch_line("tools", {"messages": [{"role": "user", "content": "hi"}],
                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        batch_line("chat-json", {"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 200, "temperature": 0,
+                                 "response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "n", "schema": {"enum": [1, "two", None]}}}}),
+        batch_line("completion-choice", {"prompt": "Pick:", "max_tokens": 20, "temperature": 1,
+                                         "seed": 2, "guided_choice": ["up", "down"]},
+                   url=COMPLETIONS),
     ]
     code, rows = generate(model_dir, tmp_path, lines, "--progress-interval", "0")
     err = capsys.readouterr().err
@@ -136,27 +143,32 @@ def test_an_openai_batch_file_answers_as_serve_does(model_dir, server, tmp_path,
         assert_same_as_served(server, line, row)
     assert len({row["id"] for row in rows}) == len(rows)
     statuses = [row["response"]["status_code"] for row in rows]
-    assert statuses == [200, 200, 404, 405, 200, 200, 200, 400]
+    assert statuses == [200, 200, 404, 405, 200, 200, 200, 400, 200, 200]
     assert [len(row["response"]["body"]["choices"]) for row in rows if row["error"] is None] \
-        == [1, 1, 1, 6, 2]
+        == [1, 1, 1, 6, 2, 1, 1]
+    # constrained lines follow their constraints
+    assert json.loads(rows[8]["response"]["body"]["choices"][0]["message"]["content"]) in (1, "two", None)
+    assert rows[9]["response"]["body"]["choices"][0]["text"] in ("up", "down")
     # the bad lines say what is supported
     assert rows[2]["error"]["message"] == ('url "/v1/embeddings" is not supported; batch '
                                            'lines go to /v1/chat/completions or '
                                            '/v1/completions')
     assert rows[3]["error"]["code"] == "unsupported_method" and \
         "batch lines are POST requests" in rows[3]["error"]["message"]
-    assert "tools is not supported" in rows[7]["error"]["message"]
-    assert "8 requests (3 failed)" in err and "progress: 8/8 requests done" in err
-    assert one_error_line(err).startswith("error: 3 of 8 requests failed")
+    assert "chat template shows no tool-call format" in rows[7]["error"]["message"]
+    assert "10 requests (3 failed)" in err and "progress: 10/10 requests done" in err
+    assert one_error_line(err).startswith("error: 3 of 10 requests failed")
 
 
 def test_refused_bodies_get_the_server_s_status_and_message(model_dir, server, tmp_path):
     hi = [{"role": "user", "content": "hi"}]
     bodies = [
         (CHAT, {"messages": hi, "presence_penalty": 0.5}),
-        (CHAT, {"messages": hi, "response_format": {"type": "json_object"}}),
+        (CHAT, {"messages": hi, "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "x"}}}),
+        (CHAT, {"messages": hi, "structured_outputs": {"grammar": "start: nowhere"}}),
         (CHAT, {"messages": hi, "max_tokens": "5"}),
-        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}),
+        (CHAT, {"messages": [{"role": "function", "content": "x"}]}),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         (CHAT, {"messages": hi, "stream_options": {"include_usage": True}}),
         (CHAT, {"messages": hi, "top_logprobs": 2}),

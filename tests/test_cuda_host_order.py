@@ -7,6 +7,7 @@ import ctypes
 import sys
 import types
 from collections import namedtuple
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -205,6 +206,76 @@ def test_host_writes_the_settings_buffer_after_its_last_copy(pipelined):
         assert write < copy and log[write] == Op("host", "write", "settings")
         if step:
             assert ordered(log, copies[step - 1], write)
+
+
+# ---- structured outputs: deferred rows drawn by CudaOps.sample_masked ------------------------
+DEFERRED_ROW = 1
+
+
+def test_deferred_rows_are_drawn_before_the_token_copy_and_their_buffers_reused_safely(
+        fake, monkeypatch):
+    """Each step deferring one row, driven as LLMEngine.step does (launch step k + 1, read
+    step k's tokens, then draw step k + 1's deferred row): the first launch skips the row,
+    the masked launch waits for its mask copies and writes it, the token copy follows the
+    masked launch, and the host rewrites the bitmask buffer only after its last copy."""
+    def fake_sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
+                    bitmask=None, mask_rows=None):
+        fake.add(Op(fake.current.name, "kernel", "masked" if bitmask is not None else "plain"))
+        rows = np.asarray(mask_rows)
+        drawn = rows != sampling_kernels.MASK_SKIP
+        out_tokens[drawn] = np.asarray(steps)[drawn] + 1000 * (rows[drawn] >= 0)
+
+    monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
+    monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})
+    cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
+                           num_heads=2, head_dim=64, max_model_len=64,
+                           switches=KernelSwitches(programmatic=False, clusters=False))
+    fake.name(cuda_ops._tokens_device, "tokens_device")
+    for turn in (0, 1):
+        cuda_ops._token_copies[turn].name = f"tokens{turn}"
+    cuda_ops._sampling_copied.name, cuda_ops._sampled.name = "settings_copied", "sampled"
+    cuda_ops._masks_copied.name = "masks_copied"
+    logits = np.zeros((ROWS, 16), np.float32)
+    deferred = np.arange(ROWS) == DEFERRED_ROW
+
+    def launch(step):
+        return cuda_ops.sample_async(logits, replace(settings(step), deferred=deferred))
+
+    def draw(pending, step):
+        bitmask = np.full((MAX_SEQS, 1), step, np.uint32)
+        cuda_ops.sample_masked(pending, [DEFERRED_ROW], bitmask)
+        if step == 0:  # the buffers exist from the first draw on
+            fake.name(cuda_ops._bitmask_host, "bitmask_host")
+            fake.watch(cuda_ops._bitmask_host, "bitmask")
+
+    pending = launch(0)
+    draw(pending, 0)
+    for step in range(1, STEPS + 1):
+        following = launch(step)
+        tokens = pending.get()
+        np.testing.assert_array_equal(
+            tokens, settings(step - 1).steps + 1000 * deferred)  # the row: the masked draw's
+        draw(following, step)
+        pending = following
+    log = fake.log
+    plain = [i for i, op in enumerate(log) if op.detail == "plain"]
+    masked = [i for i, op in enumerate(log) if op.detail == "masked"]
+    backs = [i for i, op in enumerate(log) if op.what == "D2H" and op.detail[0] == "tokens_device"]
+    bitmask_copies = [i for i, op in enumerate(log)
+                      if op.what == "H2D" and op.detail[0] == "bitmask_host"]
+    writes = [i for i, op in enumerate(log) if op == Op("host", "write", "bitmask")]
+    assert len(plain) == len(masked) == len(backs) == STEPS + 1
+    for step in range(STEPS + 1):
+        assert ordered(log, plain[step], masked[step])
+        assert ordered(log, masked[step], backs[step])  # the copy holds the masked token
+        if step:
+            assert ordered(log, masked[step - 1], plain[step])
+    # (named from the first draw on: entry i is step i + 1's)
+    assert len(bitmask_copies) == len(writes) == STEPS
+    for i, copy in enumerate(bitmask_copies):
+        assert ordered(log, copy, masked[i + 1])  # the masked kernel reads this step's mask
+        if i:  # the host wrote this step's mask only after the last one was copied
+            assert ordered(log, bitmask_copies[i - 1], writes[i])
 
 
 # ---- DecodeGraphs._stage -------------------------------------------------------------------

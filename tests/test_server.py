@@ -394,6 +394,36 @@ def test_sixteen_concurrent_streams_equal_generate(server, llm):
     assert asyncio.run(main()) == [w.text for w in wanted]
 
 
+def test_constraints_through_the_engine_process(server, llm):
+    """Constrained requests through the engine process (whose loop compiles grammars on a
+    worker thread) beside unconstrained ones: each follows its constraint, and equals the
+    same request through LLM.generate."""
+    pytest.importorskip("llguidance")
+    schemas = [{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                       "maximum": 99}}, "required": ["n"]},
+               {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}]
+    regex = "[0-9]{2}-[a-z]{2}"
+    kinds = [{"guided_json": schemas[0]}, {"guided_json": schemas[1]}, {"guided_regex": regex},
+             {}, {"guided_choice": ["yes", "no"]}, {}]
+    wanted = llm.generate(["Go:"] * len(kinds), [SamplingParams(
+        temperature=0, max_tokens=200, structured=None if not kind else
+        {"json": next(iter(kind.values()))} if "guided_json" in kind else
+        {"regex": regex} if "guided_regex" in kind else {"choice": ["yes", "no"]})
+        for kind in kinds])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
+                                      max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt="Go:", max_tokens=200, temperature=0, extra_body=kind)
+                for kind in kinds))
+
+    answers = [a.choices[0].text for a in asyncio.run(main())]
+    assert answers == [w.text for w in wanted]
+    assert isinstance(json.loads(answers[0])["n"], int) and json.loads(answers[1])
+    assert re.fullmatch(regex, answers[2]) and answers[4] in ("yes", "no")
+
+
 @pytest.mark.slow
 def test_max_tokens_left_out(client, http, llm):
     # completions: OpenAI's 16; chat: the rest of the context (long here: 4 tokens asked)
@@ -439,9 +469,9 @@ BAD_REQUESTS = [
     ("an image part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      {}, 400, ["image_url", "only text"], "messages[0].content[0].type"),
-    ("a tool message", "/v1/chat/completions",
-     {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, {}, 400,
-     ["tool"], "messages[0].role"),
+    ("a function message", "/v1/chat/completions",
+     {"messages": [{"role": "function", "content": "x", "name": "f"}]}, {}, 400,
+     ["function", "functions API"], "messages[0].role"),
     ("an unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, {}, 404,
      ["gpt-9", "tiny"], "model"),
     ("past the context", "/v1/completions", {"prompt": "abc", "max_tokens": 5000}, {}, 400,
@@ -451,8 +481,9 @@ BAD_REQUESTS = [
      ["5000", "4096"], "max_completion_tokens"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400, ["tools"], "tools"),
-    ("json mode", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-     "response_format": {"type": "json_object"}}, {}, 400, ["response_format"], "response_format"),
+    ("a schema left out", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {}, 400,
+     ["response_format.json_schema.schema is missing"], "response_format"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, {}, 400, ["echo"], "echo"),
     ("logit_bias", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, {}, 400,
      ["logit_bias"], "logit_bias"),

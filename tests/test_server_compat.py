@@ -85,7 +85,6 @@ def test_chat_top_logprobs_are_the_top_k_only(state, llm):
 NO_EFFECT = {
     "user": "an end-user id for abuse monitoring (OpenAI); no effect on the output",
     "model": "the one model served; a wrong name is a 404 (test_models)",
-    "parallel_tool_calls": "only means something with tools, which are refused",
 }
 # A value for each field that differs from its default, valid on its own.
 SAMPLE = {
@@ -97,21 +96,23 @@ SAMPLE = {
     "return_token_strs": True, "prompt": "xyz", "messages": [{"role": "user", "content": "ok"}],
     "tokens": [1, 2], "include_usage": False, "continuous_usage_stats": True, "name": "ann",
     "content": "other", "role": "assistant", "logprobs": True,  # (_body: 2 for completions)
+    "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+    "guided_grammar": "start: \"a\"", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required", "parallel_tool_calls": False,
+    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    "tool_call_id": "1",
 }
 # A value for each refused field that is not one of its harmless ones.
-REFUSED_VALUE = {"tools": [{"type": "function", "function": {"name": "f"}}],
-                 "functions": [{"name": "f"}], "tool_choice": "required",
-                 "function_call": "required", "response_format": {"type": "json_object"},
+REFUSED_VALUE = {"functions": [{"name": "f"}],
+                 "function_call": "required",
                  "modalities": ["audio"], "best_of": 3, "stop_token_ids": [1],
                  "bad_words": ["x"], "allowed_token_ids": [1, 2], "grammar": "root ::= \"a\"",
-                 "json_schema": {"type": "object"}, "tool_calls": [{"id": "1"}],
-                 "tool_call_id": "1", "logit_bias": {"1": 5}, "echo": True,
+                 "json_schema": {"type": "object"}, "logit_bias": {"1": 5}, "echo": True,
                  "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
                  "min_tokens": 2, "include_stop_str_in_output": True,
                  "skip_special_tokens": False, "prompt_logprobs": 1, "use_beam_search": True,
                  "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {},
-                 "guided_json": {"type": "object"}, "guided_regex": "a+",
-                 "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
                  "chat_template": "{{ messages }}"}
 BASE = {CompletionRequest: {"prompt": "abc"}, ChatCompletionRequest: {"messages": CHAT},
         TokenizeRequest: {"messages": CHAT}, DetokenizeRequest: {"tokens": [3]}}
@@ -155,7 +156,8 @@ def _body(model, dotted: str, value) -> dict:
     body = dict(BASE[model])
     head, _, leaf = dotted.partition(".")
     if head == "messages" and leaf:
-        body["messages"] = [{"role": "user", "content": "hi", leaf: value}]
+        role = {"tool_calls": "assistant", "tool_call_id": "tool"}.get(leaf, "user")
+        body["messages"] = [{"role": role, "content": "hi", leaf: value}]
     elif head == "stream_options":
         body.update(stream=True, stream_options={"include_usage": True})
         if leaf:
@@ -169,6 +171,10 @@ def _body(model, dotted: str, value) -> dict:
                     messages=CHAT + [{"role": "assistant", "content": "I am"}])
     if head == "top_logprobs":
         body["logprobs"] = True
+    if head in ("tool_choice", "parallel_tool_calls"):
+        body["tools"] = SAMPLE["tools"]
+    if head == "parallel_tool_calls":
+        body["tool_choice"] = "required"
     if head == "logprobs":
         body["logprobs"] = True if model is ChatCompletionRequest else 2
     return body
@@ -182,9 +188,12 @@ def test_every_field_is_used_or_refused(llm):
     lists the few that change nothing, and why. A new field fails here until it is one of
     those."""
     from cupy_llama.tokenizer import Tokenizer
-    template = ("{% for m in messages %}<{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}>"
-                "{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>"
-                "{% endif %}{{ flavour | default('') }}")
+    # (calls in the Hermes format: {# <tool_call> #} names it)
+    template = ("{# <tool_call> #}{% if tools %}<t{{ tools | length }}>{% endif %}"
+                "{% for m in messages %}<{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}>"
+                "{{ m.content }}{% if m.tool_calls %}<c{{ m.tool_calls | length }}>{% endif %}"
+                "{{ m.tool_call_id | default('') }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}{{ flavour | default('') }}")
     tokenizer = Tokenizer(llm.tokenizer._backend, template, llm.tokenizer.bos_token,
                           llm.tokenizer.eos_token, add_bos=True)
     vocab, defaults = llm.config.vocab_size, model_sampling_defaults(llm.config.generation_config)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from ..interface import Fp8Weight, ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
+from ..structured import apply_token_bitmask
 
 
 class NumpyOps(SublayerOps):
@@ -122,16 +123,44 @@ class NumpyOps(SublayerOps):
         return self.sample_async(logits, sampling).get()
 
     def sample_async(self, logits, sampling: SamplingTensors) -> "SampledTokens":
-        """The CPU computes synchronously: the tokens are ready when this returns."""
+        """The CPU computes synchronously: the tokens are ready when this returns (those of
+        deferred rows once sample_masked has drawn them)."""
         tokens = np.argmax(logits, axis=-1).astype(np.int32)
-        for b in np.flatnonzero(sampling.temperature > 0):
-            probs = filtered_probs(logits[b], float(sampling.temperature[b]), int(sampling.top_k[b]),
-                                   float(sampling.top_p[b]), float(sampling.min_p[b]))
-            rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
-            tokens[b] = rng.choice(probs.shape[0], p=probs)
+        sampled = sampling.temperature > 0
+        if sampling.deferred is not None:
+            sampled &= ~sampling.deferred
+        for b in np.flatnonzero(sampled):
+            tokens[b] = draw(logits[b], sampling, b)
         self._last_sampled = tokens
+        if sampling.deferred is not None and sampling.deferred.any():
+            pending = SampledTokens(tokens)
+            pending.deferred_inputs = (logits, sampling)  # for sample_masked
+            return pending
         rows, k = sampling.logprob_rows()
         return SampledTokens(tokens, logprobs(logits, tokens, rows, k) if rows.size else None)
+
+    def sample_masked(self, pending: SampledTokens, rows, bitmask) -> None:
+        logits, sampling = pending.deferred_inputs
+        tokens = pending.get()  # the array the next step's placeholders read (_last_sampled)
+        rows = np.asarray(rows, dtype=np.intp)
+        masked = logits[rows]  # a copy: the raw logits stay for the log-probabilities
+        apply_token_bitmask(masked, bitmask[:rows.size])
+        for i, b in enumerate(rows):
+            tokens[b] = draw(masked[i], sampling, b)
+        asked, k = sampling.logprob_rows()
+        pending.set_logprobs(logprobs(logits, tokens, asked, k) if asked.size else None)
+
+
+def draw(logits_row, sampling: SamplingTensors, b: int) -> int:
+    """Row b's token from its logits under its settings (argmax at temperature 0; a row
+    whose every logit is -inf or NaN gives token 0, as the kernel's argmax does)."""
+    temperature = float(sampling.temperature[b])
+    if not temperature > 0 or not np.isfinite(logits_row).any():
+        return int(np.argmax(np.where(np.isnan(logits_row), -np.inf, logits_row)))
+    probs = filtered_probs(logits_row, temperature, int(sampling.top_k[b]),
+                           float(sampling.top_p[b]), float(sampling.min_p[b]))
+    rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
+    return int(rng.choice(probs.shape[0], p=probs))
 
 
 def logprobs(logits, tokens, rows: np.ndarray, k: int) -> Logprobs:

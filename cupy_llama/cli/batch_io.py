@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
 from ..sampling import SamplingParams, model_sampling_defaults
+from ..structured import StructuredSpec
 
 FORMATS = ("txt", "jsonl")
 BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
@@ -202,6 +203,31 @@ def _read_prompt(request: BatchRequest, fields: dict) -> None:
         request.prompt = prompt
     else:
         request.messages = fields.pop("messages")
+
+
+# A plain line may constrain its output under the names a server request uses for it.
+_STRUCTURED_FIELDS = (("response_format", StructuredSpec.from_response_format),
+                      ("structured_outputs", StructuredSpec.from_structured_outputs),
+                      ("guided_json", StructuredSpec.json), ("guided_regex", StructuredSpec.regex),
+                      ("guided_choice", StructuredSpec.choice),
+                      ("guided_grammar", StructuredSpec.grammar))
+
+
+def plain_structured(fields: dict) -> dict:
+    """A plain line's sampling fields with its constraint, under any of the server's names
+    for one (response_format, structured_outputs, guided_*), as SamplingParams.structured."""
+    given = [name for name, _ in _STRUCTURED_FIELDS if fields.get(name) is not None]
+    if not given:
+        return fields
+    if len(given) + ("structured" in fields) > 1:
+        raise RequestError(f"{' and '.join(given + ['structured'] * ('structured' in fields))} "
+                           f"both constrain the output; give one of them")
+    fields = dict(fields)
+    make = dict(_STRUCTURED_FIELDS)[given[0]]
+    fields["structured"] = make(fields.pop(given[0]), given[0])
+    for name, _ in _STRUCTURED_FIELDS:
+        fields.pop(name, None)
+    return fields
 
 
 def _check_id(value, name: str):
@@ -425,7 +451,7 @@ class _Runner:
 
         engine = self.engine
         try:
-            params = SamplingParams.from_dict({**self.defaults, **request.sampling},
+            params = SamplingParams.from_dict({**self.defaults, **plain_structured(request.sampling)},
                                               self.model_defaults)
             if params.n != 1:  # one output line per request
                 raise RequestError(f"n must be 1 in a batch file (one reply per line), got "

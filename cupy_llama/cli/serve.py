@@ -58,12 +58,15 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
               help="HTTP methods cross-origin requests may use, as a JSON list.")
 @click.option("--allowed-headers", metavar="JSON", default='["*"]', show_default=True,
               help="Request headers cross-origin requests may send, as a JSON list.")
+@click.option("--tool-call-parser", metavar="NAME",
+              help="How the model writes tool calls: llama3_json, hermes or mistral "
+                   "(default: the format the chat template shows).")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
           log_requests, replica_name, drain_delay, engine_timeout, header_timeout,
-          allowed_origins, allowed_methods, allowed_headers, **flags):
+          allowed_origins, allowed_methods, allowed_headers, tool_call_parser, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
@@ -86,6 +89,11 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                                          and replica_name.isprintable()):
         raise OptionError(f"--replica-name {replica_name!r} must be printable ASCII (it goes "
                           "into the x-served-by header)")
+    if tool_call_parser is not None:
+        from ..tool_parsers import PARSER_NAMES
+        if tool_call_parser not in PARSER_NAMES:
+            raise OptionError(f"--tool-call-parser: unknown parser {tool_call_parser!r}; use "
+                              f"one of {', '.join(PARSER_NAMES)}")
     for package in SERVE_PACKAGES:
         try:
             __import__(package)
@@ -111,7 +119,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                               max_waiting=max_waiting, log_requests=log_requests,
                               replica_name=replica_name, drain_delay_s=drain_delay,
                               engine_timeout_s=engine_timeout, header_timeout_s=header_timeout,
-                              **cors)
+                              tool_call_parser=tool_call_parser, **cors)
     try:
         run_server(settings, sock, tokenizer, config)
     except EngineStartError as e:

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent import futures
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from pathlib import Path
 DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
                 "num_cached_tokens", "times")
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
+COMPILE_POLL_S = 0.005  # an idle loop's wait for a grammar compiling, between messages
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _HEADER = struct.Struct("<I")
@@ -164,11 +166,13 @@ class _EngineLoop:
 
     def run(self) -> None:
         engine, channel = self.engine, self.channel
-        from ..errors import RequestError
+        # constrained requests whose grammar compiles on a worker thread, in arrival order:
+        # (future, add message); compiling never holds up the steps
+        compiling: list = []
         while True:
             busy = engine.has_unfinished_requests()
             turn_started = time.perf_counter()
-            messages = channel.receive(wait=not busy)
+            messages = channel.receive(wait=not busy and not compiling)
             if messages is None:
                 return  # the server is gone
             if not busy:
@@ -177,17 +181,22 @@ class _EngineLoop:
             for message in messages:
                 kind = message[0]
                 if kind == "add":
-                    _, request_id, prompt_ids, params, stream = message
-                    self.num_added_seqs += params.n
-                    try:
-                        engine.add_request(prompt_ids, params, request_id=request_id,
-                                           stream=stream)
-                    except RequestError as e:
-                        rejected.append((request_id, str(e)))
+                    params = message[3]
+                    if params.structured is not None:
+                        compiling.append((engine.compile_structured_async(params.structured),
+                                          message))
+                    else:
+                        self._add(message, rejected)
                 elif kind == "abort":  # the final output of each sample still running
+                    compiling = [(f, m) for f, m in compiling if m[1] != message[1]]
                     deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
                 elif kind == "stop":
                     return  # engine.close() aborts what still runs and frees the device
+            if compiling and not busy:  # nothing to step meanwhile: wait a little for them
+                futures.wait([compiling[0][0]], timeout=COMPILE_POLL_S)
+            while compiling and compiling[0][0].done():
+                future, message = compiling.pop(0)
+                self._add(message, rejected, future.exception())
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
                 outputs = engine.step()
@@ -204,6 +213,18 @@ class _EngineLoop:
                 channel.send(("out", deltas, rejected, self.stats()))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
+
+    def _add(self, message, rejected: list, compile_error: BaseException | None = None) -> None:
+        """Add a request (compile_error: why its grammar did not compile, or None)."""
+        from ..errors import RequestError
+        _, request_id, prompt_ids, params, stream = message
+        self.num_added_seqs += params.n
+        try:
+            if compile_error is not None:
+                raise compile_error
+            self.engine.add_request(prompt_ids, params, request_id=request_id, stream=stream)
+        except RequestError as e:
+            rejected.append((request_id, str(e)))
 
     def stats(self) -> dict:
         """The engine's EngineStats as a dict, and the loop's own counts and times."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -22,9 +23,11 @@ class _Sample:
     """One of a request's n sequences plus its text: incremental detokenizer and what was
     already streamed."""
 
-    def __init__(self, seq: Sequence, tokenizer, stream: bool):
+    def __init__(self, seq: Sequence, tokenizer, stream: bool, matcher=None):
         from ..tokenizer import IncrementalDetokenizer
         self.seq = seq
+        # structured outputs: the sample's GrammarMatcher, advanced by each resolved token
+        self.matcher = matcher
         self.stream = stream  # False: only the final output is wanted (no per-token outputs)
         self.tokenizer = tokenizer
         # text is needed token by token only to stream it or to watch for stop strings;
@@ -151,6 +154,10 @@ class LLMEngine:
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self._grammars = None  # GrammarCompiler, made at the first constrained request
+        self._grammars_lock = threading.Lock()
+        self._compile_pool = None  # the worker thread of compile_structured_async
+        self._bitmask = None  # [max_num_seqs, words] uint32: a step's mask rows, filled here
 
     @classmethod
     def load(cls, model_dir, device: str = "auto", *, log=None, **engine_options) -> "LLMEngine":
@@ -219,6 +226,26 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions, num_steps=self.num_steps)
 
     # ---- requests -------------------------------------------------------------------
+    def compile_structured(self, spec):
+        """The compiled grammar of a StructuredSpec (cached by its text): RequestError
+        quoting the compiler when it does not compile, or naming the `structured` extra
+        when llguidance is missing. Front ends call it before they queue a request."""
+        with self._grammars_lock:
+            if self._grammars is None:  # reads the whole vocabulary: seconds for 128k tokens
+                from ..structured import GrammarCompiler
+                self._grammars = GrammarCompiler.from_tokenizer(
+                    self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(spec)
+
+    def compile_structured_async(self, spec):
+        """compile_structured on a worker thread: a concurrent.futures.Future, for a loop
+        that must not wait (the server's engine process adds a constrained request once
+        its grammar is compiled; add_request then finds it in the cache)."""
+        if self._compile_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="cupy-llama-grammar")
+        return self._compile_pool.submit(self.compile_structured, spec)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, stream: bool = True) -> str:
         """stream=False: step() reports this request only when it finishes. With params.n
@@ -228,13 +255,16 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        grammar = None if params.structured is None else self.compile_structured(params.structured)
         samples, parent = [], None
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
             parent = parent or seq
             self.scheduler.add(seq)
-            samples.append(_Sample(seq, self.tokenizer, stream))
+            # each sample follows the grammar on its own: a fresh matcher each
+            matcher = None if grammar is None else grammar.matcher()
+            samples.append(_Sample(seq, self.tokenizer, stream, matcher))
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
         return request_id
@@ -285,6 +315,9 @@ class LLMEngine:
             self.abort(request_id)
         self._in_flight = self._unhandled = None
         self._undelivered.clear()
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
         close_backend = getattr(self.backend, "close", None)
         if close_backend is not None:
             close_backend()
@@ -303,6 +336,13 @@ class LLMEngine:
     # stop at k-1's token (EOS, stop string) already has step k queued: that extra token
     # is dropped and never shown. Blocks freed meanwhile are safe to hand out again: every
     # later use is queued behind step k on the same stream.
+    #
+    # Constrained sequences (structured outputs): step k's mask of such a sequence depends
+    # on its token of step k-1. Step k runs its forward pass for every row but leaves the
+    # constrained rows' draw out; once step k-1's tokens are handled (each matcher advanced
+    # by its token), their masks are filled and a second, masked draw of step k's logits
+    # is queued (_draw_constrained), before step k+1 is launched (docs/ARCHITECTURE.md,
+    # "Structured outputs and tools").
     def step(self) -> list[RequestOutput]:
         """Launch the next step, finish the previous one. Returns an output for every
         streamed request that got a new token and for every request that finished;
@@ -310,30 +350,66 @@ class LLMEngine:
         if self._unhandled is not None:
             # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
             # placeholders name rows of that step, so it is finished before any launch
-            return self._finish_step(self._unhandled)
+            outputs = self._finish_step(self._unhandled)
+            self._draw_constrained(self._in_flight)
+            return outputs
         batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch else None
         self.num_steps += launched is not None
         self.num_step_tokens = batch.num_tokens if batch else 0
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
+            self._draw_constrained(launched)
             return []
         self._unhandled = previous
-        return self._finish_step(previous)
+        outputs = self._finish_step(previous)
+        self._draw_constrained(launched)
+        return outputs
+
+    def _draw_constrained(self, launched: "_Launched | None") -> None:
+        """Fill the masks of a launched step's constrained rows from their matchers (which
+        have seen every earlier token) and queue their masked draw. Rows of sequences that
+        ended meanwhile are left out: their tokens are dropped anyway."""
+        if launched is None or getattr(launched.sampled, "deferred_inputs", None) is None:
+            return  # no row was deferred (or they are drawn already)
+        constrained = launched.constrained or ()  # none: only prompt chunks were deferred
+        if self._bitmask is None:
+            import numpy as np
+            self._bitmask = np.zeros((self.engine_config.max_num_seqs,
+                                      self._grammars.num_words), np.uint32)
+        rows = []
+        for seq, row, index in constrained:
+            sample = self._sample_of(seq)
+            if (sample is None or sample.finish_reason is not None
+                    or index >= len(seq.output_token_ids)):
+                continue
+            sample.matcher.fill_bitmask(self._bitmask, len(rows))
+            rows.append(row)
+        self.runner.backend.ops.sample_masked(launched.sampled, rows, self._bitmask)
+        launched.sampled.deferred_inputs = None
+
+    def _sample_of(self, seq: Sequence) -> "_Sample | None":
+        """seq's sample, while its request runs (its id may be in use again)."""
+        samples = self.requests.get(seq.request_id)
+        sample = samples[seq.index] if samples and seq.index < len(samples) else None
+        return sample if sample is not None and sample.seq is seq else None
 
     def _launch(self, batch) -> "_Launched":
         if self._num_unscheduled:
             self._note_scheduled(batch)
         sampled = self.runner.run(batch)
-        waiting_for = []
+        waiting_for, constrained = [], None
         for row, seq in self.scheduler.update_after_step(batch):
             seq.output_token_ids.append(-(row + 1))
             waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
+            if seq.params.structured is not None:
+                constrained = constrained or []
+                constrained.append(waiting_for[-1])
             if (len(seq.output_token_ids) >= seq.params.max_tokens
                     or seq.num_tokens >= self.context_limit):
                 # known before the token is: schedule nothing more for it
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-        return _Launched(sampled, waiting_for)
+        return _Launched(sampled, waiting_for, constrained)
 
     def _note_scheduled(self, batch) -> None:
         """The first scheduling of each sample in the batch that had none yet."""
@@ -383,6 +459,8 @@ class LLMEngine:
         elif is_eos:
             sample.flush_text()
             status = SequenceStatus.FINISHED_STOPPED
+        elif sample.matcher is not None and (status := self._advance_matcher(sample, token_id)):
+            sample.flush_text()
         elif (index + 1 >= params.max_tokens
               or seq.num_prompt_tokens + index + 1 >= self.context_limit):
             sample.flush_text()
@@ -397,6 +475,19 @@ class LLMEngine:
         elif not sample.stream:
             return None
         return sample.output()
+
+    def _advance_matcher(self, sample: _Sample, token_id: int) -> SequenceStatus | None:
+        """Advance the sample's matcher by its new token: "stop" once the grammar is
+        complete (nothing may follow but EOS), "abort" for a token the grammar rejects,
+        which only a draw without the mask could give (a bug: logged)."""
+        matcher = sample.matcher
+        if not matcher.advance(token_id):
+            import logging
+            logging.getLogger("cupy_llama").error(
+                "request %s: token %d breaks its grammar (%s); the sample is aborted",
+                sample.seq.request_id, token_id, matcher.error)
+            return SequenceStatus.FINISHED_ABORTED
+        return SequenceStatus.FINISHED_STOPPED if matcher.is_complete else None
 
     # ---- whole requests -------------------------------------------------------------
     # stream() and generate() may run interleaved on one engine (a stream left half-read
@@ -455,12 +546,21 @@ class LLMEngine:
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         for ids in prompt_ids:
             self.scheduler.check_fits(len(ids))
+        self._compile_all(params)
         return self._run(prompt_ids, params, True, [])
+
+    def _compile_all(self, params: list[SamplingParams]) -> None:
+        """Compile every constraint before the first request is added: one that does not
+        compile refuses the whole call, with nothing queued."""
+        for p in params:
+            if p.structured is not None:
+                self.compile_structured(p.structured)
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         """The final outputs, by prompt and then by sample index: n of them for a prompt
         whose params say n."""
         ids: list[str] = []
+        self._compile_all(params)
         final = {(output.request_id, output.index): output
                  for output in self._run(prompts, params, False, ids)}
         return [final[request_id, index] for request_id, p in zip(ids, params)
@@ -483,9 +583,11 @@ class _Launched:
     """A step on its way: the handle of its sampled tokens, and for each sequence that
     wants one of them (sequence, row in the step, index in its output tokens)."""
 
-    def __init__(self, sampled, waiting_for: list):
+    def __init__(self, sampled, waiting_for: list, constrained: list | None = None):
         self.sampled = sampled
         self.waiting_for = waiting_for[::-1]  # last first: pop() hands them out in order
+        # the entries of constrained sequences, until their masked draw is queued
+        self.constrained = constrained
 
 
 def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:

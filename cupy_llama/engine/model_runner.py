@@ -32,6 +32,7 @@ class SlotTables:
         self.min_p = np.zeros(0, np.float32)
         self.seeds = np.zeros(0, np.uint64)
         self.num_logprobs = np.zeros(0, np.int32)  # -1: none asked
+        self.constrained = np.zeros(0, bool)  # a structured output: drawn under a bitmask
 
     def _grow(self, num_slots: int, num_blocks: int) -> None:
         """Room for slots [0, num_slots) and num_blocks blocks per row (at least doubling
@@ -48,7 +49,8 @@ class SlotTables:
             self._table_source += [None] * new
             self._table_length += [0] * new
             self._sampling_owner += [None] * new
-            for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
+            for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs",
+                         "constrained"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros(new, old.dtype)]))
 
@@ -76,6 +78,7 @@ class SlotTables:
         self.min_p[slot] = params.min_p
         self.seeds[slot] = seq.seed
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.constrained[slot] = params.structured is not None
         self._sampling_owner[slot] = seq
 
     def block_table_is_current(self, seq: Sequence) -> bool:
@@ -143,16 +146,20 @@ class ModelRunner:
             steps.append(len(seq.output_token_ids))
         rows = np.array(rows, dtype=np.intp)
         num_logprobs = slots.num_logprobs[rows]
+        deferred = slots.constrained[rows]
         return SamplingTensors(
             temperature=slots.temperature[rows], top_k=slots.top_k[rows],
             top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
             steps=np.array(steps, dtype=np.int32),
-            num_logprobs=num_logprobs if num_logprobs.max(initial=-1) >= 0 else None)
+            num_logprobs=num_logprobs if num_logprobs.max(initial=-1) >= 0 else None,
+            deferred=deferred if deferred.any() else None)
 
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed). Returns
         at once with a handle whose get() waits for the tokens (interface.py
-        SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r."""
+        SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r.
+        Rows of constrained sequences are deferred: the engine draws them with
+        Ops.sample_masked once their masks are filled."""
         logits = self.backend.forward(self.build_batch(batch))
         return self.backend.ops.sample_async(logits, self.sampling_tensors(batch))

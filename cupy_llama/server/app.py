@@ -45,6 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
                                    RequestStream)
+from ..errors import RequestError
 from ..outputs import RequestOutput
 from ..sampling import model_sampling_defaults
 from . import protocol
@@ -89,6 +90,7 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+    tool_call_parser: str | None = None  # None: the format the chat template shows
 
 
 class _ClientGone(Exception):
@@ -116,6 +118,12 @@ class ServerState:
         self.vocab_size = model_config.vocab_size
         self.model_defaults = model_sampling_defaults(model_config.generation_config)
         self.max_bytes_per_token = protocol.max_bytes_per_token(tokenizer)
+        # structured outputs: constraints are compiled here, before a request is queued,
+        # so that one that does not compile is a 400 (the engine compiles its own copy)
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self._eos_token_ids = set(model_config.eos_token_ids) | set(
+            getattr(tokenizer, "eos_token_ids", ()))
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
                                   on_stopped=self._engine_stopped)
         self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
@@ -266,6 +274,25 @@ class ServerState:
                                 f"{served!r} (see GET /v1/models)", param="model",
                            code="model_not_found")
 
+    def compile_structured(self, params: list) -> None:
+        """Compile the requests' constraints (in a worker thread: the first builds the
+        compiler, seconds for a large vocabulary); a 400 naming the field for one that does
+        not compile, or naming the `structured` extra where llguidance is missing."""
+        from ..structured import GrammarCompiler
+        for sampling in params:
+            spec = sampling.structured
+            if spec is None:
+                continue
+            try:
+                with self._grammars_lock:
+                    if self._grammars is None:
+                        self._grammars = GrammarCompiler.from_tokenizer(
+                            self.tokenizer, self.vocab_size, self._eos_token_ids)
+                self._grammars.compile(spec)
+            except RequestError as e:
+                field = spec.source.split(".", 1)[0]
+                raise APIError(400, str(e), param=field) from None
+
     def start_job(self, response_id: str, prompts: list[list[int]], params: list,
                   stream: bool, n: int) -> "_Job":
         new_seqs, limit = len(prompts) * n, self.settings.max_waiting
@@ -403,7 +430,7 @@ class _Job:
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
             for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
-                                               usage):
+                                               usage, token_ids):
                 parts.append(_sse(chunk))
         return b"".join(parts)
 
@@ -726,9 +753,13 @@ def create_app(state: ServerState):
             parsed, body = await body_of(request, request_model)
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        if isinstance(parsed, protocol.ChatCompletionRequest):
+            parsed.set_tool_parser(settings.tool_call_parser)
         prompts, params = await asyncio.to_thread(
             parsed.engine_inputs, state.tokenizer, state.vocab_size, state.info.context_limit,
             state.model_defaults, state.max_prompt_bytes)
+        if params and params[0].structured is not None:
+            await asyncio.to_thread(state.compile_structured, params)
         state.check_ready()  # it may have begun to stop meanwhile
         response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)

@@ -27,19 +27,23 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
 from ..sampling import MAX_LOGPROBS, SamplingParams
-from ..tokenizer import check_template_kwargs
+from ..structured import StructuredSpec
+from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
+from ..tool_choice import check_tool_choice, check_tools, tool_call_grammar
+from ..tool_parsers import PARSER_NAMES, make_tool_parser, parse_tool_calls, tool_parser_for_template
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A generation the server had to cut short (it is shutting down) reports "length": the text
 # is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length",
+                  "tool_calls": "tool_calls"}
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
 
 
@@ -155,15 +159,12 @@ UNSUPPORTED = {
     "frequency_penalty": _off(0), "presence_penalty": _off(0), "logit_bias": _off({}),
     "echo": _off(False), "suffix": _off(""),
     "best_of": lambda value, request: value is None or value == request.n,
-    "tools": _off([]), "functions": _off([]), "tool_choice": _off("none", "auto"),
-    "function_call": _off("none", "auto"),
-    "response_format": lambda value, request: value is None or value == {"type": "text"},
+    "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside top_k, min_p and ignore_eos, which are done here
     "repetition_penalty": _off(1), "min_tokens": _off(0), "stop_token_ids": _off([]),
     "include_stop_str_in_output": _off(False), "skip_special_tokens": _off(True),
-    "prompt_logprobs": _off(), "use_beam_search": _off(False), "guided_json": _off(),
-    "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
+    "prompt_logprobs": _off(), "use_beam_search": _off(False),
     "allowed_token_ids": _off(), "bad_words": _off([]), "chat_template": _off(),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
@@ -214,6 +215,10 @@ class _SamplingFields(_Unsupported, _Model):
     skip_special_tokens: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
+    # structured outputs (structured_spec): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields
+    response_format: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -234,6 +239,31 @@ class _SamplingFields(_Unsupported, _Model):
             raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got {self.seed}",
                            param="seed")
 
+    def structured_spec(self) -> StructuredSpec | None:
+        """The request's constraint: at most one of response_format (json_object or
+        json_schema), structured_outputs, guided_json, guided_regex, guided_choice and
+        guided_grammar. A 400 naming the field for one that is malformed."""
+        specs = []
+        for name, make in (("response_format", StructuredSpec.from_response_format),
+                           ("structured_outputs", StructuredSpec.from_structured_outputs),
+                           ("guided_json", StructuredSpec.json),
+                           ("guided_regex", StructuredSpec.regex),
+                           ("guided_choice", StructuredSpec.choice),
+                           ("guided_grammar", StructuredSpec.grammar)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                spec = make(value, name)
+            except RequestError as e:
+                raise APIError(400, str(e), param=name) from None
+            if spec is not None:
+                specs.append((name, spec))
+        if len(specs) > 1:
+            raise APIError(400, f"{specs[0][0]} and {specs[1][0]} both constrain the output; "
+                                f"send one of them", param=specs[1][0])
+        return specs[0][1] if specs else None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -247,7 +277,9 @@ class _SamplingFields(_Unsupported, _Model):
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
                          default_max_tokens: int | None, prompt_field: str,
-                         logprobs: int | None) -> SamplingParams:
+                         logprobs: int | None, structured=None) -> SamplingParams:
+        """structured: the constraint, where it is not the request's own (structured_spec),
+        such as the grammar of a tool_choice."""
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
@@ -278,6 +310,7 @@ class _SamplingFields(_Unsupported, _Model):
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
         values["n"] = self.n
+        values["structured"] = structured or self.structured_spec()
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
@@ -487,9 +520,10 @@ class _Stream:
                       "model": model, "system_fingerprint": fingerprint}
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+               usage: dict | None = None, token_ids=None) -> list[dict]:
         """The chunks that carry a choice's new text (logprobs: the new tokens' (token id,
-        log-probability, top) entries; usage: the choice's usage so far)."""
+        log-probability, top) entries; usage: the choice's usage so far; token_ids: the
+        new tokens)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
@@ -528,16 +562,16 @@ class CompletionStream(_Stream):
 # ---- /v1/chat/completions -------------------------------------------------------------
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}  # OpenAI's "developer" is the system role renamed
+              "assistant": "assistant", "tool": "tool"}  # "developer": the system role renamed
 
 
 class ChatMessage(_Model):
     role: str
     content: Any = None        # a string or [{"type": "text", "text": ...}, ...]: checked below
     name: str | None = None
-    tool_calls: Any = None     # refused: tools are not supported
-    tool_call_id: Any = None   # refused: tools are not supported
-    function_call: Any = None  # refused: tools are not supported
+    tool_calls: Any = None     # an assistant's calls: passed to the chat template as they are
+    tool_call_id: Any = None   # a tool message's: the call it answers
+    function_call: Any = None  # refused: the older functions API is not supported
 
 
 class _ChatPrompt:
@@ -563,20 +597,28 @@ class _ChatPrompt:
             where = f"messages[{i}]"
             role = CHAT_ROLES.get(message.role)
             if role is None:
-                tools = " (tools are not supported)" if message.role in ("tool", "function") else ""
-                raise APIError(400, f"{where}.role {message.role!r} is not supported{tools}; "
-                                    f"use system, developer, user or assistant",
+                older = " (the older functions API is not supported)" \
+                    if message.role == "function" else ""
+                raise APIError(400, f"{where}.role {message.role!r} is not supported{older}; "
+                                    f"use system, developer, user, assistant or tool",
                                param=f"{where}.role")
-            for name in ("tool_calls", "tool_call_id", "function_call"):
-                if getattr(message, name):
-                    raise APIError(400, f"{where}.{name} is not supported (tools are not "
-                                        "supported)", param=f"{where}.{name}",
-                                   code="unsupported_parameter")
+            if message.function_call:
+                raise APIError(400, f"{where}.function_call is not supported (the older "
+                                    "functions API); send tool_calls", param=f"{where}.function_call",
+                               code="unsupported_parameter")
             entry = {"role": role, "content": _message_text(message, role, where)}
             if message.name is not None:
                 entry["name"] = message.name
+            if message.tool_calls is not None:  # the tokenizer checks their shape
+                entry["tool_calls"] = message.tool_calls
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
         return conversation
+
+    def template_tools(self) -> list | None:
+        """The tools the chat template is shown (None: none)."""
+        return None
 
     def prompt_token_ids(self, tokenizer, max_prompt_bytes: int | None = None) -> list[int]:
         """The prompt the model's chat template renders: ending in the assistant's turn
@@ -592,6 +634,7 @@ class _ChatPrompt:
             return tokenizer.encode_chat(conversation,
                                          add_generation_prompt=self.add_generation_prompt,
                                          continue_final_message=self.continue_final_message,
+                                         tools=self.template_tools(),
                                          template_kwargs=self.chat_template_kwargs)
         except CupyLlamaError as e:  # the template refused the messages, or there is none
             raise APIError(400, str(e), param="messages") from None
@@ -610,20 +653,54 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     chat_template: Any = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     web_search_options: Any = None
     echo: Any = None
-    parallel_tool_calls: bool | None = None  # only means something with tools: ignored
+    # the server's --tool-call-parser (set_tool_parser), else the chat template's format
+    _tool_parser_name: str | None = PrivateAttr(None)
+    _tokenizer: Any = PrivateAttr(None)
+    _checked_tools: list = PrivateAttr(default_factory=list)
+    _tool_choice: Any = PrivateAttr("none")
+    _tool_grammar: Any = PrivateAttr(None)
+    _parser: str | None = PrivateAttr(None)
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_chat_options()
+        try:
+            self._checked_tools = check_tools(self.tools)
+            self._tool_choice = check_tool_choice(self.tool_choice, self._checked_tools)
+        except RequestError as e:
+            field = str(e).split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
+            raise APIError(400, str(e), param=field) from None
+
+    def set_tool_parser(self, name: str | None) -> None:
+        """The server's --tool-call-parser (None: the chat template's format)."""
+        self._tool_parser_name = name
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered (tool_choice is not "none"): replies are parsed for calls."""
+        return self._tool_choice != "none"
+
+    def template_tools(self) -> list | None:
+        return self._checked_tools if self.uses_tools else None
+
+    def tool_parser(self, tokenizer) -> str:
+        """The name of the parser of this model's tool calls: 400 where the server has none
+        and the chat template shows no format."""
+        name = self._tool_parser_name or tool_parser_for_template(tokenizer.chat_template)
+        if name is None:
+            raise APIError(400, "tools: the model's chat template shows no tool-call format "
+                                "this server knows; start it with --tool-call-parser "
+                                f"({', '.join(PARSER_NAMES)})", param="tools")
+        return name
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
@@ -631,15 +708,59 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(field, getattr(self, field), num_prompt_tokens,
-                                     max_model_len, model_defaults, None, "messages", logprobs)
+                                     max_model_len, model_defaults, None, "messages", logprobs,
+                                     structured=self._tool_grammar)
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
                       model_defaults: dict, max_prompt_bytes: int | None = None
                       ) -> tuple[list[list[int]], list[SamplingParams]]:
         """The one prompt (the rendered conversation) and its SamplingParams, in lists as
         CompletionRequest gives them."""
+        self._tool_grammar = None
+        if self.uses_tools:
+            self._tokenizer = tokenizer
+            self._parser = self.tool_parser(tokenizer)
+            self._tool_grammar = tool_call_grammar(
+                self._parser, self._checked_tools, self._tool_choice,
+                self.parallel_tool_calls, token_id=tokenizer.token_to_id)
+            if self._tool_grammar is not None and self.structured_spec() is not None:
+                raise APIError(400, "tool_choice \"required\" or a named function sets the "
+                                    "answer's grammar; leave out response_format and "
+                                    "structured_outputs", param="tool_choice")
         prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
+
+    def reply_text(self, output) -> str:
+        """The text tool calls are parsed from: Mistral's [TOOL_CALLS] tag is a special
+        token, which the reply's text leaves out."""
+        if self._parser != "mistral":
+            return output.text
+        tokenizer = self._tokenizer
+        ends = set(getattr(tokenizer, "eos_token_ids", ()))
+        return tokenizer.decode_unchecked(
+            [t for t in output.token_ids if t < tokenizer.vocab_size and t not in ends],
+            skip_special_tokens=False)
+
+    def new_reply_text(self):
+        """For a parser whose tag is a special token (Mistral's), one streamed choice's: a
+        function of its new token ids (and whether they are its last) giving their text
+        with special tokens spelled out; None for the other parsers, which read the
+        reply's text."""
+        if self._parser != "mistral":
+            return None
+        tokenizer = self._tokenizer
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, checked=False)
+        ends = set(getattr(tokenizer, "eos_token_ids", ()))
+
+        def text_of(token_ids, last: bool) -> str:
+            text = "".join(detokenizer.add(t) for t in token_ids
+                           if t < tokenizer.vocab_size and t not in ends)
+            return text + detokenizer.flush() if last else text
+        return text_of
+
+    def new_stream_parser(self):
+        """A streamed choice's tool-call parser, where replies are parsed; else None."""
+        return make_tool_parser(self._parser) if self.uses_tools else None
 
     def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
                       token_strings=None, fingerprint: str | None = None) -> dict:
@@ -683,10 +804,15 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     for output in sorted(outputs, key=_index):
         logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
             if request.logprobs else None
-        choices.append({"index": _index(output),
-                        "message": {"role": "assistant", "content": output.text},
-                        "logprobs": logprobs,
-                        "finish_reason": FINISH_REASONS[output.finish_reason]})
+        message = {"role": "assistant", "content": output.text}
+        finish_reason = FINISH_REASONS[output.finish_reason]
+        if request.uses_tools:
+            parsed = parse_tool_calls(request.reply_text(output), request._parser)
+            message = parsed.to_openai()
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason})
     return {"id": response_id, "object": "chat.completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage_of([outputs])}
@@ -703,9 +829,12 @@ class ChatCompletionStream(_Stream):
         super().__init__(request, response_id, created, model, token_strings, fingerprint)
         self._wants_logprobs = request.logprobs
         self._started: set[int] = set()
+        self._request = request
+        self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
+        self._reply_texts: dict = {}  # choice index -> new_reply_text(), with tools
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+               usage: dict | None = None, token_ids=None) -> list[dict]:
         chunks = []
         if index not in self._started:
             self._started.add(index)
@@ -714,16 +843,32 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage))
+        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage, token_ids))
         return chunks
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
-              usage: dict | None = None) -> dict:
+              usage: dict | None = None, token_ids=None) -> dict:
         """A chunk of text after the choice's opening one."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
-        return self._chunk(index, finish_reason, usage, delta={"content": text} if text else {},
-                           logprobs=choice_logprobs)
+        delta = {"content": text} if text else {}
+        if self._request.uses_tools:  # calls go out as delta.tool_calls, never as text
+            parser = self._tool_parsers.get(index)
+            if parser is None:
+                parser = self._tool_parsers[index] = self._request.new_stream_parser()
+                self._reply_texts[index] = self._request.new_reply_text()
+            reply = self._reply_texts[index]
+            if reply is not None:  # the text with its special tokens (Mistral's tag)
+                text = reply(token_ids or [], finish_reason is not None)
+            parsed = parser.feed(text)
+            if finish_reason is not None:
+                last = parser.finish()
+                parsed.content += last.content
+                parsed.tool_calls += last.tool_calls
+                if parser.result().tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            delta = parsed.to_openai()
+        return self._chunk(index, finish_reason, usage, delta=delta, logprobs=choice_logprobs)
 
 
 # ---- usage ----------------------------------------------------------------------------
@@ -798,11 +943,18 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     chat_template: Any = None
-    tools: Any = None
+    tools: Any = None  # shown to the chat template, as chat completions show them
     return_token_strs: bool = False
+
+    def template_tools(self) -> list | None:
+        return check_tools(self.tools) or None
 
     def check_supported(self) -> None:
         super().check_supported()
+        try:
+            check_tools(self.tools)
+        except RequestError as e:
+            raise APIError(400, str(e), param="tools") from None
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt (a string) or messages (a chat)",
                            param="prompt")

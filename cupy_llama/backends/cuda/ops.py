@@ -105,6 +105,14 @@ class CudaOps(SublayerOps):
         self._logprob_ids = cupy.empty(width, np.int32)
         self._logprobs_host = [(pinned_array(cupy, width, np.float32),
                                 pinned_array(cupy, width, np.int32)) for _ in range(2)]
+        # structured outputs: a step's mask rows of its two launches ([2, n] int32: the
+        # deferred rows skipped, then only they drawn) and its bitmask rows, made at the
+        # first constrained step (sample_masked). Their copies run on the copy stream, like
+        # the settings', so the buffers are free again for the same reasons (sample_async)
+        self._mask_rows_host = pinned_array(cupy, 2 * n, np.int32).reshape(2, n)
+        self._mask_rows_device = cupy.empty((2, n), np.int32)
+        self._bitmask_host = self._bitmask_device = None
+        self._masks_copied = sync_event(cupy)  # copy stream: the masks of launch 2 are there
 
         sizes = attention_kernels.workspace_sizes(max_num_seqs, num_heads, head_dim, max_model_len)
         if workspace is None:
@@ -276,11 +284,73 @@ class CudaOps(SublayerOps):
         # call is still running, so the copy is over before this step's kernel comes up
         runtime.memcpyAsync(device.data.ptr, host.ctypes.data, self.SAMPLING_BYTES * n, H2D,
                             copy.ptr)
+        deferred = sampling.deferred is not None and bool(sampling.deferred.any())
+        if deferred:  # constrained rows: skipped here, drawn by sample_masked
+            mask_rows = self._upload_mask_rows(
+                0, np.where(sampling.deferred, sampling_kernels.MASK_SKIP, -1))
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
         d = on_device
+        pending = PendingTokens()
+        if deferred:  # the tokens are copied back once sample_masked has drawn the rest
+            sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"],
+                                    d["min_p"], d["seeds"], d["steps"], tokens,
+                                    mask_rows=mask_rows)
+            pending.deferred_inputs = (logits, B, logprob_rows, k)
+            return pending
         sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"], d["min_p"],
                                 d["seeds"], d["steps"], tokens)
+        self._return_tokens(pending, logits, B, logprob_rows, k)
+        return pending
+
+    def _upload_mask_rows(self, launch: int, mask_rows: np.ndarray):
+        """Queue the copy of mask_rows [B] for the step's launch 0 or 1 on the copy stream
+        (whoever launches waits for it); their device view."""
+        B = mask_rows.shape[0]
+        self._mask_rows_host[launch, :B] = mask_rows
+        self._cupy.cuda.runtime.memcpyAsync(
+            self._mask_rows_device[launch].data.ptr, self._mask_rows_host[launch].ctypes.data,
+            4 * B, H2D, self._copy_stream.ptr)
+        return self._mask_rows_device[launch, :B]
+
+    def sample_masked(self, pending: "PendingTokens", rows, bitmask) -> None:
+        logits, B, logprob_rows, k = pending.deferred_inputs
+        rows = np.asarray(rows, dtype=np.int32)
+        R, words = rows.size, bitmask.shape[1]
+        stream = self._cupy.cuda.get_current_stream()
+        if R:
+            # the host buffers are free: their last copies were queued before the last
+            # step's token copy, which the caller has waited for (PendingTokens.get) before
+            # it draws this step; the device buffers too: the kernel that read them ran
+            # before that token copy, which this step's copies follow on the copy stream
+            if self._bitmask_host is None or self._bitmask_host.shape[1] != words:
+                self._bitmask_host = pinned_array(
+                    self._cupy, self.max_num_seqs * words, np.uint32).reshape(-1, words)
+                self._bitmask_device = self._cupy.empty((self.max_num_seqs, words), np.uint32)
+            mask_rows = np.full(B, sampling_kernels.MASK_SKIP, np.int32)
+            mask_rows[rows] = np.arange(R, dtype=np.int32)
+            device_rows = self._upload_mask_rows(1, mask_rows)
+            self._bitmask_host[:R] = bitmask[:R]
+            self._cupy.cuda.runtime.memcpyAsync(
+                self._bitmask_device.data.ptr, self._bitmask_host.ctypes.data,
+                4 * R * words, H2D, self._copy_stream.ptr)
+            self._masks_copied.record(self._copy_stream)
+            stream.wait_event(self._masks_copied)
+            _, on_device, tokens = self._sampling_views(B)
+            d = on_device
+            sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"],
+                                    d["min_p"], d["seeds"], d["steps"], tokens,
+                                    bitmask=self._bitmask_device[:R], mask_rows=device_rows)
+        self._return_tokens(pending, logits, B, logprob_rows, k)
+
+    def _return_tokens(self, pending: "PendingTokens", logits, B: int, logprob_rows, k: int):
+        """Queue the log-probabilities of the rows that ask and the copy of a step's tokens
+        (and those) to the host, into pending."""
+        stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
+        runtime = self._cupy.cuda.runtime
+        _, on_device, tokens = self._sampling_views(B)
+        d = on_device
+        R = logprob_rows.size
         values = self._logprob_values[:R * (1 + k)].reshape(R, 1 + k)
         ids = self._logprob_ids[:R * (1 + k)].reshape(R, 1 + k)
         if R:
@@ -299,7 +369,7 @@ class CudaOps(SublayerOps):
             logprobs = (logprob_rows, values_host[:R * (1 + k)].reshape(R, 1 + k),
                         ids_host[:R * (1 + k)].reshape(R, 1 + k))
         copied.record(copy)
-        return PendingTokens(copied, tokens_host[:B], logprobs)
+        pending.attach(copied, tokens_host[:B], logprobs)
 
 
 def sync_event(cupy):
@@ -312,12 +382,17 @@ class PendingTokens:
     the second sample_async after this one, which fills the buffer and records the event
     again."""
 
-    def __init__(self, copied, host_tokens: np.ndarray, logprobs=None):
-        """logprobs: None, or (rows, values, ids) with values and ids host views being filled."""
+    def __init__(self):
+        self._tokens = self._logprobs = None
+        # sample_async's, while deferred rows wait for sample_masked (interface.py)
+        self.deferred_inputs = None
+
+    def attach(self, copied, host_tokens: np.ndarray, logprobs=None) -> None:
+        """The copies are queued. logprobs: None, or (rows, values, ids) with values and ids
+        host views being filled."""
         self._copied = copied  # event recorded after the device-to-host copies
         self._host = host_tokens
         self._host_logprobs = logprobs
-        self._tokens = self._logprobs = None
 
     def get(self) -> np.ndarray:
         if self._tokens is None:
