@@ -29,8 +29,9 @@ fell behind writes one merged chunk instead of a backlog of one chunk per token.
 Messages, server to engine: ("settings", model_dir, device, engine_options) first, then
 ("add", request_id, prompt_ids, params, stream), ("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
 message) once, then ("out", deltas, rejected, stats) after every step (and after any
-message handled while idle), and ("crashed", traceback) if the loop dies. A delta is the
-plain tuple DELTA_FIELDS names (plain tuples pickle about 8x faster than named ones).
+message handled while idle), and ("crashed", traceback) if the loop dies. The deltas are
+the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
+about 6x faster than a tuple subclass, and named again on arrival.
 """
 from __future__ import annotations
 
@@ -46,16 +47,11 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-# one engine output, as the engine process sends it: the text and token ids added since
-# the request's previous delta, "stop" / "length" / "abort" once it ends, the new tokens'
-# log-probabilities (None unless asked for), the prompt tokens the prefix cache served,
-# and at the end the sample's times (RequestTimes as a tuple: taken in, first scheduled,
-# first token, last token)
-DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
-                "num_cached_tokens", "times")
+from .output_processor import EngineDelta
+
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -165,6 +161,7 @@ class _EngineLoop:
     def run(self) -> None:
         engine, channel = self.engine, self.channel
         from ..errors import RequestError
+        engine.outputs = None  # the deltas go to the server as they are
         while True:
             busy = engine.has_unfinished_requests()
             turn_started = time.perf_counter()
@@ -184,37 +181,44 @@ class _EngineLoop:
                                            stream=stream)
                     except RequestError as e:
                         rejected.append((request_id, str(e)))
-                elif kind == "abort":  # the final output of each sample still running
-                    deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
+                elif kind == "abort":  # the final delta of each sample still running
+                    deltas += engine.abort_deltas(message[1])
                 elif kind == "stop":
                     return  # engine.close() aborts what still runs and frees the device
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
-                outputs = engine.step()
+                step_deltas = engine.step_deltas()
                 self.step_seconds += time.perf_counter() - started
                 if engine.num_step_tokens:
                     self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS,
                                                              engine.num_step_tokens)] += 1
                     self.iteration_tokens_sum += engine.num_step_tokens
-                deltas.extend(_as_delta(output) for output in outputs)
+                deltas += step_deltas
                 stepped = True
             else:
                 stepped = False
             if deltas or rejected or messages:
-                channel.send(("out", deltas, rejected, self.stats()))
+                channel.send(self.step_message(deltas, rejected))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
 
+    def step_message(self, deltas: list[EngineDelta], rejected: list) -> tuple:
+        """The "out" message of a turn: its deltas as plain tuples, the requests refused,
+        the stats."""
+        return ("out", list(map(tuple, deltas)), rejected, self.stats())
+
     def stats(self) -> dict:
         """The engine's EngineStats as a dict, and the loop's own counts and times."""
-        return {**asdict(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
+        # vars(), not asdict(): the fields are plain values, and this runs every step
+        return {**vars(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
                 "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds,
                 "iteration_tokens": self.iteration_tokens,
                 "iteration_tokens_sum": self.iteration_tokens_sum}
 
 
-def _as_delta(output) -> tuple:
-    """A RequestOutput as the plain tuple DELTA_FIELDS describes."""
+def _as_delta(output) -> EngineDelta:
+    """A RequestOutput's delta as the EngineDelta it was made from (for an engine run in
+    the server's own process, as the tests do)."""
     logprobs = output.logprobs
     if logprobs is not None:
         logprobs = [(entry.token_id, entry.logprob, entry.top)
@@ -222,8 +226,8 @@ def _as_delta(output) -> tuple:
     times = output.times
     if times is not None:
         times = (times.added, times.scheduled, times.first_token, times.last_token)
-    return (output.request_id, output.index, output.delta, output.delta_token_ids,
-            output.finish_reason, logprobs, output.num_cached_tokens, times)
+    return EngineDelta(output.request_id, output.index, output.delta, output.delta_token_ids,
+                       output.finish_reason, logprobs, output.num_cached_tokens, times)
 
 
 def _engine_info(engine) -> dict:
@@ -366,7 +370,7 @@ class AsyncEngine:
     >>> engine = AsyncEngine(model_dir, "cpu", {})
     >>> info = await engine.start()
     >>> stream = RequestStream(); engine.add("r1", [1, 2, 3], SamplingParams(), True, stream)
-    >>> deltas = await stream.get()   # tuples, see DELTA_FIELDS
+    >>> deltas = await stream.get()   # EngineDeltas (engine/output_processor.py)
     """
 
     def __init__(self, model_dir, device: str, engine_options: dict, log=_stderr,
@@ -498,13 +502,14 @@ class AsyncEngine:
             _, deltas, rejected, self.stats = message
             self._progress_at = time.monotonic()
             streams, unfinished = self._streams, self._num_unfinished
-            for delta in deltas:
-                request_id = delta[0]
+            for fields in deltas:
+                delta = EngineDelta.of(fields)
+                request_id = delta.request_id
                 sink = streams.get(request_id)
                 if sink is None:
                     continue
                 sink.put(delta)
-                if delta[4] is not None:  # a sample ended (an abort ends each one running)
+                if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
                     unfinished[request_id] -= 1
                     if not unfinished[request_id]:
                         del streams[request_id], unfinished[request_id]

@@ -334,7 +334,7 @@ class _Job:
         now = time.monotonic()
         updates: dict = {}
         for item in items:
-            if type(item) is not tuple:
+            if not isinstance(item, tuple):  # an EngineDelta, else the engine's word
                 self._fail(item)
             request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times = item
             i = self._prompt_of[request_id]
