@@ -29,6 +29,9 @@ parts, by wrapping the engine's functions:
                  outputs (and for stream()/generate() the code around step())
   serialization  --serve only: the step's message to the server process, built and
                  pickled as the engine process sends it
+  server text    --serve only, where the server process makes the text (vLLM v1's
+                 split): its detokenizing and stop strings for the step's deltas,
+                 outside the engine process's step and its total
 
 Reported per step for the steady state (every sequence decoding, none waiting) and in
 total over the whole run; "untimed total" is the step's time in a second run of the
@@ -53,6 +56,9 @@ from pathlib import Path
 import numpy as np
 
 PARTS = ("schedule", "prepare", "backend", "detokenize", "stop", "outputs", "serialization")
+# --serve with a checkout whose server process makes the text: its time per step, not the
+# engine process's (it overlaps the next step)
+SERVER_PARTS = ("server text",)
 MAX_PLAIN_TOKEN_ID = 128000  # Llama 3's special tokens start here
 
 
@@ -194,22 +200,51 @@ class _NullChannel:
         self.num_bytes += len(async_engine._frame(message))
 
 
-def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer):
-    """A function that runs one turn of `serve`'s engine process: step, build the step's
-    message and pickle it (this checkout's way: its _EngineLoop.step_message where it has
-    one, else RequestOutputs turned into delta tuples)."""
+def serve_split(engine: LLMEngine) -> bool:
+    """Whether this checkout's server process makes the text (add_request(text=False))."""
+    import inspect
+    return "text" in inspect.signature(engine.add_request).parameters
+
+
+def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_params: dict):
+    """(turn, server): turn() runs one turn of `serve`'s engine process: step, build the
+    step's message and pickle it (this checkout's way: its _EngineLoop.step_message where
+    it has one, else RequestOutputs turned into delta tuples), and returns the message;
+    server(message) does what the server process does with it where that makes the text,
+    and the samples it ends at a stop string are aborted at the next turn, as the loop
+    does."""
     loop = async_engine._EngineLoop(engine, _NullChannel())
     if hasattr(loop, "step_message"):  # the typed per-step deltas
+        from cupy_llama.engine.output_processor import DetokenizedSample, EngineDelta
+        engine.outputs = None
         build = timer.wrap("serialization", lambda deltas: loop.step_message(deltas, []))
         frame = timer.wrap("serialization", async_engine._frame)
+        texts, to_abort = {}, []
 
         def turn():
-            deltas = engine.step_deltas()
+            deltas = [delta for request_id, index in to_abort
+                      for delta in engine.abort_deltas(request_id, index)]
+            to_abort.clear()
+            deltas += engine.step_deltas()
             for delta in deltas:
                 num_tokens[delta.request_id, delta.index] = (
                     num_tokens.get((delta.request_id, delta.index), 0) + len(delta.token_ids))
-            frame(build(deltas))
-            return deltas
+            message = build(deltas)
+            frame(message)
+            return message
+
+        def server(message):
+            for fields in message[1]:
+                delta = EngineDelta.of(fields)
+                key = delta.request_id, delta.index
+                sample = texts.get(key)
+                if sample is None:
+                    params = engine_params[delta.request_id]
+                    sample = texts[key] = DetokenizedSample(engine.tokenizer, params, True)
+                delta, stopped = sample.process(delta)
+                if stopped:
+                    to_abort.append(key)
+        return turn, server
     else:
         to_delta = timer.wrap("serialization", lambda outputs: [
             async_engine._as_delta(o) for o in outputs])
@@ -220,8 +255,7 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer):
             for delta in deltas:
                 num_tokens[delta[0], delta[1]] = num_tokens.get((delta[0], delta[1]), 0) + len(delta[3])
             frame(("out", deltas, [], loop.stats()))
-            return deltas
-    return turn
+    return turn, None
 
 
 def run(args) -> dict:
@@ -243,6 +277,7 @@ def run_once(args, parts: bool) -> dict:
                              seed=args.seed + i, stop=list(args.stop))
               for i, n in enumerate(work.output_lens)]
     steady, all_steps = [], []
+    engine_params: dict = {}
     profiler = cProfile.Profile() if args.cprofile and parts else None
 
     def timed(step):
@@ -259,6 +294,7 @@ def run_once(args, parts: bool) -> dict:
             parts = timer.take()
             parts["outputs"] = total - sum(parts.values())
             parts["total"] = total
+            parts["server text"] = 0.0
             all_steps.append(parts)
             if steady_now:
                 steady.append(parts)
@@ -267,13 +303,23 @@ def run_once(args, parts: bool) -> dict:
 
     started = time.perf_counter()
     if args.serve:
-        mode = "serve engine process"
+        split = serve_split(engine)
+        mode = "serve engine process" + (", text in the server process" if split else "")
         num_tokens: dict = {}
-        turn = timed(serve_loop(engine, num_tokens, timer))
-        for prompt, sampling in zip(work.prompts, params):
-            engine.add_request(prompt, sampling)
+        turn, server = serve_loop(engine, num_tokens, timer, engine_params)
+        turn = timed(turn)
+        for i, (prompt, sampling) in enumerate(zip(work.prompts, params)):
+            if split:
+                engine.add_request(prompt, sampling, request_id=str(i), text=False)
+            else:
+                engine.add_request(prompt, sampling, request_id=str(i))
+            engine_params[str(i)] = sampling
         while engine.has_unfinished_requests():
-            turn()
+            message = turn()
+            if server is not None:
+                server_started = time.perf_counter()
+                server(message)
+                all_steps[-1]["server text"] = time.perf_counter() - server_started
         num_output_tokens = sum(num_tokens.values())
     else:
         engine.step = timed(engine.step)
@@ -299,8 +345,9 @@ def run_once(args, parts: bool) -> dict:
         "num_output_tokens": num_output_tokens, "num_steps": len(all_steps),
         "wall_s": wall, "steps_s": sum(s["total"] for s in all_steps),
         "num_steady_steps": len(steady),
-        "steady_per_step": {part: per_step(part) for part in PARTS + ("total",)},
-        "whole_run_s": {part: sum(s[part] for s in all_steps) for part in PARTS + ("total",)},
+        "steady_per_step": {part: per_step(part) for part in PARTS + ("total",) + SERVER_PARTS},
+        "whole_run_s": {part: sum(s[part] for s in all_steps)
+                        for part in PARTS + ("total",) + SERVER_PARTS},
     }
     if profiler is not None:
         print(f"\ncProfile of the steady decode steps, top {args.cprofile} by own time:")
@@ -321,16 +368,16 @@ def report(results: list[tuple[str, dict]]) -> None:
     print(f"\nsteady {first['num_requests']}-sequence decode steps, per step in ms: "
           "median (mean)")
     print(f"  {'part':14s}" + "".join(f"{name:>{width}s}" for name, _ in results))
-    for part in PARTS + ("total", "untimed total"):
+    for part in PARTS + ("total", "untimed total") + SERVER_PARTS:
         cells = []
         for _, result in results:
-            value = result["steady_per_step"][part]
+            value = result["steady_per_step"].get(part, {"median_ms": None})
             cells.append("-" if value["median_ms"] is None else
                          f"{value['median_ms']:.3f} ({value['mean_ms']:.3f})")
         print(f"  {part:14s}" + "".join(f"{cell:>{width}s}" for cell in cells))
     print("\nwhole run, seconds:")
-    for part in PARTS + ("total", "untimed total"):
-        print(f"  {part:14s}" + "".join(f"{result['whole_run_s'][part]:>{width}.3f}"
+    for part in PARTS + ("total", "untimed total") + SERVER_PARTS:
+        print(f"  {part:14s}" + "".join(f"{result['whole_run_s'].get(part, 0.0):>{width}.3f}"
                                         for _, result in results))
 
 

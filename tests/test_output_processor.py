@@ -55,15 +55,15 @@ class CharTokenizer:
 def run_sample(token_ids, stops, stream=True):
     """Feed tokens to a sample as the engine does; its deltas and where it stopped."""
     seq = Sequence("r", [1], SamplingParams(max_tokens=100, stop=stops), 0, 0)
-    sample = _Sample(seq, CharTokenizer(), stream)
+    sample = _Sample(seq, CharTokenizer(), stream, text=True)
     deltas = []
     for index, token_id in enumerate(token_ids):
         seq.output_token_ids.append(token_id)
         sample.num_resolved = index + 1
-        stopped = sample.detokenizer is not None and sample.add_text(token_id)
+        stopped = sample.text.incremental and sample.text.add(token_id)
         if stopped or index == len(token_ids) - 1:
             if not stopped:
-                sample.flush_text(last_is_eos=False)
+                sample.finish_text(last_is_eos=False)
             sample.finish_reason = "stop" if stopped else "length"
             deltas.append(sample.delta())
             return deltas, index if stopped else None
@@ -154,3 +154,83 @@ def test_the_accumulator_makes_cumulative_outputs():
     # outputs handed out earlier are not changed by later ones
     assert all(len(o.token_ids) <= len(expected[o.index][0]) for o in seen)
     assert outputs.process([EngineDelta("a", 0, "late", [9], "stop")]) == []
+
+
+class _Sink:
+    def __init__(self):
+        self.items = []
+
+    def put(self, item):
+        self.items.append(item)
+
+
+def test_text_made_in_the_server_process_is_the_engines(llm):
+    """serve's split: the engine sends token ids only, the server process makes the text
+    and ends samples at their stop strings. Its outputs equal the engine's own."""
+    from conftest import assert_all_blocks_free
+
+    from cupy_llama.engine.async_engine import AsyncEngine
+    engine = llm.engine
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    plain = [llm.generate(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)).text
+             for p in prompts]
+    params = []
+    for i, text in enumerate(plain):
+        stop = next((text[j:j + 2] for j in range(2 + i, len(text) - 2)
+                     if "\ufffd" not in text[j:j + 2]), "zz")
+        params.append(SamplingParams(
+            max_tokens=30, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True, n=1 + i % 2,
+            logprobs=1 if i % 3 == 0 else None, stop=[stop, "never here"] if i % 2 else []))
+    # request 0 ends at an EOS token that has text (it is not shown)
+    free = llm.generate(prompts[0], SamplingParams(max_tokens=30, temperature=0,
+                                                   ignore_eos=True)).token_ids
+    eos = next(t for t in free[4:] if t < 256 and t not in free[:4])
+    params[0] = SamplingParams(max_tokens=30, temperature=0)
+    streams = [i % 3 != 1 for i in range(len(prompts))]
+    expected = {}
+    engine.eos_token_ids.add(eos)
+    for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+        for output in llm.generate([prompt], sampling):
+            expected[str(i), output.index] = output
+    assert expected["0", 0].token_ids[-1] == eos and expected["0", 0].finish_reason == "stop"
+
+    sent = []
+    server = AsyncEngine("unused", "cpu", {}, tokenizer=engine.tokenizer)
+    server._send = sent.append
+    sinks = {}
+    accumulator, engine.outputs = engine.outputs, None  # the deltas come out as they are
+    try:
+        for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+            sinks[str(i)] = _Sink()
+            server.add(str(i), prompt, sampling, streams[i], sinks[str(i)])
+        for _, request_id, prompt, sampling, stream, text in sent:
+            assert text is False
+            engine.add_request(prompt, sampling, request_id=request_id, stream=stream, text=text)
+        sent.clear()
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            deltas = []
+            for message in sent:  # the samples the server ended at a stop string
+                assert message[0] == "abort" and len(message) == 3
+                deltas += engine.abort_deltas(*message[1:])
+            sent.clear()
+            deltas += engine.step_deltas()
+            server._on_message(("out", [tuple(d) for d in deltas], [], {}))
+    finally:
+        engine.outputs = accumulator
+        engine.eos_token_ids.discard(eos)
+    assert not server._streams and not server._texts
+    for (request_id, index), output in expected.items():
+        mine = [d for d in sinks[request_id].items if d.index == index]
+        assert [d.finish_reason for d in mine[:-1]] == [None] * (len(mine) - 1)
+        if not streams[int(request_id)] and not params[int(request_id)].stop:
+            assert len(mine) == 1  # not streamed: one delta at the end
+        assert mine[-1].finish_reason == output.finish_reason
+        assert "".join(d.text for d in mine) == output.text, (request_id, index)
+        assert [t for d in mine for t in d.token_ids] == output.token_ids
+        if output.logprobs is not None:
+            assert [entry[0] for d in mine for entry in d.logprobs] == output.token_ids
+    assert any(o.finish_reason == "stop" for o in expected.values())
+    assert_all_blocks_free(llm)

@@ -27,7 +27,10 @@ which gives a handler everything that queued up since it last looked, so a handl
 fell behind writes one merged chunk instead of a backlog of one chunk per token.
 
 Messages, server to engine: ("settings", model_dir, device, engine_options) first, then
-("add", request_id, prompt_ids, params, stream), ("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
+("add", request_id, prompt_ids, params, stream, text), ("abort", request_id[, index]),
+("stop",). With text False (the server has the tokenizer, as `serve` does) the engine
+sends token ids only: the server process detokenizes and matches stop strings
+(DetokenizedSample), and ends a sample at its stop string with an abort of that sample. Engine to server: ("ready", info) or ("failed", kind,
 message) once, then ("out", deltas, rejected, stats) after every step (and after any
 message handled while idle), and ("crashed", traceback) if the loop dies. The deltas are
 the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
@@ -50,7 +53,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from .output_processor import EngineDelta
+from .output_processor import DetokenizedSample, EngineDelta
 
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -174,15 +177,15 @@ class _EngineLoop:
             for message in messages:
                 kind = message[0]
                 if kind == "add":
-                    _, request_id, prompt_ids, params, stream = message
+                    _, request_id, prompt_ids, params, stream, text = message
                     self.num_added_seqs += params.n
                     try:
                         engine.add_request(prompt_ids, params, request_id=request_id,
-                                           stream=stream)
+                                           stream=stream, text=text)
                     except RequestError as e:
                         rejected.append((request_id, str(e)))
                 elif kind == "abort":  # the final delta of each sample still running
-                    deltas += engine.abort_deltas(message[1])
+                    deltas += engine.abort_deltas(*message[1:])  # (request id[, index])
                 elif kind == "stop":
                     return  # engine.close() aborts what still runs and frees the device
             if engine.has_unfinished_requests():
@@ -374,7 +377,10 @@ class AsyncEngine:
     """
 
     def __init__(self, model_dir, device: str, engine_options: dict, log=_stderr,
-                 on_stopped=None):
+                 on_stopped=None, tokenizer=None):
+        """tokenizer: the model's, to make the text here (vLLM v1's split): the engine
+        process then sends token ids only and its step loop does no text work; without
+        one the engine makes the text."""
         self.model_dir = str(model_dir)
         self.device = device
         self.engine_options = dict(engine_options)
@@ -387,6 +393,8 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished: dict[str, int] = {}  # choices still running, per request
+        self.tokenizer = tokenizer
+        self._texts: dict[str, list[DetokenizedSample]] = {}  # with a tokenizer: per request
         self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
         self._stopping = False
         self._stopped = False
@@ -470,7 +478,11 @@ class AsyncEngine:
         self._streams[request_id] = sink
         self._num_unfinished[request_id] = params.n
         self._num_seqs_sent += params.n
-        self._send(("add", request_id, prompt_ids, params, stream))
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            self._texts[request_id] = [DetokenizedSample(tokenizer, params, stream)
+                                       for _ in range(params.n)]
+        self._send(("add", request_id, prompt_ids, params, stream, tokenizer is None))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the engine's next step. Its final
@@ -501,21 +513,30 @@ class AsyncEngine:
         if kind == "out":
             _, deltas, rejected, self.stats = message
             self._progress_at = time.monotonic()
-            streams, unfinished = self._streams, self._num_unfinished
+            streams, unfinished, texts = self._streams, self._num_unfinished, self._texts
             for fields in deltas:
                 delta = EngineDelta.of(fields)
                 request_id = delta.request_id
                 sink = streams.get(request_id)
                 if sink is None:
                     continue
+                samples = texts.get(request_id)
+                if samples is not None:
+                    delta, stopped = samples[delta.index].process(delta)
+                    if delta is None:
+                        continue  # the sample ended here at a stop string already
+                    if stopped:  # the engine stops it: nothing more of it is shown
+                        self._send(("abort", request_id, delta.index))
                 sink.put(delta)
                 if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
                     unfinished[request_id] -= 1
                     if not unfinished[request_id]:
                         del streams[request_id], unfinished[request_id]
+                        texts.pop(request_id, None)
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)
+                texts.pop(request_id, None)
                 if sink is not None:
                     sink.put(Rejected(request_id, reason))
         elif kind == "ready":
@@ -539,5 +560,6 @@ class AsyncEngine:
             sink.put(ENGINE_STOPPED)
         self._streams.clear()
         self._num_unfinished.clear()
+        self._texts.clear()
         if self.info is not None and not self._stopping and self.on_stopped is not None:
             self.on_stopped()

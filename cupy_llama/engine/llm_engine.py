@@ -14,7 +14,7 @@ from ..outputs import RequestOutput, is_token_id
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .output_processor import EngineDelta, OutputAccumulator, find_stop, stop_status
+from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -23,24 +23,14 @@ class _Sample:
     """One of a request's n sequences plus what its deltas have not carried yet: text
     (held back while a stop string could be forming), tokens and log-probabilities."""
 
-    def __init__(self, seq: Sequence, tokenizer, stream: bool):
-        from ..tokenizer import IncrementalDetokenizer
+    def __init__(self, seq: Sequence, tokenizer, stream: bool, text: bool):
         self.seq = seq
-        self.stream = stream  # False: only the final delta is wanted
-        self.tokenizer = tokenizer
-        # text is needed token by token only to stream it or to watch for stop strings;
-        # otherwise it is decoded once at the end (same text: the detokenizer's deltas
-        # concatenate to the one-shot decode)
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, checked=False)
-                            if stream or seq.params.stop else None)
-        self.stops = seq.params.stop
-        self.vocab_size = tokenizer.vocab_size
-        # deltas hold back the last `hold_back` characters (one less than the longest stop
-        # string) while a stop string could still be forming, so the user never sees part
-        # of one
-        self.hold_back = max((len(s) for s in self.stops), default=1) - 1
-        self.unsent: list[str] = []  # text made and not in a delta yet
-        self.tail = ""  # the text's last hold_back characters: where a stop string may start
+        # text=False: the caller makes the text from the token ids and matches the stop
+        # strings (serve's server process); a sample with stop strings then sends every
+        # step's tokens, streamed or not, and ends at a stop string when the caller says
+        self.text = (SampleText(tokenizer, seq.params.stop, stream or bool(seq.params.stop))
+                     if text else None)
+        self.stream = stream or (not text and bool(seq.params.stop))  # a delta every step
         self.num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
@@ -57,51 +47,14 @@ class _Sample:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
-    def add_text(self, token_id: int) -> bool:
-        """Adds the token's text (the sample has a detokenizer); True when that completes a
-        stop string: the text then ends where the stop string starts (it is not shown)."""
-        if token_id >= self.vocab_size:
-            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
-        new = self.detokenizer.add(token_id)
-        if not new:
-            return False
-        if not self.stops:
-            self.unsent.append(new)
-            return False
-        # a new match ends in the new text: look in it and the characters before it
-        window = self.tail + new
-        at = find_stop(window, self.stops, len(self.tail))
-        if at is None:
-            self.unsent.append(new)
-            self.tail = window[-self.hold_back:] if self.hold_back else ""
-            return False
-        # the window's characters are all unsent (a delta holds back hold_back of them)
-        text = "".join(self.unsent) + new
-        self.unsent = [text[:len(text) - (len(window) - at)]]
-        return True
-
-    def flush_text(self, last_is_eos: bool) -> None:
-        """The end of the text: what the detokenizer held back, or the whole decode."""
-        if self.detokenizer is not None:
-            self.unsent.append(self.detokenizer.flush())
-            return
-        ids = self.seq.output_token_ids[:self.num_resolved - last_is_eos]
-        vocab = self.vocab_size
-        if ids and max(ids) >= vocab:  # ids past the tokenizer's vocabulary have no text
-            ids = [t for t in ids if t < vocab]
-        self.unsent.append(self.tokenizer.decode_unchecked(ids))
+    def finish_text(self, last_is_eos: bool) -> None:
+        if self.text is not None:
+            self.text.finish(self.seq.output_token_ids[:self.num_resolved - last_is_eos])
 
     def delta(self) -> EngineDelta:
         """What is new since the previous delta."""
-        unsent = self.unsent
-        text = unsent[0] if len(unsent) == 1 else "".join(unsent)
-        if self.finish_reason is None and self.hold_back and text:
-            keep = min(len(text), self.hold_back)
-            self.unsent = [text[len(text) - keep:]]
-            text = text[:len(text) - keep]
-        else:
-            self.unsent = []
         seq = self.seq
+        text = "" if self.text is None else self.text.take(self.finish_reason is not None)
         token_ids = seq.output_token_ids[self.num_sent_tokens:self.num_resolved]
         self.num_sent_tokens = self.num_resolved
         logprobs = self.logprobs
@@ -240,10 +193,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True,
+                    text: bool = True) -> str:
         """stream=False: step() reports this request only when it finishes. With params.n
         > 1 the request is n sequences, its samples: each output says which one it is
-        (RequestOutput.index); the prompt is computed once (engine/scheduler.py)."""
+        (RequestOutput.index); the prompt is computed once (engine/scheduler.py).
+        text=False: the deltas carry no text and stop strings are not matched here; the
+        caller makes the text (SampleText) and ends a sample at its stop string with
+        abort_deltas(request_id, index), as serve's server process does."""
         prompt_ids = self.encode_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -254,7 +211,7 @@ class LLMEngine:
                            next(self._arrivals), index=index, parent=parent)
             parent = parent or seq
             self.scheduler.add(seq)
-            samples.append(_Sample(seq, self.tokenizer, stream))
+            samples.append(_Sample(seq, self.tokenizer, stream, text))
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
         if self.outputs is not None:
@@ -289,11 +246,15 @@ class LLMEngine:
             self._undelivered.setdefault(request_id, []).extend(outputs)
         return outputs
 
-    def abort_deltas(self, request_id: str) -> list[EngineDelta]:
-        """abort() as deltas: the final one of each sample that had not finished."""
-        samples = self.requests.pop(str(request_id), None)
+    def abort_deltas(self, request_id: str, index: int | None = None) -> list[EngineDelta]:
+        """abort() as deltas: the final one of each sample that had not finished (of sample
+        `index` only, where given)."""
+        request_id = str(request_id)
+        samples = self.requests.get(request_id)
+        if samples is None:
+            return []
         deltas = []
-        for sample in samples or ():
+        for sample in samples if index is None else samples[index:index + 1]:
             if sample.finish_reason is not None:
                 continue
             self._num_unscheduled -= sample.scheduled_at is None
@@ -301,8 +262,10 @@ class LLMEngine:
             del sample.seq.output_token_ids[sample.num_resolved:]  # tokens still coming
             sample.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not
             # "length": the scheduler may have finished it already, at its last token's launch
-            sample.flush_text(last_is_eos=False)
+            sample.finish_text(last_is_eos=False)
             deltas.append(sample.delta())  # finished: nothing is held back
+        if all(s.finish_reason is not None for s in samples):
+            del self.requests[request_id]
         return deltas
 
     def close(self) -> None:
@@ -413,11 +376,12 @@ class LLMEngine:
         sample.num_resolved = index + 1
         status = stop_status(params, token_id, index + 1, seq.num_prompt_tokens + index + 1,
                              self.eos_token_ids, self.context_limit)
-        if status is not SequenceStatus.FINISHED_STOPPED and sample.detokenizer is not None \
-                and sample.add_text(token_id):  # a stop string
+        text = sample.text
+        if status is not SequenceStatus.FINISHED_STOPPED and text is not None \
+                and text.detokenizer is not None and text.add(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED
         elif status is not None:
-            sample.flush_text(last_is_eos=status is SequenceStatus.FINISHED_STOPPED)
+            sample.finish_text(last_is_eos=status is SequenceStatus.FINISHED_STOPPED)
         if status is None:
             return sample.stream
         del seq.output_token_ids[index + 1:]  # a token of a step still running

@@ -12,6 +12,7 @@ from __future__ import annotations
 from operator import itemgetter
 
 from ..outputs import RequestOutput, RequestTimes, TokenLogprob
+from ..tokenizer import IncrementalDetokenizer
 from .sequence import SequenceStatus
 
 _STOPPED, _LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
@@ -72,6 +73,119 @@ def find_stop(text: str, stops, num_old_chars: int) -> int | None:
         if at >= 0 and (best is None or at < best):
             best = at
     return best
+
+
+class SampleText:
+    """One sample's text as its tokens arrive: made token by token (incremental) to stream
+    it or watch for stop strings, else decoded once at the end (the same text: the
+    detokenizer's deltas concatenate to the one-shot decode). The engine keeps one per
+    sample; with serve, the server process does (AsyncEngine), off the step loop."""
+    __slots__ = ("tokenizer", "detokenizer", "stops", "vocab_size", "hold_back", "unsent",
+                 "tail")
+
+    def __init__(self, tokenizer, stops, incremental: bool):
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, checked=False) if incremental else None
+        self.stops = stops
+        self.vocab_size = tokenizer.vocab_size
+        # deltas hold back the last `hold_back` characters (one less than the longest stop
+        # string) while a stop string could still be forming, so the user never sees part
+        # of one
+        self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.unsent: list[str] = []  # text made and not taken yet
+        self.tail = ""  # the text's last hold_back characters: where a stop string may start
+
+    @property
+    def incremental(self) -> bool:
+        return self.detokenizer is not None
+
+    def add(self, token_id: int) -> bool:
+        """Adds the token's text (incremental only); True when that completes a stop
+        string: the text then ends where the stop string starts (it is not shown)."""
+        if token_id >= self.vocab_size:
+            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+        new = self.detokenizer.add(token_id)
+        if not new:
+            return False
+        if not self.stops:
+            self.unsent.append(new)
+            return False
+        # a new match ends in the new text: look in it and the characters before it
+        window = self.tail + new
+        at = find_stop(window, self.stops, len(self.tail))
+        if at is None:
+            self.unsent.append(new)
+            self.tail = window[-self.hold_back:] if self.hold_back else ""
+            return False
+        # the window's characters are all unsent (take() holds back hold_back of them)
+        text = "".join(self.unsent) + new
+        self.unsent = [text[:len(text) - (len(window) - at)]]
+        return True
+
+    def finish(self, token_ids: list[int]) -> None:
+        """The end of the text (not after a stop string): what the detokenizer held back,
+        or the one-shot decode of token_ids, the sample's tokens that have text."""
+        if self.detokenizer is not None:
+            self.unsent.append(self.detokenizer.flush())
+            return
+        vocab = self.vocab_size
+        if token_ids and max(token_ids) >= vocab:  # ids past the tokenizer's vocabulary
+            token_ids = [t for t in token_ids if t < vocab]
+        self.unsent.append(self.tokenizer.decode_unchecked(token_ids))
+
+    def take(self, finished: bool) -> str:
+        """The text made since the last take(), less what is held back unless finished."""
+        unsent = self.unsent
+        text = unsent[0] if len(unsent) == 1 else "".join(unsent)
+        if not finished and self.hold_back and text:
+            keep = min(len(text), self.hold_back)
+            self.unsent = [text[len(text) - keep:]]
+            return text[:len(text) - keep]
+        self.unsent = []
+        return text
+
+
+class DetokenizedSample:
+    """A sample whose engine sends token ids only (LLMEngine.add_request(text=False)), as
+    the server process sees it: process() adds the text to each delta and ends the sample
+    at a stop string, keeping the tokens up to the one that completed it (the engine is
+    told to stop it, and what it made meanwhile is dropped here)."""
+    __slots__ = ("text", "finished")
+
+    def __init__(self, tokenizer, params, stream: bool):
+        self.text = SampleText(tokenizer, params.stop, stream or bool(params.stop))
+        self.finished = False
+
+    def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
+        """(the delta with its text, or None once the sample has ended here; True when a
+        stop string ended it here)."""
+        if self.finished:
+            return None, False
+        request_id, index, _, token_ids, finish_reason, logprobs, cached, times = delta
+        text, stopped = self.text, False
+        # the engine's "stop" is EOS here (it matches no stop strings): that token has no text
+        num_with_text = len(token_ids) - (finish_reason == "stop")
+        if text.incremental:
+            for i in range(num_with_text):
+                if text.add(token_ids[i]):
+                    token_ids = token_ids[:i + 1]
+                    if logprobs is not None:
+                        logprobs = logprobs[:i + 1]
+                    # (the engine's times come with its final delta, which is dropped)
+                    finish_reason, times, stopped = "stop", None, True
+                    break
+            else:
+                if finish_reason is not None:
+                    text.finish(())
+        elif finish_reason is not None:  # its one delta carries all of its tokens
+            text.finish(token_ids[:num_with_text])
+        self.finished = finish_reason is not None
+        return _new_tuple(EngineDelta, (
+            request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
+            cached, times)), stopped
+
+
+_new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__
 
 
 class _SampleOutput:

@@ -117,7 +117,7 @@ class ServerState:
         self.model_defaults = model_sampling_defaults(model_config.generation_config)
         self.max_bytes_per_token = protocol.max_bytes_per_token(tokenizer)
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
-                                  on_stopped=self._engine_stopped)
+                                  on_stopped=self._engine_stopped, tokenizer=tokenizer)
         self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
                                settings.served_model_name)
         self.phase = self.LOADING
