@@ -107,7 +107,10 @@ class ModelRunner:
                 # token's K/V are in a shared block already, which is never written: its
                 # slot is -1 (attention reads the cached K/V at its position)
                 unwritten.append((len(token_ids), min(n, seq.num_reused_tokens - start)))
-            token_ids += seq.token_slice(start, start + n)
+            if n == 1 and start >= seq.num_prompt_tokens:  # a decode step's token
+                token_ids.append(seq.output_token_ids[start - seq.num_prompt_tokens])
+            else:
+                token_ids += seq.token_slice(start, start + n)
             starts.append(start)
             rows.append(seq.slot)
         num_new = np.array(batch.num_new_tokens, dtype=np.int32)
