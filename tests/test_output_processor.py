@@ -228,6 +228,8 @@ def test_text_made_in_the_server_process_is_the_engines(llm):
         if not streams[int(request_id)] and not params[int(request_id)].stop:
             assert len(mine) == 1  # not streamed: one delta at the end
         assert mine[-1].finish_reason == output.finish_reason
+        first, last = mine[-1].times[2:]  # the engine's, or those seen by the server
+        assert first is not None and last >= first
         assert "".join(d.text for d in mine) == output.text, (request_id, index)
         assert [t for d in mine for t in d.token_ids] == output.token_ids
         if output.logprobs is not None:

@@ -9,6 +9,7 @@ stop_status is the one function that decides EOS and lengths.
 """
 from __future__ import annotations
 
+import time
 from operator import itemgetter
 
 from ..outputs import RequestOutput, RequestTimes, TokenLogprob
@@ -150,11 +151,12 @@ class DetokenizedSample:
     the server process sees it: process() adds the text to each delta and ends the sample
     at a stop string, keeping the tokens up to the one that completed it (the engine is
     told to stop it, and what it made meanwhile is dropped here)."""
-    __slots__ = ("text", "finished")
+    __slots__ = ("text", "finished", "first_token_at")
 
     def __init__(self, tokenizer, params, stream: bool):
         self.text = SampleText(tokenizer, params.stop, stream or bool(params.stop))
         self.finished = False
+        self.first_token_at: float | None = None  # when its first token reached this process
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
         """(the delta with its text, or None once the sample has ended here; True when a
@@ -163,6 +165,8 @@ class DetokenizedSample:
             return None, False
         request_id, index, _, token_ids, finish_reason, logprobs, cached, times = delta
         text, stopped = self.text, False
+        if self.first_token_at is None and token_ids:
+            self.first_token_at = time.monotonic()
         # the engine's "stop" is EOS here (it matches no stop strings): that token has no text
         num_with_text = len(token_ids) - (finish_reason == "stop")
         if text.incremental:
@@ -171,8 +175,11 @@ class DetokenizedSample:
                     token_ids = token_ids[:i + 1]
                     if logprobs is not None:
                         logprobs = logprobs[:i + 1]
-                    # (the engine's times come with its final delta, which is dropped)
-                    finish_reason, times, stopped = "stop", None, True
+                    # the engine's times come with its final delta, which is dropped: the
+                    # times seen here stand in (RequestTimes' fields; taken in and first
+                    # scheduled unknown)
+                    times = (None, None, self.first_token_at, time.monotonic())
+                    finish_reason, stopped = "stop", True
                     break
             else:
                 if finish_reason is not None:
