@@ -170,7 +170,7 @@ def make_engine(args, folder: Path, parts: bool) -> tuple[LLMEngine, PartTimer]:
     for name in ("add", "flush"):
         timer.wrap_method("detokenize", detokenizer, name)
     timer.wrap_method("detokenize", tokenizer, "decode_unchecked")
-    output_module = sys.modules.get("cupy_llama.engine.output")
+    output_module = sys.modules.get("cupy_llama.engine.output_processor")
     for module in (llm_engine, output_module):
         for name in ("_find_stop", "find_stop"):
             timer.wrap_method("stop", module, name)
