@@ -57,7 +57,7 @@ def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens
     max_tokens or the context limit end it for length. token_id None: the token is not
     known yet (a step launching it): only the lengths decide, and a sequence they end has
     nothing left to schedule. Stop strings are text and decided where the text is made
-    (OutputAccumulator's caller, _SampleText in llm_engine.py)."""
+    (SampleText: in the engine, or in serve's server process)."""
     if token_id is not None and token_id in eos_token_ids and not params.ignore_eos:
         return _STOPPED
     if num_output_tokens >= params.max_tokens or num_tokens >= context_limit:
