@@ -327,7 +327,9 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas. Decodes only a short window of recent
     ids: `prefix_offset..read_offset` is text already emitted, used as context so that
-    tokenizers which drop a leading space at the start of a decode stay exact."""
+    tokenizers which drop a leading space at the start of a decode stay exact. With
+    checked=False it runs the same window in Rust, in one call per token (tokenizers'
+    DecodeStream, where the installed tokenizers has it)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  checked: bool = True):
@@ -337,10 +339,22 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._stream = None if checked else _decode_stream(tokenizer, skip_special_tokens)
+        self._num_chars = 0    # text emitted so far (the stream's)
+        self._holding = False  # the stream's last token emitted nothing: it may hold bytes
 
     def add(self, token_id: int) -> str:
         """Text newly completed by this token ('' while a character is still partial)."""
         self.token_ids.append(token_id)
+        stream = self._stream
+        if stream is not None:
+            text = stream[0].step(stream[1], token_id)
+            if text:
+                self._num_chars += len(text)
+                self._holding = False
+                return text
+            self._holding = True
+            return ""
         decode = self._decode
         prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
@@ -352,11 +366,31 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever was held back (an incomplete character decodes as U+FFFD here)."""
+        if self._stream is not None:
+            if not self._holding:
+                return ""  # the last token's text came out whole: nothing is held
+            self._holding = False
+            text = self._decode(self.token_ids, self._skip)  # once, at the end
+            tail, self._num_chars = text[self._num_chars:], len(text)
+            return tail
         decode = self._decode
         prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = decode(self.token_ids[self._prefix_offset:], self._skip)
         self._prefix_offset = self._read_offset = len(self.token_ids)
         return new_text[len(prefix_text):]
+
+
+def _decode_stream(tokenizer: Tokenizer, skip_special_tokens: bool):
+    """(tokenizers' DecodeStream, the backend it decodes with), or None where the
+    installed tokenizers has none (before 0.21)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_backend", None)
+    if not isinstance(backend, BackendTokenizer):
+        return None  # a stand-in with decode() only
+    return DecodeStream(skip_special_tokens=skip_special_tokens), backend
 
 
 def validate_messages(messages) -> list[dict]:

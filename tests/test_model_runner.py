@@ -84,7 +84,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
     scheduler = Scheduler(blocks, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=rng.randint(max_num_seqs, 64), max_model_len=200)
     runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
-    live, next_id, steps, reused = {}, 0, 0, 0
+    live, next_id, steps, reused, decode_steps = {}, 0, 0, 0, 0
     shared_prefix = [rng.randrange(1000) for _ in range(40)]
     for _ in range(300):
         if rng.random() < 0.3:
@@ -112,6 +112,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
             continue
         steps += 1
         reused += sum(1 for seq in batch.seqs if seq.num_reused_tokens)
+        decode_steps += batch.num_tokens == len(batch.seqs)  # the one-token-each batch
         assert_same_fields(runner.build_batch(batch), reference_batch(batch, block_size),
                            FORWARD_FIELDS)
         assert_same_fields(runner.sampling_tensors(batch), reference_sampling(batch),
@@ -122,7 +123,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
                     seq.num_tokens >= blocks.num_blocks * block_size:
                 scheduler.finish(live.pop((seq.request_id, seq.index)),
                                  SequenceStatus.FINISHED_LENGTH)
-    assert steps > 50 and reused > 0
+    assert steps > 50 and reused > 0 and decode_steps > 10
 
 
 def test_a_preempted_sequence_gets_its_new_blocks():

@@ -319,7 +319,20 @@ def test_streamed_logprobs_add_up_to_the_whole(http):
     with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
         streamed = [e for c in sse_events(response)
                     for e in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
-    assert streamed == content
+    # the second request may find its prompt in the prefix cache: its last prompt position
+    # is then computed in a shorter chunk, whose sums round differently in the last bits
+    assert _rounded(streamed) == _rounded(content)
+
+
+def _rounded(value, digits: int = 4):
+    """value with every float rounded (nested lists and dicts)."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    return value
 
 
 def test_n_choices(client, http, llm):

@@ -14,11 +14,13 @@ import sys
 import httpx
 import pytest
 
-from cupy_llama import LLM
-from cupy_llama.server.app import create_app
+pytest.importorskip("fastapi")
 
-from conftest import make_tool_model
-from inprocess_server import Answer, ask, ask_one, make_state
+from cupy_llama import LLM  # noqa: E402
+from cupy_llama.server.app import create_app  # noqa: E402
+
+from conftest import make_tool_model  # noqa: E402
+from inprocess_server import Answer, ask, ask_one, make_state  # noqa: E402
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

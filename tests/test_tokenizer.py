@@ -288,6 +288,15 @@ def test_stream_flush_returns_an_unfinished_character(demo):
     assert "".join(deltas) == "a" and tail == "\ufffd"
 
 
+def test_unchecked_stream_flushes_an_unfinished_character(demo):
+    """The engine's detokenizer (one Rust call per token where tokenizers has it) holds
+    back and flushes as the checked one does."""
+    ids = demo.encode("a🌍", add_special_tokens=False)[:-1]
+    detok = IncrementalDetokenizer(demo, checked=False)
+    assert "".join(detok.add(i) for i in ids) == "a"
+    assert detok.flush() == "\ufffd" and detok.flush() == ""
+
+
 def test_stream_with_special_tokens(demo):
     ids = demo.encode("<|im_start|>assistant\nSalut 👋<|im_end|>", add_special_tokens=False)
     for skip in (True, False):

@@ -27,10 +27,14 @@ which gives a handler everything that queued up since it last looked, so a handl
 fell behind writes one merged chunk instead of a backlog of one chunk per token.
 
 Messages, server to engine: ("settings", model_dir, device, engine_options) first, then
-("add", request_id, prompt_ids, params, stream), ("abort", request_id), ("stop",). Engine to server: ("ready", info) or ("failed", kind,
+("add", request_id, prompt_ids, params, stream, text), ("abort", request_id[, index]),
+("stop",). With text False (the server has the tokenizer, as `serve` does) the engine
+sends token ids only: the server process detokenizes and matches stop strings
+(DetokenizedSample), and ends a sample at its stop string with an abort of that sample. Engine to server: ("ready", info) or ("failed", kind,
 message) once, then ("out", deltas, rejected, stats) after every step (and after any
-message handled while idle), and ("crashed", traceback) if the loop dies. A delta is the
-plain tuple DELTA_FIELDS names (plain tuples pickle about 8x faster than named ones).
+message handled while idle), and ("crashed", traceback) if the loop dies. The deltas are
+the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
+about 6x faster than a tuple subclass, and named again on arrival.
 """
 from __future__ import annotations
 
@@ -47,16 +51,11 @@ import sys
 import time
 import traceback
 from concurrent import futures
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-# one engine output, as the engine process sends it: the text and token ids added since
-# the request's previous delta, "stop" / "length" / "abort" once it ends, the new tokens'
-# log-probabilities (None unless asked for), the prompt tokens the prefix cache served,
-# and at the end the sample's times (RequestTimes as a tuple: taken in, first scheduled,
-# first token, last token)
-DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
-                "num_cached_tokens", "times")
+from .output_processor import DetokenizedSample, EngineDelta
+
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 COMPILE_POLL_S = 0.005  # an idle loop's wait for a grammar compiling, between messages
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -169,6 +168,7 @@ class _EngineLoop:
         # constrained requests whose grammar compiles on a worker thread, in arrival order:
         # (future, add message); compiling never holds up the steps
         compiling: list = []
+        engine.outputs = None  # the deltas go to the server as they are
         while True:
             busy = engine.has_unfinished_requests()
             turn_started = time.perf_counter()
@@ -187,9 +187,10 @@ class _EngineLoop:
                                           message))
                     else:
                         self._add(message, rejected)
-                elif kind == "abort":  # the final output of each sample still running
-                    compiling = [(f, m) for f, m in compiling if m[1] != message[1]]
-                    deltas.extend(_as_delta(output) for output in engine.abort(message[1]))
+                elif kind == "abort":  # the final delta of each sample still running
+                    if len(message) == 2:  # the whole request: also one still compiling
+                        compiling = [(f, m) for f, m in compiling if m[1] != message[1]]
+                    deltas += engine.abort_deltas(*message[1:])  # (request id[, index])
                 elif kind == "stop":
                     return  # engine.close() aborts what still runs and frees the device
             if compiling and not busy:  # nothing to step meanwhile: wait a little for them
@@ -199,43 +200,51 @@ class _EngineLoop:
                 self._add(message, rejected, future.exception())
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
-                outputs = engine.step()
+                step_deltas = engine.step_deltas()
                 self.step_seconds += time.perf_counter() - started
                 if engine.num_step_tokens:
                     self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS,
                                                              engine.num_step_tokens)] += 1
                     self.iteration_tokens_sum += engine.num_step_tokens
-                deltas.extend(_as_delta(output) for output in outputs)
+                deltas += step_deltas
                 stepped = True
             else:
                 stepped = False
             if deltas or rejected or messages:
-                channel.send(("out", deltas, rejected, self.stats()))
+                channel.send(self.step_message(deltas, rejected))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
 
     def _add(self, message, rejected: list, compile_error: BaseException | None = None) -> None:
         """Add a request (compile_error: why its grammar did not compile, or None)."""
         from ..errors import RequestError
-        _, request_id, prompt_ids, params, stream = message
+        _, request_id, prompt_ids, params, stream, text = message
         self.num_added_seqs += params.n
         try:
             if compile_error is not None:
                 raise compile_error
-            self.engine.add_request(prompt_ids, params, request_id=request_id, stream=stream)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, stream=stream,
+                                    text=text)
         except RequestError as e:
             rejected.append((request_id, str(e)))
 
+    def step_message(self, deltas: list[EngineDelta], rejected: list) -> tuple:
+        """The "out" message of a turn: its deltas as plain tuples, the requests refused,
+        the stats."""
+        return ("out", list(map(tuple, deltas)), rejected, self.stats())
+
     def stats(self) -> dict:
         """The engine's EngineStats as a dict, and the loop's own counts and times."""
-        return {**asdict(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
+        # vars(), not asdict(): the fields are plain values, and this runs every step
+        return {**vars(self.engine.stats()), "num_added_seqs": self.num_added_seqs,
                 "step_seconds": self.step_seconds, "loop_seconds": self.loop_seconds,
                 "iteration_tokens": self.iteration_tokens,
                 "iteration_tokens_sum": self.iteration_tokens_sum}
 
 
-def _as_delta(output) -> tuple:
-    """A RequestOutput as the plain tuple DELTA_FIELDS describes."""
+def _as_delta(output) -> EngineDelta:
+    """A RequestOutput's delta as the EngineDelta it was made from (for an engine run in
+    the server's own process, as the tests do)."""
     logprobs = output.logprobs
     if logprobs is not None:
         logprobs = [(entry.token_id, entry.logprob, entry.top)
@@ -243,8 +252,8 @@ def _as_delta(output) -> tuple:
     times = output.times
     if times is not None:
         times = (times.added, times.scheduled, times.first_token, times.last_token)
-    return (output.request_id, output.index, output.delta, output.delta_token_ids,
-            output.finish_reason, logprobs, output.num_cached_tokens, times)
+    return EngineDelta(output.request_id, output.index, output.delta, output.delta_token_ids,
+                       output.finish_reason, logprobs, output.num_cached_tokens, times)
 
 
 def _engine_info(engine) -> dict:
@@ -252,6 +261,7 @@ def _engine_info(engine) -> dict:
             "num_blocks": engine.stats().num_blocks, "block_size": engine.backend.block_size,
             "max_num_seqs": engine.engine_config.max_num_seqs,
             "prefix_caching": engine.engine_config.enable_prefix_caching,
+            "eos_token_ids": tuple(sorted(engine.eos_token_ids)),
             "load_seconds": engine.load_seconds, "pid": os.getpid()}
 
 
@@ -324,6 +334,7 @@ class EngineInfo:
     load_seconds: float
     pid: int
     prefix_caching: bool = True
+    eos_token_ids: tuple = ()  # the tokens that end a sample with no text of their own
 
 
 class Rejected:
@@ -387,11 +398,14 @@ class AsyncEngine:
     >>> engine = AsyncEngine(model_dir, "cpu", {})
     >>> info = await engine.start()
     >>> stream = RequestStream(); engine.add("r1", [1, 2, 3], SamplingParams(), True, stream)
-    >>> deltas = await stream.get()   # tuples, see DELTA_FIELDS
+    >>> deltas = await stream.get()   # EngineDeltas (engine/output_processor.py)
     """
 
     def __init__(self, model_dir, device: str, engine_options: dict, log=_stderr,
-                 on_stopped=None):
+                 on_stopped=None, tokenizer=None):
+        """tokenizer: the model's, to make the text here (vLLM v1's split): the engine
+        process then sends token ids only and its step loop does no text work; without
+        one the engine makes the text."""
         self.model_dir = str(model_dir)
         self.device = device
         self.engine_options = dict(engine_options)
@@ -404,6 +418,8 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_unfinished: dict[str, int] = {}  # choices still running, per request
+        self.tokenizer = tokenizer
+        self._texts: dict[str, list[DetokenizedSample]] = {}  # with a tokenizer: per request
         self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
         self._stopping = False
         self._stopped = False
@@ -487,7 +503,12 @@ class AsyncEngine:
         self._streams[request_id] = sink
         self._num_unfinished[request_id] = params.n
         self._num_seqs_sent += params.n
-        self._send(("add", request_id, prompt_ids, params, stream))
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            eos = self.info.eos_token_ids if self.info is not None else ()
+            self._texts[request_id] = [DetokenizedSample(tokenizer, params, stream, eos)
+                                       for _ in range(params.n)]
+        self._send(("add", request_id, prompt_ids, params, stream, tokenizer is None))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the engine's next step. Its final
@@ -518,20 +539,30 @@ class AsyncEngine:
         if kind == "out":
             _, deltas, rejected, self.stats = message
             self._progress_at = time.monotonic()
-            streams, unfinished = self._streams, self._num_unfinished
-            for delta in deltas:
-                request_id = delta[0]
+            streams, unfinished, texts = self._streams, self._num_unfinished, self._texts
+            for fields in deltas:
+                delta = EngineDelta.of(fields)
+                request_id = delta.request_id
                 sink = streams.get(request_id)
                 if sink is None:
                     continue
+                samples = texts.get(request_id)
+                if samples is not None:
+                    delta, stopped = samples[delta.index].process(delta)
+                    if delta is None:
+                        continue  # the sample ended here at a stop string already
+                    if stopped:  # the engine stops it: nothing more of it is shown
+                        self._send(("abort", request_id, delta.index))
                 sink.put(delta)
-                if delta[4] is not None:  # a sample ended (an abort ends each one running)
+                if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
                     unfinished[request_id] -= 1
                     if not unfinished[request_id]:
                         del streams[request_id], unfinished[request_id]
+                        texts.pop(request_id, None)
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)
+                texts.pop(request_id, None)
                 if sink is not None:
                     sink.put(Rejected(request_id, reason))
         elif kind == "ready":
@@ -555,5 +586,6 @@ class AsyncEngine:
             sink.put(ENGINE_STOPPED)
         self._streams.clear()
         self._num_unfinished.clear()
+        self._texts.clear()
         if self.info is not None and not self._stopping and self.on_stopped is not None:
             self.on_stopped()

@@ -101,7 +101,8 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks seq must gain so its table covers num_tokens tokens."""
-        return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)  # runs every step
+        return needed if needed > 0 else 0
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks

@@ -11,44 +11,38 @@ from typing import Iterator
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
-from ..outputs import RequestOutput, RequestTimes, TokenLogprob, is_token_id
+from ..outputs import RequestOutput, is_token_id
 from ..sampling import SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
+from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
 class _Sample:
-    """One of a request's n sequences plus its text: incremental detokenizer and what was
-    already streamed."""
+    """One of a request's n sequences plus what its deltas have not carried yet: text
+    (held back while a stop string could be forming), tokens and log-probabilities."""
 
-    def __init__(self, seq: Sequence, tokenizer, stream: bool, matcher=None):
-        from ..tokenizer import IncrementalDetokenizer
+    def __init__(self, seq: Sequence, tokenizer, stream: bool, text: bool, matcher=None):
         self.seq = seq
         # structured outputs: the sample's GrammarMatcher, advanced by each resolved token
         self.matcher = matcher
-        self.stream = stream  # False: only the final output is wanted (no per-token outputs)
-        self.tokenizer = tokenizer
-        # text is needed token by token only to stream it or to watch for stop strings;
-        # otherwise it is decoded once at the end (same text: the detokenizer's deltas
-        # concatenate to the one-shot decode)
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, checked=False)
-                            if stream or seq.params.stop else None)
-        self.vocab_size = tokenizer.vocab_size
-        self.text_ids: list[int] = []
-        self.hold_back = max((len(s) for s in seq.params.stop), default=1) - 1
-        self.text = ""
-        self.num_emitted_chars = 0
-        self.num_emitted_tokens = 0
+        # text=False: the caller makes the text from the token ids and matches the stop
+        # strings (serve's server process); a sample with stop strings then sends every
+        # step's tokens, streamed or not, and ends at a stop string when the caller says
+        self.text = (SampleText(tokenizer, seq.params.stop, stream or bool(seq.params.stop))
+                     if text else None)
+        self.stream = stream or (not text and bool(seq.params.stop))  # a delta every step
+        self.num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
         self.num_resolved = 0
         # why the sample ended, once its last known token says so (the sequence itself
         # may finish earlier in the scheduler, when its length is reached at launch)
         self.finish_reason: str | None = None
-        # one per resolved output token where the request asked for them
-        self.logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
+        # (token id, logprob, top) per resolved token not in a delta yet, where asked
+        self.logprobs: list | None = [] if seq.params.logprobs is not None else None
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
         # scheduled it, and had its first and last token
         self.added_at = time.monotonic()
@@ -56,49 +50,24 @@ class _Sample:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
-    def add_text(self, token_id: int) -> bool:
-        """Adds the token's text; True when that completes a stop string (the text is then
-        cut where the stop string starts: it is not shown)."""
-        if token_id >= self.vocab_size:
-            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
-        if self.detokenizer is None:
-            self.text_ids.append(token_id)
-            return False
-        num_old_chars = len(self.text)
-        self.text += self.detokenizer.add(token_id)
-        stop_at = _find_stop(self.text, self.seq.params.stop, num_old_chars)
-        if stop_at is None:
-            return False
-        self.text = self.text[:stop_at]
-        return True
+    def finish_text(self, last_is_eos: bool) -> None:
+        if self.text is not None:
+            self.text.finish(self.seq.output_token_ids[:self.num_resolved - last_is_eos])
 
-    def flush_text(self) -> None:
-        if self.detokenizer is None:
-            self.text = self.tokenizer.decode_unchecked(self.text_ids)  # ids < vocab_size
-        else:
-            self.text += self.detokenizer.flush()
-
-    def output(self) -> RequestOutput:
-        """Deltas hold back the last `hold_back` characters (one less than the longest stop
-        string) while a stop string could still be forming, so the user never sees part of
-        one."""
+    def delta(self) -> EngineDelta:
+        """What is new since the previous delta."""
         seq = self.seq
-        visible = len(self.text) if self.finish_reason is not None else max(
-            self.num_emitted_chars, len(self.text) - self.hold_back)
-        delta = self.text[self.num_emitted_chars:visible]
-        token_ids = seq.output_token_ids[:self.num_resolved]
-        delta_ids = token_ids[self.num_emitted_tokens:]
-        self.num_emitted_chars = visible
-        self.num_emitted_tokens = len(token_ids)
-        times = None if self.finish_reason is None else RequestTimes(
+        text = "" if self.text is None else self.text.take(self.finish_reason is not None)
+        token_ids = seq.output_token_ids[self.num_sent_tokens:self.num_resolved]
+        self.num_sent_tokens = self.num_resolved
+        logprobs = self.logprobs
+        if logprobs is not None:
+            self.logprobs = []
+        times = None if self.finish_reason is None else (
             self.added_at, self.scheduled_at, self.first_token_at, self.last_token_at)
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=token_ids, text=self.text[:visible],
-            finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
-            index=seq.index, num_cached_tokens=max(0, seq.num_cached_tokens),
-            logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)],
-            times=times)
+        return _new_tuple(EngineDelta, (
+            seq.request_id, seq.index, text, token_ids, self.finish_reason, logprobs,
+            max(0, seq.num_cached_tokens), times))
 
 
 @dataclass(frozen=True)
@@ -150,6 +119,10 @@ class LLMEngine:
         self.requests: dict[str, list[_Sample]] = {}
         self._in_flight: _Launched | None = None  # the step whose tokens are still coming
         self._unhandled: _Launched | None = None  # tokens an interrupted step() left behind
+        # turns the steps' deltas into RequestOutputs for step(), abort(), stream() and
+        # generate(); None where the caller takes the deltas itself (step_deltas(), as
+        # serve's engine process does): requests are then not recorded here
+        self.outputs: OutputAccumulator | None = OutputAccumulator()
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         self._ids = itertools.count()
@@ -247,10 +220,14 @@ class LLMEngine:
         return self._compile_pool.submit(self.compile_structured, spec)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True,
+                    text: bool = True) -> str:
         """stream=False: step() reports this request only when it finishes. With params.n
         > 1 the request is n sequences, its samples: each output says which one it is
-        (RequestOutput.index); the prompt is computed once (engine/scheduler.py)."""
+        (RequestOutput.index); the prompt is computed once (engine/scheduler.py).
+        text=False: the deltas carry no text and stop strings are not matched here; the
+        caller makes the text (SampleText) and ends a sample at its stop string with
+        abort_deltas(request_id, index), as serve's server process does."""
         prompt_ids = self.encode_prompt(prompt)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -264,9 +241,11 @@ class LLMEngine:
             self.scheduler.add(seq)
             # each sample follows the grammar on its own: a fresh matcher each
             matcher = None if grammar is None else grammar.matcher()
-            samples.append(_Sample(seq, self.tokenizer, stream, matcher))
+            samples.append(_Sample(seq, self.tokenizer, stream, text, matcher))
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
+        if self.outputs is not None:
+            self.outputs.add(request_id, prompt_ids, params.n)
         return request_id
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -292,9 +271,20 @@ class LLMEngine:
         """End all of the request's samples that have not finished; returns their final
         outputs (none for a request that is unknown or over)."""
         request_id = str(request_id)
-        samples = self.requests.pop(request_id, None)
-        outputs = []
-        for sample in samples or ():
+        outputs = self.outputs.process(self.abort_deltas(request_id))
+        if outputs and request_id in self._owned:  # a stream()/generate() waits on it
+            self._undelivered.setdefault(request_id, []).extend(outputs)
+        return outputs
+
+    def abort_deltas(self, request_id: str, index: int | None = None) -> list[EngineDelta]:
+        """abort() as deltas: the final one of each sample that had not finished (of sample
+        `index` only, where given)."""
+        request_id = str(request_id)
+        samples = self.requests.get(request_id)
+        if samples is None:
+            return []
+        deltas = []
+        for sample in samples if index is None else samples[index:index + 1]:
             if sample.finish_reason is not None:
                 continue
             self._num_unscheduled -= sample.scheduled_at is None
@@ -302,17 +292,19 @@ class LLMEngine:
             del sample.seq.output_token_ids[sample.num_resolved:]  # tokens still coming
             sample.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not
             # "length": the scheduler may have finished it already, at its last token's launch
-            sample.flush_text()
-            outputs.append(sample.output())  # finished: nothing is held back
-        if outputs and request_id in self._owned:  # a stream()/generate() waits on it
-            self._undelivered.setdefault(request_id, []).extend(outputs)
-        return outputs
+            sample.finish_text(last_is_eos=False)
+            deltas.append(sample.delta())  # finished: nothing is held back
+        if all(s.finish_reason is not None for s in samples):
+            del self.requests[request_id]
+        return deltas
 
     def close(self) -> None:
         """Abort every request, forget the steps in flight (their tokens are dropped) and
         close the backend, which hands its memory back; closing twice does nothing."""
         for request_id in list(self.requests):
-            self.abort(request_id)
+            self.abort_deltas(request_id)
+        if self.outputs is not None:
+            self.outputs = OutputAccumulator()
         self._in_flight = self._unhandled = None
         self._undelivered.clear()
         if self._compile_pool is not None:
@@ -347,6 +339,11 @@ class LLMEngine:
         """Launch the next step, finish the previous one. Returns an output for every
         streamed request that got a new token and for every request that finished;
         finished requests are dropped from the engine after this."""
+        return self.outputs.process(self.step_deltas())
+
+    def step_deltas(self) -> list[EngineDelta]:
+        """step() as deltas: one for each streamed sample that got a new token and for each
+        sample that finished."""
         if self._unhandled is not None:
             # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
             # placeholders name rows of that step, so it is finished before any launch
@@ -399,15 +396,17 @@ class LLMEngine:
             self._note_scheduled(batch)
         sampled = self.runner.run(batch)
         waiting_for, constrained = [], None
+        eos, context_limit = self.eos_token_ids, self.context_limit
         for row, seq in self.scheduler.update_after_step(batch):
-            seq.output_token_ids.append(-(row + 1))
-            waiting_for.append((seq, row, len(seq.output_token_ids) - 1))
+            outputs = seq.output_token_ids
+            outputs.append(-(row + 1))
+            waiting_for.append((seq, row, len(outputs) - 1))
             if seq.params.structured is not None:
                 constrained = constrained or []
                 constrained.append(waiting_for[-1])
-            if (len(seq.output_token_ids) >= seq.params.max_tokens
-                    or seq.num_tokens >= self.context_limit):
-                # known before the token is: schedule nothing more for it
+            if stop_status(seq.params, None, len(outputs), seq.num_tokens, eos, context_limit):
+                # its length ends it at this token: nothing is left to schedule (the token
+                # still comes, and stop_status decides again what it says)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return _Launched(sampled, waiting_for, constrained)
 
@@ -421,60 +420,57 @@ class LLMEngine:
                 sample.scheduled_at = now
                 self._num_unscheduled -= 1
 
-    def _finish_step(self, launched: "_Launched") -> list[RequestOutput]:
+    def _finish_step(self, launched: "_Launched") -> list[EngineDelta]:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
         interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
         now = time.monotonic()  # when these tokens are known
-        outputs = []
-        waiting_for = launched.waiting_for
+        deltas = []
+        requests, waiting_for = self.requests, launched.waiting_for
         while waiting_for:
             seq, row, index = waiting_for.pop()
-            samples = self.requests.get(seq.request_id)  # (its id may be in use again)
+            samples = requests.get(seq.request_id)  # (its id may be in use again)
             sample = samples[seq.index] if samples and seq.index < len(samples) else None
             if sample is None or sample.seq is not seq or index >= len(seq.output_token_ids):
                 continue  # aborted, or stopped at an earlier token: this one is dropped
-            seq.output_token_ids[index] = tokens[row]
+            token_id = seq.output_token_ids[index] = tokens[row]
             if sample.logprobs is not None:
-                token_id, logprob, top = launched.sampled.logprobs().of_row(row, seq.params.logprobs)
-                sample.logprobs.append(TokenLogprob(token_id, logprob, top))
+                sample.logprobs.append(
+                    launched.sampled.logprobs().of_row(row, seq.params.logprobs))
             if sample.first_token_at is None:
                 sample.first_token_at = now
             sample.last_token_at = now
-            output = self._append_token(sample, index)
-            if output is not None:
-                outputs.append(output)
+            if self._append_token(sample, index, token_id):
+                deltas.append(sample.delta())
         self._unhandled = None
-        return outputs
+        return deltas
 
-    def _append_token(self, sample: _Sample, index: int) -> RequestOutput | None:
-        """Output token `index` of the sample is now known: apply the stopping rules."""
+    def _append_token(self, sample: _Sample, index: int, token_id: int) -> bool:
+        """Output token `index` of the sample is now known: apply the stopping rules.
+        True when the sample has a delta to send (streamed, or finished)."""
         seq, params = sample.seq, sample.seq.params
-        token_id = seq.output_token_ids[index]
         sample.num_resolved = index + 1
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        status = None
-        if not is_eos and sample.add_text(token_id):  # a stop string
+        status = stop_status(params, token_id, index + 1, seq.num_prompt_tokens + index + 1,
+                             self.eos_token_ids, self.context_limit)
+        text = sample.text
+        if status is not SequenceStatus.FINISHED_STOPPED and text is not None \
+                and text.detokenizer is not None and text.add(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED
-        elif is_eos:
-            sample.flush_text()
-            status = SequenceStatus.FINISHED_STOPPED
-        elif sample.matcher is not None and (status := self._advance_matcher(sample, token_id)):
-            sample.flush_text()
-        elif (index + 1 >= params.max_tokens
-              or seq.num_prompt_tokens + index + 1 >= self.context_limit):
-            sample.flush_text()
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            del seq.output_token_ids[index + 1:]  # a token of a step still running
-            self.scheduler.finish(seq, status)
-            sample.finish_reason = status.finish_reason
-            samples = self.requests[seq.request_id]
-            if all(s.finish_reason is not None for s in samples):  # the request is over
-                del self.requests[seq.request_id]
-        elif not sample.stream:
-            return None
-        return sample.output()
+        elif sample.matcher is not None and status is not SequenceStatus.FINISHED_STOPPED \
+                and (grammar_status := self._advance_matcher(sample, token_id)):
+            status = grammar_status  # its last token is the grammar's: it has text
+            sample.finish_text(last_is_eos=False)
+        elif status is not None:
+            sample.finish_text(last_is_eos=status is SequenceStatus.FINISHED_STOPPED)
+        if status is None:
+            return sample.stream
+        del seq.output_token_ids[index + 1:]  # a token of a step still running
+        self.scheduler.finish(seq, status)
+        sample.finish_reason = status.finish_reason
+        samples = self.requests[seq.request_id]
+        if all(s.finish_reason is not None for s in samples):  # the request is over
+            del self.requests[seq.request_id]
+        return True
 
     def _advance_matcher(self, sample: _Sample, token_id: int) -> SequenceStatus | None:
         """Advance the sample's matcher by its new token: "stop" once the grammar is
@@ -518,6 +514,7 @@ class LLMEngine:
         for request_id in ids:
             self._owned.discard(request_id)
             self.abort(request_id)
+            self.outputs.discard(request_id)  # added, and never taken in (a bad prompt)
             self._undelivered.pop(request_id, None)
 
     def _run(self, prompts: list, params: list[SamplingParams], stream: bool,
@@ -527,13 +524,12 @@ class LLMEngine:
         still running when the caller stops iterating are aborted."""
         try:
             self._add_all(prompts, params, stream, ids)
-            unfinished = {request_id: p.n for request_id, p in zip(ids, params)}  # samples
+            unfinished = set(ids)
             while unfinished:
                 for output in self._outputs_for(unfinished):
-                    if output.finished:
-                        unfinished[output.request_id] -= 1
-                        if not unfinished[output.request_id]:
-                            del unfinished[output.request_id]
+                    # the request's last output: its accumulator forgot it
+                    if output.finished and output.request_id not in self.outputs:
+                        unfinished.discard(output.request_id)
                     yield output
         finally:
             self._close(ids)
@@ -590,11 +586,4 @@ class _Launched:
         self.constrained = constrained
 
 
-def _find_stop(text: str, stops: list[str], num_old_chars: int) -> int | None:
-    """Where the earliest stop string starts, looking only where a new match can be: one
-    that ends in the text added since num_old_chars."""
-    if not stops:
-        return None
-    positions = [i for i in (text.find(s, max(0, num_old_chars - len(s) + 1)) for s in stops)
-                 if i >= 0]
-    return min(positions) if positions else None
+_new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__

@@ -98,6 +98,11 @@ class ModelRunner:
         self.slots = SlotTables()
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        seqs = batch.seqs
+        if batch.num_tokens == len(seqs):  # one token each: the steady decode step
+            decode = self._decode_batch(seqs)
+            if decode is not None:
+                return decode
         slots = self.slots
         token_ids, starts, rows, unwritten = [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -110,7 +115,10 @@ class ModelRunner:
                 # token's K/V are in a shared block already, which is never written: its
                 # slot is -1 (attention reads the cached K/V at its position)
                 unwritten.append((len(token_ids), min(n, seq.num_reused_tokens - start)))
-            token_ids += seq.token_slice(start, start + n)
+            if n == 1 and start >= seq.num_prompt_tokens:  # a decode step's token
+                token_ids.append(seq.output_token_ids[start - seq.num_prompt_tokens])
+            else:
+                token_ids += seq.token_slice(start, start + n)
             starts.append(start)
             rows.append(seq.slot)
         num_new = np.array(batch.num_new_tokens, dtype=np.int32)
@@ -133,6 +141,30 @@ class ModelRunner:
             slot_mapping=slot_mapping, query_start_loc=query_start_loc,
             seq_lens=seq_lens, block_tables=slots.block_tables[rows, :max_blocks],
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ForwardBatch | None:
+        """build_batch for a step of one token per sequence, from whole-batch list passes
+        and array operations; None when a sequence recomputes a reused token (a prompt
+        whose every block came from the cache: build_batch's unwritten slot)."""
+        slots = self.slots
+        for seq in [seq for seq in seqs if not slots.block_table_is_current(seq)]:
+            slots.update_block_table(seq)
+        starts_list = [seq.num_computed_tokens for seq in seqs]
+        if any(start < seq.num_reused_tokens for start, seq in zip(starts_list, seqs)):
+            return None
+        starts = np.array(starts_list, dtype=np.int32)  # [B] the one token's position
+        rows = np.array([seq.slot for seq in seqs], dtype=np.intp)
+        token_ids = np.array([seq.token_id(start) for start, seq in zip(starts_list, seqs)],
+                             dtype=np.int32)
+        seq_lens = starts + 1
+        bs = self.block_size
+        max_seq_len = int(seq_lens.max())
+        slot_mapping = slots.block_tables[rows, starts // bs] * bs + starts % bs
+        return ForwardBatch(
+            token_ids=token_ids, positions=starts, slot_mapping=slot_mapping,
+            query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), seq_lens=seq_lens,
+            block_tables=slots.block_tables[rows, :cdiv(max_seq_len, bs)],
+            max_query_len=1, max_seq_len=max_seq_len)
 
     def sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
         slots = self.slots

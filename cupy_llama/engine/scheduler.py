@@ -172,7 +172,7 @@ class Scheduler:
         sampled = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += n
-            if not seq.num_uncomputed_tokens:
-                sampled.append((row, seq))
+            if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
+                sampled.append((row, seq))  # every known token computed
         self.blocks.on_computed(batch.seqs)
         return sampled

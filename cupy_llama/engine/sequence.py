@@ -34,6 +34,7 @@ class Sequence:
         self.index = index          # which of the request's n samples this is
         self.parent = parent        # sample 0 of the request, for samples 1..n-1
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # read every step: no len() call
         self.output_token_ids: list[int] = []
         self.params = params
         self.seed = seed            # this sample's seed, drawn at random when none was given
@@ -55,11 +56,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -67,7 +64,7 @@ class Sequence:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list (one token per decode step)."""
-        num_prompt = len(self.prompt_token_ids)
+        num_prompt = self.num_prompt_tokens
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         if end <= num_prompt:
@@ -75,7 +72,7 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     def token_id(self, position: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
+        num_prompt = self.num_prompt_tokens
         if position < num_prompt:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - num_prompt]
@@ -89,7 +86,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -125,7 +125,7 @@ class ServerState:
         self._eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
-                                  on_stopped=self._engine_stopped)
+                                  on_stopped=self._engine_stopped, tokenizer=tokenizer)
         self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
                                settings.served_model_name)
         self.phase = self.LOADING
@@ -361,7 +361,7 @@ class _Job:
         now = time.monotonic()
         updates: dict = {}
         for item in items:
-            if type(item) is not tuple:
+            if not isinstance(item, tuple):  # an EngineDelta, else the engine's word
                 self._fail(item)
             request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times = item
             i = self._prompt_of[request_id]

@@ -1,0 +1,276 @@
+"""What the engine says after each step, and the one place that turns it into outputs.
+
+The engine emits one EngineDelta per sample that has news (docs/ARCHITECTURE.md, "Engine
+output"): the tokens and text new since that sample's previous delta, and its finish
+reason once it ends. Deltas are tuples with named fields, so they cross the engine
+process's socket at a plain tuple's pickling cost. An OutputAccumulator turns them into
+the cumulative RequestOutputs that LLM.generate, LLM.stream and the batch files read.
+stop_status is the one function that decides EOS and lengths.
+"""
+from __future__ import annotations
+
+import time
+from operator import itemgetter
+
+from ..outputs import RequestOutput, RequestTimes, TokenLogprob
+from ..tokenizer import IncrementalDetokenizer
+from .sequence import SequenceStatus
+
+_STOPPED, _LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+
+
+class EngineDelta(tuple):
+    """One sample's news from one step. A tuple subclass: fields by name here, a plain
+    tuple on the wire (`tuple(delta)`; `EngineDelta.of(t)` names it again)."""
+    __slots__ = ()
+    request_id: str = property(itemgetter(0))
+    index: int = property(itemgetter(1))               # which of the request's n samples
+    text: str = property(itemgetter(2))                # text added since the previous delta
+    token_ids: list[int] = property(itemgetter(3))     # tokens added since the previous delta
+    finish_reason: str | None = property(itemgetter(4))  # "stop", "length", "abort" once over
+    # (token id, logprob, top) for each of token_ids where the request asked, else None
+    logprobs: list | None = property(itemgetter(5))
+    num_cached_tokens: int = property(itemgetter(6))   # prompt tokens the prefix cache served
+    # on the last delta: RequestTimes' fields as a tuple (taken in, first scheduled, first
+    # token, last token); else None
+    times: tuple | None = property(itemgetter(7))
+
+    def __new__(cls, request_id: str, index: int, text: str, token_ids: list[int],
+                finish_reason: str | None = None, logprobs: list | None = None,
+                num_cached_tokens: int = 0, times: tuple | None = None):
+        return tuple.__new__(cls, (request_id, index, text, token_ids, finish_reason,
+                                   logprobs, num_cached_tokens, times))
+
+    @classmethod
+    def of(cls, fields: tuple) -> "EngineDelta":
+        """A plain tuple of the fields, in order (as pickled over the socket), named."""
+        return tuple.__new__(cls, fields)
+
+    @property
+    def finished(self) -> bool:
+        return self[4] is not None
+
+
+def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens: int,
+                eos_token_ids, context_limit: int) -> SequenceStatus | None:
+    """Why a sequence ends at its latest token, or None: EOS (unless ignore_eos) stops it,
+    max_tokens or the context limit end it for length. token_id None: the token is not
+    known yet (a step launching it): only the lengths decide, and a sequence they end has
+    nothing left to schedule. Stop strings are text and decided where the text is made
+    (SampleText: in the engine, or in serve's server process)."""
+    if token_id is not None and token_id in eos_token_ids and not params.ignore_eos:
+        return _STOPPED
+    if num_output_tokens >= params.max_tokens or num_tokens >= context_limit:
+        return _LENGTH
+    return None
+
+
+def find_stop(text: str, stops, num_old_chars: int) -> int | None:
+    """Where the earliest stop string starts, looking only where a new match can be: one
+    that ends in the text added since num_old_chars."""
+    best = None
+    for stop in stops:
+        at = text.find(stop, max(0, num_old_chars - len(stop) + 1))
+        if at >= 0 and (best is None or at < best):
+            best = at
+    return best
+
+
+class SampleText:
+    """One sample's text as its tokens arrive: made token by token (incremental) to stream
+    it or watch for stop strings, else decoded once at the end (the same text: the
+    detokenizer's deltas concatenate to the one-shot decode). The engine keeps one per
+    sample; with serve, the server process does (AsyncEngine), off the step loop."""
+    __slots__ = ("tokenizer", "detokenizer", "stops", "vocab_size", "hold_back", "unsent",
+                 "tail")
+
+    def __init__(self, tokenizer, stops, incremental: bool):
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, checked=False) if incremental else None
+        self.stops = stops
+        self.vocab_size = tokenizer.vocab_size
+        # deltas hold back the last `hold_back` characters (one less than the longest stop
+        # string) while a stop string could still be forming, so the user never sees part
+        # of one
+        self.hold_back = max((len(s) for s in stops), default=1) - 1
+        self.unsent: list[str] = []  # text made and not taken yet
+        self.tail = ""  # the text's last hold_back characters: where a stop string may start
+
+    @property
+    def incremental(self) -> bool:
+        return self.detokenizer is not None
+
+    def add(self, token_id: int) -> bool:
+        """Adds the token's text (incremental only); True when that completes a stop
+        string: the text then ends where the stop string starts (it is not shown)."""
+        if token_id >= self.vocab_size:
+            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+        new = self.detokenizer.add(token_id)
+        if not new:
+            return False
+        if not self.stops:
+            self.unsent.append(new)
+            return False
+        # a new match ends in the new text: look in it and the characters before it
+        window = self.tail + new
+        at = find_stop(window, self.stops, len(self.tail))
+        if at is None:
+            self.unsent.append(new)
+            self.tail = window[-self.hold_back:] if self.hold_back else ""
+            return False
+        # the window's characters are all unsent (take() holds back hold_back of them)
+        text = "".join(self.unsent) + new
+        self.unsent = [text[:len(text) - (len(window) - at)]]
+        return True
+
+    def finish(self, token_ids: list[int]) -> None:
+        """The end of the text (not after a stop string): what the detokenizer held back,
+        or the one-shot decode of token_ids, the sample's tokens that have text."""
+        if self.detokenizer is not None:
+            self.unsent.append(self.detokenizer.flush())
+            return
+        vocab = self.vocab_size
+        if token_ids and max(token_ids) >= vocab:  # ids past the tokenizer's vocabulary
+            token_ids = [t for t in token_ids if t < vocab]
+        self.unsent.append(self.tokenizer.decode_unchecked(token_ids))
+
+    def take(self, finished: bool) -> str:
+        """The text made since the last take(), less what is held back unless finished."""
+        unsent = self.unsent
+        text = unsent[0] if len(unsent) == 1 else "".join(unsent)
+        if not finished and self.hold_back and text:
+            keep = min(len(text), self.hold_back)
+            self.unsent = [text[len(text) - keep:]]
+            return text[:len(text) - keep]
+        self.unsent = []
+        return text
+
+
+class DetokenizedSample:
+    """A sample whose engine sends token ids only (LLMEngine.add_request(text=False)), as
+    the server process sees it: process() adds the text to each delta and ends the sample
+    at a stop string, keeping the tokens up to the one that completed it (the engine is
+    told to stop it, and what it made meanwhile is dropped here)."""
+    __slots__ = ("text", "finished", "first_token_at", "eos")
+
+    def __init__(self, tokenizer, params, stream: bool, eos_token_ids=()):
+        self.text = SampleText(tokenizer, params.stop, stream or bool(params.stop))
+        self.finished = False
+        # the tokens whose "stop" has no text; a sample may also stop at a token that has
+        # (a grammar complete: structured outputs)
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.first_token_at: float | None = None  # when its first token reached this process
+
+    def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
+        """(the delta with its text, or None once the sample has ended here; True when a
+        stop string ended it here)."""
+        if self.finished:
+            return None, False
+        request_id, index, _, token_ids, finish_reason, logprobs, cached, times = delta
+        text, stopped = self.text, False
+        if self.first_token_at is None and token_ids:
+            self.first_token_at = time.monotonic()
+        # the engine's "stop" at EOS: that token has no text (the engine matches no stop
+        # strings for this sample; a completed grammar's last token has text)
+        num_with_text = len(token_ids) - (finish_reason == "stop" and bool(token_ids)
+                                          and token_ids[-1] in self.eos)
+        if text.incremental:
+            for i in range(num_with_text):
+                if text.add(token_ids[i]):
+                    token_ids = token_ids[:i + 1]
+                    if logprobs is not None:
+                        logprobs = logprobs[:i + 1]
+                    # the engine's times come with its final delta, which is dropped: the
+                    # times seen here stand in (RequestTimes' fields; taken in and first
+                    # scheduled unknown)
+                    times = (None, None, self.first_token_at, time.monotonic())
+                    finish_reason, stopped = "stop", True
+                    break
+            else:
+                if finish_reason is not None:
+                    text.finish(())
+        elif finish_reason is not None:  # its one delta carries all of its tokens
+            text.finish(token_ids[:num_with_text])
+        self.finished = finish_reason is not None
+        return _new_tuple(EngineDelta, (
+            request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
+            cached, times)), stopped
+
+
+_new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__
+
+
+class _SampleOutput:
+    """What one sample's outputs hold so far. Per-sample fields a delta may carry later
+    (tool calls, prompt log-probabilities) go here and into output()."""
+    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason",
+                 "num_cached_tokens", "times")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprob] | None = None
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.times: RequestTimes | None = None
+
+
+class _RequestOutputs:
+    __slots__ = ("prompt_token_ids", "samples", "num_unfinished")
+
+    def __init__(self, prompt_token_ids: list[int], n: int):
+        self.prompt_token_ids = prompt_token_ids
+        self.samples = [_SampleOutput(index) for index in range(n)]
+        self.num_unfinished = n
+
+
+class OutputAccumulator:
+    """Turns EngineDeltas into RequestOutputs: each carries the sample's tokens, text and
+    log-probabilities so far and the delta's. A request is forgotten once every one of its
+    samples has finished; deltas of requests it does not know are dropped."""
+
+    def __init__(self):
+        self._requests: dict[str, _RequestOutputs] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], n: int) -> None:
+        self._requests[request_id] = _RequestOutputs(prompt_token_ids, n)
+
+    def __contains__(self, request_id: str) -> bool:
+        """The request has a sample that has not finished."""
+        return request_id in self._requests
+
+    def num_unfinished(self, request_id: str) -> int:
+        request = self._requests.get(request_id)
+        return 0 if request is None else request.num_unfinished
+
+    def discard(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def process(self, deltas) -> list[RequestOutput]:
+        requests, outputs = self._requests, []
+        for request_id, index, text, token_ids, finish_reason, logprobs, cached, times in deltas:
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            sample = request.samples[index]
+            if sample.finish_reason is not None:
+                continue
+            sample.token_ids += token_ids
+            if text:
+                sample.text += text
+            if logprobs is not None:
+                new = [TokenLogprob(token_id, logprob, top) for token_id, logprob, top in logprobs]
+                sample.logprobs = new if sample.logprobs is None else sample.logprobs + new
+            sample.num_cached_tokens = cached
+            if finish_reason is not None:
+                sample.finish_reason = finish_reason
+                sample.times = None if times is None else RequestTimes(*times)
+                request.num_unfinished -= 1
+                if not request.num_unfinished:
+                    del requests[request_id]
+            outputs.append(RequestOutput(
+                request_id, request.prompt_token_ids, sample.token_ids[:], sample.text,
+                finish_reason, text, token_ids, index, cached,
+                None if sample.logprobs is None else sample.logprobs[:], sample.times))
+        return outputs

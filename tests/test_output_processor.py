@@ -1,0 +1,242 @@
+"""The engine's output path without a model: the stop function, stop-string matching, the
+per-sample text deltas and the output accumulator, against independent references."""
+import pickle
+import random
+
+from cupy_llama.engine.llm_engine import _Sample
+from cupy_llama.engine.output_processor import (EngineDelta, OutputAccumulator, find_stop,
+                                                stop_status)
+from cupy_llama.engine.sequence import Sequence, SequenceStatus
+from cupy_llama.outputs import TokenLogprob
+from cupy_llama.sampling import SamplingParams
+
+STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+
+
+def test_stop_status_decides_eos_and_lengths():
+    params = SamplingParams(max_tokens=5)
+    eos = {2, 7}
+    assert stop_status(params, 3, 1, 11, eos, 100) is None
+    assert stop_status(params, 7, 1, 11, eos, 100) is STOPPED
+    assert stop_status(params, 3, 5, 15, eos, 100) is LENGTH       # max_tokens
+    assert stop_status(params, 3, 2, 100, eos, 100) is LENGTH      # the context limit
+    assert stop_status(params, 2, 5, 100, eos, 100) is STOPPED     # EOS says why, not length
+    ignoring = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert stop_status(ignoring, 7, 1, 11, eos, 100) is None
+    # a token not known yet (its step launching): only the lengths decide
+    assert stop_status(params, None, 4, 14, eos, 100) is None
+    assert stop_status(params, None, 5, 15, eos, 100) is LENGTH
+
+
+def test_find_stop_is_the_earliest_match_ending_in_the_new_text():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        old = rng.randint(0, len(text))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 3)))
+                 for _ in range(rng.randint(1, 3))]
+        # brute force: every start of every stop string whose match ends past `old`
+        starts = [i for s in stops for i in range(len(text) - len(s) + 1)
+                  if text.startswith(s, i) and i + len(s) > old]
+        assert find_stop(text, stops, old) == (min(starts) if starts else None), \
+            (text, old, stops)
+    assert find_stop("abc", [], 0) is None
+
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i % 26); ids from 26 on are two letters."""
+    vocab_size = 60
+    eos_token_ids = ()
+
+    def decode_unchecked(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) * (1 + (i >= 26)) for i in ids)
+
+
+def run_sample(token_ids, stops, stream=True):
+    """Feed tokens to a sample as the engine does; its deltas and where it stopped."""
+    seq = Sequence("r", [1], SamplingParams(max_tokens=100, stop=stops), 0, 0)
+    sample = _Sample(seq, CharTokenizer(), stream, text=True)
+    deltas = []
+    for index, token_id in enumerate(token_ids):
+        seq.output_token_ids.append(token_id)
+        sample.num_resolved = index + 1
+        stopped = sample.text.incremental and sample.text.add(token_id)
+        if stopped or index == len(token_ids) - 1:
+            if not stopped:
+                sample.finish_text(last_is_eos=False)
+            sample.finish_reason = "stop" if stopped else "length"
+            deltas.append(sample.delta())
+            return deltas, index if stopped else None
+        if stream:
+            deltas.append(sample.delta())
+    return deltas, None
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string():
+    rng = random.Random(1)
+    tokenizer = CharTokenizer()
+    for _ in range(500):
+        token_ids = [rng.randrange(0, 30) for _ in range(rng.randint(1, 25))]
+        stops = ["".join(rng.choice("abcd") for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(1, 2))]
+        deltas, stopped_at = run_sample(token_ids, stops)
+        # reference: the first token after which some stop string is in the text; the
+        # text then ends where the earliest one starts
+        completing, expected_text = len(token_ids) - 1, None
+        for k in range(len(token_ids)):
+            text = tokenizer.decode_unchecked(token_ids[:k + 1])
+            starts = [text.find(s) for s in stops if s in text]
+            if starts:
+                completing, expected_text = k, text[:min(starts)]
+                break
+        if expected_text is None:
+            expected_text = tokenizer.decode_unchecked(token_ids)
+            assert stopped_at is None
+        else:
+            assert stopped_at == completing
+        sent = ""
+        for delta in deltas[:-1]:
+            sent += delta.text
+            assert expected_text.startswith(sent)  # nothing shown is taken back
+        assert sent + deltas[-1].text == expected_text, (token_ids, stops)
+        assert [t for d in deltas for t in d.token_ids] == token_ids[:completing + 1]
+
+
+def test_a_sample_not_streamed_sends_one_delta():
+    deltas, _ = run_sample([3, 4, 5, 30], [], stream=False)
+    [delta] = deltas
+    assert delta.text == "defee" and delta.token_ids == [3, 4, 5, 30]
+    assert delta.finish_reason == "length"
+
+
+def test_engine_deltas_travel_as_plain_tuples():
+    delta = EngineDelta("r1", 2, "hi", [5, 6], "stop", [(5, -0.1, [])], 3, (1.0, 2.0, 3.0, 4.0))
+    assert (delta.request_id, delta.index, delta.text, delta.token_ids) == ("r1", 2, "hi", [5, 6])
+    assert delta.finished and delta.num_cached_tokens == 3 and delta.times[3] == 4.0
+    wire = pickle.loads(pickle.dumps(tuple(delta)))
+    assert type(wire) is tuple
+    assert EngineDelta.of(wire) == delta and EngineDelta.of(wire).finish_reason == "stop"
+
+
+def test_the_accumulator_makes_cumulative_outputs():
+    outputs = OutputAccumulator()
+    outputs.add("a", [1, 2], n=2)
+    rng = random.Random(2)
+    expected = {0: ([], ""), 1: ([], "")}
+    finished = set()
+    seen = []
+    while len(finished) < 2:
+        index = rng.randrange(2)
+        if index in finished:
+            continue
+        new = [rng.randrange(100) for _ in range(rng.randint(0, 3))]
+        text = "".join(rng.choice("xyz") for _ in range(rng.randint(0, 3)))
+        end = rng.random() < 0.2
+        logprobs = [(t, -1.0 * t, [(t, -1.0 * t)]) for t in new]
+        delta = EngineDelta("a", index, text, new, "length" if end else None, logprobs, 4,
+                            (1.0, 2.0, 3.0, 4.0) if end else None)
+        [output] = outputs.process([delta, EngineDelta("unknown", 0, "x", [1])])
+        tokens, full = expected[index]
+        expected[index] = (tokens + new, full + text)
+        assert output.token_ids == tokens + new and output.text == full + text
+        assert output.delta == text and output.delta_token_ids == new
+        assert output.prompt_token_ids == [1, 2] and output.index == index
+        assert output.num_cached_tokens == 4
+        assert output.logprobs == [TokenLogprob(t, -1.0 * t, [(t, -1.0 * t)])
+                                   for t in tokens + new]
+        seen.append(output)
+        if end:
+            finished.add(index)
+            assert output.finished and output.times.last_token == 4.0
+            assert ("a" in outputs) == (len(finished) < 2)
+        else:
+            assert output.times is None
+    # outputs handed out earlier are not changed by later ones
+    assert all(len(o.token_ids) <= len(expected[o.index][0]) for o in seen)
+    assert outputs.process([EngineDelta("a", 0, "late", [9], "stop")]) == []
+
+
+class _Sink:
+    def __init__(self):
+        self.items = []
+
+    def put(self, item):
+        self.items.append(item)
+
+
+def test_text_made_in_the_server_process_is_the_engines(llm):
+    """serve's split: the engine sends token ids only, the server process makes the text
+    and ends samples at their stop strings. Its outputs equal the engine's own."""
+    from conftest import assert_all_blocks_free
+
+    from cupy_llama.engine.async_engine import AsyncEngine, EngineInfo
+    engine = llm.engine
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    plain = [llm.generate(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)).text
+             for p in prompts]
+    params = []
+    for i, text in enumerate(plain):
+        stop = next((text[j:j + 2] for j in range(2 + i, len(text) - 2)
+                     if "\ufffd" not in text[j:j + 2]), "zz")
+        params.append(SamplingParams(
+            max_tokens=30, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True, n=1 + i % 2,
+            logprobs=1 if i % 3 == 0 else None, stop=[stop, "never here"] if i % 2 else []))
+    # request 0 ends at an EOS token that has text (it is not shown)
+    free = llm.generate(prompts[0], SamplingParams(max_tokens=30, temperature=0,
+                                                   ignore_eos=True)).token_ids
+    eos = next(t for t in free[4:] if t < 256 and t not in free[:4])
+    params[0] = SamplingParams(max_tokens=30, temperature=0)
+    streams = [i % 3 != 1 for i in range(len(prompts))]
+    expected = {}
+    engine.eos_token_ids.add(eos)
+    for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+        for output in llm.generate([prompt], sampling):
+            expected[str(i), output.index] = output
+    assert expected["0", 0].token_ids[-1] == eos and expected["0", 0].finish_reason == "stop"
+
+    sent = []
+    server = AsyncEngine("unused", "cpu", {}, tokenizer=engine.tokenizer)
+    server._send = sent.append
+    # what the engine process reports when it is ready: the EOS tokens, whose text is not shown
+    server.info = EngineInfo(device="cpu", context_limit=engine.context_limit, num_blocks=1,
+                             block_size=1, max_num_seqs=1, load_seconds=0.0, pid=0,
+                             eos_token_ids=tuple(sorted(engine.eos_token_ids)))
+    sinks = {}
+    accumulator, engine.outputs = engine.outputs, None  # the deltas come out as they are
+    try:
+        for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+            sinks[str(i)] = _Sink()
+            server.add(str(i), prompt, sampling, streams[i], sinks[str(i)])
+        for _, request_id, prompt, sampling, stream, text in sent:
+            assert text is False
+            engine.add_request(prompt, sampling, request_id=request_id, stream=stream, text=text)
+        sent.clear()
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            deltas = []
+            for message in sent:  # the samples the server ended at a stop string
+                assert message[0] == "abort" and len(message) == 3
+                deltas += engine.abort_deltas(*message[1:])
+            sent.clear()
+            deltas += engine.step_deltas()
+            server._on_message(("out", [tuple(d) for d in deltas], [], {}))
+    finally:
+        engine.outputs = accumulator
+        engine.eos_token_ids.discard(eos)
+    assert not server._streams and not server._texts
+    for (request_id, index), output in expected.items():
+        mine = [d for d in sinks[request_id].items if d.index == index]
+        assert [d.finish_reason for d in mine[:-1]] == [None] * (len(mine) - 1)
+        if not streams[int(request_id)] and not params[int(request_id)].stop:
+            assert len(mine) == 1  # not streamed: one delta at the end
+        assert mine[-1].finish_reason == output.finish_reason
+        first, last = mine[-1].times[2:]  # the engine's, or those seen by the server
+        assert first is not None and last >= first
+        assert "".join(d.text for d in mine) == output.text, (request_id, index)
+        assert [t for d in mine for t in d.token_ids] == output.token_ids
+        if output.logprobs is not None:
+            assert [entry[0] for d in mine for entry in d.logprobs] == output.token_ids
+    assert any(o.finish_reason == "stop" for o in expected.values())
+    assert_all_blocks_free(llm)
