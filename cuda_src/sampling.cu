@@ -43,6 +43,33 @@
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
 #define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
 
+// The per-sequence settings, one [capacity] array each, back to back in this order in one
+// buffer (the staging layout of interface.py's SAMPLING_ROWS, whose kernel rows these are:
+// the CUDA backend checks that both list the same names and types in the same order).
+#define SAMPLING_ROWS(X) \
+    X(unsigned long long, seeds) \
+    X(float, temperature) \
+    X(int, top_k) \
+    X(float, top_p) \
+    X(float, min_p) \
+    X(int, steps)
+
+struct SamplingRows {
+#define SAMPLING_ROW_FIELD(type, name) const type* __restrict__ name;
+    SAMPLING_ROWS(SAMPLING_ROW_FIELD)
+#undef SAMPLING_ROW_FIELD
+
+    // the arrays of a buffer that holds `capacity` sequences' settings
+    __device__ SamplingRows(const unsigned char* buffer, int capacity) {
+        size_t offset = 0;
+#define SAMPLING_ROW_VIEW(type, name)                                   \
+        name = reinterpret_cast<const type*>(buffer + offset);          \
+        offset += (size_t)capacity * sizeof(type);
+        SAMPLING_ROWS(SAMPLING_ROW_VIEW)
+#undef SAMPLING_ROW_VIEW
+    }
+};
+
 __device__ __forceinline__ unsigned int order_key(float f) {
     const unsigned int u = __float_as_uint(f == 0.0f ? 0.0f : f);  // -0 and +0 are equal
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // larger float, larger key
@@ -516,12 +543,11 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
 // thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
 // slots: candidate slots per thread in the dynamic shared memory (0: always the row);
 // used_slots (may be null): [B], 1 where the slots served the draw, else 0.
+// settings: SAMPLING_ROWS of `capacity` (>= B) sequences, row b of each for sequence b.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
-        const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
-        const int* __restrict__ top_k, const float* __restrict__ top_p,
-        const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
-        const int* __restrict__ steps, int* __restrict__ out_tokens, int slots,
-        int* __restrict__ used_slots) {
+        const float* __restrict__ logits, int vocab, const unsigned char* __restrict__ settings,
+        int capacity, int* __restrict__ out_tokens, int slots, int* __restrict__ used_slots) {
+    const SamplingRows rows(settings, capacity);
     __shared__ SampleShared sh;
     extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
     static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
@@ -572,18 +598,18 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         }
     }
     __syncthreads();
-    const float temp = temperature[b];
+    const float temp = rows.temperature[b];
     if (used_slots != nullptr && tid == 0) used_slots[b] = 0;
     if (!(temp > 0.0f)) return;
     DrawInputs in;
     in.vocab = vocab;
-    in.top_k = top_k[b];
-    in.top_p = top_p[b];
-    in.min_p = min_p[b];
+    in.top_k = rows.top_k[b];
+    in.top_p = rows.top_p[b];
+    in.min_p = rows.min_p[b];
     in.max_logit = sh.scratch[0];
     in.log2_scale = LOG2_E / temp;
-    in.bits = splitmix64(splitmix64((unsigned long long)seeds[b]) ^
-                         (unsigned long long)(unsigned int)steps[b]);
+    in.bits = splitmix64(splitmix64((unsigned long long)rows.seeds[b]) ^
+                         (unsigned long long)(unsigned int)rows.steps[b]);
     // sh.scratch is written again only past block_totals' barrier below
 
     // the row's pass: every weight summed in this thread's order, the candidates written

@@ -130,9 +130,45 @@ class StepLayout:
             buffer[start:start + array.size] = array.reshape(-1)
 
 
+class SamplingRow(NamedTuple):
+    """One per-sequence sampling setting (a row of SAMPLING_ROWS)."""
+    name: str
+    dtype: Any
+    default: Any   # the value of a slot no sequence holds
+    neutral: Any   # the value that turns the control off (None: it is never off)
+    per: str       # "request": fixed while a sequence holds its slot, kept in the model
+                   # runner's slot tables; "step": set anew every step
+    kernel: bool   # read by the sampling kernel: in its staging layout and argument list
+
+
+# The per-sequence sampling settings, described once. SamplingTensors has one field per
+# row, the model runner's SlotTables one column per "request" row, and the CUDA backend
+# stages the kernel's rows in this order, one [max_num_seqs] array after another, for the
+# sampling kernel, whose SAMPLING_ROWS macro in cuda_src/sampling.cu lists the same rows
+# in the same order (checked when the CUDA backend is imported). The 8-byte rows come
+# first, so every array of the staging buffer is aligned (checked below). A new control is
+# a row here, a field of SamplingTensors, its kernel code and its tests.
+SAMPLING_ROWS = (
+    SamplingRow("seeds", np.uint64, 0, None, "request", True),
+    SamplingRow("temperature", np.float32, 0.0, 1.0, "request", True),
+    SamplingRow("top_k", np.int32, 0, 0, "request", True),
+    SamplingRow("top_p", np.float32, 1.0, 1.0, "request", True),
+    SamplingRow("min_p", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("steps", np.int32, 0, None, "step", True),
+    SamplingRow("num_logprobs", np.int32, -1, -1, "request", False),
+)
+SAMPLING_ROW = {row.name: row for row in SAMPLING_ROWS}
+KERNEL_ROWS = tuple(row for row in SAMPLING_ROWS if row.kernel)
+assert all(np.dtype(a.dtype).itemsize >= np.dtype(b.dtype).itemsize
+           for a, b in zip(KERNEL_ROWS, KERNEL_ROWS[1:])), \
+    "SAMPLING_ROWS: the kernel's rows go widest first, so the staged arrays stay aligned"
+
+
 @dataclass
 class SamplingTensors:
-    """Per-sequence sampling settings for one step (host numpy arrays, length B)."""
+    """Per-sequence sampling settings for one step (host numpy arrays, length B), one field
+    per row of SAMPLING_ROWS. A field left None holds the row's neutral value everywhere
+    (no row of the step uses that control)."""
     temperature: np.ndarray  # float32; 0 means greedy
     top_k: np.ndarray        # int32; 0 or >= V means off
     top_p: np.ndarray        # float32; 1.0 means off
@@ -144,6 +180,19 @@ class SamplingTensors:
     num_logprobs: np.ndarray | None = None
 
     @property
+    def num_seqs(self) -> int:
+        return int(np.asarray(self.temperature).shape[0])
+
+    def row(self, name: str) -> np.ndarray:
+        """The setting `name` of every sequence, [B] of its row's dtype (the neutral value
+        where the field is None)."""
+        spec = SAMPLING_ROW[name]
+        value = getattr(self, name)
+        if value is None:
+            return np.full(self.num_seqs, spec.neutral, spec.dtype)
+        return np.asarray(value, spec.dtype).reshape(self.num_seqs)
+
+    @property
     def all_greedy(self) -> bool:
         return bool(np.all(self.temperature == 0))
 
@@ -153,6 +202,10 @@ class SamplingTensors:
             return np.zeros(0, np.int32), 0
         rows = np.flatnonzero(self.num_logprobs >= 0).astype(np.int32)
         return rows, int(self.num_logprobs[rows].max()) if rows.size else 0
+
+
+assert set(SamplingTensors.__dataclass_fields__) == {row.name for row in SAMPLING_ROWS}, \
+    "SAMPLING_ROWS and SamplingTensors must name the same settings"
 
 
 class Logprobs:

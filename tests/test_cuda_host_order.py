@@ -130,11 +130,12 @@ def settings(step):
 def pipelined(fake, monkeypatch):
     """STEPS + 1 sampling steps driven as LLMEngine.step does: launch step k + 1, then read
     step k's tokens. Returns the log and, per read, (tokens, index of its last log entry)."""
-    def fake_sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens):
+    def fake_sample(logits, settings, capacity, out_tokens):
         fake.add(Op(fake.current.name, "kernel", "sample"))
-        out_tokens[:] = steps  # reads the settings that reached the device buffer
+        # reads the settings that reached the device buffer
+        out_tokens[:] = sampling_kernels.settings_views(settings, capacity)["steps"][:len(out_tokens)]
 
-    monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
+    monkeypatch.setattr(sampling_kernels, "sample_settings", fake_sample)
     monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})  # the real __init__ else
     no_launch_attributes = KernelSwitches(programmatic=False, clusters=False)  # no device query
     cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,

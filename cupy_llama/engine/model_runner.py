@@ -8,16 +8,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interface import ForwardBatch, SamplingTensors
+from ..interface import SAMPLING_ROWS, ForwardBatch, SamplingTensors
 from ..config import ModelConfig
 from ..util import cdiv
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
+# SAMPLING_ROWS kept per slot, and where a sequence's value of each comes from (where it is
+# not the SamplingParams field of the same name)
+REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
+ROW_SOURCES = {
+    "seeds": lambda seq: seq.seed,
+    "num_logprobs": lambda seq: -1 if seq.params.logprobs is None else seq.params.logprobs,
+}
+
+
+def row_value(name: str, seq: Sequence):
+    source = ROW_SOURCES.get(name)
+    return source(seq) if source else getattr(seq.params, name)
+
+
 class SlotTables:
     """Per-slot host rows: block tables ([slots, blocks] int32, unused entries -1) and
-    sampling settings. Grown on demand."""
+    sampling settings (one array per "request" row of SAMPLING_ROWS, an attribute of the
+    row's name). Grown on demand."""
 
     def __init__(self):
         self.block_tables = np.full((0, 0), -1, np.int32)
@@ -26,12 +41,8 @@ class SlotTables:
         self._table_source: list[list[int] | None] = []
         self._table_length: list[int] = []
         self._sampling_owner: list[Sequence | None] = []
-        self.temperature = np.zeros(0, np.float32)
-        self.top_k = np.zeros(0, np.int32)
-        self.top_p = np.zeros(0, np.float32)
-        self.min_p = np.zeros(0, np.float32)
-        self.seeds = np.zeros(0, np.uint64)
-        self.num_logprobs = np.zeros(0, np.int32)  # -1: none asked
+        for row in REQUEST_ROWS:
+            setattr(self, row.name, np.zeros(0, row.dtype))
 
     def _grow(self, num_slots: int, num_blocks: int) -> None:
         """Room for slots [0, num_slots) and num_blocks blocks per row (at least doubling
@@ -48,9 +59,9 @@ class SlotTables:
             self._table_source += [None] * new
             self._table_length += [0] * new
             self._sampling_owner += [None] * new
-            for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs"):
-                old = getattr(self, name)
-                setattr(self, name, np.concatenate([old, np.zeros(new, old.dtype)]))
+            for row in REQUEST_ROWS:
+                old = getattr(self, row.name)
+                setattr(self, row.name, np.concatenate([old, np.full(new, row.default, row.dtype)]))
 
     def update_block_table(self, seq: Sequence) -> None:
         """Make seq's row equal its block table, copying only what changed."""
@@ -67,15 +78,11 @@ class SlotTables:
         self._table_length[slot] = len(table)
 
     def update_sampling(self, seq: Sequence) -> None:
-        slot, params = seq.slot, seq.params
+        slot = seq.slot
         if slot >= len(self._sampling_owner):
             self._grow(slot + 1, 0)
-        self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k
-        self.top_p[slot] = params.top_p
-        self.min_p[slot] = params.min_p
-        self.seeds[slot] = seq.seed
-        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        for row in REQUEST_ROWS:
+            getattr(self, row.name)[slot] = row_value(row.name, seq)
         self._sampling_owner[slot] = seq
 
     def block_table_is_current(self, seq: Sequence) -> bool:
@@ -142,12 +149,13 @@ class ModelRunner:
             # (preempted) sequence draws the same random numbers again
             steps.append(len(seq.output_token_ids))
         rows = np.array(rows, dtype=np.intp)
-        num_logprobs = slots.num_logprobs[rows]
-        return SamplingTensors(
-            temperature=slots.temperature[rows], top_k=slots.top_k[rows],
-            top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
-            steps=np.array(steps, dtype=np.int32),
-            num_logprobs=num_logprobs if num_logprobs.max(initial=-1) >= 0 else None)
+        settings = {"steps": np.array(steps, dtype=np.int32)}
+        for row in REQUEST_ROWS:
+            column = getattr(slots, row.name)[rows]
+            # a control no row of the step uses stays None (the backends skip it)
+            optional = SamplingTensors.__dataclass_fields__[row.name].default is None
+            settings[row.name] = None if optional and np.all(column == row.neutral) else column
+        return SamplingTensors(**settings)
 
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence

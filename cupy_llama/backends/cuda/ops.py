@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ...interface import STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
+from ...interface import KERNEL_ROWS, STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, launch
 from . import logprobs as logprob_kernels
@@ -81,7 +81,8 @@ class CudaOps(SublayerOps):
         self._meta_host = pinned_array(cupy, capacity, np.int32)
         self._meta_device = cupy.empty(capacity, np.int32)
         self._meta_copied = sync_event(cupy)  # the last metadata copy has read the host buffer
-        # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each.
+        # sampling settings: the kernel's rows of SAMPLING_ROWS (widest first), then the rows
+        # that ask for log-probabilities, [max_num_seqs] each (SAMPLING_FIELDS).
         # Their copy and the tokens' copy back run on a stream of their own, off the steps'
         # stream: the settings copy is issued while the step's forward pass still runs, before
         # the sampling kernel that reads them, and the tokens go back while the next step
@@ -225,12 +226,12 @@ class CudaOps(SublayerOps):
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
-    # the settings buffers: max_num_seqs of each SamplingTensors field, field after field
-    # (the 8-byte seeds first, so every field is aligned); logprob_rows: the rows that ask
-    # for log-probabilities, first R entries
-    SAMPLING_FIELDS = (("seeds", np.uint64), ("temperature", np.float32), ("top_k", np.int32),
-                       ("top_p", np.float32), ("min_p", np.float32), ("steps", np.int32),
-                       ("logprob_rows", np.int32))
+    # the settings buffers: max_num_seqs of each of the kernel's SAMPLING_ROWS, row after
+    # row in the table's order (the layout sampling.cu's SamplingRows reads; widest first,
+    # so every array is aligned); logprob_rows: the rows that ask for log-probabilities,
+    # first R entries
+    SAMPLING_FIELDS = tuple((row.name, row.dtype) for row in KERNEL_ROWS) + (
+        ("logprob_rows", np.int32),)
     SAMPLING_BYTES = sum(np.dtype(dtype).itemsize for _, dtype in SAMPLING_FIELDS)  # per sequence
 
     def _sampling_views(self, B: int) -> tuple[dict, dict, Any]:
@@ -265,7 +266,7 @@ class CudaOps(SublayerOps):
             if name == "logprob_rows":
                 view[:R] = logprob_rows
             else:
-                view[:] = np.asarray(getattr(sampling, name)).reshape(B)
+                view[:] = sampling.row(name)
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
@@ -279,8 +280,7 @@ class CudaOps(SublayerOps):
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
         d = on_device
-        sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"], d["min_p"],
-                                d["seeds"], d["steps"], tokens)
+        sampling_kernels.sample_settings(logits, device, n, tokens)
         values = self._logprob_values[:R * (1 + k)].reshape(R, 1 + k)
         ids = self._logprob_ids[:R * (1 + k)].reshape(R, 1 + k)
         if R:

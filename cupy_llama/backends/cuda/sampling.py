@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...interface import KERNEL_ROWS
 from .device import device_limits
-from .kernels import F32, I32, check, constants, get_kernel, i32, opt_in_shared
+from .kernels import F32, I32, U8, check, constants, get_kernel, i32, opt_in_shared, x_macro
 
 _C = constants("sampling")
 THREADS = _C["SAMPLE_THREADS"]
@@ -16,6 +17,42 @@ U64 = np.dtype(np.uint64)
 # sixteen times the mean in any one thread when a row has 1,000 of them. (SmolLM2-135M-
 # Instruct at temperature 0.6: 176 of 184 steps fit 8 slots, 183 fit 16.)
 SLOTS = 16
+
+# the C type of each numpy dtype a settings row may have
+C_TYPES = {np.dtype(np.uint64): "unsigned long long", np.dtype(np.int32): "int",
+           np.dtype(np.float32): "float", np.dtype(np.uint32): "unsigned int"}
+
+
+def check_settings_layout() -> None:
+    """sampling.cu's SAMPLING_ROWS must list interface.SAMPLING_ROWS's kernel rows: the
+    same names, types and order (the kernel finds each array at the offset that order
+    gives)."""
+    in_source = x_macro("sampling", "SAMPLING_ROWS")
+    in_table = tuple((C_TYPES[np.dtype(row.dtype)], row.name) for row in KERNEL_ROWS)
+    if in_source != in_table:
+        raise RuntimeError(f"cuda_src/sampling.cu's SAMPLING_ROWS {list(in_source)} differs from "
+                           f"interface.SAMPLING_ROWS's kernel rows {list(in_table)}; make them "
+                           "list the same rows in the same order")
+
+
+check_settings_layout()
+
+
+def settings_bytes(capacity: int) -> int:
+    """The size of a settings buffer for `capacity` sequences."""
+    return capacity * sum(np.dtype(row.dtype).itemsize for row in KERNEL_ROWS)
+
+
+def settings_views(buffer, capacity: int, rows: int | None = None) -> dict:
+    """{name: array} of each kernel row in a flat uint8 settings buffer (numpy or cupy)
+    that holds `capacity` sequences; rows: only the first `rows` entries of each."""
+    views, start = {}, 0
+    for row in KERNEL_ROWS:
+        size = np.dtype(row.dtype).itemsize
+        count = capacity if rows is None else rows
+        views[row.name] = buffer[start:start + count * size].view(row.dtype)
+        start += capacity * size
+    return views
 
 
 def slot_room() -> int:
@@ -30,19 +67,51 @@ def default_slots() -> int:
     return min(SLOTS, slot_room())
 
 
+def pack_settings(num_seqs: int, **rows):
+    """A device settings buffer for num_seqs sequences: each kernel row of SAMPLING_ROWS
+    from `rows` (a cupy or numpy array [num_seqs], or one value for all), the row's
+    neutral value where it is not given."""
+    import cupy
+    host = np.zeros(settings_bytes(num_seqs), np.uint8)
+    unknown = set(rows) - {row.name for row in KERNEL_ROWS}
+    if unknown:
+        raise ValueError(f"not a sampling kernel row: {sorted(unknown)[0]}")
+    for row in KERNEL_ROWS:
+        view = settings_views(host, num_seqs)[row.name]
+        value = rows.get(row.name, row.neutral)
+        view[:] = cupy.asnumpy(value) if isinstance(value, cupy.ndarray) else value
+    return cupy.asarray(host)
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, slots=None,
            used_slots=None):
     """logits [B, V] float32; per-sequence settings [B] (float32 temperature / top_p /
-    min_p, int32 top_k / steps, uint64 seeds) -> out_tokens [B] int32, on the device.
+    min_p, int32 top_k / steps, uint64 seeds) -> out_tokens [B] int32, on the device: the
+    settings packed into a new buffer (pack_settings), then sample_settings. For tests;
+    the engine and the benchmarks stage their buffer once."""
+    num_seqs = check("logits", logits, F32, ndim=2).shape[0]
+    given = {"temperature": (temperature, F32), "top_k": (top_k, I32), "top_p": (top_p, F32),
+             "min_p": (min_p, F32), "seeds": (seeds, U64), "steps": (steps, I32)}
+    rows = {name: check(name, array, dtype, shape=(num_seqs,))
+            for name, (array, dtype) in given.items()}
+    sample_settings(logits, pack_settings(num_seqs, **rows), num_seqs, out_tokens, slots,
+                    used_slots)
+
+
+def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, used_slots=None):
+    """logits [B, V] float32; settings: a flat uint8 buffer of the SAMPLING_ROWS kernel rows
+    of `capacity` >= B sequences (settings_views) -> out_tokens [B] int32, on the device.
     slots: candidate slots per thread (default_slots(); 0 makes every pass read the whole
     row, which draws the same tokens); used_slots: None or [B] int32, set to 1 where the
     candidate slots served the draw."""
     num_seqs, vocab = check("logits", logits, F32, ndim=2).shape
-    for name, array, dtype in (("temperature", temperature, F32), ("top_k", top_k, I32),
-                               ("top_p", top_p, F32), ("min_p", min_p, F32),
-                               ("seeds", seeds, U64), ("steps", steps, I32),
-                               ("out_tokens", out_tokens, I32)):
-        check(name, array, dtype, shape=(num_seqs,))
+    check("settings", settings, U8, ndim=1)
+    if settings.size < settings_bytes(capacity):
+        raise ValueError(f"settings: {settings.size} bytes, {capacity} sequences need "
+                         f"{settings_bytes(capacity)}")
+    check("out_tokens", out_tokens, I32, shape=(num_seqs,))
+    if num_seqs > capacity:
+        raise ValueError(f"settings: {capacity} sequences' room, {num_seqs} logits rows")
     if used_slots is not None:
         check("used_slots", used_slots, I32, shape=(num_seqs,))
     if slots is None:
@@ -58,5 +127,5 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
     shared = slots * SLOT_BYTES
     opt_in_shared(kernel, shared)
     kernel((num_seqs,), (THREADS,),
-           (logits, i32(vocab), temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
-            i32(slots), used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)
+           (logits, i32(vocab), settings, i32(capacity), out_tokens, i32(slots),
+            used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)
