@@ -155,6 +155,16 @@ SAMPLING_ROWS = (
     SamplingRow("top_p", np.float32, 1.0, 1.0, "request", True),
     SamplingRow("min_p", np.float32, 0.0, 0.0, "request", True),
     SamplingRow("steps", np.int32, 0, None, "step", True),
+    # the penalties (SamplingParams) and the per-slot device state they read: a row with
+    # state_slot >= 0 reads that slot's token counts and bias entries (SlotState)
+    SamplingRow("repetition_penalty", np.float32, 1.0, 1.0, "request", True),
+    SamplingRow("frequency_penalty", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("presence_penalty", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("min_tokens", np.int32, 0, 0, "request", True),
+    SamplingRow("num_biases", np.int32, 0, 0, "request", True),    # bias entries always applied
+    SamplingRow("num_min_bans", np.int32, 0, 0, "request", True),  # banned while steps < min_tokens
+    SamplingRow("state_slot", np.int32, -1, -1, "step", True),
+    SamplingRow("count_token", np.int32, 0, 0, "step", True),  # 1: the sampled token is kept: count it
     SamplingRow("num_logprobs", np.int32, -1, -1, "request", False),
 )
 SAMPLING_ROW = {row.name: row for row in SAMPLING_ROWS}
@@ -175,9 +185,25 @@ class SamplingTensors:
     min_p: np.ndarray        # float32; 0.0 means off
     seeds: np.ndarray        # uint64; the request's seed (a random one when the user gave none)
     steps: np.ndarray        # int32; how many tokens the request has generated so far
+    # float32 / int32 (None: no row of the step uses it); see SAMPLING_ROWS
+    repetition_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    min_tokens: np.ndarray | None = None
+    num_biases: np.ndarray | None = None
+    num_min_bans: np.ndarray | None = None
+    state_slot: np.ndarray | None = None
+    count_token: np.ndarray | None = None
     # int32; -1: no log-probabilities, k >= 0: the sampled token's and the top k's
     # (None: no row asks)
     num_logprobs: np.ndarray | None = None
+    # the slots whose device state this step rebuilds before it samples (not a row)
+    resets: "list[SlotReset] | None" = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any row reads device state (penalties, biases, bans)."""
+        return self.state_slot is not None
 
     @property
     def num_seqs(self) -> int:
@@ -204,8 +230,25 @@ class SamplingTensors:
         return rows, int(self.num_logprobs[rows].max()) if rows.size else 0
 
 
-assert set(SamplingTensors.__dataclass_fields__) == {row.name for row in SAMPLING_ROWS}, \
+assert set(SamplingTensors.__dataclass_fields__) - {"resets"} == {row.name for row in SAMPLING_ROWS}, \
     "SAMPLING_ROWS and SamplingTensors must name the same settings"
+
+
+MAX_BIAS_ENTRIES = 512  # bias entries of one slot: logit_bias (300), bans, min_tokens' bans
+
+
+@dataclass
+class SlotReset:
+    """A slot's device state made anew for the sequence that now holds it, before the
+    step samples. The state: how often each token occurs in the output and whether it
+    occurs in the prompt (the penalties read both; the sampling kernel adds each kept
+    token), and the bias entries: `num_biases` (token, value) pairs always added to the
+    logits (-inf bans), then `num_min_bans` tokens banned while steps < min_tokens."""
+    slot: int
+    prompt_token_ids: list     # the prompt (empty where no penalty is on)
+    output_token_ids: list     # the output so far; -(r + 1): row r of the last sampling
+    bias_ids: list             # [num_biases + num_min_bans] distinct in each part
+    bias_values: list          # float; -inf bans
 
 
 class Logprobs:

@@ -11,7 +11,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from cupy_llama.interface import ForwardBatch, SamplingTensors
+from cupy_llama.interface import KERNEL_ROWS, ForwardBatch, SamplingTensors
 from cupy_llama.backends.cuda import graphs, ops
 from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches
@@ -130,7 +130,7 @@ def settings(step):
 def pipelined(fake, monkeypatch):
     """STEPS + 1 sampling steps driven as LLMEngine.step does: launch step k + 1, then read
     step k's tokens. Returns the log and, per read, (tokens, index of its last log entry)."""
-    def fake_sample(logits, settings, capacity, out_tokens):
+    def fake_sample(logits, settings, capacity, out_tokens, counts=None):
         fake.add(Op(fake.current.name, "kernel", "sample"))
         # reads the settings that reached the device buffer
         out_tokens[:] = sampling_kernels.settings_views(settings, capacity)["steps"][:len(out_tokens)]
@@ -170,8 +170,9 @@ def test_settings_copy_kernel_and_token_copy_are_ordered_across_streams(pipeline
     copies, kernels, backs = (entries(log, what) for what in ("H2D", "kernel", "D2H"))
     for step, (copy, kernel, back) in enumerate(zip(copies, kernels, backs)):
         assert (log[copy].who, log[kernel].who, log[back].who) == ("copy", "step", "copy")
-        # per sequence: the 8-byte seed and six 4-byte fields
-        assert log[copy].detail == ("settings_host", "settings_device", 32 * MAX_SEQS)
+        # per sequence: each kernel row of SAMPLING_ROWS and a row that asks for logprobs
+        per_seq = sum(np.dtype(row.dtype).itemsize for row in KERNEL_ROWS) + 4
+        assert log[copy].detail == ("settings_host", "settings_device", per_seq * MAX_SEQS)
         if step:
             # the one device settings buffer is overwritten only after the last kernel that
             # read it: behind the last token copy, which waited for that kernel

@@ -46,10 +46,12 @@ def test_x_macro_reads_a_list_macro(tmp_path, monkeypatch):
 
 
 def test_sampling_tensors_has_a_field_per_row_and_fills_neutral_values():
-    assert {f.name for f in dataclasses.fields(SamplingTensors)} == {r.name for r in SAMPLING_ROWS}
+    assert {f.name for f in dataclasses.fields(SamplingTensors)} - {"resets"} == \
+        {r.name for r in SAMPLING_ROWS}
     required = {f.name: np.zeros(3) for f in dataclasses.fields(SamplingTensors)
                 if f.default is dataclasses.MISSING}
     tensors = SamplingTensors(**required)
+    assert tensors.resets is None and not tensors.processes_logits
     for row in SAMPLING_ROWS:
         column = tensors.row(row.name)
         assert column.dtype == np.dtype(row.dtype) and column.shape == (3,)

@@ -11,7 +11,7 @@ from typing import Iterator
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
 from ..outputs import RequestOutput, RequestTimes, TokenLogprob, is_token_id
-from ..sampling import SamplingParams
+from ..sampling import MAX_BANNED_TOKENS, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
@@ -30,7 +30,8 @@ class _Sample:
         # text is needed token by token only to stream it or to watch for stop strings;
         # otherwise it is decoded once at the end (same text: the detokenizer's deltas
         # concatenate to the one-shot decode)
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, checked=False)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, seq.params.skip_special_tokens,
+                                                   checked=False)
                             if stream or seq.params.stop else None)
         self.vocab_size = tokenizer.vocab_size
         self.text_ids: list[int] = []
@@ -63,15 +64,21 @@ class _Sample:
             return False
         num_old_chars = len(self.text)
         self.text += self.detokenizer.add(token_id)
-        stop_at = _find_stop(self.text, self.seq.params.stop, num_old_chars)
+        params = self.seq.params
+        if len(self.detokenizer.token_ids) < params.min_tokens:
+            return False  # no stop string before min_tokens (vLLM's rule)
+        stop_at = _find_stop(self.text, params.stop, num_old_chars)
         if stop_at is None:
             return False
+        if params.include_stop_str_in_output:  # the text ends with the stop string
+            stop_at += next(len(s) for s in params.stop if self.text.startswith(s, stop_at))
         self.text = self.text[:stop_at]
         return True
 
     def flush_text(self) -> None:
         if self.detokenizer is None:
-            self.text = self.tokenizer.decode_unchecked(self.text_ids)  # ids < vocab_size
+            self.text = self.tokenizer.decode_unchecked(  # ids < vocab_size
+                self.text_ids, self.seq.params.skip_special_tokens)
         else:
             self.text += self.detokenizer.flush()
 
@@ -143,6 +150,7 @@ class LLMEngine:
         # config.json + generation_config.json, plus the end-of-turn tokens of the template
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
+        self.runner.slots.eos_token_ids = tuple(sorted(self.eos_token_ids))  # min_tokens' bans
         # request id -> its n samples, until every one has finished
         self.requests: dict[str, list[_Sample]] = {}
         self._in_flight: _Launched | None = None  # the step whose tokens are still coming
@@ -228,16 +236,37 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        banned = self.bad_word_ids(params.bad_words)
         samples, parent = [], None
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
+            seq.banned_token_ids = banned
             parent = parent or seq
             self.scheduler.add(seq)
             samples.append(_Sample(seq, self.tokenizer, stream))
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
         return request_id
+
+    def bad_word_ids(self, bad_words: list[str]) -> list[int]:
+        """The tokens bad_words ban: each word's spellings alone and after a space (vLLM's
+        two) that are one token each. The device bans single tokens only: a word with no
+        one-token spelling is refused."""
+        banned = set()
+        for word in bad_words:
+            spellings = [self.tokenizer.encode(text, add_special_tokens=False)
+                         for text in dict.fromkeys((word, " " + word.lstrip()))]
+            single = [ids[0] for ids in spellings if len(ids) == 1]
+            if not single:
+                raise RequestError(f"bad_words: {word!r} is {min(map(len, spellings))} tokens "
+                                   "however it is spelled; only words of one token can be "
+                                   "banned")
+            banned.update(single)
+        if len(banned) > MAX_BANNED_TOKENS:
+            raise RequestError(f"bad_words ban {len(banned)} tokens; at most "
+                               f"{MAX_BANNED_TOKENS}")
+        return sorted(banned)
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -376,7 +405,10 @@ class LLMEngine:
         seq, params = sample.seq, sample.seq.params
         token_id = seq.output_token_ids[index]
         sample.num_resolved = index + 1
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        # EOS and stop_token_ids stop (never before min_tokens: the device bans them)
+        is_eos = index + 1 > params.min_tokens and (
+            (token_id in self.eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids)
         status = None
         if not is_eos and sample.add_text(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interface import SAMPLING_ROWS, ForwardBatch, SamplingTensors
+from ..interface import MAX_BIAS_ENTRIES, SAMPLING_ROWS, ForwardBatch, SamplingTensors, SlotReset
 from ..config import ModelConfig
 from ..util import cdiv
 from .scheduler import ScheduledBatch
@@ -19,14 +19,35 @@ from .sequence import Sequence
 # not the SamplingParams field of the same name)
 REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
 ROW_SOURCES = {
-    "seeds": lambda seq: seq.seed,
-    "num_logprobs": lambda seq: -1 if seq.params.logprobs is None else seq.params.logprobs,
+    "seeds": lambda seq, entries: seq.seed,
+    "num_logprobs": lambda seq, entries: -1 if seq.params.logprobs is None else seq.params.logprobs,
+    "num_biases": lambda seq, entries: entries[2],
+    "num_min_bans": lambda seq, entries: entries[3],
 }
 
 
-def row_value(name: str, seq: Sequence):
+def row_value(name: str, seq: Sequence, entries):
     source = ROW_SOURCES.get(name)
-    return source(seq) if source else getattr(seq.params, name)
+    return source(seq, entries) if source else getattr(seq.params, name)
+
+
+def bias_entries(seq: Sequence, eos_token_ids) -> tuple[list, list, int, int]:
+    """(ids, values, num_biases, num_min_bans): the sequence's logit_bias and bans (its
+    banned_token_ids: bad words), one entry per token, a ban over a bias; then the tokens
+    banned until min_tokens (EOS, unless ignore_eos, and stop_token_ids)."""
+    params = seq.params
+    always = dict(params.logit_bias)
+    for token in getattr(seq, "banned_token_ids", ()):
+        always[token] = float("-inf")
+    until_min = []
+    if params.min_tokens:
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_token_ids))
+        until_min = sorted(set(stops))
+    ids = list(always) + until_min
+    if len(ids) > MAX_BIAS_ENTRIES:  # SamplingParams' limits keep this from happening
+        raise ValueError(f"{len(ids)} bias entries, at most {MAX_BIAS_ENTRIES}")
+    values = list(always.values()) + [float("-inf")] * len(until_min)
+    return ids, values, len(always), len(until_min)
 
 
 class SlotTables:
@@ -34,13 +55,20 @@ class SlotTables:
     sampling settings (one array per "request" row of SAMPLING_ROWS, an attribute of the
     row's name). Grown on demand."""
 
-    def __init__(self):
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)  # banned until min_tokens
         self.block_tables = np.full((0, 0), -1, np.int32)
         # the block_table list each row copies and how many of its entries it holds (a list
         # only grows until BlockManager.free replaces it, so this says what is new)
         self._table_source: list[list[int] | None] = []
         self._table_length: list[int] = []
         self._sampling_owner: list[Sequence | None] = []
+        # the device state of each slot (interface.SlotReset): whether its sequence uses it,
+        # its bias entries, and the sequence and preemption count it was made for (a
+        # sequence readmitted after preemption recounts: a dropped token may be counted)
+        self.uses_state = np.zeros(0, bool)
+        self._entries: list = []
+        self._state_made_for: list = []
         for row in REQUEST_ROWS:
             setattr(self, row.name, np.zeros(0, row.dtype))
 
@@ -59,6 +87,9 @@ class SlotTables:
             self._table_source += [None] * new
             self._table_length += [0] * new
             self._sampling_owner += [None] * new
+            self._entries += [None] * new
+            self._state_made_for += [None] * new
+            self.uses_state = np.concatenate([self.uses_state, np.zeros(new, bool)])
             for row in REQUEST_ROWS:
                 old = getattr(self, row.name)
                 setattr(self, row.name, np.concatenate([old, np.full(new, row.default, row.dtype)]))
@@ -81,9 +112,24 @@ class SlotTables:
         slot = seq.slot
         if slot >= len(self._sampling_owner):
             self._grow(slot + 1, 0)
+        entries = bias_entries(seq, self.eos_token_ids)
         for row in REQUEST_ROWS:
-            getattr(self, row.name)[slot] = row_value(row.name, seq)
+            getattr(self, row.name)[slot] = row_value(row.name, seq, entries)
+        self._entries[slot] = entries
+        self.uses_state[slot] = seq.params.has_penalties or bool(entries[0])
         self._sampling_owner[slot] = seq
+
+    def state_reset(self, seq: Sequence) -> SlotReset | None:
+        """The reset seq's slot needs before this step samples (None: its state is current)."""
+        slot = seq.slot
+        made_for = self._state_made_for[slot]
+        if made_for is not None and made_for[0] is seq and made_for[1] == seq.num_preemptions:
+            return None
+        self._state_made_for[slot] = (seq, seq.num_preemptions)
+        counted = seq.params.has_penalties
+        ids, values, _, _ = self._entries[slot]
+        return SlotReset(slot, seq.prompt_token_ids if counted else [],
+                         list(seq.output_token_ids) if counted else [], ids, values)
 
     def block_table_is_current(self, seq: Sequence) -> bool:
         slot = seq.slot
@@ -99,7 +145,7 @@ class ModelRunner:
         self.config = config
         self.backend = backend
         self.block_size = backend.block_size
-        self.slots = SlotTables()
+        self.slots = SlotTables(getattr(config, "eos_token_ids", None) or ())
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         slots = self.slots
@@ -150,6 +196,20 @@ class ModelRunner:
             steps.append(len(seq.output_token_ids))
         rows = np.array(rows, dtype=np.intp)
         settings = {"steps": np.array(steps, dtype=np.int32)}
+        uses_state = slots.uses_state[rows]
+        if uses_state.any():
+            settings["state_slot"] = np.where(uses_state, rows, -1).astype(np.int32)
+            count_token = np.zeros(len(rows), np.int32)
+            resets = []
+            for b in np.flatnonzero(uses_state).tolist():
+                seq, n = batch.seqs[b], batch.num_new_tokens[b]
+                reset = slots.state_reset(seq)
+                if reset is not None:
+                    resets.append(reset)
+                # the token is kept (and counted) where the step computes every known token
+                count_token[b] = seq.num_computed_tokens + n >= seq.num_tokens
+            settings["count_token"] = count_token
+            settings["resets"] = resets or None
         for row in REQUEST_ROWS:
             column = getattr(slots, row.name)[rows]
             # a control no row of the step uses stays None (the backends skip it)

@@ -100,6 +100,7 @@ class CudaOps(SublayerOps):
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
         self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
         self._turn = 0
+        self._slot_state = None  # sampling.SlotState, made when a step first needs it
         # log-probabilities of the rows that ask ([R, 1 + k], R <= n), back with the tokens
         width = n * (1 + logprob_kernels.MAX_K)
         self._logprob_values = cupy.empty(width, np.float32)
@@ -280,7 +281,19 @@ class CudaOps(SublayerOps):
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
         d = on_device
-        sampling_kernels.sample_settings(logits, device, n, tokens)
+        counts = None
+        if sampling.processes_logits:
+            # penalties, biases and bans: the slots' state made anew where a sequence took
+            # its slot (reading the last step's tokens, which this step's sampling kernel
+            # overwrites only after), then applied to the logits in place; the sampling
+            # kernel counts the kept tokens (docs/ARCHITECTURE.md, "Penalties")
+            if self._slot_state is None:
+                self._slot_state = sampling_kernels.SlotState(self._cupy, n, logits.shape[1])
+            sampling_kernels.reset_state(self._slot_state, sampling.resets,
+                                         self._tokens_device)
+            sampling_kernels.process_logits(logits, device, n, self._slot_state)
+            counts = self._slot_state.counts
+        sampling_kernels.sample_settings(logits, device, n, tokens, counts=counts)
         values = self._logprob_values[:R * (1 + k)].reshape(R, 1 + k)
         ids = self._logprob_ids[:R * (1 + k)].reshape(R, 1 + k)
         if R:

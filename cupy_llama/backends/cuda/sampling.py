@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...interface import KERNEL_ROWS
+from ...interface import KERNEL_ROWS, MAX_BIAS_ENTRIES
 from .device import device_limits
 from .kernels import F32, I32, U8, check, constants, get_kernel, i32, opt_in_shared, x_macro
 
 _C = constants("sampling")
 THREADS = _C["SAMPLE_THREADS"]
+PROCESS_THREADS = _C["PROCESS_THREADS"]
 CANDIDATE_CUT = _C["CANDIDATE_CUT"]  # candidates lie within this many temperatures of the max
 SLOT_BYTES = _C["SLOT_BYTES"]  # shared memory of one candidate slot of every thread
 U64 = np.dtype(np.uint64)
@@ -98,14 +99,18 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, s
                     used_slots)
 
 
-def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, used_slots=None):
+def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, used_slots=None,
+                    counts=None):
     """logits [B, V] float32; settings: a flat uint8 buffer of the SAMPLING_ROWS kernel rows
     of `capacity` >= B sequences (settings_views) -> out_tokens [B] int32, on the device.
     slots: candidate slots per thread (default_slots(); 0 makes every pass read the whole
     row, which draws the same tokens); used_slots: None or [B] int32, set to 1 where the
-    candidate slots served the draw."""
+    candidate slots served the draw. counts: None, or the slots' token counts
+    (SlotState.counts), to which each kept token of a row with state is added."""
     num_seqs, vocab = check("logits", logits, F32, ndim=2).shape
     check("settings", settings, U8, ndim=1)
+    if counts is not None:
+        check("counts", counts, I32, shape=(None, vocab))
     if settings.size < settings_bytes(capacity):
         raise ValueError(f"settings: {settings.size} bytes, {capacity} sequences need "
                          f"{settings_bytes(capacity)}")
@@ -128,4 +133,82 @@ def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, use
     opt_in_shared(kernel, shared)
     kernel((num_seqs,), (THREADS,),
            (logits, i32(vocab), settings, i32(capacity), out_tokens, i32(slots),
-            used_slots if used_slots is not None else np.uintp(0)), shared_mem=shared)
+            used_slots if used_slots is not None else np.uintp(0),
+            counts if counts is not None else np.uintp(0)), shared_mem=shared)
+
+
+class SlotState:
+    """The device state of the engine's slots that the penalties, biases and bans read
+    (sampling.cu, "penalties, biases and bans"), allocated the first time a step uses it:
+    [num_slots, V] int32 counts and uint8 prompt flags, [num_slots, MAX_BIAS_ENTRIES] bias
+    entries."""
+
+    def __init__(self, cupy, num_slots: int, vocab: int):
+        self.vocab = vocab
+        self.counts = cupy.zeros((num_slots, vocab), np.int32)
+        self.prompt_seen = cupy.zeros((num_slots, vocab), np.uint8)
+        self.bias_ids = cupy.zeros((num_slots, MAX_BIAS_ENTRIES), np.int32)
+        self.bias_values = cupy.zeros((num_slots, MAX_BIAS_ENTRIES), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.counts, self.prompt_seen, self.bias_ids,
+                                      self.bias_values))
+
+
+def reset_state(state: SlotState, resets, last_sampled) -> None:
+    """Make the slots of `resets` (interface.SlotReset) anew: their counts and prompt flags
+    from their tokens (an id -(i + 1): last_sampled[i], the last sampling call's row i), and
+    their bias entries. One upload of the resets' packed lists, one kernel."""
+    import cupy
+    if not resets:
+        return
+    check("last_sampled", last_sampled, I32, ndim=1)
+    num_slots = state.counts.shape[0]
+    tokens, token_start, num_prompt, entry_ids, entry_values, entry_start = [], [0], [], [], [], [0]
+    for reset in resets:
+        if not 0 <= reset.slot < num_slots:
+            raise ValueError(f"reset of slot {reset.slot}: there are {num_slots}")
+        tokens += reset.prompt_token_ids
+        tokens += reset.output_token_ids
+        token_start.append(len(tokens))
+        num_prompt.append(len(reset.prompt_token_ids))
+        entry_ids += reset.bias_ids
+        entry_values += reset.bias_values
+        entry_start.append(len(entry_ids))
+        if entry_start[-1] - entry_start[-2] > MAX_BIAS_ENTRIES:
+            raise ValueError(f"slot {reset.slot}: more than {MAX_BIAS_ENTRIES} bias entries")
+    R = len(resets)
+    packed = np.concatenate([
+        np.array([reset.slot for reset in resets], np.int32), np.array(token_start, np.int32),
+        np.array(num_prompt, np.int32), np.array(entry_start, np.int32),
+        np.array(tokens, np.int32), np.array(entry_ids, np.int32),
+        np.array(entry_values, np.float32).view(np.int32)])
+    device = cupy.asarray(packed)
+    parts, start = [], 0
+    for size in (R, R + 1, R, R + 1, len(tokens), len(entry_ids), len(entry_values)):
+        parts.append(device[start:start + size])
+        start += size
+    slots, token_start_d, num_prompt_d, entry_start_d, tokens_d, ids_d, values_d = parts
+    kernel = get_kernel("sampling", "reset_state_kernel")
+    kernel((R,), (PROCESS_THREADS,),
+           (state.counts, state.prompt_seen, state.bias_ids, state.bias_values,
+            i32(state.vocab), i32(MAX_BIAS_ENTRIES), slots, token_start_d, num_prompt_d,
+            tokens_d, entry_start_d, ids_d, values_d.view(np.float32), last_sampled))
+
+
+def process_logits(logits, settings, capacity: int, state: SlotState) -> None:
+    """Apply each row's bias entries, bans and penalties to its logits [B, V] float32, in
+    place, for the rows whose settings name a slot (state_slot >= 0)."""
+    num_seqs, vocab = check("logits", logits, F32, ndim=2).shape
+    check("settings", settings, U8, ndim=1)
+    if vocab != state.vocab:
+        raise ValueError(f"logits: {vocab} columns, the slot state was made for {state.vocab}")
+    if num_seqs > capacity:
+        raise ValueError(f"settings: {capacity} sequences' room, {num_seqs} logits rows")
+    if not num_seqs:
+        return
+    kernel = get_kernel("sampling", "process_logits_kernel")
+    kernel((num_seqs,), (PROCESS_THREADS,),
+           (logits, i32(vocab), settings, i32(capacity), state.counts, state.prompt_seen,
+            state.bias_ids, state.bias_values, i32(MAX_BIAS_ENTRIES)))
