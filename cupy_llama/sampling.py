@@ -131,8 +131,9 @@ class SamplingParams:
                                f"biases, got {_preview(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             if not _is_token_id(token):
-                raise RequestError(f"logit_bias: {token!r} is not a token id (an integer >= 0)")
-            number(f"logit_bias[{token}]", bias,
+                raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                   f"{token!r}")
+            number(f"logit_bias of token {token}", bias,
                    lambda v: -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE,
                    f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
@@ -162,6 +163,18 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
 
+    @classmethod
+    def from_dict(cls, values: dict, defaults: dict | None = None) -> "SamplingParams":
+        """Build from user data (a JSON request), with the model's defaults underneath."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RequestError(f"unknown sampling field {unknown[0]!r}; known fields: "
+                               f"{', '.join(sorted(known))}")
+        merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
+        merged.update(values)
+        return cls(**merged)
+
 
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
@@ -179,18 +192,6 @@ def _token_key(key):
 def _preview(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-    @classmethod
-    def from_dict(cls, values: dict, defaults: dict | None = None) -> "SamplingParams":
-        """Build from user data (a JSON request), with the model's defaults underneath."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise RequestError(f"unknown sampling field {unknown[0]!r}; known fields: "
-                               f"{', '.join(sorted(known))}")
-        merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
-        merged.update(values)
-        return cls(**merged)
 
 
 def model_samples(generation_config: dict) -> bool:

@@ -158,7 +158,7 @@ def test_include_stop_str_in_output_and_skip_special_tokens(llm):
 
 @pytest.mark.parametrize("field, value, words", [
     ("repetition_penalty", 0, "> 0"), ("frequency_penalty", 2.5, "[-2, 2]"),
-    ("presence_penalty", -3, "[-2, 2]"), ("logit_bias", {"x": 1}, "token id"),
+    ("presence_penalty", -3, "[-2, 2]"), ("logit_bias", {"x": 1}, "token ids"),
     ("logit_bias", {1: 101}, "[-100, 100]"), ("logit_bias", {i: 1 for i in range(301)}, "300"),
     ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("bad_words", [" "], "bad_words"), ("skip_special_tokens", "maybe", "true or false"),

@@ -259,9 +259,9 @@ class LLMEngine:
                          for text in dict.fromkeys((word, " " + word.lstrip()))]
             single = [ids[0] for ids in spellings if len(ids) == 1]
             if not single:
-                raise RequestError(f"bad_words: {word!r} is {min(map(len, spellings))} tokens "
-                                   "however it is spelled; only words of one token can be "
-                                   "banned")
+                raise RequestError(f"bad_words holds {word!r}, {min(map(len, spellings))} "
+                                   "tokens however it is spelled; only words of one token "
+                                   "can be banned")
             banned.update(single)
         if len(banned) > MAX_BANNED_TOKENS:
             raise RequestError(f"bad_words ban {len(banned)} tokens; at most "

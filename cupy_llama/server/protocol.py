@@ -150,21 +150,23 @@ def _off(*harmless):
     return lambda value, request: value in harmless or value is None
 
 
+# request fields handed to SamplingParams as they are (null: left out), which checks them
+PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                 "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words")
+
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
-    "frequency_penalty": _off(0), "presence_penalty": _off(0), "logit_bias": _off({}),
     "echo": _off(False), "suffix": _off(""),
     "best_of": lambda value, request: value is None or value == request.n,
     "tools": _off([]), "functions": _off([]), "tool_choice": _off("none", "auto"),
     "function_call": _off("none", "auto"),
     "response_format": lambda value, request: value is None or value == {"type": "text"},
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
-    # vLLM's sampling extensions beside top_k, min_p and ignore_eos, which are done here
-    "repetition_penalty": _off(1), "min_tokens": _off(0), "stop_token_ids": _off([]),
-    "include_stop_str_in_output": _off(False), "skip_special_tokens": _off(True),
+    # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
     "prompt_logprobs": _off(), "use_beam_search": _off(False), "guided_json": _off(),
     "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
-    "allowed_token_ids": _off(), "bad_words": _off([]), "chat_template": _off(),
+    "allowed_token_ids": _off(), "chat_template": _off(),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
 }
@@ -212,6 +214,7 @@ class _SamplingFields(_Unsupported, _Model):
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     guided_json: Any = None
@@ -268,7 +271,7 @@ class _SamplingFields(_Unsupported, _Model):
         else:
             max_tokens = requested
         values = {name: getattr(self, name) for name in
-                  ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+                  ("temperature", "top_p", "top_k", "min_p", "seed", "stop", *PASSED_FIELDS)
                   if getattr(self, name) is not None}
         if values.get("top_k") == -1:
             values["top_k"] = 0
