@@ -59,7 +59,7 @@ class CudaOps(SublayerOps):
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  num_heads: int, head_dim: int, max_model_len: int, workspace=None,
                  switches: KernelSwitches = KernelSwitches(), dequantized=None,
-                 fp8_activations=None):
+                 fp8_activations=None, slot_state=None):
         """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
         decode (sized by attention.workspace_sizes), or None to allocate them here.
         switches: which kernels run (switches.py); fixed for the life of the ops.
@@ -100,7 +100,9 @@ class CudaOps(SublayerOps):
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
         self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
         self._turn = 0
-        self._slot_state = None  # sampling.SlotState, made when a step first needs it
+        # sampling.SlotState of the penalties, biases and bans (the backend allocates it
+        # with the rest; made when a step first needs it where none is given)
+        self._slot_state = slot_state
         # log-probabilities of the rows that ask ([R, 1 + k], R <= n), back with the tokens
         width = n * (1 + logprob_kernels.MAX_K)
         self._logprob_values = cupy.empty(width, np.float32)

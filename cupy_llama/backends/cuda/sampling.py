@@ -71,7 +71,7 @@ def default_slots() -> int:
 def pack_settings(num_seqs: int, **rows):
     """A device settings buffer for num_seqs sequences: each kernel row of SAMPLING_ROWS
     from `rows` (a cupy or numpy array [num_seqs], or one value for all), the row's
-    neutral value where it is not given."""
+    neutral value (else its default) where it is not given."""
     import cupy
     host = np.zeros(settings_bytes(num_seqs), np.uint8)
     unknown = set(rows) - {row.name for row in KERNEL_ROWS}
@@ -79,7 +79,7 @@ def pack_settings(num_seqs: int, **rows):
         raise ValueError(f"not a sampling kernel row: {sorted(unknown)[0]}")
     for row in KERNEL_ROWS:
         view = settings_views(host, num_seqs)[row.name]
-        value = rows.get(row.name, row.neutral)
+        value = rows.get(row.name, row.default if row.neutral is None else row.neutral)
         view[:] = cupy.asnumpy(value) if isinstance(value, cupy.ndarray) else value
     return cupy.asarray(host)
 
