@@ -17,7 +17,7 @@ flat slot is `block * block_size + row` (the slot mapping).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -266,9 +266,32 @@ class Logprobs:
         return ids[0], values[0], list(zip(ids[1:1 + k], values[1:1 + k]))
 
 
+@dataclass
+class PromptLogprobRequest:
+    """The prompt positions of a step whose next-token log-probabilities are wanted (the
+    requests with SamplingParams.prompt_logprobs): the model computes the logits of these
+    rows too, in pieces, and keeps only each row's log-softmax of its target and the k
+    largest. values and ids ([P, 1 + k], backend arrays) are set by the forward pass."""
+    rows: np.ndarray     # [P] int32: rows of the step's tokens (T axis)
+    targets: np.ndarray  # [P] int32: the prompt token that follows each row's token
+    k: int               # alternatives per row: the most any request of the step asks
+    values: Any = None   # [P, 1 + k] float32: column 0 the target's, then the k best
+    ids: Any = None      # [P, 1 + k] int32
+    spans: list = field(default_factory=list)  # the caller's: whose rows are whose
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """values and ids as host numpy arrays (waits for the device where needed)."""
+        to_host = getattr(self.values, "get", None)
+        if to_host is not None:  # cupy
+            return self.values.get(), self.ids.get()
+        return np.asarray(self.values), np.asarray(self.ids)
+
+
 class SampledTokens:
     """Token ids of one sampling call, ready now (`get` returns them), and the
     log-probabilities of the rows that asked (`logprobs`, None where none did)."""
+
+    prompt_logprobs: PromptLogprobRequest | None = None  # the step's, where it had some
 
     def __init__(self, tokens: np.ndarray, logprobs: Logprobs | None = None):
         self._tokens = tokens
@@ -371,6 +394,12 @@ class Ops(Protocol):
                       v_cache, q_out, h, qkv, *, offset: float = 0.0, bias=None,
                       head_norm: HeadNorm | None = None) -> None:
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
+    def device_array(self, host: np.ndarray) -> Any:
+        """A copy of a host array in backend memory (the NumPy backend: the array itself)."""
+    def token_logprobs(self, logits, targets, k: int, values, ids) -> None:
+        """logits [n, V] float32, targets [n] int32 -> values [n, 1 + k] float32 and ids
+        [n, 1 + k] int32: column 0 each target's log-softmax, then the k largest, best
+        first (ties to the lower id)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:

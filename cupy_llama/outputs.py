@@ -40,6 +40,11 @@ class RequestOutput:
     # on a finished output: when the engine took the sample, first scheduled it, and had its
     # first and last token (time.monotonic(); None where it never came to that)
     times: RequestTimes | None = None
+    # where the request asked (SamplingParams.prompt_logprobs): one per prompt token, None
+    # for the first (nothing comes before it), then each token's log-probability given
+    # the ones before it and the k most likely there; on every output once the prompt is
+    # computed (the same list for all n samples)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

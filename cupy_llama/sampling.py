@@ -58,6 +58,10 @@ class SamplingParams:
     # between special tokens' texts where they are kept (the tokenizer decides)
     spaces_between_special_tokens: bool = True
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's extension)
+    # None: none; k: each prompt token's log-probability given the tokens before it, and the
+    # k most likely tokens there (RequestOutput.prompt_logprobs). The prompt is then computed
+    # whole, without the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,7 +80,8 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
                                    and not isinstance(t, bool) else t for t in self.stop_token_ids]
-        for name in ("top_k", "max_tokens", "seed", "logprobs", "n", "min_tokens"):
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "n", "min_tokens",
+                     "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
                 setattr(self, name, int(value))
@@ -116,6 +121,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or none), "
                                f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or "
+                               f"none), got {self.prompt_logprobs!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
                                f"prompt), got {self.n!r}")

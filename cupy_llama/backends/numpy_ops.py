@@ -119,6 +119,14 @@ class NumpyOps(SublayerOps):
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
 
+    def device_array(self, host):
+        return np.asarray(host)
+
+    def token_logprobs(self, logits, targets, k, values, ids):
+        result = logprobs(logits, np.asarray(targets), np.arange(logits.shape[0]), k)
+        values[...] = result.values
+        ids[...] = result.ids
+
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 

@@ -47,6 +47,10 @@ class _Sample:
         self.finish_reason: str | None = None
         # one per resolved output token where the request asked for them
         self.logprobs: list[TokenLogprob] | None = [] if seq.params.logprobs is not None else None
+        # the prompt's (SamplingParams.prompt_logprobs), filled by sample 0 as its prompt is
+        # computed: None for the first token, then one per scored token
+        self.prompt_logprobs: list | None = None if seq.params.prompt_logprobs is None else [None]
+        self.prompt_source = self  # the sample that computes them (sample 0)
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
         # scheduled it, and had its first and last token
         self.added_at = time.monotonic()
@@ -102,7 +106,23 @@ class _Sample:
             finish_reason=self.finish_reason, delta=delta, delta_token_ids=delta_ids,
             index=seq.index, num_cached_tokens=max(0, seq.num_cached_tokens),
             logprobs=None if self.logprobs is None else self.logprobs[:len(token_ids)],
-            times=times)
+            times=times, prompt_logprobs=self.complete_prompt_logprobs())
+
+    def complete_prompt_logprobs(self) -> list | None:
+        scored = self.prompt_source.prompt_logprobs
+        if scored is None or len(scored) < self.seq.num_prompt_tokens:
+            return None
+        return scored
+
+    def add_prompt_logprobs(self, first: int, values, ids) -> None:
+        """Scores of prompt tokens first, first + 1, ... (rows of values and ids: the token's
+        then the top k's); those it has already (a recomputed prompt) are kept."""
+        k = self.seq.params.prompt_logprobs
+        scored = self.prompt_logprobs
+        for j in range(max(0, len(scored) - first), values.shape[0]):
+            row_ids, row_values = ids[j].tolist(), values[j].tolist()
+            scored.append(TokenLogprob(row_ids[0], row_values[0],
+                                       list(zip(row_ids[1:1 + k], row_values[1:1 + k]))))
 
 
 @dataclass(frozen=True)
@@ -245,6 +265,7 @@ class LLMEngine:
             parent = parent or seq
             self.scheduler.add(seq)
             samples.append(_Sample(seq, self.tokenizer, stream))
+            samples[-1].prompt_source = samples[0]
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
         return request_id
@@ -379,6 +400,10 @@ class LLMEngine:
         interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
         now = time.monotonic()  # when these tokens are known
+        prompt = getattr(launched.sampled, "prompt_logprobs", None)
+        if prompt is not None:
+            launched.sampled.prompt_logprobs = None  # taken once (an interrupted step)
+            self._take_prompt_logprobs(prompt)
         outputs = []
         waiting_for = launched.waiting_for
         while waiting_for:
@@ -399,6 +424,17 @@ class LLMEngine:
                 outputs.append(output)
         self._unhandled = None
         return outputs
+
+    def _take_prompt_logprobs(self, prompt) -> None:
+        values, ids = prompt.host()
+        offset = 0
+        for seq, first, count in prompt.spans:
+            samples = self.requests.get(seq.request_id)
+            sample = samples[seq.index] if samples and seq.index < len(samples) else None
+            if sample is not None and sample.seq is seq:
+                sample.add_prompt_logprobs(first, values[offset:offset + count],
+                                           ids[offset:offset + count])
+            offset += count
 
     def _append_token(self, sample: _Sample, index: int) -> RequestOutput | None:
         """Output token `index` of the sample is now known: apply the stopping rules."""

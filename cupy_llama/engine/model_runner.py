@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interface import MAX_BIAS_ENTRIES, SAMPLING_ROWS, ForwardBatch, SamplingTensors, SlotReset
+from ..interface import (MAX_BIAS_ENTRIES, SAMPLING_ROWS, ForwardBatch, PromptLogprobRequest,
+                         SamplingTensors, SlotReset)
 from ..config import ModelConfig
 from ..util import cdiv
 from .scheduler import ScheduledBatch
@@ -217,10 +218,38 @@ class ModelRunner:
             settings[row.name] = None if optional and np.all(column == row.neutral) else column
         return SamplingTensors(**settings)
 
+    def prompt_logprob_request(self, batch: ScheduledBatch) -> PromptLogprobRequest | None:
+        """The prompt positions of this step whose next-token log-probabilities are asked
+        (sample 0 of a request with prompt_logprobs computes them; its other samples fork
+        from its blocks). None where no sequence asks. `spans` says which rows are whose:
+        (seq, first prompt token scored, count)."""
+        rows, targets, spans, k, first_row = [], [], [], 0, 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            wanted = seq.params.prompt_logprobs
+            # the token at position p scores prompt token p + 1
+            stop = min(start + n, seq.num_prompt_tokens - 1)
+            if wanted is not None and seq.index == 0 and start < stop:
+                rows += range(first_row, first_row + stop - start)
+                targets += seq.prompt_token_ids[start + 1:stop + 1]
+                spans.append((seq, start + 1, stop - start))
+                k = max(k, wanted)
+            first_row += n
+        if not rows:
+            return None
+        return PromptLogprobRequest(np.array(rows, np.int32), np.array(targets, np.int32), k,
+                                    spans=spans)
+
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed). Returns
         at once with a handle whose get() waits for the tokens (interface.py
-        SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r."""
-        logits = self.backend.forward(self.build_batch(batch))
-        return self.backend.ops.sample_async(logits, self.sampling_tensors(batch))
+        SampledTokens), and whose prompt_logprobs holds the step's prompt log-probabilities
+        where it has some. Token ids -(r + 1) in the sequences are the previous step's row r."""
+        prompt = self.prompt_logprob_request(batch)
+        forward_batch = self.build_batch(batch)
+        logits = (self.backend.forward(forward_batch) if prompt is None
+                  else self.backend.forward(forward_batch, prompt))
+        sampled = self.backend.ops.sample_async(logits, self.sampling_tensors(batch))
+        sampled.prompt_logprobs = prompt
+        return sampled

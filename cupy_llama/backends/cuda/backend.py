@@ -288,11 +288,14 @@ class CudaBackend:
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
-    def forward(self, batch):
+    def forward(self, batch, prompt=None):
         """One step of the model (models/decoder.py): decode batches replay a decode graph,
         other steps of up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with
-        attention in between, when graphs are on; everything else runs eagerly. Returns
-        logits [B, V] float32 (a pool view)."""
+        attention in between, when graphs are on; everything else runs eagerly, as does a
+        step with prompt log-probabilities to compute (prompt: an
+        interface.PromptLogprobRequest). Returns logits [B, V] float32 (a pool view)."""
+        if prompt is not None:
+            return self.model.forward(self, batch, prompt)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         if self.step_graphs is not None and self.step_graphs.can_run(batch):

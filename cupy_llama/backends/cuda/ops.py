@@ -226,6 +226,13 @@ class CudaOps(SublayerOps):
     def gather_rows(self, x, indices, out):
         elementwise.gather_rows(x, indices, out)
 
+    def device_array(self, host):
+        return self._cupy.asarray(host)
+
+    def token_logprobs(self, logits, targets, k, values, ids):
+        rows = self._cupy.arange(logits.shape[0], dtype=np.int32)
+        logprob_kernels.logprobs(logits, rows, targets, k, values, ids)
+
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
@@ -326,6 +333,8 @@ class PendingTokens:
     """Token ids on their way to a pinned host buffer; `get` waits for them. Call it before
     the second sample_async after this one, which fills the buffer and records the event
     again."""
+
+    prompt_logprobs = None  # interface.PromptLogprobRequest of the step, where it had one
 
     def __init__(self, copied, host_tokens: np.ndarray, logprobs=None):
         """logprobs: None, or (rows, values, ids) with values and ids host views being filled."""
