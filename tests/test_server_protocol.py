@@ -53,7 +53,7 @@ def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass(
         e = error_of(ChatCompletionRequest, {**chat, name: value})
         assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter"), name
         assert e.message.startswith(f"{name} is not supported")
-    for name, value in (("echo", True), ("suffix", "end"), ("best_of", 3)):
+    for name, value in (("suffix", "end"), ("best_of", 3)):
         assert error_of(CompletionRequest, {"prompt": "x", name: value}).param == name
 
 
@@ -197,9 +197,10 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     async def go():
         job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
         for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
-            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None))
-        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None))
+            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None,
+                          None))
+        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None, None))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None))
         updates = await job.next_updates()
         return job, updates
 

@@ -55,7 +55,9 @@ from pathlib import Path
 # and at the end the sample's times (RequestTimes as a tuple: taken in, first scheduled,
 # first token, last token)
 DELTA_FIELDS = ("request_id", "index", "text", "token_ids", "finish_reason", "logprobs",
-                "num_cached_tokens", "times")
+                "num_cached_tokens", "times", "prompt_logprobs")
+# prompt_logprobs: the prompt's (token id, logprob, top) entries (None for the first
+# token), once, on the first delta of a request that asked for them; else None
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -222,8 +224,14 @@ def _as_delta(output) -> tuple:
     times = output.times
     if times is not None:
         times = (times.added, times.scheduled, times.first_token, times.last_token)
+    prompt_logprobs = output.prompt_logprobs
+    if prompt_logprobs is not None and len(output.token_ids) > len(output.delta_token_ids):
+        prompt_logprobs = None  # sent with the first delta
+    elif prompt_logprobs is not None:
+        prompt_logprobs = [None if e is None else (e.token_id, e.logprob, e.top)
+                           for e in prompt_logprobs]
     return (output.request_id, output.index, output.delta, output.delta_token_ids,
-            output.finish_reason, logprobs, output.num_cached_tokens, times)
+            output.finish_reason, logprobs, output.num_cached_tokens, times, prompt_logprobs)
 
 
 def _engine_info(engine) -> dict:

@@ -45,7 +45,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
                                    RequestStream)
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, TokenLogprob
 from ..sampling import model_sampling_defaults
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
@@ -320,6 +320,7 @@ class _Job:
         self._running = set(self.request_ids)
         self._admitted = [False] * len(prompts)
         self._cached = [0] * len(prompts)  # prompt tokens the prefix cache held, per prompt
+        self._prompt_logprobs = [None] * len(prompts)  # per prompt, where asked
         self.num_unfinished = len(prompts) * n
         self.arrival = time.monotonic()
 
@@ -336,8 +337,12 @@ class _Job:
         for item in items:
             if type(item) is not tuple:
                 self._fail(item)
-            request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times = item
+            (request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times,
+             prompt_logprobs) = item
             i = self._prompt_of[request_id]
+            if prompt_logprobs is not None:
+                self._prompt_logprobs[i] = [None if e is None else TokenLogprob(*e)
+                                            for e in prompt_logprobs]
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
@@ -392,9 +397,11 @@ class _Job:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
                                c.finish_reason, logprobs=c.logprobs, index=index,
-                               num_cached_tokens=cached) for index, c in enumerate(choices)]
-                for request_id, prompt, choices, cached in zip(self.request_ids, self.prompts,
-                                                               self.choices, self._cached)]
+                               num_cached_tokens=cached, prompt_logprobs=scored)
+                 for index, c in enumerate(choices)]
+                for request_id, prompt, choices, cached, scored in zip(
+                    self.request_ids, self.prompts, self.choices, self._cached,
+                    self._prompt_logprobs)]
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []

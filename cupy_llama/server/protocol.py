@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -157,14 +157,14 @@ PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", 
 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
-    "echo": _off(False), "suffix": _off(""),
+    "suffix": _off(""),
     "best_of": lambda value, request: value is None or value == request.n,
     "tools": _off([]), "functions": _off([]), "tool_choice": _off("none", "auto"),
     "function_call": _off("none", "auto"),
     "response_format": lambda value, request: value is None or value == {"type": "text"},
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
-    "prompt_logprobs": _off(), "use_beam_search": _off(False), "guided_json": _off(),
+    "use_beam_search": _off(False), "guided_json": _off(),
     "guided_regex": _off(), "guided_choice": _off(), "guided_grammar": _off(),
     "allowed_token_ids": _off(), "chat_template": _off(),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
@@ -215,7 +215,7 @@ class _SamplingFields(_Unsupported, _Model):
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability
     use_beam_search: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -246,6 +246,10 @@ class _SamplingFields(_Unsupported, _Model):
         """vLLM's continuous_usage_stats: usage on every chunk (with include_usage, as
         vLLM asks)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt log-probabilities the engine computes: vLLM's prompt_logprobs."""
+        return self.prompt_logprobs
 
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
@@ -281,6 +285,7 @@ class _SamplingFields(_Unsupported, _Model):
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
         values["n"] = self.n
+        values["prompt_logprobs"] = self.prompt_logprobs_wanted()
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
@@ -384,12 +389,48 @@ class CompletionRequest(_SamplingFields):
                             f"ids or a list of token-id lists (got {_preview(prompt)})",
                        param="prompt")
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo is not None and not isinstance(self.echo, bool):
+            raise APIError(400, f"echo must be true or false, got {_preview(self.echo)}",
+                           param="echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo is not supported with stream: true; send it without "
+                                "streaming", param="echo", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1, got 0 (0 only scores the "
+                                "prompt, with echo: true)", param="max_tokens")
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt scored, nothing generated (the engine makes
+        one token, which the answer leaves out)."""
+        return self.max_tokens == 0 and bool(self.echo)
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs scores the prompt with as many alternatives (OpenAI's legacy
+        completions); vLLM's prompt_logprobs may ask for more."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
         """max_tokens left out: OpenAI's 16, or what the context leaves if less."""
-        return self._sampling_params("max_tokens", self.max_tokens, num_prompt_tokens,
+        requested = 1 if self.scores_only else self.max_tokens
+        return self._sampling_params("max_tokens", requested, num_prompt_tokens,
                                      max_model_len, model_defaults,
                                      COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
+
+    def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
+        """What echo puts before each completion: the prompt as sent (token ids: decoded)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, str) for p in self.prompt):
+            return list(self.prompt)
+        tokenizer = token_strings._tokenizer
+        return [tokenizer.decode_unchecked([t for t in ids if t < tokenizer.vocab_size],
+                                           skip_special_tokens=False) for ids in prompts]
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
                       model_defaults: dict, max_prompt_bytes: int | None = None
@@ -460,18 +501,84 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     """The body of a non-streamed completion. outputs: for each prompt, its RequestOutputs
     (one per choice). Choice i * n + j is prompt i's choice j."""
     choices = []
+    echo = bool(request.echo)
+    if request.scores_only:  # the one token made to score the prompt is not shown
+        outputs = [[replace(o, token_ids=[], text="", logprobs=[] if o.logprobs is not None
+                            else None) for o in group] for group in outputs]
+    prompt_texts = request.prompt_texts([g[0].prompt_token_ids for g in outputs if g],
+                                        token_strings) if echo else []
     for i, prompt_outputs in enumerate(outputs):
         for output in sorted(prompt_outputs, key=_index):
-            logprobs = None
+            logprobs, offset, text = None, 0, output.text
+            if echo:
+                text = prompt_texts[i] + text
+                if request.logprobs is not None:
+                    logprobs, offset = prompt_completion_logprobs(
+                        output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                        token_strings)
             if request.logprobs is not None:
-                logprobs, _ = completion_logprobs(logprob_entries(output.logprobs),
-                                                  token_strings)
-            choices.append({"index": i * request.n + _index(output), "text": output.text,
-                            "logprobs": logprobs,
-                            "finish_reason": FINISH_REASONS[output.finish_reason]})
+                generated, _ = completion_logprobs(logprob_entries(output.logprobs),
+                                                   token_strings, offset)
+                logprobs = generated if logprobs is None else {
+                    key: logprobs[key] + generated[key] for key in logprobs}
+            choice = {"index": i * request.n + _index(output), "text": text,
+                      "logprobs": logprobs,
+                      "finish_reason": FINISH_REASONS[output.finish_reason]}
+            if request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
+                    token_strings)
+            choices.append(choice)
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage_of(outputs)}
+
+
+def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tuple[dict, int]:
+    """echo's part of the legacy logprobs: one entry per prompt token, the first with
+    token_logprobs and top_logprobs null (nothing comes before it), the others with the
+    token's log-probability and the k most likely tokens there (and the token itself, as
+    for generated ones); text offsets from 0. Returns it and the offset after the prompt."""
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for position, token_id in enumerate(prompt_ids):
+        text = token_strings(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        entry = scored[position] if scored and position < len(scored) else None
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_number(entry.logprob))
+        alternatives = {token_strings(t): _number(lp) for t, lp in entry.top[:k]}
+        if all(t != token_id for t, _ in entry.top[:k]):
+            alternatives.setdefault(text, _number(entry.logprob))
+        top_logprobs.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, offset
+
+
+def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {
+    "logprob", "rank", "decoded_token"}} for the token and the k most likely there (rank
+    1 the most likely; the token's own rank where it is among them, else null)."""
+    if scored is None:
+        return None
+    result = []
+    for position, token_id in enumerate(prompt_ids):
+        entry = scored[position] if position < len(scored) else None
+        if entry is None:
+            result.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _) in enumerate(entry.top, start=1)}
+        items = {str(token_id): {"logprob": _number(entry.logprob), "rank": ranks.get(token_id),
+                                 "decoded_token": token_strings(token_id)}}
+        for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+            items.setdefault(str(t), {"logprob": _number(lp), "rank": rank,
+                                      "decoded_token": token_strings(t)})
+        result.append(items)
+    return result
 
 
 class _Stream:
@@ -624,6 +731,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo not in (None, False):  # vLLM's chat echo (legacy completions' is done)
+            raise APIError(400, f"echo is not supported by this server on chat completions "
+                                f"(got {_preview(self.echo)}); remove it from the request",
+                           param="echo", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_chat_options()
@@ -690,9 +801,15 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
                         "message": {"role": "assistant", "content": output.text},
                         "logprobs": logprobs,
                         "finish_reason": FINISH_REASONS[output.finish_reason]})
-    return {"id": response_id, "object": "chat.completion", "created": created,
+    body = {"id": response_id, "object": "chat.completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage_of([outputs])}
+    if request.prompt_logprobs is not None and outputs:  # vLLM's, beside the choices
+        first = min(outputs, key=_index)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(
+            first.prompt_token_ids, first.prompt_logprobs, request.prompt_logprobs,
+            token_strings)
+    return body
 
 
 class ChatCompletionStream(_Stream):
