@@ -763,6 +763,14 @@ def create_app(state: ServerState):
         return JSONResponse(parsed.response(state.tokenizer, token_ids,
                                             state.info.context_limit))
 
+    @route("GET", "/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """vLLM's: the tokenizer's special tokens and chat template, which clients such as
+        lm-evaluation-harness read to tokenize through /tokenize (no tokenizer download)."""
+        state.check_key(request)
+        state.check_ready()
+        return JSONResponse(protocol.tokenizer_info(state.tokenizer, state.info.context_limit))
+
     @route("POST", "/detokenize")
     async def detokenize(request: Request):
         parsed, _ = await body_of(request, protocol.DetokenizeRequest)

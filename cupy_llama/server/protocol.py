@@ -868,7 +868,14 @@ def usage_of(outputs: list[list]) -> dict:
                  sum(o.num_cached_tokens for o in firsts))
 
 
-# ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
+# ---- /v1/models, /tokenize, /detokenize, /tokenizer_info ----------------------------------
+
+def tokenizer_info(tokenizer, context_limit: int) -> dict:
+    """vLLM's /tokenizer_info fields that a client needs to use /tokenize and /detokenize
+    as its tokenizer."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token, "pad_token": None,
+            "chat_template": tokenizer.chat_template, "model_max_length": context_limit}
 
 # the files whose content makes the model's answers; weights are named by size and time
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",
