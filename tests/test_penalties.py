@@ -167,3 +167,57 @@ def test_out_of_range_values_are_refused_by_name(field, value, words):
     with pytest.raises(RequestError, match=field.split("_")[0]) as error:
         SamplingParams(**{field: value})
     assert words in str(error.value)
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+def test_generate_takes_the_controls_and_help_lists_them(model_dir, llm, tmp_path, capsys):
+    import json
+
+    from cupy_llama.cli import main
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": PROMPT}) + "\n" +
+                    json.dumps({"prompt": PROMPT, "presence_penalty": 2.0,
+                                "stop_token_ids": [7]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    flags = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.7",
+             "--presence-penalty", "0.4", "--logit-bias", "300=1.5", "--logit-bias", "12=-3",
+             "--min-tokens", "2"]
+    code = main(["generate", "--model", str(model_dir), "--input", str(path), "--output",
+                 str(out), "--device", "cpu", "--temperature", "0", "--max-tokens", "16",
+                 "--ignore-eos", *flags])
+    assert code == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    common = dict(max_tokens=16, min_tokens=2, logit_bias={300: 1.5, 12: -3.0},
+                  repetition_penalty=1.5, frequency_penalty=0.7, **GREEDY)
+    first = llm.generate(PROMPT, SamplingParams(presence_penalty=0.4, **common))
+    second = llm.generate(PROMPT, SamplingParams(presence_penalty=2.0, stop_token_ids=[7],
+                                                 **common))
+    assert [line["text"] for line in lines] == [first.text, second.text]
+    assert lines[0]["usage"]["completion_tokens"] == len(first.token_ids)
+    # a bad value is a usage error naming the flag, before the model loads
+    assert main(["generate", "--model", str(model_dir), "--input", str(path), "--device",
+                 "cpu", "--frequency-penalty", "3"]) == 2
+    assert "--frequency-penalty" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir), "--input", str(path), "--device",
+                 "cpu", "--logit-bias", "x"]) == 2
+    capsys.readouterr()
+    for command in ("generate", "chat"):
+        assert main([command, "--help"]) == 0
+        shown = capsys.readouterr().out
+        for flag in ("--repetition-penalty", "--frequency-penalty", "--presence-penalty",
+                     "--min-tokens", "--logit-bias"):
+            assert flag in shown, (command, flag)
+
+
+def test_chat_set_takes_the_penalties(llm):
+    from cupy_llama.cli.chat_ui import ChatSession
+    session = ChatSession(llm, SamplingParams(**GREEDY))
+    assert session.set("repetition_penalty", "1.2") == "repetition_penalty = 1.2"
+    assert session.set("presence_penalty", "-0.5") == "presence_penalty = -0.5"
+    assert session.set("min_tokens", "3") == "min_tokens = 3"
+    assert (session.params.repetition_penalty, session.params.presence_penalty,
+            session.params.min_tokens) == (1.2, -0.5, 3)
+    with pytest.raises(RequestError, match="frequency_penalty"):
+        session.set("frequency_penalty", "9")
+    assert "frequency_penalty = 0.0" in session.settings()
