@@ -101,12 +101,13 @@ SAMPLE = {
     "logit_bias": {"1": 5}, "min_tokens": 2, "stop_token_ids": [1], "bad_words": ["x"],
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
+    "best_of": 3,
 }
 # A value for each refused field that is not one of its harmless ones.
 REFUSED_VALUE = {"tools": [{"type": "function", "function": {"name": "f"}}],
                  "functions": [{"name": "f"}], "tool_choice": "required",
                  "function_call": "required", "response_format": {"type": "json_object"},
-                 "modalities": ["audio"], "best_of": 3,
+                 "modalities": ["audio"],
                  "allowed_token_ids": [1, 2], "grammar": "root ::= \"a\"",
                  "json_schema": {"type": "object"}, "tool_calls": [{"id": "1"}],
                  "tool_call_id": "1", "use_beam_search": True,
@@ -114,8 +115,8 @@ REFUSED_VALUE = {"tools": [{"type": "function", "function": {"name": "f"}}],
                  "guided_json": {"type": "object"}, "guided_regex": "a+",
                  "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
                  "chat_template": "{{ messages }}"}
-# refused on one endpoint only: chat's echo (vLLM's); legacy completions' is done
-REFUSED_ON = {(ChatCompletionRequest, "echo"): True}
+# refused on one endpoint only: chat's echo and best_of; legacy completions' are done
+REFUSED_ON = {(ChatCompletionRequest, "echo"): True, (ChatCompletionRequest, "best_of"): 3}
 BASE = {CompletionRequest: {"prompt": "abc"}, ChatCompletionRequest: {"messages": CHAT},
         TokenizeRequest: {"messages": CHAT}, DetokenizeRequest: {"tokens": [3]}}
 

@@ -90,3 +90,19 @@ def test_vllm_prompt_logprobs_on_both_endpoints(state, llm, model_dir):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat_prompt)
     assert all(list(entry) == [str(t)] for entry, t in zip(chat["prompt_logprobs"][1:],
                                                            chat_prompt[1:]))
+
+
+def test_best_of_answers_the_n_most_likely_samples_and_counts_them_all(state, llm):
+    sampled = {"temperature": 1.5, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 11}
+    body = {"prompt": "abc", "max_tokens": 5, "n": 2, "best_of": 5, **sampled}
+    answer = ask_one(state, "POST", "/v1/completions", json=body).json()
+    prompt = llm.tokenizer.encode("abc")
+    samples = llm.generate(prompt, SamplingParams(n=5, max_tokens=5, logprobs=0, **sampled))
+    ranked = sorted(samples, key=lambda o: -sum(e.logprob for e in o.logprobs))
+    assert [c["text"] for c in answer["choices"]] == [o.text for o in ranked[:2]]
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in samples)
+    for refused in ({"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}):
+        got = ask_one(state, "POST", "/v1/completions", json={"prompt": "x", **refused})
+        assert got.status == 400 and got.json()["error"]["param"] == "best_of"

@@ -739,7 +739,8 @@ def create_app(state: ServerState):
         state.check_ready()  # it may have begun to stop meanwhile
         response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
-        job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
+        job = state.start_job(response_id, prompts, params, parsed.stream,
+                              parsed.samples_per_prompt)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
         stream = stream_class(parsed, response_id, created, name, strings, state.fingerprint) \
             if parsed.stream else None

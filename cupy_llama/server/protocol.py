@@ -31,7 +31,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..tokenizer import check_template_kwargs
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -158,7 +158,6 @@ PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
     "suffix": _off(""),
-    "best_of": lambda value, request: value is None or value == request.n,
     "tools": _off([]), "functions": _off([]), "tool_choice": _off("none", "auto"),
     "function_call": _off("none", "auto"),
     "response_format": lambda value, request: value is None or value == {"type": "text"},
@@ -238,6 +237,11 @@ class _SamplingFields(_Unsupported, _Model):
                            param="seed")
 
     @property
+    def samples_per_prompt(self) -> int:
+        """The engine's samples of each prompt: n (best_of's where it asks for more)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -284,7 +288,9 @@ class _SamplingFields(_Unsupported, _Model):
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
-        values["n"] = self.n
+        values["n"] = self.samples_per_prompt
+        if self.samples_per_prompt > self.n and logprobs is None:
+            values["logprobs"] = 0  # best_of ranks the samples by their tokens' logprobs
         values["prompt_logprobs"] = self.prompt_logprobs_wanted()
         try:
             return SamplingParams.from_dict(values, model_defaults)
@@ -394,12 +400,36 @@ class CompletionRequest(_SamplingFields):
         if self.echo is not None and not isinstance(self.echo, bool):
             raise APIError(400, f"echo must be true or false, got {_preview(self.echo)}",
                            param="echo")
+        if self.best_of is not None:
+            if not _is_token_id(self.best_of) or not self.n <= self.best_of <= MAX_N:
+                raise APIError(400, f"best_of must be an integer from n ({self.n}) to {MAX_N}, "
+                                    f"got {_preview(self.best_of)}", param="best_of")
+            if self.best_of > self.n and self.stream:
+                raise APIError(400, "best_of past n is not supported with stream: true (as "
+                                    "OpenAI's API)", param="best_of")
         if self.echo and self.stream:
             raise APIError(400, "echo is not supported with stream: true; send it without "
                                 "streaming", param="echo", code="unsupported_parameter")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1, got 0 (0 only scores the "
                                 "prompt, with echo: true)", param="max_tokens")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """best_of samples where it asks for more than n: the n with the highest cumulative
+        log-probability are answered (best_outputs)."""
+        return max(self.n, int(self.best_of or 0))
+
+    def best_outputs(self, prompt_outputs: list) -> list:
+        """The n answered samples of one prompt: all of them, or with best_of the n whose
+        tokens have the highest summed log-probability, as choices 0..n-1 (best first)."""
+        if self.samples_per_prompt == self.n:
+            return prompt_outputs
+        ranked = sorted(prompt_outputs, key=lambda o: (
+            -sum(logprob for _, logprob, _ in logprob_entries(o.logprobs)), _index(o)))
+        keep = self.logprobs is not None
+        return [replace(o, index=j, logprobs=o.logprobs if keep else None)
+                for j, o in enumerate(ranked[:self.n])]
 
     @property
     def scores_only(self) -> bool:
@@ -502,6 +532,8 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     (one per choice). Choice i * n + j is prompt i's choice j."""
     choices = []
     echo = bool(request.echo)
+    usage = usage_of(outputs)  # every sample best_of made counts
+    outputs = [request.best_outputs(group) for group in outputs]
     if request.scores_only:  # the one token made to score the prompt is not shown
         outputs = [[replace(o, token_ids=[], text="", logprobs=[] if o.logprobs is not None
                             else None) for o in group] for group in outputs]
@@ -529,9 +561,11 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                     output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
                     token_strings)
             choices.append(choice)
+    if request.scores_only:  # the token made to score the prompt is not the client's
+        usage = usage_of(outputs)
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
-            "usage": usage_of(outputs)}
+            "usage": usage}
 
 
 def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tuple[dict, int]:
@@ -731,6 +765,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.best_of not in (None, self.n):
+            raise APIError(400, f"best_of is not supported by this server on chat completions "
+                                f"(got {_preview(self.best_of)}); remove it from the request",
+                           param="best_of", code="unsupported_parameter")
         if self.echo not in (None, False):  # vLLM's chat echo (legacy completions' is done)
             raise APIError(400, f"echo is not supported by this server on chat completions "
                                 f"(got {_preview(self.echo)}); remove it from the request",
