@@ -123,3 +123,24 @@ def test_the_engine_on_the_gpu_equals_the_cpu_with_every_control(tmp_path):
     for c, g in zip(cpu, gpu):
         assert g[:8] == c[:8]
     assert [o.token_ids for o in n] == [gpu[0]] * 3  # each sample its own counts
+
+
+def test_prompt_logprobs_on_the_gpu_equal_the_cpu(tmp_path):
+    """The pieces of the LM head and the log-probability kernel on the GPU (bf16 weights)
+    against the CPU (float32): a prompt longer than max_num_seqs rows, so it takes several
+    pieces, whole and in chunks."""
+    from cupy_llama.bench.random_model import make_random_model
+    model_dir = make_random_model(tmp_path / "model", "tiny", seed=1, std=0.15)
+    prompt = [(7 * i + 3) % 500 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    cpu = LLM(model_dir, device="cpu", log=None).generate(prompt, params).prompt_logprobs
+    for options in ({"max_num_seqs": 64}, {"max_num_seqs": 64, "max_num_batched_tokens": 128}):
+        llm = LLM(model_dir, device="cuda", log=None, gpu_memory_utilization=0.3, **options)
+        try:
+            gpu = llm.generate(prompt, params).prompt_logprobs
+        finally:
+            llm.close()
+        assert gpu[0] is None and len(gpu) == len(cpu)
+        np.testing.assert_allclose([e.logprob for e in gpu[1:]], [e.logprob for e in cpu[1:]],
+                                   atol=3e-2)  # bf16 weights and activations
+        assert [e.token_id for e in gpu[1:]] == prompt[1:]
