@@ -70,10 +70,10 @@ struct SamplingRows {
 
     // the arrays of a buffer that holds `capacity` sequences' settings
     __device__ SamplingRows(const unsigned char* buffer, int capacity) {
-        size_t offset = 0;
+        unsigned long long offset = 0;
 #define SAMPLING_ROW_VIEW(type, name)                                   \
         name = reinterpret_cast<const type*>(buffer + offset);          \
-        offset += (size_t)capacity * sizeof(type);
+        offset += (unsigned long long)capacity * sizeof(type);
         SAMPLING_ROWS(SAMPLING_ROW_VIEW)
 #undef SAMPLING_ROW_VIEW
     }
