@@ -209,6 +209,60 @@ def test_host_writes_the_settings_buffer_after_its_last_copy(pipelined):
             assert ordered(log, copies[step - 1], write)
 
 
+def test_slot_state_is_made_and_applied_on_the_step_stream_before_the_sampling_kernel(
+        fake, monkeypatch):
+    """A step with penalties: the reset kernel (which reads the last step's tokens on the
+    device) and the processing kernel run on the step stream after the settings copy and
+    before this step's sampling kernel, which overwrites those tokens and counts the kept
+    ones into the same state."""
+    from cupy_llama.interface import SlotReset
+    seen = {}
+
+    def fake_reset(state, resets, last_sampled):
+        fake.add(Op(fake.current.name, "kernel", "reset"))
+        seen["reset"] = (state, [r.slot for r in resets or ()], last_sampled.copy())
+
+    def fake_process(logits, settings, capacity, state):
+        fake.add(Op(fake.current.name, "kernel", "process"))
+        seen["process_slots"] = sampling_kernels.settings_views(settings, capacity)[
+            "state_slot"][:len(logits)].copy()
+
+    def fake_sample(logits, settings, capacity, out_tokens, counts=None):
+        fake.add(Op(fake.current.name, "kernel", "sample"))
+        seen["counts"] = counts
+        out_tokens[:] = 5
+
+    monkeypatch.setattr(sampling_kernels, "reset_state", fake_reset)
+    monkeypatch.setattr(sampling_kernels, "process_logits", fake_process)
+    monkeypatch.setattr(sampling_kernels, "sample_settings", fake_sample)
+    monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})
+    cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
+                           num_heads=2, head_dim=64, max_model_len=64,
+                           switches=KernelSwitches(programmatic=False, clusters=False))
+    cuda_ops._sampling_copied.name = "settings_copied"
+    logits = np.zeros((ROWS, 16), np.float32)
+    cuda_ops.sample_async(logits, settings(0)).get()  # a plain step: no state kernels
+    assert seen == {"counts": None} and cuda_ops._slot_state is None
+    penalized = settings(1)
+    penalized.state_slot = np.array([2, -1, 0], np.int32)
+    penalized.count_token = np.array([1, 0, 1], np.int32)
+    penalized.repetition_penalty = np.array([1.2, 1.0, 1.0], np.float32)
+    penalized.resets = [SlotReset(2, [1, 2], [-1], [], [])]
+    start = len(fake.log)
+    cuda_ops.sample_async(logits, penalized).get()
+    log = fake.log
+    kernels = [i for i in range(start, len(log)) if log[i].what == "kernel"]
+    assert [log[i].detail for i in kernels] == ["reset", "process", "sample"]
+    assert all(log[i].who == "step" for i in kernels)
+    copy = next(i for i in range(start, len(log)) if log[i].what == "H2D")
+    assert ordered(log, copy, kernels[0])  # the reset and processing read this step's settings
+    state, slots, last_sampled = seen["reset"]
+    assert slots == [2] and state is cuda_ops._slot_state
+    np.testing.assert_array_equal(last_sampled[:ROWS], [5] * ROWS)  # the last step's tokens
+    np.testing.assert_array_equal(seen["process_slots"], [2, -1, 0])
+    assert seen["counts"] is state.counts and state.counts.shape == (MAX_SEQS, 16)
+
+
 # ---- DecodeGraphs._stage -------------------------------------------------------------------
 def decode_batch(token_ids, seq_lens, block_tables):
     num_seqs = len(token_ids)
