@@ -149,6 +149,32 @@ class SlotState:
         self.prompt_seen = cupy.zeros((num_slots, vocab), np.uint8)
         self.bias_ids = cupy.zeros((num_slots, MAX_BIAS_ENTRIES), np.int32)
         self.bias_values = cupy.zeros((num_slots, MAX_BIAS_ENTRIES), np.float32)
+        # the resets' packed lists go up through a pinned buffer and one asynchronous copy
+        # (a copy from pageable memory would wait for the step stream: the forward pass
+        # queued before it); both buffers grow when a reset needs more
+        self._cupy = cupy
+        self._staged_host = self._staged_device = None
+        self._staged_copied = None  # event: the last copy out of the pinned buffer is done
+
+    def stage(self, packed: np.ndarray):
+        """packed (int32) on the device, copied on the current stream; returns the device
+        view. The pinned buffer is rewritten only once its last copy is over."""
+        cupy = self._cupy
+        if self._staged_copied is not None:
+            self._staged_copied.synchronize()
+        if self._staged_host is None or self._staged_host.size < packed.size:
+            size = max(packed.size, 2 * (0 if self._staged_host is None else self._staged_host.size),
+                       1 << 16)
+            memory = cupy.cuda.alloc_pinned_memory(4 * size)
+            self._staged_host = np.frombuffer(memory, np.int32, size)
+            self._staged_device = cupy.empty(size, np.int32)
+            self._staged_copied = cupy.cuda.Event(disable_timing=True)
+        self._staged_host[:packed.size] = packed
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self._staged_device.data.ptr, self._staged_host.ctypes.data,
+                                      4 * packed.size, 1, stream.ptr)  # host to device
+        self._staged_copied.record(stream)
+        return self._staged_device[:packed.size]
 
     @property
     def nbytes(self) -> int:
@@ -160,7 +186,6 @@ def reset_state(state: SlotState, resets, last_sampled) -> None:
     """Make the slots of `resets` (interface.SlotReset) anew: their counts and prompt flags
     from their tokens (an id -(i + 1): last_sampled[i], the last sampling call's row i), and
     their bias entries. One upload of the resets' packed lists, one kernel."""
-    import cupy
     if not resets:
         return
     check("last_sampled", last_sampled, I32, ndim=1)
@@ -184,7 +209,7 @@ def reset_state(state: SlotState, resets, last_sampled) -> None:
         np.array(num_prompt, np.int32), np.array(entry_start, np.int32),
         np.array(tokens, np.int32), np.array(entry_ids, np.int32),
         np.array(entry_values, np.float32).view(np.int32)])
-    device = cupy.asarray(packed)
+    device = state.stage(packed)
     parts, start = [], 0
     for size in (R, R + 1, R, R + 1, len(tokens), len(entry_ids), len(entry_values)):
         parts.append(device[start:start + size])
