@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; k: each generated token's log-probability and those of the
     # k most likely tokens, from the model's log-softmax before temperature and filters
+    # (after the penalties and biases, where the request has any)
     logprobs: int | None = None
     n: int = 1                 # samples of the prompt (RequestOutput.index tells them apart)
     # Penalties, applied to the logits on the device before temperature (vLLM's formulas):
