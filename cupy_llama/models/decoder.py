@@ -194,27 +194,32 @@ class Decoder:
         what ops.upload returned (CUDA graphs pass their fixed device buffers); the ops take
         it as it is, and the step's sizes are its num_tokens and num_seqs."""
         buf = backend.buffers(meta.num_tokens, meta.num_seqs)
+        # the rows and targets go up before the layers are queued: an upload waits for
+        # what its stream has queued already
+        staged = None if prompt is None else backend.ops.device_array(
+            np.stack([prompt.rows, prompt.targets]))
         pieces = self.pieces(backend, meta, buf)
         pieces[0]()
         for i in range(self.config.num_hidden_layers):
             self.attention(backend, meta, buf, i)
             pieces[i + 1]()
         if prompt is not None:
-            self.prompt_logprobs(backend, meta, buf, prompt)
+            self.prompt_logprobs(backend, meta, buf, prompt, staged)
         return self.head(backend, meta, buf)
 
-    def prompt_logprobs(self, backend: Backend, meta, buf, prompt) -> None:
+    def prompt_logprobs(self, backend: Backend, meta, buf, prompt, staged) -> None:
         """The next-token log-probabilities at the rows prompt.rows: their logits in pieces
         of as many rows as the logits buffer holds for max_num_seqs sequences (one read of
         the LM head per piece), each piece reduced on the device to its targets' and top
-        k's log-softmax (docs/ARCHITECTURE.md, "Prompt log-probabilities")."""
+        k's log-softmax (docs/ARCHITECTURE.md, "Prompt log-probabilities"). staged:
+        [2, P] int32 in backend memory, prompt.rows over prompt.targets."""
         ops = backend.ops
         count, k = len(prompt.rows), prompt.k
         piece = getattr(ops, "max_num_seqs", PROMPT_PIECE_ROWS)
         wide = backend.buffers(meta.num_tokens, piece)
         prompt.values = ops.empty((count, 1 + k), np.float32)
         prompt.ids = ops.empty((count, 1 + k), np.int32)
-        rows, targets = ops.device_array(prompt.rows), ops.device_array(prompt.targets)
+        rows, targets = staged[0], staged[1]
         for start in range(0, count, piece):
             stop = min(count, start + piece)
             logits = self.logits_of(backend, buf["residual"], rows[start:stop], wide)
