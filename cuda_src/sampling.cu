@@ -47,12 +47,57 @@
 #define RADIX_BINS 256
 #define LOG2_E 1.4426950408889634f
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
+#define PROCESS_THREADS 1024  // process_logits_kernel and reset_state_kernel
 #define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
 #define MASK_SKIP -2  // mask_rows: this launch draws no token for the row
 
 // whether a bitmask row (null: no constraint) allows token i
 __device__ __forceinline__ bool token_allowed(const unsigned int* __restrict__ mask, int i) {
     return mask == nullptr || ((__ldg(mask + (i >> 5)) >> (i & 31)) & 1u);
+}
+
+// The per-sequence settings, one [capacity] array each, back to back in this order in one
+// buffer (the staging layout of interface.py's SAMPLING_ROWS, whose kernel rows these are:
+// the CUDA backend checks that both list the same names and types in the same order).
+#define SAMPLING_ROWS(X) \
+    X(unsigned long long, seeds) \
+    X(float, temperature) \
+    X(int, top_k) \
+    X(float, top_p) \
+    X(float, min_p) \
+    X(int, steps) \
+    X(float, repetition_penalty) \
+    X(float, frequency_penalty) \
+    X(float, presence_penalty) \
+    X(int, min_tokens) \
+    X(int, num_biases) \
+    X(int, num_min_bans) \
+    X(int, state_slot) \
+    X(int, count_token)
+
+struct SamplingRows {
+#define SAMPLING_ROW_FIELD(type, name) const type* __restrict__ name;
+    SAMPLING_ROWS(SAMPLING_ROW_FIELD)
+#undef SAMPLING_ROW_FIELD
+
+    // the arrays of a buffer that holds `capacity` sequences' settings
+    __device__ SamplingRows(const unsigned char* buffer, int capacity) {
+        unsigned long long offset = 0;
+#define SAMPLING_ROW_VIEW(type, name)                                   \
+        name = reinterpret_cast<const type*>(buffer + offset);          \
+        offset += (unsigned long long)capacity * sizeof(type);
+        SAMPLING_ROWS(SAMPLING_ROW_VIEW)
+#undef SAMPLING_ROW_VIEW
+    }
+};
+
+// the sampling kernel's last act: a kept token of a row with state is counted in its slot
+// (see "penalties, biases and bans" below)
+__device__ __forceinline__ void count_chosen(const SamplingRows& rows, int b, int vocab,
+                                             int* counts, int token) {
+    const int slot = rows.state_slot[b];
+    if (counts != nullptr && slot >= 0 && rows.count_token[b])
+        counts[(long long)slot * vocab + token] += 1;
 }
 
 __device__ __forceinline__ unsigned int order_key(float f) {
@@ -534,14 +579,17 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
 // thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
 // slots: candidate slots per thread in the dynamic shared memory (0: always the row);
 // used_slots (may be null): [B], 1 where the slots served the draw, else 0.
+// settings: SAMPLING_ROWS of `capacity` (>= B) sequences, row b of each for sequence b.
 // bitmask [rows, mask_words] and mask_rows [B] (both may be null): see "Structured outputs".
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
-        const float* __restrict__ logits, int vocab, const float* __restrict__ temperature,
-        const int* __restrict__ top_k, const float* __restrict__ top_p,
-        const float* __restrict__ min_p, const unsigned long long* __restrict__ seeds,
-        const int* __restrict__ steps, int* __restrict__ out_tokens, int slots,
-        int* __restrict__ used_slots, const unsigned int* __restrict__ bitmask,
-        int mask_words, const int* __restrict__ mask_rows) {
+        const float* __restrict__ logits, int vocab, const unsigned char* __restrict__ settings,
+        int capacity, int* __restrict__ out_tokens, int slots, int* __restrict__ used_slots,
+        int* __restrict__ counts, const unsigned int* __restrict__ bitmask, int mask_words,
+        const int* __restrict__ mask_rows) {
+    const SamplingRows rows(settings, capacity);
+    // counts (may be null): [slots][vocab] output-token counts; the chosen token of a row
+    // with state_slot >= 0 and count_token set is added to its slot's (see count_chosen)
+    __shared__ int chosen_token;
     __shared__ SampleShared sh;
     extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
     static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
@@ -595,21 +643,25 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
             if (best_i == 0x7FFFFFFF) best_i = 0;  // a row of NaN: token 0
             sh.scratch[0] = best;
             out_tokens[b] = best_i;
+            chosen_token = best_i;
         }
     }
     __syncthreads();
-    const float temp = temperature[b];
+    const float temp = rows.temperature[b];
     if (used_slots != nullptr && tid == 0) used_slots[b] = 0;
-    if (!(temp > 0.0f)) return;
+    if (!(temp > 0.0f)) {
+        if (tid == 0) count_chosen(rows, b, vocab, counts, chosen_token);
+        return;
+    }
     DrawInputs in;
     in.vocab = vocab;
-    in.top_k = top_k[b];
-    in.top_p = top_p[b];
-    in.min_p = min_p[b];
+    in.top_k = rows.top_k[b];
+    in.top_p = rows.top_p[b];
+    in.min_p = rows.min_p[b];
     in.max_logit = sh.scratch[0];
     in.log2_scale = LOG2_E / temp;
-    in.bits = splitmix64(splitmix64((unsigned long long)seeds[b]) ^
-                         (unsigned long long)(unsigned int)steps[b]);
+    in.bits = splitmix64(splitmix64((unsigned long long)rows.seeds[b]) ^
+                         (unsigned long long)(unsigned int)rows.steps[b]);
     // sh.scratch is written again only past block_totals' barrier below
 
     // the row's pass: every weight summed in this thread's order, the candidates written
@@ -660,5 +712,96 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     } else {
         chosen = filter_and_draw(sh, row_view, in);
     }
-    if (chosen >= 0) out_tokens[b] = chosen;
+    if (chosen >= 0) {
+        out_tokens[b] = chosen;
+        chosen_token = chosen;
+    }
+    __syncthreads();
+    if (tid == 0) count_chosen(rows, b, vocab, counts, chosen_token);
+}
+
+// ---- penalties, biases and bans -----------------------------------------------------------
+// Each slot of the engine (a running sequence) may keep state on the device: how often each
+// token occurs in its output (counts, [slots][vocab] int32), whether it occurs in its prompt
+// (prompt_seen, [slots][vocab] uint8), and bias entries (bias_ids / bias_values,
+// [slots][max_entries]): num_biases (token, value) pairs added to the logits always, then
+// num_min_bans tokens banned (-inf) while steps < min_tokens. Each part holds a token once,
+// so the threads of a part write distinct logits. reset_state_kernel makes a slot's state
+// for a new sequence; process_logits_kernel applies it before the sampling kernel, which
+// adds each kept token to its slot's counts (count_chosen). The reference is
+// numpy_ops.penalized_logits: the entries first, then (vLLM's order) repetition over the
+// prompt and the output, then frequency * count and presence over the output.
+
+// grid (B), block (PROCESS_THREADS): row b of logits, in place, where state_slot[b] >= 0
+extern "C" __global__ void __launch_bounds__(PROCESS_THREADS) process_logits_kernel(
+        float* __restrict__ logits, int vocab, const unsigned char* __restrict__ settings,
+        int capacity, const int* __restrict__ counts,
+        const unsigned char* __restrict__ prompt_seen, const int* __restrict__ bias_ids,
+        const float* __restrict__ bias_values, int max_entries) {
+    const SamplingRows rows(settings, capacity);
+    const int b = blockIdx.x, slot = rows.state_slot[b];
+    if (slot < 0) return;
+    float* row = logits + (long long)b * vocab;
+    const long long base = (long long)slot * max_entries;
+    const int always = rows.num_biases[b];
+    for (int j = threadIdx.x; j < always; j += blockDim.x)
+        row[bias_ids[base + j]] += bias_values[base + j];
+    __syncthreads();
+    if (rows.steps[b] < rows.min_tokens[b]) {
+        const int bans = rows.num_min_bans[b];
+        for (int j = threadIdx.x; j < bans; j += blockDim.x)
+            row[bias_ids[base + always + j]] = neg_inf();
+    }
+    __syncthreads();
+    const float repetition = rows.repetition_penalty[b];
+    const float frequency = rows.frequency_penalty[b], presence = rows.presence_penalty[b];
+    if (repetition == 1.0f && frequency == 0.0f && presence == 0.0f) return;
+    const int* own_counts = counts + (long long)slot * vocab;
+    const unsigned char* own_seen = prompt_seen + (long long)slot * vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const int count = own_counts[i];
+        if (count == 0 && !own_seen[i]) continue;
+        float x = row[i];
+        x = x > 0.0f ? __fdiv_rn(x, repetition) : __fmul_rn(x, repetition);
+        // rounded step by step, as the NumPy reference computes it (no fused multiply-add)
+        const float penalty = __fadd_rn(__fmul_rn(frequency, (float)count),
+                                        __fmul_rn(presence, count > 0 ? 1.0f : 0.0f));
+        row[i] = __fsub_rn(x, penalty);
+    }
+}
+
+// grid (R), block (PROCESS_THREADS): slot reset_slots[r] made anew. Its tokens are
+// tokens[token_start[r] .. token_start[r + 1]), the first num_prompt[r] of them the prompt
+// (seen), the rest the output (counted); an id -(i + 1) is the token the last sampling call
+// chose for its row i (last_sampled). Its entries are entry_ids / entry_values[entry_start[r]
+// .. entry_start[r + 1]).
+extern "C" __global__ void __launch_bounds__(PROCESS_THREADS) reset_state_kernel(
+        int* __restrict__ counts, unsigned char* __restrict__ prompt_seen,
+        int* __restrict__ bias_ids, float* __restrict__ bias_values, int vocab,
+        int max_entries, const int* __restrict__ reset_slots,
+        const int* __restrict__ token_start, const int* __restrict__ num_prompt,
+        const int* __restrict__ tokens, const int* __restrict__ entry_start,
+        const int* __restrict__ entry_ids, const float* __restrict__ entry_values,
+        const int* __restrict__ last_sampled) {
+    const int r = blockIdx.x, slot = reset_slots[r];
+    int* own_counts = counts + (long long)slot * vocab;
+    unsigned char* own_seen = prompt_seen + (long long)slot * vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        own_counts[i] = 0;
+        own_seen[i] = 0;
+    }
+    __syncthreads();
+    const int first = token_start[r], prompt_end = first + num_prompt[r];
+    for (int j = first + threadIdx.x; j < token_start[r + 1]; j += blockDim.x) {
+        int token = tokens[j];
+        if (token < 0) token = last_sampled[-token - 1];
+        if (j < prompt_end) own_seen[token] = 1;
+        else atomicAdd(&own_counts[token], 1);
+    }
+    const long long base = (long long)slot * max_entries;
+    const int entries = entry_start[r + 1] - entry_start[r];
+    for (int j = threadIdx.x; j < entries; j += blockDim.x) {
+        bias_ids[base + j] = entry_ids[entry_start[r] + j];
+        bias_values[base + j] = entry_values[entry_start[r] + j];
+    }
 }

@@ -17,7 +17,7 @@ flat slot is `block * block_size + row` (the slot mapping).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -130,21 +130,99 @@ class StepLayout:
             buffer[start:start + array.size] = array.reshape(-1)
 
 
+class SamplingRow(NamedTuple):
+    """One per-sequence sampling setting (a row of SAMPLING_ROWS)."""
+    name: str
+    dtype: Any
+    default: Any   # the value of a slot no sequence holds
+    neutral: Any   # the value that turns the control off (None: it is never off)
+    per: str       # "request": fixed while a sequence holds its slot, kept in the model
+                   # runner's slot tables; "step": set anew every step
+    kernel: bool   # read by the sampling kernel: in its staging layout and argument list
+
+
+# The per-sequence sampling settings, described once. SamplingTensors has one field per
+# row, the model runner's SlotTables one column per "request" row, and the CUDA backend
+# stages the kernel's rows in this order, one [max_num_seqs] array after another, for the
+# sampling kernel, whose SAMPLING_ROWS macro in cuda_src/sampling.cu lists the same rows
+# in the same order (checked when the CUDA backend is imported). The 8-byte rows come
+# first, so every array of the staging buffer is aligned (checked below). A new control is
+# a row here, a field of SamplingTensors, its kernel code and its tests.
+SAMPLING_ROWS = (
+    SamplingRow("seeds", np.uint64, 0, None, "request", True),
+    SamplingRow("temperature", np.float32, 0.0, 1.0, "request", True),
+    SamplingRow("top_k", np.int32, 0, 0, "request", True),
+    SamplingRow("top_p", np.float32, 1.0, 1.0, "request", True),
+    SamplingRow("min_p", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("steps", np.int32, 0, None, "step", True),
+    # the penalties (SamplingParams) and the per-slot device state they read: a row with
+    # state_slot >= 0 reads that slot's token counts and bias entries (SlotState)
+    SamplingRow("repetition_penalty", np.float32, 1.0, 1.0, "request", True),
+    SamplingRow("frequency_penalty", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("presence_penalty", np.float32, 0.0, 0.0, "request", True),
+    SamplingRow("min_tokens", np.int32, 0, 0, "request", True),
+    SamplingRow("num_biases", np.int32, 0, 0, "request", True),    # bias entries always applied
+    SamplingRow("num_min_bans", np.int32, 0, 0, "request", True),  # banned while steps < min_tokens
+    SamplingRow("state_slot", np.int32, -1, -1, "step", True),
+    SamplingRow("count_token", np.int32, 0, 0, "step", True),  # 1: the sampled token is kept: count it
+    SamplingRow("num_logprobs", np.int32, -1, -1, "request", False),
+    # structured outputs: the row's token is drawn later, under its grammar's bitmask, by
+    # Ops.sample_masked (the kernel learns it per launch, from its mask_rows argument)
+    SamplingRow("deferred", np.bool_, False, False, "request", False),
+)
+SAMPLING_ROW = {row.name: row for row in SAMPLING_ROWS}
+KERNEL_ROWS = tuple(row for row in SAMPLING_ROWS if row.kernel)
+assert all(np.dtype(a.dtype).itemsize >= np.dtype(b.dtype).itemsize
+           for a, b in zip(KERNEL_ROWS, KERNEL_ROWS[1:])), \
+    "SAMPLING_ROWS: the kernel's rows go widest first, so the staged arrays stay aligned"
+
+
 @dataclass
 class SamplingTensors:
-    """Per-sequence sampling settings for one step (host numpy arrays, length B)."""
+    """Per-sequence sampling settings for one step (host numpy arrays, length B), one field
+    per row of SAMPLING_ROWS. A field left None holds the row's neutral value everywhere
+    (no row of the step uses that control)."""
     temperature: np.ndarray  # float32; 0 means greedy
     top_k: np.ndarray        # int32; 0 or >= V means off
     top_p: np.ndarray        # float32; 1.0 means off
     min_p: np.ndarray        # float32; 0.0 means off
     seeds: np.ndarray        # uint64; the request's seed (a random one when the user gave none)
     steps: np.ndarray        # int32; how many tokens the request has generated so far
+    # float32 / int32 (None: no row of the step uses it); see SAMPLING_ROWS
+    repetition_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    presence_penalty: np.ndarray | None = None
+    min_tokens: np.ndarray | None = None
+    num_biases: np.ndarray | None = None
+    num_min_bans: np.ndarray | None = None
+    state_slot: np.ndarray | None = None
+    count_token: np.ndarray | None = None
     # int32; -1: no log-probabilities, k >= 0: the sampled token's and the top k's
     # (None: no row asks)
     num_logprobs: np.ndarray | None = None
     # bool; True: the row's token is drawn later, under its grammar's bitmask, by
     # Ops.sample_masked (structured outputs; None: no row is)
     deferred: np.ndarray | None = None
+    # the slots whose device state this step rebuilds before it samples (not a row)
+    resets: "list[SlotReset] | None" = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any row reads device state (penalties, biases, bans)."""
+        return self.state_slot is not None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(np.asarray(self.temperature).shape[0])
+
+    def row(self, name: str) -> np.ndarray:
+        """The setting `name` of every sequence, [B] of its row's dtype (the neutral value
+        where the field is None)."""
+        spec = SAMPLING_ROW[name]
+        value = getattr(self, name)
+        if value is None:
+            return np.full(self.num_seqs, spec.neutral, spec.dtype)
+        return np.asarray(value, spec.dtype).reshape(self.num_seqs)
 
     @property
     def all_greedy(self) -> bool:
@@ -156,6 +234,27 @@ class SamplingTensors:
             return np.zeros(0, np.int32), 0
         rows = np.flatnonzero(self.num_logprobs >= 0).astype(np.int32)
         return rows, int(self.num_logprobs[rows].max()) if rows.size else 0
+
+
+assert set(SamplingTensors.__dataclass_fields__) - {"resets"} == {row.name for row in SAMPLING_ROWS}, \
+    "SAMPLING_ROWS and SamplingTensors must name the same settings"
+
+
+MAX_BIAS_ENTRIES = 512  # bias entries of one slot: logit_bias (300), bans, min_tokens' bans
+
+
+@dataclass
+class SlotReset:
+    """A slot's device state made anew for the sequence that now holds it, before the
+    step samples. The state: how often each token occurs in the output and whether it
+    occurs in the prompt (the penalties read both; the sampling kernel adds each kept
+    token), and the bias entries: `num_biases` (token, value) pairs always added to the
+    logits (-inf bans), then `num_min_bans` tokens banned while steps < min_tokens."""
+    slot: int
+    prompt_token_ids: list     # the prompt (empty where no penalty is on)
+    output_token_ids: list     # the output so far; -(r + 1): row r of the last sampling
+    bias_ids: list             # [num_biases + num_min_bans] distinct in each part
+    bias_values: list          # float; -inf bans
 
 
 class Logprobs:
@@ -173,10 +272,32 @@ class Logprobs:
         return ids[0], values[0], list(zip(ids[1:1 + k], values[1:1 + k]))
 
 
+@dataclass
+class PromptLogprobRequest:
+    """The prompt positions of a step whose next-token log-probabilities are wanted (the
+    requests with SamplingParams.prompt_logprobs): the model computes the logits of these
+    rows too, in pieces, and keeps only each row's log-softmax of its target and the k
+    largest. values and ids ([P, 1 + k], backend arrays) are set by the forward pass."""
+    rows: np.ndarray     # [P] int32: rows of the step's tokens (T axis)
+    targets: np.ndarray  # [P] int32: the prompt token that follows each row's token
+    k: int               # alternatives per row: the most any request of the step asks
+    values: Any = None   # [P, 1 + k] float32: column 0 the target's, then the k best
+    ids: Any = None      # [P, 1 + k] int32
+    spans: list = field(default_factory=list)  # the caller's: whose rows are whose
+
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        """values and ids as host numpy arrays (waits for the device where needed)."""
+        to_host = getattr(self.values, "get", None)
+        if to_host is not None:  # cupy
+            return self.values.get(), self.ids.get()
+        return np.asarray(self.values), np.asarray(self.ids)
+
+
 class SampledTokens:
     """Token ids of one sampling call, ready now (`get` returns them), and the
     log-probabilities of the rows that asked (`logprobs`, None where none did)."""
 
+    prompt_logprobs: PromptLogprobRequest | None = None  # the step's, where it had some
     # not None while rows deferred by sampling.deferred wait for Ops.sample_masked (what
     # the backend keeps for it)
     deferred_inputs = None
@@ -286,6 +407,12 @@ class Ops(Protocol):
                       v_cache, q_out, h, qkv, *, offset: float = 0.0, bias=None,
                       head_norm: HeadNorm | None = None) -> None:
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
+    def device_array(self, host: np.ndarray) -> Any:
+        """A copy of a host array in backend memory (the NumPy backend: the array itself)."""
+    def token_logprobs(self, logits, targets, k: int, values, ids) -> None:
+        """logits [n, V] float32, targets [n] int32 -> values [n, 1 + k] float32 and ids
+        [n, 1 + k] int32: column 0 each target's log-softmax, then the k largest, best
+        first (ties to the lower id)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:

@@ -45,6 +45,11 @@ class RequestOutput:
     # reply's text besides them (None when there is none)
     tool_calls: list | None = None
     content: str | None = None
+    # where the request asked (SamplingParams.prompt_logprobs): one per prompt token, None
+    # for the first (nothing comes before it), then each token's log-probability given
+    # the ones before it and the k most likely there; on every output once the prompt is
+    # computed (the same list for all n samples)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

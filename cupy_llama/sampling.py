@@ -23,6 +23,10 @@ def as_float32(value: float) -> float:
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
 MAX_N = 128  # samples per request
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (as OpenAI's API allows)
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request (their bans share the bias table)
+MAX_BANNED_TOKENS = 128  # tokens one request's bad_words may ban
 
 
 @dataclass
@@ -37,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; k: each generated token's log-probability and those of the
     # k most likely tokens, from the model's log-softmax before temperature and filters
+    # (after the penalties and biases, where the request has any)
     logprobs: int | None = None
     n: int = 1                 # samples of the prompt (RequestOutput.index tells them apart)
     # None, or what the output must follow: a StructuredSpec (a JSON schema, any JSON
@@ -44,6 +49,26 @@ class SamplingParams:
     # object ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...},
     # {"json_object": true}), turned into a StructuredSpec here
     structured: StructuredSpec | None = None
+    # Penalties, applied to the logits on the device before temperature (vLLM's formulas):
+    # repetition divides a positive logit (multiplies a negative one) of every token seen in
+    # the prompt or the output; frequency subtracts penalty * count of each token in the
+    # output, presence subtracts the penalty from every token in the output
+    repetition_penalty: float = 1.0  # 1.0 means off
+    frequency_penalty: float = 0.0   # in [-2, 2]; 0.0 means off
+    presence_penalty: float = 0.0    # in [-2, 2]; 0.0 means off
+    # token id -> added to its logit, in [-100, 100] (-100 all but bans it)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0        # EOS and stop_token_ids are banned until this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # stop at any of these tokens
+    include_stop_str_in_output: bool = False  # the stop string ends the text, not cut
+    skip_special_tokens: bool = True           # special tokens leave no text
+    # between special tokens' texts where they are kept (the tokenizer decides)
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's extension)
+    # None: none; k: each prompt token's log-probability given the tokens before it, and the
+    # k most likely tokens there (RequestOutput.prompt_logprobs). The prompt is then computed
+    # whole, without the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,14 +76,27 @@ class SamplingParams:
         if isinstance(self.structured, dict):
             self.structured = StructuredSpec.from_structured_outputs(self.structured,
                                                                      "structured")
-        if as_flag(self.ignore_eos) is not None:
-            self.ignore_eos = as_flag(self.ignore_eos)
         # NumPy scalars (np.int64, np.float32, ...) count as the Python numbers they hold
-        for name in ("top_k", "max_tokens", "seed", "logprobs", "n"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if as_flag(getattr(self, name)) is not None:
+                setattr(self, name, as_flag(getattr(self, name)))
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.logit_bias, dict):  # JSON keys are strings: "50256": -100
+            self.logit_bias = {_token_key(k): (float(v) if isinstance(v, numbers.Real)
+                                               and not isinstance(v, bool) else v)
+                               for k, v in self.logit_bias.items()}
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
+                                   and not isinstance(t, bool) else t for t in self.stop_token_ids]
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "n", "min_tokens",
+                     "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
                 setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and type(value) not in (bool, int, float):
                 setattr(self, name, float(value))
@@ -93,9 +131,47 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or none), "
                                f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or "
+                               f"none), got {self.prompt_logprobs!r}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
                                f"prompt), got {self.n!r}")
+        number("repetition_penalty", self.repetition_penalty,
+               lambda v: as_float32(v) > 0 and v <= FLOAT32_MAX,
+               "a number > 0 that fits a float32 (1 means off)")
+        number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2,
+               "in [-2, 2] (0 means off)")
+        number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,
+               "in [-2, 2] (0 means off)")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
+                               f"biases, got {_preview(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if not _is_token_id(token):
+                raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                   f"{token!r}")
+            number(f"logit_bias of token {token}", bias,
+                   lambda v: -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE,
+                   f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer from 0 to max_tokens "
+                               f"({self.max_tokens}), got {self.min_tokens!r}")
+        if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_token_id(t) for t in self.stop_token_ids)):
+            raise RequestError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                               f"token ids (integers >= 0), got {_preview(self.stop_token_ids)}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip()
+                                                           for w in self.bad_words):
+            raise RequestError(f"bad_words must be a list of non-blank strings, got "
+                               f"{_preview(self.bad_words)}")
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise RequestError(f"structured must be a StructuredSpec or an object such as "
                                f"{{\"json\": schema}}, got {type(self.structured).__name__}")
@@ -103,6 +179,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the device keeps token counts for this request (a penalty is on)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     @classmethod
     def from_dict(cls, values: dict, defaults: dict | None = None) -> "SamplingParams":
@@ -115,6 +197,24 @@ class SamplingParams:
         merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
         merged.update(values)
         return cls(**merged)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
+def _token_key(key):
+    """A logit_bias key as a token id where it spells one ("50256" -> 50256)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    return key
+
+
+def _preview(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def model_samples(generation_config: dict) -> bool:

@@ -59,15 +59,15 @@ def time_kernel(cupy, sampling, rows: np.ndarray) -> dict:
         tokens = cupy.zeros(batch, np.int32)
         result[batch] = {}
         for name, (temperature, top_k, top_p) in CASES.items():
-            settings = (cupy.full(batch, temperature, np.float32), cupy.full(batch, top_k, np.int32),
-                        cupy.full(batch, top_p, np.float32), cupy.zeros(batch, np.float32),
-                        cupy.arange(batch, dtype=np.uint64), cupy.zeros(batch, np.int32))
+            settings = sampling.pack_settings(batch, temperature=temperature, top_k=top_k,
+                                              top_p=top_p, min_p=0.0,
+                                              seeds=np.arange(batch, dtype=np.uint64), steps=0)
             used, served = cupy.zeros(batch, np.int32), 0
             for view in views:
-                sampling.sample(view, *settings, tokens, used_slots=used)
+                sampling.sample_settings(view, settings, batch, tokens, used_slots=used)
                 served += int(used.sum())
             us = perf.graph_us_per_call(
-                cupy, lambda view: sampling.sample(view, *settings, tokens), views)
+                cupy, lambda view: sampling.sample_settings(view, settings, batch, tokens), views)
             result[batch][name] = (us, served)
     return result
 

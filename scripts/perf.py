@@ -238,12 +238,13 @@ def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_
     by_label = {}
     for label, call in recording.calls:
         by_label.setdefault(label, []).append(call)
-    settings = {name: cupy.asarray(value) for name, value in vars(greedy(num_seqs)).items()
-                if value is not None}  # num_logprobs: no row asks
+    staged = np.zeros(sampling_kernels.settings_bytes(num_seqs), np.uint8)
+    for name, view in sampling_kernels.settings_views(staged, num_seqs).items():
+        view[:] = greedy(num_seqs).row(name)
+    settings = cupy.asarray(staged)
     tokens = cupy.empty(num_seqs, np.int32)
-    by_label["sample"] = [lambda: sampling_kernels.sample(
-        logits, settings["temperature"], settings["top_k"], settings["top_p"],
-        settings["min_p"], settings["seeds"], settings["steps"], tokens)]
+    by_label["sample"] = [lambda: sampling_kernels.sample_settings(logits, settings, num_seqs,
+                                                                   tokens)]
     rows = {}
     for label, calls in by_label.items():
         rows[label] = {"calls": len(calls), "us_per_step": graph_ms(cupy, calls) * 1e3,

@@ -8,6 +8,7 @@ import httpx
 
 from cupy_llama.models import read_config
 from cupy_llama.engine.async_engine import ENGINE_STOPPED, EngineInfo, Rejected, _as_delta
+from cupy_llama.engine.output_processor import EngineDelta
 from cupy_llama.errors import RequestError
 from cupy_llama.server.app import ServerSettings, ServerState, create_app
 from cupy_llama.tokenizer import Tokenizer
@@ -62,7 +63,7 @@ class LocalEngine:
             top = [(1, -0.5), (2, -1.5)][:params.logprobs or 0]
             logprobs = None if params.logprobs is None else [(1, -0.5, top), (2, -1.5, top)]
             for index in range(params.n):
-                sink.put((request_id, index, "ab", [1, 2], "length", logprobs, 0, None))
+                sink.put(EngineDelta(request_id, index, "ab", [1, 2], "length", logprobs))
             return
         try:
             self.llm.engine.add_request(prompt, params, request_id=request_id, stream=stream)

@@ -163,7 +163,7 @@ def test_an_openai_batch_file_answers_as_serve_does(model_dir, server, tmp_path,
 def test_refused_bodies_get_the_server_s_status_and_message(model_dir, server, tmp_path):
     hi = [{"role": "user", "content": "hi"}]
     bodies = [
-        (CHAT, {"messages": hi, "presence_penalty": 0.5}),
+        (CHAT, {"messages": hi, "presence_penalty": 5}),
         (CHAT, {"messages": hi, "response_format": {"type": "json_schema",
                                                      "json_schema": {"name": "x"}}}),
         (CHAT, {"messages": hi, "structured_outputs": {"grammar": "start: nowhere"}}),
@@ -174,8 +174,8 @@ def test_refused_bodies_get_the_server_s_status_and_message(model_dir, server, t
         (CHAT, {"messages": hi, "top_logprobs": 2}),
         (CHAT, {"messages": hi, "max_tokens": 100000}),
         (CHAT, {"prompt": "no messages"}),
-        (COMPLETIONS, {"prompt": "x", "echo": True}),
-        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 1}}),
+        (COMPLETIONS, {"prompt": "x", "suffix": "y"}),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 500}}),
         (COMPLETIONS, {"prompt": "x", "logprobs": False}),
         (COMPLETIONS, {"prompt": [], "max_tokens": 2}),
         (COMPLETIONS, {"prompt": [99999], "max_tokens": 2}),

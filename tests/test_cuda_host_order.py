@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cupy_llama.interface import ForwardBatch, SamplingTensors
+from cupy_llama.interface import KERNEL_ROWS, ForwardBatch, SamplingTensors
 from cupy_llama.backends.cuda import graphs, ops
 from cupy_llama.backends.cuda import sampling as sampling_kernels
 from cupy_llama.backends.cuda.switches import KernelSwitches
@@ -131,11 +131,12 @@ def settings(step):
 def pipelined(fake, monkeypatch):
     """STEPS + 1 sampling steps driven as LLMEngine.step does: launch step k + 1, then read
     step k's tokens. Returns the log and, per read, (tokens, index of its last log entry)."""
-    def fake_sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens):
+    def fake_sample(logits, settings, capacity, out_tokens, counts=None):
         fake.add(Op(fake.current.name, "kernel", "sample"))
-        out_tokens[:] = steps  # reads the settings that reached the device buffer
+        # reads the settings that reached the device buffer
+        out_tokens[:] = sampling_kernels.settings_views(settings, capacity)["steps"][:len(out_tokens)]
 
-    monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
+    monkeypatch.setattr(sampling_kernels, "sample_settings", fake_sample)
     monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})  # the real __init__ else
     no_launch_attributes = KernelSwitches(programmatic=False, clusters=False)  # no device query
     cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
@@ -170,8 +171,9 @@ def test_settings_copy_kernel_and_token_copy_are_ordered_across_streams(pipeline
     copies, kernels, backs = (entries(log, what) for what in ("H2D", "kernel", "D2H"))
     for step, (copy, kernel, back) in enumerate(zip(copies, kernels, backs)):
         assert (log[copy].who, log[kernel].who, log[back].who) == ("copy", "step", "copy")
-        # per sequence: the 8-byte seed and six 4-byte fields
-        assert log[copy].detail == ("settings_host", "settings_device", 32 * MAX_SEQS)
+        # per sequence: each kernel row of SAMPLING_ROWS and a row that asks for logprobs
+        per_seq = sum(np.dtype(row.dtype).itemsize for row in KERNEL_ROWS) + 4
+        assert log[copy].detail == ("settings_host", "settings_device", per_seq * MAX_SEQS)
         if step:
             # the one device settings buffer is overwritten only after the last kernel that
             # read it: behind the last token copy, which waited for that kernel
@@ -208,6 +210,60 @@ def test_host_writes_the_settings_buffer_after_its_last_copy(pipelined):
             assert ordered(log, copies[step - 1], write)
 
 
+def test_slot_state_is_made_and_applied_on_the_step_stream_before_the_sampling_kernel(
+        fake, monkeypatch):
+    """A step with penalties: the reset kernel (which reads the last step's tokens on the
+    device) and the processing kernel run on the step stream after the settings copy and
+    before this step's sampling kernel, which overwrites those tokens and counts the kept
+    ones into the same state."""
+    from cupy_llama.interface import SlotReset
+    seen = {}
+
+    def fake_reset(state, resets, last_sampled):
+        fake.add(Op(fake.current.name, "kernel", "reset"))
+        seen["reset"] = (state, [r.slot for r in resets or ()], last_sampled.copy())
+
+    def fake_process(logits, settings, capacity, state):
+        fake.add(Op(fake.current.name, "kernel", "process"))
+        seen["process_slots"] = sampling_kernels.settings_views(settings, capacity)[
+            "state_slot"][:len(logits)].copy()
+
+    def fake_sample(logits, settings, capacity, out_tokens, counts=None):
+        fake.add(Op(fake.current.name, "kernel", "sample"))
+        seen["counts"] = counts
+        out_tokens[:] = 5
+
+    monkeypatch.setattr(sampling_kernels, "reset_state", fake_reset)
+    monkeypatch.setattr(sampling_kernels, "process_logits", fake_process)
+    monkeypatch.setattr(sampling_kernels, "sample_settings", fake_sample)
+    monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})
+    cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
+                           num_heads=2, head_dim=64, max_model_len=64,
+                           switches=KernelSwitches(programmatic=False, clusters=False))
+    cuda_ops._sampling_copied.name = "settings_copied"
+    logits = np.zeros((ROWS, 16), np.float32)
+    cuda_ops.sample_async(logits, settings(0)).get()  # a plain step: no state kernels
+    assert seen == {"counts": None} and cuda_ops._slot_state is None
+    penalized = settings(1)
+    penalized.state_slot = np.array([2, -1, 0], np.int32)
+    penalized.count_token = np.array([1, 0, 1], np.int32)
+    penalized.repetition_penalty = np.array([1.2, 1.0, 1.0], np.float32)
+    penalized.resets = [SlotReset(2, [1, 2], [-1], [], [])]
+    start = len(fake.log)
+    cuda_ops.sample_async(logits, penalized).get()
+    log = fake.log
+    kernels = [i for i in range(start, len(log)) if log[i].what == "kernel"]
+    assert [log[i].detail for i in kernels] == ["reset", "process", "sample"]
+    assert all(log[i].who == "step" for i in kernels)
+    copy = next(i for i in range(start, len(log)) if log[i].what == "H2D")
+    assert ordered(log, copy, kernels[0])  # the reset and processing read this step's settings
+    state, slots, last_sampled = seen["reset"]
+    assert slots == [2] and state is cuda_ops._slot_state
+    np.testing.assert_array_equal(last_sampled[:ROWS], [5] * ROWS)  # the last step's tokens
+    np.testing.assert_array_equal(seen["process_slots"], [2, -1, 0])
+    assert seen["counts"] is state.counts and state.counts.shape == (MAX_SEQS, 16)
+
+
 # ---- structured outputs: deferred rows drawn by CudaOps.sample_masked ------------------------
 DEFERRED_ROW = 1
 
@@ -218,14 +274,15 @@ def test_deferred_rows_are_drawn_before_the_token_copy_and_their_buffers_reused_
     step k's tokens, then draw step k + 1's deferred row): the first launch skips the row,
     the masked launch waits for its mask copies and writes it, the token copy follows the
     masked launch, and the host rewrites the bitmask buffer only after its last copy."""
-    def fake_sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens,
-                    bitmask=None, mask_rows=None):
+    def fake_sample(logits, settings, capacity, out_tokens, counts=None, bitmask=None,
+                    mask_rows=None):
         fake.add(Op(fake.current.name, "kernel", "masked" if bitmask is not None else "plain"))
+        steps = np.asarray(sampling_kernels.settings_views(settings, capacity)["steps"])
         rows = np.asarray(mask_rows)
         drawn = rows != sampling_kernels.MASK_SKIP
-        out_tokens[drawn] = np.asarray(steps)[drawn] + 1000 * (rows[drawn] >= 0)
+        out_tokens[drawn] = steps[:len(rows)][drawn] + 1000 * (rows[drawn] >= 0)
 
-    monkeypatch.setattr(sampling_kernels, "sample", fake_sample)
+    monkeypatch.setattr(sampling_kernels, "sample_settings", fake_sample)
     monkeypatch.setattr(ops, "device_limits", lambda: {"sms": 132})
     cuda_ops = ops.CudaOps(max_num_tokens=8, max_num_seqs=MAX_SEQS, max_blocks_per_seq=4,
                            num_heads=2, head_dim=64, max_model_len=64,

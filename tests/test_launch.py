@@ -145,20 +145,21 @@ def test_sampling_launcher_takes_its_slots_from_the_device_room(monkeypatch):
 
     class Kernel:
         def __call__(self, grid, block, args, shared_mem):
-            launched.append(int(args[9]))  # sampling.cu's `slots` argument
+            launched.append(int(args[5]))  # sampling.cu's `slots` argument
 
     monkeypatch.setattr(sampling, "check", lambda name, array, *a, **k: array)
     Kernel.shared_size_bytes = 7984  # SampleShared on sm_90
     monkeypatch.setattr(sampling, "get_kernel", lambda module, name: Kernel())
     monkeypatch.setattr(sampling, "opt_in_shared", lambda *a: None)
     rows = np.zeros((1, 8), np.float32)
-    settings = [np.zeros(1)] * 6
+    settings = np.zeros(sampling.settings_bytes(1), np.uint8)
     for shared, expected_room in ((227 * 1024, 27), (100 * 1024, 11)):
         monkeypatch.setattr(sampling, "device_limits", lambda: {"max_shared_per_block": shared})
         assert sampling.slot_room() == expected_room
         launched.clear()
         for slots in (None, 0, expected_room):
-            sampling.sample(rows, *settings, np.zeros(1, np.int32), slots=slots)
+            sampling.sample_settings(rows, settings, 1, np.zeros(1, np.int32), slots=slots)
         assert launched == [min(sampling.SLOTS, expected_room), 0, expected_room]
         with pytest.raises(ValueError, match=rf"\[0, {expected_room}\]"):
-            sampling.sample(rows, *settings, np.zeros(1, np.int32), slots=expected_room + 1)
+            sampling.sample_settings(rows, settings, 1, np.zeros(1, np.int32),
+                                     slots=expected_room + 1)

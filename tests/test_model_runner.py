@@ -6,6 +6,7 @@ finishes and aborts (so slots and blocks are reused), prefix-cache hits and fork
 (so blocks are shared), and compare every step's ForwardBatch and SamplingTensors with what
 a from-scratch rebuild gives."""
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -71,8 +72,27 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
 def random_params(rng: random.Random) -> tuple[SamplingParams, int]:
     params = SamplingParams(temperature=rng.choice([0.0, 0.6, 1.3]), top_k=rng.choice([0, 5, 50]),
                             top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
-                            max_tokens=rng.randint(1, 30))
+                            max_tokens=rng.randint(1, 30),
+                            frequency_penalty=rng.choice([0.0, 0.0, 0.5]),
+                            logit_bias=rng.choice([{}, {}, {3: 1.0}]))
     return params, rng.choice([0, 7, 2**63 + rng.randrange(2**62), 2**64 - 1])
+
+
+def check_slot_state(device_state, batch, tensors):
+    """Apply the step's resets to a model of the device state, then check that every row
+    with state reads its own output's counts, and that only rows that use a control have
+    state."""
+    for reset in tensors.resets or ():
+        assert all(t >= 0 for t in reset.output_token_ids)
+        device_state[reset.slot] = Counter(reset.output_token_ids)
+    for b, seq in enumerate(batch.seqs):
+        uses = seq.params.has_penalties or bool(seq.params.logit_bias)
+        slot = -1 if tensors.state_slot is None else int(tensors.state_slot[b])
+        assert slot == (seq.slot if uses else -1)
+        if uses and seq.params.has_penalties:
+            assert device_state[slot] == Counter(seq.output_token_ids), seq
+        if uses and tensors.count_token[b] == 0:
+            assert seq.num_computed_tokens + batch.num_new_tokens[b] < seq.num_tokens
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -85,6 +105,7 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
                           max_num_batched_tokens=rng.randint(max_num_seqs, 64), max_model_len=200)
     runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
     live, next_id, steps, reused, decode_steps = {}, 0, 0, 0, 0
+    device_state = {}  # slot -> Counter: what a backend keeps, from resets and kept tokens
     shared_prefix = [rng.randrange(1000) for _ in range(40)]
     for _ in range(300):
         if rng.random() < 0.3:
@@ -115,10 +136,14 @@ def test_step_inputs_equal_a_rebuild_through_preemption_and_slot_reuse(seed):
         decode_steps += batch.num_tokens == len(batch.seqs)  # the one-token-each batch
         assert_same_fields(runner.build_batch(batch), reference_batch(batch, block_size),
                            FORWARD_FIELDS)
-        assert_same_fields(runner.sampling_tensors(batch), reference_sampling(batch),
-                           SAMPLING_FIELDS)
-        for _, seq in scheduler.update_after_step(batch):
+        tensors = runner.sampling_tensors(batch)
+        assert_same_fields(tensors, reference_sampling(batch), SAMPLING_FIELDS)
+        check_slot_state(device_state, batch, tensors)
+        for row, seq in scheduler.update_after_step(batch):
             seq.output_token_ids.append(rng.randrange(1000))
+            if tensors.state_slot is not None and tensors.state_slot[row] >= 0:
+                assert tensors.count_token[row] == 1
+                device_state[seq.slot][seq.output_token_ids[-1]] += 1  # the kernel's count
             if len(seq.output_token_ids) >= seq.params.max_tokens or \
                     seq.num_tokens >= blocks.num_blocks * block_size:
                 scheduler.finish(live.pop((seq.request_id, seq.index)),

@@ -46,14 +46,36 @@ def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass(
                 "modalities": ["text"], "repetition_penalty": 1, "best_of": 1,
                 "skip_special_tokens": True, "parallel_tool_calls": False}
     parse(ChatCompletionRequest, {**chat, **harmless})
-    for name, value in (("frequency_penalty", 0.1), ("functions", [{"name": "f"}]),
-                        ("audio", {}), ("modalities", ["text", "audio"]), ("min_tokens", 3),
-                        ("stop_token_ids", [1]), ("web_search_options", {})):
+    for name, value in (("functions", [{"name": "f"}]), ("audio", {}),
+                        ("modalities", ["text", "audio"]), ("web_search_options", {})):
         e = error_of(ChatCompletionRequest, {**chat, name: value})
         assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter"), name
         assert e.message.startswith(f"{name} is not supported")
-    for name, value in (("echo", True), ("suffix", "end"), ("best_of", 3)):
+    for name, value in (("suffix", "end"), ("best_of", 0)):
         assert error_of(CompletionRequest, {"prompt": "x", name: value}).param == name
+
+
+def test_sampling_controls_reach_sampling_params_and_bad_values_name_the_field(llm):
+    defaults = model_sampling_defaults(llm.config.generation_config)
+    controls = {"frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.1,
+                "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 2, "stop_token_ids": [3],
+                "include_stop_str_in_output": True, "skip_special_tokens": False,
+                "spaces_between_special_tokens": False, "bad_words": ["a"]}
+    for model, base in ((CompletionRequest, {"prompt": "x"}),
+                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})):
+        params = parse(model, {**base, **controls}).sampling_params(5, 100, defaults)
+        assert params.logit_bias == {7: -100.0, 9: 2.5}
+        for name, value in controls.items():
+            if name != "logit_bias":
+                assert getattr(params, name) == value, name
+        nulls = parse(model, {**base, **{name: None for name in controls}})
+        assert nulls.sampling_params(5, 100, defaults) == SamplingParams(
+            **{**defaults, "max_tokens": 16 if model is CompletionRequest else 95})
+        for name, value in (("frequency_penalty", 3), ("logit_bias", {"1": 200}),
+                            ("min_tokens", 1000), ("stop_token_ids", ["a"])):
+            e = pytest.raises(APIError, parse(model, {**base, name: value}).sampling_params,
+                              5, 100, defaults).value
+            assert (e.status, e.param) == (400, name) and name in e.message, name
 
 
 def test_prompts_and_sampling_params(llm):
@@ -173,9 +195,10 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     async def go():
         job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
         for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
-            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None))
-        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None))
+            job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None,
+                          None))
+        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None, None))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None))
         updates = await job.next_updates()
         return job, updates
 

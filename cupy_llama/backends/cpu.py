@@ -88,10 +88,11 @@ class CpuBackend:
         """Drop the weights and the KV cache (the backend cannot run afterwards)."""
         self.weights, self.kv_caches = {}, []
 
-    def forward(self, batch):
-        """One step of the model (models/decoder.py); logits [B, V] float32."""
+    def forward(self, batch, prompt=None):
+        """One step of the model (models/decoder.py); logits [B, V] float32. prompt: an
+        interface.PromptLogprobRequest to fill, or None."""
         self.fill_new_blocks(batch.block_tables)
-        return self.model.forward(self, batch)
+        return self.model.forward(self, batch, prompt)
 
     def fill_new_blocks(self, block_tables: np.ndarray) -> None:
         """Fill with NaN the blocks of these tables that no step has named before."""

@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from ..interface import Fp8Weight, ForwardBatch, Logprobs, SampledTokens, SamplingTensors, SublayerOps
+from ..interface import (Fp8Weight, ForwardBatch, Logprobs, SampledTokens, SamplingTensors,
+                         SlotReset, SublayerOps)
 from ..structured import apply_token_bitmask
 
 
@@ -119,18 +120,31 @@ class NumpyOps(SublayerOps):
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
 
+    def device_array(self, host):
+        return np.asarray(host)
+
+    def token_logprobs(self, logits, targets, k, values, ids):
+        result = logprobs(logits, np.asarray(targets), np.arange(logits.shape[0]), k)
+        values[...] = result.values
+        ids[...] = result.ids
+
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
     def sample_async(self, logits, sampling: SamplingTensors) -> "SampledTokens":
         """The CPU computes synchronously: the tokens are ready when this returns (those of
-        deferred rows once sample_masked has drawn them)."""
+        deferred rows once sample_masked has drawn them). Rows with device state
+        (sampling.state_slot) have their logits processed in place first (penalized_logits),
+        and their kept tokens counted after."""
+        if sampling.processes_logits:
+            self._process_logits(logits, sampling)
         tokens = np.argmax(logits, axis=-1).astype(np.int32)
         sampled = sampling.temperature > 0
         if sampling.deferred is not None:
             sampled &= ~sampling.deferred
         for b in np.flatnonzero(sampled):
             tokens[b] = draw(logits[b], sampling, b)
+        self._count_kept(tokens, sampling, None if sampling.deferred is None else ~sampling.deferred)
         self._last_sampled = tokens
         if sampling.deferred is not None and sampling.deferred.any():
             pending = SampledTokens(tokens)
@@ -147,8 +161,42 @@ class NumpyOps(SublayerOps):
         apply_token_bitmask(masked, bitmask[:rows.size])
         for i, b in enumerate(rows):
             tokens[b] = draw(masked[i], sampling, b)
+        drawn = np.zeros(tokens.shape[0], bool)
+        drawn[rows] = True
+        self._count_kept(tokens, sampling, drawn)
         asked, k = sampling.logprob_rows()
         pending.set_logprobs(logprobs(logits, tokens, asked, k) if asked.size else None)
+
+    def _process_logits(self, logits, sampling: SamplingTensors) -> None:
+        """Rebuild the slots sampling.resets names, then apply each state row's biases,
+        bans and penalties to its logits (in place)."""
+        if not hasattr(self, "_state"):
+            self._state = {}
+        vocab = logits.shape[1]
+        for reset in sampling.resets or ():
+            self._state[reset.slot] = SlotState.made(reset, vocab, self._last_sampled)
+        steps, min_tokens = sampling.row("steps"), sampling.row("min_tokens")
+        num_biases, num_min_bans = sampling.row("num_biases"), sampling.row("num_min_bans")
+        for b in np.flatnonzero(sampling.state_slot >= 0).tolist():
+            state = self._state[int(sampling.state_slot[b])]
+            count = num_biases[b] + (num_min_bans[b] if steps[b] < min_tokens[b] else 0)
+            logits[b] = penalized_logits(
+                logits[b], state.prompt_seen, state.counts,
+                float(sampling.row("repetition_penalty")[b]),
+                float(sampling.row("frequency_penalty")[b]),
+                float(sampling.row("presence_penalty")[b]),
+                state.bias_ids[:count], state.bias_values[:count])
+
+    def _count_kept(self, tokens, sampling: SamplingTensors, drawn=None) -> None:
+        """Add each kept token (count_token) to its slot's counts; drawn: the rows whose
+        tokens this call drew (None: all)."""
+        if not sampling.processes_logits:
+            return
+        kept = sampling.row("count_token") != 0
+        if drawn is not None:
+            kept &= drawn
+        for b in np.flatnonzero(kept).tolist():
+            self._state[int(sampling.state_slot[b])].counts[tokens[b]] += 1
 
 
 def draw(logits_row, sampling: SamplingTensors, b: int) -> int:
@@ -161,6 +209,42 @@ def draw(logits_row, sampling: SamplingTensors, b: int) -> int:
                            float(sampling.top_p[b]), float(sampling.min_p[b]))
     rng = np.random.default_rng([int(sampling.seeds[b]), int(sampling.steps[b])])
     return int(rng.choice(probs.shape[0], p=probs))
+
+
+class SlotState:
+    """A slot's penalty state on the CPU (interface.SlotReset)."""
+
+    def __init__(self, prompt_seen, counts, bias_ids, bias_values):
+        self.prompt_seen, self.counts = prompt_seen, counts
+        self.bias_ids, self.bias_values = bias_ids, bias_values
+
+    @classmethod
+    def made(cls, reset: SlotReset, vocab: int, last_sampled: np.ndarray) -> "SlotState":
+        prompt_seen = np.zeros(vocab, bool)
+        prompt_seen[np.asarray(reset.prompt_token_ids, np.int64)] = True
+        output = np.asarray(reset.output_token_ids, np.int64)
+        pending = output < 0  # the token the last sampling call picked for row -id - 1
+        output[pending] = last_sampled[-output[pending] - 1]
+        counts = np.bincount(output, minlength=vocab).astype(np.int32)
+        return cls(prompt_seen, counts, np.asarray(reset.bias_ids, np.int64),
+                   np.asarray(reset.bias_values, np.float32))
+
+
+def penalized_logits(logits, prompt_seen, counts, repetition: float, frequency: float,
+                     presence: float, bias_ids, bias_values) -> np.ndarray:
+    """One row's logits [V] after its bias entries (added; -inf bans), then the penalties,
+    in float32 as vLLM applies them: repetition divides a positive logit (multiplies a
+    negative one) of each token in the prompt or the output, then frequency * count and
+    presence * (count > 0) of the output are subtracted."""
+    x = np.asarray(logits, np.float32).copy()
+    x[bias_ids] += np.asarray(bias_values, np.float32)
+    counts = np.asarray(counts)
+    seen = np.asarray(prompt_seen, bool) | (counts > 0)
+    p = np.float32(repetition)
+    x = np.where(seen, np.where(x > 0, x / p, x * p), x).astype(np.float32)
+    penalty = np.float32(frequency) * counts.astype(np.float32) + \
+        np.float32(presence) * (counts > 0).astype(np.float32)
+    return (x - penalty).astype(np.float32)
 
 
 def logprobs(logits, tokens, rows: np.ndarray, k: int) -> Logprobs:

@@ -489,7 +489,8 @@ class _Runner:
                                                 self.engine.context_limit, self.model_defaults)
             engine_ids = [f"{index}-{i}" for i in range(len(prompts))]
             self._start(_Line(index, request, api, engine_ids,
-                              [[None] * api.n for _ in prompts], len(prompts) * api.n,
+                              [[None] * api.samples_per_prompt for _ in prompts],
+                              len(prompts) * api.samples_per_prompt,
                               created=int(time.time())), prompts, params)
         except protocol.APIError as e:
             return protocol.batch_error_output(request.id, e)

@@ -26,7 +26,8 @@ HELP = """\
 /clear                forget the conversation (the system prompt stays)
 /retry                answer the last message again; the new reply replaces the old one
 /system TEXT          set the system prompt (/system alone removes it)
-/set NAME VALUE       change a setting: temperature, top_p, top_k, min_p, max_tokens, seed
+/set NAME VALUE       change a setting: temperature, top_p, top_k, min_p, max_tokens, seed,
+                      repetition_penalty, frequency_penalty, presence_penalty, min_tokens
 /set                  show the settings
 /stats                token counts and speed of this session
 /save FILE            write the conversation to FILE as JSON (OpenAI-style messages)
@@ -39,7 +40,8 @@ When a message would not fit the context, the oldest turns are dropped to make r
 
 # /set NAME -> how its value is read
 SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-            "max_tokens": int, "seed": int}
+            "max_tokens": int, "seed": int, "repetition_penalty": float,
+            "frequency_penalty": float, "presence_penalty": float, "min_tokens": int}
 MULTILINE = '"""'
 # A reply gets room for max_tokens, or for a quarter of the context when max_tokens is
 # larger; older turns are dropped until the conversation leaves that much.

@@ -56,7 +56,9 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     a message), else plain text; --raw sends plain text always.
     .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
-    top_k, min_p, max_tokens, seed, stop, ignore_eos) overriding the command line's.
+    top_k, min_p, max_tokens, seed, stop, ignore_eos, repetition_penalty,
+    frequency_penalty, presence_penalty, logit_bias, min_tokens, stop_token_ids, ...: any
+    of SamplingParams') overriding the command line's.
     Files may start with a UTF-8 BOM and use CRLF line ends.
 
     \b
@@ -173,10 +175,13 @@ def _options_path(output_path: str) -> Path:
 
 
 def _run_options(model_dir, format: str, raw: bool, defaults: dict) -> dict:
-    """The options that decide a run's results, by flag: a --resume must give the same."""
-    return {"--model": str(Path(model_dir).resolve()) if model_dir else None,
-            "--format": format, "--raw": raw,
-            **{"--" + name.replace("_", "-"): value for name, value in sorted(defaults.items())}}
+    """The options that decide a run's results, by flag: a --resume must give the same.
+    As JSON reads them back (--logit-bias's token ids as strings), so a run compares equal
+    to the file the first one wrote."""
+    return json.loads(json.dumps({
+        "--model": str(Path(model_dir).resolve()) if model_dir else None,
+        "--format": format, "--raw": raw,
+        **{"--" + name.replace("_", "-"): value for name, value in sorted(defaults.items())}}))
 
 
 def _check_same_options(output_path: str, run_options: dict) -> None:

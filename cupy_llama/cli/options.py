@@ -40,6 +40,18 @@ device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="auto", show_default=True,
     help="Where to run: the GPU when usable (auto), the NumPy backend (cpu) or the GPU (cuda).")
 
+def _logit_bias(ctx, param, values) -> dict | None:
+    """--logit-bias ID=BIAS, repeated: {id: bias} (None when not given)."""
+    bias = {}
+    for value in values:
+        token, _, number = value.partition("=")
+        try:
+            bias[int(token)] = float(number)
+        except ValueError:
+            raise click.BadParameter(f"expected ID=BIAS such as 50256=-100, got {value!r}") from None
+    return bias or None
+
+
 sampling_options = _options(
     click.option("--temperature", type=float, help="0 means greedy (default: the model's "
                  "generation_config.json where it says do_sample, else greedy)."),
@@ -48,7 +60,17 @@ sampling_options = _options(
     click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
     click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: "
                  f"{CHAT_MAX_TOKENS} in chat, 256 in generate)."),
-    click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."))
+    click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."),
+    click.option("--repetition-penalty", type=float, help="Divide the logits of tokens seen "
+                 "in the prompt or the reply (> 0; 1: off; vLLM's)."),
+    click.option("--frequency-penalty", type=float, help="Subtract this times each token's "
+                 "count in the reply from its logit ([-2, 2]; 0: off)."),
+    click.option("--presence-penalty", type=float, help="Subtract this from the logit of "
+                 "every token already in the reply ([-2, 2]; 0: off)."),
+    click.option("--min-tokens", type=int, help="Hold end-of-sequence and stop tokens off "
+                 "until the reply has this many tokens."),
+    click.option("--logit-bias", multiple=True, metavar="ID=BIAS", callback=_logit_bias,
+                 help="Add BIAS ([-100, 100]) to token ID's logit (repeatable)."))
 
 engine_options = _options(
     click.option("--max-model-len", type=int, help="Context limit in tokens (default: the "
@@ -67,7 +89,8 @@ engine_options = _options(
                  "their memory, faster decode (default: the checkpoint's own format)."))
 
 SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop",
-                  "ignore_eos")
+                  "ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                  "min_tokens", "logit_bias")
 ENGINE_NAMES = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
                 "gpu_memory_utilization", "enable_prefix_caching", "quantization")
 

@@ -136,7 +136,9 @@ class BlockManager:
         depend only on the tokens up to its end, the same for both). Nothing is taken yet:
         `allocate` does."""
         reused = []
-        if self.enable_caching:
+        # a prompt whose log-probabilities are asked is computed whole: they need the
+        # hidden state at every position, which a cached block does not keep
+        if self.enable_caching and seq.params.prompt_logprobs is None:
             for digest in self.hashes(seq):
                 block = self.cached.get(digest)
                 if block is None:

@@ -12,7 +12,7 @@ from typing import Iterator
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
 from ..outputs import RequestOutput, is_token_id
-from ..sampling import SamplingParams
+from ..sampling import MAX_BANNED_TOKENS, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
@@ -31,7 +31,7 @@ class _Sample:
         # text=False: the caller makes the text from the token ids and matches the stop
         # strings (serve's server process); a sample with stop strings then sends every
         # step's tokens, streamed or not, and ends at a stop string when the caller says
-        self.text = (SampleText(tokenizer, seq.params.stop, stream or bool(seq.params.stop))
+        self.text = (SampleText(tokenizer, seq.params, stream or bool(seq.params.stop))
                      if text else None)
         self.stream = stream or (not text and bool(seq.params.stop))  # a delta every step
         self.num_sent_tokens = 0
@@ -43,6 +43,11 @@ class _Sample:
         self.finish_reason: str | None = None
         # (token id, logprob, top) per resolved token not in a delta yet, where asked
         self.logprobs: list | None = [] if seq.params.logprobs is not None else None
+        # the prompt's (SamplingParams.prompt_logprobs), filled by sample 0 as its prompt is
+        # computed: None for the first token, then one per scored token
+        self.prompt_logprobs: list | None = None if seq.params.prompt_logprobs is None else [None]
+        self.prompt_source = self  # the sample that computes them (sample 0)
+        self.prompt_logprobs_sent = False  # in a delta already
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
         # scheduled it, and had its first and last token
         self.added_at = time.monotonic()
@@ -65,9 +70,31 @@ class _Sample:
             self.logprobs = []
         times = None if self.finish_reason is None else (
             self.added_at, self.scheduled_at, self.first_token_at, self.last_token_at)
+        prompt = None
+        if not self.prompt_logprobs_sent:
+            prompt = self.complete_prompt_logprobs()
+            self.prompt_logprobs_sent = prompt is not None
         return _new_tuple(EngineDelta, (
             seq.request_id, seq.index, text, token_ids, self.finish_reason, logprobs,
-            max(0, seq.num_cached_tokens), times))
+            max(0, seq.num_cached_tokens), times, prompt))
+
+    def complete_prompt_logprobs(self) -> list | None:
+        """The prompt's log-probabilities once every prompt token is scored, else None."""
+        scored = self.prompt_source.prompt_logprobs
+        if scored is None or len(scored) < self.seq.num_prompt_tokens:
+            return None
+        return scored
+
+    def add_prompt_logprobs(self, first: int, values, ids) -> None:
+        """Scores of prompt tokens first, first + 1, ... (rows of values and ids: the token's
+        then the top k's); those it has already (a recomputed prompt) are kept."""
+        k = self.seq.params.prompt_logprobs
+        scored = self.prompt_logprobs
+        for j in range(max(0, len(scored) - first), values.shape[0]):
+            row_ids, row_values = ids[j].tolist(), values[j].tolist()
+            # (token id, logprob, top) as the deltas carry them (RequestOutput: TokenLogprob)
+            scored.append((row_ids[0], row_values[0],
+                           list(zip(row_ids[1:1 + k], row_values[1:1 + k]))))
 
 
 @dataclass(frozen=True)
@@ -115,6 +142,7 @@ class LLMEngine:
         # config.json + generation_config.json, plus the end-of-turn tokens of the template
         self.eos_token_ids = set(model_config.eos_token_ids) | set(
             getattr(tokenizer, "eos_token_ids", ()))
+        self.runner.slots.eos_token_ids = tuple(sorted(self.eos_token_ids))  # min_tokens' bans
         # request id -> its n samples, until every one has finished
         self.requests: dict[str, list[_Sample]] = {}
         self._in_flight: _Launched | None = None  # the step whose tokens are still coming
@@ -233,20 +261,42 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         grammar = None if params.structured is None else self.compile_structured(params.structured)
+        banned = self.bad_word_ids(params.bad_words)
         samples, parent = [], None
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
+            seq.banned_token_ids = banned
             parent = parent or seq
             self.scheduler.add(seq)
             # each sample follows the grammar on its own: a fresh matcher each
             matcher = None if grammar is None else grammar.matcher()
             samples.append(_Sample(seq, self.tokenizer, stream, text, matcher))
+            samples[-1].prompt_source = samples[0]
         self.requests[request_id] = samples
         self._num_unscheduled += len(samples)
         if self.outputs is not None:
             self.outputs.add(request_id, prompt_ids, params.n)
         return request_id
+
+    def bad_word_ids(self, bad_words: list[str]) -> list[int]:
+        """The tokens bad_words ban: each word's spellings alone and after a space (vLLM's
+        two) that are one token each. The device bans single tokens only: a word with no
+        one-token spelling is refused."""
+        banned = set()
+        for word in bad_words:
+            spellings = [self.tokenizer.encode(text, add_special_tokens=False)
+                         for text in dict.fromkeys((word, " " + word.lstrip()))]
+            single = [ids[0] for ids in spellings if len(ids) == 1]
+            if not single:
+                raise RequestError(f"bad_words holds {word!r}, {min(map(len, spellings))} "
+                                   "tokens however it is spelled; only words of one token "
+                                   "can be banned")
+            banned.update(single)
+        if len(banned) > MAX_BANNED_TOKENS:
+            raise RequestError(f"bad_words ban {len(banned)} tokens; at most "
+                               f"{MAX_BANNED_TOKENS}")
+        return sorted(banned)
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -425,6 +475,10 @@ class LLMEngine:
         interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
         now = time.monotonic()  # when these tokens are known
+        prompt = getattr(launched.sampled, "prompt_logprobs", None)
+        if prompt is not None:
+            launched.sampled.prompt_logprobs = None  # taken once (an interrupted step)
+            self._take_prompt_logprobs(prompt)
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
         while waiting_for:
@@ -444,6 +498,17 @@ class LLMEngine:
                 deltas.append(sample.delta())
         self._unhandled = None
         return deltas
+
+    def _take_prompt_logprobs(self, prompt) -> None:
+        values, ids = prompt.host()
+        offset = 0
+        for seq, first, count in prompt.spans:
+            samples = self.requests.get(seq.request_id)
+            sample = samples[seq.index] if samples and seq.index < len(samples) else None
+            if sample is not None and sample.seq is seq:
+                sample.add_prompt_logprobs(first, values[offset:offset + count],
+                                           ids[offset:offset + count])
+            offset += count
 
     def _append_token(self, sample: _Sample, index: int, token_id: int) -> bool:
         """Output token `index` of the sample is now known: apply the stopping rules.

@@ -8,31 +8,71 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interface import ForwardBatch, SamplingTensors
+from ..interface import (MAX_BIAS_ENTRIES, SAMPLING_ROWS, ForwardBatch, PromptLogprobRequest,
+                         SamplingTensors, SlotReset)
 from ..config import ModelConfig
 from ..util import cdiv
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
+# SAMPLING_ROWS kept per slot, and where a sequence's value of each comes from (where it is
+# not the SamplingParams field of the same name)
+REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
+ROW_SOURCES = {
+    "seeds": lambda seq, entries: seq.seed,
+    "deferred": lambda seq, entries: seq.params.structured is not None,
+    "num_logprobs": lambda seq, entries: -1 if seq.params.logprobs is None else seq.params.logprobs,
+    "num_biases": lambda seq, entries: entries[2],
+    "num_min_bans": lambda seq, entries: entries[3],
+}
+
+
+def row_value(name: str, seq: Sequence, entries):
+    source = ROW_SOURCES.get(name)
+    return source(seq, entries) if source else getattr(seq.params, name)
+
+
+def bias_entries(seq: Sequence, eos_token_ids) -> tuple[list, list, int, int]:
+    """(ids, values, num_biases, num_min_bans): the sequence's logit_bias and bans (its
+    banned_token_ids: bad words), one entry per token, a ban over a bias; then the tokens
+    banned until min_tokens (EOS, unless ignore_eos, and stop_token_ids)."""
+    params = seq.params
+    always = dict(params.logit_bias)
+    for token in getattr(seq, "banned_token_ids", ()):
+        always[token] = float("-inf")
+    until_min = []
+    if params.min_tokens:
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_token_ids))
+        until_min = sorted(set(stops))
+    ids = list(always) + until_min
+    if len(ids) > MAX_BIAS_ENTRIES:  # SamplingParams' limits keep this from happening
+        raise ValueError(f"{len(ids)} bias entries, at most {MAX_BIAS_ENTRIES}")
+    values = list(always.values()) + [float("-inf")] * len(until_min)
+    return ids, values, len(always), len(until_min)
+
+
 class SlotTables:
     """Per-slot host rows: block tables ([slots, blocks] int32, unused entries -1) and
-    sampling settings. Grown on demand."""
+    sampling settings (one array per "request" row of SAMPLING_ROWS, an attribute of the
+    row's name). Grown on demand."""
 
-    def __init__(self):
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)  # banned until min_tokens
         self.block_tables = np.full((0, 0), -1, np.int32)
         # the block_table list each row copies and how many of its entries it holds (a list
         # only grows until BlockManager.free replaces it, so this says what is new)
         self._table_source: list[list[int] | None] = []
         self._table_length: list[int] = []
         self._sampling_owner: list[Sequence | None] = []
-        self.temperature = np.zeros(0, np.float32)
-        self.top_k = np.zeros(0, np.int32)
-        self.top_p = np.zeros(0, np.float32)
-        self.min_p = np.zeros(0, np.float32)
-        self.seeds = np.zeros(0, np.uint64)
-        self.num_logprobs = np.zeros(0, np.int32)  # -1: none asked
-        self.constrained = np.zeros(0, bool)  # a structured output: drawn under a bitmask
+        # the device state of each slot (interface.SlotReset): whether its sequence uses it,
+        # its bias entries, and the sequence and preemption count it was made for (a
+        # sequence readmitted after preemption recounts: a dropped token may be counted)
+        self.uses_state = np.zeros(0, bool)
+        self._entries: list = []
+        self._state_made_for: list = []
+        for row in REQUEST_ROWS:
+            setattr(self, row.name, np.zeros(0, row.dtype))
 
     def _grow(self, num_slots: int, num_blocks: int) -> None:
         """Room for slots [0, num_slots) and num_blocks blocks per row (at least doubling
@@ -49,10 +89,12 @@ class SlotTables:
             self._table_source += [None] * new
             self._table_length += [0] * new
             self._sampling_owner += [None] * new
-            for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "num_logprobs",
-                         "constrained"):
-                old = getattr(self, name)
-                setattr(self, name, np.concatenate([old, np.zeros(new, old.dtype)]))
+            self._entries += [None] * new
+            self._state_made_for += [None] * new
+            self.uses_state = np.concatenate([self.uses_state, np.zeros(new, bool)])
+            for row in REQUEST_ROWS:
+                old = getattr(self, row.name)
+                setattr(self, row.name, np.concatenate([old, np.full(new, row.default, row.dtype)]))
 
     def update_block_table(self, seq: Sequence) -> None:
         """Make seq's row equal its block table, copying only what changed."""
@@ -69,17 +111,27 @@ class SlotTables:
         self._table_length[slot] = len(table)
 
     def update_sampling(self, seq: Sequence) -> None:
-        slot, params = seq.slot, seq.params
+        slot = seq.slot
         if slot >= len(self._sampling_owner):
             self._grow(slot + 1, 0)
-        self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k
-        self.top_p[slot] = params.top_p
-        self.min_p[slot] = params.min_p
-        self.seeds[slot] = seq.seed
-        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self.constrained[slot] = params.structured is not None
+        entries = bias_entries(seq, self.eos_token_ids)
+        for row in REQUEST_ROWS:
+            getattr(self, row.name)[slot] = row_value(row.name, seq, entries)
+        self._entries[slot] = entries
+        self.uses_state[slot] = seq.params.has_penalties or bool(entries[0])
         self._sampling_owner[slot] = seq
+
+    def state_reset(self, seq: Sequence) -> SlotReset | None:
+        """The reset seq's slot needs before this step samples (None: its state is current)."""
+        slot = seq.slot
+        made_for = self._state_made_for[slot]
+        if made_for is not None and made_for[0] is seq and made_for[1] == seq.num_preemptions:
+            return None
+        self._state_made_for[slot] = (seq, seq.num_preemptions)
+        counted = seq.params.has_penalties
+        ids, values, _, _ = self._entries[slot]
+        return SlotReset(slot, seq.prompt_token_ids if counted else [],
+                         list(seq.output_token_ids) if counted else [], ids, values)
 
     def block_table_is_current(self, seq: Sequence) -> bool:
         slot = seq.slot
@@ -95,7 +147,7 @@ class ModelRunner:
         self.config = config
         self.backend = backend
         self.block_size = backend.block_size
-        self.slots = SlotTables()
+        self.slots = SlotTables(getattr(config, "eos_token_ids", None) or ())
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         seqs = batch.seqs
@@ -177,21 +229,62 @@ class ModelRunner:
             # (preempted) sequence draws the same random numbers again
             steps.append(len(seq.output_token_ids))
         rows = np.array(rows, dtype=np.intp)
-        num_logprobs = slots.num_logprobs[rows]
-        deferred = slots.constrained[rows]
-        return SamplingTensors(
-            temperature=slots.temperature[rows], top_k=slots.top_k[rows],
-            top_p=slots.top_p[rows], min_p=slots.min_p[rows], seeds=slots.seeds[rows],
-            steps=np.array(steps, dtype=np.int32),
-            num_logprobs=num_logprobs if num_logprobs.max(initial=-1) >= 0 else None,
-            deferred=deferred if deferred.any() else None)
+        settings = {"steps": np.array(steps, dtype=np.int32)}
+        uses_state = slots.uses_state[rows]
+        if uses_state.any():
+            settings["state_slot"] = np.where(uses_state, rows, -1).astype(np.int32)
+            count_token = np.zeros(len(rows), np.int32)
+            resets = []
+            for b in np.flatnonzero(uses_state).tolist():
+                seq, n = batch.seqs[b], batch.num_new_tokens[b]
+                reset = slots.state_reset(seq)
+                if reset is not None:
+                    resets.append(reset)
+                # the token is kept (and counted) where the step computes every known token
+                count_token[b] = seq.num_computed_tokens + n >= seq.num_tokens
+            settings["count_token"] = count_token
+            settings["resets"] = resets or None
+        for row in REQUEST_ROWS:
+            column = getattr(slots, row.name)[rows]
+            # a control no row of the step uses stays None (the backends skip it)
+            optional = SamplingTensors.__dataclass_fields__[row.name].default is None
+            settings[row.name] = None if optional and np.all(column == row.neutral) else column
+        return SamplingTensors(**settings)
+
+    def prompt_logprob_request(self, batch: ScheduledBatch) -> PromptLogprobRequest | None:
+        """The prompt positions of this step whose next-token log-probabilities are asked
+        (sample 0 of a request with prompt_logprobs computes them; its other samples fork
+        from its blocks). None where no sequence asks. `spans` says which rows are whose:
+        (seq, first prompt token scored, count)."""
+        rows, targets, spans, k, first_row = [], [], [], 0, 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            wanted = seq.params.prompt_logprobs
+            # the token at position p scores prompt token p + 1
+            stop = min(start + n, seq.num_prompt_tokens - 1)
+            if wanted is not None and seq.index == 0 and start < stop:
+                rows += range(first_row, first_row + stop - start)
+                targets += seq.prompt_token_ids[start + 1:stop + 1]
+                spans.append((seq, start + 1, stop - start))
+                k = max(k, wanted)
+            first_row += n
+        if not rows:
+            return None
+        return PromptLogprobRequest(np.array(rows, np.int32), np.array(targets, np.int32), k,
+                                    spans=spans)
 
     def run(self, batch: ScheduledBatch):
         """Queue one forward pass and the sampling of a token for every scheduled sequence
         (the caller keeps only those of sequences whose prompt is fully computed). Returns
         at once with a handle whose get() waits for the tokens (interface.py
-        SampledTokens). Token ids -(r + 1) in the sequences are the previous step's row r.
+        SampledTokens), and whose prompt_logprobs holds the step's prompt log-probabilities
+        where it has some. Token ids -(r + 1) in the sequences are the previous step's row r.
         Rows of constrained sequences are deferred: the engine draws them with
         Ops.sample_masked once their masks are filled."""
-        logits = self.backend.forward(self.build_batch(batch))
-        return self.backend.ops.sample_async(logits, self.sampling_tensors(batch))
+        prompt = self.prompt_logprob_request(batch)
+        forward_batch = self.build_batch(batch)
+        logits = (self.backend.forward(forward_batch) if prompt is None
+                  else self.backend.forward(forward_batch, prompt))
+        sampled = self.backend.ops.sample_async(logits, self.sampling_tensors(batch))
+        sampled.prompt_logprobs = prompt
+        return sampled

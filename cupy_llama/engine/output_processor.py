@@ -34,12 +34,16 @@ class EngineDelta(tuple):
     # on the last delta: RequestTimes' fields as a tuple (taken in, first scheduled, first
     # token, last token); else None
     times: tuple | None = property(itemgetter(7))
+    # once, on the first delta after the whole prompt is scored, where the request asked
+    # (SamplingParams.prompt_logprobs): RequestOutput.prompt_logprobs; else None
+    prompt_logprobs: list | None = property(itemgetter(8))
 
     def __new__(cls, request_id: str, index: int, text: str, token_ids: list[int],
                 finish_reason: str | None = None, logprobs: list | None = None,
-                num_cached_tokens: int = 0, times: tuple | None = None):
+                num_cached_tokens: int = 0, times: tuple | None = None,
+                prompt_logprobs: list | None = None):
         return tuple.__new__(cls, (request_id, index, text, token_ids, finish_reason,
-                                   logprobs, num_cached_tokens, times))
+                                   logprobs, num_cached_tokens, times, prompt_logprobs))
 
     @classmethod
     def of(cls, fields: tuple) -> "EngineDelta":
@@ -53,12 +57,15 @@ class EngineDelta(tuple):
 
 def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens: int,
                 eos_token_ids, context_limit: int) -> SequenceStatus | None:
-    """Why a sequence ends at its latest token, or None: EOS (unless ignore_eos) stops it,
-    max_tokens or the context limit end it for length. token_id None: the token is not
-    known yet (a step launching it): only the lengths decide, and a sequence they end has
-    nothing left to schedule. Stop strings are text and decided where the text is made
-    (SampleText: in the engine, or in serve's server process)."""
-    if token_id is not None and token_id in eos_token_ids and not params.ignore_eos:
+    """Why a sequence ends at its latest token, or None: EOS (unless ignore_eos) and
+    stop_token_ids stop it once it has min_tokens (before, the device bans them), max_tokens
+    or the context limit end it for length. token_id None: the token is not known yet (a
+    step launching it): only the lengths decide, and a sequence they end has nothing left
+    to schedule. Stop strings are text and decided where the text is made (SampleText: in
+    the engine, or in serve's server process)."""
+    if token_id is not None and num_output_tokens > params.min_tokens and (
+            (token_id in eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids):
         return _STOPPED
     if num_output_tokens >= params.max_tokens or num_tokens >= context_limit:
         return _LENGTH
@@ -82,12 +89,17 @@ class SampleText:
     detokenizer's deltas concatenate to the one-shot decode). The engine keeps one per
     sample; with serve, the server process does (AsyncEngine), off the step loop."""
     __slots__ = ("tokenizer", "detokenizer", "stops", "vocab_size", "hold_back", "unsent",
-                 "tail")
+                 "tail", "skip_special_tokens", "min_tokens", "include_stop", "num_tokens")
 
-    def __init__(self, tokenizer, stops, incremental: bool):
+    def __init__(self, tokenizer, params, incremental: bool):
         self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, checked=False) if incremental else None
-        self.stops = stops
+        self.skip_special_tokens = params.skip_special_tokens
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.skip_special_tokens,
+                                                  checked=False) if incremental else None
+        self.stops = stops = params.stop
+        self.min_tokens = params.min_tokens  # no stop string before that many tokens (vLLM)
+        self.include_stop = params.include_stop_str_in_output  # the text ends with it
+        self.num_tokens = 0  # tokens added
         self.vocab_size = tokenizer.vocab_size
         # deltas hold back the last `hold_back` characters (one less than the longest stop
         # string) while a stop string could still be forming, so the user never sees part
@@ -105,6 +117,7 @@ class SampleText:
         string: the text then ends where the stop string starts (it is not shown)."""
         if token_id >= self.vocab_size:
             return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+        self.num_tokens += 1
         new = self.detokenizer.add(token_id)
         if not new:
             return False
@@ -113,11 +126,14 @@ class SampleText:
             return False
         # a new match ends in the new text: look in it and the characters before it
         window = self.tail + new
-        at = find_stop(window, self.stops, len(self.tail))
+        at = find_stop(window, self.stops, len(self.tail)) \
+            if self.num_tokens >= self.min_tokens else None
         if at is None:
             self.unsent.append(new)
             self.tail = window[-self.hold_back:] if self.hold_back else ""
             return False
+        if self.include_stop:  # the text ends with the stop string, not before it
+            at += next(len(s) for s in self.stops if window.startswith(s, at))
         # the window's characters are all unsent (take() holds back hold_back of them)
         text = "".join(self.unsent) + new
         self.unsent = [text[:len(text) - (len(window) - at)]]
@@ -132,7 +148,7 @@ class SampleText:
         vocab = self.vocab_size
         if token_ids and max(token_ids) >= vocab:  # ids past the tokenizer's vocabulary
             token_ids = [t for t in token_ids if t < vocab]
-        self.unsent.append(self.tokenizer.decode_unchecked(token_ids))
+        self.unsent.append(self.tokenizer.decode_unchecked(token_ids, self.skip_special_tokens))
 
     def take(self, finished: bool) -> str:
         """The text made since the last take(), less what is held back unless finished."""
@@ -154,11 +170,12 @@ class DetokenizedSample:
     __slots__ = ("text", "finished", "first_token_at", "eos")
 
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=()):
-        self.text = SampleText(tokenizer, params.stop, stream or bool(params.stop))
+        self.text = SampleText(tokenizer, params, stream or bool(params.stop))
         self.finished = False
-        # the tokens whose "stop" has no text; a sample may also stop at a token that has
-        # (a grammar complete: structured outputs)
-        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        # the tokens whose "stop" has no text (EOS, stop_token_ids); a sample may also stop
+        # at a token that has (a grammar complete: structured outputs)
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(
+            params.stop_token_ids)
         self.first_token_at: float | None = None  # when its first token reached this process
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
@@ -166,7 +183,7 @@ class DetokenizedSample:
         stop string ended it here)."""
         if self.finished:
             return None, False
-        request_id, index, _, token_ids, finish_reason, logprobs, cached, times = delta
+        request_id, index, _, token_ids, finish_reason, logprobs, cached, times, prompt = delta
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
             self.first_token_at = time.monotonic()
@@ -194,7 +211,7 @@ class DetokenizedSample:
         self.finished = finish_reason is not None
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
-            cached, times)), stopped
+            cached, times, prompt)), stopped
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__
@@ -204,7 +221,7 @@ class _SampleOutput:
     """What one sample's outputs hold so far. Per-sample fields a delta may carry later
     (tool calls, prompt log-probabilities) go here and into output()."""
     __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason",
-                 "num_cached_tokens", "times")
+                 "num_cached_tokens", "times", "prompt_logprobs")
 
     def __init__(self, index: int):
         self.index = index
@@ -214,6 +231,7 @@ class _SampleOutput:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.times: RequestTimes | None = None
+        self.prompt_logprobs: list | None = None
 
 
 class _RequestOutputs:
@@ -249,7 +267,8 @@ class OutputAccumulator:
 
     def process(self, deltas) -> list[RequestOutput]:
         requests, outputs = self._requests, []
-        for request_id, index, text, token_ids, finish_reason, logprobs, cached, times in deltas:
+        for (request_id, index, text, token_ids, finish_reason, logprobs, cached, times,
+             prompt) in deltas:
             request = requests.get(request_id)
             if request is None:
                 continue
@@ -263,6 +282,9 @@ class OutputAccumulator:
                 new = [TokenLogprob(token_id, logprob, top) for token_id, logprob, top in logprobs]
                 sample.logprobs = new if sample.logprobs is None else sample.logprobs + new
             sample.num_cached_tokens = cached
+            if prompt is not None:
+                sample.prompt_logprobs = [None if e is None else TokenLogprob(*e)
+                                          for e in prompt]
             if finish_reason is not None:
                 sample.finish_reason = finish_reason
                 sample.times = None if times is None else RequestTimes(*times)
@@ -272,5 +294,6 @@ class OutputAccumulator:
             outputs.append(RequestOutput(
                 request_id, request.prompt_token_ids, sample.token_ids[:], sample.text,
                 finish_reason, text, token_ids, index, cached,
-                None if sample.logprobs is None else sample.logprobs[:], sample.times))
+                None if sample.logprobs is None else sample.logprobs[:], sample.times,
+                prompt_logprobs=sample.prompt_logprobs))
         return outputs

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Callable, ClassVar
 
+import numpy as np
+
 from ..config import ConfigReader, ModelConfig
 from ..interface import Backend, ForwardBatch, HeadNorm
 from ..weights import SCALE_SUFFIX, BlobEntry, LayoutItem, layout_blob, scale_key
@@ -42,6 +44,9 @@ LLAMA_LAYER_TENSORS = {
 }
 # the roles of the products, whose weights may be FP8 (docs/ARCHITECTURE.md, "FP8 weights")
 PRODUCT_ROLES = ("qkv", "o_proj", "gate_up", "down")
+
+
+PROMPT_PIECE_ROWS = 256  # prompt rows per LM-head product where the ops set no max_num_seqs
 
 
 class Decoder:
@@ -179,21 +184,61 @@ class Decoder:
         return tables
 
     # ---- the forward pass --------------------------------------------------------------
-    def forward(self, backend: Backend, batch: ForwardBatch):
-        """Logits [B, V] float32 (a backend array, a view of the pool)."""
-        return self.forward_uploaded(backend, backend.ops.upload(batch))
+    def forward(self, backend: Backend, batch: ForwardBatch, prompt=None):
+        """Logits [B, V] float32 (a backend array, a view of the pool). prompt: None, or an
+        interface.PromptLogprobRequest, whose values and ids this fills."""
+        return self.forward_uploaded(backend, backend.ops.upload(batch), prompt)
 
-    def forward_uploaded(self, backend: Backend, meta):
+    def forward_uploaded(self, backend: Backend, meta, prompt=None):
         """forward() of a step whose metadata is already where the ops read it: `meta` is
         what ops.upload returned (CUDA graphs pass their fixed device buffers); the ops take
         it as it is, and the step's sizes are its num_tokens and num_seqs."""
         buf = backend.buffers(meta.num_tokens, meta.num_seqs)
+        # the rows and targets go up before the layers are queued: an upload waits for
+        # what its stream has queued already
+        staged = None if prompt is None else backend.ops.device_array(
+            np.stack([prompt.rows, prompt.targets]))
         pieces = self.pieces(backend, meta, buf)
         pieces[0]()
         for i in range(self.config.num_hidden_layers):
             self.attention(backend, meta, buf, i)
             pieces[i + 1]()
+        if prompt is not None:
+            self.prompt_logprobs(backend, meta, buf, prompt, staged)
         return self.head(backend, meta, buf)
+
+    def prompt_logprobs(self, backend: Backend, meta, buf, prompt, staged) -> None:
+        """The next-token log-probabilities at the rows prompt.rows: their logits in pieces
+        of as many rows as the logits buffer holds for max_num_seqs sequences (one read of
+        the LM head per piece), each piece reduced on the device to its targets' and top
+        k's log-softmax (docs/ARCHITECTURE.md, "Prompt log-probabilities"). staged:
+        [2, P] int32 in backend memory, prompt.rows over prompt.targets."""
+        ops = backend.ops
+        count, k = len(prompt.rows), prompt.k
+        piece = getattr(ops, "max_num_seqs", PROMPT_PIECE_ROWS)
+        wide = backend.buffers(meta.num_tokens, piece)
+        prompt.values = ops.empty((count, 1 + k), np.float32)
+        prompt.ids = ops.empty((count, 1 + k), np.int32)
+        rows, targets = staged[0], staged[1]
+        for start in range(0, count, piece):
+            stop = min(count, start + piece)
+            logits = self.logits_of(backend, buf["residual"], rows[start:stop], wide)
+            ops.token_logprobs(logits, targets[start:stop], k, prompt.values[start:stop],
+                               prompt.ids[start:stop])
+
+    def logits_of(self, backend: Backend, residual, rows, buf):
+        """The final norm and the LM head of residual[rows]: logits [len(rows), V] float32,
+        in buf's logits (buf: buffers with room for that many sequences)."""
+        c, ops, w = self.config, backend.ops, backend.weights
+        n = rows.shape[0]
+        ops.gather_rows(residual, rows, buf["last_residual"][:n])
+        lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
+        logits = buf["logits"][:n]
+        ops.norm_linear(buf["last_residual"][:n], w["final_norm"], c.rms_norm_eps, lm_head,
+                        logits, buf["last_h"][:n], offset=c.norm_offset)
+        if c.final_logit_softcap is not None:
+            ops.softcap(logits, c.final_logit_softcap)
+        return logits
 
     def pieces(self, backend: Backend, meta, buf) -> list[Callable[[], None]]:
         """What runs between two attentions, in order: the embedding and layer 0's

@@ -46,7 +46,7 @@ from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
                                    RequestStream)
 from ..errors import RequestError
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, TokenLogprob
 from ..sampling import model_sampling_defaults
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
@@ -347,6 +347,7 @@ class _Job:
         self._running = set(self.request_ids)
         self._admitted = [False] * len(prompts)
         self._cached = [0] * len(prompts)  # prompt tokens the prefix cache held, per prompt
+        self._prompt_logprobs = [None] * len(prompts)  # per prompt, where asked
         self.num_unfinished = len(prompts) * n
         self.arrival = time.monotonic()
 
@@ -363,8 +364,12 @@ class _Job:
         for item in items:
             if not isinstance(item, tuple):  # an EngineDelta, else the engine's word
                 self._fail(item)
-            request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times = item
+            (request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times,
+             prompt_logprobs) = item
             i = self._prompt_of[request_id]
+            if prompt_logprobs is not None:
+                self._prompt_logprobs[i] = [None if e is None else TokenLogprob(*e)
+                                            for e in prompt_logprobs]
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
@@ -419,9 +424,11 @@ class _Job:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
                                c.finish_reason, logprobs=c.logprobs, index=index,
-                               num_cached_tokens=cached) for index, c in enumerate(choices)]
-                for request_id, prompt, choices, cached in zip(self.request_ids, self.prompts,
-                                                               self.choices, self._cached)]
+                               num_cached_tokens=cached, prompt_logprobs=scored)
+                 for index, c in enumerate(choices)]
+                for request_id, prompt, choices, cached, scored in zip(
+                    self.request_ids, self.prompts, self.choices, self._cached,
+                    self._prompt_logprobs)]
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
@@ -763,7 +770,8 @@ def create_app(state: ServerState):
         state.check_ready()  # it may have begun to stop meanwhile
         response_id = protocol.new_id(parsed.ID_PREFIX)
         log_request(response_id, body)
-        job = state.start_job(response_id, prompts, params, parsed.stream, parsed.n)
+        job = state.start_job(response_id, prompts, params, parsed.stream,
+                              parsed.samples_per_prompt)
         created, name, strings = int(time.time()), settings.served_model_name, state.token_strings
         stream = stream_class(parsed, response_id, created, name, strings, state.fingerprint) \
             if parsed.stream else None
@@ -786,6 +794,14 @@ def create_app(state: ServerState):
                                             state.max_prompt_bytes)
         return JSONResponse(parsed.response(state.tokenizer, token_ids,
                                             state.info.context_limit))
+
+    @route("GET", "/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """vLLM's: the tokenizer's special tokens and chat template, which clients such as
+        lm-evaluation-harness read to tokenize through /tokenize (no tokenizer download)."""
+        state.check_key(request)
+        state.check_ready()
+        return JSONResponse(protocol.tokenizer_info(state.tokenizer, state.info.context_limit))
 
     @route("POST", "/detokenize")
     async def detokenize(request: Request):

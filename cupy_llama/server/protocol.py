@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -31,7 +31,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
 from ..tool_choice import check_tool_choice, check_tools, tool_call_grammar
@@ -154,18 +154,18 @@ def _off(*harmless):
     return lambda value, request: value in harmless or value is None
 
 
+# request fields handed to SamplingParams as they are (null: left out), which checks them
+PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                 "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words")
+
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
-    "frequency_penalty": _off(0), "presence_penalty": _off(0), "logit_bias": _off({}),
-    "echo": _off(False), "suffix": _off(""),
-    "best_of": lambda value, request: value is None or value == request.n,
+    "suffix": _off(""),
     "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
-    # vLLM's sampling extensions beside top_k, min_p and ignore_eos, which are done here
-    "repetition_penalty": _off(1), "min_tokens": _off(0), "stop_token_ids": _off([]),
-    "include_stop_str_in_output": _off(False), "skip_special_tokens": _off(True),
-    "prompt_logprobs": _off(), "use_beam_search": _off(False),
-    "allowed_token_ids": _off(), "bad_words": _off([]), "chat_template": _off(),
+    # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
+    "use_beam_search": _off(False), "allowed_token_ids": _off(), "chat_template": _off(),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
 }
@@ -213,7 +213,8 @@ class _SamplingFields(_Unsupported, _Model):
     stop_token_ids: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
-    prompt_logprobs: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability
     use_beam_search: Any = None
     # structured outputs (structured_spec): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields
@@ -265,6 +266,11 @@ class _SamplingFields(_Unsupported, _Model):
         return specs[0][1] if specs else None
 
     @property
+    def samples_per_prompt(self) -> int:
+        """The engine's samples of each prompt: n (best_of's where it asks for more)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -273,6 +279,10 @@ class _SamplingFields(_Unsupported, _Model):
         """vLLM's continuous_usage_stats: usage on every chunk (with include_usage, as
         vLLM asks)."""
         return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt log-probabilities the engine computes: vLLM's prompt_logprobs."""
+        return self.prompt_logprobs
 
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
@@ -300,7 +310,7 @@ class _SamplingFields(_Unsupported, _Model):
         else:
             max_tokens = requested
         values = {name: getattr(self, name) for name in
-                  ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+                  ("temperature", "top_p", "top_k", "min_p", "seed", "stop", *PASSED_FIELDS)
                   if getattr(self, name) is not None}
         if values.get("top_k") == -1:
             values["top_k"] = 0
@@ -309,7 +319,10 @@ class _SamplingFields(_Unsupported, _Model):
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
-        values["n"] = self.n
+        values["n"] = self.samples_per_prompt
+        if self.samples_per_prompt > self.n and logprobs is None:
+            values["logprobs"] = 0  # best_of ranks the samples by their tokens' logprobs
+        values["prompt_logprobs"] = self.prompt_logprobs_wanted()
         values["structured"] = structured or self.structured_spec()
         try:
             return SamplingParams.from_dict(values, model_defaults)
@@ -414,12 +427,72 @@ class CompletionRequest(_SamplingFields):
                             f"ids or a list of token-id lists (got {_preview(prompt)})",
                        param="prompt")
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo is not None and not isinstance(self.echo, bool):
+            raise APIError(400, f"echo must be true or false, got {_preview(self.echo)}",
+                           param="echo")
+        if self.best_of is not None:
+            if not _is_token_id(self.best_of) or not self.n <= self.best_of <= MAX_N:
+                raise APIError(400, f"best_of must be an integer from n ({self.n}) to {MAX_N}, "
+                                    f"got {_preview(self.best_of)}", param="best_of")
+            if self.best_of > self.n and self.stream:
+                raise APIError(400, "best_of past n is not supported with stream: true (as "
+                                    "OpenAI's API)", param="best_of")
+        if self.echo and self.stream:
+            raise APIError(400, "echo is not supported with stream: true; send it without "
+                                "streaming", param="echo", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1, got 0 (0 only scores the "
+                                "prompt, with echo: true)", param="max_tokens")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """best_of samples where it asks for more than n: the n with the highest cumulative
+        log-probability are answered (best_outputs)."""
+        return max(self.n, int(self.best_of or 0))
+
+    def best_outputs(self, prompt_outputs: list) -> list:
+        """The n answered samples of one prompt: all of them, or with best_of the n whose
+        tokens have the highest summed log-probability, as choices 0..n-1 (best first)."""
+        if self.samples_per_prompt == self.n:
+            return prompt_outputs
+        ranked = sorted(prompt_outputs, key=lambda o: (
+            -sum(logprob for _, logprob, _ in logprob_entries(o.logprobs)), _index(o)))
+        keep = self.logprobs is not None
+        return [replace(o, index=j, logprobs=o.logprobs if keep else None)
+                for j, o in enumerate(ranked[:self.n])]
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt scored, nothing generated (the engine makes
+        one token, which the answer leaves out)."""
+        return self.max_tokens == 0 and bool(self.echo)
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """echo with logprobs scores the prompt with as many alternatives (OpenAI's legacy
+        completions); vLLM's prompt_logprobs may ask for more."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
         """max_tokens left out: OpenAI's 16, or what the context leaves if less."""
-        return self._sampling_params("max_tokens", self.max_tokens, num_prompt_tokens,
+        requested = 1 if self.scores_only else self.max_tokens
+        return self._sampling_params("max_tokens", requested, num_prompt_tokens,
                                      max_model_len, model_defaults,
                                      COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
+
+    def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
+        """What echo puts before each completion: the prompt as sent (token ids: decoded)."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, str) for p in self.prompt):
+            return list(self.prompt)
+        tokenizer = token_strings._tokenizer
+        return [tokenizer.decode_unchecked([t for t in ids if t < tokenizer.vocab_size],
+                                           skip_special_tokens=False) for ids in prompts]
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
                       model_defaults: dict, max_prompt_bytes: int | None = None
@@ -490,18 +563,88 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     """The body of a non-streamed completion. outputs: for each prompt, its RequestOutputs
     (one per choice). Choice i * n + j is prompt i's choice j."""
     choices = []
+    echo = bool(request.echo)
+    usage = usage_of(outputs)  # every sample best_of made counts
+    outputs = [request.best_outputs(group) for group in outputs]
+    if request.scores_only:  # the one token made to score the prompt is not shown
+        outputs = [[replace(o, token_ids=[], text="", logprobs=[] if o.logprobs is not None
+                            else None) for o in group] for group in outputs]
+    prompt_texts = request.prompt_texts([g[0].prompt_token_ids for g in outputs if g],
+                                        token_strings) if echo else []
     for i, prompt_outputs in enumerate(outputs):
         for output in sorted(prompt_outputs, key=_index):
-            logprobs = None
+            logprobs, offset, text = None, 0, output.text
+            if echo:
+                text = prompt_texts[i] + text
+                if request.logprobs is not None:
+                    logprobs, offset = prompt_completion_logprobs(
+                        output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                        token_strings)
             if request.logprobs is not None:
-                logprobs, _ = completion_logprobs(logprob_entries(output.logprobs),
-                                                  token_strings)
-            choices.append({"index": i * request.n + _index(output), "text": output.text,
-                            "logprobs": logprobs,
-                            "finish_reason": FINISH_REASONS[output.finish_reason]})
+                generated, _ = completion_logprobs(logprob_entries(output.logprobs),
+                                                   token_strings, offset)
+                logprobs = generated if logprobs is None else {
+                    key: logprobs[key] + generated[key] for key in logprobs}
+            choice = {"index": i * request.n + _index(output), "text": text,
+                      "logprobs": logprobs,
+                      "finish_reason": FINISH_REASONS[output.finish_reason]}
+            if request.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
+                    token_strings)
+            choices.append(choice)
+    if request.scores_only:  # the token made to score the prompt is not the client's
+        usage = usage_of(outputs)
     return {"id": response_id, "object": "text_completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
-            "usage": usage_of(outputs)}
+            "usage": usage}
+
+
+def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tuple[dict, int]:
+    """echo's part of the legacy logprobs: one entry per prompt token, the first with
+    token_logprobs and top_logprobs null (nothing comes before it), the others with the
+    token's log-probability and the k most likely tokens there (and the token itself, as
+    for generated ones); text offsets from 0. Returns it and the offset after the prompt."""
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for position, token_id in enumerate(prompt_ids):
+        text = token_strings(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        entry = scored[position] if scored and position < len(scored) else None
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_number(entry.logprob))
+        alternatives = {token_strings(t): _number(lp) for t, lp in entry.top[:k]}
+        if all(t != token_id for t, _ in entry.top[:k]):
+            alternatives.setdefault(text, _number(entry.logprob))
+        top_logprobs.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, offset
+
+
+def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {
+    "logprob", "rank", "decoded_token"}} for the token and the k most likely there (rank
+    1 the most likely; the token's own rank where it is among them, else null)."""
+    if scored is None:
+        return None
+    result = []
+    for position, token_id in enumerate(prompt_ids):
+        entry = scored[position] if position < len(scored) else None
+        if entry is None:
+            result.append(None)
+            continue
+        ranks = {t: rank for rank, (t, _) in enumerate(entry.top, start=1)}
+        items = {str(token_id): {"logprob": _number(entry.logprob), "rank": ranks.get(token_id),
+                                 "decoded_token": token_strings(token_id)}}
+        for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+            items.setdefault(str(t), {"logprob": _number(lp), "rank": rank,
+                                      "decoded_token": token_strings(t)})
+        result.append(items)
+    return result
 
 
 class _Stream:
@@ -670,6 +813,14 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.best_of not in (None, self.n):
+            raise APIError(400, f"best_of is not supported by this server on chat completions "
+                                f"(got {_preview(self.best_of)}); remove it from the request",
+                           param="best_of", code="unsupported_parameter")
+        if self.echo not in (None, False):  # vLLM's chat echo (legacy completions' is done)
+            raise APIError(400, f"echo is not supported by this server on chat completions "
+                                f"(got {_preview(self.echo)}); remove it from the request",
+                           param="echo", code="unsupported_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_chat_options()
@@ -813,9 +964,15 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
                 finish_reason = "tool_calls"
         choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
-    return {"id": response_id, "object": "chat.completion", "created": created,
+    body = {"id": response_id, "object": "chat.completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage_of([outputs])}
+    if request.prompt_logprobs is not None and outputs:  # vLLM's, beside the choices
+        first = min(outputs, key=_index)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(
+            first.prompt_token_ids, first.prompt_logprobs, request.prompt_logprobs,
+            token_strings)
+    return body
 
 
 class ChatCompletionStream(_Stream):
@@ -893,7 +1050,14 @@ def usage_of(outputs: list[list]) -> dict:
                  sum(o.num_cached_tokens for o in firsts))
 
 
-# ---- /v1/models, /tokenize, /detokenize -----------------------------------------------
+# ---- /v1/models, /tokenize, /detokenize, /tokenizer_info ----------------------------------
+
+def tokenizer_info(tokenizer, context_limit: int) -> dict:
+    """vLLM's /tokenizer_info fields that a client needs to use /tokenize and /detokenize
+    as its tokenizer."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token, "pad_token": None,
+            "chat_template": tokenizer.chat_template, "model_max_length": context_limit}
 
 # the files whose content makes the model's answers; weights are named by size and time
 FINGERPRINT_FILES = ("config.json", "generation_config.json", "tokenizer.json",

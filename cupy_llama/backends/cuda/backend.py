@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import DeviceError
-from ...interface import Fp8Weight
+from ...interface import MAX_BIAS_ENTRIES, Fp8Weight
 from ...util import cdiv
 from ...weights import Checkpoint, iter_blob_pieces, quantized_entries, scale_key
 from . import attention as attention_kernels
 from . import fp8 as fp8_kernels
+from . import sampling as sampling_kernels
 from .cublaslt import fp8_lt
 from .device import check_cuda_device, device_name, import_cupy
 from .ops import CudaOps
@@ -138,7 +139,10 @@ class CudaBackend:
         fp8_x_sizes = (_align(self.max_num_tokens * longest_k), _align(4 * self.max_num_tokens),
                        4 * self.max_num_tokens * widest_n)
         fp8_x_bytes = sum(fp8_x_sizes) if fp8_entries else 0
-        needed = weight_bytes + pool_bytes + rope_bytes + dequantized_bytes + fp8_x_bytes
+        # the penalties' token counts and prompt flags per slot, and the bias entries
+        slot_state_bytes = max_num_seqs * (5 * config.vocab_size + 8 * MAX_BIAS_ENTRIES)
+        needed = (weight_bytes + pool_bytes + rope_bytes + dequantized_bytes + fp8_x_bytes
+                  + slot_state_bytes)
         if needed > free:
             raise DeviceError(
                 f"not enough GPU memory: the weights and activation buffers need "
@@ -167,6 +171,7 @@ class CudaBackend:
                             for kind, table in rope_tables.items()}
         self._pool = self._allocate(pool_bytes, "the activation buffers")
         self._buffer_views = {}
+        self._slot_state = sampling_kernels.SlotState(cupy, max_num_seqs, config.vocab_size)
 
         self.kv_bytes_per_block = (2 * config.num_hidden_layers * block_size
                                    * config.kv_size * 2)
@@ -186,7 +191,8 @@ class CudaBackend:
                            num_heads=config.num_attention_heads, head_dim=config.head_dim,
                            max_model_len=max_model_len, workspace=workspace,
                            switches=self.switches, dequantized=self._dequantized,
-                           fp8_activations=self._fp8_x)
+                           fp8_activations=self._fp8_x,
+                           slot_state=self._slot_state)
 
         self._log(f"GPU {device.id}: {device_name(device)} (sm_{self.capability}), "
                   f"weights loaded in {self.load_seconds:.2f} s")
@@ -264,7 +270,8 @@ class CudaBackend:
                            num_heads=self.config.num_attention_heads,
                            head_dim=self.config.head_dim, max_model_len=self.max_model_len,
                            workspace=(old._partial_out, old._partial_lse), switches=switches,
-                           dequantized=self._dequantized, fp8_activations=self._fp8_x)
+                           dequantized=self._dequantized, fp8_activations=self._fp8_x,
+                           slot_state=self._slot_state)
         if self.graphs is not None:
             self.graphs = self.step_graphs = None
             self.enable_graphs()
@@ -277,15 +284,18 @@ class CudaBackend:
         self._cupy.cuda.get_current_stream().synchronize()
         self._closed = True
         for name in ("graphs", "step_graphs", "ops", "weights", "kv_caches", "_kv", "_blob", "_pool",
-                     "_buffer_views", "rope_tables", "_dequantized", "_fp8_x"):
+                     "_buffer_views", "rope_tables", "_dequantized", "_fp8_x", "_slot_state"):
             self.__dict__.pop(name, None)
         release_cached_memory(self._cupy)
 
-    def forward(self, batch):
+    def forward(self, batch, prompt=None):
         """One step of the model (models/decoder.py): decode batches replay a decode graph,
         other steps of up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with
-        attention in between, when graphs are on; everything else runs eagerly. Returns
-        logits [B, V] float32 (a pool view)."""
+        attention in between, when graphs are on; everything else runs eagerly, as does a
+        step with prompt log-probabilities to compute (prompt: an
+        interface.PromptLogprobRequest). Returns logits [B, V] float32 (a pool view)."""
+        if prompt is not None:
+            return self.model.forward(self, batch, prompt)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         if self.step_graphs is not None and self.step_graphs.can_run(batch):
@@ -384,6 +394,10 @@ class CudaBackend:
                          f"fixed step inputs of {self.graphs.max_bucket} sequences and of "
                          f"{self.step_graphs.max_tokens} tokens, int32"))
             rows.append(("cuBLAS workspace", WORKSPACE_BYTES, "fixed, so captured products never allocate"))
+        if getattr(self, "_slot_state", None) is not None:
+            rows.append(("sampling slot state", self._slot_state.nbytes,
+                         f"token counts and prompt flags [{self.max_num_seqs}, "
+                         f"{config.vocab_size}] int32 and uint8, bias entries; for the penalties"))
         rows.append(("KV cache", self.num_kv_blocks * self.kv_bytes_per_block,
                      f"{self.num_kv_blocks} blocks x {self.block_size} tokens = "
                      f"{self.num_kv_blocks * self.block_size} tokens"))

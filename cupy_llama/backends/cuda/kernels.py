@@ -9,6 +9,8 @@ thread counts and shared-memory layouts are (docs/ARCHITECTURE.md, "Kernels"):
   such values and other defines;
 - `instances(module, macro)`: the argument lists of the `DEFINE_...(NAME, ...)` lines that
   instantiate a family of kernels (the first argument is the kernel's name);
+- `x_macro(module, macro)`: the entries of a list macro `#define NAME(X) X(...) X(...)`
+  (the sampling kernel's settings);
 - `kernel_names(module)`: every kernel the module defines.
 """
 from __future__ import annotations
@@ -203,6 +205,19 @@ def instances(module: str, macro: str) -> tuple[tuple, ...]:
     if not found:
         raise KeyError(f"{module}.cu has no {macro}(...) lines")
     return tuple(found)
+
+
+@lru_cache(maxsize=None)
+def x_macro(module: str, macro: str) -> tuple[tuple[str, ...], ...]:
+    """The entries of the module's list macro `#define macro(X) X(a, b) X(c, d) ...`, in
+    order, each as its arguments written out: (("a", "b"), ("c", "d"), ...)."""
+    for file_name in _files(module):
+        for line in _lines(file_name):
+            match = re.match(rf"\s*#define\s+{macro}\((\w+)\)\s+(.*)$", line)
+            if match:
+                entries = re.findall(rf"\b{match[1]}\(([^()]*)\)", match[2])
+                return tuple(tuple(arg.strip() for arg in entry.split(",")) for entry in entries)
+    raise KeyError(f"{module}.cu has no #define {macro}(X) list")
 
 
 def _argument(module: str, arg: str):

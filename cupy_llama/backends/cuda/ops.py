@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ...interface import STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
+from ...interface import KERNEL_ROWS, STEP_ARRAYS, ForwardBatch, Logprobs, SamplingTensors, StepLayout, SublayerOps
 from . import attention as attention_kernels
 from . import elementwise, launch
 from . import logprobs as logprob_kernels
@@ -59,7 +59,7 @@ class CudaOps(SublayerOps):
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  num_heads: int, head_dim: int, max_model_len: int, workspace=None,
                  switches: KernelSwitches = KernelSwitches(), dequantized=None,
-                 fp8_activations=None):
+                 fp8_activations=None, slot_state=None):
         """workspace: (partial_out, partial_lse) flat float32 device arrays for split-KV
         decode (sized by attention.workspace_sizes), or None to allocate them here.
         switches: which kernels run (switches.py); fixed for the life of the ops.
@@ -81,7 +81,8 @@ class CudaOps(SublayerOps):
         self._meta_host = pinned_array(cupy, capacity, np.int32)
         self._meta_device = cupy.empty(capacity, np.int32)
         self._meta_copied = sync_event(cupy)  # the last metadata copy has read the host buffer
-        # sampling settings: seeds (uint64) first, then five 4-byte fields, [max_num_seqs] each.
+        # sampling settings: the kernel's rows of SAMPLING_ROWS (widest first), then the rows
+        # that ask for log-probabilities, [max_num_seqs] each (SAMPLING_FIELDS).
         # Their copy and the tokens' copy back run on a stream of their own, off the steps'
         # stream: the settings copy is issued while the step's forward pass still runs, before
         # the sampling kernel that reads them, and the tokens go back while the next step
@@ -99,6 +100,9 @@ class CudaOps(SublayerOps):
         self._tokens_host = [pinned_array(cupy, n, np.int32) for _ in range(2)]
         self._token_copies = [sync_event(cupy) for _ in range(2)]  # copy stream: each filled
         self._turn = 0
+        # sampling.SlotState of the penalties, biases and bans (the backend allocates it
+        # with the rest; made when a step first needs it where none is given)
+        self._slot_state = slot_state
         # log-probabilities of the rows that ask ([R, 1 + k], R <= n), back with the tokens
         width = n * (1 + logprob_kernels.MAX_K)
         self._logprob_values = cupy.empty(width, np.float32)
@@ -230,15 +234,22 @@ class CudaOps(SublayerOps):
     def gather_rows(self, x, indices, out):
         elementwise.gather_rows(x, indices, out)
 
+    def device_array(self, host):
+        return self._cupy.asarray(host)
+
+    def token_logprobs(self, logits, targets, k, values, ids):
+        rows = self._cupy.arange(logits.shape[0], dtype=np.int32)
+        logprob_kernels.logprobs(logits, rows, targets, k, values, ids)
+
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
 
-    # the settings buffers: max_num_seqs of each SamplingTensors field, field after field
-    # (the 8-byte seeds first, so every field is aligned); logprob_rows: the rows that ask
-    # for log-probabilities, first R entries
-    SAMPLING_FIELDS = (("seeds", np.uint64), ("temperature", np.float32), ("top_k", np.int32),
-                       ("top_p", np.float32), ("min_p", np.float32), ("steps", np.int32),
-                       ("logprob_rows", np.int32))
+    # the settings buffers: max_num_seqs of each of the kernel's SAMPLING_ROWS, row after
+    # row in the table's order (the layout sampling.cu's SamplingRows reads; widest first,
+    # so every array is aligned); logprob_rows: the rows that ask for log-probabilities,
+    # first R entries
+    SAMPLING_FIELDS = tuple((row.name, row.dtype) for row in KERNEL_ROWS) + (
+        ("logprob_rows", np.int32),)
     SAMPLING_BYTES = sum(np.dtype(dtype).itemsize for _, dtype in SAMPLING_FIELDS)  # per sequence
 
     def _sampling_views(self, B: int) -> tuple[dict, dict, Any]:
@@ -273,7 +284,7 @@ class CudaOps(SublayerOps):
             if name == "logprob_rows":
                 view[:R] = logprob_rows
             else:
-                view[:] = np.asarray(getattr(sampling, name)).reshape(B)
+                view[:] = sampling.row(name)
         stream, copy = self._cupy.cuda.get_current_stream(), self._copy_stream
         runtime = self._cupy.cuda.runtime
         # the settings: the copy stream runs in order, and this copy is queued behind the last
@@ -290,16 +301,25 @@ class CudaOps(SublayerOps):
                 0, np.where(sampling.deferred, sampling_kernels.MASK_SKIP, -1))
         self._sampling_copied.record(copy)
         stream.wait_event(self._sampling_copied)
-        d = on_device
+        counts = None
+        if sampling.processes_logits:
+            # penalties, biases and bans: the slots' state made anew where a sequence took
+            # its slot (reading the last step's tokens, which this step's sampling kernel
+            # overwrites only after), then applied to the logits in place; the sampling
+            # kernel counts the kept tokens (docs/ARCHITECTURE.md, "Penalties")
+            if self._slot_state is None:
+                self._slot_state = sampling_kernels.SlotState(self._cupy, n, logits.shape[1])
+            sampling_kernels.reset_state(self._slot_state, sampling.resets,
+                                         self._tokens_device)
+            sampling_kernels.process_logits(logits, device, n, self._slot_state)
+            counts = self._slot_state.counts
         pending = PendingTokens()
         if deferred:  # the tokens are copied back once sample_masked has drawn the rest
-            sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"],
-                                    d["min_p"], d["seeds"], d["steps"], tokens,
-                                    mask_rows=mask_rows)
-            pending.deferred_inputs = (logits, B, logprob_rows, k)
+            sampling_kernels.sample_settings(logits, device, n, tokens, counts=counts,
+                                             mask_rows=mask_rows)
+            pending.deferred_inputs = (logits, B, logprob_rows, k, counts)
             return pending
-        sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"], d["min_p"],
-                                d["seeds"], d["steps"], tokens)
+        sampling_kernels.sample_settings(logits, device, n, tokens, counts=counts)
         self._return_tokens(pending, logits, B, logprob_rows, k)
         return pending
 
@@ -314,7 +334,7 @@ class CudaOps(SublayerOps):
         return self._mask_rows_device[launch, :B]
 
     def sample_masked(self, pending: "PendingTokens", rows, bitmask) -> None:
-        logits, B, logprob_rows, k = pending.deferred_inputs
+        logits, B, logprob_rows, k, counts = pending.deferred_inputs
         rows = np.asarray(rows, dtype=np.int32)
         R, words = rows.size, bitmask.shape[1]
         stream = self._cupy.cuda.get_current_stream()
@@ -336,11 +356,11 @@ class CudaOps(SublayerOps):
                 4 * R * words, H2D, self._copy_stream.ptr)
             self._masks_copied.record(self._copy_stream)
             stream.wait_event(self._masks_copied)
-            _, on_device, tokens = self._sampling_views(B)
-            d = on_device
-            sampling_kernels.sample(logits, d["temperature"], d["top_k"], d["top_p"],
-                                    d["min_p"], d["seeds"], d["steps"], tokens,
-                                    bitmask=self._bitmask_device[:R], mask_rows=device_rows)
+            tokens = self._sampling_views(B)[2]
+            # the settings sample_async staged: no settings copy comes before the next step's
+            sampling_kernels.sample_settings(
+                logits, self._sampling_device, self.max_num_seqs, tokens, counts=counts,
+                bitmask=self._bitmask_device[:R], mask_rows=device_rows)
         self._return_tokens(pending, logits, B, logprob_rows, k)
 
     def _return_tokens(self, pending: "PendingTokens", logits, B: int, logprob_rows, k: int):
@@ -381,6 +401,8 @@ class PendingTokens:
     """Token ids on their way to a pinned host buffer; `get` waits for them. Call it before
     the second sample_async after this one, which fills the buffer and records the event
     again."""
+
+    prompt_logprobs = None  # interface.PromptLogprobRequest of the step, where it had one
 
     def __init__(self):
         self._tokens = self._logprobs = None

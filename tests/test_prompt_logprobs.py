@@ -1,0 +1,99 @@
+"""Prompt log-probabilities (SamplingParams.prompt_logprobs, RequestOutput.prompt_logprobs):
+computed on the device during prefill, against transformers float32 log-softmax at every
+position of the fixtures' long prompts (tests/fixtures/arch_*, made by
+scripts/make_arch_fixtures.py), whole and in chunks, after a prefix-cache hit, for n > 1
+samples and through preemption."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupy_llama import LLM, SamplingParams
+from cupy_llama.errors import RequestError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma2")
+TOLERANCE = 1e-4
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+
+
+def fixture(name):
+    folder = FIXTURES / f"arch_{name}"
+    reference = dict(np.load(folder / "reference.npz"))
+    return folder, reference["long_prompt"].tolist(), log_softmax(reference["logits"])
+
+
+def check(scored, prompt, expected, k):
+    """scored: RequestOutput.prompt_logprobs; expected: [len(prompt), V] log-softmax."""
+    assert scored[0] is None and len(scored) == len(prompt)
+    for position, entry in enumerate(scored[1:], start=1):
+        row = expected[position - 1]  # the logits after token position - 1
+        assert entry.token_id == prompt[position]
+        assert abs(entry.logprob - row[prompt[position]]) < TOLERANCE, position
+        assert len(entry.top) == k
+        top_ids = [i for i, _ in entry.top]
+        np.testing.assert_allclose([v for _, v in entry.top], row[top_ids], atol=TOLERANCE)
+        # the k largest, best first (a near tie may order two neighbours either way)
+        assert np.all(np.sort(row)[::-1][:k] - row[top_ids] < TOLERANCE), position
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("chunk", [None, 20])
+def test_prompt_logprobs_equal_transformers(name, chunk):
+    folder, prompt, expected = fixture(name)
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    llm = LLM(folder, device="cpu", log=None, **options)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    check(out.prompt_logprobs, prompt, expected, 3)
+
+
+def test_a_prefix_cache_hit_still_scores_every_prompt_token():
+    folder, prompt, expected = fixture("qwen2")
+    llm = LLM(folder, device="cpu", log=None, max_num_batched_tokens=32)
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, plain)
+    llm.generate(prompt, plain)
+    assert llm.engine.stats().prefix_cache_hits > 0, "no prefix-cache hit: the test proves nothing"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    check(out.prompt_logprobs, prompt, expected, 0)
+    assert out.token_ids == llm.generate(prompt, plain).token_ids
+
+
+def test_n_samples_share_the_prompts_scores_and_a_plain_request_has_none():
+    folder, prompt, expected = fixture("mistral")
+    llm = LLM(folder, device="cpu", log=None)
+    outs = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=3,
+                                               prompt_logprobs=1))
+    for out in outs:
+        check(out.prompt_logprobs, prompt, expected, 1)
+    assert llm.generate(prompt, SamplingParams(max_tokens=1)).prompt_logprobs is None
+    one = llm.generate(prompt[:1], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    assert one.prompt_logprobs == [None]
+
+
+def test_preempted_prompts_are_scored_once(model_dir):
+    import random
+    rng = random.Random(0)
+    batch = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(24)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20, prompt_logprobs=1)
+    ample = LLM(model_dir, device="cpu", log=None).generate(batch, params)
+    tight = LLM(model_dir, device="cpu", log=None, num_kv_blocks=24, block_size=16,
+                max_num_seqs=64)
+    outs = tight.generate(batch, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for a, b in zip(ample, outs):
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs)
+        assert [e.token_id for e in b.prompt_logprobs[1:]] == [e.token_id for e in a.prompt_logprobs[1:]]
+        np.testing.assert_allclose([e.logprob for e in b.prompt_logprobs[1:]],
+                                   [e.logprob for e in a.prompt_logprobs[1:]], atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [-1, 21, True, "2"])
+def test_out_of_range_is_refused(value):
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)
