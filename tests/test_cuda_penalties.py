@@ -55,7 +55,8 @@ def test_state_and_processing_equal_the_reference(cp, rng, vocab):
                 repetition_penalty=np.array([1.3, 0.7, 1.0, 2.0, 1.5], np.float32),
                 frequency_penalty=np.array([0.5, -1.0, 0.0, 2.0, 1.0], np.float32),
                 presence_penalty=np.array([-0.5, 1.5, 0.0, 2.0, 1.0], np.float32),
-                num_biases=np.array([40, 40, 40, 0, 0], np.int32),
+                # each row's count of its slot's entries, as the model runner stages them
+                num_biases=np.array([40, 40, 40, 40, 0], np.int32),
                 num_min_bans=np.array([3, 3, 3, 3, 0], np.int32),
                 min_tokens=np.array([5, 0, 5, 5, 0], np.int32),
                 steps=np.array([4, 0, 5, 0, 0], np.int32))
