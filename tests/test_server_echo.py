@@ -5,10 +5,13 @@ null, text_offset counting from the start of the echoed prompt), max_tokens 0 wi
 checked against the engine's own prompt_logprobs and a NumPy forward pass."""
 import numpy as np
 import pytest
-from inprocess_server import ask_one, make_state
 
-from cupy_llama import SamplingParams
-from cupy_llama.server import protocol
+pytest.importorskip("fastapi")
+
+from inprocess_server import ask_one, make_state  # noqa: E402
+
+from cupy_llama import SamplingParams  # noqa: E402
+from cupy_llama.server import protocol  # noqa: E402
 
 CHAT = [{"role": "user", "content": "hi"}]
 
