@@ -91,7 +91,8 @@ def workload_run(llm, prompts, params) -> dict:
             "constrained_whole_json": valid}
 
 
-def mixed_workload(llm, num_requests: int, scale: float, seed: int, log) -> dict:
+def mixed_workload(llm, num_requests: int, scale: float, seed: int, log,
+                   repeats: int = 2) -> dict:
     lengths = tuple(max(1, int(n * scale)) for n in THROUGHPUT_LENGTHS)
     work = offline_workload(num_requests, seed, lengths, max_token_id(llm))
     spec = StructuredSpec.json(SCHEMA)
@@ -106,8 +107,15 @@ def mixed_workload(llm, num_requests: int, scale: float, seed: int, log) -> dict
     llm.generate(work.prompts[:len(warm)], warm)  # kernels, graphs, the mask's lexer states
     result = {"num_requests": num_requests, "constrained_every": CONSTRAINED_EVERY,
               "compile_s_with_compiler": compile_s}
-    result["unconstrained"] = workload_run(llm, work.prompts, plain)
-    result["mixed"] = workload_run(llm, work.prompts, mixed)
+    # in turn, the best of each kept: the first whole workload of a process runs slower
+    # (its first long prefill and decode steps), whichever kind it is
+    runs = {"unconstrained": [], "mixed": []}
+    for _ in range(repeats):
+        runs["unconstrained"].append(workload_run(llm, work.prompts, plain))
+        runs["mixed"].append(workload_run(llm, work.prompts, mixed))
+    for kind, kind_runs in runs.items():
+        result[kind] = max(kind_runs, key=lambda run: run["output_tok_s"])
+        result[kind]["output_tok_s_of_each_run"] = [run["output_tok_s"] for run in kind_runs]
     result["ratio"] = result["mixed"]["output_tok_s"] / result["unconstrained"]["output_tok_s"]
     result["target"] = TARGETS["mixed_workload"]
     result["meets_target"] = result["ratio"] >= result["target"]
@@ -152,6 +160,8 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiplies the workload's lengths (quick checks)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each workload, in turn; the best of each is compared")
     parser.add_argument("--tokenizer-json", help="use this tokenizer.json instead of the "
                                                  "model folder's")
     args = parser.parse_args()
@@ -167,7 +177,7 @@ def main():
                   "tokenizer_vocab_size": llm.tokenizer.vocab_size,
                   "platform": platform.platform(), "load_s": load_s, "schema": SCHEMA,
                   "mixed_workload": mixed_workload(llm, args.num_requests, args.scale,
-                                                   args.seed, log),
+                                                   args.seed, log, args.repeats),
                   "batch1_decode": batch1_decode(llm, args.seed, log)}
         llm.close()
     finally:
