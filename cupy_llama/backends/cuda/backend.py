@@ -291,16 +291,14 @@ class CudaBackend:
     def forward(self, batch, prompt=None):
         """One step of the model (models/decoder.py): decode batches replay a decode graph,
         other steps of up to graphs.STEP_BUCKETS[-1] tokens their bucket's step graphs with
-        attention in between, when graphs are on; everything else runs eagerly, as does a
-        step with prompt log-probabilities to compute (prompt: an
-        interface.PromptLogprobRequest). Returns logits [B, V] float32 (a pool view)."""
-        if prompt is not None:
-            return self.model.forward(self, batch, prompt)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        attention in between, when graphs are on; everything else runs eagerly. prompt: an
+        interface.PromptLogprobRequest (only steps with a prefill have one), computed after
+        the last layer either way. Returns logits [B, V] float32 (a pool view)."""
+        if prompt is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         if self.step_graphs is not None and self.step_graphs.can_run(batch):
-            return self.step_graphs.run(batch)
-        return self.model.forward(self, batch)
+            return self.step_graphs.run(batch, prompt)
+        return self.model.forward(self, batch, prompt)
 
     def _allocate(self, nbytes: int, what: str):
         cupy = self._cupy

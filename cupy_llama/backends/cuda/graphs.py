@@ -340,8 +340,10 @@ class StepGraphs:
                   f"{', '.join(map(str, self.buckets))} tokens in "
                   f"{time.perf_counter() - started:.2f} s")
 
-    def run(self, batch: ForwardBatch):
-        """Logits [B, V] float32 of a prefill or mixed step (a view of the pool)."""
+    def run(self, batch: ForwardBatch, prompt=None):
+        """Logits [B, V] float32 of a prefill or mixed step (a view of the pool). prompt:
+        None, or an interface.PromptLogprobRequest, computed after the last layer as
+        models/decoder.py forward_uploaded does."""
         if not self.can_run(batch):
             raise ValueError(f"a batch of {batch.num_tokens} tokens for {batch.num_seqs} "
                              f"sequences is not a step of at most {self.max_tokens} tokens "
@@ -358,11 +360,17 @@ class StepGraphs:
         backend = self._backend
         model = backend.model
         buf = backend.buffers(bucket, B)
+        # the prompt rows to score go up before the graphs are queued: an upload waits for
+        # what its stream has queued already
+        staged = None if prompt is None else backend.ops.device_array(
+            np.stack([prompt.rows, prompt.targets]))
         stream = self._cupy.cuda.get_current_stream()
         graphs[0].launch(stream)  # the pieces' walk of models/decoder.py forward_uploaded
         for i in range(model.config.num_hidden_layers):
             model.attention(backend, meta, buf, i)
             graphs[i + 1].launch(stream)
+        if prompt is not None:
+            model.prompt_logprobs(backend, meta, buf, prompt, staged)
         return model.head(backend, meta, buf)
 
     @property
