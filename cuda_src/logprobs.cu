@@ -4,9 +4,10 @@
 // Launch: grid (R), block (LOGPROB_THREADS); R rows of the step's logits (rows[r]), the
 // tokens sampling chose for them (tokens[rows[r]]), k <= LOGPROB_MAX_K.
 //
-// One CTA per row: the row's maximum, then log(sum exp(x - max)), then the top k one at a
-// time, each the largest (logit, lower index first) after the one before, so no list of
-// the chosen is kept. NaN logits count as -inf: never chosen, no mass. Output row r:
+// One CTA per row: the row's maximum and log(sum exp(x - max)) in one pass over it (each
+// thread's sum rescaled as its maximum grows), the maximum being the first of the top k;
+// then the rest of the top k one pass at a time, each the largest (logit, lower index
+// first) after the one before, so no list of the chosen is kept. NaN logits count as -inf: never chosen, no mass. Output row r:
 // values[r][0] = logprob of the sampled token, values[r][1 + j] = the j-th most likely
 // token's (ids[r][...] alike).
 
@@ -58,15 +59,28 @@ logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restri
 
     float best = neg_inf();
     int best_i = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS)
-        keep_better(best, best_i, finite_or_low(x[i]), i);
+    // one pass: each thread's best pair and its sum of exp(x - its maximum), rescaled as
+    // the maximum grows (a thread sees its indices in increasing order, so a tie keeps
+    // the first); then the block's best pair and the sums rescaled to its maximum
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
+        const float v = finite_or_low(x[i]);
+        if (v > best) {
+            sum = sum * expf(best - v) + 1.0f;  // expf(-inf) = 0 at the first finite value
+            best = v;
+            best_i = i;
+        } else if (best_i == 0x7fffffff) {
+            best_i = i;  // -inf so far (keep_better's lowest index of equals)
+        } else if (v > neg_inf()) {
+            sum += expf(v - best);
+        }
+    }
+    const float own_max = best, own_sum = sum;
     block_best(best, best_i, scratch_v, scratch_i);
     const float max_logit = best;  // -inf only for a row of NaN and -inf: then every value is NaN
-
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS)
-        sum += expf(finite_or_low(x[i]) - max_logit);
-    const float log_total = max_logit + logf(block_sum(sum, sum_scratch));
+    const int max_i = best_i;
+    const float rescaled = own_sum > 0.0f ? own_sum * expf(own_max - max_logit) : 0.0f;
+    const float log_total = max_logit + logf(block_sum(rescaled, sum_scratch));
 
     float* out_values = values + (long long)blockIdx.x * (k + 1);
     int* out_ids = ids + (long long)blockIdx.x * (k + 1);
@@ -75,10 +89,15 @@ logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restri
         out_ids[0] = chosen;
         out_values[0] = finite_or_low(x[chosen]) - log_total;
     }
-    // the top k: the j-th is the best pair below the (j-1)-th in the (logit, -index) order
-    float prev = __int_as_float(0x7f800000);  // +inf: everything is below it
-    int prev_i = -1;
-    for (int j = 0; j < k; ++j) {
+    // the top k: the first is the row's best pair, the j-th the best pair below the
+    // (j-1)-th in the (logit, -index) order
+    if (k > 0 && threadIdx.x == 0) {
+        out_ids[1] = max_i < vocab ? max_i : 0;
+        out_values[1] = max_i < vocab ? max_logit - log_total : neg_inf();
+    }
+    float prev = max_logit;
+    int prev_i = max_i;
+    for (int j = 1; j < k; ++j) {
         best = neg_inf();
         best_i = 0x7fffffff;
         for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
