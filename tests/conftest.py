@@ -132,3 +132,19 @@ def make_tool_model(out_dir, style: str, seed: int = 0) -> Path:
     tokenizer.save(str(path))
     (model_dir / "chat_template.jinja").write_text((CHAT_TEMPLATES / template).read_text())
     return model_dir
+
+
+# two tools the tool-calling tests offer (test_tool_calls_engine.py, test_server_structured.py):
+# bounded and patterned arguments, so a call that validates was made under the grammar
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+        "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]

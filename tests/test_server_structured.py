@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 from cupy_llama import LLM  # noqa: E402
 from cupy_llama.server.app import create_app  # noqa: E402
 
-from conftest import make_tool_model  # noqa: E402
+from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model  # noqa: E402
 from inprocess_server import Answer, ask, ask_one, make_state  # noqa: E402
 
 pytest.importorskip("llguidance")
@@ -203,18 +203,6 @@ def test_without_llguidance_a_constraint_names_the_extra(model_dir, llm, monkeyp
 
 # ---- tools ---------------------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-        "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module", params=["llama3_json", "hermes", "mistral"])

@@ -9,23 +9,11 @@ import pytest
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import RequestError
 
-from conftest import make_tool_model
+from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-        "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module", params=["llama3_json", "hermes"])
