@@ -348,6 +348,7 @@ class _Job:
         self._admitted = [False] * len(prompts)
         self._cached = [0] * len(prompts)  # prompt tokens the prefix cache held, per prompt
         self._prompt_logprobs = [None] * len(prompts)  # per prompt, where asked
+        self._opened: set = set()  # (prompt index, choice index) of choices streamed
         self.num_unfinished = len(prompts) * n
         self.arrival = time.monotonic()
 
@@ -436,6 +437,12 @@ class _Job:
             usage = None
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
+            if (i, j) not in self._opened:  # its first chunks: echo's prompt, where asked
+                self._opened.add((i, j))
+                opening_usage = usage and protocol.usage(len(self.prompts[i]), 0)
+                for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
+                                                    self._prompt_logprobs[i], opening_usage):
+                    parts.append(_sse(chunk))
             for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
                                                usage, token_ids):
                 parts.append(_sse(chunk))

@@ -439,9 +439,6 @@ class CompletionRequest(_SamplingFields):
             if self.best_of > self.n and self.stream:
                 raise APIError(400, "best_of past n is not supported with stream: true (as "
                                     "OpenAI's API)", param="best_of")
-        if self.echo and self.stream:
-            raise APIError(400, "echo is not supported with stream: true; send it without "
-                                "streaming", param="echo", code="unsupported_parameter")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1, got 0 (0 only scores the "
                                 "prompt, with echo: true)", param="max_tokens")
@@ -669,6 +666,12 @@ class _Stream:
         new tokens)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
+    def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
+                usage: dict | None = None) -> list[dict]:
+        """The chunks that come before a choice's first text (prompts: every prompt's
+        token ids; scored: prompt prompt_index's log-probabilities, where computed)."""
+        return []
+
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
                **fields) -> dict:
         choice = {"index": index, **fields,
@@ -690,8 +693,43 @@ class CompletionStream(_Stream):
     def __init__(self, request: CompletionRequest, response_id: str, created: int,
                  model: str, token_strings=None, fingerprint: str | None = None):
         super().__init__(request, response_id, created, model, token_strings, fingerprint)
+        self._request = request
         self._wants_logprobs = request.logprobs is not None
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
+        self._prompt_texts: list[str] | None = None  # echo's, made at the first opening
+
+    def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
+                usage: dict | None = None) -> list[dict]:
+        """echo: the prompt's text (and its legacy logprobs, text offsets from the prompt's
+        start) in one chunk, before the completion's; the completion's offsets go on from
+        the prompt's end (what completion_response puts in one body)."""
+        request = self._request
+        if not request.echo:
+            return []
+        if self._prompt_texts is None:
+            self._prompt_texts = request.prompt_texts(prompts, self._token_strings)
+        logprobs = None
+        if self._wants_logprobs:
+            logprobs, self._text_offsets[index] = prompt_completion_logprobs(
+                prompts[prompt_index], scored, request.logprobs, self._token_strings)
+        return [self._chunk(index, None, self._scores_only_usage(usage),
+                            text=self._prompt_texts[prompt_index], logprobs=logprobs)]
+
+    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
+               usage: dict | None = None, token_ids=None) -> list[dict]:
+        if self._request.scores_only:  # the one token made to score the prompt is not shown
+            text, logprobs = "", None if logprobs is None else []
+        return [self.chunk(index, text, logprobs, finish_reason,
+                           self._scores_only_usage(usage))]
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return super().usage_chunk(self._scores_only_usage(usage))
+
+    def _scores_only_usage(self, usage: dict | None) -> dict | None:
+        """max_tokens 0 with echo: the token made to score the prompt is not the client's."""
+        if usage is None or not self._request.scores_only:
+            return usage
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
               usage: dict | None = None) -> dict:
