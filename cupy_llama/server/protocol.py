@@ -575,7 +575,7 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                 text = prompt_texts[i] + text
                 if request.logprobs is not None:
                     logprobs, offset = prompt_completion_logprobs(
-                        output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                        output.prompt_token_ids, output.prompt_scores, request.logprobs,
                         token_strings)
             if request.logprobs is not None:
                 generated, _ = completion_logprobs(logprob_entries(output.logprobs),
@@ -587,7 +587,7 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                       "finish_reason": FINISH_REASONS[output.finish_reason]}
             if request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
-                    output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
+                    output.prompt_token_ids, output.prompt_scores, request.prompt_logprobs,
                     token_strings)
             choices.append(choice)
     if request.scores_only:  # the token made to score the prompt is not the client's
@@ -601,23 +601,26 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
     """echo's part of the legacy logprobs: one entry per prompt token, the first with
     token_logprobs and top_logprobs null (nothing comes before it), the others with the
     token's log-probability and the k most likely tokens there (and the token itself, as
-    for generated ones); text offsets from 0. Returns it and the offset after the prompt."""
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
-    for position, token_id in enumerate(prompt_ids):
-        text = token_strings(token_id)
-        tokens.append(text)
+    for generated ones); text offsets from 0. scored: the prompt's PromptScores (read as
+    arrays, no object per token), or None. Returns it and the offset after the prompt."""
+    tokens = [token_strings(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for text in tokens:
         offsets.append(offset)
         offset += len(text)
-        entry = scored[position] if scored and position < len(scored) else None
-        if entry is None:
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            continue
-        token_logprobs.append(_number(entry.logprob))
-        alternatives = {token_strings(t): _number(lp) for t, lp in entry.top[:k]}
-        if all(t != token_id for t, _ in entry.top[:k]):
-            alternatives.setdefault(text, _number(entry.logprob))
-        top_logprobs.append(alternatives)
+    token_logprobs, top_logprobs = [None] * len(tokens), [None] * len(tokens)
+    if scored is not None:
+        ids, values = scored.rows()
+        for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
+            if position >= len(tokens):
+                break
+            logprob = _number(row_values[0])
+            token_logprobs[position] = logprob
+            alternatives = {token_strings(t): _number(lp)
+                            for t, lp in zip(row_ids[1:1 + k], row_values[1:1 + k])}
+            if row_ids[0] not in row_ids[1:1 + k]:
+                alternatives.setdefault(tokens[position], logprob)
+            top_logprobs[position] = alternatives
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, offset
 
@@ -625,22 +628,23 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
 def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | None:
     """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {
     "logprob", "rank", "decoded_token"}} for the token and the k most likely there (rank
-    1 the most likely; the token's own rank where it is among them, else null)."""
+    1 the most likely; the token's own rank where it is among them, else null). scored:
+    the prompt's PromptScores, or None."""
     if scored is None:
         return None
-    result = []
-    for position, token_id in enumerate(prompt_ids):
-        entry = scored[position] if position < len(scored) else None
-        if entry is None:
-            result.append(None)
-            continue
-        ranks = {t: rank for rank, (t, _) in enumerate(entry.top, start=1)}
-        items = {str(token_id): {"logprob": _number(entry.logprob), "rank": ranks.get(token_id),
+    result = [None] * len(prompt_ids)
+    ids, values = scored.rows()
+    for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
+        if position >= len(prompt_ids):
+            break
+        token_id, top = row_ids[0], row_ids[1:]
+        rank = top.index(token_id) + 1 if token_id in top else None
+        items = {str(token_id): {"logprob": _number(row_values[0]), "rank": rank,
                                  "decoded_token": token_strings(token_id)}}
-        for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+        for rank, (t, lp) in enumerate(zip(top[:k], row_values[1:1 + k]), start=1):
             items.setdefault(str(t), {"logprob": _number(lp), "rank": rank,
                                       "decoded_token": token_strings(t)})
-        result.append(items)
+        result[position] = items
     return result
 
 
@@ -1008,7 +1012,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     if request.prompt_logprobs is not None and outputs:  # vLLM's, beside the choices
         first = min(outputs, key=_index)
         body["prompt_logprobs"] = vllm_prompt_logprobs(
-            first.prompt_token_ids, first.prompt_logprobs, request.prompt_logprobs,
+            first.prompt_token_ids, first.prompt_scores, request.prompt_logprobs,
             token_strings)
     return body
 
