@@ -92,15 +92,15 @@ class _Sample:
             chunks = source.prompt_chunks
             if chunks is None or source.num_scored < self.seq.num_prompt_tokens:
                 return None
-            if len(chunks) == 1:
+            if not chunks:  # a prompt of one token: nothing to score
+                width = 1 + self.seq.params.prompt_logprobs
+                source.prompt_scores = (np.empty((0, width), np.float32),
+                                        np.empty((0, width), np.int32))
+            elif len(chunks) == 1:
                 source.prompt_scores = chunks[0]
             else:
-                width = 1 + self.seq.params.prompt_logprobs
-                source.prompt_scores = (
-                    np.concatenate([v for v, _ in chunks]) if chunks
-                    else np.empty((0, width), np.float32),
-                    np.concatenate([i for _, i in chunks]) if chunks
-                    else np.empty((0, width), np.int32))
+                source.prompt_scores = (np.concatenate([v for v, _ in chunks]),
+                                        np.concatenate([i for _, i in chunks]))
             source.prompt_chunks = []
         return source.prompt_scores
 
