@@ -438,7 +438,7 @@ class _Job:
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
             if (i, j) not in self._opened:  # its first chunks: echo's prompt, where asked
                 self._opened.add((i, j))
-                opening_usage = usage and protocol.usage(len(self.prompts[i]), 0)
+                opening_usage = None if usage is None else protocol.usage(len(self.prompts[i]), 0)
                 for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
                                                     self._prompt_scores[i], opening_usage):
                     parts.append(_sse(chunk))
