@@ -13,6 +13,44 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
 
 
+class PromptScores:
+    """A prompt's log-probabilities as the device returned them (docs/ARCHITECTURE.md,
+    "Prompt log-probabilities"): row r scores prompt token r + 1 given the ones before it,
+    values[r, 0] its log-probability and values[r, 1:] the k most likely tokens' there
+    (ids[r, 1:]), best first; ids[r, 0] is the token. entries() makes the per-token
+    objects once, for whoever reads them."""
+    __slots__ = ("values", "ids", "_entries")
+
+    def __init__(self, values, ids):
+        self.values = values  # [P - 1, 1 + k] float32 (NumPy)
+        self.ids = ids        # [P - 1, 1 + k] int32
+        self._entries: list | None = None
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[1] - 1
+
+    def __len__(self) -> int:
+        """One per prompt token (the first has no score)."""
+        return self.ids.shape[0] + 1
+
+    def rows(self) -> tuple[list, list]:
+        """(ids, values) as nested Python lists, made in one pass each."""
+        return self.ids.tolist(), self.values.tolist()
+
+    def entries(self) -> list[TokenLogprob | None]:
+        """RequestOutput.prompt_logprobs: None for the first token, then a TokenLogprob per
+        scored token (made on the first call, the same list after)."""
+        if self._entries is None:
+            ids, values = self.rows()
+            self._entries = [None] + [TokenLogprob(i[0], v[0], list(zip(i[1:], v[1:])))
+                                      for i, v in zip(ids, values)]
+        return self._entries
+
+    def __reduce__(self):  # the arrays only: the entries are made again where read
+        return PromptScores, (self.values, self.ids)
+
+
 @dataclass(frozen=True)
 class RequestTimes:
     """When a sample passed the engine's stages, in time.monotonic() seconds: the
@@ -45,15 +83,22 @@ class RequestOutput:
     # reply's text besides them (None when there is none)
     tool_calls: list | None = None
     content: str | None = None
-    # where the request asked (SamplingParams.prompt_logprobs): one per prompt token, None
-    # for the first (nothing comes before it), then each token's log-probability given
-    # the ones before it and the k most likely there; on every output once the prompt is
-    # computed (the same list for all n samples)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # where the request asked (SamplingParams.prompt_logprobs), on every output once the
+    # prompt is computed (the same for all n samples): the scores as arrays;
+    # prompt_logprobs below makes the per-token objects from them when read
+    prompt_scores: PromptScores | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Where the request asked (SamplingParams.prompt_logprobs): one per prompt token,
+        None for the first (nothing comes before it), then each token's log-probability
+        given the ones before it and the k most likely there; made from prompt_scores on
+        the first read (the same list for all n samples)."""
+        return None if self.prompt_scores is None else self.prompt_scores.entries()
 
 
 def is_token_id(value) -> bool:

@@ -93,6 +93,44 @@ def test_preempted_prompts_are_scored_once(model_dir):
                                    [e.logprob for e in a.prompt_logprobs[1:]], atol=1e-5)
 
 
+def test_requests_of_one_step_keep_their_own_k_as_arrays():
+    """A step scores as many alternatives as its widest request asks; each request keeps
+    its own, as the arrays the device gave (the engine makes no object per token), whole
+    and in chunks of another request's width."""
+    folder, prompt, expected = fixture("qwen3")
+    llm = LLM(folder, device="cpu", log=None, max_num_batched_tokens=24)
+    ks, lengths = (0, 4, 1), (10, len(prompt), 30)  # steps of 24 tokens mix them
+    outs = llm.generate([prompt[:n] for n in lengths], [
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in ks])
+    for k, n, out in zip(ks, lengths, outs):
+        scores = out.prompt_scores
+        assert scores.values.dtype == np.float32 and scores.ids.dtype == np.int32
+        assert scores.values.shape == scores.ids.shape == (n - 1, 1 + k)
+        np.testing.assert_array_equal(scores.ids[:, 0], prompt[1:n])
+        np.testing.assert_allclose(scores.values[:, 0],
+                                   expected[np.arange(n - 1), prompt[1:n]], atol=TOLERANCE)
+        check(out.prompt_logprobs, prompt[:n], expected, k)
+
+
+def test_prompt_scores_cross_a_pickle_as_arrays_and_make_their_entries_once():
+    import pickle
+
+    from cupy_llama.outputs import PromptScores, TokenLogprob
+    values = np.array([[-1.5, -0.5, -1.5], [-0.25, -0.25, -2.0]], np.float32)
+    ids = np.array([[7, 3, 7], [9, 9, 1]], np.int32)
+    scores = pickle.loads(pickle.dumps(PromptScores(values, ids)))
+    assert len(scores) == 3 and scores.k == 2
+    entries = scores.entries()
+    assert entries == [None, TokenLogprob(7, -1.5, [(3, -0.5), (7, -1.5)]),
+                       TokenLogprob(9, -0.25, [(9, -0.25), (1, -2.0)])]
+    assert scores.entries() is entries  # made once, shared by whoever reads them
+    assert all(type(entry.token_id) is int and type(entry.logprob) is float
+               for entry in entries[1:])
+    # what crosses is the arrays (no list of entries: made again where read)
+    again = pickle.loads(pickle.dumps(scores))
+    assert again._entries is None and again.entries() == entries
+
+
 @pytest.mark.parametrize("value", [-1, 21, True, "2"])
 def test_out_of_range_is_refused(value):
     with pytest.raises(RequestError, match="prompt_logprobs"):

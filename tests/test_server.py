@@ -324,6 +324,28 @@ def test_streamed_logprobs_add_up_to_the_whole(http):
     assert _rounded(streamed) == _rounded(content)
 
 
+def test_prompt_scores_through_the_engine_process(http, llm):
+    """echo's prompt log-probabilities cross the engine process's socket as arrays: the
+    streamed and whole answers agree, and equal the engine's own prompt_logprobs."""
+    prompt = LOGPROB_PROMPT
+    body = {"prompt": prompt, "max_tokens": 0, "logprobs": 2, "echo": True,
+            "prompt_logprobs": 1}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        chunks = [c["choices"][0] for c in sse_events(response)]
+    merged = {key: [v for chunk in chunks for v in chunk["logprobs"][key]]
+              for key in whole["logprobs"]}
+    assert merged == whole["logprobs"]
+    assert "".join(chunk["text"] for chunk in chunks) == whole["text"]
+    own = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2)).prompt_logprobs
+    assert whole["logprobs"]["token_logprobs"][0] is None
+    np.testing.assert_allclose(whole["logprobs"]["token_logprobs"][1:],
+                               [e.logprob for e in own[1:]], atol=1e-4)
+    assert [None if e is None else list(e) for e in whole["prompt_logprobs"]] == \
+        [None] + [[str(t)] if t == e.top[0][0] else [str(t), str(e.top[0][0])]
+                  for t, e in zip(prompt[1:], own[1:])]
+
+
 def _rounded(value, digits: int = 4):
     """value with every float rounded (nested lists and dicts)."""
     if isinstance(value, float):
@@ -497,8 +519,8 @@ BAD_REQUESTS = [
     ("a schema left out", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, {}, 400,
      ["response_format.json_schema.schema is missing"], "response_format"),
-    ("streamed echo", "/v1/completions", {"prompt": "x", "echo": True, "stream": True}, {},
-     400, ["echo"], "echo"),
+    ("echo not a boolean", "/v1/completions", {"prompt": "x", "echo": "yes", "stream": True},
+     {}, 400, ["echo must be true or false"], "echo"),
     ("logit_bias past 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, {},
      400, ["logit_bias"], "logit_bias"),
     ("best_of < n", "/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, {}, 400,

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from inprocess_server import ask_one, make_state  # noqa: E402
+from inprocess_server import ask, ask_one, make_state  # noqa: E402
 
 from cupy_llama import SamplingParams  # noqa: E402
 from cupy_llama.server import protocol  # noqa: E402
@@ -70,9 +70,71 @@ def test_max_tokens_0_with_echo_scores_only(state, llm, model_dir):
     # without echo, 0 is refused, naming the field
     refused = ask_one(state, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert refused.status == 400 and refused.json()["error"]["param"] == "max_tokens"
-    streamed = ask_one(state, "POST", "/v1/completions",
-                       json={"prompt": "x", "echo": True, "stream": True})
-    assert streamed.status == 400 and streamed.json()["error"]["param"] == "echo"
+
+
+def reassembled(events) -> tuple[dict, dict | None]:
+    """A streamed completion's chunks put back together: {choice index: {"text",
+    "logprobs", "finish_reason"}} (each logprobs list concatenated), and the usage chunk's
+    usage."""
+    choices, usage = {}, None
+    for event in events:
+        if not event["choices"]:
+            usage = event["usage"]
+            continue
+        (chunk,) = event["choices"]
+        choice = choices.setdefault(chunk["index"], {"text": "", "logprobs": None,
+                                                     "finish_reason": None})
+        choice["text"] += chunk["text"]
+        if chunk["logprobs"] is not None:
+            if choice["logprobs"] is None:
+                choice["logprobs"] = {key: [] for key in chunk["logprobs"]}
+            for key, values in chunk["logprobs"].items():
+                choice["logprobs"][key] += values
+        if chunk["finish_reason"] is not None:
+            assert choice["finish_reason"] is None, "a choice finished twice"
+            choice["finish_reason"] = chunk["finish_reason"]
+    return choices, usage
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "The cat sat", "max_tokens": 3, "logprobs": 2, "temperature": 0},
+    {"prompt": ["one two", "The cat sat on"], "max_tokens": 4, "logprobs": 1, "n": 2,
+     "temperature": 1.0, "seed": 5},
+    {"prompt": [[5, 9, 14, 3], [7, 7, 2]], "max_tokens": 0, "logprobs": 0},
+    {"prompt": "abc def", "max_tokens": 2, "n": 2, "temperature": 0},
+], ids=["logprobs", "n2-two-prompts", "max-tokens-0-token-ids", "no-logprobs"])
+def test_streamed_echo_reassembles_to_the_whole_body(state, body):
+    body = {**body, "echo": True}
+    whole, streamed = ask(state, [
+        ("POST", "/v1/completions", {"json": body}),
+        ("POST", "/v1/completions", {"json": {**body, "stream": True, "stream_options": {
+            "include_usage": True}}})])
+    assert whole.status == 200 and streamed.status == 200, (whole.body, streamed.body)
+    expected = whole.json()
+    events = streamed.events()
+    choices, usage = reassembled(events)
+    assert sorted(choices) == [c["index"] for c in expected["choices"]]
+    for choice in expected["choices"]:
+        got = choices[choice["index"]]
+        assert got["text"] == choice["text"]
+        assert got["finish_reason"] == choice["finish_reason"]
+        assert got["logprobs"] == choice["logprobs"]  # tokens, logprobs, tops, text_offset
+    assert usage == expected["usage"]
+    # each choice's first chunk is its prompt, whole: the completion comes after it
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    n = body.get("n", 1)
+    firsts = {}
+    for event in events:
+        for chunk in event["choices"]:
+            firsts.setdefault(chunk["index"], chunk)
+    for index, chunk in firsts.items():
+        echoed = chunk["text"]
+        assert expected["choices"][index]["text"].startswith(echoed)
+        if isinstance(prompts[index // n], str):
+            assert echoed == prompts[index // n]
+        if chunk["logprobs"] is not None:
+            assert chunk["logprobs"]["token_logprobs"][0] is None
+            assert chunk["logprobs"]["text_offset"][0] == 0
 
 
 def test_vllm_prompt_logprobs_on_both_endpoints(state, llm, model_dir):

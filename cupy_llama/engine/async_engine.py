@@ -252,12 +252,9 @@ def _as_delta(output) -> EngineDelta:
     times = output.times
     if times is not None:
         times = (times.added, times.scheduled, times.first_token, times.last_token)
-    prompt_logprobs = output.prompt_logprobs
-    if prompt_logprobs is not None and len(output.token_ids) > len(output.delta_token_ids):
-        prompt_logprobs = None  # sent with the first delta
-    elif prompt_logprobs is not None:
-        prompt_logprobs = [None if e is None else (e.token_id, e.logprob, e.top)
-                           for e in prompt_logprobs]
+    scores, prompt_logprobs = output.prompt_scores, None
+    if scores is not None and len(output.token_ids) == len(output.delta_token_ids):
+        prompt_logprobs = (scores.values, scores.ids)  # sent with the first delta only
     return EngineDelta(output.request_id, output.index, output.delta, output.delta_token_ids,
                        output.finish_reason, logprobs, output.num_cached_tokens, times,
                        prompt_logprobs)

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Iterator
 
+import numpy as np
+
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
 from ..outputs import RequestOutput, is_token_id
@@ -43,9 +45,13 @@ class _Sample:
         self.finish_reason: str | None = None
         # (token id, logprob, top) per resolved token not in a delta yet, where asked
         self.logprobs: list | None = [] if seq.params.logprobs is not None else None
-        # the prompt's (SamplingParams.prompt_logprobs), filled by sample 0 as its prompt is
-        # computed: None for the first token, then one per scored token
-        self.prompt_logprobs: list | None = None if seq.params.prompt_logprobs is None else [None]
+        # the prompt's scores (SamplingParams.prompt_logprobs), filled by sample 0 as its
+        # prompt is computed: the (values, ids) rows the device returned, step by step, as
+        # arrays (never an object per token here: docs/ARCHITECTURE.md, "Prompt
+        # log-probabilities"), joined into one pair once every prompt token is scored
+        self.prompt_chunks: list | None = None if seq.params.prompt_logprobs is None else []
+        self.num_scored = 1  # prompt positions covered (the first has no score)
+        self.prompt_scores: tuple | None = None  # (values, ids) once complete
         self.prompt_source = self  # the sample that computes them (sample 0)
         self.prompt_logprobs_sent = False  # in a delta already
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
@@ -78,23 +84,38 @@ class _Sample:
             seq.request_id, seq.index, text, token_ids, self.finish_reason, logprobs,
             max(0, seq.num_cached_tokens), times, prompt))
 
-    def complete_prompt_logprobs(self) -> list | None:
-        """The prompt's log-probabilities once every prompt token is scored, else None."""
-        scored = self.prompt_source.prompt_logprobs
-        if scored is None or len(scored) < self.seq.num_prompt_tokens:
-            return None
-        return scored
+    def complete_prompt_logprobs(self) -> tuple | None:
+        """The prompt's scores, (values [P - 1, 1 + k] float32, ids [P - 1, 1 + k] int32),
+        once every prompt token is scored, else None (PromptScores' arrays)."""
+        source = self.prompt_source
+        if source.prompt_scores is None:
+            chunks = source.prompt_chunks
+            if chunks is None or source.num_scored < self.seq.num_prompt_tokens:
+                return None
+            if not chunks:  # a prompt of one token: nothing to score
+                width = 1 + self.seq.params.prompt_logprobs
+                source.prompt_scores = (np.empty((0, width), np.float32),
+                                        np.empty((0, width), np.int32))
+            elif len(chunks) == 1:
+                source.prompt_scores = chunks[0]
+            else:
+                source.prompt_scores = (np.concatenate([v for v, _ in chunks]),
+                                        np.concatenate([i for _, i in chunks]))
+            source.prompt_chunks = []
+        return source.prompt_scores
 
     def add_prompt_logprobs(self, first: int, values, ids) -> None:
         """Scores of prompt tokens first, first + 1, ... (rows of values and ids: the token's
-        then the top k's); those it has already (a recomputed prompt) are kept."""
-        k = self.seq.params.prompt_logprobs
-        scored = self.prompt_logprobs
-        for j in range(max(0, len(scored) - first), values.shape[0]):
-            row_ids, row_values = ids[j].tolist(), values[j].tolist()
-            # (token id, logprob, top) as the deltas carry them (RequestOutput: TokenLogprob)
-            scored.append((row_ids[0], row_values[0],
-                           list(zip(row_ids[1:1 + k], row_values[1:1 + k]))))
+        then the top k's, of the step's width); those it has already (a recomputed prompt)
+        are kept."""
+        skip = max(0, self.num_scored - first)
+        if skip >= values.shape[0]:
+            return
+        width = 1 + self.seq.params.prompt_logprobs  # the step's may be wider
+        # copies: the step's arrays are not the sample's to keep
+        self.prompt_chunks.append((np.array(values[skip:, :width], np.float32),
+                                   np.array(ids[skip:, :width], np.int32)))
+        self.num_scored += values.shape[0] - skip
 
 
 @dataclass(frozen=True)

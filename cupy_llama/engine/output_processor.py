@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from operator import itemgetter
 
-from ..outputs import RequestOutput, RequestTimes, TokenLogprob
+from ..outputs import PromptScores, RequestOutput, RequestTimes, TokenLogprob
 from ..tokenizer import IncrementalDetokenizer
 from .sequence import SequenceStatus
 
@@ -35,13 +35,13 @@ class EngineDelta(tuple):
     # token, last token); else None
     times: tuple | None = property(itemgetter(7))
     # once, on the first delta after the whole prompt is scored, where the request asked
-    # (SamplingParams.prompt_logprobs): RequestOutput.prompt_logprobs; else None
-    prompt_logprobs: list | None = property(itemgetter(8))
+    # (SamplingParams.prompt_logprobs): PromptScores' (values, ids) arrays; else None
+    prompt_logprobs: tuple | None = property(itemgetter(8))
 
     def __new__(cls, request_id: str, index: int, text: str, token_ids: list[int],
                 finish_reason: str | None = None, logprobs: list | None = None,
                 num_cached_tokens: int = 0, times: tuple | None = None,
-                prompt_logprobs: list | None = None):
+                prompt_logprobs: tuple | None = None):
         return tuple.__new__(cls, (request_id, index, text, token_ids, finish_reason,
                                    logprobs, num_cached_tokens, times, prompt_logprobs))
 
@@ -219,9 +219,9 @@ _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new_
 
 class _SampleOutput:
     """What one sample's outputs hold so far. Per-sample fields a delta may carry later
-    (tool calls, prompt log-probabilities) go here and into output()."""
+    (tool calls) go here and into output()."""
     __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason",
-                 "num_cached_tokens", "times", "prompt_logprobs")
+                 "num_cached_tokens", "times")
 
     def __init__(self, index: int):
         self.index = index
@@ -231,14 +231,15 @@ class _SampleOutput:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.times: RequestTimes | None = None
-        self.prompt_logprobs: list | None = None
 
 
 class _RequestOutputs:
-    __slots__ = ("prompt_token_ids", "samples", "num_unfinished")
+    __slots__ = ("prompt_token_ids", "samples", "num_unfinished", "prompt_scores")
 
     def __init__(self, prompt_token_ids: list[int], n: int):
         self.prompt_token_ids = prompt_token_ids
+        # the prompt's, from the first delta that carries them: one for all n samples
+        self.prompt_scores: PromptScores | None = None
         self.samples = [_SampleOutput(index) for index in range(n)]
         self.num_unfinished = n
 
@@ -282,9 +283,8 @@ class OutputAccumulator:
                 new = [TokenLogprob(token_id, logprob, top) for token_id, logprob, top in logprobs]
                 sample.logprobs = new if sample.logprobs is None else sample.logprobs + new
             sample.num_cached_tokens = cached
-            if prompt is not None:
-                sample.prompt_logprobs = [None if e is None else TokenLogprob(*e)
-                                          for e in prompt]
+            if prompt is not None and request.prompt_scores is None:
+                request.prompt_scores = PromptScores(*prompt)
             if finish_reason is not None:
                 sample.finish_reason = finish_reason
                 sample.times = None if times is None else RequestTimes(*times)
@@ -295,5 +295,5 @@ class OutputAccumulator:
                 request_id, request.prompt_token_ids, sample.token_ids[:], sample.text,
                 finish_reason, text, token_ids, index, cached,
                 None if sample.logprobs is None else sample.logprobs[:], sample.times,
-                prompt_logprobs=sample.prompt_logprobs))
+                prompt_scores=request.prompt_scores))
         return outputs

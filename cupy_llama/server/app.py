@@ -46,7 +46,7 @@ from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
                                    RequestStream)
 from ..errors import RequestError
-from ..outputs import RequestOutput, TokenLogprob
+from ..outputs import PromptScores, RequestOutput
 from ..sampling import model_sampling_defaults
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
@@ -347,7 +347,8 @@ class _Job:
         self._running = set(self.request_ids)
         self._admitted = [False] * len(prompts)
         self._cached = [0] * len(prompts)  # prompt tokens the prefix cache held, per prompt
-        self._prompt_logprobs = [None] * len(prompts)  # per prompt, where asked
+        self._prompt_scores = [None] * len(prompts)  # per prompt, where asked
+        self._opened: set = set()  # (prompt index, choice index) of choices streamed
         self.num_unfinished = len(prompts) * n
         self.arrival = time.monotonic()
 
@@ -367,9 +368,8 @@ class _Job:
             (request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times,
              prompt_logprobs) = item
             i = self._prompt_of[request_id]
-            if prompt_logprobs is not None:
-                self._prompt_logprobs[i] = [None if e is None else TokenLogprob(*e)
-                                            for e in prompt_logprobs]
+            if prompt_logprobs is not None and self._prompt_scores[i] is None:
+                self._prompt_scores[i] = PromptScores(*prompt_logprobs)
             choice = self.choices[i][index]
             if choice.finish_reason is not None:
                 continue
@@ -424,11 +424,11 @@ class _Job:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
                                c.finish_reason, logprobs=c.logprobs, index=index,
-                               num_cached_tokens=cached, prompt_logprobs=scored)
+                               num_cached_tokens=cached, prompt_scores=scored)
                  for index, c in enumerate(choices)]
                 for request_id, prompt, choices, cached, scored in zip(
                     self.request_ids, self.prompts, self.choices, self._cached,
-                    self._prompt_logprobs)]
+                    self._prompt_scores)]
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
@@ -436,6 +436,12 @@ class _Job:
             usage = None
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
+            if (i, j) not in self._opened:  # its first chunks: echo's prompt, where asked
+                self._opened.add((i, j))
+                opening_usage = None if usage is None else protocol.usage(len(self.prompts[i]), 0)
+                for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
+                                                    self._prompt_scores[i], opening_usage):
+                    parts.append(_sse(chunk))
             for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
                                                usage, token_ids):
                 parts.append(_sse(chunk))

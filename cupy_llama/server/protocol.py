@@ -439,9 +439,6 @@ class CompletionRequest(_SamplingFields):
             if self.best_of > self.n and self.stream:
                 raise APIError(400, "best_of past n is not supported with stream: true (as "
                                     "OpenAI's API)", param="best_of")
-        if self.echo and self.stream:
-            raise APIError(400, "echo is not supported with stream: true; send it without "
-                                "streaming", param="echo", code="unsupported_parameter")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1, got 0 (0 only scores the "
                                 "prompt, with echo: true)", param="max_tokens")
@@ -578,7 +575,7 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                 text = prompt_texts[i] + text
                 if request.logprobs is not None:
                     logprobs, offset = prompt_completion_logprobs(
-                        output.prompt_token_ids, output.prompt_logprobs, request.logprobs,
+                        output.prompt_token_ids, output.prompt_scores, request.logprobs,
                         token_strings)
             if request.logprobs is not None:
                 generated, _ = completion_logprobs(logprob_entries(output.logprobs),
@@ -590,7 +587,7 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                       "finish_reason": FINISH_REASONS[output.finish_reason]}
             if request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
-                    output.prompt_token_ids, output.prompt_logprobs, request.prompt_logprobs,
+                    output.prompt_token_ids, output.prompt_scores, request.prompt_logprobs,
                     token_strings)
             choices.append(choice)
     if request.scores_only:  # the token made to score the prompt is not the client's
@@ -604,23 +601,26 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
     """echo's part of the legacy logprobs: one entry per prompt token, the first with
     token_logprobs and top_logprobs null (nothing comes before it), the others with the
     token's log-probability and the k most likely tokens there (and the token itself, as
-    for generated ones); text offsets from 0. Returns it and the offset after the prompt."""
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
-    for position, token_id in enumerate(prompt_ids):
-        text = token_strings(token_id)
-        tokens.append(text)
+    for generated ones); text offsets from 0. scored: the prompt's PromptScores (read as
+    arrays, no object per token), or None. Returns it and the offset after the prompt."""
+    tokens = [token_strings(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for text in tokens:
         offsets.append(offset)
         offset += len(text)
-        entry = scored[position] if scored and position < len(scored) else None
-        if entry is None:
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            continue
-        token_logprobs.append(_number(entry.logprob))
-        alternatives = {token_strings(t): _number(lp) for t, lp in entry.top[:k]}
-        if all(t != token_id for t, _ in entry.top[:k]):
-            alternatives.setdefault(text, _number(entry.logprob))
-        top_logprobs.append(alternatives)
+    token_logprobs, top_logprobs = [None] * len(tokens), [None] * len(tokens)
+    if scored is not None:
+        ids, values = scored.rows()
+        for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
+            if position >= len(tokens):
+                break
+            logprob = _number(row_values[0])
+            token_logprobs[position] = logprob
+            alternatives = {token_strings(t): _number(lp)
+                            for t, lp in zip(row_ids[1:1 + k], row_values[1:1 + k])}
+            if row_ids[0] not in row_ids[1:1 + k]:
+                alternatives.setdefault(tokens[position], logprob)
+            top_logprobs[position] = alternatives
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, offset
 
@@ -628,22 +628,23 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
 def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | None:
     """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {
     "logprob", "rank", "decoded_token"}} for the token and the k most likely there (rank
-    1 the most likely; the token's own rank where it is among them, else null)."""
+    1 the most likely; the token's own rank where it is among them, else null). scored:
+    the prompt's PromptScores, or None."""
     if scored is None:
         return None
-    result = []
-    for position, token_id in enumerate(prompt_ids):
-        entry = scored[position] if position < len(scored) else None
-        if entry is None:
-            result.append(None)
-            continue
-        ranks = {t: rank for rank, (t, _) in enumerate(entry.top, start=1)}
-        items = {str(token_id): {"logprob": _number(entry.logprob), "rank": ranks.get(token_id),
+    result = [None] * len(prompt_ids)
+    ids, values = scored.rows()
+    for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
+        if position >= len(prompt_ids):
+            break
+        token_id, top = row_ids[0], row_ids[1:]
+        rank = top.index(token_id) + 1 if token_id in top else None
+        items = {str(token_id): {"logprob": _number(row_values[0]), "rank": rank,
                                  "decoded_token": token_strings(token_id)}}
-        for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+        for rank, (t, lp) in enumerate(zip(top[:k], row_values[1:1 + k]), start=1):
             items.setdefault(str(t), {"logprob": _number(lp), "rank": rank,
                                       "decoded_token": token_strings(t)})
-        result.append(items)
+        result[position] = items
     return result
 
 
@@ -669,6 +670,12 @@ class _Stream:
         new tokens)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
+    def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
+                usage: dict | None = None) -> list[dict]:
+        """The chunks that come before a choice's first text (prompts: every prompt's
+        token ids; scored: prompt prompt_index's log-probabilities, where computed)."""
+        return []
+
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
                **fields) -> dict:
         choice = {"index": index, **fields,
@@ -690,8 +697,43 @@ class CompletionStream(_Stream):
     def __init__(self, request: CompletionRequest, response_id: str, created: int,
                  model: str, token_strings=None, fingerprint: str | None = None):
         super().__init__(request, response_id, created, model, token_strings, fingerprint)
+        self._request = request
         self._wants_logprobs = request.logprobs is not None
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
+        self._prompt_texts: list[str] | None = None  # echo's, made at the first opening
+
+    def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
+                usage: dict | None = None) -> list[dict]:
+        """echo: the prompt's text (and its legacy logprobs, text offsets from the prompt's
+        start) in one chunk, before the completion's; the completion's offsets go on from
+        the prompt's end (what completion_response puts in one body)."""
+        request = self._request
+        if not request.echo:
+            return []
+        if self._prompt_texts is None:
+            self._prompt_texts = request.prompt_texts(prompts, self._token_strings)
+        logprobs = None
+        if self._wants_logprobs:
+            logprobs, self._text_offsets[index] = prompt_completion_logprobs(
+                prompts[prompt_index], scored, request.logprobs, self._token_strings)
+        return [self._chunk(index, None, self._scores_only_usage(usage),
+                            text=self._prompt_texts[prompt_index], logprobs=logprobs)]
+
+    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
+               usage: dict | None = None, token_ids=None) -> list[dict]:
+        if self._request.scores_only:  # the one token made to score the prompt is not shown
+            text, logprobs = "", None if logprobs is None else []
+        return [self.chunk(index, text, logprobs, finish_reason,
+                           self._scores_only_usage(usage))]
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return super().usage_chunk(self._scores_only_usage(usage))
+
+    def _scores_only_usage(self, usage: dict | None) -> dict | None:
+        """max_tokens 0 with echo: the token made to score the prompt is not the client's."""
+        if usage is None or not self._request.scores_only:
+            return usage
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
               usage: dict | None = None) -> dict:
@@ -970,7 +1012,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     if request.prompt_logprobs is not None and outputs:  # vLLM's, beside the choices
         first = min(outputs, key=_index)
         body["prompt_logprobs"] = vllm_prompt_logprobs(
-            first.prompt_token_ids, first.prompt_logprobs, request.prompt_logprobs,
+            first.prompt_token_ids, first.prompt_scores, request.prompt_logprobs,
             token_strings)
     return body
 
