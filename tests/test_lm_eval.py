@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ from test_server import ServerProcess
 from cupy_llama import LLM, SamplingParams
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
-LM_EVAL = shutil.which("lm_eval")
+# the harness's command: on PATH, or beside this interpreter (a virtual environment's
+# python run without activating it)
+LM_EVAL = shutil.which("lm_eval") or shutil.which("lm_eval", path=str(Path(sys.executable).parent))
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(LM_EVAL is None, reason="lm_eval is not installed "
