@@ -23,6 +23,8 @@ from test_cuda_ops import (DECODE, MIXED_PREFILL, REF, TILE_EDGES, _gpu_availabl
                            build_attention_case, poisoned, random_bf16, rope_table,
                            run_ops_attention, run_paged_attention, to_float)
 
+from cupy_llama.backends.numpy_ops import normed
+from cupy_llama.bf16 import round_to_bf16
 from cupy_llama.interface import HeadNorm
 from cupy_llama.util import cdiv
 
@@ -140,16 +142,25 @@ def check_rope(cp, rng, what, num_heads, num_kv_heads, head_dim, num_tokens, off
             self.positions, self.slot_mapping = positions[keep], slots[keep]
 
     written = slots >= 0
-    ref_norm = HeadNorm(q_w, k_w, 1e-6, offset) if use_norm else None
+    # the kernel's rounding points (rope.cu): a biased value and a normed one are bf16
+    # before the rotation, so the reference rounds there too and the tolerance is left
+    # with the output's own rounding (unrounded, a normed value near 8 alone differs by
+    # up to 0.016 before it is rotated)
+    ref_qkv = round_to_bf16(qkv + bias) if use_bias else qkv.copy()
+    if use_norm:
+        q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+        for start, stop, weight in ((0, q_end, q_w), (q_end, k_end, k_w)):
+            heads = ref_qkv[:, start:stop].reshape(num_tokens, -1, head_dim)
+            ref_qkv[:, start:stop] = round_to_bf16(
+                normed(heads, weight, 1e-6, offset)).reshape(num_tokens, stop - start)
     q_ref = np.empty((num_tokens, num_heads, head_dim), np.float32)
     scratch = np.empty(cache_shape, np.float32)
-    REF.rope_and_cache(qkv, Meta(np.ones(num_tokens, bool)), cos_sin, scratch, scratch.copy(),
-                       q_ref, bias=bias if use_bias else None, head_norm=ref_norm)
+    REF.rope_and_cache(ref_qkv, Meta(np.ones(num_tokens, bool)), cos_sin, scratch,
+                       scratch.copy(), q_ref)
     k_ref = np.full(cache_shape, np.nan, np.float32)
     v_ref = np.full(cache_shape, np.nan, np.float32)
-    REF.rope_and_cache(qkv[written], Meta(written), cos_sin, k_ref, v_ref,
-                       np.empty((int(written.sum()), num_heads, head_dim), np.float32),
-                       bias=bias if use_bias else None, head_norm=ref_norm)
+    REF.rope_and_cache(ref_qkv[written], Meta(written), cos_sin, k_ref, v_ref,
+                       np.empty((int(written.sum()), num_heads, head_dim), np.float32))
     k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
     q_out = poisoned(cp, (num_tokens, num_heads, head_dim))
     gpu_norm = (HeadNorm(cp.asarray(q_bits), cp.asarray(k_bits), 1e-6, offset)
