@@ -45,6 +45,10 @@ class RequestOutput:
     # reply's text besides them (None when there is none)
     tool_calls: list | None = None
     content: str | None = None
+    # LLM.chat(stream=True) with tools: the calls' new pieces in this output
+    # (tool_parsers.ToolCallDelta: a call's first carries its index, id and name, later
+    # ones more of its arguments), while `delta` carries only the content's new text
+    tool_call_deltas: list | None = None
     # where the request asked (SamplingParams.prompt_logprobs): one per prompt token, None
     # for the first (nothing comes before it), then each token's log-probability given
     # the ones before it and the k most likely there; on every output once the prompt is

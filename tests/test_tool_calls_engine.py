@@ -78,3 +78,65 @@ def test_bad_tool_requests_name_the_field(tool_llm):
         tool_llm.chat(QUESTION, params(0, structured={"regex": "a"}), tools=TOOLS,
                       tool_choice="required")
     assert not tool_llm.engine.requests
+
+
+def reassemble(stream):
+    """Each sample's streamed content, calls (id, name, arguments) and final output."""
+    samples = {}
+    for output in stream:
+        content, calls, _ = samples.get(output.index, ("", {}, None))
+        content += output.delta
+        for piece in output.tool_call_deltas or []:
+            if piece.id is not None:
+                assert piece.index not in calls
+                calls[piece.index] = [piece.id, piece.name, ""]
+            calls[piece.index][2] += piece.arguments
+        samples[output.index] = (content, calls, output if output.finished else None)
+    return samples
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_streamed_calls_add_up_to_the_whole_answer(tool_llm, choice):
+    whole = tool_llm.chat(QUESTION, params(7, n=2), tools=TOOLS, tool_choice=choice,
+                          parallel_tool_calls=False)
+    stream = tool_llm.chat(QUESTION, params(7, n=2), tools=TOOLS, tool_choice=choice,
+                           parallel_tool_calls=False, stream=True)
+    samples = reassemble(stream)
+    assert sorted(samples) == [0, 1]
+    for expected in whole:
+        content, calls, last = samples[expected.index]
+        assert last.text == expected.text  # the same reply, streamed
+        assert last.finish_reason == expected.finish_reason == "tool_calls"
+        assert last.content == expected.content
+        assert content == (expected.content or "")  # no call text ever went out as content
+        assert [(c.name, c.arguments) for c in last.tool_calls] == \
+            [(c.name, c.arguments) for c in expected.tool_calls]
+        assert [calls[i] for i in sorted(calls)] == \
+            [[c.id, c.name, c.arguments] for c in last.tool_calls]
+    assert not tool_llm.engine.requests
+
+
+def test_a_stream_left_early_is_aborted(tool_llm):
+    stream = tool_llm.chat(QUESTION, params(2, max_tokens=100), tools=TOOLS, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert not tool_llm.engine.requests
+
+
+def test_streamed_mistral_calls_read_the_special_tag(tmp_path):
+    llm = LLM(make_tool_model(tmp_path, "mistral"), device="cpu", log=None)
+    try:
+        whole = llm.chat(QUESTION, params(4), tools=TOOLS, tool_choice="required",
+                         parallel_tool_calls=False)
+        samples = reassemble(llm.chat(QUESTION, params(4), tools=TOOLS, stream=True,
+                                      tool_choice="required", parallel_tool_calls=False))
+        content, calls, last = samples[0]
+        assert_valid_calls(last, SCHEMAS)
+        assert content == (whole.content or "")
+        assert [(c.name, c.arguments) for c in last.tool_calls] == \
+            [(c.name, c.arguments) for c in whole.tool_calls]
+        assert [calls[i][1:] for i in sorted(calls)] == \
+            [[c.name, c.arguments] for c in whole.tool_calls]
+    finally:
+        llm.close()
