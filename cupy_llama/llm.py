@@ -130,7 +130,7 @@ class LLM:
                  and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
         self._live_engine()
-        tools, parser, params = self._tool_setup(tools, tool_choice, parallel_tool_calls,
+        tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
                                                  tool_call_parser, params)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
                                               tools=tools, template_kwargs=chat_template_kwargs)
@@ -140,14 +140,15 @@ class LLM:
             return self._stream_tool_calls(result, parser)
         if parser is not None:
             for output in result if isinstance(result, list) else [result]:
-                self._parse_tool_calls(output, parser)
+                self.parse_tool_calls(output, parser)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
             return result
         return result[0]
 
-    def _tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
-        """(the tools the template shows or None, the parser of the replies or None, the
-        params with the grammar that enforces tool_choice)."""
+    def tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
+        """chat()'s tool arguments checked: (the tools the template shows or None, the
+        parser of the replies or None, the params with the grammar that enforces
+        tool_choice). `generate`'s batch lines use it as chat() does."""
         from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
         from .tool_parsers import check_parser_name, tool_parser_for_template
 
@@ -176,7 +177,8 @@ class LLM:
             params = replace(params, structured=grammar)
         return tools, parser_name, params
 
-    def _parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
+    def parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
+        """A finished reply's calls into output.tool_calls and .content (tool_setup's parser)."""
         from .tool_parsers import parse_tool_calls
 
         text = output.text

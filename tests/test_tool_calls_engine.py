@@ -140,3 +140,42 @@ def test_streamed_mistral_calls_read_the_special_tag(tmp_path):
             [[c.name, c.arguments] for c in whole.tool_calls]
     finally:
         llm.close()
+
+
+def test_plain_batch_lines_take_tools(tool_llm, tmp_path):
+    """`generate` with plain lines: tools, tool_choice and parallel_tool_calls beside
+    messages, as LLM.chat takes them; the parsed calls in the output line."""
+    from cupy_llama.cli import main
+    single = {"messages": QUESTION, "tools": TOOLS, "temperature": 0, "max_tokens": 500,
+              "parallel_tool_calls": False}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    lines = [{"id": "required", **single, "tool_choice": "required"},
+             {"id": "named", **single, "tool_choice": named},
+             {"id": "none", **single, "tool_choice": "none", "max_tokens": 20},
+             {"id": "prompt", "prompt": "hi", "tools": TOOLS},
+             {"id": "unknown", **single, "tool_choice": {"type": "function",
+                                                         "function": {"name": "nope"}}},
+             {"id": "both", **single, "tool_choice": "required", "guided_choice": ["a"]}]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["generate", "--model", str(tool_llm.model_dir), "--device", "cpu",
+                 "--input", str(path), "--output", str(out)])
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert code == 1  # the last three lines failed
+    for name, choice in (("required", "required"), ("named", named)):
+        row = rows[name]
+        want = tool_llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=500),
+                             tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+        assert row["finish_reason"] == want.finish_reason == "tool_calls"
+        assert row["text"] == want.text and row["content"] == want.content
+        assert [(c["type"], c["function"]["name"], c["function"]["arguments"])
+                for c in row["tool_calls"]] == \
+            [("function", c.name, c.arguments) for c in want.tool_calls]
+        for call in row["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                SCHEMAS[call["function"]["name"]])
+    assert rows["named"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert "tool_calls" not in rows["none"] and rows["none"]["finish_reason"] != "tool_calls"
+    assert "tools need 'messages'" in rows["prompt"]["error"]
+    assert "tool_choice.function.name 'nope' is not one of the tools" in rows["unknown"]["error"]
+    assert "leave out the line's constraint" in rows["both"]["error"]
