@@ -727,6 +727,41 @@ def test_a_reply_with_two_calls_waits_for_both_results(tool_llm):
         "".join(session.tool_result("get_time", "x"))
 
 
+# the tool template's prompt holds about 1000 tokens, an old turn about 260: room for one
+# old turn, and for none
+@pytest.mark.parametrize("limit", [1400, 1200])
+def test_a_tool_result_in_a_full_context_drops_only_older_turns(tool_model_dir, limit):
+    from conftest import QUESTION, TOOLS
+    from cupy_llama.cli.chat_ui import ChatTools
+    max_tokens = 24
+    small = LLM(tool_model_dir, device="cpu", log=None, max_model_len=limit)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    session = ChatSession(small, params, tools=ChatTools(TOOLS))
+    old = [user("an old question " * 8), {"role": "assistant", "content": "an old answer " * 8}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    current = [QUESTION[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    session.history = old * 3 + current
+    notes = []
+    "".join(session.tool_result("call_1", "22C", on_drop=notes.append))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "22C"}
+    kept = session.history[:-2]
+    # the newest turns that leave room, and always the turn the result answers
+    assert kept[-2:] == current and session.history[-2] == result
+    assert kept[:-2] == (old * 3)[len(old * 3) - len(kept[:-2]):] and notes
+    assert len(kept[:-2]) == (2 if limit == 1400 else 0)
+    assert sum(notes) == (6 - len(kept[:-2])) // 2
+    prompt = small.tokenizer.encode_chat(kept + [result], add_generation_prompt=True,
+                                         tools=TOOLS)
+    assert session.turns[-1].prompt_tokens == len(prompt)
+    assert len(prompt) + max_tokens <= limit
+    one_more = (old * 3)[len(old * 3) - len(kept[:-2]) - 2:]  # no more turns than needed went
+    longer = small.tokenizer.encode_chat(one_more + current + [result],
+                                         add_generation_prompt=True, tools=TOOLS)
+    assert len(longer) + max_tokens > limit
+    small.close()
+
+
 def test_chat_with_tools_on_the_command_line(tool_model_dir, tool_llm, tmp_path):
     from conftest import QUESTION, TOOLS
     tools = tmp_path / "tools.json"

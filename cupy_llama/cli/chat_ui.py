@@ -62,7 +62,7 @@ def printable(text: str) -> str:
 
 @dataclass(frozen=True)
 class ChatTools:
-    """--tools, --tool-choice and --tool-call-parser, checked (tool_choice.py)."""
+    """--tools and the flags that go with it, checked (tool_choice.py)."""
     tools: list
     tool_choice: str | dict = "auto"
     parser: str | None = None  # None: the format the chat template shows
@@ -195,23 +195,26 @@ class ChatSession:
 
     def fit(self, new: list[dict]) -> tuple[list[int], int]:
         """The prompt ids for the new messages (a user message, or the tool results that
-        end a turn) after the conversation, and how many of the oldest turns (a user
-        message up to the next one) must go so that it leaves room for a reply; the turn
-        the new messages end is never dropped. RequestError when they do not fit even
+        end a turn) after the conversation, and how many of the oldest messages must go
+        so that it leaves room for a reply: whole turns (a user message up to the next
+        one), never the turn the new messages end. RequestError when they do not fit even
         alone (with the system prompt)."""
         limit = self.context_limit
         room = max(1, min(self.params.max_tokens, limit // REPLY_SHARE_OF_CONTEXT))
-        starts = [i for i, m in enumerate(self.history) if m["role"] == "user"]
-        if new[0]["role"] != "user":  # tool results: their turn began in the history
-            starts.pop()
-        starts.append(len(self.history))
+        turns = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+        # where the turn being answered begins: tool results end one the history began
+        current = turns.pop() if new[0]["role"] != "user" else len(self.history)
+
+        def cut(num_turns: int) -> int:  # history[cut(k):] leaves the k oldest turns out
+            return turns[num_turns] if num_turns < len(turns) else current
+
         prompt = self._prompt(self.history, new)
         dropped = 0
-        while len(prompt) + room > limit and dropped < len(starts) - 1:
+        while len(prompt) + room > limit and dropped < len(turns):
             dropped += 1
-            prompt = self._prompt(self.history[starts[dropped]:], new)
+            prompt = self._prompt(self.history[cut(dropped):], new)
         if len(prompt) < limit:  # alone, it may leave less room than wished: still sent
-            return prompt, starts[dropped] if dropped else 0
+            return prompt, cut(dropped) if dropped else 0
         what = "it or the system prompt (/system)" if self.system else "it"
         more = context_hint(self.llm)
         raise RequestError(
