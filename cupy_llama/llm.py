@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -117,7 +118,11 @@ class LLM:
         {"name": ...}} (a call enforced by a grammar); parallel_tool_calls=False: at most
         one call. Each finished reply is parsed (tool_call_parser, or the format the chat
         template shows): its calls go to RequestOutput.tool_calls, its other text to
-        .content, and finish_reason becomes "tool_calls". Streamed replies are not parsed."""
+        .content, and finish_reason becomes "tool_calls". Streamed replies are parsed as
+        they come (the server's streaming parser): each output's `delta` is new content
+        only, never a call's text, its `tool_call_deltas` the calls' new pieces; `text`
+        stays the model's raw text, and the last output carries tool_calls, content and
+        finish_reason as a reply that was not streamed would."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -125,22 +130,25 @@ class LLM:
                  and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if batch else [messages]
         self._live_engine()
-        tools, parser, params = self._tool_setup(tools, tool_choice, parallel_tool_calls,
+        tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
                                                  tool_call_parser, params)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
                                               tools=tools, template_kwargs=chat_template_kwargs)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
-        if parser is not None and not stream:
+        if parser is not None and stream:
+            return self._stream_tool_calls(result, parser)
+        if parser is not None:
             for output in result if isinstance(result, list) else [result]:
-                self._parse_tool_calls(output, parser)
+                self.parse_tool_calls(output, parser)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
             return result
         return result[0]
 
-    def _tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
-        """(the tools the template shows or None, the parser of the replies or None, the
-        params with the grammar that enforces tool_choice)."""
+    def tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
+        """chat()'s tool arguments checked: (the tools the template shows or None, the
+        parser of the replies or None, the params with the grammar that enforces
+        tool_choice). `generate`'s batch lines use it as chat() does."""
         from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
         from .tool_parsers import check_parser_name, tool_parser_for_template
 
@@ -169,7 +177,8 @@ class LLM:
             params = replace(params, structured=grammar)
         return tools, parser_name, params
 
-    def _parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
+    def parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
+        """A finished reply's calls into output.tool_calls and .content (tool_setup's parser)."""
         from .tool_parsers import parse_tool_calls
 
         text = output.text
@@ -185,6 +194,52 @@ class LLM:
             output.tool_calls = parsed.tool_calls
             if output.finish_reason == "stop":
                 output.finish_reason = "tool_calls"
+
+    def _stream_tool_calls(self, outputs, parser_name: str) -> Iterator[RequestOutput]:
+        """The streamed outputs with each sample's text fed to its own tool-call parser."""
+        from .tool_parsers import make_tool_parser
+
+        samples = {}  # (request_id, index) -> (its parser, its reply-text reader)
+        with closing(outputs):  # a caller that stops early aborts the requests at once
+            for output in outputs:
+                key = (output.request_id, output.index)
+                if key not in samples:
+                    samples[key] = (make_tool_parser(parser_name),
+                                    self._reply_reader(parser_name))
+                parser, reply_text = samples[key]
+                delta = parser.feed(reply_text(output))
+                if output.finished:
+                    last = parser.finish()
+                    delta.content += last.content
+                    delta.tool_calls += last.tool_calls
+                    del samples[key]
+                    parsed = parser.result()
+                    output.content = parsed.content
+                    if parsed.tool_calls:
+                        output.tool_calls = parsed.tool_calls
+                        if output.finish_reason == "stop":
+                            output.finish_reason = "tool_calls"
+                output.delta = delta.content
+                output.tool_call_deltas = delta.tool_calls or None
+                yield output
+
+    def _reply_reader(self, parser_name: str):
+        """A function of a sample's streamed output giving the new text its parser reads:
+        the delta, or for Mistral, whose [TOOL_CALLS] tag is a special token that the text
+        leaves out, the new tokens decoded with their special tokens."""
+        if parser_name != "mistral":
+            return lambda output: output.delta
+        from .tokenizer import IncrementalDetokenizer
+
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False,
+                                             checked=False)
+        ends, vocab = self.engine.eos_token_ids, self.tokenizer.vocab_size
+
+        def new_text(output: RequestOutput) -> str:
+            text = "".join(detokenizer.add(t) for t in output.delta_token_ids
+                           if t not in ends and t < vocab)
+            return text + detokenizer.flush() if output.finished else text
+        return new_text
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:

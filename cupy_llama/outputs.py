@@ -78,6 +78,10 @@ class RequestOutput:
     # on a finished output: when the engine took the sample, first scheduled it, and had its
     # first and last token (time.monotonic(); None where it never came to that)
     times: RequestTimes | None = None
+    # LLM.chat(stream=True) with tools: the calls' new pieces in this output
+    # (tool_parsers.ToolCallDelta: a call's first carries its index, id and name, later
+    # ones more of its arguments), while `delta` carries only the content's new text
+    tool_call_deltas: list | None = None
     # LLM.chat with tools: the calls parsed from the reply (tool_parsers.ToolCall: id,
     # name, arguments as JSON text), finish_reason then "tool_calls"; `content` is the
     # reply's text besides them (None when there is none)

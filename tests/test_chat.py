@@ -191,7 +191,16 @@ def test_save_and_load_a_conversation(llm, tmp_path):
     (["hi"], "message 1 must be an object"),
     ([{"content": "hi"}], "message 1 has no 'role'"),
     ([{"role": "user", "content": ["a"]}], "message 1 needs a string as its 'content'"),
-    ([{"role": "tool", "content": "x"}], "message 1 has role 'tool'"),
+    ([{"role": "robot", "content": "x"}], "message 1 has role 'robot'"),
+    ([{"role": "tool", "tool_call_id": "a", "content": "x"}],
+     "message 1 is a tool message where a user message belongs"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function",
+                      "function": {"name": "f", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "x"}],
+     "the last message is a tool result, with no reply"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": "f()"}],
+     "message 2's tool_calls must be a list of calls"),
     ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
      "message 2 is a system message where an assistant message belongs"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
@@ -613,3 +622,216 @@ def test_stats_count_the_context_in_use_and_clear_empties_it(llm):
             "tokens came from earlier turns") in session.stats()
     session.clear()
     assert f"context: 0 of {llm.max_model_len} tokens in use" in session.stats()
+
+
+# ---- tools (--tools) -------------------------------------------------------------------------
+
+TOOL_PARAMS = SamplingParams(temperature=0, max_tokens=300)
+SINGLE_CALL = dict(tool_choice="required", parallel_tool_calls=False)
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    pytest.importorskip("llguidance")
+    from conftest import make_tool_model
+    return make_tool_model(tmp_path_factory.mktemp("hermes"), "hermes")
+
+
+@pytest.fixture(scope="module")
+def tool_llm(tool_model_dir):
+    llm = LLM(tool_model_dir, device="cpu", log=None)
+    yield llm
+    llm.close()
+
+
+def tool_session(tool_llm, **choice):
+    from conftest import TOOLS
+    from cupy_llama.cli.chat_ui import ChatTools
+    return ChatSession(tool_llm, TOOL_PARAMS, tools=ChatTools(TOOLS, **choice))
+
+
+def test_a_reply_with_calls_shows_the_calls_and_keeps_them_in_the_history(tool_llm):
+    from conftest import QUESTION, TOOLS
+    session = tool_session(tool_llm, **SINGLE_CALL)
+    shown = "".join(session.reply(QUESTION[0]["content"]))
+    want = tool_llm.chat(QUESTION, TOOL_PARAMS, tools=TOOLS, **SINGLE_CALL)
+    (call,) = want.tool_calls
+    assert want.finish_reason == "tool_calls" and want.content is None
+    # the call, one marked line with its arguments on one line, never the model's raw text
+    assert "<tool_call>" not in shown and "<tool_call>" in want.text
+    (line,) = shown.splitlines()
+    assert line.startswith("tool call call_") and line.endswith(
+        f": {call.name} {json.dumps(json.loads(call.arguments), ensure_ascii=False)}")
+    assert session.history[0] == QUESTION[0]
+    (made,) = session.history[1]["tool_calls"]
+    assert session.history[1]["content"] is None and line.startswith(f"tool call {made['id']}:")
+    assert (made["function"]["name"], made["function"]["arguments"]) == (call.name, call.arguments)
+    assert session.waiting_calls() == [made]
+    with pytest.raises(RequestError, match="wait for their results"):
+        "".join(session.reply("and now?"))
+    with pytest.raises(RequestError, match="no waiting tool call has the id or name 'nope'"):
+        "".join(session.tool_result("nope", "x"))
+    # /retry asks for the calls again: greedy, the same call with a new id
+    again = "".join(session.retry())
+    assert again.split(":", 1)[1] == line.split(":", 1)[1]
+    assert len(session.history) == 2 and session.history[1]["tool_calls"][0]["id"] != made["id"]
+    (made,) = session.waiting_calls()
+
+    # the result, answered by the model: the same reply as LLM.chat gives that exchange
+    session.tools = replace(session.tools, tool_choice="auto")
+    answer = "".join(session.tool_result(call.name, "22C and sunny"))
+    exchange = session.history[:2] + [{"role": "tool", "tool_call_id": made["id"],
+                                       "content": "22C and sunny"}]
+    assert session.history[:3] == exchange
+    want = tool_llm.chat(exchange, TOOL_PARAMS, tools=TOOLS)
+    assert want.tool_calls is None and answer == want.text
+    assert session.history[3] == {"role": "assistant", "content": answer}
+    assert "22C and sunny" in tool_llm.tokenizer.decode(want.prompt_token_ids)
+    assert session.turns[-1].prompt_tokens == len(want.prompt_token_ids)
+    assert session.waiting_calls() == []
+    with pytest.raises(RequestError, match="no tool call is waiting"):
+        "".join(session.tool_result(call.name, "again"))
+
+    # /retry answers the tool result again; /save and /load keep the calls and results
+    again = "".join(session.retry())
+    assert again == answer and session.history[:3] == exchange and len(session.history) == 4
+    system, history = parse_conversation(json.loads(json.dumps(session.conversation())), "f")
+    assert system is None and history == session.history
+
+
+def test_a_reply_with_two_calls_waits_for_both_results(tool_llm):
+    from conftest import QUESTION, TOOLS
+    session = tool_session(tool_llm)
+    calls = [{"id": f"call_{n}", "type": "function",
+              "function": {"name": name, "arguments": arguments}}
+             for n, (name, arguments) in enumerate([("get_weather", '{"city": "Paris"}'),
+                                                    ("get_time", '{"zone": "CET"}')])]
+    session.history = [QUESTION[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    with pytest.raises(RequestError, match="no waiting tool call has the id or name"):
+        "".join(session.tool_result("get_clock", "x"))
+    assert "".join(session.tool_result("get_time", "09:00")) == ""  # one still waits
+    assert session.waiting_calls() == [calls[0]] and not session.turns
+    "".join(session.tool_result("call_0", "22C"))
+    assert [m["role"] for m in session.history] == ["user", "assistant", "tool", "tool",
+                                                    "assistant"]
+    assert [m.get("tool_call_id") for m in session.history[2:4]] == ["call_1", "call_0"]
+    # the model answered both results at once
+    prompt = tool_llm.tokenizer.encode_chat(session.history[:4], add_generation_prompt=True,
+                                            tools=TOOLS)
+    assert session.turns[-1].prompt_tokens == len(prompt)
+    assert "09:00" in tool_llm.tokenizer.decode(prompt) and "22C" in tool_llm.tokenizer.decode(prompt)
+    twice = {**calls[1], "id": "call_2"}
+    session.history = session.history[:1] + [{"role": "assistant", "content": None,
+                                               "tool_calls": [calls[1], twice]}]
+    with pytest.raises(RequestError, match="several waiting calls are to 'get_time'"):
+        "".join(session.tool_result("get_time", "x"))
+
+
+# the tool template's prompt holds about 1000 tokens, an old turn about 260: room for one
+# old turn, and for none
+@pytest.mark.parametrize("limit", [1400, 1200])
+def test_a_tool_result_in_a_full_context_drops_only_older_turns(tool_model_dir, limit):
+    from conftest import QUESTION, TOOLS
+    from cupy_llama.cli.chat_ui import ChatTools
+    max_tokens = 24
+    small = LLM(tool_model_dir, device="cpu", log=None, max_model_len=limit)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    session = ChatSession(small, params, tools=ChatTools(TOOLS))
+    old = [user("an old question " * 8), {"role": "assistant", "content": "an old answer " * 8}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    current = [QUESTION[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    session.history = old * 3 + current
+    notes = []
+    "".join(session.tool_result("call_1", "22C", on_drop=notes.append))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "22C"}
+    kept = session.history[:-2]
+    # the newest turns that leave room, and always the turn the result answers
+    assert kept[-2:] == current and session.history[-2] == result
+    assert kept[:-2] == (old * 3)[len(old * 3) - len(kept[:-2]):] and notes
+    assert len(kept[:-2]) == (2 if limit == 1400 else 0)
+    assert sum(notes) == (6 - len(kept[:-2])) // 2
+    prompt = small.tokenizer.encode_chat(kept + [result], add_generation_prompt=True,
+                                         tools=TOOLS)
+    assert session.turns[-1].prompt_tokens == len(prompt)
+    assert len(prompt) + max_tokens <= limit
+    one_more = (old * 3)[len(old * 3) - len(kept[:-2]) - 2:]  # no more turns than needed went
+    longer = small.tokenizer.encode_chat(one_more + current + [result],
+                                         add_generation_prompt=True, tools=TOOLS)
+    assert len(longer) + max_tokens > limit
+    small.close()
+
+
+def test_chat_with_tools_on_the_command_line(tool_model_dir, tool_llm, tmp_path):
+    from conftest import QUESTION, TOOLS
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    result = chat_cli(tool_model_dir, "--max-tokens", "300", "--tools", str(tools),
+                      "--tool-choice", "get_time", "--no-parallel-tool-calls",
+                      QUESTION[0]["content"], stdin="")
+    assert result.returncode == 0, result.stderr
+    want = tool_llm.chat(QUESTION, TOOL_PARAMS, tools=TOOLS, parallel_tool_calls=False,
+                         tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = want.tool_calls
+    assert re.fullmatch(rf"tool call call_\w+: get_time {re.escape(json.dumps(json.loads(call.arguments), ensure_ascii=False))}\n",
+                        result.stdout)
+
+
+@pytest.mark.parametrize("content, args, fragment", [
+    ("{", [], "is not JSON"),
+    ("{}", [], "must hold a non-empty JSON list of OpenAI tools"),
+    ('[{"type": "retrieval"}]', [], '[0].type must be "function"'),
+    (None, ["--tool-choice", "get_clock"], "--tool-choice: 'get_clock' is none of auto, "
+                                           "required, none or a tool of"),
+    (None, ["--tool-call-parser", "xml"], "--tool-call-parser: unknown tool-call parser 'xml'"),
+])
+def test_bad_tool_options_are_refused_before_the_model_loads(tool_model_dir, tmp_path,
+                                                             content, args, fragment):
+    from conftest import TOOLS
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS) if content is None else content)
+    result = chat_cli(tool_model_dir, "--tools", str(tools), *args, "hi", stdin="")
+    assert result.returncode == 2 and fragment in result.stderr
+    assert "loading" not in result.stderr and len(result.stderr.splitlines()) == 1
+    alone = chat_cli(tool_model_dir, *args or ["--no-parallel-tool-calls"], "hi", stdin="")
+    assert alone.returncode == 2 and "needs --tools FILE" in alone.stderr
+
+
+def test_tools_need_a_template_with_a_tool_format(model_dir, tmp_path):
+    from conftest import TOOLS
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    result = chat_cli(model_dir, "--tools", str(tools), "hi", stdin="")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: --tools: the model's chat template shows no tool-call format")
+    assert "Traceback" not in result.stderr
+
+
+def test_tool_calls_at_the_terminal(tool_model_dir, tool_llm, tmp_path):
+    from conftest import QUESTION, TOOLS
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    child = spawn(tool_model_dir, "--temperature", "0", "--max-tokens", "300", "--tools",
+                  str(tools), "--tool-choice", "required", "--no-parallel-tool-calls",
+                  cache=tmp_path)
+    # the call's line, the statistics, then what the chat waits for
+    shown = SGR.sub("", ask(child, QUESTION[0]["content"],
+                            stats=r"\x1b\[2m\d+ ms to first token.*\r\n.*waiting for tool results"))
+    (call,) = tool_llm.chat(QUESTION, TOOL_PARAMS, tools=TOOLS, **SINGLE_CALL).tool_calls
+    match = re.fullmatch(r"tool call (call_\w+): (\w+) (.*)", shown)
+    assert match and match[2] == call.name and json.loads(match[3]) == json.loads(call.arguments)
+    child.sendline("and now?")
+    child.expect_exact("the model's tool calls wait for their results")
+    child.expect_exact(PROMPT)
+    child.sendline("/tool")
+    child.expect_exact("usage: /tool CALL RESULT")
+    child.expect_exact(PROMPT)
+    # the result goes in and the model answers it (here with another call, as required)
+    reply = SGR.sub("", ask(child, f"/tool {match[1]} 22C and sunny"))
+    assert re.fullmatch(r"tool call call_\w+: \w+ .*", reply)
+    child.sendline("/help")
+    child.expect_exact("/tool CALL RESULT")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    finish(child, 0)

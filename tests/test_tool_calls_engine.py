@@ -78,3 +78,104 @@ def test_bad_tool_requests_name_the_field(tool_llm):
         tool_llm.chat(QUESTION, params(0, structured={"regex": "a"}), tools=TOOLS,
                       tool_choice="required")
     assert not tool_llm.engine.requests
+
+
+def reassemble(stream):
+    """Each sample's streamed content, calls (id, name, arguments) and final output."""
+    samples = {}
+    for output in stream:
+        content, calls, _ = samples.get(output.index, ("", {}, None))
+        content += output.delta
+        for piece in output.tool_call_deltas or []:
+            if piece.id is not None:
+                assert piece.index not in calls
+                calls[piece.index] = [piece.id, piece.name, ""]
+            calls[piece.index][2] += piece.arguments
+        samples[output.index] = (content, calls, output if output.finished else None)
+    return samples
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_streamed_calls_add_up_to_the_whole_answer(tool_llm, choice):
+    whole = tool_llm.chat(QUESTION, params(7, n=2), tools=TOOLS, tool_choice=choice,
+                          parallel_tool_calls=False)
+    stream = tool_llm.chat(QUESTION, params(7, n=2), tools=TOOLS, tool_choice=choice,
+                           parallel_tool_calls=False, stream=True)
+    samples = reassemble(stream)
+    assert sorted(samples) == [0, 1]
+    for expected in whole:
+        content, calls, last = samples[expected.index]
+        assert last.text == expected.text  # the same reply, streamed
+        assert last.finish_reason == expected.finish_reason == "tool_calls"
+        assert last.content == expected.content
+        assert content == (expected.content or "")  # no call text ever went out as content
+        assert [(c.name, c.arguments) for c in last.tool_calls] == \
+            [(c.name, c.arguments) for c in expected.tool_calls]
+        assert [calls[i] for i in sorted(calls)] == \
+            [[c.id, c.name, c.arguments] for c in last.tool_calls]
+    assert not tool_llm.engine.requests
+
+
+def test_a_stream_left_early_is_aborted(tool_llm):
+    stream = tool_llm.chat(QUESTION, params(2, max_tokens=100), tools=TOOLS, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert not tool_llm.engine.requests
+
+
+def test_streamed_mistral_calls_read_the_special_tag(tmp_path):
+    llm = LLM(make_tool_model(tmp_path, "mistral"), device="cpu", log=None)
+    try:
+        whole = llm.chat(QUESTION, params(4), tools=TOOLS, tool_choice="required",
+                         parallel_tool_calls=False)
+        samples = reassemble(llm.chat(QUESTION, params(4), tools=TOOLS, stream=True,
+                                      tool_choice="required", parallel_tool_calls=False))
+        content, calls, last = samples[0]
+        assert_valid_calls(last, SCHEMAS)
+        assert content == (whole.content or "")
+        assert [(c.name, c.arguments) for c in last.tool_calls] == \
+            [(c.name, c.arguments) for c in whole.tool_calls]
+        assert [calls[i][1:] for i in sorted(calls)] == \
+            [[c.name, c.arguments] for c in whole.tool_calls]
+    finally:
+        llm.close()
+
+
+def test_plain_batch_lines_take_tools(tool_llm, tmp_path):
+    """`generate` with plain lines: tools, tool_choice and parallel_tool_calls beside
+    messages, as LLM.chat takes them; the parsed calls in the output line."""
+    from cupy_llama.cli import main
+    single = {"messages": QUESTION, "tools": TOOLS, "temperature": 0, "max_tokens": 500,
+              "parallel_tool_calls": False}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    lines = [{"id": "required", **single, "tool_choice": "required"},
+             {"id": "named", **single, "tool_choice": named},
+             {"id": "none", **single, "tool_choice": "none", "max_tokens": 20},
+             {"id": "prompt", "prompt": "hi", "tools": TOOLS},
+             {"id": "unknown", **single, "tool_choice": {"type": "function",
+                                                         "function": {"name": "nope"}}},
+             {"id": "both", **single, "tool_choice": "required", "guided_choice": ["a"]}]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["generate", "--model", str(tool_llm.model_dir), "--device", "cpu",
+                 "--input", str(path), "--output", str(out)])
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert code == 1  # the last three lines failed
+    for name, choice in (("required", "required"), ("named", named)):
+        row = rows[name]
+        want = tool_llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=500),
+                             tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+        assert row["finish_reason"] == want.finish_reason == "tool_calls"
+        assert row["text"] == want.text and row["content"] == want.content
+        assert [(c["type"], c["function"]["name"], c["function"]["arguments"])
+                for c in row["tool_calls"]] == \
+            [("function", c.name, c.arguments) for c in want.tool_calls]
+        for call in row["tool_calls"]:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                SCHEMAS[call["function"]["name"]])
+    assert rows["named"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert "tool_calls" not in rows["none"] and rows["none"]["finish_reason"] != "tool_calls"
+    assert "tools need 'messages'" in rows["prompt"]["error"]
+    assert "tool_choice.function.name 'nope' is not one of the tools" in rows["unknown"]["error"]
+    assert "leave out the line's constraint" in rows["both"]["error"]

@@ -3,8 +3,9 @@
 Input: `.txt` (one prompt per line, blank lines skipped; `generate` makes each a user
 message when the model has a chat template, unless --raw) or `.jsonl` (one JSON object per
 line), in one of two kinds:
-- plain lines: `prompt` or `messages`, optional `id` and sampling fields. A request's
-  default id is its line number. A later request reusing an id gets an error line; the
+- plain lines: `prompt` or `messages`, optional `id` and sampling fields; with
+  `messages`, also `tools`, `tool_choice`, `parallel_tool_calls` and `tool_call_parser`
+  as LLM.chat takes them. A request's default id is its line number. A later request reusing an id gets an error line; the
   first one runs.
 - OpenAI batch lines `{"custom_id", "method", "url", "body"}` (a `metadata` beside them is
   ignored), as OpenAI's Batch API and vLLM's run-batch read them. Each is the request
@@ -15,8 +16,9 @@ line), in one of two kinds:
 Lines may end in CRLF and the file may start with a UTF-8 BOM.
 
 Output: one JSON object per request, in input order. For plain lines
-`{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` or, for a
-request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
+`{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` (with
+tools, also `"content"` and `"tool_calls"`, OpenAI's, and finish_reason "tool_calls" when
+there are calls) or, for a request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
 output line `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}`: body is the chat.completion or text_completion object the server would answer
 with; a request the server would refuse gets its error status and body, and `error`
@@ -30,7 +32,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
@@ -40,6 +42,7 @@ from ..structured import StructuredSpec
 FORMATS = ("txt", "jsonl")
 BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
 PLAIN_KIND, BATCH_KIND = "plain", "OpenAI batch"  # the two kinds of line, in messages
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "tool_call_parser")
 
 
 @dataclass
@@ -417,6 +420,7 @@ class _Line:
     num_unfinished: int
     created: int = 0                 # when it was added (an OpenAI body's "created")
     result: dict | None = None
+    tool_parser: str | None = None   # a plain line with tools: the parser of its reply
 
 
 class _Runner:
@@ -451,25 +455,49 @@ class _Runner:
 
         engine = self.engine
         try:
-            params = SamplingParams.from_dict({**self.defaults, **plain_structured(request.sampling)},
+            fields = dict(request.sampling)
+            tool_fields = {name: fields.pop(name) for name in TOOL_FIELDS if name in fields}
+            params = SamplingParams.from_dict({**self.defaults, **plain_structured(fields)},
                                               self.model_defaults)
             if params.n != 1:  # one output line per request
                 raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
                                    f"{params.n}; repeat the line with other ids instead")
+            tools, parser = None, None
+            if tool_fields:
+                tools, parser, params = self._tool_setup(request, tool_fields, params)
             if request.messages is not None:
                 prompt = self.llm.tokenizer.encode_chat(request.messages,
-                                                        add_generation_prompt=True)
+                                                        add_generation_prompt=True, tools=tools)
             else:
                 prompt = engine.encode_prompt(request.prompt)
             if len(prompt) >= engine.context_limit:
                 return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
                         f"context limit is {engine.context_limit} (prompt plus at least one "
                         f"new token); shorten the prompt{context_hint(self.llm)}")
-            self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1), [prompt],
-                        [params])
+            self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1,
+                              tool_parser=parser), [prompt], [params])
         except CupyLlamaError as e:
             return f"line {request.line}: {e}"
         return None
+
+    def _tool_setup(self, request: BatchRequest, fields: dict, params: SamplingParams):
+        """A plain line's tool fields, as LLM.chat takes them: (the tools the template
+        shows, the parser of the reply, the params with the grammar of its tool_choice)."""
+        if request.messages is None:
+            raise RequestError(f"{' and '.join(fields)} need 'messages' (tools are shown to "
+                               "the chat template), not 'prompt'")
+        structured, parallel = params.structured, fields.get("parallel_tool_calls")
+        tools, parser, tool_params = self.llm.tool_setup(
+            fields.get("tools"), fields.get("tool_choice"),
+            True if parallel is None else parallel,  # null: the default, as OpenAI takes it
+            fields.get("tool_call_parser"), replace(params, structured=None))
+        if tool_params.structured is None:
+            return tools, parser, params
+        if structured is not None:
+            raise RequestError("tool_choice \"required\" or a named function sets the output's "
+                               "grammar; leave out the line's constraint (structured, "
+                               "response_format, guided_*)")
+        return tools, parser, tool_params
 
     def _add_batch_line(self, index: int, request: BatchRequest) -> dict | None:
         """An OpenAI batch line, taken as `cupy-llama serve` takes the request (the same
@@ -527,7 +555,10 @@ class _Runner:
         for engine_id in line.engine_ids:
             del self._lines[engine_id]
         if line.api is None:
-            line.result = result_object(line.request.id, line.outputs[0][0])
+            output = line.outputs[0][0]
+            if line.tool_parser is not None:
+                self.llm.parse_tool_calls(output, line.tool_parser)
+            line.result = result_object(line.request.id, output, line.tool_parser is not None)
         else:
             api = line.api
             body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
@@ -551,11 +582,16 @@ def _with_defaults(body, defaults: dict):
                        if body.get(name) is None}}
 
 
-def result_object(request_id, output) -> dict:
-    return {"id": request_id, "text": output.text,
-            "usage": {"prompt_tokens": len(output.prompt_token_ids),
-                      "completion_tokens": len(output.token_ids)},
-            "finish_reason": output.finish_reason}
+def result_object(request_id, output, with_tools: bool = False) -> dict:
+    """with_tools: the line offered tools; its parsed reply goes beside the text."""
+    result = {"id": request_id, "text": output.text,
+              "usage": {"prompt_tokens": len(output.prompt_token_ids),
+                        "completion_tokens": len(output.token_ids)},
+              "finish_reason": output.finish_reason}
+    if with_tools:
+        result["content"] = output.content
+        result["tool_calls"] = [call.to_openai() for call in output.tool_calls or []]
+    return result
 
 
 def _write_ready(results: list, out, start: int) -> int:

@@ -24,9 +24,23 @@ from .options import (CHAT_MAX_TOKENS, ENGINE_NAMES, MODEL_PATH, SAMPLING_NAMES,
 @click.option("--chat-template-kwargs", "template_json", metavar="JSON",
               help='More variables for the chat template, as a JSON object (e.g. '
                    '\'{"enable_thinking": false}\' for Qwen3).')
+@click.option("--tools", "tools_path", type=click.Path(exists=True, dir_okay=False),
+              help="A JSON file holding a list of OpenAI tools ({\"type\": \"function\", "
+                   "\"function\": {\"name\", \"description\", \"parameters\"}}) shown to "
+                   "the chat template; the model's calls are shown as calls, answered with "
+                   "/tool CALL RESULT.")
+@click.option("--tool-choice", metavar="auto|required|none|NAME",
+              help="With --tools: may the model call (auto, the default), must it (required, "
+                   "enforced by a grammar), no tools (none), or must it call the tool NAME.")
+@click.option("--tool-call-parser", metavar="NAME",
+              help="With --tools: the tool-call format (llama3_json, hermes or mistral) where "
+                   "the chat template does not show one.")
+@click.option("--parallel-tool-calls/--no-parallel-tool-calls", default=None,
+              help="With --tools: may a reply hold several calls (the default), or one at most.")
 @sampling_options
 @engine_options
-def chat(prompt, model_dir, device, system, template_json, **flags):
+def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choice,
+         tool_call_parser, parallel_tool_calls, **flags):
     """Chat with a model in the terminal; with PROMPT, answer it once and exit.
 
     Replies stream as they are generated; type /help for the commands. Input history is
@@ -44,6 +58,7 @@ def chat(prompt, model_dir, device, system, template_json, **flags):
     engine = given(flags, ENGINE_NAMES)
     check_options(values, engine)
     template_kwargs = _template_kwargs(template_json)
+    tools = _chat_tools(tools_path, tool_choice, tool_call_parser, parallel_tool_calls)
     # the one message is read (and an empty one refused) before the model loads
     if prompt is not None:
         once = prompt.strip()
@@ -54,7 +69,13 @@ def chat(prompt, model_dir, device, system, template_json, **flags):
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     llm = options.load(model_dir or options.default_model_dir(), device, engine)
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
-    session = ChatSession(llm, params, system, template_kwargs)
+    if tools is not None and tools.parser is None and tools.tool_choice != "none":
+        from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
+        if tool_parser_for_template(llm.tokenizer.chat_template) is None:
+            raise OptionError("--tools: the model's chat template shows no tool-call format "
+                              "this engine knows; use a model whose template calls tools, or "
+                              f"name the format with --tool-call-parser ({', '.join(PARSER_NAMES)})")
+    session = ChatSession(llm, params, system, template_kwargs, tools)
     if once is not None:
         return run_once(session, once)
     colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
@@ -76,6 +97,46 @@ def _template_kwargs(text: str | None) -> dict | None:
         return check_template_kwargs(value)
     except RequestError as e:
         raise OptionError(f"--chat-template-kwargs: {str(e).removeprefix('chat_template_kwargs ')}") from None
+
+
+def _chat_tools(path: str | None, choice: str | None, parser: str | None,
+                parallel: bool | None):
+    """--tools and the flags that go with it, checked before the model loads."""
+    from .chat_ui import ChatTools
+    from ..tool_choice import TOOL_CHOICES, check_tool_choice, check_tools
+    from ..tool_parsers import check_parser_name
+
+    if path is None:
+        given = {"--tool-choice": choice, "--tool-call-parser": parser,
+                 "--parallel-tool-calls" if parallel else "--no-parallel-tool-calls": parallel}
+        flag = next((flag for flag, value in given.items() if value is not None), None)
+        if flag is not None:
+            raise OptionError(f"{flag} needs --tools FILE, the tools the model may call")
+        return None
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OptionError(f"--tools: cannot read {path} ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OptionError(f"--tools: {path} is not JSON ({e}); give a list of OpenAI tools, "
+                          '[{"type": "function", "function": {"name": ...}}]') from None
+    if not isinstance(tools, list) or not tools:
+        raise OptionError(f"--tools: {path} must hold a non-empty JSON list of OpenAI tools, "
+                          '[{"type": "function", "function": {"name": ...}}]')
+    try:
+        tools = check_tools(tools, field=path)
+        if choice is not None and choice not in TOOL_CHOICES:
+            names = [tool["function"]["name"] for tool in tools]
+            if choice not in names:
+                raise OptionError(f"--tool-choice: {choice!r} is none of auto, required, none "
+                                  f"or a tool of {path} ({', '.join(names)})")
+            choice = {"type": "function", "function": {"name": choice}}
+        choice = check_tool_choice(choice, tools, field="--tool-choice")
+        if parser is not None:
+            check_parser_name(parser)
+    except RequestError as e:
+        raise OptionError(f"--tools: {e}" if str(e).startswith(path) else str(e)) from None
+    return ChatTools(tools, choice, parser, parallel is not False)
 
 
 def _history_path() -> Path:

@@ -32,6 +32,9 @@ HELP = """\
 /stats                token counts and speed of this session
 /save FILE            write the conversation to FILE as JSON (OpenAI-style messages)
 /load FILE            continue a conversation written by /save (it replaces this one)
+/tool CALL RESULT     with --tools: answer the model's tool call CALL (its id, or its
+                      function's name when no other waiting call has it) with RESULT; once
+                      every call of the reply has its result, the model answers
 \"\"\"                   start and end multi-line input (Ctrl-D also ends it, and sends it)
 Up, Down              earlier input, also from earlier sessions
 Ctrl-C                stop the current reply; twice at the prompt exits
@@ -47,7 +50,7 @@ MULTILINE = '"""'
 # larger; older turns are dropped until the conversation leaves that much.
 REPLY_SHARE_OF_CONTEXT = 4
 HISTORY_LENGTH = 1000   # input lines kept in the history file
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Control characters other than newline and tab would move the cursor or recolor the
 # terminal; model output shows them as U+FFFD.
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -55,6 +58,26 @@ _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 def printable(text: str) -> str:
     return _CONTROL_CHARS.sub("\ufffd", text)
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """--tools and the flags that go with it, checked (tool_choice.py)."""
+    tools: list
+    tool_choice: str | dict = "auto"
+    parser: str | None = None  # None: the format the chat template shows
+    parallel_tool_calls: bool = True  # False: a reply holds one call at most
+
+
+def call_line(call: dict) -> str:
+    """A tool call of the history as the chat shows it: one line, marked, with its id."""
+    function = call["function"]
+    arguments = function["arguments"]
+    try:  # one line, whatever whitespace the model wrote
+        arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        arguments = " ".join(arguments.split())
+    return f"tool call {call['id']}: {function['name']} {arguments}"
 
 
 @dataclass
@@ -101,12 +124,15 @@ def context_hint(llm) -> str:
 
 class ChatSession:
     def __init__(self, llm, params, system: str | None = None,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, tools: ChatTools | None = None):
         self.llm = llm
         self.params = params
         self.system = system or None
         self.template_kwargs = template_kwargs  # more chat-template variables (--chat-template-kwargs)
-        self.history: list[dict] = []   # user and assistant turns, alternating
+        self.tools = tools
+        # turns: a user message, then the assistant's reply; with tools, a reply with
+        # tool_calls is followed by a tool message per call and the assistant's next reply
+        self.history: list[dict] = []
         self.turns: list[TurnStats] = []
 
     def messages(self, user_text: str) -> list[dict]:
@@ -151,26 +177,44 @@ class ChatSession:
 
     # ---- fitting the context -----------------------------------------------------------
 
-    def _prompt(self, turns: list[dict], user_text: str) -> list[int]:
+    @property
+    def template_tools(self) -> list | None:
+        """The tools the chat template is shown (None without tools or with "none")."""
+        tools = self.tools
+        return tools.tools if tools is not None and tools.tool_choice != "none" else None
+
+    def _messages(self, turns: list[dict], new: list[dict]) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        messages = system + turns + [{"role": "user", "content": user_text}]
-        return self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
+        return system + turns + new
+
+    def _prompt(self, turns: list[dict], new: list[dict]) -> list[int]:
+        return self.llm.tokenizer.encode_chat(self._messages(turns, new),
+                                              add_generation_prompt=True,
+                                              tools=self.template_tools,
                                               template_kwargs=self.template_kwargs)
 
-    def fit(self, user_text: str) -> tuple[list[int], int]:
-        """The prompt ids for user_text after the conversation, and how many of the oldest
-        turns (a user message and its reply) must go so that it leaves room for a reply.
-        RequestError when the message does not fit even alone (with the system prompt)."""
+    def fit(self, new: list[dict]) -> tuple[list[int], int]:
+        """The prompt ids for the new messages (a user message, or the tool results that
+        end a turn) after the conversation, and how many of the oldest messages must go
+        so that it leaves room for a reply: whole turns (a user message up to the next
+        one), never the turn the new messages end. RequestError when they do not fit even
+        alone (with the system prompt)."""
         limit = self.context_limit
         room = max(1, min(self.params.max_tokens, limit // REPLY_SHARE_OF_CONTEXT))
-        num_turns = len(self.history) // 2
-        prompt = self._prompt(self.history, user_text)
+        turns = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+        # where the turn being answered begins: tool results end one the history began
+        current = turns.pop() if new[0]["role"] != "user" else len(self.history)
+
+        def cut(num_turns: int) -> int:  # history[cut(k):] leaves the k oldest turns out
+            return turns[num_turns] if num_turns < len(turns) else current
+
+        prompt = self._prompt(self.history, new)
         dropped = 0
-        while len(prompt) + room > limit and dropped < num_turns:
+        while len(prompt) + room > limit and dropped < len(turns):
             dropped += 1
-            prompt = self._prompt(self.history[2 * dropped:], user_text)
+            prompt = self._prompt(self.history[cut(dropped):], new)
         if len(prompt) < limit:  # alone, it may leave less room than wished: still sent
-            return prompt, dropped
+            return prompt, cut(dropped) if dropped else 0
         what = "it or the system prompt (/system)" if self.system else "it"
         more = context_hint(self.llm)
         raise RequestError(
@@ -183,19 +227,76 @@ class ChatSession:
     # ---- replies -----------------------------------------------------------------------
 
     def reply(self, user_text: str, should_stop=lambda: False, on_drop=None):
-        """Yield the reply's text deltas. Afterwards the turn is in the history (also when
-        stopped early) and its statistics in self.turns. Oldest turns that must go to make
-        room are dropped first, and on_drop(number of turns) is told. Raises
-        CupyLlamaError, with the history unchanged, when the request cannot run."""
-        prompt, dropped = self.fit(user_text)
+        """Yield the reply's text deltas (with tools, the lines of its calls last, from
+        call_line). Afterwards the turn is in the history (also when stopped early) and its
+        statistics in self.turns. Oldest turns that must go to make room are dropped
+        first, and on_drop(number of turns) is told. Raises CupyLlamaError, with the
+        history unchanged, when the request cannot run."""
+        if self.waiting_calls():
+            raise RequestError("the model's tool calls wait for their results: answer each "
+                               "with /tool CALL RESULT first (or /clear)")
+        yield from self._answer([{"role": "user", "content": user_text}], should_stop, on_drop)
+
+    def waiting_calls(self) -> list[dict]:
+        """The calls of the last reply that no tool message has answered yet."""
+        answered, index = set(), len(self.history) - 1
+        while index >= 0 and self.history[index]["role"] == "tool":
+            answered.add(self.history[index].get("tool_call_id"))
+            index -= 1
+        if index < 0 or not self.history[index].get("tool_calls"):
+            return []
+        return [c for c in self.history[index]["tool_calls"] if c["id"] not in answered]
+
+    def tool_result(self, call: str, result: str, should_stop=lambda: False, on_drop=None):
+        """Answer the waiting call whose id (or function name) is `call` with a tool
+        message; with the last one answered, yield the model's reply as reply() does.
+        RequestError, with the history unchanged, when no waiting call is meant."""
+        waiting = self.waiting_calls()
+        if not waiting:
+            raise RequestError("no tool call is waiting for a result")
+        chosen = [c for c in waiting if c["id"] == call] or \
+            [c for c in waiting if c["function"]["name"] == call]
+        listed = ", ".join(f"{c['id']} ({c['function']['name']})" for c in waiting)
+        if not chosen:
+            raise RequestError(f"no waiting tool call has the id or name {call!r}; waiting: "
+                               f"{listed}")
+        if len(chosen) > 1:
+            raise RequestError(f"several waiting calls are to {call!r}; name one by its id: "
+                               f"{listed}")
+        message = {"role": "tool", "tool_call_id": chosen[0]["id"], "content": result}
+        if len(waiting) > 1:  # the model answers once every call has its result
+            self.history.append(message)
+            return
+        new = []
+        while self.history[-1]["role"] == "tool":  # the turn's results go in together
+            new.insert(0, self.history.pop())
+        num_turns = len(self.turns)
+        try:
+            yield from self._answer(new + [message], should_stop, on_drop)
+        except CupyLlamaError:
+            if len(self.turns) == num_turns:  # no reply: the results recorded stay
+                self.history += new
+            raise
+
+    def _answer(self, new: list[dict], should_stop, on_drop):
+        prompt, dropped = self.fit(new)
         params = self.params
         started = time.perf_counter()
         # the request is added (and checked) before any turn is dropped
-        stream = self.llm.generate(prompt, params, stream=True)
+        if self.tools is None:
+            stream = self.llm.generate(prompt, params, stream=True)
+        else:  # parsed as it comes: calls never show as text
+            tools = self.tools
+            stream = self.llm.chat(
+                self._messages(self.history[dropped:], new), params, stream=True,
+                chat_template_kwargs=self.template_kwargs, tools=tools.tools,
+                tool_choice=tools.tool_choice, tool_call_parser=tools.parser,
+                parallel_tool_calls=tools.parallel_tool_calls)
         if dropped:
-            del self.history[:2 * dropped]
+            num_turns = sum(m["role"] == "user" for m in self.history[:dropped])
+            del self.history[:dropped]
             if on_drop is not None:
-                on_drop(dropped)
+                on_drop(num_turns)
         first_token_at = last_token_at = None
         text, output = "", None
         try:
@@ -213,8 +314,11 @@ class ChatSession:
         finally:
             stream.close()  # aborts the request if it is still running
         finished = output is not None and output.finished
-        self.history += [{"role": "user", "content": user_text},
-                         {"role": "assistant", "content": text}]
+        answer = {"role": "assistant", "content": text}
+        if finished and output.tool_calls:
+            answer = {"role": "assistant", "content": output.content,
+                      "tool_calls": [call.to_openai() for call in output.tool_calls]}
+        self.history += new + [answer]
         first_token_at = first_token_at or time.perf_counter()
         completion = len(output.token_ids) if output else 0
         cut_by_context = (finished and output.finish_reason == "length"
@@ -226,17 +330,25 @@ class ChatSession:
             decode_seconds=(last_token_at or first_token_at) - first_token_at,
             finish_reason=output.finish_reason if finished else None,
             context_limit=self.context_limit if cut_by_context else None))
+        if answer.get("tool_calls"):  # shown as calls, never as the text the model wrote
+            yield ("\n" if text else "") + "\n".join(map(call_line, answer["tool_calls"]))
 
     def retry(self, should_stop=lambda: False, on_drop=None):
         """Yield a new reply to the last message; it replaces the last reply. RequestError
         when there is none; the history is unchanged when the reply cannot start."""
         if not self.history:
             raise RequestError("nothing to retry yet: send a message first")
-        last = self.history[-2:]
-        del self.history[-2:]
+        if self.history[-1]["role"] != "assistant":
+            raise RequestError("nothing to retry: the model's tool calls wait for their "
+                               "results (/tool CALL RESULT)")
+        start = len(self.history) - 1  # the messages the last reply answered begin here
+        while start > 0 and self.history[start - 1]["role"] != "assistant":
+            start -= 1
+        last = self.history[start:]
+        del self.history[start:]
         num_turns = len(self.turns)
         try:
-            yield from self.reply(last[0]["content"], should_stop, on_drop)
+            yield from self._answer(last[:-1], should_stop, on_drop)
         except CupyLlamaError:
             if len(self.turns) == num_turns:  # no new reply: the old one stays
                 self.history += last
@@ -291,7 +403,9 @@ class ChatSession:
 def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
     """(system prompt, turns) of a conversation as /save writes it: a JSON list of
     {"role", "content"} messages, a system message only first, then user and assistant
-    messages taking turns, the last one the assistant's. RequestError names what is wrong."""
+    messages taking turns, the last one the assistant's; an assistant message may carry
+    OpenAI "tool_calls" (its content then may be null), answered by a "tool" message
+    ("tool_call_id") each before the assistant goes on. RequestError names what is wrong."""
     from ..tokenizer import check_unicode
 
     if not isinstance(data, list):
@@ -302,7 +416,11 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
         where = f"{name}: message {number}"
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object with 'role' and 'content'")
-        for key in ("role", "content"):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        keys = ("role",) if calls is not None and message.get("content") is None else \
+            ("role", "content")
+        keys += ("tool_call_id",) if message.get("role") == "tool" else ()
+        for key in keys:
             if not isinstance(message.get(key), str):
                 problem = "has no" if key not in message else "needs a string as its"
                 raise RequestError(f"{where} {problem} {key!r}")
@@ -311,21 +429,54 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
         if role not in ROLES:
             raise RequestError(f"{where} has role {role!r}; a conversation holds "
                                f"{', '.join(ROLES)} messages")
-        messages.append({"role": role, "content": message["content"]})
+        kept = {key: message[key] for key in keys}
+        kept.setdefault("content", None)
+        if calls is not None:
+            kept["tool_calls"] = _checked_calls(calls, where)
+        messages.append(kept)
     system = None
     if messages and messages[0]["role"] == "system":
         system = messages.pop(0)["content"] or None
     offset = len(data) - len(messages)
+    waiting: list[str] = []  # ids of the calls not answered yet
+    wanted = "user"
     for index, message in enumerate(messages):
-        wanted = "user" if index % 2 == 0 else "assistant"
-        if message["role"] != wanted:
-            raise RequestError(f"{name}: message {index + offset + 1} is {_a(message['role'])} "
+        role = message["role"]
+        if role != wanted and not (wanted == "tool" and not waiting):
+            raise RequestError(f"{name}: message {index + offset + 1} is {_a(role)} "
                                f"message where {_a(wanted)} message belongs; a system message "
-                               "may come first, then user and assistant messages take turns")
-    if len(messages) % 2:
-        raise RequestError(f"{name}: the last message is the user's, with no reply; end the "
+                               "may come first, then user and assistant messages take turns "
+                               "(with tool messages after an assistant's tool_calls)")
+        if role == "assistant" and message.get("tool_calls"):
+            waiting, wanted = [c["id"] for c in message["tool_calls"]], "tool"
+        elif role == "tool":
+            if message["tool_call_id"] in waiting:
+                waiting.remove(message["tool_call_id"])
+            wanted = "tool" if waiting else "assistant"
+        else:
+            wanted = "assistant" if role == "user" else "user"
+    if wanted == "assistant":
+        last = "the user's" if messages[-1]["role"] == "user" else "a tool result"
+        raise RequestError(f"{name}: the last message is {last}, with no reply; end the "
                            "conversation with an assistant message")
     return system, messages
+
+
+def _checked_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls as the chat keeps them: id, name, arguments."""
+    if not isinstance(calls, list) or not calls:
+        raise RequestError(f"{where}'s tool_calls must be a list of calls")
+    kept = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(call.get("id"), str)
+                and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise RequestError(f"{where}'s tool_calls must each be {{\"id\", \"type\": "
+                               f"\"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+        kept.append({"id": call["id"], "type": "function", "function": {
+            "name": function["name"], "arguments": function["arguments"]}})
+    return kept
 
 
 def _a(role: str) -> str:
@@ -360,6 +511,11 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     out.flush()
     err.write(session.turns[-1].line() + "\n")
     return 0
+
+
+def _waiting_note(waiting: list[dict]) -> str:
+    calls = ", ".join(f"{c['id']} ({c['function']['name']})" for c in waiting)
+    return f"(waiting for tool results: /tool CALL RESULT for {calls})"
 
 
 def _isatty(stream) -> bool:
@@ -524,6 +680,10 @@ def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) 
         except CupyLlamaError as e:
             err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
             return
+    waiting = session.waiting_calls()
+    if waiting and session.history[-1]["role"] == "tool":  # a result recorded, no reply yet
+        err_console.print(f"[dim]{escape(_waiting_note(waiting))}[/dim]", highlight=False)
+        return
     out.write("\n")
     out.flush()
     turn = session.turns[-1]
@@ -531,6 +691,8 @@ def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) 
         err_console.print("[yellow](reply stopped; the part shown stays in the conversation)"
                           "[/yellow]", highlight=False)
     err_console.print(f"[dim]{escape(turn.line())}[/dim]", highlight=False)
+    if waiting:
+        err_console.print(f"[dim]{escape(_waiting_note(waiting))}[/dim]", highlight=False)
 
 
 def _command(session: ChatSession, line: str, console, err_console, interrupts) -> str | None:
@@ -570,6 +732,15 @@ def _command(session: ChatSession, line: str, console, err_console, interrupts) 
             attempt(lambda: session.set(parts[0], parts[1]))
     elif name == "/stats":
         say(session.stats())
+    elif name == "/tool":
+        call, _, result = argument.partition(" ")
+        if not call or not result.strip():
+            say("usage: /tool CALL RESULT, e.g. /tool get_weather 22C and sunny (CALL: the "
+                "call's id, or its function's name)")
+        else:
+            _show_reply(session, console, err_console, interrupts,
+                        lambda stop, on_drop: session.tool_result(call, result.strip(), stop,
+                                                                  on_drop))
     elif name in ("/save", "/load"):
         if not argument:
             say(f"usage: {name} FILE, e.g. {name} chat.json")

@@ -58,7 +58,9 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
     top_k, min_p, max_tokens, seed, stop, ignore_eos, repetition_penalty,
     frequency_penalty, presence_penalty, logit_bias, min_tokens, stop_token_ids, ...: any
-    of SamplingParams') overriding the command line's.
+    of SamplingParams') overriding the command line's. With "messages", also "tools",
+    "tool_choice", "parallel_tool_calls" and "tool_call_parser", as chat completions take
+    them: the output line then holds "content" and "tool_calls" (OpenAI's) beside "text".
     Files may start with a UTF-8 BOM and use CRLF line ends.
 
     \b
