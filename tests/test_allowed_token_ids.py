@@ -10,7 +10,7 @@ from cupy_llama.errors import RequestError
 from cupy_llama.structured import AllowedTokensMatcher, allowed_token_ids, bitmask_words
 
 PROMPT = list(range(10, 30))
-ALLOWED = [5, 17, 64, 200, 301, 333]
+ALLOWED = [5, 17, 64, 98, 200, 250]  # ids with text (the tokenizer has 261)
 
 
 def reference_masked_greedy(model_dir, prompt, allowed, max_tokens):
@@ -94,3 +94,31 @@ def test_with_a_structured_constraint_it_is_refused():
     from cupy_llama.structured import StructuredSpec
     with pytest.raises(RequestError, match="allowed_token_ids and structured"):
         SamplingParams(allowed_token_ids=[1], structured=StructuredSpec.regex("a+"))
+
+
+def test_batch_files_take_allowed_token_ids_on_both_kinds_of_line(model_dir, llm):
+    """A plain line passes it as a sampling field; an OpenAI batch line's body as the
+    server takes it: each output is the masked argmax; a bad list is that line's error."""
+    import io
+    import json
+
+    from cupy_llama.cli.batch_io import read_requests, run_batch
+    pytest.importorskip("pydantic")
+    expected = reference_masked_greedy(model_dir, PROMPT, ALLOWED, 6)
+    text = llm.tokenizer.decode(expected)
+    common = {"temperature": 0, "max_tokens": 6, "ignore_eos": True,
+              "allowed_token_ids": ALLOWED}
+    plain = [{"id": "a", "prompt": PROMPT, **common},
+             {"id": "b", "prompt": PROMPT, **common, "allowed_token_ids": []}]
+    batch = [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": PROMPT, **common}}]
+    rows = []
+    for lines in (plain, batch):
+        requests = read_requests("".join(json.dumps(x) + "\n" for x in lines).encode(), "jsonl")
+        out = io.StringIO()
+        run_batch(llm, requests, out, {})
+        rows += [json.loads(line) for line in out.getvalue().splitlines()]
+    assert rows[0]["text"] == text and rows[0]["usage"]["completion_tokens"] == 6
+    assert "allowed_token_ids must be a non-empty list" in rows[1]["error"]
+    assert rows[2]["response"]["body"]["choices"][0]["text"] == text
+    assert_all_blocks_free(llm)

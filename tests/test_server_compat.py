@@ -106,11 +106,11 @@ SAMPLE = {
     "logit_bias": {"1": 5}, "min_tokens": 2, "stop_token_ids": [1], "bad_words": ["x"],
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
-    "best_of": 3,
+    "best_of": 3, "allowed_token_ids": [1, 2],
 }
 # A value for each refused field that is not one of its harmless ones.
 REFUSED_VALUE = {"functions": [{"name": "f"}], "function_call": "required",
-                 "modalities": ["audio"], "allowed_token_ids": [1, 2],
+                 "modalities": ["audio"],
                  "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
                  "use_beam_search": True,
                  "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {},
@@ -229,11 +229,9 @@ def test_every_field_is_used_or_refused(llm):
 
 
 def test_fields_of_other_servers_are_refused_by_name(state):
-    """vLLM's allowed_token_ids, llama.cpp's grammar and json_schema change what is
-    generated and are not done here yet: each is a 400 in OpenAI's error shape that names
-    it, on both endpoints."""
-    for name, value in (("allowed_token_ids", [1, 2]),
-                        ("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"})):
+    """llama.cpp's grammar and json_schema change what is generated and are not done here
+    yet: each is a 400 in OpenAI's error shape that names it, on both endpoints."""
+    for name, value in (("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"})):
         for path, body in (("/v1/completions", {"prompt": "x"}),
                            ("/v1/chat/completions", {"messages": CHAT})):
             answer = ask_one(state, "POST", path, json={**body, name: value})
@@ -241,6 +239,39 @@ def test_fields_of_other_servers_are_refused_by_name(state):
             error = answer.json()["error"]
             assert (error["param"], error["code"]) == (name, "unsupported_parameter")
             assert error["message"].startswith(f"{name} is not supported")
+
+
+def test_allowed_token_ids_on_both_endpoints(state, llm):
+    """vLLM's allowed_token_ids (its SamplingParams: "only these token ids may be
+    generated"), on /v1/completions and /v1/chat/completions: greedy text equals the
+    engine's under the same ids, which test_allowed_token_ids checks against a masked
+    argmax; ids outside the vocabulary, an empty list, and a second constraint beside it
+    are 400s naming allowed_token_ids."""
+    allowed = [5, 17, 64, 98, 200, 250]
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    chat_prompt = llm.tokenizer.encode_chat(CHAT)
+    for path, body, prompt in (("/v1/completions", {"prompt": PROMPT}, PROMPT),
+                               ("/v1/chat/completions", {"messages": CHAT}, chat_prompt)):
+        want = llm.generate(prompt, SamplingParams(allowed_token_ids=allowed, **greedy))
+        assert set(want.token_ids) <= set(allowed) and len(want.token_ids) == 8
+        plain = llm.generate(prompt, SamplingParams(**greedy))
+        assert plain.text != want.text, "the ids changed nothing: the test proves nothing"
+        answer = ask_one(state, "POST", path, json={**body, **greedy,
+                                                    "allowed_token_ids": allowed})
+        assert answer.status == 200, answer.body
+        choice = answer.json()["choices"][0]
+        assert choice.get("text", (choice.get("message") or {}).get("content")) == want.text
+        vocab = llm.config.vocab_size
+        for value, words in (([1, vocab], f"token id {vocab}, outside the vocabulary"),
+                             ([], "non-empty list")):
+            bad = ask_one(state, "POST", path, json={**body, "allowed_token_ids": value})
+            assert bad.status == 400, (path, value)
+            assert words in bad.json()["error"]["message"]
+        both = ask_one(state, "POST", path, json={**body, "allowed_token_ids": allowed,
+                                                  "guided_regex": "a+"})
+        error = both.json()["error"]
+        assert both.status == 400 and error["param"] == "allowed_token_ids"
+        assert error["message"].startswith("allowed_token_ids and guided_regex both")
 
 
 # ---- /tokenize takes vLLM's chat options; chat completions take chat_template_kwargs ------------

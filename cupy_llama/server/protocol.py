@@ -157,7 +157,8 @@ def _off(*harmless):
 # request fields handed to SamplingParams as they are (null: left out), which checks them
 PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                  "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words")
+                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
+                 "allowed_token_ids")
 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
@@ -165,7 +166,7 @@ UNSUPPORTED = {
     "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
-    "use_beam_search": _off(False), "allowed_token_ids": _off(), "chat_template": _off(),
+    "use_beam_search": _off(False), "chat_template": _off(),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
 }
@@ -324,6 +325,11 @@ class _SamplingFields(_Unsupported, _Model):
             values["logprobs"] = 0  # best_of ranks the samples by their tokens' logprobs
         values["prompt_logprobs"] = self.prompt_logprobs_wanted()
         values["structured"] = structured or self.structured_spec()
+        if self.allowed_token_ids is not None and values["structured"] is not None:
+            other = "tool_choice" if structured is not None else \
+                values["structured"].source.split(".")[0].split("[")[0]
+            raise APIError(400, f"allowed_token_ids and {other} both constrain the output; "
+                                "send one of them", param="allowed_token_ids")
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
