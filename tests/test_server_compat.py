@@ -107,14 +107,14 @@ SAMPLE = {
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
     "best_of": 3, "allowed_token_ids": [1, 2],
+    "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
 # A value for each refused field that is not one of its harmless ones.
 REFUSED_VALUE = {"functions": [{"name": "f"}], "function_call": "required",
                  "modalities": ["audio"],
                  "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
                  "use_beam_search": True,
-                 "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {},
-                 "chat_template": "{{ messages }}"}
+                 "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {}}
 # refused on one endpoint only: chat's echo and best_of; legacy completions' are done
 REFUSED_ON = {(ChatCompletionRequest, "echo"): True, (ChatCompletionRequest, "best_of"): 3}
 BASE = {CompletionRequest: {"prompt": "abc"}, ChatCompletionRequest: {"messages": CHAT},
@@ -334,6 +334,54 @@ def test_chat_template_kwargs_reach_the_template(model_dir, llm, tmp_path):
     grew = spiced.json()["usage"]["prompt_tokens"] - plain.json()["usage"]["prompt_tokens"]
     assert grew == len(state.tokenizer.encode("[salty]", add_special_tokens=False))
     assert bad.status == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+MARKED = ("MARK:{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+          "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_request_chat_template_renders_as_llm_chat_does(model_dir, llm):
+    """vLLM's chat_template on /v1/chat/completions and /tokenize (ChatCompletionRequest,
+    TokenizeChatRequest: "A Jinja template to use for this conversion"), taken only from a
+    server started with --trust-request-chat-template, as vLLM's: the prompt is what the
+    template renders, and the reply equals LLM.chat's with the same template; a template
+    that does not compile or render is a 400 naming chat_template and quoting the error."""
+    trusting = make_state(model_dir, llm, trust_request_chat_template=True)
+    tokenizer = trusting.tokenizer
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    rendered = "MARK:<user>hi<assistant>"
+    want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                    chat_template=MARKED)
+    assert want.prompt_token_ids == tokenizer.encode_chat(CHAT, chat_template=MARKED)
+    assert tokenizer.decode(want.prompt_token_ids, skip_special_tokens=False) == rendered
+    assert want.prompt_token_ids != tokenizer.encode_chat(CHAT)
+    chat, tokens, syntax, raising, plain_prompt = ask(trusting, [
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": MARKED}}),
+        ("POST", "/tokenize", {"json": {"messages": CHAT, "chat_template": MARKED}}),
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": "{% if %}"}}),
+        ("POST", "/v1/chat/completions", {"json": {
+            **body, "chat_template": "{{ raise_exception('no users here') }}"}}),
+        ("POST", "/tokenize", {"json": {"prompt": "x", "chat_template": MARKED}})])
+    assert chat.status == 200, chat.body
+    answer = chat.json()
+    assert answer["choices"][0]["message"]["content"] == want.text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert tokens.json()["tokens"] == want.prompt_token_ids
+    for bad, words in ((syntax, "chat_template is not valid jinja ("),
+                       (raising, "chat_template: no users here")):
+        error = bad.json()["error"]
+        assert bad.status == 400 and error["param"] == "chat_template", bad.body
+        assert error["message"].startswith(words)
+    assert plain_prompt.status == 400 and plain_prompt.json()["error"]["param"] == "chat_template"
+    refusing = make_state(model_dir, llm)
+    for path, extra in (("/v1/chat/completions", body), ("/tokenize", {"messages": CHAT})):
+        refused = ask_one(refusing, "POST", path, json={**extra, "chat_template": MARKED})
+        error = refused.json()["error"]
+        assert refused.status == 400 and error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+    wrong_type = ask_one(trusting, "POST", "/v1/chat/completions",
+                         json={**body, "chat_template": 5})
+    assert wrong_type.status == 400 and wrong_type.json()["error"]["param"] == "chat_template"
 
 
 # ---- #3: signed seeds ---------------------------------------------------------------------------

@@ -166,7 +166,7 @@ UNSUPPORTED = {
     "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
-    "use_beam_search": _off(False), "chat_template": _off(),
+    "use_beam_search": _off(False),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
 }
@@ -767,8 +767,8 @@ class ChatMessage(_Model):
 
 class _ChatPrompt:
     """What makes a chat's prompt, as chat completions and /tokenize take it: the messages
-    through the chat template, with vLLM's add_generation_prompt, continue_final_message
-    and chat_template_kwargs."""
+    through the chat template (the model's, or the request's chat_template), with vLLM's
+    add_generation_prompt, continue_final_message and chat_template_kwargs."""
 
     def check_chat_options(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -826,9 +826,11 @@ class _ChatPrompt:
                                          add_generation_prompt=self.add_generation_prompt,
                                          continue_final_message=self.continue_final_message,
                                          tools=self.template_tools(),
-                                         template_kwargs=self.chat_template_kwargs)
+                                         template_kwargs=self.chat_template_kwargs,
+                                         chat_template=self.chat_template)
         except CupyLlamaError as e:  # the template refused the messages, or there is none
-            raise APIError(400, str(e), param="messages") from None
+            param = "chat_template" if str(e).startswith("chat_template") else "messages"
+            raise APIError(400, str(e), param=param) from None
 
 
 class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
@@ -841,7 +843,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     add_generation_prompt: bool = True       # vLLM's
     continue_final_message: bool = False     # vLLM's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
-    chat_template: Any = None
+    chat_template: str | None = None  # vLLM's: a Jinja template instead of the model's
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call
@@ -894,7 +896,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     def tool_parser(self, tokenizer) -> str:
         """The name of the parser of this model's tool calls: 400 where the server has none
         and the chat template shows no format."""
-        name = self._tool_parser_name or tool_parser_for_template(tokenizer.chat_template)
+        name = self._tool_parser_name or tool_parser_for_template(
+            self.chat_template or tokenizer.chat_template)
         if name is None:
             raise APIError(400, "tools: the model's chat template shows no tool-call format "
                                 "this server knows; start it with --tool-call-parser "
@@ -1154,7 +1157,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
-    chat_template: Any = None
+    chat_template: str | None = None
     tools: Any = None  # shown to the chat template, as chat completions show them
     return_token_strs: bool = False
 
@@ -1172,7 +1175,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
                            param="prompt")
         if self.prompt is not None:
             for name in ("add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs"):
+                         "chat_template_kwargs", "chat_template"):
                 if name in self.model_fields_set:
                     raise APIError(400, f"{name} applies to messages (a chat), not to a "
                                         "prompt; remove it", param=name)
