@@ -122,3 +122,34 @@ def test_batch_files_take_allowed_token_ids_on_both_kinds_of_line(model_dir, llm
     assert "allowed_token_ids must be a non-empty list" in rows[1]["error"]
     assert rows[2]["response"]["body"]["choices"][0]["text"] == text
     assert_all_blocks_free(llm)
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_allowed_token_ids_through_the_cuda_engine(model_dir, enforce_eager):
+    """The CUDA engine (graphs on and off) draws allowed_token_ids rows with
+    ops.sample_masked: greedy and sampled, n > 1, with logprobs, beside plain requests
+    that come out as they do alone."""
+    from cupy_llama import LLM
+    with LLM(model_dir, device="cuda", log=None, enforce_eager=enforce_eager) as llm:
+        plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        alone = llm.generate(PROMPT, plain).token_ids
+        params = [SamplingParams(temperature=0.0 if i < 4 else 1.0, seed=i, max_tokens=24,
+                                 ignore_eos=True, n=2 if i == 5 else 1,
+                                 logprobs=2 if i % 3 == 0 else None,
+                                 allowed_token_ids=ALLOWED[i % 3:])
+                  for i in range(8)]
+        outputs = llm.generate([PROMPT[i:] for i in range(8)] + [PROMPT], params + [plain])
+        for output, allowed in zip(outputs, [ALLOWED[i % 3:] for i, p in enumerate(params)
+                                             for _ in range(p.n)]):
+            assert set(output.token_ids) <= set(allowed) and len(output.token_ids) == 24
+        assert outputs[-1].token_ids == alone
