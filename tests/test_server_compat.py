@@ -367,8 +367,11 @@ def test_a_request_chat_template_renders_as_llm_chat_does(model_dir, llm):
     assert answer["choices"][0]["message"]["content"] == want.text
     assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert tokens.json()["tokens"] == want.prompt_token_ids
+    empty = ask_one(trusting, "POST", "/v1/chat/completions",
+                    json={**body, "chat_template": "{# nothing #}"})
     for bad, words in ((syntax, "chat_template is not valid jinja ("),
-                       (raising, "chat_template: no users here")):
+                       (raising, "chat_template: no users here"),
+                       (empty, "chat_template renders these messages as no text")):
         error = bad.json()["error"]
         assert bad.status == 400 and error["param"] == "chat_template", bad.body
         assert error["message"].startswith(words)

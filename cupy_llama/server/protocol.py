@@ -930,6 +930,9 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
                                     "answer's grammar; leave out response_format and "
                                     "structured_outputs", param="tool_choice")
         prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
+        if not prompt and self.chat_template is not None:
+            raise APIError(400, "chat_template renders these messages as no text; a prompt "
+                                "needs at least one token", param="chat_template")
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
 
     def reply_text(self, output) -> str:
