@@ -387,6 +387,24 @@ def test_a_request_chat_template_renders_as_llm_chat_does(model_dir, llm):
     assert wrong_type.status == 400 and wrong_type.json()["error"]["param"] == "chat_template"
 
 
+def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
+    """serve's --trust-request-chat-template (vLLM's flag) reaches the server's settings;
+    off by default."""
+    from cupy_llama.cli import main
+    from cupy_llama.server import app
+    seen = []
+
+    def fake_run_server(settings, sock, tokenizer, config):
+        seen.append(settings.trust_request_chat_template)
+        sock.close()
+
+    monkeypatch.setattr(app, "run_server", fake_run_server)
+    for flags in ([], ["--trust-request-chat-template"]):
+        assert main(["serve", "--model", str(model_dir), "--port", "0", "--device", "cpu",
+                     *flags]) == 0
+    assert seen == [False, True]
+
+
 # ---- #3: signed seeds ---------------------------------------------------------------------------
 
 def test_negative_seeds_are_accepted_as_vllm_accepts_them(state):
