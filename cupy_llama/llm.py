@@ -104,13 +104,15 @@ class LLM:
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
              date_string: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list | None = None, tool_choice=None, parallel_tool_calls: bool = True,
-             tool_call_parser: str | None = None):
+             tool_call_parser: str | None = None, chat_template: str | None = None):
         """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
         or a list of such conversations, answered with a list (of one for a list of one);
         with SamplingParams(n=k), k replies per conversation, ordered as generate() orders
         them; with stream=True, an iterator of RequestOutputs carrying text deltas.
         chat_template_kwargs: more variables for the chat template, such as
-        {"enable_thinking": False} for Qwen3's.
+        {"enable_thinking": False} for Qwen3's. chat_template: a Jinja template to render
+        instead of the model's (vLLM's), in the same sandbox; RequestError quoting the
+        problem when it does not compile or render.
 
         tools: OpenAI's [{"type": "function", "function": {"name", "description",
         "parameters"}}], shown to the chat template; tool_choice "auto" (the default with
@@ -133,7 +135,8 @@ class LLM:
         tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
                                                  tool_call_parser, params)
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
-                                              tools=tools, template_kwargs=chat_template_kwargs)
+                                              tools=tools, template_kwargs=chat_template_kwargs,
+                                              chat_template=chat_template)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
         if parser is not None and stream:

@@ -69,6 +69,10 @@ class SamplingParams:
     # k most likely tokens there (RequestOutput.prompt_logprobs). The prompt is then computed
     # whole, without the prefix cache
     prompt_logprobs: int | None = None
+    # None: any token; else the only token ids that may be sampled (vLLM's extension). EOS
+    # ends the output only where it is listed, as in vLLM; the engine checks the ids
+    # against the model's vocabulary. Not with `structured` (one constraint per request)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -90,6 +94,16 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
                                    and not isinstance(t, bool) else t for t in self.stop_token_ids]
+        ids = self.allowed_token_ids
+        if hasattr(ids, "tolist") and not isinstance(ids, list):  # a NumPy array
+            ids = ids.tolist()
+        if isinstance(ids, (tuple, set, frozenset, range)):
+            ids = list(ids)
+        self.allowed_token_ids = ids
+        if isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = [int(t) if isinstance(t, numbers.Integral)
+                                      and not isinstance(t, bool) else t
+                                      for t in self.allowed_token_ids]
         for name in ("top_k", "max_tokens", "seed", "logprobs", "n", "min_tokens",
                      "prompt_logprobs"):
             value = getattr(self, name)
@@ -175,6 +189,14 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise RequestError(f"structured must be a StructuredSpec or an object such as "
                                f"{{\"json\": schema}}, got {type(self.structured).__name__}")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                    or not all(_is_token_id(t) for t in self.allowed_token_ids)):
+                raise RequestError(f"allowed_token_ids must be a non-empty list of token ids "
+                                   f"(integers >= 0), got {_preview(self.allowed_token_ids)}")
+            if self.structured is not None:
+                raise RequestError("allowed_token_ids and structured both constrain the "
+                                   "output; send one of them")
 
     @property
     def is_greedy(self) -> bool:
@@ -185,6 +207,12 @@ class SamplingParams:
         """Whether the device keeps token counts for this request (a penalty is on)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether each token is drawn under a per-sequence mask (structured outputs, or
+        allowed_token_ids): the engine defers such rows' draw (docs/ARCHITECTURE.md)."""
+        return self.structured is not None or self.allowed_token_ids is not None
 
     @classmethod
     def from_dict(cls, values: dict, defaults: dict | None = None) -> "SamplingParams":

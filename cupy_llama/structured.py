@@ -296,6 +296,39 @@ class GrammarMatcher:
         self.num_tokens -= num_tokens
 
 
+class AllowedTokensMatcher:
+    """The matcher of a request's allowed_token_ids (vLLM's extension): the same fixed mask
+    at every step, EOS in it only where the request lists it, never complete. It has
+    GrammarMatcher's interface, so the engine draws such rows as it draws structured
+    outputs', without llguidance. It keeps no state, so the samples of a request share one."""
+
+    error = None
+    is_complete = False
+    eos_allowed = True  # the output may end anywhere (with EOS, where it is allowed)
+
+    def __init__(self, token_ids, num_words: int):
+        import numpy as np
+
+        ids = np.asarray(sorted(set(token_ids)), dtype=np.int64)
+        bits = np.zeros(num_words * 32, np.uint8)
+        bits[ids] = 1
+        self._row = np.packbits(bits, bitorder="little").view("<u4")
+        self._ids = frozenset(ids.tolist())
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """bitmask[row] = the allowed tokens (the first num_words words)."""
+        bitmask[row, :self._row.size] = self._row
+
+    def advance(self, token_id: int) -> bool:
+        return int(token_id) in self._ids
+
+    def fork(self) -> "AllowedTokensMatcher":
+        return self
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
 class GrammarCompiler:
     """Compiles specs for one model. Building it reads the whole vocabulary into
     llguidance's token trie: about 3 s for Llama 3's 128,256 tokens on a 2-core x86-64

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -88,6 +89,8 @@ class Tokenizer:
         self._special_pattern = _alternation(self._special)
         self.chat_template = chat_template
         self._compiled_template = None
+        self._request_templates: dict = {}  # requests' own templates (_request_template)
+        self._request_templates_lock = threading.Lock()
         self.bos_token = bos_token if self._id_of(bos_token) is not None else None
         self.eos_token = eos_token if self._id_of(eos_token) is not None else None
         self._add_bos = add_bos and self.bos_token is not None
@@ -207,30 +210,35 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             date_string: str | None = None, tools=None,
                             template_kwargs: dict | None = None,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None) -> str:
         """The prompt text the model's chat template renders for these messages.
         template_kwargs: more variables for the template (Qwen3's enable_thinking, say), as
         transformers' apply_chat_template takes them. continue_final_message: the text ends
         with the last message's content, left open for the model to continue (as in
-        transformers; it excludes add_generation_prompt)."""
+        transformers; it excludes add_generation_prompt). chat_template: a Jinja template
+        to render instead of the model's (vLLM's request field), in the same sandbox;
+        RequestError when it does not compile or render."""
         messages = validate_messages(messages)
         text = self._render(messages, add_generation_prompt, date_string, tools,
-                            template_kwargs)
+                            template_kwargs, chat_template)
         return _continue_final(text, messages, add_generation_prompt) \
             if continue_final_message else text
 
     def encode_chat(self, messages, add_generation_prompt: bool = True,
                     date_string: str | None = None, tools=None,
                     template_kwargs: dict | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    chat_template: str | None = None) -> list[int]:
         """Prompt ids for a chat; special tokens come only from the template's own text.
-        continue_final_message as in apply_chat_template."""
+        continue_final_message and chat_template as in apply_chat_template."""
         messages = validate_messages(messages)
         marker = _pick_marker([messages, tools])
         guarded = self._guard(messages, marker)
         if tools is not None:  # tool descriptions are the caller's text too
             tools = self._guard(tools, marker)
-        text = self._render(guarded, add_generation_prompt, date_string, tools, template_kwargs)
+        text = self._render(guarded, add_generation_prompt, date_string, tools, template_kwargs,
+                            chat_template)
         if continue_final_message:
             text = _continue_final(text, guarded, add_generation_prompt)
         ids: list[int] = []
@@ -296,13 +304,17 @@ class Tokenizer:
                                  "chat_template in tokenizer_config.json)") from None
 
     def _render(self, messages, add_generation_prompt, date_string, tools,
-                template_kwargs) -> str:
-        if self.chat_template is None:
+                template_kwargs, chat_template: str | None = None) -> str:
+        if chat_template is not None:
+            compiled = self._request_template(chat_template)
+        elif self.chat_template is None:
             raise TokenizerError("this model has no chat template (no chat_template.jinja and "
                                  "no chat_template in tokenizer_config.json); add one, or "
                                  "send plain prompts instead of chat messages")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = _compile_template(self.chat_template)
+            compiled = self._compiled_template
         variables = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                          **self._template_tokens)
@@ -313,15 +325,39 @@ class Tokenizer:
             variables["date_string"] = date_string
         variables["strftime_now"] = _strftime_now(date_string)
         try:
-            return self._compiled_template.render(**variables)
-        except (TokenizerError, RequestError):
+            return compiled.render(**variables)
+        except RequestError:
             raise
+        except TokenizerError as e:  # the template's raise_exception
+            if chat_template is None:
+                raise
+            raise RequestError(f"chat_template: {str(e).removeprefix('chat template: ')}") \
+                from None
         except Exception as e:  # the template is the model's code: any failure is its own
             reason = _first_line(e)
             if not isinstance(e, jinja2.TemplateError):
                 reason = f"{type(e).__name__}: {reason}"
+            if chat_template is not None:
+                raise RequestError(f"chat_template failed to render: {reason}; check the "
+                                   "messages or the chat_template") from None
             raise TokenizerError(f"chat template failed to render: {reason}; "
                                  "check the messages or the model's chat template") from None
+
+    def _request_template(self, source) -> "jinja2.Template":
+        """A request's own chat template, compiled (the last few are kept)."""
+        if not isinstance(source, str):
+            raise RequestError(f"chat_template must be a string (a Jinja template), got "
+                               f"{type(source).__name__}")
+        cache = self._request_templates
+        with self._request_templates_lock:  # the server renders in worker threads
+            compiled = cache.pop(source, None)
+        if compiled is None:
+            compiled = _compile_template(source, from_request=True)
+        with self._request_templates_lock:
+            cache[source] = compiled  # most recently used last
+            while len(cache) > REQUEST_TEMPLATE_CACHE:
+                del cache[next(iter(cache))]
+        return compiled
 
 
 class IncrementalDetokenizer:
@@ -477,6 +513,8 @@ def _check_tool_calls(calls, where: str) -> list[dict]:
     return decoded
 
 
+REQUEST_TEMPLATE_CACHE = 16  # requests' own chat templates kept compiled
+
 # variables the renderer sets itself: a request's chat-template keyword arguments may not
 RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token",
                                "tools", "date_string", "strftime_now", "raise_exception")
@@ -574,7 +612,7 @@ def _strftime_now(date_string: str | None):
     return lambda fmt: date_string
 
 
-def _compile_template(source: str):
+def _compile_template(source: str, from_request: bool = False):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -582,6 +620,9 @@ def _compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateError as e:
+        if from_request:
+            raise RequestError(f"chat_template is not valid jinja ({_first_line(e)}); fix it "
+                               "or leave it out to use the model's") from None
         raise TokenizerError(f"the chat template is not valid jinja ({_first_line(e)}); "
                              "fix or remove the model's chat template") from None
 

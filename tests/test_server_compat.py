@@ -106,15 +106,15 @@ SAMPLE = {
     "logit_bias": {"1": 5}, "min_tokens": 2, "stop_token_ids": [1], "bad_words": ["x"],
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
-    "best_of": 3,
+    "best_of": 3, "allowed_token_ids": [1, 2],
+    "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
 # A value for each refused field that is not one of its harmless ones.
 REFUSED_VALUE = {"functions": [{"name": "f"}], "function_call": "required",
-                 "modalities": ["audio"], "allowed_token_ids": [1, 2],
+                 "modalities": ["audio"],
                  "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
                  "use_beam_search": True,
-                 "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {},
-                 "chat_template": "{{ messages }}"}
+                 "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {}}
 # refused on one endpoint only: chat's echo and best_of; legacy completions' are done
 REFUSED_ON = {(ChatCompletionRequest, "echo"): True, (ChatCompletionRequest, "best_of"): 3}
 BASE = {CompletionRequest: {"prompt": "abc"}, ChatCompletionRequest: {"messages": CHAT},
@@ -229,11 +229,9 @@ def test_every_field_is_used_or_refused(llm):
 
 
 def test_fields_of_other_servers_are_refused_by_name(state):
-    """vLLM's allowed_token_ids, llama.cpp's grammar and json_schema change what is
-    generated and are not done here yet: each is a 400 in OpenAI's error shape that names
-    it, on both endpoints."""
-    for name, value in (("allowed_token_ids", [1, 2]),
-                        ("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"})):
+    """llama.cpp's grammar and json_schema change what is generated and are not done here
+    yet: each is a 400 in OpenAI's error shape that names it, on both endpoints."""
+    for name, value in (("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"})):
         for path, body in (("/v1/completions", {"prompt": "x"}),
                            ("/v1/chat/completions", {"messages": CHAT})):
             answer = ask_one(state, "POST", path, json={**body, name: value})
@@ -241,6 +239,39 @@ def test_fields_of_other_servers_are_refused_by_name(state):
             error = answer.json()["error"]
             assert (error["param"], error["code"]) == (name, "unsupported_parameter")
             assert error["message"].startswith(f"{name} is not supported")
+
+
+def test_allowed_token_ids_on_both_endpoints(state, llm):
+    """vLLM's allowed_token_ids (its SamplingParams: "only these token ids may be
+    generated"), on /v1/completions and /v1/chat/completions: greedy text equals the
+    engine's under the same ids, which test_allowed_token_ids checks against a masked
+    argmax; ids outside the vocabulary, an empty list, and a second constraint beside it
+    are 400s naming allowed_token_ids."""
+    allowed = [5, 17, 64, 98, 200, 250]
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    chat_prompt = llm.tokenizer.encode_chat(CHAT)
+    for path, body, prompt in (("/v1/completions", {"prompt": PROMPT}, PROMPT),
+                               ("/v1/chat/completions", {"messages": CHAT}, chat_prompt)):
+        want = llm.generate(prompt, SamplingParams(allowed_token_ids=allowed, **greedy))
+        assert set(want.token_ids) <= set(allowed) and len(want.token_ids) == 8
+        plain = llm.generate(prompt, SamplingParams(**greedy))
+        assert plain.text != want.text, "the ids changed nothing: the test proves nothing"
+        answer = ask_one(state, "POST", path, json={**body, **greedy,
+                                                    "allowed_token_ids": allowed})
+        assert answer.status == 200, answer.body
+        choice = answer.json()["choices"][0]
+        assert choice.get("text", (choice.get("message") or {}).get("content")) == want.text
+        vocab = llm.config.vocab_size
+        for value, words in (([1, vocab], f"token id {vocab}, outside the vocabulary"),
+                             ([], "non-empty list")):
+            bad = ask_one(state, "POST", path, json={**body, "allowed_token_ids": value})
+            assert bad.status == 400, (path, value)
+            assert words in bad.json()["error"]["message"]
+        both = ask_one(state, "POST", path, json={**body, "allowed_token_ids": allowed,
+                                                  "guided_regex": "a+"})
+        error = both.json()["error"]
+        assert both.status == 400 and error["param"] == "allowed_token_ids"
+        assert error["message"].startswith("allowed_token_ids and guided_regex both")
 
 
 # ---- /tokenize takes vLLM's chat options; chat completions take chat_template_kwargs ------------
@@ -303,6 +334,75 @@ def test_chat_template_kwargs_reach_the_template(model_dir, llm, tmp_path):
     grew = spiced.json()["usage"]["prompt_tokens"] - plain.json()["usage"]["prompt_tokens"]
     assert grew == len(state.tokenizer.encode("[salty]", add_special_tokens=False))
     assert bad.status == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+MARKED = ("MARK:{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+          "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_request_chat_template_renders_as_llm_chat_does(model_dir, llm):
+    """vLLM's chat_template on /v1/chat/completions and /tokenize (ChatCompletionRequest,
+    TokenizeChatRequest: "A Jinja template to use for this conversion"), taken only from a
+    server started with --trust-request-chat-template, as vLLM's: the prompt is what the
+    template renders, and the reply equals LLM.chat's with the same template; a template
+    that does not compile or render is a 400 naming chat_template and quoting the error."""
+    trusting = make_state(model_dir, llm, trust_request_chat_template=True)
+    tokenizer = trusting.tokenizer
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    rendered = "MARK:<user>hi<assistant>"
+    want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                    chat_template=MARKED)
+    assert want.prompt_token_ids == tokenizer.encode_chat(CHAT, chat_template=MARKED)
+    assert tokenizer.decode(want.prompt_token_ids, skip_special_tokens=False) == rendered
+    assert want.prompt_token_ids != tokenizer.encode_chat(CHAT)
+    chat, tokens, syntax, raising, plain_prompt = ask(trusting, [
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": MARKED}}),
+        ("POST", "/tokenize", {"json": {"messages": CHAT, "chat_template": MARKED}}),
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": "{% if %}"}}),
+        ("POST", "/v1/chat/completions", {"json": {
+            **body, "chat_template": "{{ raise_exception('no users here') }}"}}),
+        ("POST", "/tokenize", {"json": {"prompt": "x", "chat_template": MARKED}})])
+    assert chat.status == 200, chat.body
+    answer = chat.json()
+    assert answer["choices"][0]["message"]["content"] == want.text
+    assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert tokens.json()["tokens"] == want.prompt_token_ids
+    empty = ask_one(trusting, "POST", "/v1/chat/completions",
+                    json={**body, "chat_template": "{# nothing #}"})
+    for bad, words in ((syntax, "chat_template is not valid jinja ("),
+                       (raising, "chat_template: no users here"),
+                       (empty, "chat_template renders these messages as no text")):
+        error = bad.json()["error"]
+        assert bad.status == 400 and error["param"] == "chat_template", bad.body
+        assert error["message"].startswith(words)
+    assert plain_prompt.status == 400 and plain_prompt.json()["error"]["param"] == "chat_template"
+    refusing = make_state(model_dir, llm)
+    for path, extra in (("/v1/chat/completions", body), ("/tokenize", {"messages": CHAT})):
+        refused = ask_one(refusing, "POST", path, json={**extra, "chat_template": MARKED})
+        error = refused.json()["error"]
+        assert refused.status == 400 and error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+    wrong_type = ask_one(trusting, "POST", "/v1/chat/completions",
+                         json={**body, "chat_template": 5})
+    assert wrong_type.status == 400 and wrong_type.json()["error"]["param"] == "chat_template"
+
+
+def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
+    """serve's --trust-request-chat-template (vLLM's flag) reaches the server's settings;
+    off by default."""
+    from cupy_llama.cli import main
+    from cupy_llama.server import app
+    seen = []
+
+    def fake_run_server(settings, sock, tokenizer, config):
+        seen.append(settings.trust_request_chat_template)
+        sock.close()
+
+    monkeypatch.setattr(app, "run_server", fake_run_server)
+    for flags in ([], ["--trust-request-chat-template"]):
+        assert main(["serve", "--model", str(model_dir), "--port", "0", "--device", "cpu",
+                     *flags]) == 0
+    assert seen == [False, True]
 
 
 # ---- #3: signed seeds ---------------------------------------------------------------------------

@@ -60,7 +60,8 @@ def test_sampling_controls_reach_sampling_params_and_bad_values_name_the_field(l
     controls = {"frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.1,
                 "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 2, "stop_token_ids": [3],
                 "include_stop_str_in_output": True, "skip_special_tokens": False,
-                "spaces_between_special_tokens": False, "bad_words": ["a"]}
+                "spaces_between_special_tokens": False, "bad_words": ["a"],
+                "allowed_token_ids": [4, 9]}
     for model, base in ((CompletionRequest, {"prompt": "x"}),
                         (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})):
         params = parse(model, {**base, **controls}).sampling_params(5, 100, defaults)
@@ -72,7 +73,8 @@ def test_sampling_controls_reach_sampling_params_and_bad_values_name_the_field(l
         assert nulls.sampling_params(5, 100, defaults) == SamplingParams(
             **{**defaults, "max_tokens": 16 if model is CompletionRequest else 95})
         for name, value in (("frequency_penalty", 3), ("logit_bias", {"1": 200}),
-                            ("min_tokens", 1000), ("stop_token_ids", ["a"])):
+                            ("min_tokens", 1000), ("stop_token_ids", ["a"]),
+                            ("allowed_token_ids", []), ("allowed_token_ids", [1, -1])):
             e = pytest.raises(APIError, parse(model, {**base, name: value}).sampling_params,
                               5, 100, defaults).value
             assert (e.status, e.param) == (400, name) and name in e.message, name

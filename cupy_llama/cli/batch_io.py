@@ -4,8 +4,8 @@ Input: `.txt` (one prompt per line, blank lines skipped; `generate` makes each a
 message when the model has a chat template, unless --raw) or `.jsonl` (one JSON object per
 line), in one of two kinds:
 - plain lines: `prompt` or `messages`, optional `id` and sampling fields; with
-  `messages`, also `tools`, `tool_choice`, `parallel_tool_calls` and `tool_call_parser`
-  as LLM.chat takes them. A request's default id is its line number. A later request reusing an id gets an error line; the
+  `messages`, also `tools`, `tool_choice`, `parallel_tool_calls`, `tool_call_parser` and
+  `chat_template` as LLM.chat takes them. A request's default id is its line number. A later request reusing an id gets an error line; the
   first one runs.
 - OpenAI batch lines `{"custom_id", "method", "url", "body"}` (a `metadata` beside them is
   ignored), as OpenAI's Batch API and vLLM's run-batch read them. Each is the request
@@ -457,6 +457,9 @@ class _Runner:
         try:
             fields = dict(request.sampling)
             tool_fields = {name: fields.pop(name) for name in TOOL_FIELDS if name in fields}
+            template = fields.pop("chat_template", None)
+            if template is not None and request.messages is None:
+                raise RequestError("chat_template needs 'messages' (a chat), not 'prompt'")
             params = SamplingParams.from_dict({**self.defaults, **plain_structured(fields)},
                                               self.model_defaults)
             if params.n != 1:  # one output line per request
@@ -467,7 +470,8 @@ class _Runner:
                 tools, parser, params = self._tool_setup(request, tool_fields, params)
             if request.messages is not None:
                 prompt = self.llm.tokenizer.encode_chat(request.messages,
-                                                        add_generation_prompt=True, tools=tools)
+                                                        add_generation_prompt=True, tools=tools,
+                                                        chat_template=template)
             else:
                 prompt = engine.encode_prompt(request.prompt)
             if len(prompt) >= engine.context_limit:

@@ -61,12 +61,16 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 @click.option("--tool-call-parser", metavar="NAME",
               help="How the model writes tool calls: llama3_json, hermes or mistral "
                    "(default: the format the chat template shows).")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Render a request's own chat_template (vLLM's flag; off: such a request "
+                   "is refused). The template runs on the server: trust the clients.")
 @engine_options
 @click.option("--block-size", type=int, help="Tokens per KV-cache block (default 16).")
 @click.option("--enforce-eager", is_flag=True, default=None, help="Turn CUDA graphs off.")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
           log_requests, replica_name, drain_delay, engine_timeout, header_timeout,
-          allowed_origins, allowed_methods, allowed_headers, tool_call_parser, **flags):
+          allowed_origins, allowed_methods, allowed_headers, tool_call_parser,
+          trust_request_chat_template, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
@@ -119,7 +123,8 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                               max_waiting=max_waiting, log_requests=log_requests,
                               replica_name=replica_name, drain_delay_s=drain_delay,
                               engine_timeout_s=engine_timeout, header_timeout_s=header_timeout,
-                              tool_call_parser=tool_call_parser, **cors)
+                              tool_call_parser=tool_call_parser,
+                              trust_request_chat_template=trust_request_chat_template, **cors)
     try:
         run_server(settings, sock, tokenizer, config)
     except EngineStartError as e:

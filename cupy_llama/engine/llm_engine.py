@@ -282,6 +282,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         grammar = None if params.structured is None else self.compile_structured(params.structured)
+        allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
         banned = self.bad_word_ids(params.bad_words)
         samples, parent = [], None
         for index in range(params.n):
@@ -291,7 +292,7 @@ class LLMEngine:
             parent = parent or seq
             self.scheduler.add(seq)
             # each sample follows the grammar on its own: a fresh matcher each
-            matcher = None if grammar is None else grammar.matcher()
+            matcher = allowed if grammar is None else grammar.matcher()
             samples.append(_Sample(seq, self.tokenizer, stream, text, matcher))
             samples[-1].prompt_source = samples[0]
         self.requests[request_id] = samples
@@ -299,6 +300,28 @@ class LLMEngine:
         if self.outputs is not None:
             self.outputs.add(request_id, prompt_ids, params.n)
         return request_id
+
+    def allowed_tokens_matcher(self, token_ids: list[int] | None):
+        """The fixed-mask matcher of allowed_token_ids (None for none): the ids checked
+        against the model's vocabulary, at most as many as it has."""
+        if token_ids is None:
+            return None
+        vocab = self.config.vocab_size
+        if len(token_ids) > vocab:
+            raise RequestError(f"allowed_token_ids holds {len(token_ids)} ids; the vocabulary "
+                               f"has only {vocab}")
+        outside = next((t for t in token_ids if t >= vocab), None)
+        if outside is not None:
+            raise RequestError(f"allowed_token_ids holds token id {outside}, outside the "
+                               f"vocabulary [0, {vocab})")
+        from ..structured import AllowedTokensMatcher
+        return AllowedTokensMatcher(token_ids, self._bitmask_words())
+
+    def _bitmask_words(self) -> int:
+        """Words of a bitmask row: enough for the model's vocabulary and the tokenizer's
+        (a grammar's mask covers the larger, structured.GrammarCompiler)."""
+        from ..structured import bitmask_words
+        return bitmask_words(max(self.config.vocab_size, self.tokenizer.vocab_size))
 
     def bad_word_ids(self, bad_words: list[str]) -> list[int]:
         """The tokens bad_words ban: each word's spellings alone and after a space (vLLM's
@@ -444,7 +467,7 @@ class LLMEngine:
         if self._bitmask is None:
             import numpy as np
             self._bitmask = np.zeros((self.engine_config.max_num_seqs,
-                                      self._grammars.num_words), np.uint32)
+                                      self._bitmask_words()), np.uint32)
         rows = []
         for seq, row, index in constrained:
             sample = self._sample_of(seq)
@@ -472,7 +495,7 @@ class LLMEngine:
             outputs = seq.output_token_ids
             outputs.append(-(row + 1))
             waiting_for.append((seq, row, len(outputs) - 1))
-            if seq.params.structured is not None:
+            if seq.params.is_constrained:
                 constrained = constrained or []
                 constrained.append(waiting_for[-1])
             if stop_status(seq.params, None, len(outputs), seq.num_tokens, eos, context_limit):

@@ -21,7 +21,7 @@ from .sequence import Sequence
 REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
 ROW_SOURCES = {
     "seeds": lambda seq, entries: seq.seed,
-    "deferred": lambda seq, entries: seq.params.structured is not None,
+    "deferred": lambda seq, entries: seq.params.is_constrained,
     "num_logprobs": lambda seq, entries: -1 if seq.params.logprobs is None else seq.params.logprobs,
     "num_biases": lambda seq, entries: entries[2],
     "num_min_bans": lambda seq, entries: entries[3],

@@ -91,6 +91,9 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     tool_call_parser: str | None = None  # None: the format the chat template shows
+    # vLLM's --trust-request-chat-template: a request's own chat_template is rendered (it
+    # runs on the server, sandboxed but unbounded in time and memory); off: a 400
+    trust_request_chat_template: bool = False
 
 
 class _ClientGone(Exception):
@@ -715,6 +718,12 @@ def create_app(state: ServerState):
 
         parsed, decoded = await asyncio.to_thread(parse)
         state.check_model(parsed.model)
+        if getattr(parsed, "chat_template", None) is not None \
+                and not settings.trust_request_chat_template:
+            raise APIError(
+                400, "chat_template: this server renders only the model's chat template; "
+                     "start it with --trust-request-chat-template to take a request's own",
+                param="chat_template", code="unsupported_parameter")
         return parsed, decoded
 
     def log_request(response_id: str, body: dict) -> None:

@@ -157,7 +157,8 @@ def _off(*harmless):
 # request fields handed to SamplingParams as they are (null: left out), which checks them
 PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                  "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words")
+                 "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
+                 "allowed_token_ids")
 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
@@ -165,7 +166,7 @@ UNSUPPORTED = {
     "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
-    "use_beam_search": _off(False), "allowed_token_ids": _off(), "chat_template": _off(),
+    "use_beam_search": _off(False),
     # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
     "grammar": _off(), "json_schema": _off(),
 }
@@ -324,6 +325,11 @@ class _SamplingFields(_Unsupported, _Model):
             values["logprobs"] = 0  # best_of ranks the samples by their tokens' logprobs
         values["prompt_logprobs"] = self.prompt_logprobs_wanted()
         values["structured"] = structured or self.structured_spec()
+        if self.allowed_token_ids is not None and values["structured"] is not None:
+            other = "tool_choice" if structured is not None else \
+                values["structured"].source.split(".")[0].split("[")[0]
+            raise APIError(400, f"allowed_token_ids and {other} both constrain the output; "
+                                "send one of them", param="allowed_token_ids")
         try:
             return SamplingParams.from_dict(values, model_defaults)
         except RequestError as e:
@@ -761,8 +767,8 @@ class ChatMessage(_Model):
 
 class _ChatPrompt:
     """What makes a chat's prompt, as chat completions and /tokenize take it: the messages
-    through the chat template, with vLLM's add_generation_prompt, continue_final_message
-    and chat_template_kwargs."""
+    through the chat template (the model's, or the request's chat_template), with vLLM's
+    add_generation_prompt, continue_final_message and chat_template_kwargs."""
 
     def check_chat_options(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -820,9 +826,11 @@ class _ChatPrompt:
                                          add_generation_prompt=self.add_generation_prompt,
                                          continue_final_message=self.continue_final_message,
                                          tools=self.template_tools(),
-                                         template_kwargs=self.chat_template_kwargs)
+                                         template_kwargs=self.chat_template_kwargs,
+                                         chat_template=self.chat_template)
         except CupyLlamaError as e:  # the template refused the messages, or there is none
-            raise APIError(400, str(e), param="messages") from None
+            param = "chat_template" if str(e).startswith("chat_template") else "messages"
+            raise APIError(400, str(e), param=param) from None
 
 
 class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
@@ -835,7 +843,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     add_generation_prompt: bool = True       # vLLM's
     continue_final_message: bool = False     # vLLM's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
-    chat_template: Any = None
+    chat_template: str | None = None  # vLLM's: a Jinja template instead of the model's
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call
@@ -888,7 +896,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     def tool_parser(self, tokenizer) -> str:
         """The name of the parser of this model's tool calls: 400 where the server has none
         and the chat template shows no format."""
-        name = self._tool_parser_name or tool_parser_for_template(tokenizer.chat_template)
+        name = self._tool_parser_name or tool_parser_for_template(
+            self.chat_template or tokenizer.chat_template)
         if name is None:
             raise APIError(400, "tools: the model's chat template shows no tool-call format "
                                 "this server knows; start it with --tool-call-parser "
@@ -921,6 +930,9 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
                                     "answer's grammar; leave out response_format and "
                                     "structured_outputs", param="tool_choice")
         prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
+        if not prompt and self.chat_template is not None:
+            raise APIError(400, "chat_template renders these messages as no text; a prompt "
+                                "needs at least one token", param="chat_template")
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
 
     def reply_text(self, output) -> str:
@@ -1148,7 +1160,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
-    chat_template: Any = None
+    chat_template: str | None = None
     tools: Any = None  # shown to the chat template, as chat completions show them
     return_token_strs: bool = False
 
@@ -1166,7 +1178,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
                            param="prompt")
         if self.prompt is not None:
             for name in ("add_generation_prompt", "continue_final_message",
-                         "chat_template_kwargs"):
+                         "chat_template_kwargs", "chat_template"):
                 if name in self.model_fields_set:
                     raise APIError(400, f"{name} applies to messages (a chat), not to a "
                                         "prompt; remove it", param=name)
