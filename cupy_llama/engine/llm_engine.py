@@ -53,7 +53,9 @@ class _Sample:
         self.num_scored = 1  # prompt positions covered (the first has no score)
         self.prompt_scores: tuple | None = None  # (values, ids) once complete
         self.prompt_source = self  # the sample that computes them (sample 0)
-        self.prompt_logprobs_sent = False  # in a delta already
+        # in a delta already (a sample that asks none has none to send: its deltas skip
+        # the check)
+        self.prompt_logprobs_sent = seq.params.prompt_logprobs is None
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
         # scheduled it, and had its first and last token
         self.added_at = time.monotonic()
