@@ -19,6 +19,9 @@ from .sequence import Sequence
 # SAMPLING_ROWS kept per slot, and where a sequence's value of each comes from (where it is
 # not the SamplingParams field of the same name)
 REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
+# the rows a step leaves None where none of its rows uses the control (the backends skip it)
+OPTIONAL_ROWS = tuple(row.name for row in REQUEST_ROWS
+                      if SamplingTensors.__dataclass_fields__[row.name].default is None)
 ROW_SOURCES = {
     "seeds": lambda seq, entries: seq.seed,
     "deferred": lambda seq, entries: seq.params.structured is not None,
@@ -75,6 +78,8 @@ class SlotTables:
         # how many slots' do: none, and a step looks for no prompt positions to score
         self.scores_prompt = np.zeros(0, bool)
         self.num_scoring = 0
+        # [slots, OPTIONAL_ROWS]: whether the slot's value is not the row's neutral one
+        self.uses_control = np.zeros((0, len(OPTIONAL_ROWS)), bool)
         for row in REQUEST_ROWS:
             setattr(self, row.name, np.zeros(0, row.dtype))
 
@@ -96,6 +101,8 @@ class SlotTables:
             self._entries += [None] * new
             self._state_made_for += [None] * new
             self.uses_state = np.concatenate([self.uses_state, np.zeros(new, bool)])
+            self.uses_control = np.concatenate(
+                [self.uses_control, np.zeros((new, len(OPTIONAL_ROWS)), bool)])
             self.scores_prompt = np.concatenate([self.scores_prompt, np.zeros(new, bool)])
             for row in REQUEST_ROWS:
                 old = getattr(self, row.name)
@@ -122,6 +129,8 @@ class SlotTables:
         entries = bias_entries(seq, self.eos_token_ids)
         for row in REQUEST_ROWS:
             getattr(self, row.name)[slot] = row_value(row.name, seq, entries)
+        self.uses_control[slot] = [getattr(self, row.name)[slot] != row.neutral
+                                   for row in REQUEST_ROWS if row.name in OPTIONAL_ROWS]
         self._entries[slot] = entries
         scores = seq.params.prompt_logprobs is not None and seq.index == 0
         self.num_scoring += scores - int(self.scores_prompt[slot])
@@ -252,11 +261,11 @@ class ModelRunner:
                 count_token[b] = seq.num_computed_tokens + n >= seq.num_tokens
             settings["count_token"] = count_token
             settings["resets"] = resets or None
+        # a control no row of the step uses stays None (the backends skip it)
+        used = dict(zip(OPTIONAL_ROWS, slots.uses_control[rows].any(axis=0).tolist()))
         for row in REQUEST_ROWS:
-            column = getattr(slots, row.name)[rows]
-            # a control no row of the step uses stays None (the backends skip it)
-            optional = SamplingTensors.__dataclass_fields__[row.name].default is None
-            settings[row.name] = None if optional and np.all(column == row.neutral) else column
+            settings[row.name] = (getattr(slots, row.name)[rows] if used.get(row.name, True)
+                                  else None)
         return SamplingTensors(**settings)
 
     def prompt_logprob_request(self, batch: ScheduledBatch) -> PromptLogprobRequest | None:
