@@ -174,3 +174,119 @@ def test_a_preempted_sequence_gets_its_new_blocks():
     assert second.num_preemptions >= 1
     tables_of_b = {table for step in seen for name, _, table in step if name == "b"}
     assert len(tables_of_b) > 1, "b never ran on other blocks after its preemption"
+
+
+def reference_prompt_positions(batch) -> tuple[list[int], list[int]]:
+    """The step's rows that score a prompt token and the tokens they score, position by
+    position: sample 0 of a request with prompt_logprobs, the position p scoring p + 1."""
+    rows, targets, first_row = [], [], 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            if seq.params.prompt_logprobs is not None and seq.index == 0 \
+                    and p + 1 < seq.num_prompt_tokens:
+                rows.append(first_row + p - seq.num_computed_tokens)
+                targets.append(seq.prompt_token_ids[p + 1])
+        first_row += n
+    return rows, targets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompt_positions_equal_a_rebuild_as_scoring_sequences_come_and_go(seed):
+    """The runner skips the search for prompt positions while no slot's sequence scores its
+    prompt; sequences that do arrive, are preempted, finish and give their slots to others."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    blocks = BlockManager(rng.randint(8, 30), block_size)
+    scheduler = Scheduler(blocks, max_num_seqs=rng.randint(1, 5),
+                          max_num_batched_tokens=rng.randint(5, 40), max_model_len=200)
+    runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
+    live, scored_steps, plain_steps = {}, 0, 0
+    for next_id in range(400):
+        if rng.random() < 0.25:
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 30))]
+            if blocks.blocks_needed(len(prompt) + 1) <= blocks.num_blocks:
+                params = SamplingParams(max_tokens=rng.randint(1, 12),
+                                        prompt_logprobs=rng.choice([None, None, None, 0, 2]))
+                parent = None
+                for index in range(rng.choice([1, 1, 2])):
+                    seq = Sequence(str(next_id), prompt, params, 0, next_id, index=index,
+                                   parent=parent)
+                    parent = parent or seq
+                    scheduler.add(seq)
+                    live[seq.request_id, index] = seq
+        batch = scheduler.schedule()
+        if not batch:
+            continue
+        runner.sampling_tensors(batch)  # makes every row's slot current, as run() does
+        request = runner.prompt_logprob_request(batch)
+        rows, targets = reference_prompt_positions(batch)
+        if not rows:
+            assert request is None
+            plain_steps += 1
+        else:
+            scored_steps += 1
+            np.testing.assert_array_equal(request.rows, np.array(rows, np.int32))
+            np.testing.assert_array_equal(request.targets, np.array(targets, np.int32))
+        for _, seq in scheduler.update_after_step(batch):
+            seq.output_token_ids.append(rng.randrange(1000))
+            if len(seq.output_token_ids) >= seq.params.max_tokens or \
+                    seq.num_tokens >= blocks.num_blocks * block_size:
+                scheduler.finish(live.pop((seq.request_id, seq.index)),
+                                 SequenceStatus.FINISHED_LENGTH)
+    assert scored_steps > 5 and plain_steps > 5
+
+
+OPTIONAL_CONTROLS = {  # SamplingTensors' optional rows: a params field each, and its neutral
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "presence_penalty": ("presence_penalty", 0.0),
+    "min_tokens": ("min_tokens", 0),
+    "num_logprobs": ("logprobs", None),
+}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optional_controls_are_none_exactly_where_no_row_uses_them(seed):
+    """A control is given where some row of the step uses it, and then equals each row's
+    value; else it is None. Sequences with and without controls share slots in turn."""
+    rng = random.Random(seed)
+    blocks = BlockManager(rng.randint(10, 30), 4)
+    scheduler = Scheduler(blocks, max_num_seqs=rng.randint(1, 4),
+                          max_num_batched_tokens=rng.randint(4, 32), max_model_len=200)
+    runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=4))
+    live, given, left_out = {}, 0, 0
+    for next_id in range(400):
+        if rng.random() < 0.3:
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+            if blocks.blocks_needed(len(prompt) + 1) <= blocks.num_blocks:
+                params = SamplingParams(
+                    max_tokens=rng.randint(2, 10),
+                    repetition_penalty=rng.choice([1.0, 1.0, 1.0, 1.2]),
+                    frequency_penalty=rng.choice([0.0, 0.0, 0.0, 0.5]),
+                    presence_penalty=rng.choice([0.0, 0.0, 0.0, -0.3]),
+                    min_tokens=rng.choice([0, 0, 0, 2]), logprobs=rng.choice([None] * 3 + [3]))
+                seq = Sequence(str(next_id), prompt, params, 0, next_id)
+                scheduler.add(seq)
+                live[seq.request_id] = seq
+        batch = scheduler.schedule()
+        if not batch:
+            continue
+        tensors = runner.sampling_tensors(batch)
+        for name, (field, neutral) in OPTIONAL_CONTROLS.items():
+            values = [getattr(seq.params, field) for seq in batch.seqs]
+            if name == "num_logprobs":
+                values = [-1 if v is None else v for v in values]
+                neutral = -1
+            column = getattr(tensors, name)
+            if all(v == neutral for v in values):
+                assert column is None, name
+                left_out += 1
+            else:
+                np.testing.assert_allclose(column, np.array(values, np.float64), err_msg=name)
+                given += 1
+        for _, seq in scheduler.update_after_step(batch):
+            seq.output_token_ids.append(rng.randrange(1000))
+            if len(seq.output_token_ids) >= seq.params.max_tokens or \
+                    seq.num_tokens >= blocks.num_blocks * 4:
+                scheduler.finish(live.pop(seq.request_id), SequenceStatus.FINISHED_LENGTH)
+    assert given > 20 and left_out > 20

@@ -36,6 +36,9 @@ class _Sample:
         self.text = (SampleText(tokenizer, seq.params, stream or bool(seq.params.stop))
                      if text else None)
         self.stream = stream or (not text and bool(seq.params.stop))  # a delta every step
+        # neither text made token by token nor a grammar: only stop_status can end the
+        # sample at a token (LLMEngine._finish_step's short way)
+        self.plain = matcher is None and (self.text is None or self.text.detokenizer is None)
         self.num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
@@ -53,7 +56,9 @@ class _Sample:
         self.num_scored = 1  # prompt positions covered (the first has no score)
         self.prompt_scores: tuple | None = None  # (values, ids) once complete
         self.prompt_source = self  # the sample that computes them (sample 0)
-        self.prompt_logprobs_sent = False  # in a delta already
+        # in a delta already (a sample that asks none has none to send: its deltas skip
+        # the check)
+        self.prompt_logprobs_sent = seq.params.prompt_logprobs is None
         # the request's metrics (RequestOutput.times): when the engine took the sample, first
         # scheduled it, and had its first and last token
         self.added_at = time.monotonic()
@@ -525,6 +530,7 @@ class LLMEngine:
             self._take_prompt_logprobs(prompt)
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
+        eos, context_limit = self.eos_token_ids, self.context_limit
         while waiting_for:
             seq, row, index = waiting_for.pop()
             samples = requests.get(seq.request_id)  # (its id may be in use again)
@@ -538,6 +544,13 @@ class LLMEngine:
             if sample.first_token_at is None:
                 sample.first_token_at = now
             sample.last_token_at = now
+            if sample.plain and stop_status(seq.params, token_id, index + 1,
+                                            seq.num_prompt_tokens + index + 1, eos,
+                                            context_limit) is None:
+                sample.num_resolved = index + 1  # _append_token's way when nothing ends
+                if sample.stream:
+                    deltas.append(sample.delta())
+                continue
             if self._append_token(sample, index, token_id):
                 deltas.append(sample.delta())
         self._unhandled = None

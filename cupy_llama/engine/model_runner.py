@@ -19,6 +19,9 @@ from .sequence import Sequence
 # SAMPLING_ROWS kept per slot, and where a sequence's value of each comes from (where it is
 # not the SamplingParams field of the same name)
 REQUEST_ROWS = tuple(row for row in SAMPLING_ROWS if row.per == "request")
+# the rows a step leaves None where none of its rows uses the control (the backends skip it)
+OPTIONAL_ROWS = tuple(row.name for row in REQUEST_ROWS
+                      if SamplingTensors.__dataclass_fields__[row.name].default is None)
 ROW_SOURCES = {
     "seeds": lambda seq, entries: seq.seed,
     "deferred": lambda seq, entries: seq.params.is_constrained,
@@ -71,6 +74,12 @@ class SlotTables:
         self.uses_state = np.zeros(0, bool)
         self._entries: list = []
         self._state_made_for: list = []
+        # whether each slot's sequence scores its prompt (prompt_logprobs, sample 0), and
+        # how many slots' do: none, and a step looks for no prompt positions to score
+        self.scores_prompt = np.zeros(0, bool)
+        self.num_scoring = 0
+        # [slots, OPTIONAL_ROWS]: whether the slot's value is not the row's neutral one
+        self.uses_control = np.zeros((0, len(OPTIONAL_ROWS)), bool)
         for row in REQUEST_ROWS:
             setattr(self, row.name, np.zeros(0, row.dtype))
 
@@ -92,6 +101,9 @@ class SlotTables:
             self._entries += [None] * new
             self._state_made_for += [None] * new
             self.uses_state = np.concatenate([self.uses_state, np.zeros(new, bool)])
+            self.uses_control = np.concatenate(
+                [self.uses_control, np.zeros((new, len(OPTIONAL_ROWS)), bool)])
+            self.scores_prompt = np.concatenate([self.scores_prompt, np.zeros(new, bool)])
             for row in REQUEST_ROWS:
                 old = getattr(self, row.name)
                 setattr(self, row.name, np.concatenate([old, np.full(new, row.default, row.dtype)]))
@@ -117,7 +129,12 @@ class SlotTables:
         entries = bias_entries(seq, self.eos_token_ids)
         for row in REQUEST_ROWS:
             getattr(self, row.name)[slot] = row_value(row.name, seq, entries)
+        self.uses_control[slot] = [getattr(self, row.name)[slot] != row.neutral
+                                   for row in REQUEST_ROWS if row.name in OPTIONAL_ROWS]
         self._entries[slot] = entries
+        scores = seq.params.prompt_logprobs is not None and seq.index == 0
+        self.num_scoring += scores - int(self.scores_prompt[slot])
+        self.scores_prompt[slot] = scores
         self.uses_state[slot] = seq.params.has_penalties or bool(entries[0])
         self._sampling_owner[slot] = seq
 
@@ -244,18 +261,21 @@ class ModelRunner:
                 count_token[b] = seq.num_computed_tokens + n >= seq.num_tokens
             settings["count_token"] = count_token
             settings["resets"] = resets or None
+        # a control no row of the step uses stays None (the backends skip it)
+        used = dict(zip(OPTIONAL_ROWS, slots.uses_control[rows].any(axis=0).tolist()))
         for row in REQUEST_ROWS:
-            column = getattr(slots, row.name)[rows]
-            # a control no row of the step uses stays None (the backends skip it)
-            optional = SamplingTensors.__dataclass_fields__[row.name].default is None
-            settings[row.name] = None if optional and np.all(column == row.neutral) else column
+            settings[row.name] = (getattr(slots, row.name)[rows] if used.get(row.name, True)
+                                  else None)
         return SamplingTensors(**settings)
 
     def prompt_logprob_request(self, batch: ScheduledBatch) -> PromptLogprobRequest | None:
         """The prompt positions of this step whose next-token log-probabilities are asked
         (sample 0 of a request with prompt_logprobs computes them; its other samples fork
         from its blocks). None where no sequence asks. `spans` says which rows are whose:
-        (seq, first prompt token scored, count)."""
+        (seq, first prompt token scored, count). Every sequence's slot must be current
+        (sampling_tensors makes it so)."""
+        if not self.slots.num_scoring:  # no slot's sequence asks: the usual step
+            return None
         rows, targets, spans, k, first_row = [], [], [], 0, 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
@@ -281,10 +301,11 @@ class ModelRunner:
         where it has some. Token ids -(r + 1) in the sequences are the previous step's row r.
         Rows of constrained sequences are deferred: the engine draws them with
         Ops.sample_masked once their masks are filled."""
+        sampling = self.sampling_tensors(batch)  # first: it makes each row's slot current
         prompt = self.prompt_logprob_request(batch)
         forward_batch = self.build_batch(batch)
         logits = (self.backend.forward(forward_batch) if prompt is None
                   else self.backend.forward(forward_batch, prompt))
-        sampled = self.backend.ops.sample_async(logits, self.sampling_tensors(batch))
+        sampled = self.backend.ops.sample_async(logits, sampling)
         sampled.prompt_logprobs = prompt
         return sampled

@@ -107,14 +107,20 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
+        block_size = self.blocks.block_size
         # 1. running sequences, oldest first: decode tokens and continuing prefill chunks
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted making room for an older one
                 continue
-            take = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + take):
+            computed = seq.num_computed_tokens  # (num_uncomputed_tokens, without the call)
+            take = seq.num_prompt_tokens + len(seq.output_token_ids) - computed
+            if take > budget:
+                take = budget
+            # most decode steps: the last block has room, and nothing else is asked
+            if computed + take > len(seq.block_table) * block_size \
+                    and not self._make_room(seq, computed + take):
                 continue  # seq itself was preempted
             batch.seqs.append(seq)
             batch.num_new_tokens.append(take)
