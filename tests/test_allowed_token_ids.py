@@ -4,6 +4,7 @@ against a reference that recomputes every position and takes the masked argmax."
 import numpy as np
 import pytest
 from conftest import assert_all_blocks_free, logits_at_every_position
+from test_cuda_ops import _gpu_available
 
 from cupy_llama import SamplingParams
 from cupy_llama.errors import RequestError
@@ -122,14 +123,6 @@ def test_batch_files_take_allowed_token_ids_on_both_kinds_of_line(model_dir, llm
     assert "allowed_token_ids must be a non-empty list" in rows[1]["error"]
     assert rows[2]["response"]["body"]["choices"][0]["text"] == text
     assert_all_blocks_free(llm)
-
-
-def _gpu_available() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 @pytest.mark.gpu

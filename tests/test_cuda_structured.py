@@ -7,39 +7,16 @@ give every row its token with the log-probabilities of the raw logits. Needs CuP
 CUDA GPU; skipped elsewhere."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from cupy_llama.backends.numpy_ops import NumpyOps, filtered_probs
 from cupy_llama.interface import SamplingTensors
 from cupy_llama.structured import apply_token_bitmask, bitmask_words
-
-
-def _gpu_available() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
+from test_cuda_ops import _gpu_available, cp, rng  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-    return cupy
 
 
 def random_bitmask(rng, rows, vocab, density):
