@@ -123,24 +123,35 @@ class Answer:
         return [json.loads(d) for d in data[:-1]]
 
 
-def ask(state: ServerState, requests, load: bool = True) -> list[Answer]:
-    """Send (method, path, kwargs) requests to the app one after another, in one event loop
-    (after state.load() when load is set); their answers, whole."""
+def with_app(state: ServerState, work, load: bool = True):
+    """Run `await work(transport)` in one event loop, transport an httpx.ASGITransport over
+    the app (after state.load() when load is set); what it returns. Clients of any kind
+    (httpx, openai, LangChain) take the transport as their HTTP client's."""
     async def go():
         state.loop = asyncio.get_running_loop()
         if load and state.info is None:
             await state.load()
         transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+        try:
+            return await work(transport)
+        finally:
+            if state._watchdog is not None:
+                state._watchdog.cancel()
+    return asyncio.run(go())
+
+
+def ask(state: ServerState, requests, load: bool = True) -> list[Answer]:
+    """Send (method, path, kwargs) requests to the app one after another, in one event loop
+    (after state.load() when load is set); their answers, whole."""
+    async def work(transport):
         answers = []
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
             for method, path, kwargs in requests:
                 response = await client.request(method, path, **kwargs)
                 answers.append(Answer(response.status_code, response.headers,
                                       await response.aread()))
-        if state._watchdog is not None:
-            state._watchdog.cancel()
         return answers
-    return asyncio.run(go())
+    return with_app(state, work, load)
 
 
 def ask_one(state, method, path, **kwargs) -> Answer:

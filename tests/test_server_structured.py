@@ -20,7 +20,7 @@ from cupy_llama import LLM  # noqa: E402
 from cupy_llama.server.app import create_app  # noqa: E402
 
 from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model  # noqa: E402
-from inprocess_server import Answer, ask, ask_one, make_state  # noqa: E402
+from inprocess_server import Answer, ask, ask_one, make_state, with_app  # noqa: E402
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -283,10 +283,7 @@ def test_a_two_turn_exchange_through_the_openai_client(tool_server):
         city: str = pydantic.Field(max_length=8)
         celsius: int = pydantic.Field(ge=-40, le=50)
 
-    async def go():
-        state.loop = asyncio.get_running_loop()
-        await state.load()
-        transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+    async def go(transport):
         client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", max_retries=0,
                                     http_client=httpx.AsyncClient(transport=transport))
         first = await client.chat.completions.create(
@@ -300,11 +297,9 @@ def test_a_two_turn_exchange_through_the_openai_client(tool_server):
         parsed = await client.chat.completions.parse(
             model="m", messages=CHAT, response_format=Weather, max_tokens=300, seed=2,
             temperature=1.0)
-        if state._watchdog is not None:
-            state._watchdog.cancel()
         return first, answer, parsed
 
-    first, answer, parsed = asyncio.run(go())
+    first, answer, parsed = with_app(state, go)
     assert first.choices[0].finish_reason == "tool_calls"
     call = first.choices[0].message.tool_calls[0]
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
@@ -326,10 +321,7 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server):
         city: str = pydantic.Field(max_length=8)
         celsius: int = pydantic.Field(ge=-40, le=50)
 
-    async def go():
-        state.loop = asyncio.get_running_loop()
-        await state.load()
-        transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+    async def go(transport):
         chat = langchain_openai.ChatOpenAI(
             model="m", base_url="http://app/v1", api_key="none", max_retries=0,
             temperature=1.0, seed=3, max_tokens=500,
@@ -338,11 +330,9 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server):
                                        parallel_tool_calls=False).ainvoke("Weather in Paris?")
         structured = await chat.with_structured_output(Weather, method="json_schema").ainvoke(
             "Weather in Paris?")
-        if state._watchdog is not None:
-            state._watchdog.cancel()
         return called, structured
 
-    called, structured = asyncio.run(go())
+    called, structured = with_app(state, go)
     (call,) = called.tool_calls
     jsonschema.validate(call["args"], SCHEMAS[call["name"]])
     assert isinstance(structured, Weather)
