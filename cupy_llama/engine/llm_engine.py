@@ -560,9 +560,8 @@ class LLMEngine:
         values, ids = prompt.host()
         offset = 0
         for seq, first, count in prompt.spans:
-            samples = self.requests.get(seq.request_id)
-            sample = samples[seq.index] if samples and seq.index < len(samples) else None
-            if sample is not None and sample.seq is seq:
+            sample = self._sample_of(seq)
+            if sample is not None:
                 sample.add_prompt_logprobs(first, values[offset:offset + count],
                                            ids[offset:offset + count])
             offset += count
