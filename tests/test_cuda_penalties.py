@@ -126,28 +126,36 @@ def test_the_engine_on_the_gpu_equals_the_cpu_with_every_control(tmp_path):
     assert [o.token_ids for o in n] == [gpu[0]] * 3  # each sample its own counts
 
 
-def test_prompt_logprobs_on_the_gpu_equal_the_cpu(tmp_path):
+@pytest.mark.parametrize("logits_bytes, options, rows", [
+    (None, {"max_num_seqs": 64}, 300),  # the whole prompt in one product
+    (0, {"max_num_seqs": 64}, 64),  # pieces of max_num_seqs rows
+    (None, {"max_num_seqs": 64, "max_num_batched_tokens": 128}, 128)])  # chunked
+def test_prompt_logprobs_on_the_gpu_equal_the_cpu(tmp_path, monkeypatch, logits_bytes,
+                                                  options, rows):
     """The pieces of the LM head and the log-probability kernel on the GPU (bf16 weights)
-    against the CPU (float32): a prompt longer than max_num_seqs rows, so it takes several
-    pieces, whole and in chunks."""
+    against the CPU (float32): a prompt of 300 tokens, scored in one product, in pieces of
+    max_num_seqs rows (the logits buffer held to its least), and in chunks."""
+    from cupy_llama.backends.cuda import backend as cuda_backend
     from cupy_llama.bench.random_model import make_random_model
+    if logits_bytes is not None:
+        monkeypatch.setattr(cuda_backend, "SCORE_LOGITS_BYTES", logits_bytes)
     model_dir = make_random_model(tmp_path / "model", "tiny", seed=1, std=0.15)
     prompt = [(7 * i + 3) % 500 for i in range(300)]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
     cpu = LLM(model_dir, device="cpu", log=None).generate(prompt, params).prompt_logprobs
-    for options in ({"max_num_seqs": 64}, {"max_num_seqs": 64, "max_num_batched_tokens": 128}):
-        llm = LLM(model_dir, device="cuda", log=None, gpu_memory_utilization=0.3, **options)
-        try:
-            gpu = llm.generate(prompt, params).prompt_logprobs
-        finally:
-            llm.close()
-        assert gpu[0] is None and len(gpu) == len(cpu)
-        got = np.array([e.logprob for e in gpu[1:]])
-        want = np.array([e.logprob for e in cpu[1:]])
-        # bf16 weights and activations: every value within the whole-model tolerance of
-        # the other GPU-against-CPU tests (5e-2 of the values' scale), and most far closer
-        # (a row scored at the wrong position would be off by units, not hundredths)
-        diff = np.abs(got - want)
-        assert diff.max() <= 5e-2 * np.abs(want).max(), diff.max()
-        assert np.median(diff) <= 2e-2, np.median(diff)
-        assert [e.token_id for e in gpu[1:]] == prompt[1:]
+    llm = LLM(model_dir, device="cuda", log=None, gpu_memory_utilization=0.3, **options)
+    try:
+        assert min(llm.engine.backend.score_rows, len(prompt)) == rows
+        gpu = llm.generate(prompt, params).prompt_logprobs
+    finally:
+        llm.close()
+    assert gpu[0] is None and len(gpu) == len(cpu)
+    got = np.array([e.logprob for e in gpu[1:]])
+    want = np.array([e.logprob for e in cpu[1:]])
+    # bf16 weights and activations: every value within the whole-model tolerance of the
+    # other GPU-against-CPU tests (5e-2 of the values' scale), and most far closer (a row
+    # scored at the wrong position would be off by units, not hundredths)
+    diff = np.abs(got - want)
+    assert diff.max() <= 5e-2 * np.abs(want).max(), diff.max()
+    assert np.median(diff) <= 2e-2, np.median(diff)
+    assert [e.token_id for e in gpu[1:]] == prompt[1:]

@@ -46,7 +46,7 @@ LLAMA_LAYER_TENSORS = {
 PRODUCT_ROLES = ("qkv", "o_proj", "gate_up", "down")
 
 
-PROMPT_PIECE_ROWS = 256  # prompt rows per LM-head product where the ops set no max_num_seqs
+PROMPT_PIECE_ROWS = 256  # prompt rows per LM-head product where the backend sets no score_rows
 
 
 class Decoder:
@@ -209,13 +209,13 @@ class Decoder:
 
     def prompt_logprobs(self, backend: Backend, meta, buf, prompt, staged) -> None:
         """The next-token log-probabilities at the rows prompt.rows: their logits in pieces
-        of as many rows as the logits buffer holds for max_num_seqs sequences (one read of
+        of as many rows as the logits buffer holds (the backend's score_rows; one read of
         the LM head per piece), each piece reduced on the device to its targets' and top
         k's log-softmax (docs/ARCHITECTURE.md, "Prompt log-probabilities"). staged:
         [2, P] int32 in backend memory, prompt.rows over prompt.targets."""
         ops = backend.ops
         count, k = len(prompt.rows), prompt.k
-        piece = getattr(ops, "max_num_seqs", PROMPT_PIECE_ROWS)
+        piece = getattr(backend, "score_rows", PROMPT_PIECE_ROWS)
         wide = backend.buffers(meta.num_tokens, piece)
         prompt.values = ops.empty((count, 1 + k), np.float32)
         prompt.ids = ops.empty((count, 1 + k), np.int32)

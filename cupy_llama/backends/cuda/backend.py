@@ -52,6 +52,17 @@ def _align(n: int) -> int:
 
 
 FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
+# A prompt's scored rows go through the LM head in pieces of as many rows as the logits
+# buffer holds: max_num_seqs, or more, up to this many bytes of float32 logits, so that a
+# prompt of about a thousand tokens is one product (docs/ARCHITECTURE.md, "Prompt
+# log-probabilities")
+SCORE_LOGITS_BYTES = 512 * 2 ** 20
+
+
+def score_rows(vocab_size: int, max_num_tokens: int, max_num_seqs: int) -> int:
+    """Rows of the logits buffer: max_num_seqs, or the prompt rows that fit in
+    SCORE_LOGITS_BYTES where that is more (no more than a step has tokens)."""
+    return max(max_num_seqs, min(max_num_tokens, SCORE_LOGITS_BYTES // (4 * vocab_size)))
 
 
 def weight_format(config) -> str:
@@ -66,13 +77,13 @@ def buffer_dtype(name: str):
     return np.float32 if name in FLOAT32_BUFFERS else np.uint16
 
 
-def plan_pool(model, max_num_tokens: int, max_num_seqs: int,
-              max_model_len: int) -> tuple[dict[str, PoolRegion], int]:
+def plan_pool(model, max_num_tokens: int, max_num_seqs: int, max_model_len: int,
+              num_rows: int) -> tuple[dict[str, PoolRegion], int]:
     """Regions of the activation pool of a model (a models/ Decoder) by buffer name (shared
     buffers map to one region), plus the split-KV decode workspace; returns (regions,
-    total bytes)."""
+    total bytes). num_rows: the per-sequence buffers' rows (score_rows)."""
     config = model.config
-    shapes = model.buffer_shapes(max_num_tokens, max_num_seqs)
+    shapes = model.buffer_shapes(max_num_tokens, num_rows)
     sizes = {name: int(np.prod(shape)) * np.dtype(buffer_dtype(name)).itemsize
              for name, shape in shapes.items()}
     partial_out, partial_lse = attention_kernels.workspace_sizes(
@@ -126,8 +137,9 @@ class CudaBackend:
                 f"{fp8_kernels.MIN_CAPABILITY // 10}.{fp8_kernels.MIN_CAPABILITY % 10} or newer "
                 f"(this one has {self.capability // 10}.{self.capability % 10}); run the bf16 "
                 "weights, or an FP8 checkpoint")
+        self.score_rows = score_rows(config.vocab_size, self.max_num_tokens, max_num_seqs)
         self._regions, pool_bytes = plan_pool(model, self.max_num_tokens, max_num_seqs,
-                                              max_model_len)
+                                              max_model_len, self.score_rows)
         rope_tables = model.rope_tables(max_model_len)
         rope_bytes = sum(table.nbytes for table in {id(t): t for t in rope_tables.values()}.values())
         # FP8 products of more than 16 rows: their x quantized per row (cuBLASLt), or
@@ -343,9 +355,9 @@ class CudaBackend:
         return view if shape is None else view.reshape(shape)
 
     def buffers(self, num_tokens: int, num_seqs: int) -> dict:
-        if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs:
-            raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} sequences exceeds "
-                             f"the pool ({self.max_num_tokens} tokens, {self.max_num_seqs} sequences)")
+        if num_tokens > self.max_num_tokens or num_seqs > self.score_rows:
+            raise ValueError(f"a step of {num_tokens} tokens and {num_seqs} rows exceeds "
+                             f"the pool ({self.max_num_tokens} tokens, {self.score_rows} rows)")
         key = (num_tokens, num_seqs)
         views = self._buffer_views.get(key)
         if views is None:
@@ -366,7 +378,7 @@ class CudaBackend:
                 ("rope cos/sin", sum(int(t.nbytes) for t in {id(t): t for t in self.rope_tables.values()}.values()),
                  f"{len({id(t) for t in self.rope_tables.values()})} x [{self.max_model_len}, "
                  f"{config.head_dim}] float32")]
-        shapes = self.model.buffer_shapes(self.max_num_tokens, self.max_num_seqs)
+        shapes = self.model.buffer_shapes(self.max_num_tokens, self.score_rows)
         seen = set()
         for name, region in self._regions.items():
             if id(region) in seen:
