@@ -5,7 +5,8 @@
 // tokens sampling chose for them (tokens[rows[r]]), k <= LOGPROB_MAX_K.
 //
 // One CTA per row: the row's maximum and log(sum exp(x - max)) in one pass over it (each
-// thread's sum rescaled as its maximum grows), the maximum being the first of the top k;
+// thread's sum rescaled as its maximum grows, once per group of four logits it reads), the
+// maximum being the first of the top k;
 // then the rest of the top k one pass at a time, each the largest (logit, lower index
 // first) after the one before, so no list of the chosen is kept. NaN logits count as -inf: never chosen, no mass. Output row r:
 // values[r][0] = logprob of the sampled token, values[r][1 + j] = the j-th most likely
@@ -63,7 +64,37 @@ logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restri
     // the maximum grows (a thread sees its indices in increasing order, so a tie keeps
     // the first); then the block's best pair and the sums rescaled to its maximum
     float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
+    // rows of a vocabulary that is a multiple of 4 start at 16-byte boundaries: read four
+    // logits a load, two loads in flight, then the remaining ones one by one (a thread's
+    // indices still increase, groups of four before the rest)
+    const int vec_end = vocab % 4 == 0 ? vocab : 0;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int g = threadIdx.x; 4 * g < vec_end; g += 2 * LOGPROB_THREADS) {
+        float4 pair[2];
+        pair[0] = x4[g];
+        const bool second = 4 * (g + LOGPROB_THREADS) < vec_end;
+        if (second) pair[1] = x4[g + LOGPROB_THREADS];
+        for (int p = 0; p < (second ? 2 : 1); ++p) {
+            const float v[4] = {finite_or_low(pair[p].x), finite_or_low(pair[p].y),
+                                finite_or_low(pair[p].z), finite_or_low(pair[p].w)};
+            const int base = 4 * (g + p * LOGPROB_THREADS);
+            // the group's maximum and its first index, then one rescale where it is new
+            float m = v[0];
+            int m_i = base;
+            for (int j = 1; j < 4; ++j)
+                if (v[j] > m) { m = v[j]; m_i = base + j; }
+            if (m > best) {
+                sum *= expf(best - m);  // 0 while best is -inf
+                best = m;
+                best_i = m_i;
+            } else if (best_i == 0x7fffffff) {
+                best_i = base;  // -inf so far (keep_better's lowest index of equals)
+            }
+            if (best > neg_inf())
+                sum += expf(v[0] - best) + expf(v[1] - best) + expf(v[2] - best) + expf(v[3] - best);
+        }
+    }
+    for (int i = vec_end + threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
         const float v = finite_or_low(x[i]);
         if (v > best) {
             sum = sum * expf(best - v) + 1.0f;  // expf(-inf) = 0 at the first finite value

@@ -688,6 +688,9 @@ def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
     logits[2, 10] = logits[2, 500] = logits[2].max() + 1  # a tie at the top
     logits[5, 7] = np.nan
     logits[5, 8] = np.nanmax(logits[5]) + 2
+    logits[8, 12] = logits[8, 13] = logits[8].max() + 1  # a tie inside one group of four
+    logits[11, : vocab // 2] = -np.inf  # masked first half: sums start past it
+    logits[11, vocab - 3] = logits[11].max() + 1  # the maximum in the last few
     ops = make_ops(num_seqs, num_seqs, 1, 1, 64, 16)
     asks = np.array([-1, 3, 20, -1, 0, 5, -1, 1, 2, -1, -1, 7], np.int32)
     settings = sampling_tensors(num_seqs, temperature=np.where(np.arange(num_seqs) % 2, 0.8, 0.0),
@@ -708,6 +711,7 @@ def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
         assert [i for i, _ in top] == [i for i, _ in want_top], row
         np.testing.assert_allclose([v for _, v in top], [v for _, v in want_top], atol=1e-4)
     assert got.of_row(2, 2)[2][0][0] == 10 and got.of_row(5, 1)[2][0][0] == 8
+    assert got.of_row(8, 2)[2][0][0] == 12 and got.of_row(11, 7)[2][0][0] == vocab - 3
     # a step where no row asks keeps the plain path
     plain = ops.sample_async(cp.asarray(logits), sampling_tensors(num_seqs))
     plain.get()
