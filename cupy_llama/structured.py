@@ -420,10 +420,14 @@ class CombinedMatcher:
     def __init__(self, constraint, bad_words: BadWordsMatcher):
         self.constraint = constraint
         self.bad_words = bad_words
+        self._nothing_left = False  # the last row filled allowed no token at all
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.constraint.fill_bitmask(bitmask, row)
         self.bad_words.clear_banned(bitmask, row)
+        # the request's own settings can leave nothing to draw (allowed_token_ids that bad
+        # words ban): the token drawn then is refused, and error says why
+        self._nothing_left = not bitmask[row, :self.bad_words._num_words].any()
 
     def advance(self, token_id: int) -> bool:
         allowed = self.bad_words.advance(token_id)  # both advance, whatever either says
@@ -439,10 +443,14 @@ class CombinedMatcher:
 
     @property
     def error(self) -> str | None:
+        if self._nothing_left:
+            return "bad_words ban every token the constraint allows here"
         return self.constraint.error or self.bad_words.error
 
     def fork(self) -> "CombinedMatcher":
-        return CombinedMatcher(self.constraint.fork(), self.bad_words.fork())
+        copy = CombinedMatcher(self.constraint.fork(), self.bad_words.fork())
+        copy._nothing_left = self._nothing_left
+        return copy
 
     def rollback(self, num_tokens: int) -> None:
         self.constraint.rollback(num_tokens)

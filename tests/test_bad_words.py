@@ -103,6 +103,14 @@ def test_combined_with_allowed_ids_the_masks_are_anded():
     assert combined.eos_allowed and not combined.is_complete
 
 
+def test_bans_that_leave_nothing_end_the_sample_saying_why(llm, caplog):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=5, allowed_token_ids=[97],
+                                              bad_words=["aa"], **GREEDY))
+    assert out.token_ids[0] == 97 and out.finish_reason == "abort"
+    assert "bad_words ban every token the constraint allows" in caplog.text
+    assert_all_blocks_free(llm)
+
+
 def test_combined_with_a_grammar_completion_is_the_grammars(llm):
     pytest.importorskip("llguidance")
     from cupy_llama.structured import StructuredSpec
