@@ -290,7 +290,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         grammar = None if params.structured is None else self.compile_structured(params.structured)
         allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
-        banned, bad_words = self.bad_word_bans(params.bad_words)
+        banned, word_bans = self.bad_word_bans(params.bad_words)
         samples, parent = [], None
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
@@ -299,9 +299,9 @@ class LLMEngine:
             parent = parent or seq
             # each sample follows the grammar on its own: a fresh matcher each
             matcher = allowed if grammar is None else grammar.matcher()
-            if bad_words is not None:  # and keeps its own output tokens for its bad words
-                matcher = (bad_words.fork() if matcher is None
-                           else CombinedMatcher(matcher, bad_words.fork()))
+            if word_bans is not None:  # and keeps its own output tokens for its bad words
+                matcher = (word_bans.fork() if matcher is None
+                           else CombinedMatcher(matcher, word_bans.fork()))
                 seq.is_constrained = True
             self.scheduler.add(seq)
             samples.append(_Sample(seq, self.tokenizer, stream, text, matcher))
