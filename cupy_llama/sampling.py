@@ -26,7 +26,11 @@ MAX_N = 128  # samples per request
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (as OpenAI's API allows)
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request (their bans share the bias table)
-MAX_BANNED_TOKENS = 128  # tokens one request's bad_words may ban
+MAX_BANNED_TOKENS = 128  # tokens one request's bad_words may ban at every step
+# bad words of more than one token one request may ban (vLLM's limits): sequences, and
+# their tokens in all
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 1024
 
 
 @dataclass
@@ -64,7 +68,9 @@ class SamplingParams:
     skip_special_tokens: bool = True           # special tokens leave no text
     # between special tokens' texts where they are kept (the tokenizer decides)
     spaces_between_special_tokens: bool = True
-    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's extension)
+    # never generated (vLLM's extension): a word of tokens t1..tn bans tn wherever the
+    # output ends with t1..t(n-1), the word spelled as it is and after a space
+    bad_words: list[str] = field(default_factory=list)
     # None: none; k: each prompt token's log-probability given the tokens before it, and the
     # k most likely tokens there (RequestOutput.prompt_logprobs). The prompt is then computed
     # whole, without the prefix cache
@@ -186,6 +192,9 @@ class SamplingParams:
                                                            for w in self.bad_words):
             raise RequestError(f"bad_words must be a list of non-blank strings, got "
                                f"{_preview(self.bad_words)}")
+        if len(self.bad_words) > MAX_BANNED_TOKENS + MAX_BAD_WORD_SEQUENCES:
+            raise RequestError(f"bad_words holds {len(self.bad_words)} words; at most "
+                               f"{MAX_BANNED_TOKENS + MAX_BAD_WORD_SEQUENCES}")
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise RequestError(f"structured must be a StructuredSpec or an object such as "
                                f"{{\"json\": schema}}, got {type(self.structured).__name__}")
@@ -211,7 +220,9 @@ class SamplingParams:
     @property
     def is_constrained(self) -> bool:
         """Whether each token is drawn under a per-sequence mask (structured outputs, or
-        allowed_token_ids): the engine defers such rows' draw (docs/ARCHITECTURE.md)."""
+        allowed_token_ids): the engine defers such rows' draw (docs/ARCHITECTURE.md). Bad
+        words of more than one token are masked too: the engine marks those sequences
+        (Sequence.is_constrained), since only the tokenizer knows the words' lengths."""
         return self.structured is not None or self.allowed_token_ids is not None
 
     @classmethod

@@ -10,7 +10,9 @@ and tools").
   a spec that does not compile is a RequestError quoting the compiler, and the step loop
   never compiles (`compile_async` compiles on a worker thread where it must not wait).
 - `GrammarMatcher`, one per constrained sequence, writes its row of a step's bitmask and
-  advances by each sampled token.
+  advances by each sampled token. `AllowedTokensMatcher` (allowed_token_ids) and
+  `BadWordsMatcher` (bad words of more than one token) have its interface;
+  `CombinedMatcher` joins one of the first two with the last.
 
 Bitmask layout: one row of uint32 words per constrained sequence; token t is allowed when
 bit t % 32 of word t // 32 is set. A row holds `bitmask_words(vocab_size)` words for the
@@ -327,6 +329,132 @@ class AllowedTokensMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         pass
+
+
+class BadWordsMatcher:
+    """The matcher of a request's bad words of more than one token (vLLM's semantics): a
+    word of tokens t1..tn bans tn at a step where the sequence's last n - 1 OUTPUT tokens
+    are t1..t(n-1); prompt tokens never count. Words of one token are banned on the device
+    (the slot's bias entries) and are not given here. It keeps the output tokens it has
+    been advanced by, so each sample needs its own (`fork`). It has GrammarMatcher's
+    interface; CombinedMatcher joins it with a grammar or allowed_token_ids."""
+
+    is_complete = False
+    eos_allowed = True  # bad words never say where the output ends
+
+    def __init__(self, sequences, num_words: int):
+        """sequences: the banned token sequences, each of two tokens or more."""
+        bans: dict[int, dict[tuple, set]] = {}  # n - 1 -> {t1..t(n-1): {tn, ...}}
+        for sequence in sequences:
+            sequence = tuple(int(t) for t in sequence)
+            if len(sequence) < 2:
+                raise ValueError(f"a bad word sequence needs two tokens or more, got "
+                                 f"{list(sequence)}")
+            bans.setdefault(len(sequence) - 1, {}).setdefault(sequence[:-1], set()).add(
+                sequence[-1])
+        # shortest prefixes first: banned() stops at the first longer than the output
+        self._bans = {length: {prefix: tuple(sorted(last)) for prefix, last in by.items()}
+                      for length, by in sorted(bans.items())}
+        self._num_words = num_words
+        self._tokens: list[int] = []  # the output tokens advanced by (rollback needs all)
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def banned(self) -> list[int]:
+        """The tokens that may not come next: each sequence's last token where the output
+        ends with the rest of it."""
+        tokens, banned = self._tokens, []
+        for length, prefixes in self._bans.items():
+            if length > len(tokens):
+                break
+            banned.extend(prefixes.get(tuple(tokens[-length:]), ()))
+        return banned
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """bitmask[row] = every token but the banned ones (the first num_words words)."""
+        bitmask[row, :self._num_words] = 0xFFFFFFFF if bitmask.dtype.kind == "u" else -1
+        self.clear_banned(bitmask, row)
+
+    def clear_banned(self, bitmask, row: int) -> None:
+        """Clear the banned tokens' bits in bitmask[row], leaving the others as they are (the
+        AND of another matcher's row and this one's)."""
+        import numpy as np
+
+        words = bitmask[row].view(np.uint32)  # int32 rows hold the same bits
+        for token in self.banned():
+            words[token >> 5] &= ~np.uint32(1 << (token & 31))
+
+    def advance(self, token_id: int) -> bool:
+        """Advance by a sampled token. False for a token that ends a bad word, which a
+        token sampled under this matcher's mask never is (`error` then says which)."""
+        token_id = int(token_id)
+        if token_id in self.banned():
+            self.error = f"token {token_id} completes a bad word"
+            return False
+        self._tokens.append(token_id)
+        return True
+
+    def fork(self) -> "BadWordsMatcher":
+        """An independent copy with the same output tokens (the bans are shared)."""
+        copy = object.__new__(BadWordsMatcher)
+        copy._bans, copy._num_words = self._bans, self._num_words
+        copy._tokens, copy.error = list(self._tokens), self.error
+        return copy
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last num_tokens tokens advanced by."""
+        if not 0 <= num_tokens <= len(self._tokens):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._tokens)} tokens")
+        del self._tokens[len(self._tokens) - num_tokens:]
+
+
+class CombinedMatcher:
+    """A constraint's matcher (GrammarMatcher or AllowedTokensMatcher) and a
+    BadWordsMatcher on one sequence: a token is allowed where both allow it (the AND of
+    their masks); both advance, fork and roll back together; where the output may end and
+    whether it is complete are the constraint's."""
+
+    def __init__(self, constraint, bad_words: BadWordsMatcher):
+        self.constraint = constraint
+        self.bad_words = bad_words
+        self._nothing_left = False  # the last row filled allowed no token at all
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self.constraint.fill_bitmask(bitmask, row)
+        self.bad_words.clear_banned(bitmask, row)
+        # the request's own settings can leave nothing to draw (allowed_token_ids that bad
+        # words ban): the token drawn then is refused, and error says why
+        self._nothing_left = not bitmask[row, :self.bad_words._num_words].any()
+
+    def advance(self, token_id: int) -> bool:
+        allowed = self.bad_words.advance(token_id)  # both advance, whatever either says
+        return self.constraint.advance(token_id) and allowed
+
+    @property
+    def eos_allowed(self) -> bool:
+        return self.constraint.eos_allowed
+
+    @property
+    def is_complete(self) -> bool:
+        return self.constraint.is_complete
+
+    @property
+    def error(self) -> str | None:
+        if self._nothing_left:
+            return "bad_words ban every token the constraint allows here"
+        return self.constraint.error or self.bad_words.error
+
+    def fork(self) -> "CombinedMatcher":
+        copy = CombinedMatcher(self.constraint.fork(), self.bad_words.fork())
+        copy._nothing_left = self._nothing_left
+        return copy
+
+    def rollback(self, num_tokens: int) -> None:
+        self.constraint.rollback(num_tokens)
+        self.bad_words.rollback(num_tokens)
 
 
 class GrammarCompiler:

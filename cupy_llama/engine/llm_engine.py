@@ -14,7 +14,9 @@ import numpy as np
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
 from ..outputs import RequestOutput, is_token_id
-from ..sampling import MAX_BANNED_TOKENS, SamplingParams
+from ..sampling import (MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_BANNED_TOKENS,
+                        SamplingParams)
+from ..structured import BadWordsMatcher, CombinedMatcher
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
@@ -288,16 +290,20 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         grammar = None if params.structured is None else self.compile_structured(params.structured)
         allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
-        banned = self.bad_word_ids(params.bad_words)
+        banned, word_bans = self.bad_word_bans(params.bad_words)
         samples, parent = [], None
         for index in range(params.n):
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
             seq.banned_token_ids = banned
             parent = parent or seq
-            self.scheduler.add(seq)
             # each sample follows the grammar on its own: a fresh matcher each
             matcher = allowed if grammar is None else grammar.matcher()
+            if word_bans is not None:  # and keeps its own output tokens for its bad words
+                matcher = (word_bans.fork() if matcher is None
+                           else CombinedMatcher(matcher, word_bans.fork()))
+                seq.is_constrained = True
+            self.scheduler.add(seq)
             samples.append(_Sample(seq, self.tokenizer, stream, text, matcher))
             samples[-1].prompt_source = samples[0]
         self.requests[request_id] = samples
@@ -328,24 +334,46 @@ class LLMEngine:
         from ..structured import bitmask_words
         return bitmask_words(max(self.config.vocab_size, self.tokenizer.vocab_size))
 
-    def bad_word_ids(self, bad_words: list[str]) -> list[int]:
-        """The tokens bad_words ban: each word's spellings alone and after a space (vLLM's
-        two) that are one token each. The device bans single tokens only: a word with no
-        one-token spelling is refused."""
-        banned = set()
+    def bad_word_sequences(self, bad_words: list[str]) -> list[tuple[int, ...]]:
+        """The token sequences bad_words ban, spelled as vLLM spells them: each word without
+        its leading spaces, and after one space where that spelling starts with another
+        token and has as many (the word inside a text rather than at its start). A
+        spelling holding an id outside the model's vocabulary, which it never samples, is
+        left out."""
+        vocab, sequences = self.config.vocab_size, {}
         for word in bad_words:
-            spellings = [self.tokenizer.encode(text, add_special_tokens=False)
-                         for text in dict.fromkeys((word, " " + word.lstrip()))]
-            single = [ids[0] for ids in spellings if len(ids) == 1]
-            if not single:
-                raise RequestError(f"bad_words holds {word!r}, {min(map(len, spellings))} "
-                                   "tokens however it is spelled; only words of one token "
-                                   "can be banned")
-            banned.update(single)
+            word = word.lstrip()
+            plain = tuple(self.tokenizer.encode(word, add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word, add_special_tokens=False))
+            spellings = [plain]
+            if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                spellings.append(spaced)
+            for ids in spellings:
+                if ids and max(ids) < vocab:
+                    sequences[ids] = None
+        return list(sequences)
+
+    def bad_word_bans(self, bad_words: list[str]) -> tuple[list[int], BadWordsMatcher | None]:
+        """What bad_words ban: (the tokens of words of one token, banned at every step by
+        the device's bias entries; a BadWordsMatcher, to fork for each sample, for the
+        words of more than one token, or None when there are none: a request without them
+        never takes the mask path). RequestError past the limits."""
+        sequences = self.bad_word_sequences(bad_words)
+        banned = sorted({ids[0] for ids in sequences if len(ids) == 1})
         if len(banned) > MAX_BANNED_TOKENS:
-            raise RequestError(f"bad_words ban {len(banned)} tokens; at most "
+            raise RequestError(f"bad_words ban {len(banned)} words of one token; at most "
                                f"{MAX_BANNED_TOKENS}")
-        return sorted(banned)
+        longer = [ids for ids in sequences if len(ids) > 1]
+        if len(longer) > MAX_BAD_WORD_SEQUENCES:
+            raise RequestError(f"bad_words spell {len(longer)} sequences of more than one "
+                               f"token; at most {MAX_BAD_WORD_SEQUENCES}")
+        num_tokens = sum(map(len, longer))
+        if num_tokens > MAX_BAD_WORD_TOKENS:
+            raise RequestError(f"bad_words of more than one token spell {num_tokens} tokens "
+                               f"in all; at most {MAX_BAD_WORD_TOKENS}")
+        if not longer:
+            return banned, None
+        return banned, BadWordsMatcher(longer, self._bitmask_words())
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -500,7 +528,7 @@ class LLMEngine:
             outputs = seq.output_token_ids
             outputs.append(-(row + 1))
             waiting_for.append((seq, row, len(outputs) - 1))
-            if seq.params.is_constrained:
+            if seq.is_constrained:
                 constrained = constrained or []
                 constrained.append(waiting_for[-1])
             if stop_status(seq.params, None, len(outputs), seq.num_tokens, eos, context_limit):

@@ -24,7 +24,7 @@ OPTIONAL_ROWS = tuple(row.name for row in REQUEST_ROWS
                       if SamplingTensors.__dataclass_fields__[row.name].default is None)
 ROW_SOURCES = {
     "seeds": lambda seq, entries: seq.seed,
-    "deferred": lambda seq, entries: seq.params.is_constrained,
+    "deferred": lambda seq, entries: seq.is_constrained,
     "num_logprobs": lambda seq, entries: -1 if seq.params.logprobs is None else seq.params.logprobs,
     "num_biases": lambda seq, entries: entries[2],
     "num_min_bans": lambda seq, entries: entries[3],

@@ -38,6 +38,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.seed = seed            # this sample's seed, drawn at random when none was given
+        # drawn under a per-sequence mask (the engine defers its draw): params.is_constrained,
+        # or set by the engine for bad words of more than one token
+        self.is_constrained = params.is_constrained
         self.arrival = arrival      # admission order: later arrivals are preempted first
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
