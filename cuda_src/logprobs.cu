@@ -2,36 +2,40 @@
 // log-softmax (before temperature and the filters), of the chosen token and of the k most
 // likely ones. Only the asked-for numbers leave the GPU.
 // Launch: grid (R), block (LOGPROB_THREADS); R rows of the step's logits (rows[r]), the
-// tokens sampling chose for them (tokens[rows[r]]), k <= LOGPROB_MAX_K.
+// tokens sampling chose for them (tokens[rows[r]]), k <= LOGPROB_MAX_K:
+// logprobs_kernel for k <= 1, logprobs_top_kernel for any k (its lists take registers).
 //
-// One CTA per row: the row's maximum and log(sum exp(x - max)) in one pass over it (each
-// thread's sum rescaled as its maximum grows, once per group of four logits it reads), the
-// maximum being the first of the top k;
-// then the rest of the top k one pass at a time, each the largest (logit, lower index
-// first) after the one before, so no list of the chosen is kept. NaN logits count as -inf: never chosen, no mass. Output row r:
-// values[r][0] = logprob of the sampled token, values[r][1 + j] = the j-th most likely
-// token's (ids[r][...] alike).
+// One CTA per row and one pass over it. Each thread keeps the row's maximum and
+// sum exp(x - max) over the logits it reads (the sum rescaled as its maximum grows, once
+// per group of four logits), and its own best max(k, 1) (logit, index) pairs, best first,
+// in registers. Then k rounds over the block: the best of the threads' first pairs is the
+// next of the row's top k, and the thread that held it moves its list up. Round 0's best is
+// the row's maximum, which turns the threads' sums into log(sum exp(x - max)). Both kernels
+// do the same arithmetic for the maximum and the sum, so a row's values do not depend on
+// which one ran. Ties go to the lower index; NaN logits count as -inf: never chosen, no
+// mass. Output row r: values[r][0] = logprob of the sampled token, values[r][1 + j] = the
+// j-th most likely token's (ids[r][...] alike; past the vocabulary, id 0 and -inf).
 
 #include "common.cuh"
 
-#define LOGPROB_THREADS 1024
+#define LOGPROB_THREADS 256
 #define LOGPROB_MAX_K 20
+#define NO_INDEX 0x7fffffff
 
-// the larger of two (logit, index) pairs: larger logit, then lower index
-__device__ __forceinline__ void keep_better(float& best, int& best_i, float v, int i) {
-    if (v > best || (v == best && i < best_i)) {
-        best = v;
-        best_i = i;
-    }
+// whether pair (v, i) ranks before (w, j): larger logit, then lower index
+__device__ __forceinline__ bool ranks_before(float v, int i, float w, int j) {
+    return v > w || (v == w && i < j);
 }
 
-// the best pair of the block; every thread gets it. scratch_v / scratch_i hold >= 32
+// the first-ranked pair of the block; every thread gets it. scratch_v / scratch_i hold >= 32
 __device__ __forceinline__ void block_best(float& best, int& best_i, float* scratch_v,
                                            int* scratch_i) {
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
-        keep_better(best, best_i, __shfl_xor_sync(FULL_MASK, best, offset),
-                    __shfl_xor_sync(FULL_MASK, best_i, offset));
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float v = __shfl_xor_sync(FULL_MASK, best, offset);
+        const int i = __shfl_xor_sync(FULL_MASK, best_i, offset);
+        if (ranks_before(v, i, best, best_i)) { best = v; best_i = i; }
+    }
     __syncthreads();  // the scratch may still be read by a previous call
     if (lane == 0) {
         scratch_v[warp] = best;
@@ -40,107 +44,142 @@ __device__ __forceinline__ void block_best(float& best, int& best_i, float* scra
     __syncthreads();
     const int num_warps = blockDim.x / WARP_SIZE;
     best = lane < num_warps ? scratch_v[lane] : neg_inf();
-    best_i = lane < num_warps ? scratch_i[lane] : 0x7fffffff;
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1)
-        keep_better(best, best_i, __shfl_xor_sync(FULL_MASK, best, offset),
-                    __shfl_xor_sync(FULL_MASK, best_i, offset));
+    best_i = lane < num_warps ? scratch_i[lane] : NO_INDEX;
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float v = __shfl_xor_sync(FULL_MASK, best, offset);
+        const int i = __shfl_xor_sync(FULL_MASK, best_i, offset);
+        if (ranks_before(v, i, best, best_i)) { best = v; best_i = i; }
+    }
 }
 
 __device__ __forceinline__ float finite_or_low(float x) { return x == x ? x : neg_inf(); }
 
-extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
-logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
-                const int* __restrict__ tokens, int k, float* __restrict__ values,
-                int* __restrict__ ids) {
+// A thread's best `keep` (logit, index) pairs, best first, keep <= CAP, and the keep-th
+// pair in registers: a pair that does not rank before it costs one test. The list itself
+// is touched only when a pair enters it (local memory, cached in L1, for a list of
+// several; registers for a list of one).
+template <int CAP>
+struct TopList {
+    float v[CAP];
+    int i[CAP];
+    float bar_v;  // the keep-th pair, which a new one must rank before
+    int bar_i;
+
+    __device__ __forceinline__ void clear(int keep) {
+        for (int s = 0; s < keep; ++s) { v[s] = neg_inf(); i[s] = NO_INDEX; }
+        bar_v = neg_inf();
+        bar_i = NO_INDEX;
+    }
+    __device__ __forceinline__ void offer(float value, int index, int keep) {
+        if (!ranks_before(value, index, bar_v, bar_i)) return;
+        int s = keep - 1;  // the keep-th leaves; the pairs ranking after the new one move down
+        for (; s > 0 && ranks_before(value, index, v[s - 1], i[s - 1]); --s) {
+            v[s] = v[s - 1];
+            i[s] = i[s - 1];
+        }
+        v[s] = value;
+        i[s] = index;
+        bar_v = v[keep - 1];
+        bar_i = i[keep - 1];
+    }
+    __device__ __forceinline__ void pop(int keep) {
+        for (int s = 0; s + 1 < keep; ++s) { v[s] = v[s + 1]; i[s] = i[s + 1]; }
+        v[keep - 1] = neg_inf();
+        i[keep - 1] = NO_INDEX;
+    }
+};
+
+// four logits at indices base..base + 3 into a thread's maximum, sum and list
+template <int CAP>
+__device__ __forceinline__ void scan_group(float4 group, int base, float& own_max, float& sum,
+                                           TopList<CAP>& top, int keep) {
+    const float v0 = finite_or_low(group.x), v1 = finite_or_low(group.y),
+                v2 = finite_or_low(group.z), v3 = finite_or_low(group.w);
+    const float m = fmaxf(fmaxf(v0, v1), fmaxf(v2, v3));
+    if (m > own_max) {
+        sum *= expf(own_max - m);  // 0 while own_max is -inf
+        own_max = m;
+    }
+    if (own_max > neg_inf())
+        sum += expf(v0 - own_max) + expf(v1 - own_max) + expf(v2 - own_max) + expf(v3 - own_max);
+    top.offer(v0, base, keep);
+    top.offer(v1, base + 1, keep);
+    top.offer(v2, base + 2, keep);
+    top.offer(v3, base + 3, keep);
+}
+
+template <int CAP>
+__device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, int vocab,
+                                             const int* __restrict__ rows,
+                                             const int* __restrict__ tokens, int k,
+                                             float* __restrict__ values, int* __restrict__ ids) {
     __shared__ float scratch_v[WARP_SIZE];
     __shared__ int scratch_i[WARP_SIZE];
     __shared__ float sum_scratch[WARP_SIZE];
     const int row = rows[blockIdx.x];
     const float* x = logits + (long long)row * vocab;
+    const int keep = CAP == 1 ? 1 : (k > 1 ? k : 1);  // a constant for a list of one
 
-    float best = neg_inf();
-    int best_i = 0x7fffffff;
-    // one pass: each thread's best pair and its sum of exp(x - its maximum), rescaled as
-    // the maximum grows (a thread sees its indices in increasing order, so a tie keeps
-    // the first); then the block's best pair and the sums rescaled to its maximum
-    float sum = 0.0f;
-    // rows of a vocabulary that is a multiple of 4 start at 16-byte boundaries: read four
-    // logits a load, two loads in flight, then the remaining ones one by one (a thread's
-    // indices still increase, groups of four before the rest)
+    TopList<CAP> top;
+    top.clear(keep);
+    float own_max = neg_inf(), sum = 0.0f;  // sum of exp(x - own_max) over finite x
+    // rows of a vocabulary that is a multiple of 4 start at 16-byte boundaries: four
+    // logits a load, two loads in flight; otherwise one by one. A thread's indices
+    // increase, so a tie keeps the first it saw.
     const int vec_end = vocab % 4 == 0 ? vocab : 0;
     const float4* x4 = reinterpret_cast<const float4*>(x);
     for (int g = threadIdx.x; 4 * g < vec_end; g += 2 * LOGPROB_THREADS) {
-        float4 pair[2];
-        pair[0] = x4[g];
+        const float4 first = x4[g];
         const bool second = 4 * (g + LOGPROB_THREADS) < vec_end;
-        if (second) pair[1] = x4[g + LOGPROB_THREADS];
-        for (int p = 0; p < (second ? 2 : 1); ++p) {
-            const float v[4] = {finite_or_low(pair[p].x), finite_or_low(pair[p].y),
-                                finite_or_low(pair[p].z), finite_or_low(pair[p].w)};
-            const int base = 4 * (g + p * LOGPROB_THREADS);
-            // the group's maximum and its first index, then one rescale where it is new
-            float m = v[0];
-            int m_i = base;
-            for (int j = 1; j < 4; ++j)
-                if (v[j] > m) { m = v[j]; m_i = base + j; }
-            if (m > best) {
-                sum *= expf(best - m);  // 0 while best is -inf
-                best = m;
-                best_i = m_i;
-            } else if (best_i == 0x7fffffff) {
-                best_i = base;  // -inf so far (keep_better's lowest index of equals)
-            }
-            if (best > neg_inf())
-                sum += expf(v[0] - best) + expf(v[1] - best) + expf(v[2] - best) + expf(v[3] - best);
-        }
+        const float4 next = second ? x4[g + LOGPROB_THREADS] : first;
+        scan_group(first, 4 * g, own_max, sum, top, keep);
+        if (second) scan_group(next, 4 * (g + LOGPROB_THREADS), own_max, sum, top, keep);
     }
     for (int i = vec_end + threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
         const float v = finite_or_low(x[i]);
-        if (v > best) {
-            sum = sum * expf(best - v) + 1.0f;  // expf(-inf) = 0 at the first finite value
-            best = v;
-            best_i = i;
-        } else if (best_i == 0x7fffffff) {
-            best_i = i;  // -inf so far (keep_better's lowest index of equals)
+        if (v > own_max) {
+            sum = sum * expf(own_max - v) + 1.0f;  // expf(-inf) = 0 at the first finite value
+            own_max = v;
         } else if (v > neg_inf()) {
-            sum += expf(v - best);
+            sum += expf(v - own_max);
         }
+        top.offer(v, i, keep);
     }
-    const float own_max = best, own_sum = sum;
-    block_best(best, best_i, scratch_v, scratch_i);
-    const float max_logit = best;  // -inf only for a row of NaN and -inf: then every value is NaN
-    const int max_i = best_i;
-    const float rescaled = own_sum > 0.0f ? own_sum * expf(own_max - max_logit) : 0.0f;
-    const float log_total = max_logit + logf(block_sum(rescaled, sum_scratch));
 
     float* out_values = values + (long long)blockIdx.x * (k + 1);
     int* out_ids = ids + (long long)blockIdx.x * (k + 1);
-    if (threadIdx.x == 0) {
-        const int chosen = tokens[row];
-        out_ids[0] = chosen;
-        out_values[0] = finite_or_low(x[chosen]) - log_total;
-    }
-    // the top k: the first is the row's best pair, the j-th the best pair below the
-    // (j-1)-th in the (logit, -index) order
-    if (k > 0 && threadIdx.x == 0) {
-        out_ids[1] = max_i < vocab ? max_i : 0;
-        out_values[1] = max_i < vocab ? max_logit - log_total : neg_inf();
-    }
-    float prev = max_logit;
-    int prev_i = max_i;
-    for (int j = 1; j < k; ++j) {
-        best = neg_inf();
-        best_i = 0x7fffffff;
-        for (int i = threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
-            const float v = finite_or_low(x[i]);
-            if (v < prev || (v == prev && i > prev_i)) keep_better(best, best_i, v, i);
-        }
+    float log_total = 0.0f;
+    for (int j = 0; j < keep; ++j) {
+        float best = top.v[0];
+        int best_i = top.i[0];
         block_best(best, best_i, scratch_v, scratch_i);
-        if (threadIdx.x == 0) {
-            out_ids[1 + j] = best_i < vocab ? best_i : 0;  // fewer than k tokens: id 0, -inf
+        if (j == 0) {  // the row's maximum: -inf only for a row of NaN and -inf (then NaN)
+            const float rescaled = sum > 0.0f ? sum * expf(own_max - best) : 0.0f;
+            log_total = best + logf(block_sum(rescaled, sum_scratch));
+            if (threadIdx.x == 0) {
+                const int chosen = tokens[row];
+                out_ids[0] = chosen;
+                out_values[0] = finite_or_low(x[chosen]) - log_total;
+            }
+        }
+        if (j < k && threadIdx.x == 0) {
+            out_ids[1 + j] = best_i < vocab ? best_i : 0;
             out_values[1 + j] = best_i < vocab ? best - log_total : neg_inf();
         }
-        prev = best;
-        prev_i = best_i;
+        if (best_i < vocab && top.i[0] == best_i) top.pop(keep);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
+logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
+                const int* __restrict__ tokens, int k, float* __restrict__ values,
+                int* __restrict__ ids) {
+    logprobs_row<1>(logits, vocab, rows, tokens, k, values, ids);
+}
+
+extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
+logprobs_top_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
+                    const int* __restrict__ tokens, int k, float* __restrict__ values,
+                    int* __restrict__ ids) {
+    logprobs_row<LOGPROB_MAX_K>(logits, vocab, rows, tokens, k, values, ids);
 }

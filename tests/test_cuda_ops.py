@@ -718,6 +718,36 @@ def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
     assert plain.logprobs() is None
 
 
+@pytest.mark.parametrize("vocab", [128256, 1001, 12])
+def test_logprobs_of_one_and_of_many_agree(cp, rng, vocab):
+    """logprobs.cu's two kernels (a list of one pair per thread for k <= 1, of k for more)
+    give a row the same bits for the sampled token and the first of the top k, and the
+    list of many equals the NumPy top k; a vocabulary smaller than k pads with id 0, -inf."""
+    from cupy_llama.backends.cuda import logprobs as logprob_kernels
+    from cupy_llama.backends.numpy_ops import logprobs as reference
+    rows_n = 6
+    logits = rng.standard_normal((rows_n, vocab), dtype=np.float32) * 3
+    logits[1, : vocab // 3] = -np.inf
+    tokens = rng.integers(0, vocab, rows_n).astype(np.int32)
+    tokens[1] = vocab - 1
+    rows = np.arange(rows_n, dtype=np.int32)
+    got = {}
+    for k in (1, 20):
+        values = cp.empty((rows_n, 1 + k), np.float32)
+        ids = cp.empty((rows_n, 1 + k), np.int32)
+        logprob_kernels.logprobs(cp.asarray(logits), cp.asarray(rows), cp.asarray(tokens), k,
+                                 values, ids)
+        got[k] = (values.get(), ids.get())
+    np.testing.assert_array_equal(got[1][0], got[20][0][:, :2])
+    np.testing.assert_array_equal(got[1][1], got[20][1][:, :2])
+    want = reference(logits, tokens, rows, min(20, vocab))
+    values, ids = got[20]
+    np.testing.assert_array_equal(ids[:, : 1 + min(20, vocab)], want.ids)
+    np.testing.assert_allclose(values[:, : 1 + min(20, vocab)], want.values, atol=1e-4)
+    if vocab < 20:
+        assert (ids[:, 1 + vocab:] == 0).all() and np.isneginf(values[:, 1 + vocab:]).all()
+
+
 def test_seeded_sampling_is_reproducible(cp, rng):
     num_seqs, vocab = 16, 128256
     logits = cp.asarray(rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 3)

@@ -20,6 +20,7 @@ def logprobs(logits, rows, tokens, k: int, values, ids):
         raise ValueError(f"k must be in [0, {MAX_K}], got {k}")
     check("values", values, F32, shape=(num_rows, 1 + k))
     check("ids", ids, I32, shape=(num_rows, 1 + k))
-    if num_rows:
-        get_kernel("logprobs", "logprobs_kernel")(
+    if num_rows:  # a list of one pair per thread where no row asks for more
+        name = "logprobs_kernel" if k <= 1 else "logprobs_top_kernel"
+        get_kernel("logprobs", name)(
             (num_rows,), (THREADS,), (logits, i32(vocab), rows, tokens, i32(k), values, ids))
