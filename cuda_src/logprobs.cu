@@ -54,45 +54,46 @@ __device__ __forceinline__ void block_best(float& best, int& best_i, float* scra
 
 __device__ __forceinline__ float finite_or_low(float x) { return x == x ? x : neg_inf(); }
 
-// A thread's best `keep` (logit, index) pairs, best first, keep <= CAP, and the keep-th
-// pair in registers: a pair that does not rank before it costs one test. The list itself
-// is touched only when a pair enters it (local memory, cached in L1, for a list of
-// several; registers for a list of one).
+// A thread's best `keep` (logit, index) pairs, best first, keep <= CAP, and apart from them,
+// in registers, the bar a new pair must rank before: the list's keep-th pair, or its warp's
+// best bar where that ranks higher (logprobs_row); a pair that does not clear it costs one
+// test. The list itself is touched only when a pair
+// enters it (local memory, cached in L1, for a list of several; registers for one).
 template <int CAP>
 struct TopList {
     float v[CAP];
     int i[CAP];
-    float bar_v;  // the keep-th pair, which a new one must rank before
-    int bar_i;
-
-    __device__ __forceinline__ void clear(int keep) {
-        for (int s = 0; s < keep; ++s) { v[s] = neg_inf(); i[s] = NO_INDEX; }
-        bar_v = neg_inf();
-        bar_i = NO_INDEX;
-    }
-    __device__ __forceinline__ void offer(float value, int index, int keep) {
-        if (!ranks_before(value, index, bar_v, bar_i)) return;
-        int s = keep - 1;  // the keep-th leaves; the pairs ranking after the new one move down
-        for (; s > 0 && ranks_before(value, index, v[s - 1], i[s - 1]); --s) {
-            v[s] = v[s - 1];
-            i[s] = i[s - 1];
-        }
-        v[s] = value;
-        i[s] = index;
-        bar_v = v[keep - 1];
-        bar_i = i[keep - 1];
-    }
-    __device__ __forceinline__ void pop(int keep) {
-        for (int s = 0; s + 1 < keep; ++s) { v[s] = v[s + 1]; i[s] = i[s + 1]; }
-        v[keep - 1] = neg_inf();
-        i[keep - 1] = NO_INDEX;
-    }
 };
+
+template <int CAP>
+__device__ __forceinline__ void offer(TopList<CAP>& top, float& bar_v, int& bar_i, float value,
+                                      int index, int keep) {
+    if (!ranks_before(value, index, bar_v, bar_i)) return;
+    int s = keep - 1;  // the keep-th leaves; the pairs ranking after the new one move down
+    for (; s > 0 && ranks_before(value, index, top.v[s - 1], top.i[s - 1]); --s) {
+        top.v[s] = top.v[s - 1];
+        top.i[s] = top.i[s - 1];
+    }
+    top.v[s] = value;
+    top.i[s] = index;
+    if (ranks_before(top.v[keep - 1], top.i[keep - 1], bar_v, bar_i)) {  // the bar only rises
+        bar_v = top.v[keep - 1];
+        bar_i = top.i[keep - 1];
+    }
+}
+
+template <int CAP>
+__device__ __forceinline__ void pop(TopList<CAP>& top, int keep) {
+    for (int s = 0; s + 1 < keep; ++s) { top.v[s] = top.v[s + 1]; top.i[s] = top.i[s + 1]; }
+    top.v[keep - 1] = neg_inf();
+    top.i[keep - 1] = NO_INDEX;
+}
 
 // four logits at indices base..base + 3 into a thread's maximum, sum and list
 template <int CAP>
 __device__ __forceinline__ void scan_group(float4 group, int base, float& own_max, float& sum,
-                                           TopList<CAP>& top, int keep) {
+                                           TopList<CAP>& top, float& bar_v, int& bar_i,
+                                           int keep) {
     const float v0 = finite_or_low(group.x), v1 = finite_or_low(group.y),
                 v2 = finite_or_low(group.z), v3 = finite_or_low(group.w);
     const float m = fmaxf(fmaxf(v0, v1), fmaxf(v2, v3));
@@ -102,10 +103,10 @@ __device__ __forceinline__ void scan_group(float4 group, int base, float& own_ma
     }
     if (own_max > neg_inf())
         sum += expf(v0 - own_max) + expf(v1 - own_max) + expf(v2 - own_max) + expf(v3 - own_max);
-    top.offer(v0, base, keep);
-    top.offer(v1, base + 1, keep);
-    top.offer(v2, base + 2, keep);
-    top.offer(v3, base + 3, keep);
+    offer(top, bar_v, bar_i, v0, base, keep);
+    offer(top, bar_v, bar_i, v1, base + 1, keep);
+    offer(top, bar_v, bar_i, v2, base + 2, keep);
+    offer(top, bar_v, bar_i, v3, base + 3, keep);
 }
 
 template <int CAP>
@@ -121,19 +122,38 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
     const int keep = CAP == 1 ? 1 : (k > 1 ? k : 1);  // a constant for a list of one
 
     TopList<CAP> top;
-    top.clear(keep);
+    for (int s = 0; s < keep; ++s) { top.v[s] = neg_inf(); top.i[s] = NO_INDEX; }
+    float bar_v = neg_inf();
+    int bar_i = NO_INDEX;
     float own_max = neg_inf(), sum = 0.0f;  // sum of exp(x - own_max) over finite x
     // rows of a vocabulary that is a multiple of 4 start at 16-byte boundaries: four
     // logits a load, two loads in flight; otherwise one by one. A thread's indices
     // increase, so a tie keeps the first it saw.
     const int vec_end = vocab % 4 == 0 ? vocab : 0;
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int g = threadIdx.x; 4 * g < vec_end; g += 2 * LOGPROB_THREADS) {
-        const float4 first = x4[g];
-        const bool second = 4 * (g + LOGPROB_THREADS) < vec_end;
-        const float4 next = second ? x4[g + LOGPROB_THREADS] : first;
-        scan_group(first, 4 * g, own_max, sum, top, keep);
-        if (second) scan_group(next, 4 * (g + LOGPROB_THREADS), own_max, sum, top, keep);
+    const int lane = threadIdx.x % WARP_SIZE;
+    // the warp steps together (its lane 0 has the most groups), so that lists of several
+    // can share a bar: any lane's keep-th pair ranks after at least `keep` pairs of the
+    // row, so a pair ranking after it is in no top k. Taking the best of the lanes' bars
+    // after each step keeps most pairs out of every list once the first steps are read.
+    for (int warp_g = threadIdx.x - lane; 4 * warp_g < vec_end; warp_g += 2 * LOGPROB_THREADS) {
+        const int g = warp_g + lane;
+        if (4 * g < vec_end) {
+            const float4 first = x4[g];
+            const bool second = 4 * (g + LOGPROB_THREADS) < vec_end;
+            const float4 next = second ? x4[g + LOGPROB_THREADS] : first;
+            scan_group(first, 4 * g, own_max, sum, top, bar_v, bar_i, keep);
+            if (second)
+                scan_group(next, 4 * (g + LOGPROB_THREADS), own_max, sum, top, bar_v, bar_i,
+                           keep);
+        }
+        if (CAP > 1) {
+            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                const float v = __shfl_xor_sync(FULL_MASK, bar_v, offset);
+                const int i = __shfl_xor_sync(FULL_MASK, bar_i, offset);
+                if (ranks_before(v, i, bar_v, bar_i)) { bar_v = v; bar_i = i; }
+            }
+        }
     }
     for (int i = vec_end + threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
         const float v = finite_or_low(x[i]);
@@ -143,7 +163,7 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
         } else if (v > neg_inf()) {
             sum += expf(v - own_max);
         }
-        top.offer(v, i, keep);
+        offer(top, bar_v, bar_i, v, i, keep);
     }
 
     float* out_values = values + (long long)blockIdx.x * (k + 1);
@@ -166,7 +186,7 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
             out_ids[1 + j] = best_i < vocab ? best_i : 0;
             out_values[1 + j] = best_i < vocab ? best - log_total : neg_inf();
         }
-        if (best_i < vocab && top.i[0] == best_i) top.pop(keep);
+        if (best_i < vocab && top.i[0] == best_i) pop(top, keep);
     }
 }
 
