@@ -107,12 +107,12 @@ SAMPLE = {
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
     "best_of": 3, "allowed_token_ids": [1, 2],
+    "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
     "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
 # A value for each refused field that is not one of its harmless ones.
 REFUSED_VALUE = {"functions": [{"name": "f"}], "function_call": "required",
                  "modalities": ["audio"],
-                 "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
                  "use_beam_search": True,
                  "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {}}
 # refused on one endpoint only: chat's echo and best_of; legacy completions' are done
@@ -226,19 +226,6 @@ def test_every_field_is_used_or_refused(llm):
             elif effect == baseline:
                 wrong.append(f"{where}: {value!r} changed nothing")
     assert not wrong, "\n".join(wrong)
-
-
-def test_fields_of_other_servers_are_refused_by_name(state):
-    """llama.cpp's grammar and json_schema change what is generated and are not done here
-    yet: each is a 400 in OpenAI's error shape that names it, on both endpoints."""
-    for name, value in (("grammar", 'root ::= "a"'), ("json_schema", {"type": "object"})):
-        for path, body in (("/v1/completions", {"prompt": "x"}),
-                           ("/v1/chat/completions", {"messages": CHAT})):
-            answer = ask_one(state, "POST", path, json={**body, name: value})
-            assert answer.status == 400, (name, path)
-            error = answer.json()["error"]
-            assert (error["param"], error["code"]) == (name, "unsupported_parameter")
-            assert error["message"].startswith(f"{name} is not supported")
 
 
 def test_allowed_token_ids_on_both_endpoints(state, llm):

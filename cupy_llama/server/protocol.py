@@ -167,8 +167,6 @@ UNSUPPORTED = {
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
     "use_beam_search": _off(False),
-    # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
-    "grammar": _off(), "json_schema": _off(),
 }
 
 
@@ -218,7 +216,7 @@ class _SamplingFields(_Unsupported, _Model):
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability
     use_beam_search: Any = None
     # structured outputs (structured_spec): OpenAI's response_format, vLLM's
-    # structured_outputs and its older guided_* fields
+    # structured_outputs and its older guided_* fields, llama.cpp's grammar and json_schema
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -228,8 +226,8 @@ class _SamplingFields(_Unsupported, _Model):
     best_of: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    grammar: Any = None
-    json_schema: Any = None
+    grammar: Any = None       # llama.cpp's: a GBNF grammar
+    json_schema: Any = None   # llama.cpp's: a JSON schema
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -243,15 +241,18 @@ class _SamplingFields(_Unsupported, _Model):
 
     def structured_spec(self) -> StructuredSpec | None:
         """The request's constraint: at most one of response_format (json_object or
-        json_schema), structured_outputs, guided_json, guided_regex, guided_choice and
-        guided_grammar. A 400 naming the field for one that is malformed."""
+        json_schema), structured_outputs, guided_json, guided_regex, guided_choice,
+        guided_grammar, and llama.cpp's grammar (GBNF) and json_schema. A 400 naming the
+        field for one that is malformed."""
         specs = []
         for name, make in (("response_format", StructuredSpec.from_response_format),
                            ("structured_outputs", StructuredSpec.from_structured_outputs),
                            ("guided_json", StructuredSpec.json),
                            ("guided_regex", StructuredSpec.regex),
                            ("guided_choice", StructuredSpec.choice),
-                           ("guided_grammar", StructuredSpec.grammar)):
+                           ("guided_grammar", StructuredSpec.grammar),
+                           ("grammar", StructuredSpec.gbnf),
+                           ("json_schema", StructuredSpec.json)):
             value = getattr(self, name)
             if value is None:
                 continue
