@@ -108,11 +108,12 @@ SAMPLE = {
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
     "best_of": 3, "allowed_token_ids": [1, 2],
     "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
+    "functions": [{"name": "f"}],  # (a request's function_call, and an assistant message's:)
+    "function_call": {"name": "f", "arguments": "{}"},
     "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
 # A value for each refused field that is not one of its harmless ones.
-REFUSED_VALUE = {"functions": [{"name": "f"}], "function_call": "required",
-                 "modalities": ["audio"],
+REFUSED_VALUE = {"modalities": ["audio"],
                  "use_beam_search": True,
                  "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {}}
 # refused on one endpoint only: chat's echo and best_of; legacy completions' are done
@@ -159,7 +160,8 @@ def _body(model, dotted: str, value) -> dict:
     body = dict(BASE[model])
     head, _, leaf = dotted.partition(".")
     if head == "messages" and leaf:
-        role = {"tool_calls": "assistant", "tool_call_id": "tool"}.get(leaf, "user")
+        role = {"tool_calls": "assistant", "function_call": "assistant",
+                "tool_call_id": "tool"}.get(leaf, "user")
         body["messages"] = [{"role": role, "content": "hi", leaf: value}]
     elif head == "stream_options":
         body.update(stream=True, stream_options={"include_usage": True})
@@ -176,6 +178,8 @@ def _body(model, dotted: str, value) -> dict:
         body["logprobs"] = True
     if head in ("tool_choice", "parallel_tool_calls"):
         body["tools"] = SAMPLE["tools"]
+    if head == "function_call":
+        body["functions"] = SAMPLE["functions"]
     if head == "parallel_tool_calls":
         body["tool_choice"] = "required"
     if head == "logprobs":

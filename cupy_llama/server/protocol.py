@@ -34,7 +34,8 @@ from ..outputs import is_token_id
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
-from ..tool_choice import check_tool_choice, check_tools, tool_call_grammar
+from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
+                           tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import PARSER_NAMES, make_tool_parser, parse_tool_calls, tool_parser_for_template
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -43,7 +44,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A generation the server had to cut short (it is shutting down) reports "length": the text
 # is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length",
-                  "tool_calls": "tool_calls"}
+                  "tool_calls": "tool_calls", "function_call": "function_call"}
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
 
 
@@ -163,7 +164,6 @@ PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
     "suffix": _off(""),
-    "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
     "use_beam_search": _off(False),
@@ -754,7 +754,9 @@ class CompletionStream(_Stream):
 # ---- /v1/chat/completions -------------------------------------------------------------
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant", "tool": "tool"}  # "developer": the system role renamed
+              "assistant": "assistant", "tool": "tool",
+              "function": "tool"}  # "developer": the system role renamed; "function": the
+# tool role of the deprecated functions API
 
 
 class ChatMessage(_Model):
@@ -763,7 +765,7 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: Any = None     # an assistant's calls: passed to the chat template as they are
     tool_call_id: Any = None   # a tool message's: the call it answers
-    function_call: Any = None  # refused: the older functions API is not supported
+    function_call: Any = None  # an assistant's call in the deprecated functions API
 
 
 class _ChatPrompt:
@@ -785,26 +787,32 @@ class _ChatPrompt:
         """The messages as the chat template takes them: {"role", "content"} with the
         content's text parts joined by newlines."""
         conversation = []
+        last_call_id = None  # of the deprecated API's last call: what a "function" answers
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]"
             role = CHAT_ROLES.get(message.role)
             if role is None:
-                older = " (the older functions API is not supported)" \
-                    if message.role == "function" else ""
-                raise APIError(400, f"{where}.role {message.role!r} is not supported{older}; "
-                                    f"use system, developer, user, assistant or tool",
+                raise APIError(400, f"{where}.role {message.role!r} is not supported; use "
+                                    f"system, developer, user, assistant, tool or function",
                                param=f"{where}.role")
-            if message.function_call:
-                raise APIError(400, f"{where}.function_call is not supported (the older "
-                                    "functions API); send tool_calls", param=f"{where}.function_call",
-                               code="unsupported_parameter")
+            if message.role == "function":  # the deprecated API's answer to a call
+                if not isinstance(message.name, str) or not message.name:
+                    raise APIError(400, f"{where}.name is required: the function whose result "
+                                        "this message holds", param=f"{where}.name")
+                if message.content is None:
+                    message = message.model_copy(update={"content": ""})
             entry = {"role": role, "content": _message_text(message, role, where)}
             if message.name is not None:
                 entry["name"] = message.name
             if message.tool_calls is not None:  # the tokenizer checks their shape
                 entry["tool_calls"] = message.tool_calls
+            if message.function_call is not None:
+                last_call_id = f"call_{i}"
+                entry["tool_calls"] = [_legacy_call(message, last_call_id, where)]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
+            elif message.role == "function" and last_call_id is not None:
+                entry["tool_call_id"] = last_call_id
             conversation.append(entry)
         return conversation
 
@@ -848,6 +856,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    # OpenAI's deprecated forms of tools and tool_choice: the reply's one call comes back
+    # as message.function_call (legacy_functions)
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -875,9 +885,21 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_chat_options()
+        if self.legacy_functions:
+            older = "functions" if self.functions is not None else "function_call"
+            for name in ("tools", "tool_choice"):
+                if getattr(self, name) is not None:
+                    raise APIError(400, f"{older} and {name} are both given; send tools and "
+                                        "tool_choice, or functions and function_call (their "
+                                        "deprecated form)", param=older)
         try:
-            self._checked_tools = check_tools(self.tools)
-            self._tool_choice = check_tool_choice(self.tool_choice, self._checked_tools)
+            if self.legacy_functions:
+                self._checked_tools = tools_of_functions(self.functions)
+                self._tool_choice = tool_choice_of_function_call(self.function_call,
+                                                                 self._checked_tools)
+            else:
+                self._checked_tools = check_tools(self.tools)
+                self._tool_choice = check_tool_choice(self.tool_choice, self._checked_tools)
         except RequestError as e:
             field = str(e).split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -885,6 +907,13 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     def set_tool_parser(self, name: str | None) -> None:
         """The server's --tool-call-parser (None: the chat template's format)."""
         self._tool_parser_name = name
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request speaks the deprecated functions API: its reply's call is answered as
+        message.function_call (one call: that API has no parallel calls), finish_reason
+        "function_call"."""
+        return self.functions is not None or self.function_call is not None
 
     @property
     def uses_tools(self) -> bool:
@@ -900,9 +929,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         name = self._tool_parser_name or tool_parser_for_template(
             self.chat_template or tokenizer.chat_template)
         if name is None:
-            raise APIError(400, "tools: the model's chat template shows no tool-call format "
+            field = "functions" if self.legacy_functions else "tools"
+            raise APIError(400, f"{field}: the model's chat template shows no tool-call format "
                                 "this server knows; start it with --tool-call-parser "
-                                f"({', '.join(PARSER_NAMES)})", param="tools")
+                                f"({', '.join(PARSER_NAMES)})", param=field)
         return name
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
@@ -923,13 +953,16 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         if self.uses_tools:
             self._tokenizer = tokenizer
             self._parser = self.tool_parser(tokenizer)
+            parallel = False if self.legacy_functions else self.parallel_tool_calls
             self._tool_grammar = tool_call_grammar(
-                self._parser, self._checked_tools, self._tool_choice,
-                self.parallel_tool_calls, token_id=tokenizer.token_to_id)
+                self._parser, self._checked_tools, self._tool_choice, parallel,
+                token_id=tokenizer.token_to_id)
             if self._tool_grammar is not None and self.structured_spec() is not None:
-                raise APIError(400, "tool_choice \"required\" or a named function sets the "
-                                    "answer's grammar; leave out response_format and "
-                                    "structured_outputs", param="tool_choice")
+                choice = "function_call" if self.legacy_functions else "tool_choice"
+                what = "function_call naming a function" if self.legacy_functions else \
+                    "tool_choice \"required\" or a named function"
+                raise APIError(400, f"{what} sets the answer's grammar; leave out "
+                                    "response_format and structured_outputs", param=choice)
         prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
         if not prompt and self.chat_template is not None:
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
@@ -1000,6 +1033,23 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
                    param=f"{where}.content")
 
 
+def _legacy_call(message: ChatMessage, call_id: str, where: str) -> dict:
+    """An assistant message's function_call {"name", "arguments"} (the deprecated functions
+    API) as the one tool call it stands for."""
+    call, here = message.function_call, f"{where}.function_call"
+    if message.role != "assistant":
+        raise APIError(400, f"{here}: only assistant messages call functions (this one is "
+                            f"{message.role!r})", param=here)
+    if message.tool_calls is not None:
+        raise APIError(400, f"{here}: send tool_calls or function_call, not both", param=here)
+    if (not isinstance(call, dict) or not isinstance(call.get("name"), str)
+            or not call["name"] or not isinstance(call.get("arguments", ""), str)):
+        raise APIError(400, f"{here} must be {{\"name\": ..., \"arguments\": \"<JSON text>\"}}, "
+                            f"got {_preview(call)}", param=here)
+    return {"id": call_id, "type": "function",
+            "function": {"name": call["name"], "arguments": call.get("arguments", "{}")}}
+
+
 def chat_completion_response(request: ChatCompletionRequest, response_id: str, created: int,
                              model: str, outputs: list, token_strings=None,
                              fingerprint: str | None = None) -> dict:
@@ -1014,9 +1064,9 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
         finish_reason = FINISH_REASONS[output.finish_reason]
         if request.uses_tools:
             parsed = parse_tool_calls(request.reply_text(output), request._parser)
-            message = parsed.to_openai()
+            message = legacy_message(parsed) if request.legacy_functions else parsed.to_openai()
             if parsed.tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = "function_call" if request.legacy_functions else "tool_calls"
         choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
     body = {"id": response_id, "object": "chat.completion", "created": created,
@@ -1028,6 +1078,32 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
             first.prompt_token_ids, first.prompt_scores, request.prompt_logprobs,
             token_strings)
     return body
+
+
+def legacy_message(parsed) -> dict:
+    """A parsed reply as the deprecated functions API answers it: its first call as
+    message.function_call {"name", "arguments"} (that API has no parallel calls; a model
+    that writes more under function_call "auto" has the rest left out)."""
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        call = parsed.tool_calls[0]
+        message["function_call"] = {"name": call.name, "arguments": call.arguments}
+    return message
+
+
+def legacy_delta(parsed) -> dict:
+    """A streamed StreamDelta as the deprecated functions API streams it: the first call's
+    pieces as delta.function_call, its name in the first ({"name", "arguments"}), then
+    {"arguments"} with more of them."""
+    delta = {"content": parsed.content} if parsed.content else {}
+    pieces = [entry for entry in parsed.tool_calls if entry.index == 0]
+    if pieces:
+        call = {"arguments": "".join(entry.arguments for entry in pieces)}
+        named = [entry.name for entry in pieces if entry.id is not None]
+        if named:
+            call = {"name": named[0], **call}
+        delta["function_call"] = call
+    return delta
 
 
 class ChatCompletionStream(_Stream):
@@ -1078,8 +1154,10 @@ class ChatCompletionStream(_Stream):
                 parsed.content += last.content
                 parsed.tool_calls += last.tool_calls
                 if parser.result().tool_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-            delta = parsed.to_openai()
+                    finish_reason = "function_call" if self._request.legacy_functions \
+                        else "tool_calls"
+            delta = legacy_delta(parsed) if self._request.legacy_functions \
+                else parsed.to_openai()
         return self._chunk(index, finish_reason, usage, delta=delta, logprobs=choice_logprobs)
 
 
