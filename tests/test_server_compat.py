@@ -112,10 +112,10 @@ SAMPLE = {
     "function_call": {"name": "f", "arguments": "{}"},
     "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
-# A value for each refused field that is not one of its harmless ones.
-REFUSED_VALUE = {"modalities": ["audio"],
-                 "use_beam_search": True,
-                 "suffix": "end", "audio": {"voice": "x"}, "web_search_options": {}}
+# A value for each refused field that is not one of its harmless ones (suffix: refused by
+# this tokenizer, which has no fill-in-the-middle tokens; test_fim.py takes it on one that has).
+REFUSED_VALUE = {"modalities": ["audio"], "use_beam_search": True, "suffix": "end",
+                 "audio": {"voice": "x"}, "web_search_options": {}}
 # refused on one endpoint only: chat's echo and best_of; legacy completions' are done
 REFUSED_ON = {(ChatCompletionRequest, "echo"): True, (ChatCompletionRequest, "best_of"): 3}
 BASE = {CompletionRequest: {"prompt": "abc"}, ChatCompletionRequest: {"messages": CHAT},

@@ -163,7 +163,6 @@ PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", 
 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
-    "suffix": _off(""),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
     "use_beam_search": _off(False),
@@ -289,9 +288,11 @@ class _SamplingFields(_Unsupported, _Model):
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
                          default_max_tokens: int | None, prompt_field: str,
-                         logprobs: int | None, structured=None) -> SamplingParams:
+                         logprobs: int | None, structured=None,
+                         end_token_ids=()) -> SamplingParams:
         """structured: the constraint, where it is not the request's own (structured_spec),
-        such as the grammar of a tool_choice."""
+        such as the grammar of a tool_choice; end_token_ids: tokens that end the output
+        beside the request's stop_token_ids (those closing a fill-in-the-middle)."""
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
@@ -318,6 +319,9 @@ class _SamplingFields(_Unsupported, _Model):
             values["top_k"] = 0
         if "seed" in values:  # a negative seed names the unsigned seed of its 64 bits
             values["seed"] %= 2**64
+        if end_token_ids and isinstance(values.get("stop_token_ids", []), list):
+            asked = values.get("stop_token_ids", [])
+            values["stop_token_ids"] = asked + [t for t in end_token_ids if t not in asked]
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
@@ -409,14 +413,21 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = None
     logprobs: Int | None = None
     echo: Any = None
+    # the text after the gap, for fill-in-the-middle: each prompt is the text before it and
+    # the completion the middle ("" or null: none)
     suffix: Any = None
+    _fim_end_ids: list = PrivateAttr(default_factory=list)
 
     def prompt_token_ids(self, tokenizer, vocab_size: int,
                          max_prompt_bytes: int | None = None) -> list[list[int]]:
         """One list of ids per prompt: strings are tokenized as a completion prompt is
         (with the tokenizer's special tokens, BOS), token ids are checked. A string longer
-        than max_prompt_bytes (PromptLimit) is refused before it is tokenized."""
+        than max_prompt_bytes (PromptLimit) is refused before it is tokenized. With a
+        suffix, each prompt string and the suffix make the model's fill-in-the-middle
+        prompt (Tokenizer.encode_fim)."""
         prompt = self.prompt
+        if self.suffix:
+            return self._fim_prompts(tokenizer, max_prompt_bytes)
         if isinstance(prompt, str):
             return [_encode(tokenizer, prompt, "prompt", max_prompt_bytes)]
         if isinstance(prompt, list) and prompt:
@@ -434,11 +445,43 @@ class CompletionRequest(_SamplingFields):
                             f"ids or a list of token-id lists (got {_preview(prompt)})",
                        param="prompt")
 
+    def _fim_prompts(self, tokenizer, max_prompt_bytes: int | None) -> list[list[int]]:
+        if tokenizer.fim_format is None:
+            raise APIError(400, "suffix needs fill-in-the-middle tokens, and this model has "
+                                "none (its tokenizer has none of the known sets, such as "
+                                "<|fim_prefix|>, <fim_prefix>, <PRE> or [SUFFIX]); remove "
+                                "suffix", param="suffix", code="unsupported_parameter")
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not (isinstance(prompts, list) and prompts
+                and all(isinstance(p, str) for p in prompts)):
+            raise APIError(400, "suffix needs the prompt as text (a string or a list of "
+                                f"strings), got {_preview(self.prompt)}", param="suffix")
+        self._fim_end_ids = tokenizer.fim_end_token_ids
+        where = ["prompt"] if isinstance(self.prompt, str) else \
+            [f"prompt[{i}]" for i in range(len(prompts))]
+        fim_prompts = []
+        for text, param in zip(prompts, where):
+            if max_prompt_bytes is not None and (len(text) + len(self.suffix)) * 4 > max_prompt_bytes:
+                check_prompt_bytes(len((text + self.suffix).encode("utf-8", "surrogatepass")),
+                                   max_prompt_bytes, param)
+            try:
+                fim_prompts.append(tokenizer.encode_fim(text, self.suffix))
+            except RequestError as e:
+                raise APIError(400, f"{param}: {e}", param=param) from None
+        return fim_prompts
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo is not None and not isinstance(self.echo, bool):
             raise APIError(400, f"echo must be true or false, got {_preview(self.echo)}",
                            param="echo")
+        if self.suffix is not None and not isinstance(self.suffix, str):
+            raise APIError(400, f"suffix must be a string (the text after the gap), got "
+                                f"{_preview(self.suffix)}", param="suffix")
+        if self.suffix and self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported beside suffix (the "
+                                "prompt's tokens are its fill-in-the-middle form, not the "
+                                "text echoed); leave out echo or logprobs", param="suffix")
         if self.best_of is not None:
             if not _is_token_id(self.best_of) or not self.n <= self.best_of <= MAX_N:
                 raise APIError(400, f"best_of must be an integer from n ({self.n}) to {MAX_N}, "
@@ -486,7 +529,8 @@ class CompletionRequest(_SamplingFields):
         requested = 1 if self.scores_only else self.max_tokens
         return self._sampling_params("max_tokens", requested, num_prompt_tokens,
                                      max_model_len, model_defaults,
-                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
+                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs,
+                                     end_token_ids=self._fim_end_ids)
 
     def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
         """What echo puts before each completion: the prompt as sent (token ids: decoded)."""
@@ -578,8 +622,8 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     for i, prompt_outputs in enumerate(outputs):
         for output in sorted(prompt_outputs, key=_index):
             logprobs, offset, text = None, 0, output.text
-            if echo:
-                text = prompt_texts[i] + text
+            if echo:  # the prompt, the completion, and the suffix after it (OpenAI's)
+                text = prompt_texts[i] + text + (request.suffix or "")
                 if request.logprobs is not None:
                     logprobs, offset = prompt_completion_logprobs(
                         output.prompt_token_ids, output.prompt_scores, request.logprobs,
@@ -730,6 +774,8 @@ class CompletionStream(_Stream):
                usage: dict | None = None, token_ids=None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
+        if finish_reason is not None and self._request.echo and self._request.suffix:
+            text += self._request.suffix  # echo ends with the suffix, as completion_response
         return [self.chunk(index, text, logprobs, finish_reason,
                            self._scores_only_usage(usage))]
 
