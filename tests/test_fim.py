@@ -219,3 +219,13 @@ def test_a_model_without_fim_tokens_refuses_suffix(model_dir, llm):
         assert "this model has none" in error["message"] and "fill-in-the-middle" in error["message"]
     assert empty.status == 200
     assert empty.json()["choices"][0]["text"] == llm.generate("a", SamplingParams(**GREEDY)).text
+
+
+def test_a_suffix_too_long_for_the_context_is_refused_before_tokenizing(fim_model):
+    from cupy_llama.server.protocol import APIError, CompletionRequest, parse
+    _, llm = fim_model
+    request = parse(CompletionRequest, {"prompt": ["a", "b"], "suffix": "z" * 200})
+    with pytest.raises(APIError) as caught:
+        request.engine_inputs(llm.tokenizer, llm.config.vocab_size, 256, {},
+                              max_prompt_bytes=100)
+    assert (caught.value.param, caught.value.code) == ("prompt[0]", "context_length_exceeded")

@@ -461,8 +461,9 @@ class CompletionRequest(_SamplingFields):
             [f"prompt[{i}]" for i in range(len(prompts))]
         fim_prompts = []
         for text, param in zip(prompts, where):
-            if max_prompt_bytes is not None and (len(text) + len(self.suffix)) * 4 > max_prompt_bytes:
-                check_prompt_bytes(len((text + self.suffix).encode("utf-8", "surrogatepass")),
+            whole = text + self.suffix
+            if max_prompt_bytes is not None and len(whole) * 4 > max_prompt_bytes:
+                check_prompt_bytes(len(whole.encode("utf-8", "surrogatepass")),
                                    max_prompt_bytes, param)
             try:
                 fim_prompts.append(tokenizer.encode_fim(text, self.suffix))
@@ -799,10 +800,9 @@ class CompletionStream(_Stream):
 
 # ---- /v1/chat/completions -------------------------------------------------------------
 
+# "developer": the system role renamed; "function": the deprecated functions API's tool role
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant", "tool": "tool",
-              "function": "tool"}  # "developer": the system role renamed; "function": the
-# tool role of the deprecated functions API
+              "assistant": "assistant", "tool": "tool", "function": "tool"}
 
 
 class ChatMessage(_Model):
