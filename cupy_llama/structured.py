@@ -119,6 +119,30 @@ class StructuredSpec:
         return cls("grammar", text, source)
 
     @classmethod
+    def gbnf(cls, text, source: str = "grammar") -> "StructuredSpec":
+        """A GBNF grammar (llama.cpp's, rooted at `root`), converted to the Lark grammar it
+        is kept as with llguidance's converter (needs llguidance). Converted here, not left
+        to the compiler's guess at the syntax: text in llama.cpp's `grammar` field is GBNF
+        even where it would also read as Lark, and a converter error is quoted as such."""
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(f"{source} must be a non-empty GBNF grammar (a string), got "
+                               f"{_describe(text)}")
+        _llguidance()  # the converter ships with it: name the extra where it is missing
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+        try:
+            lark = gbnf_to_lark(text)
+        except RecursionError:
+            raise RequestError(f"{source}: the GBNF grammar is nested too deeply to "
+                               f"convert") from None
+        except Exception as e:  # the converter raises plain Exceptions for missing rules
+            message = " ".join(str(e).split()) or type(e).__name__
+            if len(message) > MAX_QUOTED_ERROR:
+                message = message[:MAX_QUOTED_ERROR - 3] + "..."
+            raise RequestError(f"{source}: the GBNF grammar does not convert: "
+                               f"{message}") from None
+        return cls("grammar", lark, source)
+
+    @classmethod
     def from_structured_outputs(cls, value, source: str = "structured_outputs"
                                 ) -> "StructuredSpec | None":
         """vLLM's `structured_outputs` object: exactly one of json, json_object (true),

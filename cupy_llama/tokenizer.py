@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -27,6 +28,43 @@ LLAMA3_FORMAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 # Tokens that end an assistant turn in common chat formats; each one the chat template
 # writes joins the EOS set.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
+
+
+@dataclass(frozen=True)
+class FimFormat:
+    """A family's fill-in-the-middle tokens, as its tokenizer spells them. The prompt is
+    prefix-suffix-middle: [leading specials] PREFIX prefix SUFFIX suffix MIDDLE, or with
+    suffix_first: [leading specials] SUFFIX suffix PREFIX prefix (no middle token: the
+    middle follows the prefix). The suffix is encoded without the implicit leading space
+    a SentencePiece-style tokenizer puts before a text (CodeLlama's and mistral-common's
+    encode_infilling); the prefix keeps it. `ends`: tokens that close a middle beside EOS,
+    where the vocabulary has them."""
+    name: str
+    prefix: str
+    suffix: str
+    middle: str | None
+    suffix_first: bool = False
+    ends: tuple[str, ...] = ()
+
+
+# Known fill-in-the-middle token sets, tried in order; a vocabulary holding all of one
+# format's tokens uses it.
+FIM_FORMATS = (
+    # Qwen2.5-Coder, CodeGemma
+    FimFormat("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+              ends=("<|fim_pad|>", "<|file_sep|>", "<|file_separator|>", "<|endoftext|>")),
+    # StarCoder, StarCoder2, Granite Code
+    FimFormat("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
+              ends=("<fim_pad>", "<file_sep>", "<|endoftext|>")),
+    FimFormat("santacoder", "<fim-prefix>", "<fim-suffix>", "<fim-middle>",
+              ends=("<fim-pad>", "<|endoftext|>")),
+    FimFormat("deepseek_coder", "<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+              "<\uff5cfim\u2581end\uff5c>"),
+    FimFormat("codellama", "\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>", ends=("\u2581<EOT>",)),
+    # Codestral (mistral-common's encode_fim)
+    FimFormat("mistral", "[PREFIX]", "[SUFFIX]", None, suffix_first=True),
+)
+_NO_SPACE_MARK = "\u263a"  # encoded before a text and dropped: the text's implicit space goes
 
 # The project's Llama 3 chat format, used when a Llama 3 model directory ships no template.
 # For system/user/assistant messages it renders exactly like the Llama 3.1/3.2 Instruct
@@ -204,6 +242,69 @@ class Tokenizer:
         """decode() for ids known to be in the vocabulary (the engine's own sampled ids):
         no per-id checks, which cost as much as decoding a few ids."""
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- fill-in-the-middle -----------------------------------------------------------
+
+    @property
+    def fim_format(self) -> FimFormat | None:
+        """The first of FIM_FORMATS whose tokens this vocabulary holds, or None."""
+        for fim in FIM_FORMATS:
+            tokens = (fim.prefix, fim.suffix) + ((fim.middle,) if fim.middle else ())
+            if all(self._id_of(token) is not None for token in tokens):
+                return fim
+        return None
+
+    @property
+    def fim_end_token_ids(self) -> list[int]:
+        """The tokens besides EOS that end a middle (the format's `ends` found here)."""
+        fim = self.fim_format
+        ids = [self._id_of(token) for token in fim.ends] if fim else []
+        return sorted({i for i in ids if i is not None} - set(self.eos_token_ids))
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """The fill-in-the-middle prompt of the text before (prefix) and after (suffix) a
+        gap, in this vocabulary's format: what the model completes is the middle.
+        RequestError where the vocabulary has no known FIM tokens."""
+        fim = self.fim_format
+        if fim is None:
+            raise RequestError("this model has no fill-in-the-middle tokens (its tokenizer "
+                               "has none of the known sets, such as <|fim_prefix|>, "
+                               "<fim_prefix>, <PRE> or [SUFFIX]); send the prompt alone")
+        for text, what in ((prefix, "prefix"), (suffix, "suffix")):
+            if not isinstance(text, str):
+                raise RequestError(f"the {what} must be a string, got {type(text).__name__}")
+        before = self._leading_special_ids()
+        prefix_ids = self.encode(prefix, add_special_tokens=False) if prefix else []
+        suffix_ids = self._encode_infilling(suffix)
+        if fim.suffix_first:
+            return (before + [self._id_of(fim.suffix)] + suffix_ids
+                    + [self._id_of(fim.prefix)] + prefix_ids)
+        return (before + [self._id_of(fim.prefix)] + prefix_ids + [self._id_of(fim.suffix)]
+                + suffix_ids + [self._id_of(fim.middle)])
+
+    def _leading_special_ids(self) -> list[int]:
+        """What encode() puts before a text's own tokens (BOS, where the tokenizer adds
+        one)."""
+        bare = self.encode("a", add_special_tokens=False)
+        full = self.encode("a")
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                return full[:start]
+        return []
+
+    def _encode_infilling(self, text: str) -> list[int]:
+        """text's tokens without the implicit leading space of a SentencePiece-style
+        tokenizer (which spells "a" as "\u2581a"): encoded after a mark whose tokens are
+        dropped. Byte-level tokenizers put no space there and encode text as it is."""
+        if not text:
+            return []
+        plain = self.encode(text, add_special_tokens=False)
+        first = self.encode("a", add_special_tokens=False)
+        if not first or not (self.id_to_token(first[0]) or "").startswith("\u2581"):
+            return plain
+        mark = self.encode(_NO_SPACE_MARK, add_special_tokens=False)
+        marked = self.encode(_NO_SPACE_MARK + text, add_special_tokens=False)
+        return marked[len(mark):] if marked[:len(mark)] == mark else plain
 
     # ---- chat ------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ call, and its reply is parsed (tool_parsers.py). "required", a named function, a
 gives a Lark grammar (llguidance's dialect, with the functions' parameter schemas inline
 as %json) that admits only calls in the model's own format, to listed functions, with
 arguments that follow their schemas; the reply then parses into exactly those calls.
+OpenAI's deprecated `functions` / `function_call` are the tools and tool_choice they
+stand for (`tools_of_functions`, `tool_choice_of_function_call`).
 """
 from __future__ import annotations
 
@@ -37,30 +39,68 @@ def check_tools(tools, field: str = "tools") -> list[dict]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise RequestError(f"{where}.type must be \"function\" (the only kind of tool "
                                f"supported)")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise RequestError(f"{where}.function must be an object with a name")
-        name = function.get("name")
-        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
-            raise RequestError(f"{where}.function.name must be 1 to 64 letters, digits, "
-                               f"underscores or dashes, got {name!r}")
-        if name in names:
-            raise RequestError(f"{where}.function.name {name!r} is given twice; tool names "
-                               f"must differ")
-        names.add(name)
-        if function.get("description") is not None and not isinstance(function["description"], str):
-            raise RequestError(f"{where}.function.description must be a string")
-        parameters = function.get("parameters")
-        if parameters is not None:
-            if not isinstance(parameters, dict):
-                raise RequestError(f"{where}.function.parameters must be a JSON schema (an "
-                                   f"object), got {type(parameters).__name__}")
-            try:
-                json.dumps(parameters, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise RequestError(f"{where}.function.parameters cannot be written as JSON "
-                                   f"({e})") from None
+        _check_function(tool.get("function"), f"{where}.function", names)
     return list(tools)
+
+
+def _check_function(function, where: str, names: set) -> None:
+    """One function of tools or functions: {"name", "description", "parameters"}, its name
+    not in names (the ones before it), to which it is added."""
+    if not isinstance(function, dict):
+        raise RequestError(f"{where} must be an object with a name")
+    name = function.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+        raise RequestError(f"{where}.name must be 1 to 64 letters, digits, underscores or "
+                           f"dashes, got {name!r}")
+    if name in names:
+        raise RequestError(f"{where}.name {name!r} is given twice; tool names must differ")
+    names.add(name)
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise RequestError(f"{where}.description must be a string")
+    parameters = function.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise RequestError(f"{where}.parameters must be a JSON schema (an object), got "
+                               f"{type(parameters).__name__}")
+        try:
+            json.dumps(parameters, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"{where}.parameters cannot be written as JSON ({e})") from None
+
+
+def tools_of_functions(functions, field: str = "functions") -> list[dict]:
+    """OpenAI's deprecated `functions` ([{"name", "description", "parameters"}]), checked
+    as tools are, as the tools they stand for."""
+    if functions is None:
+        return []
+    if isinstance(functions, (str, bytes)) or not isinstance(functions, (list, tuple)):
+        raise RequestError(f"{field} must be a list of {{\"name\": ..., \"parameters\": "
+                           f"{{...}}}} objects, got {type(functions).__name__}")
+    names = set()
+    for i, function in enumerate(functions):
+        _check_function(function, f"{field}[{i}]", names)
+    return [{"type": "function", "function": function} for function in functions]
+
+
+def tool_choice_of_function_call(function_call, tools: list[dict],
+                                 field: str = "function_call"):
+    """OpenAI's deprecated `function_call` ("none", "auto" or {"name": N} for one of the
+    functions) as the tool_choice it stands for. Left out: "auto" with functions, "none"
+    without, as OpenAI does; without functions, "auto" has nothing to call ("none")."""
+    if function_call in (None, "auto"):
+        return "auto" if tools else "none"
+    if function_call == "none":
+        return "none"
+    name = function_call.get("name") if isinstance(function_call, dict) else None
+    if not isinstance(name, str):
+        shown = function_call if isinstance(function_call, str) else type(function_call).__name__
+        raise RequestError(f"{field} must be \"none\", \"auto\" or {{\"name\": ...}} naming one "
+                           f"of the functions, got {shown!r}")
+    names = [tool["function"]["name"] for tool in tools]
+    if name not in names:
+        listed = ", ".join(names) if names else "none are given"
+        raise RequestError(f"{field}.name {name!r} is not one of the functions ({listed})")
+    return {"type": "function", "function": {"name": name}}
 
 
 def check_tool_choice(tool_choice, tools: list[dict], field: str = "tool_choice"):

@@ -46,13 +46,17 @@ def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass(
                 "modalities": ["text"], "repetition_penalty": 1, "best_of": 1,
                 "skip_special_tokens": True, "parallel_tool_calls": False}
     parse(ChatCompletionRequest, {**chat, **harmless})
-    for name, value in (("functions", [{"name": "f"}]), ("audio", {}),
+    for name, value in (("audio", {}),
                         ("modalities", ["text", "audio"]), ("web_search_options", {})):
         e = error_of(ChatCompletionRequest, {**chat, name: value})
         assert (e.status, e.param, e.code) == (400, name, "unsupported_parameter"), name
         assert e.message.startswith(f"{name} is not supported")
-    for name, value in (("suffix", "end"), ("best_of", 0)):
-        assert error_of(CompletionRequest, {"prompt": "x", name: value}).param == name
+    assert error_of(CompletionRequest, {"prompt": "x", "best_of": 0}).param == "best_of"
+    # only what is out of scope is refused whatever the model: audio, modalities, web
+    # search, beam search
+    assert set(protocol.UNSUPPORTED) == {"audio", "modalities", "web_search_options",
+                                         "use_beam_search"}
+    assert error_of(CompletionRequest, {"prompt": "x", "suffix": 1}).param == "suffix"
 
 
 def test_sampling_controls_reach_sampling_params_and_bad_values_name_the_field(llm):

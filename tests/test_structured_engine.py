@@ -167,7 +167,9 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
              {"id": "b", "prompt": "y", "max_tokens": 50, "guided_choice": ["up", "down"]},
              {"id": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
               "response_format": {"type": "json_object"}},
-             {"id": "d", "prompt": "z", "structured_outputs": {"grammar": "start: nowhere"}}]
+             {"id": "d", "prompt": "z", "structured_outputs": {"grammar": "start: nowhere"}},
+             {"id": "e", "prompt": "w", "max_tokens": 50, "grammar": 'root ::= "x" [0-9]{2}'},
+             {"id": "f", "prompt": "v", "max_tokens": 300, "json_schema": PERSON}]
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code = main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
@@ -177,6 +179,8 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
     jsonschema.validate(json.loads(rows["a"]["text"]), PERSON)
     assert rows["b"]["text"] in ("up", "down")
     assert isinstance(json.loads(rows["c"]["text"]), dict)
+    assert re.fullmatch("x[0-9]{2}", rows["e"]["text"]), rows["e"]
+    jsonschema.validate(json.loads(rows["f"]["text"]), PERSON)
     assert "structured_outputs.grammar: the grammar does not compile" in rows["d"]["error"]
 
 

@@ -213,12 +213,14 @@ _STRUCTURED_FIELDS = (("response_format", StructuredSpec.from_response_format),
                       ("structured_outputs", StructuredSpec.from_structured_outputs),
                       ("guided_json", StructuredSpec.json), ("guided_regex", StructuredSpec.regex),
                       ("guided_choice", StructuredSpec.choice),
-                      ("guided_grammar", StructuredSpec.grammar))
+                      ("guided_grammar", StructuredSpec.grammar),
+                      ("grammar", StructuredSpec.gbnf), ("json_schema", StructuredSpec.json))
 
 
 def plain_structured(fields: dict) -> dict:
     """A plain line's sampling fields with its constraint, under any of the server's names
-    for one (response_format, structured_outputs, guided_*), as SamplingParams.structured."""
+    for one (response_format, structured_outputs, guided_*, llama.cpp's grammar and
+    json_schema), as SamplingParams.structured."""
     given = [name for name, _ in _STRUCTURED_FIELDS if fields.get(name) is not None]
     if not given:
         return fields

@@ -34,7 +34,8 @@ from ..outputs import is_token_id
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
-from ..tool_choice import check_tool_choice, check_tools, tool_call_grammar
+from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
+                           tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import PARSER_NAMES, make_tool_parser, parse_tool_calls, tool_parser_for_template
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -43,7 +44,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # A generation the server had to cut short (it is shutting down) reports "length": the text
 # is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length",
-                  "tool_calls": "tool_calls"}
+                  "tool_calls": "tool_calls", "function_call": "function_call"}
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
 
 
@@ -162,13 +163,9 @@ PASSED_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", 
 
 # field -> whether its value is one this server can honour (it changes nothing)
 UNSUPPORTED = {
-    "suffix": _off(""),
-    "functions": _off([]), "function_call": _off("none", "auto"),
     "audio": _off(), "modalities": _off(["text"]), "web_search_options": _off(),
     # vLLM's sampling extensions beside those done here (PASSED_FIELDS)
     "use_beam_search": _off(False),
-    # llama.cpp's server: a GBNF grammar or a JSON schema the output must follow
-    "grammar": _off(), "json_schema": _off(),
 }
 
 
@@ -218,7 +215,7 @@ class _SamplingFields(_Unsupported, _Model):
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's log-probability
     use_beam_search: Any = None
     # structured outputs (structured_spec): OpenAI's response_format, vLLM's
-    # structured_outputs and its older guided_* fields
+    # structured_outputs and its older guided_* fields, llama.cpp's grammar and json_schema
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -228,8 +225,8 @@ class _SamplingFields(_Unsupported, _Model):
     best_of: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    grammar: Any = None
-    json_schema: Any = None
+    grammar: Any = None       # llama.cpp's: a GBNF grammar
+    json_schema: Any = None   # llama.cpp's: a JSON schema
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -243,15 +240,18 @@ class _SamplingFields(_Unsupported, _Model):
 
     def structured_spec(self) -> StructuredSpec | None:
         """The request's constraint: at most one of response_format (json_object or
-        json_schema), structured_outputs, guided_json, guided_regex, guided_choice and
-        guided_grammar. A 400 naming the field for one that is malformed."""
+        json_schema), structured_outputs, guided_json, guided_regex, guided_choice,
+        guided_grammar, and llama.cpp's grammar (GBNF) and json_schema. A 400 naming the
+        field for one that is malformed."""
         specs = []
         for name, make in (("response_format", StructuredSpec.from_response_format),
                            ("structured_outputs", StructuredSpec.from_structured_outputs),
                            ("guided_json", StructuredSpec.json),
                            ("guided_regex", StructuredSpec.regex),
                            ("guided_choice", StructuredSpec.choice),
-                           ("guided_grammar", StructuredSpec.grammar)):
+                           ("guided_grammar", StructuredSpec.grammar),
+                           ("grammar", StructuredSpec.gbnf),
+                           ("json_schema", StructuredSpec.json)):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -288,9 +288,11 @@ class _SamplingFields(_Unsupported, _Model):
     def _sampling_params(self, max_tokens_field: str, requested: int | None,
                          num_prompt_tokens: int, max_model_len: int, model_defaults: dict,
                          default_max_tokens: int | None, prompt_field: str,
-                         logprobs: int | None, structured=None) -> SamplingParams:
+                         logprobs: int | None, structured=None,
+                         end_token_ids=()) -> SamplingParams:
         """structured: the constraint, where it is not the request's own (structured_spec),
-        such as the grammar of a tool_choice."""
+        such as the grammar of a tool_choice; end_token_ids: tokens that end the output
+        beside the request's stop_token_ids (those closing a fill-in-the-middle)."""
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
@@ -317,6 +319,9 @@ class _SamplingFields(_Unsupported, _Model):
             values["top_k"] = 0
         if "seed" in values:  # a negative seed names the unsigned seed of its 64 bits
             values["seed"] %= 2**64
+        if end_token_ids and isinstance(values.get("stop_token_ids", []), list):
+            asked = values.get("stop_token_ids", [])
+            values["stop_token_ids"] = asked + [t for t in end_token_ids if t not in asked]
         values["max_tokens"] = max_tokens
         values["ignore_eos"] = self.ignore_eos
         values["logprobs"] = logprobs
@@ -408,14 +413,21 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = None
     logprobs: Int | None = None
     echo: Any = None
+    # the text after the gap, for fill-in-the-middle: each prompt is the text before it and
+    # the completion the middle ("" or null: none)
     suffix: Any = None
+    _fim_end_ids: list = PrivateAttr(default_factory=list)
 
     def prompt_token_ids(self, tokenizer, vocab_size: int,
                          max_prompt_bytes: int | None = None) -> list[list[int]]:
         """One list of ids per prompt: strings are tokenized as a completion prompt is
         (with the tokenizer's special tokens, BOS), token ids are checked. A string longer
-        than max_prompt_bytes (PromptLimit) is refused before it is tokenized."""
+        than max_prompt_bytes (PromptLimit) is refused before it is tokenized. With a
+        suffix, each prompt string and the suffix make the model's fill-in-the-middle
+        prompt (Tokenizer.encode_fim)."""
         prompt = self.prompt
+        if self.suffix:
+            return self._fim_prompts(tokenizer, max_prompt_bytes)
         if isinstance(prompt, str):
             return [_encode(tokenizer, prompt, "prompt", max_prompt_bytes)]
         if isinstance(prompt, list) and prompt:
@@ -433,11 +445,44 @@ class CompletionRequest(_SamplingFields):
                             f"ids or a list of token-id lists (got {_preview(prompt)})",
                        param="prompt")
 
+    def _fim_prompts(self, tokenizer, max_prompt_bytes: int | None) -> list[list[int]]:
+        if tokenizer.fim_format is None:
+            raise APIError(400, "suffix needs fill-in-the-middle tokens, and this model has "
+                                "none (its tokenizer has none of the known sets, such as "
+                                "<|fim_prefix|>, <fim_prefix>, <PRE> or [SUFFIX]); remove "
+                                "suffix", param="suffix", code="unsupported_parameter")
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not (isinstance(prompts, list) and prompts
+                and all(isinstance(p, str) for p in prompts)):
+            raise APIError(400, "suffix needs the prompt as text (a string or a list of "
+                                f"strings), got {_preview(self.prompt)}", param="suffix")
+        self._fim_end_ids = tokenizer.fim_end_token_ids
+        where = ["prompt"] if isinstance(self.prompt, str) else \
+            [f"prompt[{i}]" for i in range(len(prompts))]
+        fim_prompts = []
+        for text, param in zip(prompts, where):
+            whole = text + self.suffix
+            if max_prompt_bytes is not None and len(whole) * 4 > max_prompt_bytes:
+                check_prompt_bytes(len(whole.encode("utf-8", "surrogatepass")),
+                                   max_prompt_bytes, param)
+            try:
+                fim_prompts.append(tokenizer.encode_fim(text, self.suffix))
+            except RequestError as e:
+                raise APIError(400, f"{param}: {e}", param=param) from None
+        return fim_prompts
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo is not None and not isinstance(self.echo, bool):
             raise APIError(400, f"echo must be true or false, got {_preview(self.echo)}",
                            param="echo")
+        if self.suffix is not None and not isinstance(self.suffix, str):
+            raise APIError(400, f"suffix must be a string (the text after the gap), got "
+                                f"{_preview(self.suffix)}", param="suffix")
+        if self.suffix and self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported beside suffix (the "
+                                "prompt's tokens are its fill-in-the-middle form, not the "
+                                "text echoed); leave out echo or logprobs", param="suffix")
         if self.best_of is not None:
             if not _is_token_id(self.best_of) or not self.n <= self.best_of <= MAX_N:
                 raise APIError(400, f"best_of must be an integer from n ({self.n}) to {MAX_N}, "
@@ -485,7 +530,8 @@ class CompletionRequest(_SamplingFields):
         requested = 1 if self.scores_only else self.max_tokens
         return self._sampling_params("max_tokens", requested, num_prompt_tokens,
                                      max_model_len, model_defaults,
-                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs)
+                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs,
+                                     end_token_ids=self._fim_end_ids)
 
     def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
         """What echo puts before each completion: the prompt as sent (token ids: decoded)."""
@@ -577,8 +623,8 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     for i, prompt_outputs in enumerate(outputs):
         for output in sorted(prompt_outputs, key=_index):
             logprobs, offset, text = None, 0, output.text
-            if echo:
-                text = prompt_texts[i] + text
+            if echo:  # the prompt, the completion, and the suffix after it (OpenAI's)
+                text = prompt_texts[i] + text + (request.suffix or "")
                 if request.logprobs is not None:
                     logprobs, offset = prompt_completion_logprobs(
                         output.prompt_token_ids, output.prompt_scores, request.logprobs,
@@ -729,6 +775,8 @@ class CompletionStream(_Stream):
                usage: dict | None = None, token_ids=None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
+        if finish_reason is not None and self._request.echo and self._request.suffix:
+            text += self._request.suffix  # echo ends with the suffix, as completion_response
         return [self.chunk(index, text, logprobs, finish_reason,
                            self._scores_only_usage(usage))]
 
@@ -752,8 +800,9 @@ class CompletionStream(_Stream):
 
 # ---- /v1/chat/completions -------------------------------------------------------------
 
+# "developer": the system role renamed; "function": the deprecated functions API's tool role
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant", "tool": "tool"}  # "developer": the system role renamed
+              "assistant": "assistant", "tool": "tool", "function": "tool"}
 
 
 class ChatMessage(_Model):
@@ -762,7 +811,7 @@ class ChatMessage(_Model):
     name: str | None = None
     tool_calls: Any = None     # an assistant's calls: passed to the chat template as they are
     tool_call_id: Any = None   # a tool message's: the call it answers
-    function_call: Any = None  # refused: the older functions API is not supported
+    function_call: Any = None  # an assistant's call in the deprecated functions API
 
 
 class _ChatPrompt:
@@ -784,26 +833,32 @@ class _ChatPrompt:
         """The messages as the chat template takes them: {"role", "content"} with the
         content's text parts joined by newlines."""
         conversation = []
+        last_call_id = None  # of the deprecated API's last call: what a "function" answers
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]"
             role = CHAT_ROLES.get(message.role)
             if role is None:
-                older = " (the older functions API is not supported)" \
-                    if message.role == "function" else ""
-                raise APIError(400, f"{where}.role {message.role!r} is not supported{older}; "
-                                    f"use system, developer, user, assistant or tool",
+                raise APIError(400, f"{where}.role {message.role!r} is not supported; use "
+                                    f"system, developer, user, assistant, tool or function",
                                param=f"{where}.role")
-            if message.function_call:
-                raise APIError(400, f"{where}.function_call is not supported (the older "
-                                    "functions API); send tool_calls", param=f"{where}.function_call",
-                               code="unsupported_parameter")
+            if message.role == "function":  # the deprecated API's answer to a call
+                if not isinstance(message.name, str) or not message.name:
+                    raise APIError(400, f"{where}.name is required: the function whose result "
+                                        "this message holds", param=f"{where}.name")
+                if message.content is None:
+                    message = message.model_copy(update={"content": ""})
             entry = {"role": role, "content": _message_text(message, role, where)}
             if message.name is not None:
                 entry["name"] = message.name
             if message.tool_calls is not None:  # the tokenizer checks their shape
                 entry["tool_calls"] = message.tool_calls
+            if message.function_call is not None:
+                last_call_id = f"call_{i}"
+                entry["tool_calls"] = [_legacy_call(message, last_call_id, where)]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
+            elif message.role == "function" and last_call_id is not None:
+                entry["tool_call_id"] = last_call_id
             conversation.append(entry)
         return conversation
 
@@ -847,6 +902,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call
+    # OpenAI's deprecated forms of tools and tool_choice: the reply's one call comes back
+    # as message.function_call (legacy_functions)
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -874,9 +931,21 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_chat_options()
+        if self.legacy_functions:
+            older = "functions" if self.functions is not None else "function_call"
+            for name in ("tools", "tool_choice"):
+                if getattr(self, name) is not None:
+                    raise APIError(400, f"{older} and {name} are both given; send tools and "
+                                        "tool_choice, or functions and function_call (their "
+                                        "deprecated form)", param=older)
         try:
-            self._checked_tools = check_tools(self.tools)
-            self._tool_choice = check_tool_choice(self.tool_choice, self._checked_tools)
+            if self.legacy_functions:
+                self._checked_tools = tools_of_functions(self.functions)
+                self._tool_choice = tool_choice_of_function_call(self.function_call,
+                                                                 self._checked_tools)
+            else:
+                self._checked_tools = check_tools(self.tools)
+                self._tool_choice = check_tool_choice(self.tool_choice, self._checked_tools)
         except RequestError as e:
             field = str(e).split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -884,6 +953,13 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     def set_tool_parser(self, name: str | None) -> None:
         """The server's --tool-call-parser (None: the chat template's format)."""
         self._tool_parser_name = name
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request speaks the deprecated functions API: its reply's call is answered as
+        message.function_call (one call: that API has no parallel calls), finish_reason
+        "function_call"."""
+        return self.functions is not None or self.function_call is not None
 
     @property
     def uses_tools(self) -> bool:
@@ -899,9 +975,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         name = self._tool_parser_name or tool_parser_for_template(
             self.chat_template or tokenizer.chat_template)
         if name is None:
-            raise APIError(400, "tools: the model's chat template shows no tool-call format "
+            field = "functions" if self.legacy_functions else "tools"
+            raise APIError(400, f"{field}: the model's chat template shows no tool-call format "
                                 "this server knows; start it with --tool-call-parser "
-                                f"({', '.join(PARSER_NAMES)})", param="tools")
+                                f"({', '.join(PARSER_NAMES)})", param=field)
         return name
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
@@ -922,13 +999,16 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         if self.uses_tools:
             self._tokenizer = tokenizer
             self._parser = self.tool_parser(tokenizer)
+            parallel = False if self.legacy_functions else self.parallel_tool_calls
             self._tool_grammar = tool_call_grammar(
-                self._parser, self._checked_tools, self._tool_choice,
-                self.parallel_tool_calls, token_id=tokenizer.token_to_id)
+                self._parser, self._checked_tools, self._tool_choice, parallel,
+                token_id=tokenizer.token_to_id)
             if self._tool_grammar is not None and self.structured_spec() is not None:
-                raise APIError(400, "tool_choice \"required\" or a named function sets the "
-                                    "answer's grammar; leave out response_format and "
-                                    "structured_outputs", param="tool_choice")
+                choice = "function_call" if self.legacy_functions else "tool_choice"
+                what = "function_call naming a function" if self.legacy_functions else \
+                    "tool_choice \"required\" or a named function"
+                raise APIError(400, f"{what} sets the answer's grammar; leave out "
+                                    "response_format and structured_outputs", param=choice)
         prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
         if not prompt and self.chat_template is not None:
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
@@ -999,6 +1079,23 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
                    param=f"{where}.content")
 
 
+def _legacy_call(message: ChatMessage, call_id: str, where: str) -> dict:
+    """An assistant message's function_call {"name", "arguments"} (the deprecated functions
+    API) as the one tool call it stands for."""
+    call, here = message.function_call, f"{where}.function_call"
+    if message.role != "assistant":
+        raise APIError(400, f"{here}: only assistant messages call functions (this one is "
+                            f"{message.role!r})", param=here)
+    if message.tool_calls is not None:
+        raise APIError(400, f"{here}: send tool_calls or function_call, not both", param=here)
+    if (not isinstance(call, dict) or not isinstance(call.get("name"), str)
+            or not call["name"] or not isinstance(call.get("arguments", ""), str)):
+        raise APIError(400, f"{here} must be {{\"name\": ..., \"arguments\": \"<JSON text>\"}}, "
+                            f"got {_preview(call)}", param=here)
+    return {"id": call_id, "type": "function",
+            "function": {"name": call["name"], "arguments": call.get("arguments", "{}")}}
+
+
 def chat_completion_response(request: ChatCompletionRequest, response_id: str, created: int,
                              model: str, outputs: list, token_strings=None,
                              fingerprint: str | None = None) -> dict:
@@ -1013,9 +1110,9 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
         finish_reason = FINISH_REASONS[output.finish_reason]
         if request.uses_tools:
             parsed = parse_tool_calls(request.reply_text(output), request._parser)
-            message = parsed.to_openai()
+            message = legacy_message(parsed) if request.legacy_functions else parsed.to_openai()
             if parsed.tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = "function_call" if request.legacy_functions else "tool_calls"
         choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
     body = {"id": response_id, "object": "chat.completion", "created": created,
@@ -1027,6 +1124,32 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
             first.prompt_token_ids, first.prompt_scores, request.prompt_logprobs,
             token_strings)
     return body
+
+
+def legacy_message(parsed) -> dict:
+    """A parsed reply as the deprecated functions API answers it: its first call as
+    message.function_call {"name", "arguments"} (that API has no parallel calls; a model
+    that writes more under function_call "auto" has the rest left out)."""
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        call = parsed.tool_calls[0]
+        message["function_call"] = {"name": call.name, "arguments": call.arguments}
+    return message
+
+
+def legacy_delta(parsed) -> dict:
+    """A streamed StreamDelta as the deprecated functions API streams it: the first call's
+    pieces as delta.function_call, its name in the first ({"name", "arguments"}), then
+    {"arguments"} with more of them."""
+    delta = {"content": parsed.content} if parsed.content else {}
+    pieces = [entry for entry in parsed.tool_calls if entry.index == 0]
+    if pieces:
+        call = {"arguments": "".join(entry.arguments for entry in pieces)}
+        named = [entry.name for entry in pieces if entry.id is not None]
+        if named:
+            call = {"name": named[0], **call}
+        delta["function_call"] = call
+    return delta
 
 
 class ChatCompletionStream(_Stream):
@@ -1077,8 +1200,10 @@ class ChatCompletionStream(_Stream):
                 parsed.content += last.content
                 parsed.tool_calls += last.tool_calls
                 if parser.result().tool_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
-            delta = parsed.to_openai()
+                    finish_reason = "function_call" if self._request.legacy_functions \
+                        else "tool_calls"
+            delta = legacy_delta(parsed) if self._request.legacy_functions \
+                else parsed.to_openai()
         return self._chunk(index, finish_reason, usage, delta=delta, logprobs=choice_logprobs)
 
 
