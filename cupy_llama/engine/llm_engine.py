@@ -17,7 +17,8 @@ from ..outputs import RequestOutput, is_token_id
 from ..sampling import MAX_BANNED_TOKENS, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
+from .output_processor import (EngineDelta, OutputAccumulator, SampleText, TokenColumns,
+                               stop_status)
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -39,6 +40,10 @@ class _Sample:
         # neither text made token by token nor a grammar: only stop_status can end the
         # sample at a token (LLMEngine._finish_step's short way)
         self.plain = matcher is None and (self.text is None or self.text.detokenizer is None)
+        # a streamed sample whose deltas carry token ids only: after its first delta (which
+        # carries num_cached_tokens), a step's one new token may go in TokenColumns
+        self.columnar = (self.stream and text is False and seq.params.logprobs is None
+                         and seq.params.prompt_logprobs is None)
         self.num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
@@ -440,13 +445,15 @@ class LLMEngine:
         finished requests are dropped from the engine after this."""
         return self.outputs.process(self.step_deltas())
 
-    def step_deltas(self) -> list[EngineDelta]:
+    def step_deltas(self, columns: TokenColumns | None = None) -> list[EngineDelta]:
         """step() as deltas: one for each streamed sample that got a new token and for each
-        sample that finished."""
+        sample that finished. With columns (TokenColumns.empty()), the one-token deltas of
+        samples added with text=False and no log-probabilities go there instead, except
+        each sample's first (serve's engine process sends them so)."""
         if self._unhandled is not None:
             # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
             # placeholders name rows of that step, so it is finished before any launch
-            outputs = self._finish_step(self._unhandled)
+            outputs = self._finish_step(self._unhandled, columns)
             self._draw_constrained(self._in_flight)
             return outputs
         batch = self.scheduler.schedule()
@@ -458,7 +465,7 @@ class LLMEngine:
             self._draw_constrained(launched)
             return []
         self._unhandled = previous
-        outputs = self._finish_step(previous)
+        outputs = self._finish_step(previous, columns)
         self._draw_constrained(launched)
         return outputs
 
@@ -519,7 +526,8 @@ class LLMEngine:
                 sample.scheduled_at = now
                 self._num_unscheduled -= 1
 
-    def _finish_step(self, launched: "_Launched") -> list[EngineDelta]:
+    def _finish_step(self, launched: "_Launched",
+                     columns: TokenColumns | None = None) -> list[EngineDelta]:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
         interrupted call leaves the rest for the next one (self._unhandled)."""
         tokens = launched.sampled.get().tolist()
@@ -531,6 +539,8 @@ class LLMEngine:
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
         eos, context_limit = self.eos_token_ids, self.context_limit
+        if columns is not None:
+            column_ids, column_indexes, column_tokens = columns
         while waiting_for:
             seq, row, index = waiting_for.pop()
             samples = requests.get(seq.request_id)  # (its id may be in use again)
@@ -548,7 +558,14 @@ class LLMEngine:
                                             seq.num_prompt_tokens + index + 1, eos,
                                             context_limit) is None:
                 sample.num_resolved = index + 1  # _append_token's way when nothing ends
-                if sample.stream:
+                if not sample.stream:
+                    continue
+                if columns is not None and sample.columnar and 0 < sample.num_sent_tokens == index:
+                    column_ids.append(seq.request_id)
+                    column_indexes.append(seq.index)
+                    column_tokens.append(token_id)
+                    sample.num_sent_tokens = index + 1
+                else:
                     deltas.append(sample.delta())
                 continue
             if self._append_token(sample, index, token_id):
