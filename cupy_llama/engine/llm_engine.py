@@ -190,6 +190,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._compile_pool = None  # the worker thread of compile_structured_async
         self._bitmask = None  # [max_num_seqs, words] uint32: a step's mask rows, filled here
+        self._columns: TokenColumns | None = None  # the one step_deltas() call's, if any
 
     @classmethod
     def load(cls, model_dir, device: str = "auto", *, log=None, **engine_options) -> "LLMEngine":
@@ -450,10 +451,11 @@ class LLMEngine:
         sample that finished. With columns (TokenColumns.empty()), the one-token deltas of
         samples added with text=False and no log-probabilities go there instead, except
         each sample's first (serve's engine process sends them so)."""
+        self._columns = columns
         if self._unhandled is not None:
             # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
             # placeholders name rows of that step, so it is finished before any launch
-            outputs = self._finish_step(self._unhandled, columns)
+            outputs = self._finish_step(self._unhandled)
             self._draw_constrained(self._in_flight)
             return outputs
         batch = self.scheduler.schedule()
@@ -465,7 +467,7 @@ class LLMEngine:
             self._draw_constrained(launched)
             return []
         self._unhandled = previous
-        outputs = self._finish_step(previous, columns)
+        outputs = self._finish_step(previous)
         self._draw_constrained(launched)
         return outputs
 
@@ -526,10 +528,10 @@ class LLMEngine:
                 sample.scheduled_at = now
                 self._num_unscheduled -= 1
 
-    def _finish_step(self, launched: "_Launched",
-                     columns: TokenColumns | None = None) -> list[EngineDelta]:
+    def _finish_step(self, launched: "_Launched") -> list[EngineDelta]:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
-        interrupted call leaves the rest for the next one (self._unhandled)."""
+        interrupted call leaves the rest for the next one (self._unhandled). The one-token
+        deltas that may go in columns go to step_deltas' TokenColumns, where it has one."""
         tokens = launched.sampled.get().tolist()
         now = time.monotonic()  # when these tokens are known
         prompt = getattr(launched.sampled, "prompt_logprobs", None)
@@ -539,6 +541,7 @@ class LLMEngine:
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
         eos, context_limit = self.eos_token_ids, self.context_limit
+        columns = self._columns
         if columns is not None:
             column_ids, column_indexes, column_tokens = columns
         while waiting_for:
