@@ -214,7 +214,7 @@ class _EngineLoop:
                 stepped = True
             else:
                 stepped = False
-            if deltas or rejected or messages:
+            if deltas or rejected or messages or (columns and columns.request_ids):
                 channel.send(self.step_message(deltas, rejected, columns))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
