@@ -7,7 +7,7 @@ import pytest
 
 from cupy_llama.engine.llm_engine import _Sample
 from cupy_llama.engine.output_processor import (EngineDelta, OutputAccumulator, TokenColumns,
-                                                find_stop, stop_status)
+                                                find_stop, output_limit, stop_status)
 from cupy_llama.engine.sequence import Sequence, SequenceStatus
 from cupy_llama.outputs import TokenLogprob
 from cupy_llama.sampling import SamplingParams
@@ -28,6 +28,29 @@ def test_stop_status_decides_eos_and_lengths():
     # a token not known yet (its step launching): only the lengths decide
     assert stop_status(params, None, 4, 14, eos, 100) is None
     assert stop_status(params, None, 5, 15, eos, 100) is LENGTH
+
+
+def test_output_limit_is_stop_status_length_rule():
+    """The engine checks a sequence's lengths as num_output_tokens >= output_limit (at
+    launch, and before its short way at the token): the same as stop_status's lengths."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        max_tokens = rng.randint(1, 40)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.choice([0, min(3, max_tokens)]),
+                                ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=rng.choice([[], [5], [4, 9]]))
+        num_prompt, context_limit = rng.randint(1, 60), rng.randint(2, 100)
+        num_outputs = rng.randint(1, 70)
+        limit = output_limit(params, num_prompt, context_limit)
+        token = rng.choice([None, 1, 2, 4, 5, 9])
+        status = stop_status(params, token, num_outputs, num_prompt + num_outputs, {2, 7},
+                             context_limit)
+        if token is None:
+            assert (status is LENGTH) == (num_outputs >= limit)
+        if num_outputs >= limit:
+            assert status is not None
+        elif token not in {2, 7, 4, 5, 9}:  # the engine's short way: nothing ends it
+            assert status is None
 
 
 def test_find_stop_is_the_earliest_match_ending_in_the_new_text():

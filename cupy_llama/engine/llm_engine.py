@@ -18,7 +18,7 @@ from ..sampling import MAX_BANNED_TOKENS, SamplingParams
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .output_processor import (EngineDelta, OutputAccumulator, SampleText, TokenColumns,
-                               stop_status)
+                               output_limit, stop_status)
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -40,6 +40,7 @@ class _Sample:
         # neither text made token by token nor a grammar: only stop_status can end the
         # sample at a token (LLMEngine._finish_step's short way)
         self.plain = matcher is None and (self.text is None or self.text.detokenizer is None)
+        self.stop_token_ids = frozenset(seq.params.stop_token_ids)  # (a list in the params)
         # a streamed sample whose deltas carry token ids only: after its first delta (which
         # carries num_cached_tokens), a step's one new token may go in TokenColumns
         self.columnar = (self.stream and text is False and seq.params.logprobs is None
@@ -300,6 +301,7 @@ class LLMEngine:
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
             seq.banned_token_ids = banned
+            seq.output_limit = output_limit(params, len(prompt_ids), self.context_limit)
             parent = parent or seq
             self.scheduler.add(seq)
             # each sample follows the grammar on its own: a fresh matcher each
@@ -504,7 +506,6 @@ class LLMEngine:
             self._note_scheduled(batch)
         sampled = self.runner.run(batch)
         waiting_for, constrained = [], None
-        eos, context_limit = self.eos_token_ids, self.context_limit
         for row, seq in self.scheduler.update_after_step(batch):
             outputs = seq.output_token_ids
             outputs.append(-(row + 1))
@@ -512,7 +513,7 @@ class LLMEngine:
             if seq.params.is_constrained:
                 constrained = constrained or []
                 constrained.append(waiting_for[-1])
-            if stop_status(seq.params, None, len(outputs), seq.num_tokens, eos, context_limit):
+            if len(outputs) >= seq.output_limit:  # stop_status's lengths, the token unknown
                 # its length ends it at this token: nothing is left to schedule (the token
                 # still comes, and stop_status decides again what it says)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
@@ -540,7 +541,7 @@ class LLMEngine:
             self._take_prompt_logprobs(prompt)
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
-        eos, context_limit = self.eos_token_ids, self.context_limit
+        eos = self.eos_token_ids
         columns = self._columns
         if columns is not None:
             column_ids, column_indexes, column_tokens = columns
@@ -557,9 +558,10 @@ class LLMEngine:
             if sample.first_token_at is None:
                 sample.first_token_at = now
             sample.last_token_at = now
-            if sample.plain and stop_status(seq.params, token_id, index + 1,
-                                            seq.num_prompt_tokens + index + 1, eos,
-                                            context_limit) is None:
+            # stop_status says None for certain (its lengths not reached, not a token that
+            # may stop), and only stop_status can end the sample here: the short way
+            if sample.plain and index + 1 < seq.output_limit and token_id not in eos \
+                    and token_id not in sample.stop_token_ids:
                 sample.num_resolved = index + 1  # _append_token's way when nothing ends
                 if not sample.stream:
                     continue

@@ -100,6 +100,13 @@ def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens
     return None
 
 
+def output_limit(params, num_prompt_tokens: int, context_limit: int) -> int:
+    """The output tokens at which stop_status's lengths end a sequence: its max_tokens, or
+    where it reaches the context limit (num_output_tokens >= this is stop_status's
+    length rule, num_tokens being num_prompt_tokens + num_output_tokens)."""
+    return min(params.max_tokens, context_limit - num_prompt_tokens)
+
+
 def find_stop(text: str, stops, num_old_chars: int) -> int | None:
     """Where the earliest stop string starts, looking only where a new match can be: one
     that ends in the text added since num_old_chars."""
