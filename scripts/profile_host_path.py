@@ -245,14 +245,8 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
             frame(message)
             return message
 
-        def cached_tokens(request_id, index):
-            return texts[request_id, index].num_cached_tokens
-
         def server(message):
-            deltas = message[1]
-            if len(message) > 4:
-                deltas = deltas + columns_type.of(message[4]).deltas(cached_tokens)
-            for fields in deltas:
+            for fields in message[1]:
                 delta = EngineDelta.of(fields)
                 key = delta.request_id, delta.index
                 sample = texts.get(key)
@@ -262,6 +256,11 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
                 delta, stopped = sample.process(delta)
                 if stopped:
                     to_abort.append(key)
+            if len(message) > 4:  # as AsyncEngine takes them, after the deltas
+                for entry in zip(*columns_type.of(message[4])):
+                    _, stopped = texts[entry[:2]].process_token(*entry)
+                    if stopped:
+                        to_abort.append(entry[:2])
         return turn, server
     else:
         to_delta = timer.wrap("serialization", lambda outputs: [

@@ -552,8 +552,6 @@ class AsyncEngine:
             _, deltas, rejected, self.stats = message[:4]
             self._progress_at = time.monotonic()
             streams, unfinished, texts = self._streams, self._num_unfinished, self._texts
-            if len(message) > 4:  # TokenColumns: samples whose text is made here
-                deltas = deltas + TokenColumns.of(message[4]).deltas(self._num_cached_tokens)
             for fields in deltas:
                 delta = EngineDelta.of(fields)
                 request_id = delta.request_id
@@ -569,10 +567,21 @@ class AsyncEngine:
                         self._send(("abort", request_id, delta.index))
                 sink.put(delta)
                 if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
-                    unfinished[request_id] -= 1
-                    if not unfinished[request_id]:
-                        del streams[request_id], unfinished[request_id]
-                        texts.pop(request_id, None)
+                    self._sample_ended(request_id)
+            if len(message) > 4:  # TokenColumns: one-token deltas of samples texted here
+                for request_id, index, token_id in zip(*TokenColumns.of(message[4])):
+                    sink = streams.get(request_id)
+                    if sink is None:
+                        continue
+                    delta, stopped = texts[request_id][index].process_token(request_id, index,
+                                                                            token_id)
+                    if delta is None:
+                        continue  # the sample ended here at a stop string already
+                    if stopped:
+                        self._send(("abort", request_id, index))
+                    sink.put(delta)
+                    if stopped:
+                        self._sample_ended(request_id)
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)
@@ -588,10 +597,13 @@ class AsyncEngine:
         elif kind == "crashed":
             self.log(f"error: the engine loop failed:\n{message[1]}")
 
-    def _num_cached_tokens(self, request_id: str, index: int) -> int:
-        """A sample's num_cached_tokens as its previous delta said (TokenColumns omit it)."""
-        samples = self._texts.get(request_id)
-        return 0 if samples is None else samples[index].num_cached_tokens
+    def _sample_ended(self, request_id: str) -> None:
+        """One of the request's samples has sent its last delta."""
+        unfinished = self._num_unfinished
+        unfinished[request_id] -= 1
+        if not unfinished[request_id]:
+            del self._streams[request_id], unfinished[request_id]
+            self._texts.pop(request_id, None)
 
     def _on_connection_lost(self) -> None:
         self._stopped = True

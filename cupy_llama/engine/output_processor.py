@@ -75,13 +75,6 @@ class TokenColumns(tuple):
     def of(cls, fields: tuple) -> "TokenColumns":
         return tuple.__new__(cls, fields)
 
-    def deltas(self, num_cached_tokens) -> list[EngineDelta]:
-        """The columns as EngineDeltas; num_cached_tokens(request_id, index) gives each
-        sample's count."""
-        return [_new_tuple(EngineDelta, (request_id, index, "", [token_id], None, None,
-                                         num_cached_tokens(request_id, index), None, None))
-                for request_id, index, token_id in zip(*self)]
-
 
 def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens: int,
                 eos_token_ids, context_limit: int) -> SequenceStatus | None:
@@ -249,6 +242,23 @@ class DetokenizedSample:
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
             cached, times, prompt)), stopped
+
+    def process_token(self, request_id: str, index: int,
+                      token_id: int) -> tuple[EngineDelta | None, bool]:
+        """process() of a TokenColumns entry (a delta of one token and nothing else), made
+        without the delta: num_cached_tokens is the previous delta's."""
+        if self.finished:
+            return None, False
+        text, now = self.text, time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if text.incremental and text.add(token_id):  # a stop string ends the sample here
+            self.finished = True
+            return _new_tuple(EngineDelta, (
+                request_id, index, text.take(True), [token_id], "stop", None,
+                self.num_cached_tokens, (None, None, self.first_token_at, now), None)), True
+        return _new_tuple(EngineDelta, (request_id, index, text.take(False), [token_id], None,
+                                        None, self.num_cached_tokens, None, None)), False
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__
