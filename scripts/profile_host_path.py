@@ -215,9 +215,13 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
     does."""
     loop = async_engine._EngineLoop(engine, _NullChannel())
     if hasattr(loop, "step_message"):  # the typed per-step deltas
+        from cupy_llama.engine import output_processor
         from cupy_llama.engine.output_processor import DetokenizedSample, EngineDelta
         engine.outputs = None
-        build = timer.wrap("serialization", lambda deltas: loop.step_message(deltas, []))
+        # the step's one-token deltas as columns, where this checkout sends them so
+        columns_type = getattr(output_processor, "TokenColumns", None)
+        build = timer.wrap("serialization", lambda deltas, *columns: loop.step_message(
+            deltas, [], *columns))
         frame = timer.wrap("serialization", async_engine._frame)
         texts, to_abort = {}, []
 
@@ -225,11 +229,19 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
             deltas = [delta for request_id, index in to_abort
                       for delta in engine.abort_deltas(request_id, index)]
             to_abort.clear()
-            deltas += engine.step_deltas()
+            if columns_type is None:
+                deltas += engine.step_deltas()
+                columns = ()
+            else:
+                columns = (columns_type.empty(),)
+                deltas += engine.step_deltas(*columns)
             for delta in deltas:
                 num_tokens[delta.request_id, delta.index] = (
                     num_tokens.get((delta.request_id, delta.index), 0) + len(delta.token_ids))
-            message = build(deltas)
+            for column in columns:
+                for request_id, index in zip(column.request_ids, column.indexes):
+                    num_tokens[request_id, index] += 1  # (its first token came in a delta)
+            message = build(deltas, *columns)
             frame(message)
             return message
 
@@ -244,6 +256,11 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
                 delta, stopped = sample.process(delta)
                 if stopped:
                     to_abort.append(key)
+            if len(message) > 4:  # as AsyncEngine takes them, after the deltas
+                for entry in zip(*columns_type.of(message[4])):
+                    _, stopped = texts[entry[:2]].process_token(*entry)
+                    if stopped:
+                        to_abort.append(entry[:2])
         return turn, server
     else:
         to_delta = timer.wrap("serialization", lambda outputs: [

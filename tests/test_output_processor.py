@@ -3,9 +3,11 @@ per-sample text deltas and the output accumulator, against independent reference
 import pickle
 import random
 
+import pytest
+
 from cupy_llama.engine.llm_engine import _Sample
-from cupy_llama.engine.output_processor import (EngineDelta, OutputAccumulator, find_stop,
-                                                stop_status)
+from cupy_llama.engine.output_processor import (EngineDelta, OutputAccumulator, TokenColumns,
+                                                find_stop, output_limit, stop_status)
 from cupy_llama.engine.sequence import Sequence, SequenceStatus
 from cupy_llama.outputs import TokenLogprob
 from cupy_llama.sampling import SamplingParams
@@ -26,6 +28,29 @@ def test_stop_status_decides_eos_and_lengths():
     # a token not known yet (its step launching): only the lengths decide
     assert stop_status(params, None, 4, 14, eos, 100) is None
     assert stop_status(params, None, 5, 15, eos, 100) is LENGTH
+
+
+def test_output_limit_is_stop_status_length_rule():
+    """The engine checks a sequence's lengths as num_output_tokens >= output_limit (at
+    launch, and before its short way at the token): the same as stop_status's lengths."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        max_tokens = rng.randint(1, 40)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=rng.choice([0, min(3, max_tokens)]),
+                                ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=rng.choice([[], [5], [4, 9]]))
+        num_prompt, context_limit = rng.randint(1, 60), rng.randint(2, 100)
+        num_outputs = rng.randint(1, 70)
+        limit = output_limit(params, num_prompt, context_limit)
+        token = rng.choice([None, 1, 2, 4, 5, 9])
+        status = stop_status(params, token, num_outputs, num_prompt + num_outputs, {2, 7},
+                             context_limit)
+        if token is None:
+            assert (status is LENGTH) == (num_outputs >= limit)
+        if num_outputs >= limit:
+            assert status is not None
+        elif token not in {2, 7, 4, 5, 9}:  # the engine's short way: nothing ends it
+            assert status is None
 
 
 def test_find_stop_is_the_earliest_match_ending_in_the_new_text():
@@ -164,12 +189,14 @@ class _Sink:
         self.items.append(item)
 
 
-def test_text_made_in_the_server_process_is_the_engines(llm):
+@pytest.mark.parametrize("columns", [False, True], ids=["deltas", "columns"])
+def test_text_made_in_the_server_process_is_the_engines(llm, columns):
     """serve's split: the engine sends token ids only, the server process makes the text
-    and ends samples at their stop strings. Its outputs equal the engine's own."""
+    and ends samples at their stop strings. Its outputs equal the engine's own. columns:
+    the steps' one-token deltas go as TokenColumns, in the engine loop's pickled message."""
     from conftest import assert_all_blocks_free
 
-    from cupy_llama.engine.async_engine import AsyncEngine, EngineInfo
+    from cupy_llama.engine.async_engine import AsyncEngine, EngineInfo, _EngineLoop
     engine = llm.engine
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
@@ -203,6 +230,7 @@ def test_text_made_in_the_server_process_is_the_engines(llm):
                              block_size=1, max_num_seqs=1, load_seconds=0.0, pid=0,
                              eos_token_ids=tuple(sorted(engine.eos_token_ids)))
     sinks = {}
+    num_column_entries = 0
     accumulator, engine.outputs = engine.outputs, None  # the deltas come out as they are
     try:
         for i, (prompt, sampling) in enumerate(zip(prompts, params)):
@@ -220,12 +248,20 @@ def test_text_made_in_the_server_process_is_the_engines(llm):
                 assert message[0] == "abort" and len(message) == 3
                 deltas += engine.abort_deltas(*message[1:])
             sent.clear()
-            deltas += engine.step_deltas()
-            server._on_message(("out", [tuple(d) for d in deltas], [], {}))
+            if not columns:
+                deltas += engine.step_deltas()
+                server._on_message(("out", [tuple(d) for d in deltas], [], {}))
+                continue
+            step_columns = TokenColumns.empty()
+            deltas += engine.step_deltas(step_columns)
+            num_column_entries += len(step_columns.request_ids)
+            message = _EngineLoop(engine, None).step_message(deltas, [], step_columns)
+            server._on_message(pickle.loads(pickle.dumps(message)))
     finally:
         engine.outputs = accumulator
         engine.eos_token_ids.discard(eos)
     assert not server._streams and not server._texts
+    assert (num_column_entries > 0) == columns
     for (request_id, index), output in expected.items():
         mine = [d for d in sinks[request_id].items if d.index == index]
         assert [d.finish_reason for d in mine[:-1]] == [None] * (len(mine) - 1)

@@ -34,7 +34,10 @@ sends token ids only: the server process detokenizes and matches stop strings
 message) once, then ("out", deltas, rejected, stats) after every step (and after any
 message handled while idle), and ("crashed", traceback) if the loop dies. The deltas are
 the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
-about 6x faster than a tuple subclass, and named again on arrival.
+about 6x faster than a tuple subclass, and named again on arrival. An "out" message may
+carry a fifth field, the step's TokenColumns as a plain tuple of three lists: the one-token
+deltas of the streamed samples whose text the server makes, one entry per sample rather
+than a tuple each; they come after the message's deltas.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
-from .output_processor import DetokenizedSample, EngineDelta
+from .output_processor import DetokenizedSample, EngineDelta, TokenColumns
 
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 COMPILE_POLL_S = 0.005  # an idle loop's wait for a grammar compiling, between messages
@@ -177,7 +180,7 @@ class _EngineLoop:
                 return  # the server is gone
             if not busy:
                 turn_started = time.perf_counter()  # idle waiting is no part of a turn
-            deltas, rejected = [], []
+            deltas, rejected, columns = [], [], None
             for message in messages:
                 kind = message[0]
                 if kind == "add":
@@ -200,7 +203,8 @@ class _EngineLoop:
                 self._add(message, rejected, future.exception())
             if engine.has_unfinished_requests():
                 started = time.perf_counter()
-                step_deltas = engine.step_deltas()
+                columns = TokenColumns.empty()
+                step_deltas = engine.step_deltas(columns)
                 self.step_seconds += time.perf_counter() - started
                 if engine.num_step_tokens:
                     self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS,
@@ -210,8 +214,8 @@ class _EngineLoop:
                 stepped = True
             else:
                 stepped = False
-            if deltas or rejected or messages:
-                channel.send(self.step_message(deltas, rejected))
+            if deltas or rejected or messages or (columns and columns.request_ids):
+                channel.send(self.step_message(deltas, rejected, columns))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
 
@@ -228,10 +232,14 @@ class _EngineLoop:
         except RequestError as e:
             rejected.append((request_id, str(e)))
 
-    def step_message(self, deltas: list[EngineDelta], rejected: list) -> tuple:
+    def step_message(self, deltas: list[EngineDelta], rejected: list,
+                     columns: TokenColumns | None = None) -> tuple:
         """The "out" message of a turn: its deltas as plain tuples, the requests refused,
-        the stats."""
-        return ("out", list(map(tuple, deltas)), rejected, self.stats())
+        the stats, and the step's TokenColumns where it has entries."""
+        message = ("out", list(map(tuple, deltas)), rejected, self.stats())
+        if columns is not None and columns.request_ids:
+            message += (tuple(columns),)
+        return message
 
     def stats(self) -> dict:
         """The engine's EngineStats as a dict, and the loop's own counts and times."""
@@ -541,7 +549,7 @@ class AsyncEngine:
     def _on_message(self, message) -> None:
         kind = message[0]
         if kind == "out":
-            _, deltas, rejected, self.stats = message
+            _, deltas, rejected, self.stats = message[:4]
             self._progress_at = time.monotonic()
             streams, unfinished, texts = self._streams, self._num_unfinished, self._texts
             for fields in deltas:
@@ -559,10 +567,21 @@ class AsyncEngine:
                         self._send(("abort", request_id, delta.index))
                 sink.put(delta)
                 if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
-                    unfinished[request_id] -= 1
-                    if not unfinished[request_id]:
-                        del streams[request_id], unfinished[request_id]
-                        texts.pop(request_id, None)
+                    self._sample_ended(request_id)
+            if len(message) > 4:  # TokenColumns: one-token deltas of samples texted here
+                for request_id, index, token_id in zip(*TokenColumns.of(message[4])):
+                    sink = streams.get(request_id)
+                    if sink is None:
+                        continue
+                    delta, stopped = texts[request_id][index].process_token(request_id, index,
+                                                                            token_id)
+                    if delta is None:
+                        continue  # the sample ended here at a stop string already
+                    if stopped:
+                        self._send(("abort", request_id, index))
+                    sink.put(delta)
+                    if stopped:
+                        self._sample_ended(request_id)
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)
@@ -577,6 +596,14 @@ class AsyncEngine:
                 self._ready.set_exception(EngineStartError(failure, text))
         elif kind == "crashed":
             self.log(f"error: the engine loop failed:\n{message[1]}")
+
+    def _sample_ended(self, request_id: str) -> None:
+        """One of the request's samples has sent its last delta."""
+        unfinished = self._num_unfinished
+        unfinished[request_id] -= 1
+        if not unfinished[request_id]:
+            del self._streams[request_id], unfinished[request_id]
+            self._texts.pop(request_id, None)
 
     def _on_connection_lost(self) -> None:
         self._stopped = True

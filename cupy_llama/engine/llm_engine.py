@@ -19,7 +19,8 @@ from ..sampling import (MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_BANNED_
 from ..structured import BadWordsMatcher, CombinedMatcher
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .output_processor import EngineDelta, OutputAccumulator, SampleText, stop_status
+from .output_processor import (EngineDelta, OutputAccumulator, SampleText, TokenColumns,
+                               output_limit, stop_status)
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -41,6 +42,11 @@ class _Sample:
         # neither text made token by token nor a grammar: only stop_status can end the
         # sample at a token (LLMEngine._finish_step's short way)
         self.plain = matcher is None and (self.text is None or self.text.detokenizer is None)
+        self.stop_token_ids = frozenset(seq.params.stop_token_ids)  # (a list in the params)
+        # a streamed sample whose deltas carry token ids only: after its first delta (which
+        # carries num_cached_tokens), a step's one new token may go in TokenColumns
+        self.columnar = (self.stream and text is False and seq.params.logprobs is None
+                         and seq.params.prompt_logprobs is None)
         self.num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
@@ -187,6 +193,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._compile_pool = None  # the worker thread of compile_structured_async
         self._bitmask = None  # [max_num_seqs, words] uint32: a step's mask rows, filled here
+        self._columns: TokenColumns | None = None  # the one step_deltas() call's, if any
 
     @classmethod
     def load(cls, model_dir, device: str = "auto", *, log=None, **engine_options) -> "LLMEngine":
@@ -296,6 +303,7 @@ class LLMEngine:
             seq = Sequence(request_id, prompt_ids, params, sample_seed(params.seed, index),
                            next(self._arrivals), index=index, parent=parent)
             seq.banned_token_ids = banned
+            seq.output_limit = output_limit(params, len(prompt_ids), self.context_limit)
             parent = parent or seq
             # each sample follows the grammar on its own: a fresh matcher each
             matcher = allowed if grammar is None else grammar.matcher()
@@ -468,9 +476,12 @@ class LLMEngine:
         finished requests are dropped from the engine after this."""
         return self.outputs.process(self.step_deltas())
 
-    def step_deltas(self) -> list[EngineDelta]:
+    def step_deltas(self, columns: TokenColumns | None = None) -> list[EngineDelta]:
         """step() as deltas: one for each streamed sample that got a new token and for each
-        sample that finished."""
+        sample that finished. With columns (TokenColumns.empty()), the one-token deltas of
+        samples added with text=False and no log-probabilities go there instead, except
+        each sample's first (serve's engine process sends them so)."""
+        self._columns = columns
         if self._unhandled is not None:
             # an earlier step() was interrupted (Ctrl-C while waiting for tokens): its
             # placeholders name rows of that step, so it is finished before any launch
@@ -523,7 +534,6 @@ class LLMEngine:
             self._note_scheduled(batch)
         sampled = self.runner.run(batch)
         waiting_for, constrained = [], None
-        eos, context_limit = self.eos_token_ids, self.context_limit
         for row, seq in self.scheduler.update_after_step(batch):
             outputs = seq.output_token_ids
             outputs.append(-(row + 1))
@@ -531,7 +541,7 @@ class LLMEngine:
             if seq.is_constrained:
                 constrained = constrained or []
                 constrained.append(waiting_for[-1])
-            if stop_status(seq.params, None, len(outputs), seq.num_tokens, eos, context_limit):
+            if len(outputs) >= seq.output_limit:  # stop_status's lengths, the token unknown
                 # its length ends it at this token: nothing is left to schedule (the token
                 # still comes, and stop_status decides again what it says)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
@@ -549,7 +559,8 @@ class LLMEngine:
 
     def _finish_step(self, launched: "_Launched") -> list[EngineDelta]:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
-        interrupted call leaves the rest for the next one (self._unhandled)."""
+        interrupted call leaves the rest for the next one (self._unhandled). The one-token
+        deltas that may go in columns go to step_deltas' TokenColumns, where it has one."""
         tokens = launched.sampled.get().tolist()
         now = time.monotonic()  # when these tokens are known
         prompt = getattr(launched.sampled, "prompt_logprobs", None)
@@ -558,7 +569,10 @@ class LLMEngine:
             self._take_prompt_logprobs(prompt)
         deltas = []
         requests, waiting_for = self.requests, launched.waiting_for
-        eos, context_limit = self.eos_token_ids, self.context_limit
+        eos = self.eos_token_ids
+        columns = self._columns
+        if columns is not None:
+            column_ids, column_indexes, column_tokens = columns
         while waiting_for:
             seq, row, index = waiting_for.pop()
             samples = requests.get(seq.request_id)  # (its id may be in use again)
@@ -572,11 +586,19 @@ class LLMEngine:
             if sample.first_token_at is None:
                 sample.first_token_at = now
             sample.last_token_at = now
-            if sample.plain and stop_status(seq.params, token_id, index + 1,
-                                            seq.num_prompt_tokens + index + 1, eos,
-                                            context_limit) is None:
+            # stop_status says None for certain (its lengths not reached, not a token that
+            # may stop), and only stop_status can end the sample here: the short way
+            if sample.plain and index + 1 < seq.output_limit and token_id not in eos \
+                    and token_id not in sample.stop_token_ids:
                 sample.num_resolved = index + 1  # _append_token's way when nothing ends
-                if sample.stream:
+                if not sample.stream:
+                    continue
+                if columns is not None and sample.columnar and 0 < sample.num_sent_tokens == index:
+                    column_ids.append(seq.request_id)
+                    column_indexes.append(seq.index)
+                    column_tokens.append(token_id)
+                    sample.num_sent_tokens = index + 1
+                else:
                     deltas.append(sample.delta())
                 continue
             if self._append_token(sample, index, token_id):

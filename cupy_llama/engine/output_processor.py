@@ -55,6 +55,27 @@ class EngineDelta(tuple):
         return self[4] is not None
 
 
+class TokenColumns(tuple):
+    """A step's one-token news of streamed samples that send token ids only, as columns:
+    the k-th entries of request_ids, indexes and token_ids are one sample's delta with that
+    single token (no text, no finish, nothing else new; num_cached_tokens as in the
+    sample's previous delta). Serve's engine process sends these in place of a tuple per
+    sample (docs/ARCHITECTURE.md, "Engine output"); a plain tuple on the wire, as
+    EngineDelta."""
+    __slots__ = ()
+    request_ids: list[str] = property(itemgetter(0))
+    indexes: list[int] = property(itemgetter(1))
+    token_ids: list[int] = property(itemgetter(2))
+
+    @classmethod
+    def empty(cls) -> "TokenColumns":
+        return tuple.__new__(cls, ([], [], []))
+
+    @classmethod
+    def of(cls, fields: tuple) -> "TokenColumns":
+        return tuple.__new__(cls, fields)
+
+
 def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens: int,
                 eos_token_ids, context_limit: int) -> SequenceStatus | None:
     """Why a sequence ends at its latest token, or None: EOS (unless ignore_eos) and
@@ -70,6 +91,13 @@ def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens
     if num_output_tokens >= params.max_tokens or num_tokens >= context_limit:
         return _LENGTH
     return None
+
+
+def output_limit(params, num_prompt_tokens: int, context_limit: int) -> int:
+    """The output tokens at which stop_status's lengths end a sequence: its max_tokens, or
+    where it reaches the context limit (num_output_tokens >= this is stop_status's
+    length rule, num_tokens being num_prompt_tokens + num_output_tokens)."""
+    return min(params.max_tokens, context_limit - num_prompt_tokens)
 
 
 def find_stop(text: str, stops, num_old_chars: int) -> int | None:
@@ -167,7 +195,7 @@ class DetokenizedSample:
     the server process sees it: process() adds the text to each delta and ends the sample
     at a stop string, keeping the tokens up to the one that completed it (the engine is
     told to stop it, and what it made meanwhile is dropped here)."""
-    __slots__ = ("text", "finished", "first_token_at", "eos")
+    __slots__ = ("text", "finished", "first_token_at", "eos", "num_cached_tokens")
 
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=()):
         self.text = SampleText(tokenizer, params, stream or bool(params.stop))
@@ -177,6 +205,7 @@ class DetokenizedSample:
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(
             params.stop_token_ids)
         self.first_token_at: float | None = None  # when its first token reached this process
+        self.num_cached_tokens = 0  # as the sample's latest delta said
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
         """(the delta with its text, or None once the sample has ended here; True when a
@@ -184,6 +213,7 @@ class DetokenizedSample:
         if self.finished:
             return None, False
         request_id, index, _, token_ids, finish_reason, logprobs, cached, times, prompt = delta
+        self.num_cached_tokens = cached
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
             self.first_token_at = time.monotonic()
@@ -212,6 +242,23 @@ class DetokenizedSample:
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
             cached, times, prompt)), stopped
+
+    def process_token(self, request_id: str, index: int,
+                      token_id: int) -> tuple[EngineDelta | None, bool]:
+        """process() of a TokenColumns entry (a delta of one token and nothing else), made
+        without the delta: num_cached_tokens is the previous delta's."""
+        if self.finished:
+            return None, False
+        text, now = self.text, time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if text.incremental and text.add(token_id):  # a stop string ends the sample here
+            self.finished = True
+            return _new_tuple(EngineDelta, (
+                request_id, index, text.take(True), [token_id], "stop", None,
+                self.num_cached_tokens, (None, None, self.first_token_at, now), None)), True
+        return _new_tuple(EngineDelta, (request_id, index, text.take(False), [token_id], None,
+                                        None, self.num_cached_tokens, None, None)), False
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__

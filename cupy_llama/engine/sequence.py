@@ -56,6 +56,9 @@ class Sequence:
         # prompt tokens whose K/V came from the prefix cache at the first admission (-1
         # before it); what RequestOutput.num_cached_tokens reports
         self.num_cached_tokens = -1
+        # output tokens at which its lengths end it (output_processor.output_limit: the
+        # engine lowers it to what the context limit leaves)
+        self.output_limit = params.max_tokens
 
     @property
     def num_tokens(self) -> int:
