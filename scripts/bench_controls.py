@@ -5,7 +5,9 @@ log-probabilities"):
   (a) the standard offline workload (cupy_llama.bench: 256 requests, prompt and output
       lengths uniform in [100, 1024], temperature 0.6, EOS ignored) plain, then with every
       request carrying repetition_penalty 1.1 and frequency_penalty 0.5; output tok/s of
-      each (the better of --repeats runs, taken in turn) and their ratio (target >= 0.95);
+      each (the better of --repeats runs, taken in turn) and their ratio (target >= 0.95).
+      Each run has the workload's lengths and fresh prompt ids: a run of prompts the one
+      before computed would find them in the prefix cache and skip their prefill;
   (b) time to first token of a 1,024-token prompt, plain and with prompt_logprobs=1 (the
       median of 5 runs each, fresh random prompts taken in turn); their ratio (target
       <= 1.20).
@@ -27,8 +29,9 @@ import time
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.bench.offline import max_token_id, warm_up
 from cupy_llama.bench.report import commit_info, environment
-from cupy_llama.bench.workloads import (THROUGHPUT_TEMPERATURE, BenchSettings, prepare_model,
-                                        random_ids, throughput_numbers, throughput_workload)
+from cupy_llama.bench.workloads import (THROUGHPUT_TEMPERATURE, BenchSettings, Workload,
+                                        prepare_model, random_ids, throughput_numbers,
+                                        throughput_workload)
 
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.5)
 TTFT_PROMPT, TTFT_RUNS = 1024, 5
@@ -93,7 +96,9 @@ def main() -> int:
     runs = {"plain": [], "penalized": []}
     for _ in range(args.repeats):  # in turn, so drift hits both alike
         for kind, controls in (("plain", {}), ("penalized", PENALTIES)):
-            result = throughput_run(llm, work, args.seed, controls)
+            fresh = Workload([random_ids(rng, len(p), top) for p in work.prompts],
+                             work.output_lens)
+            result = throughput_run(llm, fresh, args.seed, controls)
             runs[kind].append(result)
             log(f"throughput {kind}: {result['output_tokens']:,} output tokens in "
                 f"{result['wall_s']:.2f} s: {result['output_tok_s']:,.0f} output tok/s")
