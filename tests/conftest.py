@@ -148,3 +148,12 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=["llama3_json", "hermes", "mistral"])
+def tool_server(request, tmp_path_factory):
+    """(model dir, LLM on the CPU) of a tool-calling tiny model in each template style."""
+    model_dir = make_tool_model(tmp_path_factory.mktemp(request.param), request.param)
+    llm = LLM(model_dir, device="cpu", log=None)
+    yield model_dir, llm
+    llm.close()

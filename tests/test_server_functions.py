@@ -13,25 +13,16 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from cupy_llama import LLM  # noqa: E402
 from cupy_llama.sampling import model_sampling_defaults  # noqa: E402
 from cupy_llama.server.protocol import APIError, ChatCompletionRequest, parse  # noqa: E402
 from cupy_llama.tokenizer import Tokenizer  # noqa: E402
 
-from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model  # noqa: E402
+from conftest import QUESTION, SCHEMAS, TOOLS  # noqa: E402
 from inprocess_server import ask, make_state, with_app  # noqa: E402
 
 FUNCTIONS = [tool["function"] for tool in TOOLS]  # the same two, in the older form
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module", params=["llama3_json", "hermes", "mistral"])
-def tool_server(request, tmp_path_factory):
-    model_dir = make_tool_model(tmp_path_factory.mktemp(request.param), request.param)
-    llm = LLM(model_dir, device="cpu", log=None)
-    yield model_dir, llm
-    llm.close()
 
 
 def engine_inputs(model_dir, llm, body):

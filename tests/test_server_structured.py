@@ -228,14 +228,6 @@ def test_without_llguidance_a_constraint_names_the_extra(model_dir, llm, monkeyp
 
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "hermes", "mistral"])
-def tool_server(request, tmp_path_factory):
-    model_dir = make_tool_model(tmp_path_factory.mktemp(request.param), request.param)
-    llm = LLM(model_dir, device="cpu", log=None)
-    yield model_dir, llm
-    llm.close()
-
-
 def tool_request(seed, **fields):
     return {"messages": QUESTION, "tools": TOOLS, "max_tokens": 500, "seed": seed,
             "parallel_tool_calls": False, **SAMPLED, **fields}
