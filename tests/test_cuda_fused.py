@@ -68,7 +68,6 @@ def test_linear_accumulates_into_float32(cp, rng, m, k, n):
 def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
     """Under "mma" the fused kernel runs (under "auto" it runs where the choice table names
     the skinny kernel for the product)."""
-    from cupy_llama.backends.cuda import gemm
     norm_bits, norm_w = random_bf16(rng, (k,))
     w_bits, w = random_bf16(rng, (n, k), scale=0.02)
     w_dev = cp.asarray(w_bits)
@@ -83,7 +82,6 @@ def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
 
 @pytest.mark.parametrize("k,inter", [(2048, 8192), (576, 1536), (64, 8)])
 def test_norm_gate_up_act(cp, rng, k, inter, skinny_mma):
-    from cupy_llama.backends.cuda import gemm
     norm_bits, norm_w = random_bf16(rng, (k,))
     w_bits, w = random_bf16(rng, (2 * inter, k), scale=0.05)
     w_dev = cp.asarray(w_bits)

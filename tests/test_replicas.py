@@ -560,7 +560,7 @@ def _kill_one_during_a_wave(url: str, victim: int, victim_port: int, llm, log) -
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    assert f"replica 0 exited (code 137); restarting it in 1 s" in log.read_text()
+    assert "replica 0 exited (code 137); restarting it in 1 s" in log.read_text()
 
     async def until_it_serves():
         async with _client(url) as client:
