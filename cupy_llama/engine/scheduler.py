@@ -30,6 +30,18 @@ from .sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]   # tokens of each sequence computed this step
+    # the steady decode step: the batch scheduled just before this one, when this one is
+    # one token each of that one's sequences in the same order less those that ended
+    # since (rows `dropped` of it), that one was computed (update_after_step) with a token
+    # sampled for every row, and nothing was preempted since. Each sequence is then at
+    # the position after that step's last, its input that step's token, in the same slot
+    # (the model runner updates its per-slot arrays by this diff instead of gathering
+    # them, docs/ARCHITECTURE.md)
+    follows: "ScheduledBatch | None" = None
+    dropped: list[int] | None = None  # with follows: rows of it not here, ascending
+    # set by the engine where `follows` is the step still running: this step's input
+    # tokens are the placeholders of its rows (nothing on the host to read)
+    inputs_in_flight: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +62,12 @@ class Scheduler:
         self.running: list[Sequence] = []   # in admission order, oldest first
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest
         self.num_preemptions = 0
+        # the last batch that update_after_step marked computed if each of its rows ended
+        # in a sampled token, num_preemptions then, and the running sequences that ended
+        # since (ScheduledBatch.follows)
+        self._last_sampled: ScheduledBatch | None = None
+        self._sampled_preemptions = 0
+        self._ended: list[Sequence] = []
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """Reject a prompt that could never run, with the numbers that say why."""
@@ -93,6 +111,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self._last_sampled is not None:
+                self._ended.append(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
@@ -147,7 +167,31 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(take)
             budget -= take
+        last, self._last_sampled = self._last_sampled, None
+        if last is not None and self.num_preemptions == self._sampled_preemptions \
+                and batch.num_tokens == len(batch.seqs):
+            self._follow(batch, last)
+        self._ended = []
         return batch
+
+    def _follow(self, batch: ScheduledBatch, last: ScheduledBatch) -> None:
+        """Set batch.follows (and dropped) where batch is last less the sequences that
+        ended since (the comparisons run at C speed: no pass over the sequences here)."""
+        dropped = None
+        if batch.seqs != last.seqs:
+            if not self._ended:
+                return
+            try:
+                dropped = sorted(last.seqs.index(seq) for seq in self._ended)
+            except ValueError:  # one ran without being in the last step
+                return
+            kept = list(last.seqs)
+            for row in reversed(dropped):
+                del kept[row]
+            if kept != batch.seqs:
+                return
+        last.follows = last.dropped = None  # one step back is all a batch keeps
+        batch.follows, batch.dropped = last, dropped
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
@@ -181,4 +225,8 @@ class Scheduler:
             if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
                 sampled.append((row, seq))  # every known token computed
         self.blocks.on_computed(batch.seqs)
+        # every row ends in a sampled token (a prompt chunk that is not the last does not)
+        self._last_sampled = batch if len(sampled) == len(batch.seqs) else None
+        self._sampled_preemptions = self.num_preemptions
+        self._ended = []
         return sampled
