@@ -128,6 +128,7 @@ class Scheduler:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         block_size = self.blocks.block_size
+        cut = False  # a sequence gets fewer tokens than it has uncomputed
         # 1. running sequences, oldest first: decode tokens and continuing prefill chunks
         for seq in list(self.running):
             if budget == 0:
@@ -137,7 +138,7 @@ class Scheduler:
             computed = seq.num_computed_tokens  # (num_uncomputed_tokens, without the call)
             take = seq.num_prompt_tokens + len(seq.output_token_ids) - computed
             if take > budget:
-                take = budget
+                take, cut = budget, True
             # most decode steps: the last block has room, and nothing else is asked
             if computed + take > len(seq.block_table) * block_size \
                     and not self._make_room(seq, computed + take):
@@ -168,8 +169,8 @@ class Scheduler:
             batch.num_new_tokens.append(take)
             budget -= take
         last, self._last_sampled = self._last_sampled, None
-        if last is not None and self.num_preemptions == self._sampled_preemptions \
-                and batch.num_tokens == len(batch.seqs):
+        if last is not None and not cut and self.num_preemptions == self._sampled_preemptions \
+                and batch.num_new_tokens.count(1) == len(batch.seqs):
             self._follow(batch, last)
         self._ended = []
         return batch
@@ -219,11 +220,18 @@ class Scheduler:
         """Mark this step's tokens computed; returns (row, sequence) of the sequences whose
         step ends in a sampled token, those with every known token in the cache now (a
         prompt chunk that is not the last wants none)."""
-        sampled = []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
-                sampled.append((row, seq))  # every known token computed
+        if batch.follows is not None:
+            # the steady step: one token each, every known token but that one computed
+            # before (ScheduledBatch.follows), so each row ends in a sampled token
+            for seq in batch.seqs:
+                seq.num_computed_tokens += 1
+            sampled = list(enumerate(batch.seqs))
+        else:
+            sampled = []
+            for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
+                    sampled.append((row, seq))  # every known token computed
         self.blocks.on_computed(batch.seqs)
         # every row ends in a sampled token (a prompt chunk that is not the last does not)
         self._last_sampled = batch if len(sampled) == len(batch.seqs) else None
