@@ -15,6 +15,12 @@ the last token is always computed, so there are logits to sample from. A request
 n > 1 samples queues n sequences; samples 1..n-1 start only once sample 0 has computed the
 prompt, and share its full prompt blocks, with or without the cache: each computes only
 its own tail (its partly filled last block, or its last token).
+
+A step after a steady one (every row of the last step ended in a sampled token, the same
+sequences run less those that ended, none preempted or admitted) is scheduled without a
+pass over the sequences: each has one token to compute, and only those whose last block is
+full, found by the step at which each runs out, get a block (`_steady`). The batch says so
+(`ScheduledBatch.follows`), so the model runner and update_after_step need no pass either.
 """
 from __future__ import annotations
 
@@ -68,6 +74,10 @@ class Scheduler:
         self._last_sampled: ScheduledBatch | None = None
         self._sampled_preemptions = 0
         self._ended: list[Sequence] = []
+        # schedule() calls so far, and while steady steps follow one another, the running
+        # sequences by the call at which their next token needs a new block (_steady)
+        self._num_schedules = 0
+        self._block_due: dict[int, list[Sequence]] | None = None
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """Reject a prompt that could never run, with the numbers that say why."""
@@ -125,6 +135,11 @@ class Scheduler:
             seq.slot = None
 
     def schedule(self) -> ScheduledBatch:
+        self._num_schedules += 1
+        batch = self._steady()
+        if batch is not None:
+            return batch
+        self._block_due = None
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         block_size = self.blocks.block_size
@@ -178,21 +193,66 @@ class Scheduler:
     def _follow(self, batch: ScheduledBatch, last: ScheduledBatch) -> None:
         """Set batch.follows (and dropped) where batch is last less the sequences that
         ended since (the comparisons run at C speed: no pass over the sequences here)."""
-        dropped = None
-        if batch.seqs != last.seqs:
-            if not self._ended:
-                return
-            try:
-                dropped = sorted(last.seqs.index(seq) for seq in self._ended)
-            except ValueError:  # one ran without being in the last step
-                return
-            kept = list(last.seqs)
-            for row in reversed(dropped):
-                del kept[row]
-            if kept != batch.seqs:
-                return
-        last.follows = last.dropped = None  # one step back is all a batch keeps
-        batch.follows, batch.dropped = last, dropped
+        dropped = self._dropped(batch.seqs, last)
+        if dropped is not False:
+            last.follows = last.dropped = None  # one step back is all a batch keeps
+            batch.follows, batch.dropped = last, dropped
+
+    def _dropped(self, seqs: list[Sequence], last: ScheduledBatch) -> list[int] | None | bool:
+        """The rows of last whose sequences ended since, where seqs is last less those
+        (None: none ended); False where seqs is not."""
+        if seqs == last.seqs:
+            return None
+        if not self._ended:
+            return False
+        try:
+            dropped = sorted(last.seqs.index(seq) for seq in self._ended)
+        except ValueError:  # one ran without being in the last step
+            return False
+        kept = list(last.seqs)
+        for row in reversed(dropped):
+            del kept[row]
+        return dropped if kept == seqs else False
+
+    def _steady(self) -> ScheduledBatch | None:
+        """The step after a steady one without a pass over the sequences, or None where
+        schedule's full pass is needed. It applies where the last step sampled a token
+        for each of its rows, the running sequences are those rows less the ones that
+        ended since, nothing was preempted and none can be admitted: each running
+        sequence then has one token to compute (LLMEngine appends one to each row that
+        ends in a sampled token, or ends it), and only those whose last block is full
+        need anything, a block, found by the call at which each runs out (_block_due)."""
+        last, running = self._last_sampled, self.running
+        if last is None or self.num_preemptions != self._sampled_preemptions or not running \
+                or len(running) > self.max_num_batched_tokens \
+                or (self.waiting and len(running) < self.max_num_seqs):
+            return None
+        dropped = self._dropped(running, last)
+        if dropped is False:
+            return None
+        now, block_size = self._num_schedules, self.blocks.block_size
+        due = self._block_due
+        if due is None:  # the first steady step since a full one: one pass
+            due = {}
+            for seq in running:
+                computed = seq.num_computed_tokens
+                if seq.num_prompt_tokens + len(seq.output_token_ids) - computed != 1:
+                    return None
+                due.setdefault(now + len(seq.block_table) * block_size - computed,
+                               []).append(seq)
+            self._block_due = due
+        # (those that ended since are left out; each of the others needs one block)
+        grow = [seq for seq in due.pop(now, ()) if seq.status is SequenceStatus.RUNNING]
+        if len(grow) > self.blocks.num_free_blocks:
+            self._block_due = None
+            return None  # the full pass preempts to make room
+        for seq in grow:
+            computed = seq.num_computed_tokens
+            self.blocks.grow(seq, computed + 1)
+            due.setdefault(now + len(seq.block_table) * block_size - computed, []).append(seq)
+        self._last_sampled, self._ended = None, []
+        last.follows = last.dropped = None
+        return ScheduledBatch(list(running), [1] * len(running), follows=last, dropped=dropped)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
