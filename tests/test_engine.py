@@ -553,3 +553,54 @@ def test_options_the_cpu_ignores_are_named_in_a_warning(model_dir):
     LLM(model_dir, device="cpu", log=lines.append, max_num_seqs=2)
     assert not [line for line in lines if line.startswith("warning:")]
     LLM(model_dir, device="cpu", log=None, enforce_eager=True)  # log None: silent
+
+
+def test_steady_steps_build_what_a_rebuild_builds(model_dir):
+    """In the engine's pipelined steps, a steady step (ScheduledBatch.follows) reads no
+    sequence: its inputs and sampling rows come from the last step's by the diff. Each
+    equals what a runner that never saw a step gathers from the sequences (their tokens
+    still placeholders), and the samples equal those of a run with no steady step."""
+    from types import MethodType
+
+    from cupy_llama.engine.model_runner import ModelRunner
+    from test_model_runner import FORWARD_FIELDS, assert_same_fields
+
+    def run(steady: bool):
+        llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=6, block_size=4)
+        engine, counts = llm.engine, {"steady": 0, "dropped": 0}
+        runner = engine.runner
+        if not steady:
+            engine.scheduler._follow = lambda batch, last: None
+        build, sampling = runner.build_batch, runner.sampling_tensors
+
+        def fresh():
+            other = ModelRunner(runner.config, runner.backend)
+            other.slots.eos_token_ids = runner.slots.eos_token_ids
+            return other
+
+        def checked_build(self, batch):
+            counts["steady"] += batch.follows is not None and batch.inputs_in_flight
+            counts["dropped"] += bool(batch.dropped)
+            forward = build(batch)
+            assert_same_fields(forward, fresh().build_batch(batch), FORWARD_FIELDS)
+            return forward
+
+        def checked_sampling(self, batch):
+            tensors = sampling(batch)
+            expected = fresh().sampling_tensors(batch)
+            assert_same_fields(tensors, expected, [n for n in vars(expected) if n != "resets"])
+            return tensors
+
+        runner.build_batch = MethodType(checked_build, runner)
+        runner.sampling_tensors = MethodType(checked_sampling, runner)
+        params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.8, seed=i, n=1 + i % 2,
+                                 frequency_penalty=0.5 if i % 3 == 0 else 0.0,
+                                 logit_bias={5: 2.0} if i % 4 == 1 else {}, ignore_eos=True)
+                  for i in range(10)]
+        outputs = llm.generate(prompts(10, seed=4), params)
+        assert_all_blocks_free(llm)
+        return [(o.request_id, o.index, o.token_ids) for o in outputs], counts
+
+    with_steady, counts = run(True)
+    assert counts["steady"] > 10 and counts["dropped"] > 0, counts
+    assert with_steady == run(False)[0]

@@ -290,3 +290,79 @@ def test_optional_controls_are_none_exactly_where_no_row_uses_them(seed):
                     seq.num_tokens >= blocks.num_blocks * 4:
                 scheduler.finish(live.pop(seq.request_id), SequenceStatus.FINISHED_LENGTH)
     assert given > 20 and left_out > 20
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_steady_steps_equal_a_rebuild_from_scratch(seed, pipelined):
+    """The steady decode step (ScheduledBatch.follows) updates the last step's arrays by
+    the diff: sequences that ended since are dropped, blocks added since are copied,
+    positions and sampling steps move on by one. Every step's ForwardBatch and
+    SamplingTensors equal those of a runner that has never seen a step before (it
+    gathers everything from the sequences). `pipelined` runs as the engine does: a step
+    is launched while the last one's tokens are placeholders -(row + 1), which the rebuild
+    reads from the sequences and the steady step writes without reading them."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    blocks = BlockManager(rng.randint(20, 60), block_size)
+    max_num_seqs = rng.randint(2, 8)
+    scheduler = Scheduler(blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=rng.randint(max_num_seqs, 48),
+                          max_model_len=300)
+    runner = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
+    live, in_flight, next_id = {}, None, 0
+    followed = dropped = grown = 0
+    for _ in range(600):
+        # requests come in bursts, once none waits, so that sequences also end with none
+        # to take their place
+        burst = not scheduler.waiting and rng.random() < 0.05
+        for _ in range(rng.randint(1, 6) if burst else 0):
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+            params, request_seed = random_params(rng)
+            parent = None
+            for index in range(rng.choice([1, 1, 2])):
+                seq = Sequence(str(next_id), prompt, params, (request_seed + index) % 2**64,
+                               next_id, index=index, parent=parent)
+                parent = parent or seq
+                scheduler.add(seq)
+                live[seq.request_id, index] = seq
+            next_id += 1
+        if live and rng.random() < 0.05:  # an abort between steps
+            for seq in scheduler.abort(rng.choice(sorted(live))[0]):
+                del live[seq.request_id, seq.index]
+        batch = scheduler.schedule()
+        if batch.follows is not None:
+            followed += 1
+            dropped += bool(batch.dropped)
+            kept = [seq for row, seq in enumerate(batch.follows.seqs)
+                    if row not in (batch.dropped or ())]
+            assert kept == batch.seqs and batch.num_new_tokens == [1] * len(batch.seqs)
+            grown += any(seq.num_computed_tokens % block_size == 0 for seq in batch.seqs)
+        batch.inputs_in_flight = (batch.follows is not None and in_flight is not None
+                                  and in_flight[0] is batch.follows)
+        fresh = ModelRunner(config=None, backend=SimpleNamespace(block_size=block_size))
+        if batch:
+            tensors = runner.sampling_tensors(batch)
+            expected = fresh.sampling_tensors(batch)
+            assert_same_fields(tensors, expected, [name for name in vars(expected)
+                                                   if name != "resets"])
+            assert_same_fields(runner.build_batch(batch), fresh.build_batch(batch),
+                               FORWARD_FIELDS)
+        if in_flight is not None:  # the last step's tokens arrive
+            for seq, index in in_flight[1]:
+                if index < len(seq.output_token_ids):
+                    seq.output_token_ids[index] = rng.randrange(1000)
+            in_flight = None
+        if not batch:
+            continue
+        launched = []
+        for row, seq in scheduler.update_after_step(batch):
+            seq.output_token_ids.append(-(row + 1) if pipelined else rng.randrange(1000))
+            launched.append((seq, len(seq.output_token_ids) - 1))
+            if len(seq.output_token_ids) >= seq.params.max_tokens or \
+                    seq.num_tokens >= min(blocks.num_blocks * block_size, 300) - 1:
+                scheduler.finish(live.pop((seq.request_id, seq.index)),
+                                 SequenceStatus.FINISHED_LENGTH)
+        if pipelined:
+            in_flight = (batch, launched)
+    assert followed > 50 and dropped > 1 and grown > 5, (followed, dropped, grown)

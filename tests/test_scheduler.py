@@ -400,3 +400,48 @@ def test_scheduling_code_imports_no_numpy():
     code = ("import sys, cupy_llama.engine.scheduler, cupy_llama.engine.block_manager; "
             "bad = [m for m in ('numpy', 'cupy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_steady_steps_schedule_what_the_full_pass_schedules(seed):
+    """A step after a steady one is scheduled without a pass over the sequences (each has
+    one token to compute; only those whose last block is full get one). Two simulations
+    of one random run, one of them always taking the full pass, schedule the same
+    sequences and tokens at every step, with tables of the same lengths."""
+    import random
+    rng = random.Random(seed)
+    shape = dict(num_blocks=rng.randint(12, 40), block_size=rng.choice([1, 2, 4, 16]),
+                 max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(8, 48),
+                 max_model_len=rng.randint(40, 120), enable_caching=rng.random() < 0.5)
+    sims = [Simulation(**shape), Simulation(**shape)]
+    sims[1].scheduler._steady = lambda: None  # always the full pass
+    steady = [0, 0]
+    next_id = 0
+    for _ in range(500):
+        if not sims[0].scheduler.waiting and rng.random() < 0.08:  # bursts of requests
+            for _ in range(rng.randint(1, 5)):
+                prompt = SHARED_PREFIXES[rng.randrange(3)][:rng.randint(0, 30)] + \
+                    [rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
+                prompt = prompt[:shape["max_model_len"] - 1]
+                max_tokens, n = rng.randint(1, 40), rng.choice([1, 1, 2])
+                for sim in sims:
+                    try:
+                        sim.add(make_request(str(next_id), prompt, max_tokens, n))
+                    except RequestError:
+                        pass
+                next_id += 1
+        if rng.random() < 0.04 and sims[0].scheduler.running:
+            index = rng.randrange(len(sims[0].scheduler.running))
+            for sim in sims:
+                sim.finish(sim.scheduler.running[index], SequenceStatus.FINISHED_STOPPED)
+        batches = [sim.step() for sim in sims]
+        for i, batch in enumerate(batches):
+            steady[i] += batch.follows is not None
+        shapes = [[(seq.request_id, seq.index, n, len(seq.block_table))
+                   for seq, n in zip(batch.seqs, batch.num_new_tokens)] for batch in batches]
+        assert shapes[0] == shapes[1]
+        for sim in sims:
+            sim.check_blocks()
+    assert [len(sim.scheduler.waiting) for sim in sims] == [len(sims[1].scheduler.waiting)] * 2
+    assert steady[0] > 50 and steady[0] == steady[1], steady
+    assert sims[0].scheduler.num_preemptions == sims[1].scheduler.num_preemptions

@@ -532,6 +532,9 @@ class LLMEngine:
     def _launch(self, batch) -> "_Launched":
         if self._num_unscheduled:
             self._note_scheduled(batch)
+        in_flight = self._in_flight
+        batch.inputs_in_flight = (batch.follows is not None and in_flight is not None
+                                  and in_flight.batch is batch.follows)
         sampled = self.runner.run(batch)
         waiting_for, constrained = [], None
         for row, seq in self.scheduler.update_after_step(batch):
@@ -545,7 +548,7 @@ class LLMEngine:
                 # its length ends it at this token: nothing is left to schedule (the token
                 # still comes, and stop_status decides again what it says)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
-        return _Launched(sampled, waiting_for, constrained)
+        return _Launched(batch, sampled, waiting_for, constrained)
 
     def _note_scheduled(self, batch) -> None:
         """The first scheduling of each sample in the batch that had none yet."""
@@ -750,7 +753,8 @@ class _Launched:
     """A step on its way: the handle of its sampled tokens, and for each sequence that
     wants one of them (sequence, row in the step, index in its output tokens)."""
 
-    def __init__(self, sampled, waiting_for: list, constrained: list | None = None):
+    def __init__(self, batch, sampled, waiting_for: list, constrained: list | None = None):
+        self.batch = batch
         self.sampled = sampled
         self.waiting_for = waiting_for[::-1]  # last first: pop() hands them out in order
         # the entries of constrained sequences, until their masked draw is queued

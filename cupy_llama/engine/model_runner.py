@@ -3,8 +3,15 @@
 What changes slowly per sequence (its block table, its sampling settings) is kept in host
 tables with one row per scheduler slot (`Sequence.slot`), written when it changes; a step
 gathers the rows of its sequences with one NumPy indexing each. At a few hundred sequences
-per decode step, per-sequence NumPy calls or list conversions would cost milliseconds."""
+per decode step, per-sequence NumPy calls or list conversions would cost milliseconds.
+
+The steady decode step (ScheduledBatch.follows: the same sequences as the step before, one
+token each) touches no sequence object: its positions are the last step's plus one, its
+tokens the last step's rows (placeholders), its sampling rows the last step's with one more
+token generated; only the rows whose sequence got a block since are copied again."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -67,6 +74,7 @@ class SlotTables:
         # only grows until BlockManager.free replaces it, so this says what is new)
         self._table_source: list[list[int] | None] = []
         self._table_length: list[int] = []
+        self.table_lengths = np.zeros(0, np.int64)  # _table_length as an array (steady steps)
         self._sampling_owner: list[Sequence | None] = []
         # the device state of each slot (interface.SlotReset): whether its sequence uses it,
         # its bias entries, and the sequence and preemption count it was made for (a
@@ -97,6 +105,7 @@ class SlotTables:
         if new:
             self._table_source += [None] * new
             self._table_length += [0] * new
+            self.table_lengths = np.concatenate([self.table_lengths, np.zeros(new, np.int64)])
             self._sampling_owner += [None] * new
             self._entries += [None] * new
             self._state_made_for += [None] * new
@@ -120,7 +129,7 @@ class SlotTables:
             row[:len(table)] = table
             row[len(table):self._table_length[slot]] = -1
             self._table_source[slot] = table
-        self._table_length[slot] = len(table)
+        self._table_length[slot] = self.table_lengths[slot] = len(table)
 
     def update_sampling(self, seq: Sequence) -> None:
         slot = seq.slot
@@ -165,10 +174,24 @@ class ModelRunner:
         self.backend = backend
         self.block_size = backend.block_size
         self.slots = SlotTables(getattr(config, "eos_token_ids", None) or ())
+        # the last batch whose host arrays were built: (batch, ForwardBatch, its rows'
+        # slots) and (batch, SamplingTensors, its rows' slots), the next step's base when
+        # it follows that batch (ScheduledBatch.follows)
+        self._last_forward: tuple | None = None
+        self._last_sampling: tuple | None = None
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        last = self._last_forward
+        if last is not None and batch.follows is not None and batch.follows is last[0]:
+            forward, rows = self._steady_batch(batch, last[1], last[2])
+        else:
+            forward, rows = self._build_batch(batch)
+        self._last_forward = (batch, forward, rows)
+        return forward
+
+    def _build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, np.ndarray]:
         seqs = batch.seqs
-        if batch.num_tokens == len(seqs):  # one token each: the steady decode step
+        if batch.num_tokens == len(seqs):  # one token each: the usual decode step
             decode = self._decode_batch(seqs)
             if decode is not None:
                 return decode
@@ -209,9 +232,42 @@ class ModelRunner:
             token_ids=np.array(token_ids, dtype=np.int32), positions=positions,
             slot_mapping=slot_mapping, query_start_loc=query_start_loc,
             seq_lens=seq_lens, block_tables=slots.block_tables[rows, :max_blocks],
-            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max())), rows
 
-    def _decode_batch(self, seqs: list[Sequence]) -> ForwardBatch | None:
+    def _steady_batch(self, batch: ScheduledBatch, last: ForwardBatch,
+                      last_rows: np.ndarray) -> tuple[ForwardBatch, np.ndarray]:
+        """build_batch for a step that follows `last` (ScheduledBatch.follows): each kept
+        row one position after its last, in the same slot, its token the one `last`
+        sampled for it. The sequences are read only where their block table grew, and
+        for their tokens where those are on the host already (not batch.inputs_in_flight)."""
+        seqs, slots, bs = batch.seqs, self.slots, self.block_size
+        positions, rows = last.seq_lens, last_rows  # each row's last position + 1
+        if batch.dropped:
+            kept = np.delete(np.arange(len(rows)), batch.dropped)
+            positions, rows = positions[kept], rows[kept]
+            placeholders = -1 - kept.astype(np.int32)
+            query_start_loc = np.arange(len(seqs) + 1, dtype=np.int32)
+        else:
+            placeholders = np.arange(-1, -len(seqs) - 1, -1, dtype=np.int32)
+            query_start_loc = (last.query_start_loc if last.max_query_len == 1
+                               else np.arange(len(seqs) + 1, dtype=np.int32))
+        if batch.inputs_in_flight:  # the token of kept row b is the placeholder of its row
+            token_ids = placeholders
+        else:
+            token_ids = np.array([seq.output_token_ids[-1] for seq in seqs], dtype=np.int32)
+        columns = positions // bs
+        for b in np.flatnonzero(columns >= slots.table_lengths[rows]).tolist():
+            slots.update_block_table(seqs[b])  # a block added for this position
+        seq_lens = positions + 1
+        max_seq_len = int(seq_lens.max())
+        return ForwardBatch(
+            token_ids=token_ids, positions=positions,
+            slot_mapping=slots.block_tables[rows, columns] * bs + positions % bs,
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=slots.block_tables[rows, :cdiv(max_seq_len, bs)],
+            max_query_len=1, max_seq_len=max_seq_len), rows
+
+    def _decode_batch(self, seqs: list[Sequence]) -> tuple[ForwardBatch, np.ndarray] | None:
         """build_batch for a step of one token per sequence, from whole-batch list passes
         and array operations; None when a sequence recomputes a reused token (a prompt
         whose every block came from the cache: build_batch's unwritten slot)."""
@@ -233,9 +289,38 @@ class ModelRunner:
             token_ids=token_ids, positions=starts, slot_mapping=slot_mapping,
             query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), seq_lens=seq_lens,
             block_tables=slots.block_tables[rows, :cdiv(max_seq_len, bs)],
-            max_query_len=1, max_seq_len=max_seq_len)
+            max_query_len=1, max_seq_len=max_seq_len), rows
 
     def sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
+        last = self._last_sampling
+        if last is not None and batch.follows is not None and batch.follows is last[0]:
+            tensors, rows = self._steady_sampling(batch, last[1], last[2])
+        else:
+            tensors, rows = self._gather_sampling(batch)
+        self._last_sampling = (batch, tensors, rows)
+        return tensors
+
+    def _steady_sampling(self, batch: ScheduledBatch, last: SamplingTensors,
+                         rows: np.ndarray) -> tuple[SamplingTensors, np.ndarray]:
+        """sampling_tensors for a step that follows `last`: its kept rows, each with one
+        more token generated; each slot's state is current (its reset, if any, went with
+        an earlier step) and each row's token is counted (`last` sampled every row)."""
+        if not batch.dropped:
+            return dataclasses.replace(last, steps=last.steps + 1, resets=None), rows
+        kept = np.delete(np.arange(len(rows)), batch.dropped)
+        rows = rows[kept]
+        settings = {name: None if value is None else value[kept]
+                    for name, value in vars(last).items() if name != "resets"}
+        settings["steps"] += 1
+        # a control only the dropped rows used is left out again (None)
+        for name, used in zip(OPTIONAL_ROWS, self.slots.uses_control[rows].any(axis=0).tolist()):
+            if not used:
+                settings[name] = None
+        if settings["state_slot"] is not None and not self.slots.uses_state[rows].any():
+            settings["state_slot"] = settings["count_token"] = None
+        return SamplingTensors(**settings), rows
+
+    def _gather_sampling(self, batch: ScheduledBatch) -> tuple[SamplingTensors, np.ndarray]:
         slots = self.slots
         rows, steps = [], []
         for seq in batch.seqs:  # one pass: this runs every step
@@ -266,8 +351,7 @@ class ModelRunner:
         for row in REQUEST_ROWS:
             settings[row.name] = (getattr(slots, row.name)[rows] if used.get(row.name, True)
                                   else None)
-        return SamplingTensors(**settings)
-
+        return SamplingTensors(**settings), rows
     def prompt_logprob_request(self, batch: ScheduledBatch) -> PromptLogprobRequest | None:
         """The prompt positions of this step whose next-token log-probabilities are asked
         (sample 0 of a request with prompt_logprobs computes them; its other samples fork

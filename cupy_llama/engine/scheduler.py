@@ -15,6 +15,12 @@ the last token is always computed, so there are logits to sample from. A request
 n > 1 samples queues n sequences; samples 1..n-1 start only once sample 0 has computed the
 prompt, and share its full prompt blocks, with or without the cache: each computes only
 its own tail (its partly filled last block, or its last token).
+
+A step after a steady one (every row of the last step ended in a sampled token, the same
+sequences run less those that ended, none preempted or admitted) is scheduled without a
+pass over the sequences: each has one token to compute, and only those whose last block is
+full, found by the step at which each runs out, get a block (`_steady`). The batch says so
+(`ScheduledBatch.follows`), so the model runner and update_after_step need no pass either.
 """
 from __future__ import annotations
 
@@ -30,6 +36,18 @@ from .sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]   # tokens of each sequence computed this step
+    # the steady decode step: the batch scheduled just before this one, when this one is
+    # one token each of that one's sequences in the same order less those that ended
+    # since (rows `dropped` of it), that one was computed (update_after_step) with a token
+    # sampled for every row, and nothing was preempted since. Each sequence is then at
+    # the position after that step's last, its input that step's token, in the same slot
+    # (the model runner updates its per-slot arrays by this diff instead of gathering
+    # them, docs/ARCHITECTURE.md)
+    follows: "ScheduledBatch | None" = None
+    dropped: list[int] | None = None  # with follows: rows of it not here, ascending
+    # set by the engine where `follows` is the step still running: this step's input
+    # tokens are the placeholders of its rows (nothing on the host to read)
+    inputs_in_flight: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +68,16 @@ class Scheduler:
         self.running: list[Sequence] = []   # in admission order, oldest first
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest
         self.num_preemptions = 0
+        # the last batch that update_after_step marked computed if each of its rows ended
+        # in a sampled token, num_preemptions then, and the running sequences that ended
+        # since (ScheduledBatch.follows)
+        self._last_sampled: ScheduledBatch | None = None
+        self._sampled_preemptions = 0
+        self._ended: list[Sequence] = []
+        # schedule() calls so far, and while steady steps follow one another, the running
+        # sequences by the call at which their next token needs a new block (_steady)
+        self._num_schedules = 0
+        self._block_due: dict[int, list[Sequence]] | None = None
 
     def check_fits(self, num_prompt_tokens: int) -> None:
         """Reject a prompt that could never run, with the numbers that say why."""
@@ -93,6 +121,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if self._last_sampled is not None:
+                self._ended.append(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
@@ -105,9 +135,15 @@ class Scheduler:
             seq.slot = None
 
     def schedule(self) -> ScheduledBatch:
+        self._num_schedules += 1
+        batch = self._steady()
+        if batch is not None:
+            return batch
+        self._block_due = None
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         block_size = self.blocks.block_size
+        cut = False  # a sequence gets fewer tokens than it has uncomputed
         # 1. running sequences, oldest first: decode tokens and continuing prefill chunks
         for seq in list(self.running):
             if budget == 0:
@@ -117,7 +153,7 @@ class Scheduler:
             computed = seq.num_computed_tokens  # (num_uncomputed_tokens, without the call)
             take = seq.num_prompt_tokens + len(seq.output_token_ids) - computed
             if take > budget:
-                take = budget
+                take, cut = budget, True
             # most decode steps: the last block has room, and nothing else is asked
             if computed + take > len(seq.block_table) * block_size \
                     and not self._make_room(seq, computed + take):
@@ -147,7 +183,76 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(take)
             budget -= take
+        last, self._last_sampled = self._last_sampled, None
+        if last is not None and not cut and self.num_preemptions == self._sampled_preemptions \
+                and batch.num_new_tokens.count(1) == len(batch.seqs):
+            self._follow(batch, last)
+        self._ended = []
         return batch
+
+    def _follow(self, batch: ScheduledBatch, last: ScheduledBatch) -> None:
+        """Set batch.follows (and dropped) where batch is last less the sequences that
+        ended since (the comparisons run at C speed: no pass over the sequences here)."""
+        dropped = self._dropped(batch.seqs, last)
+        if dropped is not False:
+            last.follows = last.dropped = None  # one step back is all a batch keeps
+            batch.follows, batch.dropped = last, dropped
+
+    def _dropped(self, seqs: list[Sequence], last: ScheduledBatch) -> list[int] | None | bool:
+        """The rows of last whose sequences ended since, where seqs is last less those
+        (None: none ended); False where seqs is not."""
+        if seqs == last.seqs:
+            return None
+        if not self._ended:
+            return False
+        try:
+            dropped = sorted(last.seqs.index(seq) for seq in self._ended)
+        except ValueError:  # one ran without being in the last step
+            return False
+        kept = list(last.seqs)
+        for row in reversed(dropped):
+            del kept[row]
+        return dropped if kept == seqs else False
+
+    def _steady(self) -> ScheduledBatch | None:
+        """The step after a steady one without a pass over the sequences, or None where
+        schedule's full pass is needed. It applies where the last step sampled a token
+        for each of its rows, the running sequences are those rows less the ones that
+        ended since, nothing was preempted and none can be admitted: each running
+        sequence then has one token to compute (LLMEngine appends one to each row that
+        ends in a sampled token, or ends it), and only those whose last block is full
+        need anything, a block, found by the call at which each runs out (_block_due)."""
+        last, running = self._last_sampled, self.running
+        if last is None or self.num_preemptions != self._sampled_preemptions or not running \
+                or len(running) > self.max_num_batched_tokens \
+                or (self.waiting and len(running) < self.max_num_seqs):
+            return None
+        dropped = self._dropped(running, last)
+        if dropped is False:
+            return None
+        now, block_size = self._num_schedules, self.blocks.block_size
+        due = self._block_due
+        if due is None:  # the first steady step since a full one: one pass
+            due = {}
+            for seq in running:
+                computed = seq.num_computed_tokens
+                if seq.num_prompt_tokens + len(seq.output_token_ids) - computed != 1:
+                    return None
+                due.setdefault(now + len(seq.block_table) * block_size - computed,
+                               []).append(seq)
+            self._block_due = due
+        # (those that ended since are left out; each of the others needs one block)
+        grow = [seq for seq in due.pop(now, ()) if seq.status is SequenceStatus.RUNNING]
+        if len(grow) > self.blocks.num_free_blocks:
+            self._block_due = None
+            return None  # the full pass preempts to make room
+        for seq in grow:
+            computed = seq.num_computed_tokens
+            self.blocks.grow(seq, computed + 1)
+            due.setdefault(now + len(seq.block_table) * block_size - computed, []).append(seq)
+        self._last_sampled, self._ended = None, []
+        last.follows = last.dropped = None
+        return ScheduledBatch(list(running), [1] * len(running), follows=last, dropped=dropped)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
@@ -175,10 +280,21 @@ class Scheduler:
         """Mark this step's tokens computed; returns (row, sequence) of the sequences whose
         step ends in a sampled token, those with every known token in the cache now (a
         prompt chunk that is not the last wants none)."""
-        sampled = []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
-                sampled.append((row, seq))  # every known token computed
+        if batch.follows is not None:
+            # the steady step: one token each, every known token but that one computed
+            # before (ScheduledBatch.follows), so each row ends in a sampled token
+            for seq in batch.seqs:
+                seq.num_computed_tokens += 1
+            sampled = list(enumerate(batch.seqs))
+        else:
+            sampled = []
+            for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
+                    sampled.append((row, seq))  # every known token computed
         self.blocks.on_computed(batch.seqs)
+        # every row ends in a sampled token (a prompt chunk that is not the last does not)
+        self._last_sampled = batch if len(sampled) == len(batch.seqs) else None
+        self._sampled_preemptions = self.num_preemptions
+        self._ended = []
         return sampled
