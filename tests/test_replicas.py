@@ -277,6 +277,14 @@ async def _send(client: httpx.AsyncClient, request, on_chunk=lambda outcome: Non
     return outcome
 
 
+async def _running(client: httpx.AsyncClient) -> bool:
+    """Whether the replica behind client runs any sequence now (its /metrics)."""
+    text = (await client.get("/metrics")).text
+    line = next(line for line in text.splitlines()
+                if line.startswith("cupy_llama:num_requests_running"))
+    return float(line.rsplit(" ", 1)[1]) > 0
+
+
 def _client(url: str, keepalive: bool = True) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=None if keepalive else 0)
     return httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
@@ -535,15 +543,20 @@ def test_replicas_sh_serves_through_nginx_and_stops_everything(model_dir, tmp_pa
 
 
 def _kill_one_during_a_wave(url: str, victim: int, victim_port: int, llm, log) -> None:
-    wave = [(f"Request {i}:", False, 24) for i in range(40)]
+    wave = [(f"Request {i}:", False, 48) for i in range(40)]
     expected = _expected(llm, wave)
 
     async def scenario():
-        async with _client(url) as client:
+        async with _client(url) as client, _client(f"http://127.0.0.1:{victim_port}") as direct:
             tasks = [asyncio.create_task(_send(client, request)) for request in wave]
-            await asyncio.sleep(0)
-            while not any(t.done() for t in tasks):  # the wave is under way
-                await asyncio.sleep(0.01)
+            # killed while it runs its share of the wave, the victim has answered none of
+            # it, so nginx sends each request again to the other replica. (A kill while a
+            # response is being written would cut that response, which no balancer can
+            # send again: waiting for a first answer to come back instead made this test
+            # kill during the burst of answers at the end of the wave.)
+            while not await _running(direct):
+                assert not all(t.done() for t in tasks), "the wave ended before the victim ran it"
+                await asyncio.sleep(0.005)
             os.killpg(victim, signal.SIGKILL)  # the replica's server and engine
             return await asyncio.gather(*tasks)
 
