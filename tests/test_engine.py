@@ -604,3 +604,47 @@ def test_steady_steps_build_what_a_rebuild_builds(model_dir):
     with_steady, counts = run(True)
     assert counts["steady"] > 10 and counts["dropped"] > 0, counts
     assert with_steady == run(False)[0]
+
+
+def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir):
+    """A steady step's rows resolved with array tests (LLMEngine._finish_rows: the output
+    limit, EOS, the samples that never take the short way) give the deltas and columns,
+    step by step (in any order within a step), of a run where every row takes the long way through stop_status."""
+    from cupy_llama.engine.output_processor import TokenColumns
+
+    def run(short: bool):
+        llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
+        engine, used = llm.engine, {"steady": 0}
+        steady_rows = engine._steady_rows
+
+        def counted(last, batch):
+            rows = steady_rows(last, batch) if short else None
+            used["steady"] += rows is not None
+            return rows
+
+        engine._steady_rows = counted
+        # a token in 29 is EOS: samples end now and then at EOS
+        engine.eos_token_ids = set(range(3, engine.config.vocab_size, 29))
+        for i, prompt in enumerate(prompts(12, seed=5)):
+            params = SamplingParams(max_tokens=3 + 2 * i, temperature=1.0, seed=i,
+                                    n=1 + i % 3 // 2, logprobs=1 if i % 5 == 2 else None,
+                                    stop_token_ids=[7, 11] if i % 4 == 3 else [],
+                                    ignore_eos=i % 6 == 5)
+            engine.add_request(prompt, params, request_id=f"r{i}", stream=i % 3 != 1,
+                               text=i % 2 == 0)
+        steps = []
+        for _ in range(500):
+            if not engine.has_unfinished_requests():
+                break
+            columns = TokenColumns.empty()
+            deltas = engine.step_deltas(columns)
+            # (within a step, the rows taken the short way come first)
+            steps.append((sorted((d[0], d[1], d[2], d[3], d[4], d[5] is None) for d in deltas),
+                          sorted(zip(*columns))))
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+        return steps, used["steady"]
+
+    with_short, used = run(True)
+    assert used > 10, used
+    assert with_short == run(False)[0]
