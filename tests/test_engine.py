@@ -648,3 +648,28 @@ def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir):
     with_short, used = run(True)
     assert used > 10, used
     assert with_short == run(False)[0]
+
+
+def test_a_steady_step_caches_every_block_a_full_pass_would(model_dir):
+    """A steady step scheduled without the pass offers the prefix cache only the blocks of
+    the sequences that got a block (ScheduledBatch.grown); after each step, a pass over
+    every sequence of the step (BlockManager.on_computed) finds nothing more to cache."""
+    llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
+    scheduler, blocks = llm.engine.scheduler, llm.engine.scheduler.blocks
+    update, counts = scheduler.update_after_step, {"grown": 0, "cached": 0}
+
+    def checked(batch):
+        sampled = update(batch)
+        settled = [seq.kv_hashes.num_settled for seq in batch.seqs]
+        counts["grown"] += batch.grown is not None
+        counts["cached"] += len(blocks.cached)
+        blocks.on_computed(batch.seqs)
+        assert [seq.kv_hashes.num_settled for seq in batch.seqs] == settled
+        return sampled
+
+    scheduler.update_after_step = checked
+    params = [SamplingParams(max_tokens=10 + 3 * i, temperature=0.8, seed=i, n=1 + i % 2,
+                             ignore_eos=True) for i in range(8)]
+    llm.generate(prompts(8, seed=6), params)
+    assert counts["grown"] > 10 and counts["cached"] > 0, counts
+    assert_all_blocks_free(llm)
