@@ -606,11 +606,14 @@ def test_steady_steps_build_what_a_rebuild_builds(model_dir):
     assert with_steady == run(False)[0]
 
 
-def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir):
+def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeypatch):
     """A steady step's rows resolved with array tests (LLMEngine._finish_rows: the output
     limit, EOS, the samples that never take the short way) give the deltas and columns,
     step by step (in any order within a step), of a run where every row takes the long way through stop_status."""
+    from cupy_llama.engine import llm_engine
     from cupy_llama.engine.output_processor import TokenColumns
+
+    monkeypatch.setattr(llm_engine, "STEADY_ROWS_MIN", 1)  # every steady step, however small
 
     def run(short: bool):
         llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)

@@ -25,6 +25,12 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
+# the fewest rows of a steady step that the engine resolves as _Rows: its array
+# operations cost about as much as the per-row lookups they save at some 100 rows
+# (scripts/profile_host_path.py --serve, benchmarks/NOTES.md)
+STEADY_ROWS_MIN = 128
+
+
 class _Sample:
     """One of a request's n sequences plus what its deltas have not carried yet: text
     (held back while a stop string could be forming), tokens and log-probabilities."""
@@ -536,7 +542,7 @@ class LLMEngine:
         batch.inputs_in_flight = (batch.follows is not None and in_flight is not None
                                   and in_flight.batch is batch.follows)
         sampled = self.runner.run(batch)
-        if batch.inputs_in_flight:
+        if batch.inputs_in_flight and len(batch.seqs) >= STEADY_ROWS_MIN:
             rows = self._steady_rows(in_flight, batch)
             if rows is not None:
                 return self._launch_steady(batch, sampled, rows)
