@@ -653,16 +653,23 @@ def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeyp
     assert with_short == run(False)[0]
 
 
-def test_a_steady_step_caches_every_block_a_full_pass_would(model_dir):
+@pytest.mark.parametrize("rows_min", [1, None])
+def test_a_steady_step_caches_every_block_a_full_pass_would(model_dir, monkeypatch, rows_min):
     """A steady step scheduled without the pass offers the prefix cache only the blocks of
     the sequences that got a block (ScheduledBatch.grown); after each step, a pass over
-    every sequence of the step (BlockManager.on_computed) finds nothing more to cache."""
+    every sequence of the step (BlockManager.on_computed) finds nothing more to cache.
+    rows_min 1: the steady steps' rows as arrays, the placeholders added in the
+    scheduler's pass (update_after_step's placeholders)."""
+    from cupy_llama.engine import llm_engine
+
+    if rows_min is not None:
+        monkeypatch.setattr(llm_engine, "STEADY_ROWS_MIN", rows_min)
     llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
     scheduler, blocks = llm.engine.scheduler, llm.engine.scheduler.blocks
     update, counts = scheduler.update_after_step, {"grown": 0, "cached": 0}
 
-    def checked(batch):
-        sampled = update(batch)
+    def checked(batch, **placeholders):
+        sampled = update(batch, **placeholders)
         settled = [seq.kv_hashes.num_settled for seq in batch.seqs]
         counts["grown"] += batch.grown is not None
         counts["cached"] += len(blocks.cached)

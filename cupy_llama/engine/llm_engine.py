@@ -586,10 +586,8 @@ class LLMEngine:
     def _launch_steady(self, batch, sampled, rows: "_Rows") -> "_Launched":
         """_launch for a steady step: a placeholder for each row, and the lengths checked
         as arrays (each row's output index is the last step's plus one)."""
-        self.scheduler.update_after_step(batch)
+        self.scheduler.update_after_step(batch, placeholders=True)
         seqs = batch.seqs
-        for seq, placeholder in zip(seqs, range(-1, -len(seqs) - 1, -1)):
-            seq.output_token_ids.append(placeholder)
         # stop_status's lengths, the token unknown: nothing is left to schedule (the rows
         # whose output limit this token reaches, which _finish_step takes the long way)
         state = rows.state

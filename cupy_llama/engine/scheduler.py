@@ -282,10 +282,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_after_step(self, batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+    def update_after_step(self, batch: ScheduledBatch,
+                          placeholders: bool = False) -> list[tuple[int, Sequence]]:
         """Mark this step's tokens computed; returns (row, sequence) of the sequences whose
         step ends in a sampled token, those with every known token in the cache now (a
-        prompt chunk that is not the last wants none)."""
+        prompt chunk that is not the last wants none). placeholders (a steady step only):
+        each row's output tokens also get the row's placeholder -(row + 1) in the same pass
+        (the engine's token still coming), and nothing is returned."""
+        if placeholders:
+            assert batch.follows is not None, "placeholders are for a steady step"
+            for seq, placeholder in zip(batch.seqs, range(-1, -len(batch.seqs) - 1, -1)):
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(placeholder)
+            self.blocks.on_computed(batch.seqs if batch.grown is None else batch.grown)
+            self._last_sampled = batch
+            self._sampled_preemptions = self.num_preemptions
+            self._ended = []
+            return []
         if batch.follows is not None:
             # the steady step: one token each, every known token but that one computed
             # before (ScheduledBatch.follows), so each row ends in a sampled token
