@@ -604,3 +604,82 @@ def test_steady_steps_build_what_a_rebuild_builds(model_dir):
     with_steady, counts = run(True)
     assert counts["steady"] > 10 and counts["dropped"] > 0, counts
     assert with_steady == run(False)[0]
+
+
+def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeypatch):
+    """A steady step's rows resolved with array tests (LLMEngine._finish_rows: the output
+    limit, EOS, the samples that never take the short way) give the deltas and columns,
+    step by step (in any order within a step), of a run where every row takes the long way through stop_status."""
+    from cupy_llama.engine import llm_engine
+    from cupy_llama.engine.output_processor import TokenColumns
+
+    monkeypatch.setattr(llm_engine, "STEADY_ROWS_MIN", 1)  # every steady step, however small
+
+    def run(short: bool):
+        llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
+        engine, used = llm.engine, {"steady": 0}
+        steady_rows = engine._steady_rows
+
+        def counted(last, batch):
+            rows = steady_rows(last, batch) if short else None
+            used["steady"] += rows is not None
+            return rows
+
+        engine._steady_rows = counted
+        # a token in 29 is EOS: samples end now and then at EOS
+        engine.eos_token_ids = set(range(3, engine.config.vocab_size, 29))
+        for i, prompt in enumerate(prompts(12, seed=5)):
+            params = SamplingParams(max_tokens=3 + 2 * i, temperature=1.0, seed=i,
+                                    n=1 + i % 3 // 2, logprobs=1 if i % 5 == 2 else None,
+                                    stop_token_ids=[7, 11] if i % 4 == 3 else [],
+                                    ignore_eos=i % 6 == 5)
+            engine.add_request(prompt, params, request_id=f"r{i}", stream=i % 3 != 1,
+                               text=i % 2 == 0)
+        steps = []
+        for _ in range(500):
+            if not engine.has_unfinished_requests():
+                break
+            columns = TokenColumns.empty()
+            deltas = engine.step_deltas(columns)
+            # (within a step, the rows taken the short way come first)
+            steps.append((sorted((d[0], d[1], d[2], d[3], d[4], d[5] is None) for d in deltas),
+                          sorted(zip(*columns))))
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+        return steps, used["steady"]
+
+    with_short, used = run(True)
+    assert used > 10, used
+    assert with_short == run(False)[0]
+
+
+@pytest.mark.parametrize("rows_min", [1, None])
+def test_a_steady_step_caches_every_block_a_full_pass_would(model_dir, monkeypatch, rows_min):
+    """A steady step scheduled without the pass offers the prefix cache only the blocks of
+    the sequences that got a block (ScheduledBatch.grown); after each step, a pass over
+    every sequence of the step (BlockManager.on_computed) finds nothing more to cache.
+    rows_min 1: the steady steps' rows as arrays, the placeholders added in the
+    scheduler's pass (update_after_step's placeholders)."""
+    from cupy_llama.engine import llm_engine
+
+    if rows_min is not None:
+        monkeypatch.setattr(llm_engine, "STEADY_ROWS_MIN", rows_min)
+    llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
+    scheduler, blocks = llm.engine.scheduler, llm.engine.scheduler.blocks
+    update, counts = scheduler.update_after_step, {"grown": 0, "cached": 0}
+
+    def checked(batch, **placeholders):
+        sampled = update(batch, **placeholders)
+        settled = [seq.kv_hashes.num_settled for seq in batch.seqs]
+        counts["grown"] += batch.grown is not None
+        counts["cached"] += len(blocks.cached)
+        blocks.on_computed(batch.seqs)
+        assert [seq.kv_hashes.num_settled for seq in batch.seqs] == settled
+        return sampled
+
+    scheduler.update_after_step = checked
+    params = [SamplingParams(max_tokens=10 + 3 * i, temperature=0.8, seed=i, n=1 + i % 2,
+                             ignore_eos=True) for i in range(8)]
+    llm.generate(prompts(8, seed=6), params)
+    assert counts["grown"] > 10 and counts["cached"] > 0, counts
+    assert_all_blocks_free(llm)

@@ -25,6 +25,12 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
+# the fewest rows of a steady step that the engine resolves as _Rows: its array
+# operations cost about as much as the per-row lookups they save at some 100 rows
+# (scripts/profile_host_path.py --serve, benchmarks/NOTES.md)
+STEADY_ROWS_MIN = 128
+
+
 class _Sample:
     """One of a request's n sequences plus what its deltas have not carried yet: text
     (held back while a stop string could be forming), tokens and log-probabilities."""
@@ -536,6 +542,10 @@ class LLMEngine:
         batch.inputs_in_flight = (batch.follows is not None and in_flight is not None
                                   and in_flight.batch is batch.follows)
         sampled = self.runner.run(batch)
+        if batch.inputs_in_flight and len(batch.seqs) >= STEADY_ROWS_MIN:
+            rows = self._steady_rows(in_flight, batch)
+            if rows is not None:
+                return self._launch_steady(batch, sampled, rows)
         waiting_for, constrained = [], None
         for row, seq in self.scheduler.update_after_step(batch):
             outputs = seq.output_token_ids
@@ -549,6 +559,90 @@ class LLMEngine:
                 # still comes, and stop_status decides again what it says)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return _Launched(batch, sampled, waiting_for, constrained)
+
+    def _steady_rows(self, last: "_Launched", batch) -> "_Rows | None":
+        """The rows of a steady step that follows `last` (still in flight): last's rows
+        less the dropped ones, each a token further on; None where a kept row's sample is
+        gone (the step is then launched the long way)."""
+        rows = last.rows
+        if rows is None:  # last was launched the long way: its entries, in row order
+            entries = last.waiting_for[::-1]
+            if len(entries) != len(last.batch.seqs):
+                return None
+            rows = _Rows.of([self._sample_of(seq) for seq, _, _ in entries],
+                            [index for _, _, index in entries])
+        samples, state = rows.samples, rows.state
+        if batch.dropped:
+            samples = list(samples)
+            for row in reversed(batch.dropped):
+                del samples[row]
+            state = np.delete(state, batch.dropped, axis=1)
+            if None in samples:
+                return None
+        elif rows.incomplete:
+            return None
+        return _Rows(samples, state + _Rows.STEP, rows.constrained)
+
+    def _launch_steady(self, batch, sampled, rows: "_Rows") -> "_Launched":
+        """_launch for a steady step: a placeholder for each row, and the lengths checked
+        as arrays (each row's output index is the last step's plus one)."""
+        self.scheduler.update_after_step(batch, placeholders=True)
+        seqs = batch.seqs
+        # stop_status's lengths, the token unknown: nothing is left to schedule (the rows
+        # whose output limit this token reaches, which _finish_step takes the long way)
+        state = rows.state
+        ended = state[1] <= 0
+        rows.long = ended | state[2].astype(bool)
+        if ended.any():
+            for row in np.flatnonzero(ended).tolist():
+                self.scheduler.finish(seqs[row], SequenceStatus.FINISHED_LENGTH)
+        constrained = None
+        if rows.constrained:
+            indexes = state[0].tolist()
+            constrained = [(seqs[row], row, indexes[row]) for row, sample
+                           in enumerate(rows.samples) if sample.seq.is_constrained]
+        launched = _Launched(batch, sampled, [], constrained)
+        launched.rows = rows
+        return launched
+
+    def _finish_rows(self, launched: "_Launched", token_array, tokens: list[int], now: float,
+                     deltas: list) -> None:
+        """_finish_step's short way for a steady step's rows (_Rows): a row whose token
+        stop_status certainly says None for (below the output limit, not EOS, a sample
+        without stop tokens) and whose sample has no grammar, no text made token by token
+        and no log-probabilities is resolved in one lean pass; the others become entries
+        for the long way (launched.waiting_for)."""
+        rows = launched.rows
+        long = rows.long
+        for eos in self.eos_token_ids:
+            long = long | (token_array[:len(rows.samples)] == eos)
+        columns = self._columns
+        waiting_for = []
+        for row, (sample, index, token_id, is_long) in enumerate(
+                zip(rows.samples, rows.state[0].tolist(), tokens, long.tolist())):
+            if is_long:
+                waiting_for.append((sample.seq, row, index))
+                continue
+            outputs = sample.seq.output_token_ids
+            if index >= len(outputs) or sample.num_resolved > index \
+                    or sample.finish_reason is not None:
+                continue  # ended at an earlier token, aborted, or handled already
+            outputs[index] = token_id
+            sample.num_resolved = index + 1
+            if sample.first_token_at is None:
+                sample.first_token_at = now
+            sample.last_token_at = now
+            if not sample.stream:
+                continue
+            if columns is not None and sample.columnar and 0 < sample.num_sent_tokens == index:
+                columns[0].append(sample.seq.request_id)
+                columns[1].append(sample.seq.index)
+                columns[2].append(token_id)
+                sample.num_sent_tokens = index + 1
+            else:
+                deltas.append(sample.delta())
+        launched.waiting_for = waiting_for[::-1]
+        launched.rows = None  # the rest are entries now
 
     def _note_scheduled(self, batch) -> None:
         """The first scheduling of each sample in the batch that had none yet."""
@@ -564,7 +658,8 @@ class LLMEngine:
         """Handle a launched step's tokens; entries are taken off as they are handled, so an
         interrupted call leaves the rest for the next one (self._unhandled). The one-token
         deltas that may go in columns go to step_deltas' TokenColumns, where it has one."""
-        tokens = launched.sampled.get().tolist()
+        token_array = launched.sampled.get()
+        tokens = token_array.tolist()
         now = time.monotonic()  # when these tokens are known
         prompt = getattr(launched.sampled, "prompt_logprobs", None)
         if prompt is not None:
@@ -576,6 +671,9 @@ class LLMEngine:
         columns = self._columns
         if columns is not None:
             column_ids, column_indexes, column_tokens = columns
+        if launched.rows is not None:  # a steady step: most rows the short way at once
+            self._finish_rows(launched, token_array, tokens, now, deltas)
+            waiting_for = launched.waiting_for
         while waiting_for:
             seq, row, index = waiting_for.pop()
             samples = requests.get(seq.request_id)  # (its id may be in use again)
@@ -759,6 +857,39 @@ class _Launched:
         self.waiting_for = waiting_for[::-1]  # last first: pop() hands them out in order
         # the entries of constrained sequences, until their masked draw is queued
         self.constrained = constrained
+        # a steady step's rows (LLMEngine._launch_steady), which stand for its entries
+        # until _finish_step makes entries of those it cannot take the short way
+        self.rows: _Rows | None = None
+
+
+class _Rows:
+    """A steady step's rows, carried from step to step while steps stay steady
+    (docs/ARCHITECTURE.md, "The steady decode step"): each row's sample and, as one int64
+    array of three rows (deleted from and moved on with one operation each), the index in
+    its output tokens of the row's token, the output tokens left under its limit after
+    that one (the limit is reached where this is 0 or less), and 1 where its sample never
+    takes _finish_step's short way (a grammar, text made token by token,
+    log-probabilities or stop tokens)."""
+    __slots__ = ("samples", "state", "constrained", "incomplete", "long")
+    STEP = np.array([[1], [-1], [0]], np.int64)  # one token further on
+
+    def __init__(self, samples: list, state, constrained: bool, incomplete: bool = False):
+        self.samples = samples
+        self.state = state
+        self.constrained = constrained  # a sample of some row is constrained
+        self.incomplete = incomplete  # a row's sample is gone (None)
+        self.long = None  # set at launch: the rows _finish_step takes the long way
+
+    @classmethod
+    def of(cls, samples: list, indexes: list[int]) -> "_Rows":
+        state = np.array([
+            indexes,
+            [0 if s is None else s.seq.output_limit - index - 1
+             for s, index in zip(samples, indexes)],
+            [s is None or not s.plain or s.logprobs is not None or bool(s.stop_token_ids)
+             for s in samples]], np.int64).reshape(3, len(samples))
+        constrained = any(s is not None and s.seq.is_constrained for s in samples)
+        return cls(samples, state, constrained, None in samples)
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__

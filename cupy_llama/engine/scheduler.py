@@ -48,6 +48,11 @@ class ScheduledBatch:
     # set by the engine where `follows` is the step still running: this step's input
     # tokens are the placeholders of its rows (nothing on the host to read)
     inputs_in_flight: bool = False
+    # a steady step scheduled without the pass (Scheduler._steady): the sequences whose
+    # last block the step before filled, which got a block for this one. Only their
+    # blocks can have become cacheable since (the filled block's last token is known by
+    # this step's update_after_step), so on_computed looks at them alone
+    grown: list[Sequence] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -252,7 +257,8 @@ class Scheduler:
             due.setdefault(now + len(seq.block_table) * block_size - computed, []).append(seq)
         self._last_sampled, self._ended = None, []
         last.follows = last.dropped = None
-        return ScheduledBatch(list(running), [1] * len(running), follows=last, dropped=dropped)
+        return ScheduledBatch(list(running), [1] * len(running), follows=last, dropped=dropped,
+                              grown=grow)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to num_tokens, preempting newer sequences as needed. False if
@@ -276,10 +282,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_after_step(self, batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+    def update_after_step(self, batch: ScheduledBatch,
+                          placeholders: bool = False) -> list[tuple[int, Sequence]]:
         """Mark this step's tokens computed; returns (row, sequence) of the sequences whose
         step ends in a sampled token, those with every known token in the cache now (a
-        prompt chunk that is not the last wants none)."""
+        prompt chunk that is not the last wants none). placeholders (a steady step only):
+        each row's output tokens also get the row's placeholder -(row + 1) in the same pass
+        (the engine's token still coming), and nothing is returned."""
+        if placeholders:
+            assert batch.follows is not None, "placeholders are for a steady step"
+            for seq, placeholder in zip(batch.seqs, range(-1, -len(batch.seqs) - 1, -1)):
+                seq.num_computed_tokens += 1
+                seq.output_token_ids.append(placeholder)
+            self.blocks.on_computed(batch.seqs if batch.grown is None else batch.grown)
+            self._last_sampled = batch
+            self._sampled_preemptions = self.num_preemptions
+            self._ended = []
+            return []
         if batch.follows is not None:
             # the steady step: one token each, every known token but that one computed
             # before (ScheduledBatch.follows), so each row ends in a sampled token
@@ -292,7 +311,7 @@ class Scheduler:
                 seq.num_computed_tokens += n
                 if seq.num_computed_tokens == seq.num_prompt_tokens + len(seq.output_token_ids):
                     sampled.append((row, seq))  # every known token computed
-        self.blocks.on_computed(batch.seqs)
+        self.blocks.on_computed(batch.seqs if batch.grown is None else batch.grown)
         # every row ends in a sampled token (a prompt chunk that is not the last does not)
         self._last_sampled = batch if len(sampled) == len(batch.seqs) else None
         self._sampled_preemptions = self.num_preemptions
