@@ -181,12 +181,8 @@ class ModelRunner:
         self._last_sampling: tuple | None = None
 
     def build_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        last = self._last_forward
-        if last is not None and batch.follows is not None and batch.follows is last[0]:
-            forward, rows = self._steady_batch(batch, last[1], last[2])
-        else:
-            forward, rows = self._build_batch(batch)
-        self._last_forward = (batch, forward, rows)
+        forward, self._last_forward = _by_diff_or_whole(
+            batch, self._last_forward, self._steady_batch, self._build_batch)
         return forward
 
     def _build_batch(self, batch: ScheduledBatch) -> tuple[ForwardBatch, np.ndarray]:
@@ -292,12 +288,8 @@ class ModelRunner:
             max_query_len=1, max_seq_len=max_seq_len), rows
 
     def sampling_tensors(self, batch: ScheduledBatch) -> SamplingTensors:
-        last = self._last_sampling
-        if last is not None and batch.follows is not None and batch.follows is last[0]:
-            tensors, rows = self._steady_sampling(batch, last[1], last[2])
-        else:
-            tensors, rows = self._gather_sampling(batch)
-        self._last_sampling = (batch, tensors, rows)
+        tensors, self._last_sampling = _by_diff_or_whole(
+            batch, self._last_sampling, self._steady_sampling, self._gather_sampling)
         return tensors
 
     def _steady_sampling(self, batch: ScheduledBatch, last: SamplingTensors,
@@ -393,3 +385,14 @@ class ModelRunner:
         sampled = self.backend.ops.sample_async(logits, sampling)
         sampled.prompt_logprobs = prompt
         return sampled
+
+
+def _by_diff_or_whole(batch: ScheduledBatch, last: tuple | None, steady, whole):
+    """(arrays, the record for the next step) of a batch: by steady(batch, arrays, rows)
+    from the last step's where the batch follows the one `last` records (batch, arrays,
+    rows), else whole(batch); each returns (arrays, rows)."""
+    if last is not None and batch.follows is not None and batch.follows is last[0]:
+        arrays, rows = steady(batch, last[1], last[2])
+    else:
+        arrays, rows = whole(batch)
+    return arrays, (batch, arrays, rows)
