@@ -286,6 +286,15 @@ def test_streamed_calls_reassemble_to_the_whole_answer(tool_server):
     assert "<tool_call>" not in content and '"name"' not in content
 
 
+def weather_model(pydantic):
+    """The pydantic model the client tests ask for as a json_schema response_format."""
+    class Weather(pydantic.BaseModel):
+        """The weather of a city."""
+        city: str = pydantic.Field(max_length=8)
+        celsius: int = pydantic.Field(ge=-40, le=50)
+    return Weather
+
+
 def test_a_two_turn_exchange_through_the_openai_client(tool_server):
     """The openai client: a required call, its result as a tool message, then an answer;
     and chat.completions.parse with a pydantic model (response_format json_schema)."""
@@ -294,9 +303,7 @@ def test_a_two_turn_exchange_through_the_openai_client(tool_server):
     model_dir, llm = tool_server
     state = make_state(model_dir, llm)
 
-    class Weather(pydantic.BaseModel):
-        city: str = pydantic.Field(max_length=8)
-        celsius: int = pydantic.Field(ge=-40, le=50)
+    Weather = weather_model(pydantic)
 
     async def go(transport):
         client = openai.AsyncOpenAI(base_url="http://app/v1", api_key="none", max_retries=0,
@@ -331,10 +338,7 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server):
     model_dir, llm = tool_server
     state = make_state(model_dir, llm)
 
-    class Weather(pydantic.BaseModel):
-        """The weather of a city."""
-        city: str = pydantic.Field(max_length=8)
-        celsius: int = pydantic.Field(ge=-40, le=50)
+    Weather = weather_model(pydantic)
 
     async def go(transport):
         chat = langchain_openai.ChatOpenAI(
