@@ -212,61 +212,106 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 // x rows -> shared memory as 16-byte chunks of bf16, zero from k up to x_chunks. x was
 // written by the kernel before, which may have been running when this one started: it is
 // read at L2 (ld.global.cg), never through a cache this SM filled earlier.
+//
+// Staging sits between the wait for the kernel before and the first mma, so its loads are
+// issued STAGE_BATCH at a time before any is used: a loop of one load per turn would pay a
+// round trip to L2 per turn, m_rows times over (at 8 x rows and k 2,048, 24 round trips,
+// about 6 us, against 1 row's 3).
+#define STAGE_BATCH 4  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
+#define NORM_BATCH 2   // chunks a thread scales at once (each two float4 and a weight chunk)
 template <int PRO, int WARPS>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
     const int chunks = a.k / 8;
+    const int total = a.m_rows * x_chunks;  // staged chunks, row by row
     const uint4 zero = make_uint4(0, 0, 0, 0);
     if (PRO == PRO_PLAIN) {
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
-        for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
-            const int m = i / x_chunks, c = i - m * x_chunks;
-            xs[m * x_stride + c] = c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
+        for (int base = threadIdx.x; base < total; base += STAGE_BATCH * blockDim.x) {
+            uint4 v[STAGE_BATCH];
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) {
+                const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
+                v[b] = i < total && c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
+            }
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) {
+                const int i = base + b * blockDim.x, m = i / x_chunks;
+                if (i < total) xs[m * x_stride + i - m * x_chunks] = v[b];
+            }
         }
         return;
     }
-    // PRO_NORM: every thread sums squares over a slice of each row, the block adds the
-    // warps' sums per row, then every thread writes its slice of the scaled rows
-    __shared__ float row_sums[16][WARPS];  // [x row][warp]; m_rows <= 16
+    // PRO_NORM. The sums of squares: each row goes to a group of row_warps warps (all
+    // WARPS for one row, one warp a row from WARPS / 2 + 1 rows on), whose lanes sum its
+    // float4 in turn; a group's warps leave their sums in row_sums, added in warp order.
+    __shared__ float row_sums[16][WARPS];  // [x row][warp of its group]; m_rows <= 16
     __shared__ float inv_rms[16];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
     const int quads = a.k / 4;
-    for (int m = 0; m < a.m_rows; ++m) {
-        float sum_sq = 0.0f;
-        for (int c = threadIdx.x; c < quads; c += blockDim.x) {
-            const float4 v = __ldcg(x4 + (long long)m * quads + c);
-            sum_sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    const int row_warps = max(1, WARPS / a.m_rows), groups = WARPS / row_warps;
+    const int group = warp / row_warps, part = warp - group * row_warps;
+    const int group_lane = part * WARP_SIZE + lane, group_threads = row_warps * WARP_SIZE;
+    if (group < groups) {
+        for (int m = group; m < a.m_rows; m += groups) {
+            const float4* row = x4 + (long long)m * quads;
+            float sum_sq = 0.0f;
+            for (int base = group_lane; base < quads; base += STAGE_BATCH * group_threads) {
+                float4 v[STAGE_BATCH];
+#pragma unroll
+                for (int b = 0; b < STAGE_BATCH; ++b) {
+                    const int q = base + b * group_threads;
+                    v[b] = q < quads ? __ldcg(row + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int b = 0; b < STAGE_BATCH; ++b)
+                    sum_sq += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+            }
+            sum_sq = warp_sum(sum_sq);
+            if (lane == 0) row_sums[m][part] = sum_sq;
         }
-        sum_sq = warp_sum(sum_sq);
-        if (lane == 0) row_sums[m][warp] = sum_sq;
     }
     __syncthreads();
     if (threadIdx.x < a.m_rows) {
         float sum_sq = 0.0f;
-#pragma unroll
-        for (int v = 0; v < WARPS; ++v) sum_sq += row_sums[threadIdx.x][v];
+        for (int v = 0; v < row_warps; ++v) sum_sq += row_sums[threadIdx.x][v];
         inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
     }
     __syncthreads();
+    // the scaled rows, NORM_BATCH chunks of 8 at a time per thread
     const uint4* weight4 = reinterpret_cast<const uint4*>(a.norm_weight);
-    for (int i = threadIdx.x; i < a.m_rows * x_chunks; i += blockDim.x) {
-        const int m = i / x_chunks, c = i - m * x_chunks;
-        unsigned packed[4] = {0u, 0u, 0u, 0u};
-        if (c < chunks) {
-            const float4 v0 = __ldcg(x4 + (long long)m * quads + 2 * c);
-            const float4 v1 = __ldcg(x4 + (long long)m * quads + 2 * c + 1);
-            const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-            float weight[8];
-            unpack_bf16x8(__ldg(weight4 + c), weight);
-            const float scale = inv_rms[m];
+    for (int base = threadIdx.x; base < total; base += NORM_BATCH * blockDim.x) {
+        float4 v[NORM_BATCH][2];
+        uint4 weight_chunk[NORM_BATCH];
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                packed[j] = pack_bf16x2(rms_scaled(v[2 * j], scale, weight[2 * j], a.norm_offset),
-                                        rms_scaled(v[2 * j + 1], scale, weight[2 * j + 1],
-                                                   a.norm_offset));
+        for (int b = 0; b < NORM_BATCH; ++b) {
+            const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
+            const bool present = i < total && c < chunks;
+            const float4 none = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[b][0] = present ? __ldcg(x4 + (long long)m * quads + 2 * c) : none;
+            v[b][1] = present ? __ldcg(x4 + (long long)m * quads + 2 * c + 1) : none;
+            weight_chunk[b] = present ? __ldg(weight4 + c) : zero;
         }
-        xs[m * x_stride + c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+#pragma unroll
+        for (int b = 0; b < NORM_BATCH; ++b) {
+            const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
+            if (i >= total) continue;
+            unsigned packed[4] = {0u, 0u, 0u, 0u};
+            if (c < chunks) {
+                const float x[8] = {v[b][0].x, v[b][0].y, v[b][0].z, v[b][0].w,
+                                    v[b][1].x, v[b][1].y, v[b][1].z, v[b][1].w};
+                float weight[8];
+                unpack_bf16x8(weight_chunk[b], weight);
+                const float scale = inv_rms[m];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    packed[j] = pack_bf16x2(rms_scaled(x[2 * j], scale, weight[2 * j], a.norm_offset),
+                                            rms_scaled(x[2 * j + 1], scale, weight[2 * j + 1],
+                                                       a.norm_offset));
+            }
+            xs[m * x_stride + c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
     }
 }
 

@@ -15,7 +15,7 @@ from test_cuda_ops import cp, rng  # noqa: F401  (fixtures)
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")]
 
-ROWS = (1, 2, 7, 8, 9, 16)
+ROWS = (1, 2, 3, 5, 7, 8, 9, 16)
 EPS = 1e-5
 
 
