@@ -217,7 +217,7 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 // issued STAGE_BATCH at a time before any is used: a loop of one load per turn would pay a
 // round trip to L2 per turn, m_rows times over (at 8 x rows and k 2,048, 24 round trips,
 // about 6 us, against 1 row's 3).
-#define STAGE_BATCH 4  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
+#define STAGE_BATCH 8  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
 #define NORM_BATCH 2   // chunks a thread scales at once (each two float4 and a weight chunk)
 template <int PRO, int WARPS>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
