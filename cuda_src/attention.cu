@@ -996,10 +996,17 @@ DEFINE_PREFILL_ATTENTION(prefill_attention_d128, 128)
 // takes keys 16w .. 16w + 15 of every tile with its own online softmax (fragment layouts as
 // prefill_attention below), and the warps merge through shared memory at the end, reusing
 // the tile buffers.
+//
+// Clustered (CLUSTER > 0, sm_90+): grid (CLUSTER, nkv, B) launched as clusters of CLUSTER
+// CTAs along x. The CTAs of a cluster split one (sequence, kv head)'s keys as num_splits
+// ranges would (each derives its range from seq_len), keep their merged result (running
+// max, sum, unnormalized output per head) in shared memory after the warps' merge
+// buffers, and merge through distributed shared memory, as the clustered CUDA-core kernel
+// does: no partials in memory and no combine kernel after it.
 #define DECODE_MMA_THREADS 128
 #define DECODE_MMA_KEYS 64  // keys per tile: 16 per warp
 
-template <int D>
+template <int D, int CLUSTER>
 __device__ __forceinline__ void decode_attention_mma_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache,
         const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
@@ -1023,15 +1030,18 @@ __device__ __forceinline__ void decode_attention_mma_body(
     if (query_start_loc[b + 1] == q_row) return;  // no new token
     const int seq_len = seq_lens[b];
     const int lo = window > 0 ? max(0, seq_len - window) : 0;  // the first key the token sees
+    const int parts = CLUSTER > 0 ? CLUSTER : num_splits;
     int key_begin = lo, key_end = seq_len;
-    if (num_splits > 1) {
-        if (split_len == 0) split_len = device_split_len(seq_len - lo, num_splits);
+    if (parts > 1) {
+        if (CLUSTER > 0 || split_len == 0) split_len = device_split_len(seq_len - lo, parts);
         key_begin = min(seq_len, lo + split * split_len);
         key_end = min(seq_len, key_begin + split_len);
     }
     let_next_kernel_start();     // the next product may load its weights meanwhile
     wait_for_previous_kernel();  // launched programmatically: q and the new K/V come from it
-    if (key_begin >= key_end) {  // no key (uniform per CTA): output 0 / an empty split
+    // no key (uniform per CTA): output 0 / an empty split. A CTA of a cluster goes on with
+    // an empty range (no tile; its merged result is -inf, 0, 0): the others read it
+    if (CLUSTER == 0 && key_begin >= key_end) {
         if (num_splits == 1) {
             for (int i = threadIdx.x; i < group * D; i += DECODE_MMA_THREADS)
                 out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
@@ -1150,6 +1160,12 @@ __device__ __forceinline__ void decode_attention_mma_body(
     float* merge_acc = reinterpret_cast<float*>(decode_mma_smem);  // [NUM_WARPS][16][D]
     float* merge_m = merge_acc + NUM_WARPS * 16 * D;                // [NUM_WARPS][16]
     float* merge_l = merge_m + NUM_WARPS * 16;                      // [NUM_WARPS][16]
+    // CLUSTER: the CTA's merged result, which the cluster's CTAs read
+    float* cta_acc = merge_l + NUM_WARPS * 16;  // [16][D]
+    float* cta_m = cta_acc + 16 * D;            // [16]
+    float* cta_l = cta_m + 16;                  // [16]
+    static_assert((NUM_WARPS * (D + 2) + D + 2) * 16 * 4 <= 4 * DECODE_MMA_KEYS * (D + PREFILL_ROW_PAD) * 2,
+                  "the merge buffers fit the tile buffers");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = l_row[r];
@@ -1177,6 +1193,14 @@ __device__ __forceinline__ void decode_attention_mma_body(
                                [&](int w) { return merge_l[w * 16 + head]; },
                                [&](int w) { return merge_acc[(w * 16 + head) * D + c]; },
                                m_max, sum_l, sum_acc);
+        if (CLUSTER > 0) {
+            cta_acc[head * D + c] = sum_acc;
+            if (c == 0) {
+                cta_m[head] = m_max;
+                cta_l[head] = sum_l;
+            }
+            continue;
+        }
         const float value = sum_acc / sum_l;
         if (num_splits == 1) {
             out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(value);
@@ -1186,9 +1210,38 @@ __device__ __forceinline__ void decode_attention_mma_body(
             if (c == 0) partial_lse[part] = (m_max + log2f(sum_l)) * LN_2;
         }
     }
+    if constexpr (CLUSTER > 0) {
+        // CTA r writes outputs [r * per, (r + 1) * per) of the group's heads, reading every
+        // CTA's result in rank order (the same sums whichever CTA computes them)
+        cluster_barrier();  // every CTA's result is in its shared memory
+        const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
+        const int end = min(total, (split + 1) * per);
+        const unsigned base = shared_address(decode_mma_smem);
+        for (int i = split * per + tid; i < end; i += DECODE_MMA_THREADS) {
+            const int head = i / D, c = i % D;
+            const unsigned m_at = shared_address(cta_m + head) - base;
+            const unsigned l_at = shared_address(cta_l + head) - base;
+            const unsigned acc_at = shared_address(cta_acc + head * D + c) - base;
+            float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
+#pragma unroll
+            for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
+                const unsigned remote = cluster_address(decode_mma_smem, r);
+                m_r[r] = cluster_load(remote + m_at);
+                l_r[r] = cluster_load(remote + l_at);
+                acc_r[r] = cluster_load(remote + acc_at);
+            }
+            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
+            float m_max, sum_l, sum_acc;
+            merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
+                                 [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
+            out[((long long)q_row * num_heads + head0) * D + i] =
+                to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+        }
+        cluster_barrier();  // no CTA leaves while another still reads its shared memory
+    }
 }
 
-#define DEFINE_DECODE_ATTENTION_MMA(NAME, D)                                               \
+#define DEFINE_DECODE_ATTENTION_MMA(NAME, D, CLUSTER)                                      \
     extern "C" __global__ void __launch_bounds__(DECODE_MMA_THREADS)                      \
     NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
@@ -1196,12 +1249,20 @@ __device__ __forceinline__ void decode_attention_mma_body(
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
         int window) {                                                                     \
-        decode_attention_mma_body<D>(q, k_cache, v_cache, block_tables, seq_lens,         \
-                                     query_start_loc, out, partial_out, partial_lse,      \
-                                     num_heads, num_kv_heads, block_shift,                \
-                                     max_blocks_per_seq, scale_log2, num_splits,          \
-                                     split_len, window);                                  \
+        decode_attention_mma_body<D, CLUSTER>(q, k_cache, v_cache, block_tables, seq_lens, \
+                                              query_start_loc, out, partial_out,          \
+                                              partial_lse, num_heads, num_kv_heads,       \
+                                              block_shift, max_blocks_per_seq,            \
+                                              scale_log2, num_splits, split_len, window); \
     }
 
-DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64, 64)
-DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128, 128)
+// CLUSTER: 0 (split into num_splits ranges, combined by attention_combine_kernel) or the
+// CTAs of a cluster (2, 4 or 8: the launcher takes the largest that the split count holds)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64, 64, 0)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128, 128, 0)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64_c2, 64, 2)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64_c4, 64, 4)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d64_c8, 64, 8)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128_c2, 128, 2)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128_c4, 128, 4)
+DEFINE_DECODE_ATTENTION_MMA(decode_attention_mma_d128_c8, 128, 8)

@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
 from cupy_llama.backends.cuda import attention
 from cupy_llama.backends.cuda.device import device_limits
+from cupy_llama.backends.cuda.launch import launch_attributes_usable
 from cupy_llama.util import cdiv  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16
@@ -205,16 +206,23 @@ class Bench:
                 name = f"{label} {mode}"
                 result["us"][name] = self.gpu_time_us(launch)
                 outputs[name] = bits_to_float32(cp, out)
+        # the clustered kernels with the graph's split count: the CUDA-core one where a CTA
+        # covers its keys in one step, the tensor-core one wherever the keys split
+        clustered = []
         if context <= attention.cluster_max_keys(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS):
+            clustered.append(("decode", "clusters graph"))
+        if graph > 1:
+            clustered.append(("decode_mma", "mma clusters graph"))
+        for kernel, name in clustered if launch_attributes_usable() else ():
             out = cp.empty((num_seqs, NUM_HEADS * HEAD_DIM), np.uint16)
-            def launch(out=out):
+            def launch(out=out, kernel=kernel):
                 attention.paged_attention(
                     inputs[0], self.k_pool, self.v_pool, inputs[1], inputs[2], inputs[3], out,
                     scale=HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=None,
                     num_splits=graph, partial_out=self.partial_out,
-                    partial_lse=self.partial_lse, kernel="decode", clusters=True)
-            result["us"]["clusters graph"] = self.gpu_time_us(launch)
-            outputs["clusters graph"] = bits_to_float32(cp, out)
+                    partial_lse=self.partial_lse, kernel=kernel, clusters=True)
+            result["us"][name] = self.gpu_time_us(launch)
+            outputs[name] = bits_to_float32(cp, out)
         first = outputs["cuda cores eager"]
         for name, out in outputs.items():
             result["max_diff"][name] = max_abs_diff(cp, out, first)
@@ -333,7 +341,7 @@ def print_table(results, file=None):
 def print_kernel_table(results, file=None):
     file = file or sys.stdout
     names = ("cuda cores eager", "tensor cores eager", "cuda cores graph", "tensor cores graph",
-             "clusters graph")
+             "clusters graph", "mma clusters graph")
     print("\ndecode attention, GPU us per call (median), with the combine kernel where split; "
           "err: max |x - float32 reference| of the tensor-core runs", file=file)
     print(f"{'case':<24}" + "".join(f"{n:>20}" for n in names) + f"{'splits e/g':>12}{'err':>9}",
@@ -342,8 +350,8 @@ def print_kernel_table(results, file=None):
         if "error" in r:
             print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
             continue
-        err = max((v for k, v in r["max_err_vs_reference"].items() if k.startswith("tensor")),
-                  default=float("nan"))
+        err = max((v for k, v in r["max_err_vs_reference"].items()
+                   if k.startswith(("tensor", "mma"))), default=float("nan"))
         print(f"{r['case']:<24}" + "".join(f"{r['us'].get(n, float('nan')):>20.1f}" for n in names)
               + f"{str(r['splits']['eager']) + '/' + str(r['splits']['graph']):>12}{err:>9.2g}",
               file=file)

@@ -45,7 +45,9 @@ def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
     assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
     # the other kernels do not change with it
     assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64"
-    assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "decode_attention_mma_d64"
+    assert plan(num_splits=4, num_slots=2 ** 31).kernel == "decode_attention_mma_d64"
+    # where the tensor-core kernel runs, its own clusters
+    assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "decode_attention_mma_d64_c4"
 
 
 def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
@@ -69,13 +71,32 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
     assert pay(1, 289) and pay(2, 512)
     assert not pay(1, 513)  # two steps per CTA
     assert not pay(4, 289)  # 256 CTAs on 132 SMs
-    assert pay(8, 289, num_kv_heads=2, num_heads=8) and not pay(9, 289, num_kv_heads=2, num_heads=8)
+    assert pay(4, 289, num_kv_heads=4, num_heads=16) and not pay(5, 289, num_kv_heads=4, num_heads=16)
     assert pay(1, 512, head_dim=128) and not pay(1, 513, head_dim=128)
     assert pay(1, 512, head_dim=256, num_heads=4, num_kv_heads=1)  # Gemma-3-1B
     assert pay(16, 289, head_dim=256, num_heads=4, num_kv_heads=1)  # 128 CTAs
     assert not pay(1, 100, head_dim=128, num_heads=48, num_kv_heads=8)  # 32-key steps
     assert not pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: no decode kernel
     assert not pay(1, 100, head_dim=96)
+    # the tensor-core kernel's batches: clustered at every context (NOTES change 38)
+    mma_min = attention.DECODE_MMA_MIN_SEQS
+    assert pay(mma_min, 4096) and pay(256, 100) and pay(64, 8192, head_dim=128, num_heads=16)
+    assert pay(mma_min, 4096, num_heads=32, num_kv_heads=2)  # 16 heads per kv head
+    assert not pay(mma_min, 4096, head_dim=256, num_heads=4, num_kv_heads=1)  # no mma kernel
+    assert not pay(17, 289, head_dim=256, num_heads=4, num_kv_heads=1)  # 136 CTAs
+
+
+def test_tensor_core_clusters_launch_no_more_ctas_than_the_splits():
+    """The clustered tensor-core kernel takes the largest instantiated cluster that the
+    split count holds."""
+    sizes = {n: attention.mma_cluster_size(n) for n in (1, 2, 3, 4, 5, 7, 8, 9, 32)}
+    assert sizes == {1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 7: 4, 8: 8, 9: 8, 32: 8}
+    p = plan(num_seqs=16, num_splits=5, clusters=True)
+    assert p.kernel == "decode_attention_mma_d64_c4" and p.cluster == 4
+    assert p.grid == (4, 8, 16) and p.shared_mem == 2 * 4 * 64 * (64 + 8)
+    p = plan(num_seqs=16, num_splits=9, head_dim=128, num_heads=16, clusters=True)
+    assert p.kernel == "decode_attention_mma_d128_c8" and p.grid == (8, 8, 16)
+    assert plan(num_seqs=16, num_splits=1, clusters=True).kernel == "decode_attention_mma_d64"
 
 
 def test_decode_step_matches_the_cuda_source():
@@ -120,10 +141,12 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
     assert p.block == 128 and p.shared_mem == 2 * 4 * 64 * (64 + 8)
     assert plan(num_seqs=256, head_dim=128).shared_mem == 2 * 4 * 64 * (128 + 8)
     assert plan(num_seqs=1, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
-    assert plan(num_seqs=64, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
+    assert plan(num_seqs=64, num_splits=3, clusters=True).kernel == "decode_attention_mma_d64_c2"
     # either kernel on demand, where it can run
     assert plan(num_seqs=1, num_splits=3, clusters=True, kernel="decode_mma").kernel == \
-        "decode_attention_mma_d64"
+        "decode_attention_mma_d64_c2"
+    assert plan(num_seqs=64, num_splits=3, clusters=True, kernel="decode").kernel == \
+        "decode_attention_d64_g4_cluster"
     assert plan(num_seqs=256, kernel="decode").kernel == "decode_attention_d64_g4"
     assert plan(num_seqs=256, kernel="decode", num_heads=32, num_kv_heads=2).kernel == \
         "prefill_attention_d64"  # no CUDA-core kernel for 16 heads per kv head

@@ -49,10 +49,12 @@ def test_short_graph_buckets():
     from cupy_llama.backends.cuda.attention import decode_clusters_pay
     from cupy_llama.backends.cuda.graphs import short_graph_buckets
     buckets = [1, 2, 4, 8, 12]
-    # 2 kv heads of 4 query heads, head_dim 64, 132 SMs: clusters up to batch 8, 512 keys
+    # 2 kv heads of 4 query heads, head_dim 64, 132 SMs: the CUDA-core clusters up to batch
+    # 8 and 512 keys; from batch 8 on the tensor-core kernel's, at every context (their one
+    # graph is clustered already)
     clustered = lambda bucket, limit: decode_clusters_pay(
         num_seqs=bucket, num_heads=8, num_kv_heads=2, head_dim=64, max_seq_len=limit, num_sms=132)
-    assert short_graph_buckets(buckets, 512, 1024, clustered) == {1, 2, 4, 8}
+    assert short_graph_buckets(buckets, 512, 1024, clustered) == {1, 2, 4}
     assert short_graph_buckets(buckets, 512, 512, clustered) == set()  # nothing shorter
     assert short_graph_buckets(buckets, 0, 1024, lambda b, limit: True) == set()  # no cluster shape
 
@@ -186,8 +188,8 @@ def assert_logits_close(got, expected, tolerance, what):
 
 
 # decode steps: the sequences in each (sizes 1, 3, 5, 1, 3, 5, 11, 9: buckets 1, 4, 8, 1, 4,
-# 8, 12, 12 with padding; the first three rounds within 512 tokens, so they replay the
-# short-context graphs), several steps each so block tables and sequence lengths
+# 8, 12, 12 with padding; the first three rounds within 512 tokens, so buckets 1 and 4
+# replay their short-context graphs), several steps each so block tables and sequence lengths
 # change between replays; the last round's padding rows hold what the round before left in
 # its block tables
 DECODE_ROUNDS = [[3], [1, 4, 6], [5, 9, 10, 11, 3], [7], [0, 5, 9], [1, 2, 3, 4, 11],
@@ -205,13 +207,15 @@ def test_graph_decode_matches_eager(model, rng, skinny):
     cpu, gpu_backend = make_backends(model, switches=KernelSwitches(skinny_gemm=skinny))
     assert gpu_backend.graphs is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
     graphs = gpu_backend.graphs
-    clustered = gpu_backend.ops.clusters  # then short-context graphs at buckets 1 to 8
-    assert graphs.num_captured == len(graphs.buckets) + (4 if clustered else 0)
+    # with clusters, short-context graphs at buckets 1 to 4 (the CUDA-core kernel's); from
+    # 8 sequences the tensor-core kernel's clusters run at every context, in the one graph
+    clustered = gpu_backend.ops.clusters
+    assert graphs.num_captured == len(graphs.buckets) + (3 if clustered else 0)
     if clustered:
         assert graphs.short_limit == 512  # head_dim 64, 4 query heads per kv head
-        assert graphs.limit_for(1, 16) == graphs.limit_for(8, 300) == 512
+        assert graphs.limit_for(1, 16) == graphs.limit_for(4, 300) == 512
         assert graphs.limit_for(1, 513) == MAX_MODEL_LEN
-        assert graphs.limit_for(12, 16) == MAX_MODEL_LEN
+        assert graphs.limit_for(8, 300) == graphs.limit_for(12, 16) == MAX_MODEL_LEN
     # long prompts (several attention splits: up to 1000 keys over 4 splits), short ones
     lengths = [900, 37, 600, 16, 17, 300, 1, 700, 64, 250, 129, 5]
     prompts = [rng.integers(0, config.vocab_size, n) for n in lengths]

@@ -486,31 +486,40 @@ def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_clusters(cp, rng, head_dim, group):
-    """The clustered decode kernel (sm_90+): contexts from 1 key (seven of the cluster's
-    eight CTAs without a key) to 4,098 (several steps per CTA), host- and device-derived
-    lengths alike, and large scores."""
-    from cupy_llama.backends.cuda import launch
+    """The clustered decode kernels (sm_90+), CUDA-core (clusters of 8) and tensor-core
+    (clusters of 2, 4 and 8: 3, 5 and 32 splits): contexts from 1 key (all but one of a
+    cluster's CTAs without a key) to 4,098 (several steps or tiles per CTA), host- and
+    device-derived lengths alike, a CUDA graph's padding row, and large scores."""
+    from dataclasses import replace
+
+    from cupy_llama.backends.cuda import attention, launch
     if not launch.launch_attributes_usable():
         pytest.skip("this GPU (or driver) does not launch thread-block clusters")
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
-    for max_seq_len in ("batch", None):
-        got = run_paged_attention(cp, case, head_dim, num_splits=32, max_seq_len=max_seq_len,
-                                  clusters=True)
-        assert_close(got, case["expected"], 1.5e-2, 1e-2,
-                     f"cluster decode d={head_dim} group={group} max_seq_len={max_seq_len}")
-    # a CUDA graph's padding row (a query, no key: sequence length 0) gives zeros, as the
-    # split kernels do, and leaves the other rows alone
-    from dataclasses import replace
+    large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
     batch = case["gpu_batch"]
     padded = replace(batch, seq_lens=np.concatenate([[0], batch.seq_lens[1:]]).astype(np.int32))
-    got = run_paged_attention(cp, {**case, "gpu_batch": padded}, head_dim, num_splits=32,
-                              max_seq_len=None, clusters=True)
-    expected = case["expected"].copy()
-    expected[0] = 0.0
-    assert_close(got, expected, 1.5e-2, 1e-2, "cluster decode with a padding row")
-    large = build_attention_case(cp, rng, DECODE, 2, head_dim, group, q_scale=12.0)
-    got = run_paged_attention(cp, large, head_dim, num_splits=3, clusters=True)
-    assert_close(got, large["expected"], 1.5e-2, 1e-2, "cluster decode with large scores")
+    kernels = {"decode": (32,)}
+    if head_dim in attention.DECODE_MMA_HEAD_DIMS:
+        kernels["decode_mma"] = (3, 5, 32)
+    for kernel, split_counts in kernels.items():
+        for num_splits in split_counts:
+            what = f"{kernel} clusters d={head_dim} group={group} splits={num_splits}"
+            for max_seq_len in ("batch", None):
+                got = run_paged_attention(cp, case, head_dim, num_splits=num_splits,
+                                          max_seq_len=max_seq_len, kernel=kernel, clusters=True)
+                assert_close(got, case["expected"], 1.5e-2, 1e-2, f"{what} {max_seq_len}")
+            # a padding row (a query, no key: sequence length 0) gives zeros, as the split
+            # kernels do, and leaves the other rows alone
+            got = run_paged_attention(cp, {**case, "gpu_batch": padded}, head_dim,
+                                      num_splits=num_splits, max_seq_len=None, kernel=kernel,
+                                      clusters=True)
+            expected = case["expected"].copy()
+            expected[0] = 0.0
+            assert_close(got, expected, 1.5e-2, 1e-2, f"{what} with a padding row")
+            got = run_paged_attention(cp, large, head_dim, num_splits=num_splits, kernel=kernel,
+                                      clusters=True)
+            assert_close(got, large["expected"], 1.5e-2, 1e-2, f"{what} with large scores")
 
 
 # contexts on both sides of the split and cluster edges: 64-key ranges (SPLIT_ALIGN), one
@@ -522,21 +531,24 @@ SPLIT_EDGES = [(63, 1), (64, 1), (127, 1), (510, 1), (511, 1), (512, 1), (1023, 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_at_split_edges(cp, rng, head_dim, group):
-    """The CUDA-core decode kernels, split and clustered, where the key ranges end at and
-    just past their edges; with a window of 512 keys too (Gemma 3's sliding layers), whose
-    ranges start past key 0."""
-    from cupy_llama.backends.cuda import launch
-    clusters = [False] + ([True] if launch.launch_attributes_usable() else [])
+    """The CUDA-core decode kernels, split and clustered, and the tensor-core kernel's
+    clusters, where the key ranges end at and just past their edges; with a window of 512
+    keys too (Gemma 3's sliding layers), whose ranges start past key 0."""
+    from cupy_llama.backends.cuda import attention, launch
+    usable = launch.launch_attributes_usable()
+    runs = [("decode", False)] + ([("decode", True)] if usable else [])
+    if usable and head_dim in attention.DECODE_MMA_HEAD_DIMS:
+        runs.append(("decode_mma", True))
     for window in (None, 512):
         case = build_attention_case(cp, rng, SPLIT_EDGES, 2, head_dim, group, window=window)
         for num_splits in (1, 8, 32):
             for max_seq_len in ("batch", None):
-                for clustered in clusters:
+                for kernel, clustered in runs:
                     got = run_paged_attention(cp, case, head_dim, num_splits=num_splits,
-                                              max_seq_len=max_seq_len, kernel="decode",
+                                              max_seq_len=max_seq_len, kernel=kernel,
                                               clusters=clustered)
                     assert_close(got, case["expected"], 1.5e-2, 1e-2,
-                                 f"decode d={head_dim} group={group} window={window} splits="
+                                 f"{kernel} d={head_dim} group={group} window={window} splits="
                                  f"{num_splits} {max_seq_len} clusters={clustered}")
 
 

@@ -2,12 +2,16 @@
 combine step of split-KV decode.
 
 Which kernel runs (`attention_plan`):
-- decode batches (at most one new token per sequence), head_dim 64/128/256, at most 8
-  query heads per kv head: decode_attention_d{D}_g{G} (one CTA per sequence, kv head and
-  split, of DECODE_WARPS[kernel] warps; 16-byte K/V loads; fp32 online softmax). Where the
-  keys are split and the GPU launches thread-block clusters (sm_90+),
-  decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
+- decode batches (at most one new token per sequence) of fewer than DECODE_MMA_MIN_SEQS
+  sequences, head_dim 64/128/256, at most 8 query heads per kv head:
+  decode_attention_d{D}_g{G} (one CTA per sequence, kv head and split, of
+  DECODE_WARPS[kernel] warps; 16-byte K/V loads; fp32 online softmax). Where the keys are
+  split and the GPU launches thread-block clusters (sm_90+), and decode_clusters_pay says
+  so, decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
   sequence and kv head splits the keys and merges on chip, with no combine kernel after it;
+- larger decode batches, head_dim 64/128, at most 16 query heads per kv head:
+  decode_attention_mma_d{D} on the tensor cores, split and combined; clustered likewise
+  (decode_attention_mma_d{D}_c{C}, C = mma_cluster_size(splits)) where clusters launch;
 - every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
   cores, flash-attention 2 over K/V tiles gathered from the paged cache);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
@@ -44,7 +48,11 @@ DECODE_KERNELS = {(d, g, cluster > 0): name
 DECODE_WARPS = {name: warps  # a CUDA-core decode kernel's CTA width
                 for name, _, _, _, warps in instances("attention", "DEFINE_DECODE_ATTENTION")}
 PREFILL_KERNELS = {d: name for name, d in instances("attention", "DEFINE_PREFILL_ATTENTION")}
-DECODE_MMA_KERNELS = {d: name for name, d in instances("attention", "DEFINE_DECODE_ATTENTION_MMA")}
+# (head_dim, cluster) -> name; cluster 0: split ranges and the combine kernel
+DECODE_MMA_KERNELS = {(d, cluster): name
+                      for name, d, cluster in instances("attention", "DEFINE_DECODE_ATTENTION_MMA")}
+DECODE_MMA_HEAD_DIMS = tuple(sorted({d for d, _ in DECODE_MMA_KERNELS}))
+DECODE_MMA_CLUSTERS = tuple(sorted({c for _, c in DECODE_MMA_KERNELS if c > 0}))
 DECODE_MMA_THREADS = _C["DECODE_MMA_THREADS"]
 DECODE_MMA_KEYS = _C["DECODE_MMA_KEYS"]
 DECODE_MMA_MAX_GROUP = 16  # the query heads of a kv head are the rows of one 16-row mma tile
@@ -142,8 +150,20 @@ def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, hea
     steps per CTA) 17.1 against 15.7; batch 2 at context 288 16.2 against 16.3. The same
     rule serves head_dim 128 and 256, whose CTAs are wider so that one step covers as many
     keys (change 33)."""
-    return (max_seq_len <= cluster_max_keys(head_dim, num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    if (num_seqs >= DECODE_MMA_MIN_SEQS and head_dim in DECODE_MMA_HEAD_DIMS
+            and group <= DECODE_MMA_MAX_GROUP):
+        return True  # the tensor-core kernel's clusters: at every context (NOTES change 38)
+    return (max_seq_len <= cluster_max_keys(head_dim, group)
             and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
+
+
+def mma_cluster_size(num_splits: int) -> int:
+    """CTAs per cluster of the clustered tensor-core decode kernel for a batch whose keys
+    split num_splits ways: the largest instantiated size (DECODE_MMA_CLUSTERS) that
+    num_splits holds, so the clusters launch no more CTAs than the splits would; 1 where
+    none does (no split)."""
+    return max((c for c in DECODE_MMA_CLUSTERS if c <= num_splits), default=1)
 
 
 def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
@@ -185,19 +205,24 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     fast = (kernel != "scalar" and not softcap and aligned and _is_power_of_two(block_size))
     bound = decode_group_bound(group)
     if fast and max_query_len == 1 and head_dim in DECODE_HEAD_DIMS:
-        mma_can = head_dim in DECODE_MMA_KERNELS and group <= DECODE_MMA_MAX_GROUP
+        mma_can = head_dim in DECODE_MMA_HEAD_DIMS and group <= DECODE_MMA_MAX_GROUP
         cuda_core_can = ((head_dim, bound, False) in DECODE_KERNELS and num_slots < 2 ** 31)
         # the tensor-core kernel from DECODE_MMA_MIN_SEQS sequences (or where the CUDA-core
-        # kernel cannot run); the clustered CUDA-core kernel where a cluster merges the key
-        # ranges on chip instead of a combine kernel
+        # kernel cannot run), else the CUDA-core kernel; either in clusters that merge the
+        # key ranges on chip instead of a combine kernel, where clusters launch
         clustered = (clusters and num_splits > 1 and cuda_core_can and kernel != "decode_mma"
                      and (head_dim, bound, True) in DECODE_KERNELS)
         mma_wanted = kernel == "decode_mma" or (
             kernel == "auto" and (num_seqs >= DECODE_MMA_MIN_SEQS or not cuda_core_can))
-        if mma_can and mma_wanted and not clustered:
-            return AttentionPlan(DECODE_MMA_KERNELS[head_dim],
-                                 (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
-                                 decode_mma_smem_bytes(head_dim))
+        if mma_can and mma_wanted:
+            cluster = mma_cluster_size(num_splits) if clusters else 1
+            shared = decode_mma_smem_bytes(head_dim)
+            if cluster > 1:
+                return AttentionPlan(DECODE_MMA_KERNELS[head_dim, cluster],
+                                     (cluster, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
+                                     shared, cluster)
+            return AttentionPlan(DECODE_MMA_KERNELS[head_dim, 0],
+                                 (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS, shared)
         if cuda_core_can and kernel != "decode_mma":
             name = DECODE_KERNELS[head_dim, bound, clustered]
             threads = DECODE_WARPS[name] * _C["WARP_SIZE"]

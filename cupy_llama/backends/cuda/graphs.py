@@ -45,10 +45,12 @@ def short_graph_buckets(buckets: list[int], short_limit: int, max_model_len: int
                         clustered) -> frozenset:
     """The buckets that get a second graph for steps of at most short_limit tokens per
     sequence: those whose attention runs clustered there (clustered(bucket, short_limit),
-    CudaOps.decode_clusters) where that is a shorter context than the graphs' own."""
+    CudaOps.decode_clusters) where that is a shorter context than the graphs' own, and not
+    at the graphs' own context already."""
     if not 0 < short_limit < max_model_len:
         return frozenset()
-    return frozenset(b for b in buckets if clustered(b, short_limit))
+    return frozenset(b for b in buckets
+                     if clustered(b, short_limit) and not clustered(b, max_model_len))
 
 
 def captured(stream, run):
