@@ -33,6 +33,35 @@ class HeuristicResult(ctypes.Structure):
                 ("reserved", ctypes.c_int * 4)]
 
 
+def load_library():
+    """The cuBLASLt that CuPy's cuBLAS loaded (so both use one copy), its functions typed."""
+    import cupy
+    path = launch.loaded_library_path("cublasLt")
+    if path is None:
+        cupy.cuda.device.get_cublas_handle()  # CuPy's cuBLAS loads cuBLASLt with it
+        path = launch.loaded_library_path("cublasLt") or "libcublasLt.so"
+    lib = ctypes.CDLL(path)
+    c_ptr, c_int, c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    signatures = {
+        "cublasLtCreate": [ctypes.POINTER(c_ptr)],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(c_ptr), c_int, c_int],
+        "cublasLtMatmulDescSetAttribute": [c_ptr, c_int, c_ptr, c_size],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(c_ptr), c_int, ctypes.c_uint64,
+                                       ctypes.c_uint64, ctypes.c_int64],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(c_ptr)],
+        "cublasLtMatmulPreferenceSetAttribute": [c_ptr, c_int, c_ptr, c_size],
+        "cublasLtMatmulAlgoGetHeuristic": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
+                                           c_int, ctypes.POINTER(HeuristicResult),
+                                           ctypes.POINTER(c_int)],
+        "cublasLtMatmul": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
+                           c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_size, c_ptr],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, c_int
+    return lib
+
+
 class _Shape:
     """The descriptors and algorithm of one product shape."""
 
@@ -51,29 +80,8 @@ class FP8Lt:
 
     def __init__(self):
         import cupy
-        path = launch.loaded_library_path("cublasLt")
-        if path is None:
-            cupy.cuda.device.get_cublas_handle()  # CuPy's cuBLAS loads cuBLASLt with it
-            path = launch.loaded_library_path("cublasLt") or "libcublasLt.so"
-        self._lib = lib = ctypes.CDLL(path)
-        c_ptr, c_int, c_size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        signatures = {
-            "cublasLtCreate": [ctypes.POINTER(c_ptr)],
-            "cublasLtMatmulDescCreate": [ctypes.POINTER(c_ptr), c_int, c_int],
-            "cublasLtMatmulDescSetAttribute": [c_ptr, c_int, c_ptr, c_size],
-            "cublasLtMatrixLayoutCreate": [ctypes.POINTER(c_ptr), c_int, ctypes.c_uint64,
-                                           ctypes.c_uint64, ctypes.c_int64],
-            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(c_ptr)],
-            "cublasLtMatmulPreferenceSetAttribute": [c_ptr, c_int, c_ptr, c_size],
-            "cublasLtMatmulAlgoGetHeuristic": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
-                                               c_int, ctypes.POINTER(HeuristicResult),
-                                               ctypes.POINTER(c_int)],
-            "cublasLtMatmul": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr,
-                               c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_size, c_ptr],
-        }
-        for name, argtypes in signatures.items():
-            function = getattr(lib, name)
-            function.argtypes, function.restype = argtypes, c_int
+        self._lib = lib = load_library()
+        c_ptr = ctypes.c_void_p
         self.handle = c_ptr()
         self._check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = cupy.empty(WORKSPACE_BYTES, np.uint8)
@@ -110,14 +118,30 @@ class FP8Lt:
                                                          cols, ld), "cublasLtMatrixLayoutCreate")
         return layout
 
-    def best_algo(self, desc, a, b, d) -> HeuristicResult:
-        result, count = HeuristicResult(), ctypes.c_int(0)
+    def algorithms(self, desc, a, b, d, count: int) -> list:
+        """cuBLASLt's heuristic list for a product, best first, up to `count` entries
+        (HeuristicResult; the library may list fewer)."""
+        results, found = (HeuristicResult * count)(), ctypes.c_int(0)
         self._check(self._lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, desc, a, b, d, d, self._preference, 1, ctypes.byref(result),
-            ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
-        if count.value < 1 or result.state != 0:
+            self.handle, desc, a, b, d, d, self._preference, count, results,
+            ctypes.byref(found)), "cublasLtMatmulAlgoGetHeuristic")
+        return [result for result in results[:found.value] if result.state == 0]
+
+    def best_algo(self, desc, a, b, d) -> HeuristicResult:
+        results = self.algorithms(desc, a, b, d, 1)
+        if not results:
             raise RuntimeError("cuBLASLt has no FP8 algorithm for this product")
-        return result
+        return results[0]
+
+    def run(self, desc, algo: HeuristicResult, weight, a, x, b, out, d, beta: float,
+            stream: int) -> None:
+        """out = weight-side A times x-side B (+ beta out), by the descriptors' types and
+        layouts, with `algo`."""
+        self._check(self._lib.cublasLtMatmul(
+            self.handle, desc, ctypes.byref(self._one), weight.data.ptr, a, x.data.ptr, b,
+            ctypes.byref(self._one if beta else self._zero), out.data.ptr, d, out.data.ptr, d,
+            ctypes.byref(algo, 0), self.workspace.data.ptr, WORKSPACE_BYTES, stream),
+            "cublasLtMatmul")
 
     def shape(self, m_rows: int, n: int, k: int) -> _Shape:
         """The descriptors and algorithm of an [m, k] x [n, k]^T product; RuntimeError
@@ -133,11 +157,8 @@ class FP8Lt:
         m_rows, k = codes.shape
         n = weight_codes.shape[0]
         shape = self.shape(m_rows, n, k)
-        self._check(self._lib.cublasLtMatmul(
-            self.handle, shape.desc, ctypes.byref(self._one), weight_codes.data.ptr, shape.a,
-            codes.data.ptr, shape.b, ctypes.byref(self._zero), acc.data.ptr, shape.d,
-            acc.data.ptr, shape.d, ctypes.byref(shape.algo, 0), self.workspace.data.ptr,
-            WORKSPACE_BYTES, stream), "cublasLtMatmul")
+        self.run(shape.desc, shape.algo, weight_codes, shape.a, codes, shape.b, acc, shape.d,
+                 0.0, stream)
 
 
 _lt = None  # FP8Lt once made; False where it cannot be
