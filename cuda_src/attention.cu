@@ -339,6 +339,38 @@ __device__ __forceinline__ void merge_parts(M m, L l, Acc acc, float& m_max, flo
     }
 }
 
+// The end of a clustered decode kernel: every CTA of the cluster has left its merged
+// result for the group's heads in its shared memory (running max m, sum l, unnormalized
+// output acc per head and dim), at byte offsets from `local` that offsets(head, dim,
+// m_at, l_at, acc_at) gives; CTA `rank` writes outputs [rank * per, (rank + 1) * per) of
+// the group's heads to out_row, reading every CTA's result in rank order (the same sums
+// whichever CTA computes them). Every thread of the CTA calls it.
+template <int CLUSTER, int D, int THREADS, typename Offsets>
+__device__ __forceinline__ void cluster_merge_out(const void* local, int rank, int group,
+                                                  Offsets offsets, bf16* out_row) {
+    cluster_barrier();  // every CTA's result is in its shared memory
+    const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
+    const int end = min(total, (rank + 1) * per);
+    for (int i = rank * per + threadIdx.x; i < end; i += THREADS) {
+        unsigned m_at, l_at, acc_at;
+        offsets(i / D, i % D, m_at, l_at, acc_at);
+        float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
+            const unsigned remote = cluster_address(local, r);
+            m_r[r] = cluster_load(remote + m_at);
+            l_r[r] = cluster_load(remote + l_at);
+            acc_r[r] = cluster_load(remote + acc_at);
+        }
+        // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
+        float m_max, sum_l, sum_acc;
+        merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
+                             [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
+        out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+    }
+    cluster_barrier();  // no CTA leaves while another still reads its shared memory
+}
+
 // cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
 __device__ __forceinline__ long long cache_slot(const int* table, int pos, int block_shift) {
     return ((long long)table[pos >> block_shift] << block_shift) + (pos & ((1 << block_shift) - 1));
@@ -643,35 +675,18 @@ __device__ __forceinline__ void decode_attention_body(
         }
     }
     if constexpr (CLUSTER > 0) {
-        // merge the cluster's CTAs through distributed shared memory: CTA r writes outputs
-        // [r * per, (r + 1) * per) of the group's heads, reading every CTA's result in rank
-        // order (the same sums whichever CTA computes them); one output per thread at most
+        // merge the cluster's CTAs through distributed shared memory, one output per
+        // thread at most
         static_assert(MAXG * D <= CLUSTER * THREADS, "a CTA's outputs fit its threads");
-        cluster_barrier();  // every CTA's result is in its shared memory
-        const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
-        const int i = split * per + threadIdx.x;
-        if (i < min(total, (split + 1) * per)) {
-            const int g = i / D, c = i % D;
-            const unsigned base = shared_address(&cta);
-            const unsigned m_at = shared_address(&cta.m[g]) - base;
-            const unsigned l_at = shared_address(&cta.l[g]) - base;
-            const unsigned acc_at = shared_address(&cta.acc[g][c]) - base;
-            float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
-#pragma unroll
-            for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
-                const unsigned remote = cluster_address(&cta, r);
-                m_r[r] = cluster_load(remote + m_at);
-                l_r[r] = cluster_load(remote + l_at);
-                acc_r[r] = cluster_load(remote + acc_at);
-            }
-            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
-            float m_max, sum_l, sum_acc;
-            merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
-                                 [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
-            out[((long long)q_row * num_heads + head0) * D + i] =
-                to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
-        }
-        cluster_barrier();  // no CTA leaves while another still reads its shared memory
+        const unsigned base = shared_address(&cta);
+        cluster_merge_out<CLUSTER, D, THREADS>(
+            &cta, split, group,
+            [&](int g, int c, unsigned& m_at, unsigned& l_at, unsigned& acc_at) {
+                m_at = shared_address(&cta.m[g]) - base;
+                l_at = shared_address(&cta.l[g]) - base;
+                acc_at = shared_address(&cta.acc[g][c]) - base;
+            },
+            out + ((long long)q_row * num_heads + head0) * D);
     }
 }
 
@@ -1211,33 +1226,15 @@ __device__ __forceinline__ void decode_attention_mma_body(
         }
     }
     if constexpr (CLUSTER > 0) {
-        // CTA r writes outputs [r * per, (r + 1) * per) of the group's heads, reading every
-        // CTA's result in rank order (the same sums whichever CTA computes them)
-        cluster_barrier();  // every CTA's result is in its shared memory
-        const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
-        const int end = min(total, (split + 1) * per);
         const unsigned base = shared_address(decode_mma_smem);
-        for (int i = split * per + tid; i < end; i += DECODE_MMA_THREADS) {
-            const int head = i / D, c = i % D;
-            const unsigned m_at = shared_address(cta_m + head) - base;
-            const unsigned l_at = shared_address(cta_l + head) - base;
-            const unsigned acc_at = shared_address(cta_acc + head * D + c) - base;
-            float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
-#pragma unroll
-            for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
-                const unsigned remote = cluster_address(decode_mma_smem, r);
-                m_r[r] = cluster_load(remote + m_at);
-                l_r[r] = cluster_load(remote + l_at);
-                acc_r[r] = cluster_load(remote + acc_at);
-            }
-            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
-            float m_max, sum_l, sum_acc;
-            merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
-                                 [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
-            out[((long long)q_row * num_heads + head0) * D + i] =
-                to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
-        }
-        cluster_barrier();  // no CTA leaves while another still reads its shared memory
+        cluster_merge_out<CLUSTER, D, DECODE_MMA_THREADS>(
+            decode_mma_smem, split, group,
+            [&](int head, int c, unsigned& m_at, unsigned& l_at, unsigned& acc_at) {
+                m_at = shared_address(cta_m + head) - base;
+                l_at = shared_address(cta_l + head) - base;
+                acc_at = shared_address(cta_acc + head * D + c) - base;
+            },
+            out + ((long long)q_row * num_heads + head0) * D);
     }
 }
 
