@@ -10,7 +10,7 @@ from typing import Iterator
 
 from .engine.llm_engine import EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
-from .outputs import RequestOutput, is_token_id
+from .outputs import RequestOutput, are_token_ids
 from .sampling import SamplingParams, model_sampling_defaults
 
 
@@ -267,7 +267,7 @@ class LLM:
 def _as_prompt_list(prompts) -> tuple[bool, list]:
     if isinstance(prompts, str):
         return True, [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(is_token_id(t) for t in prompts):
+    if isinstance(prompts, (list, tuple)) and prompts and are_token_ids(prompts):
         return True, [list(prompts)]
     if isinstance(prompts, (list, tuple)):
         return False, list(prompts)

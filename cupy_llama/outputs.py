@@ -108,3 +108,10 @@ class RequestOutput:
 def is_token_id(value) -> bool:
     """An int (Python or NumPy), not a bool."""
     return not isinstance(value, bool) and hasattr(value, "__index__") and not isinstance(value, str)
+
+
+def are_token_ids(values) -> bool:
+    """Whether every element is_token_id. Plain ints, the usual case, are checked in one
+    C-speed pass over their types: a prompt of 4,096 ids would otherwise cost a Python
+    call per id (half a millisecond) on the way to its first token."""
+    return set(map(type, values)) <= {int} or all(is_token_id(v) for v in values)

@@ -258,6 +258,19 @@ def test_numpy_integers_are_token_ids(llm):
         llm.generate(prompt, params).token_ids
 
 
+def test_a_list_is_one_prompt_of_ids_only_when_every_element_is_an_id(llm):
+    """LLM.generate reads a flat list as one token-id prompt only where every element is
+    an int (Python or NumPy, no bool); a list of strings is a batch of text prompts."""
+    import numpy as np
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    prompt = prompts(1, seed=14)[0]
+    assert not isinstance(llm.generate(prompt, params), list)
+    assert not isinstance(llm.generate([*prompt[:-1], np.int32(prompt[-1])], params), list)
+    assert len(llm.generate(["Hello", "there"], params)) == 2
+    with pytest.raises(RequestError):
+        llm.generate([*prompt[:-1], True], params)
+
+
 def test_model_defaults_sample_only_when_generation_config_says_do_sample(model_dir, llm, tmp_path):
     """As in transformers: generation_config.json's temperature/top_p apply with
     do_sample true; without do_sample (or without the file) decoding is greedy."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import RequestError
-from ..outputs import RequestOutput, is_token_id
+from ..outputs import RequestOutput, are_token_ids
 from ..sampling import (MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_BANNED_TOKENS,
                         SamplingParams)
 from ..structured import BadWordsMatcher, CombinedMatcher
@@ -398,7 +398,7 @@ class LLMEngine:
         # token-id prompts would otherwise cost a Python call per token
         if set(map(type, prompt)) <= {int}:
             prompt = list(prompt)
-        elif all(is_token_id(t) for t in prompt):  # NumPy integers, say
+        elif are_token_ids(prompt):  # NumPy integers, say
             prompt = [int(t) for t in prompt]
         else:
             raise RequestError("a prompt must be a string or a list of token ids (ints)")
