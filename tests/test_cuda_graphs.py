@@ -251,7 +251,8 @@ def test_step_graphs_match_eager(model, rng):
     cpu, gpu_backend = make_backends(model)
     steps = gpu_backend.step_graphs
     assert steps is not None, f"graphs are off: {gpu_backend.graphs_off_reason}"
-    assert steps.num_captured == len(steps.buckets) * (config.num_hidden_layers + 1)
+    # per bucket: the pieces between attentions, and the whole step of one sequence
+    assert steps.num_captured == len(steps.buckets) * (config.num_hidden_layers + 2)
     lengths = [250, 37, 6, 90, 17]
     seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in lengths], NUM_KV_BLOCKS, rng)
     # steps of 3 to 250 tokens (buckets 16 to 256): first chunks, later chunks beside
@@ -268,6 +269,37 @@ def test_step_graphs_match_eager(model, rng):
         what = f"step of {batch.num_tokens} tokens in {batch.num_seqs} sequences"
         assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: step graphs vs eager")
         assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: step graphs vs CPU")
+        seqs.advance(counts, np.argmax(expected, axis=-1))
+    assert_kv_written_by(gpu_backend, seqs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs CuPy and a CUDA GPU")
+def test_one_sequence_steps_replay_one_graph(model, rng):
+    """A step of one sequence (a whole prompt, a first chunk, a later chunk after cached
+    tokens, in buckets from 16 to 256 tokens) replays its bucket's whole-step graph: no
+    attention is launched from Python, the logits match the eager pass and the CPU
+    reference, and the padding rows write no KV."""
+    import cupy
+    config = model[0]
+    cpu, gpu_backend = make_backends(model)
+    model_object = gpu_backend.model
+    launched = []
+    eager_attention = model_object.attention
+    model_object.attention = lambda *args: (launched.append(args[-1]), eager_attention(*args))
+    seqs = Sequences([rng.integers(0, config.vocab_size, n) for n in (250, 200, 9)],
+                     NUM_KV_BLOCKS, rng)
+    rounds = [{0: 250}, {1: 100}, {1: 60}, {2: 9}, {1: 40}]  # {1: 60}: after 100 cached
+    for counts in rounds:
+        batch = seqs.batch(counts)
+        expected = cpu.forward(batch)
+        replayed = cupy.asnumpy(gpu_backend.forward(batch))
+        what = f"one sequence, {batch.num_tokens} tokens after {int(batch.seq_lens[0]) - batch.num_tokens}"
+        assert launched == [], f"{what}: attention launched from Python, not replayed"
+        eager = cupy.asnumpy(gpu_backend.model.forward(gpu_backend, batch))  # rewrites the same KV
+        launched.clear()
+        assert_logits_close(replayed, eager, EAGER_TOLERANCE, f"{what}: whole-step graph vs eager")
+        assert_logits_close(replayed, expected, REFERENCE_TOLERANCE, f"{what}: graph vs CPU")
         seqs.advance(counts, np.argmax(expected, axis=-1))
     assert_kv_written_by(gpu_backend, seqs)
 

@@ -423,3 +423,14 @@ def test_step_graph_stage_pads_the_tokens_and_copies_the_sequences_rows(fake):
                           query_start_loc=np.array([0, 1], np.int32), seq_lens=np.array([4], np.int32),
                           block_tables=np.array([[0]], np.int32), max_query_len=1, max_seq_len=4)
     assert not steps.can_run(decode)  # the decode graphs' step
+    # what a whole-step graph is captured on: all padding and one sequence of no tokens
+    # and no keys (attention reads nothing), its table row zeros
+    steps._stage(None, 16, empty_seqs=1)
+    assert view("token_ids", 16).tolist() == [0] * 16
+    assert view("slot_mapping", 16).tolist() == [-1] * 16
+    assert view("query_start_loc", 1).tolist() == [0, 0]
+    assert view("seq_lens", 1).tolist() == [0] and view("last_token_indices", 1).tolist() == [0]
+    assert view("block_tables", 1).tolist() == [[0] * width]
+    nbytes = 4 * (steps.layout.offsets["block_tables"] + width)
+    assert fake.log[-2:] == [Op("step", "H2D", ("meta_host", "meta_device", nbytes)),
+                             Op("step", "record", "copied")]

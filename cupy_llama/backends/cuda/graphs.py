@@ -253,7 +253,14 @@ class StepGraphs:
     token counts; a step
     replays them, padded to its bucket (STEP_PADDING), with attention and the LM head run
     eagerly on its own sequences in between. That is 17 graph launches and 16 attention
-    launches in place of about 150 kernel launches from Python."""
+    launches in place of about 150 kernel launches from Python.
+
+    A step of one sequence (a prompt, or a chunk of one, alone: a first token's step)
+    replays one graph per bucket instead, pieces, attention and LM head together: its
+    attention launches are captured for the bucket's token count, and the CTAs of row
+    tiles past the step's own tokens return at once (attention.cu), so nothing of the
+    sequence is baked in. The host then launches one graph, not 33 launches that a short
+    prompt's GPU work waits for (benchmarks/NOTES.md, "Where a first token's time goes")."""
 
     def __init__(self, backend, log=None):
         import cupy
@@ -270,6 +277,7 @@ class StepGraphs:
         self._copied = sync_event(cupy)
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}  # bucket -> the graphs of its pieces, in order
+        self._whole = {}   # bucket -> (graph of a one-sequence step, its logits [1, V])
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (not batch.is_decode_only and 0 < batch.num_tokens <= self.max_tokens
@@ -282,9 +290,10 @@ class StepGraphs:
     def _view(self, name: str, rows: int):
         return self.layout.view(self._device, name, rows)
 
-    def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
+    def _stage(self, batch: ForwardBatch | None, bucket: int, empty_seqs: int = 0) -> None:
         """Write the batch's arrays to the host buffer, its token arrays padded to `bucket`
-        rows, and copy them to the device on the current stream (batch None: all padding)."""
+        rows, and copy them to the device on the current stream (batch None: all padding,
+        and empty_seqs sequences of no tokens and no keys, which attention skips)."""
         self._copied.synchronize()  # the previous copy has read the host buffer
         layout, host = self.layout, self._host
         num_tokens = 0 if batch is None else batch.num_tokens
@@ -293,12 +302,15 @@ class StepGraphs:
             if batch is not None:
                 field[:num_tokens] = getattr(batch, name)
             field[num_tokens:] = pad
-        num_seqs = 0
+        num_seqs = empty_seqs
         if batch is not None:
             num_seqs = batch.num_seqs
             for name in ("query_start_loc", "seq_lens", "last_token_indices"):
                 layout.view(host, name, num_seqs)[:] = getattr(batch, name)
             layout.view(host, "block_tables", num_seqs)[:, :batch.width] = batch.block_tables
+        else:
+            for name in ("query_start_loc", "seq_lens", "last_token_indices", "block_tables"):
+                layout.view(host, name, num_seqs)[:] = 0
         nbytes = 4 * (layout.offsets["block_tables"] + num_seqs * self.width)
         stream = self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, host.ctypes.data, nbytes,
@@ -333,14 +345,44 @@ class StepGraphs:
         self._graphs[bucket] = graphs
         return graphs
 
+    def capture_whole(self, bucket: int) -> tuple:
+        """Capture a one-sequence step of `bucket` tokens whole: (graph, its logits). The
+        warm-up and the capture run on a sequence of no tokens, so attention reads no key
+        and no KV slot is touched."""
+        cupy = self._cupy
+        caller = cupy.cuda.get_current_stream()
+        stream = self._capture_stream
+        stream.wait_event(caller.record())
+        backend = self._backend
+        model, meta, buf = backend.model, self._pieces_batch(bucket), backend.buffers(bucket, 1)
+        pieces = model.pieces(backend, meta, buf)
+
+        def step():
+            pieces[0]()
+            for i in range(model.config.num_hidden_layers):
+                model.attention(backend, meta, buf, i)
+                pieces[i + 1]()
+            return model.head(backend, meta, buf)
+
+        with stream:
+            self._stage(None, bucket, empty_seqs=1)
+            step()  # warm-up, not captured
+            stream.synchronize()
+            whole = captured(stream, step)
+        caller.wait_event(stream.record())
+        self._whole[bucket] = whole
+        return whole
+
     def capture_all(self) -> None:
         started = time.perf_counter()
         for bucket in self.buckets:
             if bucket not in self._graphs:
                 self.capture(bucket)
+            if bucket not in self._whole:
+                self.capture_whole(bucket)
         self._log(f"CUDA graphs: captured the pieces between attentions for steps of up to "
-                  f"{', '.join(map(str, self.buckets))} tokens in "
-                  f"{time.perf_counter() - started:.2f} s")
+                  f"{', '.join(map(str, self.buckets))} tokens, and those steps whole for "
+                  f"one sequence, in {time.perf_counter() - started:.2f} s")
 
     def run(self, batch: ForwardBatch, prompt=None):
         """Logits [B, V] float32 of a prefill or mixed step (a view of the pool). prompt:
@@ -351,6 +393,12 @@ class StepGraphs:
                              f"sequences is not a step of at most {self.max_tokens} tokens "
                              "with a prefill in it")
         bucket = self.bucket_for(batch.num_tokens)
+        stream = self._cupy.cuda.get_current_stream()
+        if batch.num_seqs == 1 and prompt is None:
+            graph, logits = self._whole.get(bucket) or self.capture_whole(bucket)
+            self._stage(batch, bucket)
+            graph.launch(stream)
+            return logits
         graphs = self._graphs.get(bucket) or self.capture(bucket)
         self._stage(batch, bucket)
         B = batch.num_seqs
@@ -366,7 +414,6 @@ class StepGraphs:
         # what its stream has queued already
         staged = None if prompt is None else backend.ops.device_array(
             np.stack([prompt.rows, prompt.targets]))
-        stream = self._cupy.cuda.get_current_stream()
         graphs[0].launch(stream)  # the pieces' walk of models/decoder.py forward_uploaded
         for i in range(model.config.num_hidden_layers):
             model.attention(backend, meta, buf, i)
@@ -381,4 +428,4 @@ class StepGraphs:
 
     @property
     def num_captured(self) -> int:
-        return sum(len(graphs) for graphs in self._graphs.values())
+        return sum(len(graphs) for graphs in self._graphs.values()) + len(self._whole)
