@@ -28,10 +28,11 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
-# the fewest rows of a steady step that the engine resolves as _Rows: its array
-# operations cost about as much as the per-row lookups they save at some 100 rows
-# (scripts/profile_host_path.py --serve, benchmarks/NOTES.md)
-STEADY_ROWS_MIN = 128
+# the fewest rows of a steady step that the engine resolves as _Rows: with their
+# samples' counts in _Lanes, its fixed cost (some ten array operations a step) is
+# below that of the per-row lookups it saves at 64 rows (scripts/profile_host_path.py
+# --serve, benchmarks/NOTES.md)
+STEADY_ROWS_MIN = 64
 
 
 class _Sample:
