@@ -30,8 +30,8 @@ from .sequence import Sequence, SequenceStatus
 
 # the fewest rows of a steady step that the engine resolves as _Rows: with their
 # samples' counts in _Lanes, its fixed cost (some ten array operations a step) is
-# below that of the per-row lookups it saves at 64 rows (scripts/profile_host_path.py
-# --serve, benchmarks/NOTES.md)
+# below that of the per-row lookups it saves at 64 rows (docs/ARCHITECTURE.md, "The
+# steady decode step")
 STEADY_ROWS_MIN = 64
 
 
