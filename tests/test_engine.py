@@ -665,7 +665,7 @@ def test_steady_rows_abort_and_time_their_samples_as_the_long_way_does(model_dir
 
     def run(short: bool):
         llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
-        engine, used = llm.engine, {"lanes": 0}
+        engine, used = llm.engine, {"lanes": 0, "released": 0}
         steady_rows = engine._steady_rows
 
         def counted(last, batch):
@@ -691,12 +691,18 @@ def test_steady_rows_abort_and_time_their_samples_as_the_long_way_does(model_dir
             steps.append((sorted((d[0], d[1], d[3], d[4]) for d in deltas),
                           sorted(zip(*columns))))
             times += [d[7] for d in deltas if d[4] is not None]
+            if engine._in_flight is None or engine._in_flight.rows is None:
+                # no rows carried on: every sample holds its own values again
+                used["released"] += sum(1 for samples in engine.requests.values()
+                                        for sample in samples if sample._lanes is None)
+                assert all(sample._lanes is None for samples in engine.requests.values()
+                           for sample in samples)
         assert not engine.has_unfinished_requests()
         assert_all_blocks_free(llm)
-        return steps, times, used["lanes"]
+        return steps, times, used
 
     with_short, times, used = run(True)
-    assert used > 10, used
+    assert used["lanes"] > 10 and used["released"] > 0, used
     assert with_short == run(False)[0]
     assert sum(reason == "abort" for step, _ in with_short for *_, reason in step) == 4
     assert len(times) == 12, times

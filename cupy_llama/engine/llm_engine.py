@@ -732,6 +732,9 @@ class LLMEngine:
             deltas += [samples[row].delta() for row in np.flatnonzero(by_delta).tolist()]
         launched.waiting_for = waiting_for[::-1]
         launched.rows = None  # the rest are entries now
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.rows is None or in_flight.rows.lanes is not lanes:
+            lanes.release()  # the step after this one was launched the long way
 
     def _note_scheduled(self, batch) -> None:
         """The first scheduling of each sample in the batch that had none yet."""
@@ -956,13 +959,15 @@ class _Lanes:
     last_token_at (_Sample's properties read them here): one array each, a lane a
     sample, so that _finish_rows writes each for all its rows with one operation; and
     which samples ended (ended, num_ended: their rows' tokens still coming are dropped).
-    Made when rows start to be carried; a sample stays in its lanes until the next."""
-    __slots__ = ("resolved", "sent", "last_token_at", "ended", "num_ended")
+    Made when rows start to be carried, released when they stop (or a sample leaves for
+    the next lanes)."""
+    __slots__ = ("samples", "resolved", "sent", "last_token_at", "ended", "num_ended")
 
     def __init__(self, samples: list):
         """Lanes 0.. for these samples (None: a lane no sample uses), taking their
         values."""
         present = [s for s in samples if s is not None]
+        self.samples = samples
         self.resolved = np.zeros(len(samples), np.int64)
         self.sent = np.zeros(len(samples), np.int64)
         self.last_token_at = np.full(len(samples), np.nan)
@@ -978,6 +983,19 @@ class _Lanes:
             self.resolved[lanes] = resolved
             self.sent[lanes] = sent
             self.last_token_at[lanes] = [np.nan if t is None else t for t in last]
+
+    def release(self) -> None:
+        """Hand each sample still here its values back, to its own attributes (no rows
+        use these lanes any more: the long way then reads no arrays)."""
+        resolved, sent = self.resolved.tolist(), self.sent.tolist()
+        last_token_at = self.last_token_at.tolist()
+        for lane, sample in enumerate(self.samples):
+            if sample is not None and sample._lanes is self:
+                sample._lanes = None
+                sample._num_resolved, sample._num_sent_tokens = resolved[lane], sent[lane]
+                last = last_token_at[lane]
+                sample._last_token_at = None if last != last else last  # NaN: none yet
+        self.samples = []
 
 
 class _Rows:
