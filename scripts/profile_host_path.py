@@ -207,12 +207,14 @@ def serve_split(engine: LLMEngine) -> bool:
 
 
 def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_params: dict):
-    """(turn, server): turn() runs one turn of `serve`'s engine process: step, build the
-    step's message and pickle it (this checkout's way: its _EngineLoop.step_message where
-    it has one, else RequestOutputs turned into delta tuples), and returns the message;
-    server(message) does what the server process does with it where that makes the text,
-    and the samples it ends at a stop string are aborted at the next turn, as the loop
-    does."""
+    """(turn, server, tally): turn() runs one turn of `serve`'s engine process: step, build
+    the step's message and pickle it (this checkout's way: its _EngineLoop.step_message
+    where it has one, else RequestOutputs turned into delta tuples), and returns the
+    message; server(message) does what the server process does with it where that makes
+    the text, and the samples it ends at a stop string are aborted at the next turn, as
+    the loop does; tally() adds the last turn's tokens to num_tokens. tally is the
+    script's own bookkeeping, not the engine's: it runs outside the timed turn (a dict
+    update per token would otherwise count as the step's)."""
     loop = async_engine._EngineLoop(engine, _NullChannel())
     if hasattr(loop, "step_message"):  # the typed per-step deltas
         from cupy_llama.engine import output_processor
@@ -223,7 +225,7 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
         build = timer.wrap("serialization", lambda deltas, *columns: loop.step_message(
             deltas, [], *columns))
         frame = timer.wrap("serialization", async_engine._frame)
-        texts, to_abort = {}, []
+        texts, to_abort, last_turn = {}, [], [[], ()]
 
         def turn():
             deltas = [delta for request_id, index in to_abort
@@ -235,15 +237,19 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
             else:
                 columns = (columns_type.empty(),)
                 deltas += engine.step_deltas(*columns)
+            message = build(deltas, *columns)
+            frame(message)
+            last_turn[:] = deltas, columns
+            return message
+
+        def tally():
+            deltas, columns = last_turn
             for delta in deltas:
                 num_tokens[delta.request_id, delta.index] = (
                     num_tokens.get((delta.request_id, delta.index), 0) + len(delta.token_ids))
             for column in columns:
                 for request_id, index in zip(column.request_ids, column.indexes):
                     num_tokens[request_id, index] += 1  # (its first token came in a delta)
-            message = build(deltas, *columns)
-            frame(message)
-            return message
 
         def server(message):
             for fields in message[1]:
@@ -261,18 +267,21 @@ def serve_loop(engine: LLMEngine, num_tokens: dict, timer: PartTimer, engine_par
                     _, stopped = texts[entry[:2]].process_token(*entry)
                     if stopped:
                         to_abort.append(entry[:2])
-        return turn, server
+        return turn, server, tally
     else:
         to_delta = timer.wrap("serialization", lambda outputs: [
             async_engine._as_delta(o) for o in outputs])
         frame = timer.wrap("serialization", async_engine._frame)
+        last_deltas = []
 
         def turn():
-            deltas = to_delta(engine.step())
-            for delta in deltas:
+            last_deltas[:] = to_delta(engine.step())
+            frame(("out", last_deltas, [], loop.stats()))
+
+        def tally():
+            for delta in last_deltas:
                 num_tokens[delta[0], delta[1]] = num_tokens.get((delta[0], delta[1]), 0) + len(delta[3])
-            frame(("out", deltas, [], loop.stats()))
-    return turn, None
+    return turn, None, tally
 
 
 def run(args) -> dict:
@@ -323,7 +332,7 @@ def run_once(args, parts: bool) -> dict:
         split = serve_split(engine)
         mode = "serve engine process" + (", text in the server process" if split else "")
         num_tokens: dict = {}
-        turn, server = serve_loop(engine, num_tokens, timer, engine_params)
+        turn, server, tally = serve_loop(engine, num_tokens, timer, engine_params)
         turn = timed(turn)
         for i, (prompt, sampling) in enumerate(zip(work.prompts, params)):
             if split:
@@ -333,6 +342,7 @@ def run_once(args, parts: bool) -> dict:
             engine_params[str(i)] = sampling
         while engine.has_unfinished_requests():
             message = turn()
+            tally()
             if server is not None:
                 server_started = time.perf_counter()
                 server(message)

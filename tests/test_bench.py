@@ -323,15 +323,17 @@ def test_cuda_without_a_usable_gpu_is_a_one_line_error(capsys):
     assert err.startswith("error: ") and "\n" not in err
 
 
-def test_host_path_profiler_runs_the_real_engine():
+@pytest.mark.parametrize("mode", [[], ["--serve"]])
+def test_host_path_profiler_runs_the_real_engine(mode):
     """scripts/profile_host_path.py drives the engine through a stub backend: it breaks
-    when the engine's backend interface changes, so it runs here, small."""
+    when the engine's backend interface changes, so it runs here, small (as generate()
+    and as serve's engine process, whose turn counts the tokens of each step's deltas)."""
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "profile_host_path.py"
-    done = subprocess.run([sys.executable, str(script), "--num-requests", "4", "--scale", "0.05"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script), "--num-requests", "4", "--scale", "0.05",
+                           *mode], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "whole run, seconds:" in done.stdout and "total" in done.stdout
 

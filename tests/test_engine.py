@@ -666,6 +666,65 @@ def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeyp
     assert with_short == run(False)[0]
 
 
+def test_steady_rows_abort_and_time_their_samples_as_the_long_way_does(model_dir, monkeypatch):
+    """While a steady step's rows carry a sample, its resolved and sent counts and its last
+    token's time live in the rows' lanes (_Lanes): a sample aborted between steps, or
+    whose sibling ends, drops its tokens still coming and reports what the long way
+    reports, and every final delta's times are in order."""
+    from cupy_llama.engine import llm_engine
+    from cupy_llama.engine.output_processor import TokenColumns
+
+    monkeypatch.setattr(llm_engine, "STEADY_ROWS_MIN", 1)
+
+    def run(short: bool):
+        llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
+        engine, used = llm.engine, {"lanes": 0, "released": 0}
+        steady_rows = engine._steady_rows
+
+        def counted(last, batch):
+            rows = steady_rows(last, batch) if short else None
+            used["lanes"] += rows is not None
+            return rows
+
+        engine._steady_rows = counted
+        for i, prompt in enumerate(prompts(8, seed=7)):
+            params = SamplingParams(max_tokens=12 + 3 * i, temperature=1.0, seed=i,
+                                    n=1 + i % 2, ignore_eos=True)
+            engine.add_request(prompt, params, request_id=f"r{i}", stream=i % 3 != 1,
+                               text=False)
+        steps, times = [], []
+        for step in range(500):
+            if not engine.has_unfinished_requests():
+                break
+            deltas = []
+            if step in (7, 9, 13):  # aborts between steps: a whole request, then samples
+                deltas += engine.abort_deltas(f"r{step % 8}", None if step == 7 else 0)
+            columns = TokenColumns.empty()
+            deltas += engine.step_deltas(columns)
+            steps.append((sorted((d[0], d[1], d[3], d[4]) for d in deltas),
+                          sorted(zip(*columns))))
+            times += [d[7] for d in deltas if d[4] is not None]
+            if engine._in_flight is None or engine._in_flight.rows is None:
+                # no rows carried on: every sample holds its own values again
+                used["released"] += sum(1 for samples in engine.requests.values()
+                                        for sample in samples if sample._lanes is None)
+                assert all(sample._lanes is None for samples in engine.requests.values()
+                           for sample in samples)
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(llm)
+        return steps, times, used
+
+    with_short, times, used = run(True)
+    assert used["lanes"] > 10 and used["released"] > 0, used
+    assert with_short == run(False)[0]
+    assert sum(reason == "abort" for step, _ in with_short for *_, reason in step) == 4
+    assert len(times) == 12, times
+    for added, scheduled, first, last in times:  # (r7 is aborted before it is scheduled)
+        assert (added <= scheduled <= first <= last if scheduled is not None
+                else first is None and last is None), (added, scheduled, first, last)
+    assert sum(scheduled is not None for _, scheduled, _, _ in times) == 10
+
+
 @pytest.mark.parametrize("rows_min", [1, None])
 def test_a_steady_step_caches_every_block_a_full_pass_would(model_dir, monkeypatch, rows_min):
     """A steady step scheduled without the pass offers the prefix cache only the blocks of

@@ -396,6 +396,33 @@ def test_samples_wait_for_the_prompt_then_share_its_full_blocks():
         assert sim.blocks.num_free_blocks == sim.blocks.num_blocks
 
 
+def test_a_decode_steps_filled_block_is_cached_once_its_last_token_is_known():
+    """on_computed's decode-step way (one block of output tokens filled, the blocks before
+    it settled) caches what cache_computed_blocks would: the block under the hash of its
+    tokens, once its last token, a placeholder while its step runs, is known."""
+    blocks = BlockManager(8, 4)
+    seq = make_seq("a", [1, 2, 3, 4], 8)
+    blocks.allocate(seq, blocks.reusable_blocks(seq), 5)
+    seq.num_computed_tokens = 4
+    blocks.on_computed([seq])
+    assert seq.kv_hashes.num_settled == 1
+    outputs = seq.output_token_ids
+    for token in (11, 12, 13, 14):  # each step's input is the last one's placeholder
+        outputs.append(-1)
+        blocks.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1 if len(outputs) > 1 else 4
+        blocks.on_computed([seq])
+        outputs[-1] = token  # the step's token arrives
+    assert outputs == [11, 12, 13, 14] and seq.kv_hashes.num_settled == 1  # 14 was coming
+    outputs.append(-1)
+    seq.num_computed_tokens = 8
+    blocks.on_computed([seq])
+    digest = chain_hashes([1, 2, 3, 4, 11, 12, 13, 14], 4)[-1]
+    assert seq.kv_hashes.num_settled == 2 and blocks.cached[digest] == seq.block_table[1]
+    assert seq.kv_hashes.digests == chain_hashes([1, 2, 3, 4, 11, 12, 13, 14], 4)
+    blocks.check_invariants([seq])
+
+
 def test_scheduling_code_imports_no_numpy():
     code = ("import sys, cupy_llama.engine.scheduler, cupy_llama.engine.block_manager; "
             "bad = [m for m in ('numpy', 'cupy') if m in sys.modules]; assert not bad, bad")

@@ -214,12 +214,31 @@ class BlockManager:
         placeholder until the step after, ForwardBatch)."""
         if not self.enable_caching:
             return
-        block_size = self.block_size
+        block_size, cached = self.block_size, self.cached
         for seq in seqs:
-            settled = seq.kv_hashes.num_settled if seq.kv_hashes is not None else 0
+            record = seq.kv_hashes
+            settled = record.num_settled if record is not None else 0
             end = (settled + 1) * block_size
-            if seq.num_computed_tokens >= end and seq.token_id(end - 1) >= 0:
-                self.cache_computed_blocks(seq)
+            computed = seq.num_computed_tokens
+            if computed < end or seq.token_id(end - 1) < 0:
+                continue  # no block filled, or its last token still coming
+            first = end - block_size - seq.num_prompt_tokens
+            if (computed >= end + block_size or first < 0 or len(record.digests) != settled
+                    or seq.num_tokens < end):
+                self.cache_computed_blocks(seq)  # more than a decode step's one block
+                continue
+            # a decode step's usual case: one block of output tokens filled, the blocks
+            # before it settled; its tokens are known (placeholders are only ever the
+            # last tokens, and its last one is known)
+            digest = hashlib.sha256((record.digests[-1] if settled else ROOT_HASH)
+                                    + _int32s(block_size).pack(
+                                        *seq.output_token_ids[first:first + block_size])).digest()
+            record.digests.append(digest)
+            if digest not in cached:  # else another block holds it: this one stays private
+                block = seq.block_table[settled]
+                cached[digest] = block
+                self.hash_of[block] = digest
+            record.num_settled = settled + 1
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offer the cache every full block of seq whose K/V are computed and whose tokens are

@@ -6,7 +6,10 @@ import itertools
 import secrets
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
+from itertools import compress
+from operator import setitem
 from typing import Iterator
 
 import numpy as np
@@ -25,10 +28,11 @@ from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 
-# the fewest rows of a steady step that the engine resolves as _Rows: its array
-# operations cost about as much as the per-row lookups they save at some 100 rows
-# (scripts/profile_host_path.py --serve, benchmarks/NOTES.md)
-STEADY_ROWS_MIN = 128
+# the fewest rows of a steady step that the engine resolves as _Rows: with their
+# samples' counts in _Lanes, its fixed cost (some ten array operations a step) is
+# below that of the per-row lookups it saves at 64 rows (docs/ARCHITECTURE.md, "The
+# steady decode step")
+STEADY_ROWS_MIN = 64
 
 
 class _Sample:
@@ -53,10 +57,14 @@ class _Sample:
         # carries num_cached_tokens), a step's one new token may go in TokenColumns
         self.columnar = (self.stream and text is False and seq.params.logprobs is None
                          and seq.params.prompt_logprobs is None)
-        self.num_sent_tokens = 0
+        # num_sent_tokens, num_resolved and last_token_at (properties below) are kept
+        # here until a steady step's rows carry the sample, then in their _Lanes
+        self._lanes: _Lanes | None = None
+        self._lane = 0
+        self._num_sent_tokens = 0
         # output tokens known on the host; the sequence may also hold placeholders for
         # tokens of steps still running (see LLMEngine.step)
-        self.num_resolved = 0
+        self._num_resolved = 0
         # why the sample ended, once its last known token says so (the sequence itself
         # may finish earlier in the scheduler, when its length is reached at launch)
         self.finish_reason: str | None = None
@@ -78,7 +86,55 @@ class _Sample:
         self.added_at = time.monotonic()
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
+        self._last_token_at: float | None = None
+
+    # A steady step's rows write these three for all their samples as array operations
+    # (_Lanes); elsewhere a sample's own attributes hold them.
+    @property
+    def num_resolved(self) -> int:
+        lanes = self._lanes
+        return self._num_resolved if lanes is None else int(lanes.resolved[self._lane])
+
+    @num_resolved.setter
+    def num_resolved(self, value: int) -> None:
+        if self._lanes is None:
+            self._num_resolved = value
+        else:
+            self._lanes.resolved[self._lane] = value
+
+    @property
+    def num_sent_tokens(self) -> int:
+        lanes = self._lanes
+        return self._num_sent_tokens if lanes is None else int(lanes.sent[self._lane])
+
+    @num_sent_tokens.setter
+    def num_sent_tokens(self, value: int) -> None:
+        if self._lanes is None:
+            self._num_sent_tokens = value
+        else:
+            self._lanes.sent[self._lane] = value
+
+    @property
+    def last_token_at(self) -> float | None:
+        lanes = self._lanes
+        if lanes is None:
+            return self._last_token_at
+        value = float(lanes.last_token_at[self._lane])
+        return None if value != value else value  # NaN: none yet
+
+    @last_token_at.setter
+    def last_token_at(self, value: float | None) -> None:
+        if self._lanes is None:
+            self._last_token_at = value
+        else:
+            self._lanes.last_token_at[self._lane] = np.nan if value is None else value
+
+    def finish(self, reason: str) -> None:
+        """The sample has ended: its rows' tokens still coming are dropped (_Lanes.ended)."""
+        self.finish_reason = reason
+        if self._lanes is not None:
+            self._lanes.ended[self._lane] = True
+            self._lanes.num_ended += 1
 
     def finish_text(self, last_is_eos: bool) -> None:
         if self.text is not None:
@@ -431,7 +487,7 @@ class LLMEngine:
             self._num_unscheduled -= sample.scheduled_at is None
             self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
             del sample.seq.output_token_ids[sample.num_resolved:]  # tokens still coming
-            sample.finish_reason = SequenceStatus.FINISHED_ABORTED.finish_reason  # not
+            sample.finish(SequenceStatus.FINISHED_ABORTED.finish_reason)  # not
             # "length": the scheduler may have finished it already, at its last token's launch
             sample.finish_text(last_is_eos=False)
             deltas.append(sample.delta())  # finished: nothing is held back
@@ -571,17 +627,13 @@ class LLMEngine:
                 return None
             rows = _Rows.of([self._sample_of(seq) for seq, _, _ in entries],
                             [index for _, _, index in entries])
-        samples, state = rows.samples, rows.state
         if batch.dropped:
-            samples = list(samples)
-            for row in reversed(batch.dropped):
-                del samples[row]
-            state = np.delete(state, batch.dropped, axis=1)
-            if None in samples:
+            rows = rows.without(batch.dropped)
+            if None in rows.samples:
                 return None
         elif rows.incomplete:
             return None
-        return _Rows(samples, state + _Rows.STEP, rows.constrained)
+        return rows.moved_on()
 
     def _launch_steady(self, batch, sampled, rows: "_Rows") -> "_Launched":
         """_launch for a steady step: a placeholder for each row, and the lengths checked
@@ -592,10 +644,13 @@ class LLMEngine:
         # whose output limit this token reaches, which _finish_step takes the long way)
         state = rows.state
         ended = state[1] <= 0
-        rows.long = ended | state[2].astype(bool)
         if ended.any():
+            rows.long = ended | rows.never_short
             for row in np.flatnonzero(ended).tolist():
                 self.scheduler.finish(seqs[row], SequenceStatus.FINISHED_LENGTH)
+        elif rows.any_never_short:
+            rows.long = rows.never_short
+        rows.num_ended = rows.lanes.num_ended
         constrained = None
         if rows.constrained:
             indexes = state[0].tolist()
@@ -610,39 +665,76 @@ class LLMEngine:
         """_finish_step's short way for a steady step's rows (_Rows): a row whose token
         stop_status certainly says None for (below the output limit, not EOS, a sample
         without stop tokens) and whose sample has no grammar, no text made token by token
-        and no log-probabilities is resolved in one lean pass; the others become entries
-        for the long way (launched.waiting_for)."""
+        and no log-probabilities takes its token with a few array operations over all
+        such rows (its sample's counts and time are in _Lanes); the others become entries
+        for the long way (launched.waiting_for), and the rows of samples that ended
+        since the launch are dropped."""
         rows = launched.rows
-        long = rows.long
-        for eos in self.eos_token_ids:
-            long = long | (token_array[:len(rows.samples)] == eos)
-        columns = self._columns
+        lanes, state, num_rows = rows.lanes, rows.state, len(rows.samples)
+        lane, indexes = state[_Rows.LANE], state[_Rows.INDEX]
+        long, skip = rows.long, None
+        if lanes.num_ended != rows.num_ended or rows.started:
+            # a sample ended since the launch, or an interrupted call handled some rows
+            skip = lanes.ended[lane] | (lanes.resolved[lane] > indexes)
+        rows.started = True
+        if len(tokens) != num_rows:
+            tokens, token_array = tokens[:num_rows], token_array[:num_rows]
+        if self.eos_token_ids:
+            eos = token_array >= min(self.eos_token_ids)  # those that may be EOS
+            if eos.any():
+                eos &= np.isin(token_array, list(self.eos_token_ids))
+                long = eos if long is None else long | eos
+        if skip is not None:
+            long = None if long is None else long & ~skip
+            if not skip.any():
+                skip = None
+        if long is not None and not long.any():
+            long = None
         waiting_for = []
-        for row, (sample, index, token_id, is_long) in enumerate(
-                zip(rows.samples, rows.state[0].tolist(), tokens, long.tolist())):
-            if is_long:
-                waiting_for.append((sample.seq, row, index))
-                continue
-            outputs = sample.seq.output_token_ids
-            if index >= len(outputs) or sample.num_resolved > index \
-                    or sample.finish_reason is not None:
-                continue  # ended at an earlier token, aborted, or handled already
-            outputs[index] = token_id
-            sample.num_resolved = index + 1
-            if sample.first_token_at is None:
-                sample.first_token_at = now
-            sample.last_token_at = now
-            if not sample.stream:
-                continue
-            if columns is not None and sample.columnar and 0 < sample.num_sent_tokens == index:
-                columns[0].append(sample.seq.request_id)
-                columns[1].append(sample.seq.index)
-                columns[2].append(token_id)
-                sample.num_sent_tokens = index + 1
-            else:
-                deltas.append(sample.delta())
+        if long is not None:
+            waiting_for = [(rows.samples[row].seq, row, index) for row, index in zip(
+                np.flatnonzero(long).tolist(), indexes[long].tolist())]
+        columns, short = self._columns, None
+        samples, outputs, request_ids, sample_indexes = (
+            rows.samples, rows.outputs, rows.request_ids, rows.sample_indexes)
+        short_tokens, short_indexes = tokens, indexes
+        if long is not None or skip is not None:  # some rows are not the short way's
+            short = ~long if skip is None else ~skip if long is None else ~(long | skip)
+            picked = short.tolist()
+            samples, outputs, request_ids, sample_indexes, short_tokens = (
+                list(compress(values, picked)) for values in
+                (samples, outputs, request_ids, sample_indexes, tokens))
+            short_indexes, lane = indexes[short], lane[short]
+        # outputs[index] = token for each row (at C speed: no Python frame a row)
+        deque(map(setitem, outputs, short_indexes.tolist(), short_tokens), maxlen=0)
+        resolved = short_indexes + 1
+        lanes.resolved[lane] = resolved
+        lanes.last_token_at[lane] = now
+        if rows.kinds is not None:  # every row streams the same way
+            if rows.kinds == _Rows.COLUMN and columns is not None:
+                lanes.sent[lane] = resolved
+                columns[0].extend(request_ids)
+                columns[1].extend(sample_indexes)
+                columns[2].extend(short_tokens)
+            elif rows.kinds != _Rows.QUIET:
+                deltas += [sample.delta() for sample in samples]
+        else:
+            kind = state[_Rows.KIND] if short is None else state[_Rows.KIND][short]
+            by_delta = kind != _Rows.QUIET
+            if columns is not None:
+                in_column = kind == _Rows.COLUMN
+                by_delta &= ~in_column
+                lanes.sent[lane[in_column]] = resolved[in_column]
+                picked = in_column.tolist()
+                columns[0].extend(compress(request_ids, picked))
+                columns[1].extend(compress(sample_indexes, picked))
+                columns[2].extend(compress(short_tokens, picked))
+            deltas += [samples[row].delta() for row in np.flatnonzero(by_delta).tolist()]
         launched.waiting_for = waiting_for[::-1]
         launched.rows = None  # the rest are entries now
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.rows is None or in_flight.rows.lanes is not lanes:
+            lanes.release()  # the step after this one was launched the long way
 
     def _note_scheduled(self, batch) -> None:
         """The first scheduling of each sample in the batch that had none yet."""
@@ -738,7 +830,7 @@ class LLMEngine:
             return sample.stream
         del seq.output_token_ids[index + 1:]  # a token of a step still running
         self.scheduler.finish(seq, status)
-        sample.finish_reason = status.finish_reason
+        sample.finish(status.finish_reason)
         samples = self.requests[seq.request_id]
         if all(s.finish_reason is not None for s in samples):  # the request is over
             del self.requests[seq.request_id]
@@ -862,34 +954,129 @@ class _Launched:
         self.rows: _Rows | None = None
 
 
+class _Lanes:
+    """Where the samples of a steady step's rows keep num_resolved, num_sent_tokens and
+    last_token_at (_Sample's properties read them here): one array each, a lane a
+    sample, so that _finish_rows writes each for all its rows with one operation; and
+    which samples ended (ended, num_ended: their rows' tokens still coming are dropped).
+    Made when rows start to be carried, released when they stop (or a sample leaves for
+    the next lanes)."""
+    __slots__ = ("samples", "resolved", "sent", "last_token_at", "ended", "num_ended")
+
+    def __init__(self, samples: list):
+        """Lanes 0.. for these samples (None: a lane no sample uses), taking their
+        values."""
+        present = [s for s in samples if s is not None]
+        self.samples = samples
+        self.resolved = np.zeros(len(samples), np.int64)
+        self.sent = np.zeros(len(samples), np.int64)
+        self.last_token_at = np.full(len(samples), np.nan)
+        self.ended = np.array([s is None or s.finish_reason is not None for s in samples])
+        self.num_ended = 0
+        values = [(s.num_resolved, s.num_sent_tokens, s.last_token_at) for s in present]
+        for lane, sample in enumerate(samples):
+            if sample is not None:
+                sample._lanes, sample._lane = self, lane
+        if present:
+            lanes = [lane for lane, s in enumerate(samples) if s is not None]
+            resolved, sent, last = zip(*values)
+            self.resolved[lanes] = resolved
+            self.sent[lanes] = sent
+            self.last_token_at[lanes] = [np.nan if t is None else t for t in last]
+
+    def release(self) -> None:
+        """Hand each sample still here its values back, to its own attributes (no rows
+        use these lanes any more: the long way then reads no arrays)."""
+        resolved, sent = self.resolved.tolist(), self.sent.tolist()
+        last_token_at = self.last_token_at.tolist()
+        for lane, sample in enumerate(self.samples):
+            if sample is not None and sample._lanes is self:
+                sample._lanes = None
+                sample._num_resolved, sample._num_sent_tokens = resolved[lane], sent[lane]
+                last = last_token_at[lane]
+                sample._last_token_at = None if last != last else last  # NaN: none yet
+        self.samples = []
+
+
 class _Rows:
     """A steady step's rows, carried from step to step while steps stay steady
-    (docs/ARCHITECTURE.md, "The steady decode step"): each row's sample and, as one int64
-    array of three rows (deleted from and moved on with one operation each), the index in
-    its output tokens of the row's token, the output tokens left under its limit after
-    that one (the limit is reached where this is 0 or less), and 1 where its sample never
-    takes _finish_step's short way (a grammar, text made token by token,
-    log-probabilities or stop tokens)."""
-    __slots__ = ("samples", "state", "constrained", "incomplete", "long")
-    STEP = np.array([[1], [-1], [0]], np.int64)  # one token further on
+    (docs/ARCHITECTURE.md, "The steady decode step"): each row's sample, its output
+    tokens (the sequence's list), request id and sample index (TokenColumns' entries),
+    and, as one int64 array of rows (deleted from and moved on with one operation each),
+    the index in its output tokens of the row's token, the output tokens left under its
+    limit after that one (the limit is reached where this is 0 or less), 1 where its
+    sample never takes _finish_step's short way (a grammar, text made token by token,
+    log-probabilities or stop tokens), how its sample streams (KIND), and its lane in
+    `lanes`."""
+    __slots__ = ("samples", "state", "constrained", "incomplete", "long", "lanes",
+                 "outputs", "request_ids", "sample_indexes", "kinds", "never_short",
+                 "any_never_short", "num_ended", "started")
+    INDEX, LEFT, NEVER_SHORT, KIND, LANE = range(5)
+    STEP = np.array([[1], [-1], [0], [0], [0]], np.int64)  # one token further on
+    # KIND: not streamed, streamed as TokenColumns entries (where step_deltas has them),
+    # streamed as deltas
+    QUIET, COLUMN, DELTA = range(3)
 
-    def __init__(self, samples: list, state, constrained: bool, incomplete: bool = False):
+    def __init__(self, samples: list, state, constrained: bool, incomplete: bool,
+                 lanes: _Lanes, outputs: list, request_ids: list, sample_indexes: list,
+                 kinds: int | None, never_short=None, any_never_short: bool = False):
         self.samples = samples
         self.state = state
         self.constrained = constrained  # a sample of some row is constrained
         self.incomplete = incomplete  # a row's sample is gone (None)
-        self.long = None  # set at launch: the rows _finish_step takes the long way
+        self.lanes = lanes
+        self.outputs = outputs
+        self.request_ids = request_ids
+        self.sample_indexes = sample_indexes
+        self.kinds = kinds  # the KIND of every row where they are all the same, else None
+        if never_short is None:
+            never_short = state[_Rows.NEVER_SHORT].astype(bool)
+            any_never_short = bool(never_short.any())
+        self.never_short = never_short
+        self.any_never_short = any_never_short
+        self.long = None  # set at launch: the rows _finish_step takes the long way (None: none)
+        self.num_ended = 0  # lanes.num_ended at the launch
+        self.started = False  # _finish_rows has begun (an interrupted call)
 
     @classmethod
     def of(cls, samples: list, indexes: list[int]) -> "_Rows":
+        kinds = [cls.QUIET if s is None or not s.stream
+                 else cls.COLUMN if s.columnar else cls.DELTA for s in samples]
+        lanes = _Lanes(samples)
         state = np.array([
             indexes,
             [0 if s is None else s.seq.output_limit - index - 1
              for s, index in zip(samples, indexes)],
             [s is None or not s.plain or s.logprobs is not None or bool(s.stop_token_ids)
-             for s in samples]], np.int64).reshape(3, len(samples))
+             for s in samples],
+            kinds, range(len(samples))], np.int64).reshape(5, len(samples))
         constrained = any(s is not None and s.seq.is_constrained for s in samples)
-        return cls(samples, state, constrained, None in samples)
+        return cls(samples, state, constrained, None in samples, lanes,
+                   [None if s is None else s.seq.output_token_ids for s in samples],
+                   [None if s is None else s.seq.request_id for s in samples],
+                   [None if s is None else s.seq.index for s in samples],
+                   kinds[0] if kinds and kinds.count(kinds[0]) == len(kinds) else None)
+
+    def without(self, dropped: list[int]) -> "_Rows":
+        """These rows less the dropped ones (ascending)."""
+        lists = [list(self.samples), list(self.outputs), list(self.request_ids),
+                 list(self.sample_indexes)]
+        for row in reversed(dropped):
+            for values in lists:
+                del values[row]
+        state = np.delete(self.state, dropped, axis=1)
+        kinds = self.kinds
+        if kinds is None and state.shape[1]:
+            kind = state[_Rows.KIND]
+            kinds = int(kind[0]) if (kind == kind[0]).all() else None
+        return _Rows(lists[0], state, self.constrained, None in lists[0], self.lanes,
+                     *lists[1:], kinds)
+
+    def moved_on(self) -> "_Rows":
+        """The same rows one token further on."""
+        return _Rows(self.samples, self.state + _Rows.STEP, self.constrained, self.incomplete,
+                     self.lanes, self.outputs, self.request_ids, self.sample_indexes,
+                     self.kinds, self.never_short, self.any_never_short)
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__

@@ -11,8 +11,6 @@ tokens the last step's rows (placeholders), its sampling rows the last step's wi
 token generated; only the rows whose sequence got a block since are copied again."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ..interface import (MAX_BIAS_ENTRIES, SAMPLING_ROWS, ForwardBatch, PromptLogprobRequest,
@@ -252,10 +250,15 @@ class ModelRunner:
         else:
             token_ids = np.array([seq.output_token_ids[-1] for seq in seqs], dtype=np.int32)
         columns = positions // bs
-        for b in np.flatnonzero(columns >= slots.table_lengths[rows]).tolist():
-            slots.update_block_table(seqs[b])  # a block added for this position
+        if batch.grown is not None:  # the scheduler added blocks to these sequences only
+            for seq in batch.grown:
+                slots.update_block_table(seq)
+        else:
+            for b in np.flatnonzero(columns >= slots.table_lengths[rows]).tolist():
+                slots.update_block_table(seqs[b])  # a block added for this position
         seq_lens = positions + 1
-        max_seq_len = int(seq_lens.max())
+        # every row one further on: the longest too, unless it was dropped
+        max_seq_len = last.max_seq_len + 1 if not batch.dropped else int(seq_lens.max())
         return ForwardBatch(
             token_ids=token_ids, positions=positions,
             slot_mapping=slots.block_tables[rows, columns] * bs + positions % bs,
@@ -297,8 +300,10 @@ class ModelRunner:
         """sampling_tensors for a step that follows `last`: its kept rows, each with one
         more token generated; each slot's state is current (its reset, if any, went with
         an earlier step) and each row's token is counted (`last` sampled every row)."""
-        if not batch.dropped:
-            return dataclasses.replace(last, steps=last.steps + 1, resets=None), rows
+        if not batch.dropped:  # (a copy of last's fields: dataclasses.replace costs 5 us)
+            tensors = object.__new__(SamplingTensors)
+            vars(tensors).update(vars(last), steps=last.steps + 1, resets=None)
+            return tensors, rows
         kept = np.delete(np.arange(len(rows)), batch.dropped)
         rows = rows[kept]
         settings = {name: None if value is None else value[kept]
