@@ -14,8 +14,6 @@ first choice and its fastest, and writes them to $OUT/cublaslt_probe.json (or --
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
+from cupy_llama.bench.report import output_json_path, write_report  # noqa: E402
 from cupy_llama.backends.cuda import cublaslt, gemm  # noqa: E402
 
 CALLS = 16  # products per graph, each over its own weight copy where memory allows
@@ -111,11 +110,9 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     lt = cublaslt.FP8Lt()  # its handle, workspace and preference serve any types
     report = {name: probe(lt, name, n, k, residual, rows) for name, n, k, residual in SHAPES}
-    path = args.json or (os.path.join(os.environ["OUT"], "cublaslt_probe.json")
-                         if os.environ.get("OUT") else None)
+    path = output_json_path(args.json, "cublaslt_probe.json")
     if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(path, report)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ length, with nothing timed but the profile."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
@@ -31,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
+from cupy_llama.bench.report import output_json_path, write_report  # noqa: E402
 from cupy_llama import LLM, SamplingParams  # noqa: E402
 from cupy_llama.bench.offline import max_token_id  # noqa: E402
 from cupy_llama.bench.workloads import random_ids  # noqa: E402
@@ -150,11 +149,9 @@ def main() -> None:
             profile.disable()
             print(f"== {length} tokens: the host's functions over {args.runs} requests ==")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.cprofile)
-    path = args.json or (os.path.join(os.environ["OUT"], "first_token_parts.json")
-                         if os.environ.get("OUT") else None)
+    path = output_json_path(args.json, "first_token_parts.json")
     if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(path, report)
 
 
 if __name__ == "__main__":

@@ -412,3 +412,14 @@ def test_writing_a_random_model_says_it_is_still_at_it(tmp_path, monkeypatch):
 def test_the_command_line_offers_every_random_model_shape():
     from cupy_llama.bench import random_model, workloads
     assert sorted(workloads.PRESETS) == sorted(random_model.PRESETS)
+
+
+def test_measuring_scripts_write_json_where_asked(monkeypatch, tmp_path):
+    """scripts/ write their JSON at --json's path, else into $OUT, else nowhere."""
+    from cupy_llama.bench.report import output_json_path
+    monkeypatch.delenv("OUT", raising=False)
+    assert output_json_path(None, "probe.json") is None
+    assert output_json_path("mine.json", "probe.json") == "mine.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert output_json_path(None, "probe.json") == str(tmp_path / "probe.json")
+    assert output_json_path("mine.json", "probe.json") == "mine.json"

@@ -21,6 +21,15 @@ def write_report(json_path: str, report: dict) -> None:
                            "--json") from None
 
 
+def output_json_path(explicit: str | None, file_name: str) -> str | None:
+    """Where a measuring script writes its JSON: --json's path, else file_name in the
+    folder $OUT names where that is set, else nowhere (None)."""
+    if explicit:
+        return explicit
+    out_dir = os.environ.get("OUT")
+    return os.path.join(out_dir, file_name) if out_dir else None
+
+
 def add_ratios(results: dict) -> None:
     """How many times faster cupy-llama is, per mode (None where a side is missing)."""
     def ratio(ours, theirs):
