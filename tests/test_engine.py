@@ -619,6 +619,19 @@ def test_steady_steps_build_what_a_rebuild_builds(model_dir):
     assert with_steady == run(False)[0]
 
 
+def count_steady_rows(engine, short: bool, used: dict, key: str) -> None:
+    """Count in used[key] the steps whose rows the engine carries (its steady rows); with
+    short False it carries none, so every row takes the long way."""
+    steady_rows = engine._steady_rows
+
+    def counted(last, batch):
+        rows = steady_rows(last, batch) if short else None
+        used[key] += rows is not None
+        return rows
+
+    engine._steady_rows = counted
+
+
 def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeypatch):
     """A steady step's rows resolved with array tests (LLMEngine._finish_rows: the output
     limit, EOS, the samples that never take the short way) give the deltas and columns,
@@ -631,14 +644,7 @@ def test_steady_rows_take_the_short_way_as_the_long_way_would(model_dir, monkeyp
     def run(short: bool):
         llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
         engine, used = llm.engine, {"steady": 0}
-        steady_rows = engine._steady_rows
-
-        def counted(last, batch):
-            rows = steady_rows(last, batch) if short else None
-            used["steady"] += rows is not None
-            return rows
-
-        engine._steady_rows = counted
+        count_steady_rows(engine, short, used, "steady")
         # a token in 29 is EOS: samples end now and then at EOS
         engine.eos_token_ids = set(range(3, engine.config.vocab_size, 29))
         for i, prompt in enumerate(prompts(12, seed=5)):
@@ -679,14 +685,7 @@ def test_steady_rows_abort_and_time_their_samples_as_the_long_way_does(model_dir
     def run(short: bool):
         llm = LLM(model_dir, device="cpu", log=None, max_num_seqs=8, block_size=4)
         engine, used = llm.engine, {"lanes": 0, "released": 0}
-        steady_rows = engine._steady_rows
-
-        def counted(last, batch):
-            rows = steady_rows(last, batch) if short else None
-            used["lanes"] += rows is not None
-            return rows
-
-        engine._steady_rows = counted
+        count_steady_rows(engine, short, used, "lanes")
         for i, prompt in enumerate(prompts(8, seed=7)):
             params = SamplingParams(max_tokens=12 + 3 * i, temperature=1.0, seed=i,
                                     n=1 + i % 2, ignore_eos=True)
