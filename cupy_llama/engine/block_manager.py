@@ -222,17 +222,17 @@ class BlockManager:
             computed = seq.num_computed_tokens
             if computed < end or seq.token_id(end - 1) < 0:
                 continue  # no block filled, or its last token still coming
-            first = end - block_size - seq.num_prompt_tokens
-            if (computed >= end + block_size or first < 0 or len(record.digests) != settled
-                    or seq.num_tokens < end):
-                self.cache_computed_blocks(seq)  # more than a decode step's one block
+            first = end - block_size - seq.num_prompt_tokens  # its first output token
+            one_output_block = (computed < end + block_size  # one block filled, not more
+                                and first >= 0               # of output tokens only
+                                and len(record.digests) == settled)  # the rest settled
+            if not one_output_block:
+                self.cache_computed_blocks(seq)  # the general walk
                 continue
-            # a decode step's usual case: one block of output tokens filled, the blocks
-            # before it settled; its tokens are known (placeholders are only ever the
-            # last tokens, and its last one is known)
-            digest = hashlib.sha256((record.digests[-1] if settled else ROOT_HASH)
-                                    + _int32s(block_size).pack(
-                                        *seq.output_token_ids[first:first + block_size])).digest()
+            # a decode step's usual case: its tokens are known (placeholders are only ever
+            # the last tokens, and its last one is known)
+            digest = block_hash(record.digests[-1] if settled else ROOT_HASH,
+                                seq.output_token_ids[first:first + block_size])
             record.digests.append(digest)
             if digest not in cached:  # else another block holds it: this one stays private
                 block = seq.block_table[settled]
