@@ -31,7 +31,7 @@ from .sequence import Sequence, SequenceStatus
 # the fewest rows of a steady step that the engine resolves as _Rows: with their
 # samples' counts in _Lanes, its fixed cost (some ten array operations a step) is
 # below that of the per-row lookups it saves at 64 rows (docs/ARCHITECTURE.md, "The
-# steady decode step")
+# steady decode step"; measured with scripts/profile_host_path.py --serve)
 STEADY_ROWS_MIN = 64
 
 
@@ -643,7 +643,7 @@ class LLMEngine:
         # stop_status's lengths, the token unknown: nothing is left to schedule (the rows
         # whose output limit this token reaches, which _finish_step takes the long way)
         state = rows.state
-        ended = state[1] <= 0
+        ended = state[_Rows.LEFT] <= 0
         if ended.any():
             rows.long = ended | rows.never_short
             for row in np.flatnonzero(ended).tolist():
@@ -653,7 +653,7 @@ class LLMEngine:
         rows.num_ended = rows.lanes.num_ended
         constrained = None
         if rows.constrained:
-            indexes = state[0].tolist()
+            indexes = state[_Rows.INDEX].tolist()
             constrained = [(seqs[row], row, indexes[row]) for row, sample
                            in enumerate(rows.samples) if sample.seq.is_constrained]
         launched = _Launched(batch, sampled, [], constrained)
@@ -959,8 +959,7 @@ class _Lanes:
     last_token_at (_Sample's properties read them here): one array each, a lane a
     sample, so that _finish_rows writes each for all its rows with one operation; and
     which samples ended (ended, num_ended: their rows' tokens still coming are dropped).
-    Made when rows start to be carried, released when they stop (or a sample leaves for
-    the next lanes)."""
+    Made when rows start to be carried, released when they stop."""
     __slots__ = ("samples", "resolved", "sent", "last_token_at", "ended", "num_ended")
 
     def __init__(self, samples: list):
