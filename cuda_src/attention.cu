@@ -277,48 +277,6 @@ __device__ __forceinline__ uint4 load16(const bf16* p) {
     return *reinterpret_cast<const uint4*>(p);
 }
 
-// Thread-block clusters (sm_90+; the launcher uses the clustered kernels only there, and
-// a build for an older GPU traps if one is launched anyway).
-// Every thread of the CTA calls cluster_barrier; it orders shared-memory writes before it
-// with the other CTAs' reads after it (release / acquire).
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
-// the 32-bit shared-state-space address of a __shared__ object (what cp.async, ldmatrix
-// and mapa take)
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// The address of `local` (a __shared__ object of this CTA) in the shared memory of the
-// cluster's CTA `rank`: one mapping, to which the offsets of the object's members add
-__device__ __forceinline__ unsigned cluster_address(const void* local, int rank) {
-    unsigned remote = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
-#else
-    __trap();
-#endif
-    return remote;
-}
-
-// the float at a cluster_address
-__device__ __forceinline__ float cluster_load(unsigned remote) {
-    float value = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
-#else
-    __trap();
-#endif
-    return value;
-}
-
 // Merge N partial results of an online softmax in order: part r has running max m(r)
 // (base 2), sum l(r) and unnormalized output acc(r). m_max is -inf only when no part saw
 // a key; the sums are then 0.

@@ -164,3 +164,100 @@ __device__ __forceinline__ void let_next_kernel_start() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// Thread-block clusters (sm_90+; the launchers cluster kernels only there, and a build
+// for an older GPU traps if a clustered kernel is launched anyway).
+// Every thread of the CTA calls cluster_barrier; it orders shared-memory writes before it
+// with the other CTAs' reads after it (release / acquire).
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// This CTA's rank in its cluster and the cluster's size (0 and 1 where the launch has no
+// clusters, and before sm_90)
+__device__ __forceinline__ int cluster_rank() {
+    unsigned rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+    return static_cast<int>(rank);
+}
+
+__device__ __forceinline__ int cluster_size() {
+    unsigned size = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+#endif
+    return static_cast<int>(size);
+}
+
+// The two halves of cluster_barrier, for work between them: arrive (nothing ordered), and
+// wait for every thread of the cluster to have arrived
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// the 32-bit shared-state-space address of a __shared__ object (what cp.async, ldmatrix
+// and mapa take)
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// The address of `local` (a __shared__ object of this CTA) in the shared memory of the
+// cluster's CTA `rank`: one mapping, to which the offsets of the object's members add
+__device__ __forceinline__ unsigned cluster_address(const void* local, int rank) {
+    unsigned remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+#else
+    __trap();
+#endif
+    return remote;
+}
+
+// the float at a cluster_address
+__device__ __forceinline__ float cluster_load(unsigned remote) {
+    float value = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#else
+    __trap();
+#endif
+    return value;
+}
+
+// stores to a cluster_address: 16 bytes (16-byte aligned) and a float
+__device__ __forceinline__ void cluster_store(unsigned remote, uint4 value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(value.x),
+                 "r"(value.y), "r"(value.z), "r"(value.w) : "memory");
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_store(unsigned remote, float value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
+#else
+    __trap();
+#endif
+}
+
