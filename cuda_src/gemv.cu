@@ -217,39 +217,84 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 // issued STAGE_BATCH at a time before any is used: a loop of one load per turn would pay a
 // round trip to L2 per turn, m_rows times over (at 8 x rows and k 2,048, 24 round trips,
 // about 6 us, against 1 row's 3).
+//
+// Every block stages the whole of x, so past a few rows staging is what a block reads most
+// from L2 (16 rows of the norm's float32 x at K = 2,048: 128 KB twice, sums then scaling,
+// against a 64 KB weight tile). Launched as clusters (gemm.py, staging_cluster; bf16
+// weights), the blocks of a cluster share the work: each loads and scales one C-th of the chunks (of the
+// sums: one C-th of every row) and stores what it staged into every block's shared memory
+// of the cluster. The norm's row sums go round the cluster too and are added in rank
+// order, so every block scales by the same inv_rms. Before the first store into another
+// block every block of the cluster must have started (the caller arrived at the cluster
+// barrier at its start); after the last, a cluster barrier orders the stores before the
+// mma read them. Without clusters (C = 1) this is the plain staging, ending in
+// __syncthreads.
 #define STAGE_BATCH 8  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
 #define NORM_BATCH 2   // chunks a thread scales at once (each two float4 and a weight chunk)
-template <int PRO, int WARPS>
+#define SKINNY_MAX_CLUSTER 4  // blocks sharing x's staging at most (gemm.STAGING_CLUSTER)
+
+// Where a staged chunk goes: this block's xs and the same offset in every other block of
+// the cluster (mapped per store: an address per block would hold registers all the way)
+struct StagedX {
+    uint4* xs;
+    int rank, size;
+
+    __device__ __forceinline__ void put(int index, uint4 value) const {
+        xs[index] = value;
+#pragma unroll
+        for (int q = 1; q < SKINNY_MAX_CLUSTER; ++q) {
+            if (q >= size) break;
+            const int other = rank + q < size ? rank + q : rank + q - size;
+            cluster_store(cluster_address(xs + index, other), value);
+        }
+    }
+};
+
+// SHARED: whether the kernel stages in clusters at all (the bf16 kernels; the FP8 ones
+// hold twice the weight registers and have none to spare for it)
+template <int PRO, int WARPS, bool SHARED>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
     const int chunks = a.k / 8;
     const int total = a.m_rows * x_chunks;  // staged chunks, row by row
     const uint4 zero = make_uint4(0, 0, 0, 0);
+    const int size = SHARED ? cluster_size() : 1, rank = SHARED ? cluster_rank() : 0;
+    const StagedX staged = {xs, rank, size};
+    if (size > 1) cluster_wait();  // every block of the cluster has started
+    // this block's share of the staged chunks, [first, last) in row order
+    const int first = (int)((long long)total * rank / size);
+    const int last = (int)((long long)total * (rank + 1) / size);
     if (PRO == PRO_PLAIN) {
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
-        for (int base = threadIdx.x; base < total; base += STAGE_BATCH * blockDim.x) {
+        for (int base = first + threadIdx.x; base < last; base += STAGE_BATCH * blockDim.x) {
             uint4 v[STAGE_BATCH];
 #pragma unroll
             for (int b = 0; b < STAGE_BATCH; ++b) {
                 const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
-                v[b] = i < total && c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
+                v[b] = i < last && c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
             }
 #pragma unroll
             for (int b = 0; b < STAGE_BATCH; ++b) {
                 const int i = base + b * blockDim.x, m = i / x_chunks;
-                if (i < total) xs[m * x_stride + i - m * x_chunks] = v[b];
+                if (i < last) staged.put(m * x_stride + i - m * x_chunks, v[b]);
             }
         }
+        if (size > 1) cluster_barrier();
+        else __syncthreads();
         return;
     }
-    // PRO_NORM. The sums of squares: each row goes to a group of row_warps warps (all
-    // WARPS for one row, one warp a row from WARPS / 2 + 1 rows on), whose lanes sum its
-    // float4 in turn; a group's warps leave their sums in row_sums, added in warp order.
+    // PRO_NORM. The sums of squares of this block's share of every row (all of it without
+    // clusters): each row goes to a group of row_warps warps (all WARPS for one row, one
+    // warp a row from WARPS / 2 + 1 rows on), whose lanes sum its float4 in turn; a
+    // group's warps leave their sums in row_sums, added in warp order.
     __shared__ float row_sums[16][WARPS];  // [x row][warp of its group]; m_rows <= 16
+    __shared__ float cluster_sums[SKINNY_MAX_CLUSTER][16];  // [rank][x row]
     __shared__ float inv_rms[16];
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
     const int quads = a.k / 4;
+    const int quad_first = (int)((long long)quads * rank / size);
+    const int quad_last = (int)((long long)quads * (rank + 1) / size);
     const int row_warps = max(1, WARPS / a.m_rows), groups = WARPS / row_warps;
     const int group = warp / row_warps, part = warp - group * row_warps;
     const int group_lane = part * WARP_SIZE + lane, group_threads = row_warps * WARP_SIZE;
@@ -257,12 +302,13 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
         for (int m = group; m < a.m_rows; m += groups) {
             const float4* row = x4 + (long long)m * quads;
             float sum_sq = 0.0f;
-            for (int base = group_lane; base < quads; base += STAGE_BATCH * group_threads) {
+            for (int base = quad_first + group_lane; base < quad_last;
+                 base += STAGE_BATCH * group_threads) {
                 float4 v[STAGE_BATCH];
 #pragma unroll
                 for (int b = 0; b < STAGE_BATCH; ++b) {
                     const int q = base + b * group_threads;
-                    v[b] = q < quads ? __ldcg(row + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    v[b] = q < quad_last ? __ldcg(row + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
 #pragma unroll
                 for (int b = 0; b < STAGE_BATCH; ++b)
@@ -276,18 +322,33 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     if (threadIdx.x < a.m_rows) {
         float sum_sq = 0.0f;
         for (int v = 0; v < row_warps; ++v) sum_sq += row_sums[threadIdx.x][v];
-        inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
+        if (size > 1) {  // to every block of the cluster, as this rank's part
+            cluster_sums[rank][threadIdx.x] = sum_sq;
+            for (int q = 0; q < size - 1; ++q)
+                cluster_store(cluster_address(&cluster_sums[rank][threadIdx.x], (rank + 1 + q) % size),
+                              sum_sq);
+        } else {
+            inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
+        }
+    }
+    if (size > 1) {
+        cluster_barrier();
+        if (threadIdx.x < a.m_rows) {
+            float sum_sq = 0.0f;
+            for (int q = 0; q < size; ++q) sum_sq += cluster_sums[q][threadIdx.x];
+            inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
+        }
     }
     __syncthreads();
     // the scaled rows, NORM_BATCH chunks of 8 at a time per thread
     const uint4* weight4 = reinterpret_cast<const uint4*>(a.norm_weight);
-    for (int base = threadIdx.x; base < total; base += NORM_BATCH * blockDim.x) {
+    for (int base = first + threadIdx.x; base < last; base += NORM_BATCH * blockDim.x) {
         float4 v[NORM_BATCH][2];
         uint4 weight_chunk[NORM_BATCH];
 #pragma unroll
         for (int b = 0; b < NORM_BATCH; ++b) {
             const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
-            const bool present = i < total && c < chunks;
+            const bool present = i < last && c < chunks;
             const float4 none = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             v[b][0] = present ? __ldcg(x4 + (long long)m * quads + 2 * c) : none;
             v[b][1] = present ? __ldcg(x4 + (long long)m * quads + 2 * c + 1) : none;
@@ -296,7 +357,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
 #pragma unroll
         for (int b = 0; b < NORM_BATCH; ++b) {
             const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
-            if (i >= total) continue;
+            if (i >= last) continue;
             unsigned packed[4] = {0u, 0u, 0u, 0u};
             if (c < chunks) {
                 const float x[8] = {v[b][0].x, v[b][0].y, v[b][0].z, v[b][0].w,
@@ -310,9 +371,11 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
                                             rms_scaled(x[2 * j + 1], scale, weight[2 * j + 1],
                                                        a.norm_offset));
             }
-            xs[m * x_stride + c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            staged.put(m * x_stride + c, make_uint4(packed[0], packed[1], packed[2], packed[3]));
         }
     }
+    if (size > 1) cluster_barrier();
+    else __syncthreads();
 }
 
 __device__ __forceinline__ float bf16_rounded(float v) { return to_float(to_bf16(v)); }
@@ -442,6 +505,8 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f};  // of the tile being computed
+    // clustered (stage_x): this block has started, for the blocks that store x into it
+    if (W == W_BF16 && cluster_size() > 1) cluster_arrive_relaxed();
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
@@ -469,8 +534,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
-    stage_x<PRO, WARPS>(a, xs, x_chunks, x_stride);
-    __syncthreads();
+    stage_x<PRO, WARPS, W == W_BF16>(a, xs, x_chunks, x_stride);  // ends in a barrier
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {

@@ -151,6 +151,42 @@ def check_norm_qkv_rope(cp, rng, products, weight, w, k, head_dim, num_heads, nu
             assert_close(got[finite], ref[finite], 0.05, 0.05, f"{what}: {name}")
 
 
+@pytest.mark.parametrize("cluster", [2, 4])
+def test_clustered_staging_matches_staging_alone(cp, rng, cluster, monkeypatch):
+    """Blocks that share x's staging in a cluster stage what a block alone stages: the same
+    bits for plain products (a copy), and for the norm prologue sums of squares added in
+    another order (within a bf16 rounding of it), on grids that are and are not a multiple
+    of the cluster. Every product of bf16 weights is clustered here, whatever its rows and
+    prologue (the launcher's own choice, staging_cluster, clusters fewer)."""
+    from cupy_llama.backends.cuda import gemm, launch
+    if not launch.launch_attributes_usable():
+        pytest.skip("clusters need cuLaunchKernelEx and an sm_90+ GPU")
+    monkeypatch.setattr(gemm, "staging_cluster",
+                        lambda w, pro, m_rows: cluster if w == gemm.W_BF16 else 1)
+    for k, n in ((2048, 3072), (200, 1001), (64, 37)):
+        norm_bits, norm_w = random_bf16(rng, (k,))
+        w_bits, w = random_bf16(rng, (n, k), scale=0.02)
+        w_dev = cp.asarray(w_bits)
+        for m in (2, 5, 16):
+            x_bits, _ = random_bf16(rng, (m, k))
+            outs = {}
+            for clusters in (False, True):
+                outs[clusters] = poisoned(cp, (m, n), np.float32)
+                gemm.mma(cp.asarray(x_bits), w_dev, outs[clusters], clusters=clusters)
+            assert (cp.asnumpy(outs[True]) == cp.asnumpy(outs[False])).all(), \
+                f"cluster {cluster} [{m},{k}]x[{n},{k}]^T: staged x differs"
+            x = _residual(rng, m, k)
+            expected = _normed(x, norm_w).astype(np.float64) @ w.T.astype(np.float64)
+            for clusters in (False, True):
+                out = poisoned(cp, (m, n), np.float32)
+                products = gemm.Products("mma", clusters=clusters)
+                assert products.norm_linear(cp.asarray(x), cp.asarray(norm_bits), EPS, w_dev, out)
+                outs[clusters] = to_float(cp, out)
+                rel = _relative_error(outs[clusters], expected)
+                assert rel < 1e-2, f"norm_linear cluster {cluster} m={m}: relative error {rel:.3g}"
+            assert_close(outs[True], outs[False], 1e-2, 1e-3, f"norm_linear cluster {cluster} m={m}")
+
+
 def test_programmatic_launches_are_usable_from_sm_90(cp):
     """The tests below skip where launch attributes are unusable; on a GPU that has them
     (sm_90 and newer) that would hide a broken launcher, so it fails here instead."""

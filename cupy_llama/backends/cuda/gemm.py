@@ -6,7 +6,9 @@ products of decode (at most 16 rows), one of the kernels of gemv.cu:
     the residual add after it (norm_linear, norm_gate_up_act, norm_qkv_rope,
     linear(accumulate=True)), and they
     launch programmatically (launch.py) so each starts streaming its weights while the
-    kernel before it drains;
+    kernel before it drains; the normed ones of bf16 weights from STAGING_CLUSTER_MIN_ROWS
+    rows launch as thread-block clusters whose blocks share the staging of x (gemv.cu,
+    stage_x);
   - "gemv": the SIMT kernels (gemv_m*), which a measured choice table picks where they are
     fastest (the vocabulary-sized LM head at 1 and 2 rows on the H200).
 
@@ -194,7 +196,7 @@ class Products:
     programmatically. Made once per backend; a choice is worked out once per shape."""
 
     def __init__(self, skinny: str = "auto", programmatic: bool = False,
-                 table: dict | None = None, dequantized=None, fp8_activations=None,
+                 table: dict | None = None, clusters: bool = True, dequantized=None, fp8_activations=None,
                  fp8_gemm: str = "cublaslt"):
         """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file.
         For FP8 weights past SKINNY_MAX_ROWS rows: dequantized, flat bf16 device scratch
@@ -208,6 +210,7 @@ class Products:
             raise ValueError(f"fp8_gemm must be one of {FP8_CHOICES}, got {fp8_gemm!r}")
         self.skinny = skinny
         self.programmatic = bool(programmatic) and launch.launch_attributes_usable()
+        self.clusters = bool(clusters) and launch.launch_attributes_usable()
         self._table = table
         self._chosen = {}  # (n, k, m, accumulate) -> kernel
         self.dequantized = dequantized
@@ -295,7 +298,7 @@ class Products:
         fp8 = isinstance(weight, Fp8Weight)
         kernel = self.kernel_for(n_cols, k, m_rows, accumulate, fp8)
         if kernel == "mma" and mma_unsupported(x, weight) is None:
-            _launch_mma(x, weight, out, accumulate, self.programmatic)
+            _launch_mma(x, weight, out, accumulate, self.programmatic, self.clusters)
         elif kernel == "gemv" and gemv_supported(x, weight):
             _launch_gemv(x, weight, out)
         elif fp8 and self.fp8_path(m_rows, n_cols, k) == "cublaslt":
@@ -322,7 +325,7 @@ class Products:
         args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
         if m_rows:
             _launch_skinny(weight_format(weight), PRO_NORM, EPI_STORE, m_rows, n, k, args,
-                           self.programmatic)
+                           self.programmatic, self.clusters)
         return True
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, offset: float = 0.0,
@@ -341,7 +344,7 @@ class Products:
         args.act = ACTS[act]
         if m_rows:
             _launch_skinny(weight_format(weight), PRO_NORM, EPI_GLU, m_rows, n, k, args,
-                           self.programmatic)
+                           self.programmatic, self.clusters)
         return True
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
@@ -368,7 +371,7 @@ class Products:
         args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
         if m_rows:
             _launch_skinny(weight_format(weight), PRO_NORM, EPI_ROPE, m_rows, weight.shape[0],
-                           k, args, self.programmatic)
+                           k, args, self.programmatic, self.clusters)
         return True
 
 
@@ -455,7 +458,7 @@ def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> st
     return None
 
 
-def mma(x, weight, out, programmatic: bool = False):
+def mma(x, weight, out, programmatic: bool = False, clusters: bool = True):
     """The tensor-core skinny kernel whatever the table says (tests, timing); same shapes
     as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
     m_rows, n_cols = check_product(x, weight, out)
@@ -463,15 +466,16 @@ def mma(x, weight, out, programmatic: bool = False):
     if reason is not None:
         raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
     if m_rows and n_cols:
-        _launch_mma(x, weight, out, False, programmatic and launch.launch_attributes_usable())
+        usable = launch.launch_attributes_usable()
+        _launch_mma(x, weight, out, False, programmatic and usable, clusters and usable)
 
 
-def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool):
+def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool, clusters: bool):
     mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
     args = SkinnyArgs(x=x.data.ptr, w=_matrix(weight).data.ptr, out=out.data.ptr,
                       out_mode=mode, w_scale=_scale_pointer(weight))
     _launch_skinny(weight_format(weight), PRO_PLAIN, EPI_STORE, x.shape[0], weight.shape[0],
-                   x.shape[1], args, programmatic)
+                   x.shape[1], args, programmatic, clusters)
 
 
 def _scale_pointer(weight):
@@ -505,23 +509,44 @@ def _check_norm_product(x, norm_weight, weight):
 
 
 def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
-                   programmatic: bool) -> None:
+                   programmatic: bool, clusters: bool = False) -> None:
     import cupy
-    kernel, grid, warps, shared = _mma_launch_shape(w, pro, epi, n, k, m_rows)
+    cluster = staging_cluster(w, pro, m_rows) if clusters else 1
+    kernel, grid, warps, shared = _mma_launch_shape(w, pro, epi, n, k, m_rows, cluster)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, programmatic)
+                  args, programmatic, cluster if grid % cluster == 0 else 1)
 
 
-_mma_shapes = {}  # (w, pro, epi, n, k, m) -> (kernel, grid, warps, shared bytes)
+# Blocks of a normed skinny product of bf16 weights that share the staging of x (gemv.cu,
+# stage_x): clusters of STAGING_CLUSTER from STAGING_CLUSTER_MIN_ROWS x rows. Measured on
+# the H200 (benchmarks/NOTES.md, change 40): at 8 and 16 rows the qkv and gate/up products
+# of the Llama-3.2-1B shape take 1 to 3 us less in clusters of 2; at 4 rows no less; in
+# clusters of 4 the gate/up product takes longer (its clusters do not all fit at once);
+# plain products, whose bf16 x is half the bytes and read once, take longer in clusters.
+STAGING_CLUSTER = 2
+STAGING_CLUSTER_MIN_ROWS = 8
+assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
 
 
-def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int):
+def staging_cluster(w: int, pro: int, m_rows: int) -> int:
+    """The cluster size of a skinny product (weight format, prologue, x rows) where
+    clusters launch."""
+    shared = w == W_BF16 and pro == PRO_NORM and m_rows >= STAGING_CLUSTER_MIN_ROWS
+    return STAGING_CLUSTER if shared else 1
+
+
+_mma_shapes = {}  # (w, pro, epi, n, k, m, cluster) -> (kernel, grid, warps, shared bytes)
+
+
+def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int,
+                      cluster: int = 1):
     """Kernel, grid, warps per block and shared memory of a product, computed once per
     shape: enough blocks to fill every SM as far as registers and shared memory allow, at
-    most one per tile. Plain products of rows of at least WIDE_MIN_K in no more tiles than
-    SMs take the wide variant (twice the loads in flight per block)."""
-    key = (w, pro, epi, n, k, m_rows)
+    most one per tile, and a multiple of `cluster` where there are that many (else the
+    launch goes without clusters). Plain products of rows of at least WIDE_MIN_K in no
+    more tiles than SMs take the wide variant (twice the loads in flight per block)."""
+    key = (w, pro, epi, n, k, m_rows, cluster)
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = cdiv(n, MMA_TILE_ROWS)
@@ -531,7 +556,10 @@ def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int):
         opt_in_shared(kernel, shared)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, kernel.shared_size_bytes, limits,
                                    warps)
-        _mma_shapes[key] = (kernel, max(1, min(tiles, per_sm * limits["sms"])), warps, shared)
+        grid = max(1, min(tiles, per_sm * limits["sms"]))
+        if grid >= cluster:
+            grid -= grid % cluster
+        _mma_shapes[key] = (kernel, grid, warps, shared)
     return _mma_shapes[key]
 
 

@@ -74,8 +74,9 @@ class CudaOps(SublayerOps):
         # what the switches ask for, where the GPU can
         self.programmatic = switches.programmatic and launch.launch_attributes_usable()
         self.clusters = switches.clusters and launch.launch_attributes_usable()
-        self.products = Products(switches.skinny_gemm, self.programmatic, dequantized=dequantized,
-                                 fp8_activations=fp8_activations, fp8_gemm=switches.fp8_gemm)
+        self.products = Products(switches.skinny_gemm, self.programmatic, clusters=self.clusters,
+                                 dequantized=dequantized, fp8_activations=fp8_activations,
+                                 fp8_gemm=switches.fp8_gemm)
         # a step's arrays, packed back to back at the step's own sizes (StepLayout)
         capacity = StepLayout(max_num_tokens, max_num_seqs, max_blocks_per_seq).size
         self._meta_host = pinned_array(cupy, capacity, np.int32)
