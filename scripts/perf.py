@@ -11,7 +11,7 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      of one step back to back (the 16 layers' own weights and caches, so each call reads
      them from HBM as the step does), against its own bound: its bytes over 4.5 TB/s or
      its FLOPs over 790 TFLOP/s, whichever is larger; beside the graph-replayed step;
-  2. each op of a decode layer at 1 and 8 rows (sublayer_comparison), composed of cuBLAS
+  2. each op of a decode layer at 1 to 16 rows (sublayer_comparison), composed of cuBLAS
      and the small kernels against the fused skinny kernels with plain and programmatic
      launches, graph-timed with weights from HBM, and the time of one decode step
      replayed from a CUDA graph at batch 1, 8, 64 and 256 beside the eager step, for each
@@ -32,6 +32,7 @@ instead of prefilled: timings do not depend on its values."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -322,13 +323,22 @@ def gemv_comparison(cupy, config) -> list:
     return rows
 
 
-SUBLAYER_ROWS = (1, 8)
+SUBLAYER_ROWS = (1, 4, 8, 16)
+STAGING_CLUSTERS = (1, 2, 4)  # the fused+pdl variant again, every product clustered so
+
+
+def every_staging_cluster(cluster: int, w: int, pro: int, m_rows: int) -> int:
+    """In place of gemm.staging_cluster: every product of bf16 weights and at least 2 x rows
+    stages x in clusters of `cluster`."""
+    return cluster if w == gemm.W_BF16 and m_rows >= 2 else 1
 
 
 def sublayer_comparison(cupy, backend, config) -> list:
-    """Each op of a decode layer at M = 1 and 8 rows, as the model runs it, composed of
+    """Each op of a decode layer at M in SUBLAYER_ROWS, as the model runs it, composed of
     cuBLAS and the small kernels ("cublas") against the fused skinny kernels with plain
-    and programmatic launches; graph-timed like gemv_comparison (weights from HBM)."""
+    and programmatic launches, and the latter with each of STAGING_CLUSTERS blocks
+    sharing the staging of x in every product; graph-timed like gemv_comparison (weights
+    from HBM)."""
     ops = backend.ops
     l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
     H = config.hidden_size
@@ -361,6 +371,11 @@ def sublayer_comparison(cupy, backend, config) -> list:
                 backend.use_switches(switches)
                 ops = backend.ops
                 row[f"{variant}_us"] = graph_us_per_call(cupy, run, weights)
+            chosen = gemm.staging_cluster
+            for cluster in STAGING_CLUSTERS:  # ops: the fused+pdl variant's, the last
+                gemm.staging_cluster = functools.partial(every_staging_cluster, cluster)
+                row[f"staging cluster {cluster}_us"] = graph_us_per_call(cupy, run, weights)
+            gemm.staging_cluster = chosen
             rows.append(row)
             del weights
     return rows
@@ -527,8 +542,10 @@ def print_table(result) -> None:
     print_gemv_table(result["gemv"])
     print("\n== decode layer ops: us per call, graph-timed, weights from HBM ==")
     for row in result.get("sublayer_us", []):
+        variants = ("cublas", "fused", "fused+pdl") + tuple(
+            f"staging cluster {c}" for c in STAGING_CLUSTERS)
         print(f"{row['op']:<14} M={row['m']:<3}" + "".join(
-            f" {v} {row[v + '_us']:7.1f}" for v in ("cublas", "fused", "fused+pdl")))
+            f" {v} {row.get(v + '_us', float('nan')):7.1f}" for v in variants))
     print("\n== decode step ms: eager vs graph replay ==")
     for key, row in result["step_ms"].items():
         print(f"{key:<16} eager {row['eager']:8.3f}  graph {row.get('graph', float('nan')):8.3f}")
