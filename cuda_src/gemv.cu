@@ -261,9 +261,10 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     const int size = SHARED ? cluster_size() : 1, rank = SHARED ? cluster_rank() : 0;
     const StagedX staged = {xs, rank, size};
     if (size > 1) cluster_wait();  // every block of the cluster has started
-    // this block's share of the staged chunks, [first, last) in row order
-    const int first = (int)((long long)total * rank / size);
-    const int last = (int)((long long)total * (rank + 1) / size);
+    // this block's share of the staged chunks, [first, last) in row order (no division
+    // without clusters: it would sit between the wait and the first mma)
+    const int first = size > 1 ? total * rank / size : 0;
+    const int last = size > 1 ? total * (rank + 1) / size : total;
     if (PRO == PRO_PLAIN) {
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
         for (int base = first + threadIdx.x; base < last; base += STAGE_BATCH * blockDim.x) {
@@ -293,8 +294,8 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const float4* x4 = reinterpret_cast<const float4*>(a.x);
     const int quads = a.k / 4;
-    const int quad_first = (int)((long long)quads * rank / size);
-    const int quad_last = (int)((long long)quads * (rank + 1) / size);
+    const int quad_first = size > 1 ? quads * rank / size : 0;
+    const int quad_last = size > 1 ? quads * (rank + 1) / size : quads;
     const int row_warps = max(1, WARPS / a.m_rows), groups = WARPS / row_warps;
     const int group = warp / row_warps, part = warp - group * row_warps;
     const int group_lane = part * WARP_SIZE + lane, group_threads = row_warps * WARP_SIZE;
