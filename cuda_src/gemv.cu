@@ -220,15 +220,15 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 //
 // Every block stages the whole of x, so past a few rows staging is what a block reads most
 // from L2 (16 rows of the norm's float32 x at K = 2,048: 128 KB twice, sums then scaling,
-// against a 64 KB weight tile). Launched as clusters (gemm.py, staging_cluster; bf16
-// weights), the blocks of a cluster share the work: each loads and scales one C-th of the chunks (of the
-// sums: one C-th of every row) and stores what it staged into every block's shared memory
-// of the cluster. The norm's row sums go round the cluster too and are added in rank
-// order, so every block scales by the same inv_rms. Before the first store into another
-// block every block of the cluster must have started (the caller arrived at the cluster
-// barrier at its start); after the last, a cluster barrier orders the stores before the
-// mma read them. Without clusters (C = 1) this is the plain staging, ending in
-// __syncthreads.
+// against a 64 KB weight tile). Launched as clusters (gemm.py, staging_cluster; the normed
+// products of bf16 weights), the blocks of a cluster share the work: each loads and scales
+// one C-th of the chunks (of the sums: one C-th of every row) and stores what it staged
+// into every block's shared memory of the cluster. The norm's row sums go round the
+// cluster too and are added in rank order, so every block scales by the same inv_rms.
+// Before the first store into another block every block of the cluster must have started
+// (the caller arrived at the cluster barrier before its wait); after the last, a cluster
+// barrier orders the stores before the mma read them. Without clusters (C = 1) this is
+// the plain staging, ending in __syncthreads.
 #define STAGE_BATCH 8  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
 #define NORM_BATCH 2   // chunks a thread scales at once (each two float4 and a weight chunk)
 #define SKINNY_MAX_CLUSTER 4  // blocks sharing x's staging at most (gemm.STAGING_CLUSTER)
@@ -250,8 +250,10 @@ struct StagedX {
     }
 };
 
-// SHARED: whether the kernel stages in clusters at all (the bf16 kernels; the FP8 ones
-// hold twice the weight registers and have none to spare for it)
+// SHARED: whether the kernel stages in clusters at all: the normed kernels of bf16 weights
+// (the FP8 ones hold twice the weight registers and have none to spare for it; the plain
+// ones measured slower in clusters, and without the cluster code their start is the
+// shortest)
 template <int PRO, int WARPS, bool SHARED>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
@@ -506,8 +508,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f};  // of the tile being computed
-    // clustered (stage_x): this block has started, for the blocks that store x into it
-    if (W == W_BF16 && cluster_size() > 1) cluster_arrive_relaxed();
+    constexpr bool SHARED = W == W_BF16 && PRO == PRO_NORM;  // x's staging may be clustered
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
@@ -533,9 +534,12 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
         load_rotation<EPI>(a, rows, inputs);
         load_scales<W>(a, rows, inputs);
     }
+    // clustered (stage_x): this block has started, for the blocks that store x into it
+    // (after the weights' first loads, which nothing must hold up)
+    if (SHARED && cluster_size() > 1) cluster_arrive_relaxed();
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
-    stage_x<PRO, WARPS, W == W_BF16>(a, xs, x_chunks, x_stride);  // ends in a barrier
+    stage_x<PRO, WARPS, SHARED>(a, xs, x_chunks, x_stride);  // ends in a barrier
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {

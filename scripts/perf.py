@@ -328,17 +328,17 @@ STAGING_CLUSTERS = (1, 2, 4)  # the fused+pdl variant again, every product clust
 
 
 def every_staging_cluster(cluster: int, w: int, pro: int, m_rows: int) -> int:
-    """In place of gemm.staging_cluster: every product of bf16 weights and at least 2 x rows
-    stages x in clusters of `cluster`."""
-    return cluster if w == gemm.W_BF16 and m_rows >= 2 else 1
+    """In place of gemm.staging_cluster: every normed product of bf16 weights and at least
+    2 x rows stages x in clusters of `cluster`."""
+    return cluster if w == gemm.W_BF16 and pro == gemm.PRO_NORM and m_rows >= 2 else 1
 
 
 def sublayer_comparison(cupy, backend, config) -> list:
     """Each op of a decode layer at M in SUBLAYER_ROWS, as the model runs it, composed of
     cuBLAS and the small kernels ("cublas") against the fused skinny kernels with plain
     and programmatic launches, and the latter with each of STAGING_CLUSTERS blocks
-    sharing the staging of x in every product; graph-timed like gemv_comparison (weights
-    from HBM)."""
+    sharing the staging of x in every normed product; graph-timed like gemv_comparison
+    (weights from HBM)."""
     ops = backend.ops
     l2_bytes = cupy.cuda.Device().attributes.get("L2CacheSize", 50 << 20)
     H = config.hidden_size

@@ -523,7 +523,8 @@ def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args
 # the H200 (benchmarks/NOTES.md, change 40): at 8 and 16 rows the qkv and gate/up products
 # of the Llama-3.2-1B shape take 1 to 3 us less in clusters of 2; at 4 rows no less; in
 # clusters of 4 the gate/up product takes longer (its clusters do not all fit at once);
-# plain products, whose bf16 x is half the bytes and read once, take longer in clusters.
+# plain products, whose bf16 x is half the bytes and read once, took longer in clusters,
+# and their kernels have no cluster code (gemv.cu, stage_x's SHARED).
 STAGING_CLUSTER = 2
 STAGING_CLUSTER_MIN_ROWS = 8
 assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
