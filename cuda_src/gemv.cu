@@ -81,6 +81,8 @@
 #define OUT_BF16 0
 #define OUT_F32 1
 #define OUT_F32_ADD 2
+#define STAGE_ALONE 0   // every block stages all of x
+#define STAGE_SHARED 1  // the blocks of a cluster share x's staging (stage_x)
 
 // keep in step with gemm.SkinnyArgs (pointers first, then 4-byte fields: no padding inside)
 struct SkinnyArgs {
@@ -250,10 +252,8 @@ struct StagedX {
     }
 };
 
-// SHARED: whether the kernel stages in clusters at all: the normed kernels of bf16 weights
-// (the FP8 ones hold twice the weight registers and have none to spare for it; the plain
-// ones measured slower in clusters, and without the cluster code their start is the
-// shortest)
+// SHARED: whether the kernel stages in clusters at all (STAGE_SHARED kernels; the others
+// carry no cluster code, which would lengthen their start)
 template <int PRO, int WARPS, bool SHARED>
 __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
                                         int x_stride) {
@@ -484,7 +484,7 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
 
 // NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block; W: the
 // weights' format
-template <int NT, int PRO, int EPI, int WARPS, int W>
+template <int NT, int PRO, int EPI, int WARPS, int W, int STAGE>
 __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     typedef typename Weights<W>::Chunk Chunk;
     constexpr int UNROLL = Weights<W>::UNROLL;
@@ -508,7 +508,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     const int e_j = warp % 2, e_nt = warp / 2, e_m = e_nt * 8 + t * 2 + e_j;
     const bool finisher = threadIdx.x < NT * 2 * WARP_SIZE && e_m < m_rows;
     EpilogueInputs inputs = {0.0f, 0.0f, -1, 0, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.0f};  // of the tile being computed
-    constexpr bool SHARED = W == W_BF16 && PRO == PRO_NORM;  // x's staging may be clustered
+    constexpr bool SHARED = STAGE == STAGE_SHARED;
 
     // the first k steps of the first tile do not depend on the kernel before: load them,
     // then wait for that kernel and stage x while they arrive
@@ -615,35 +615,42 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     }
 }
 
-#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS, W)                            \
+#define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS, W, STAGE)                     \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
         NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI, WARPS, W>(args);                                           \
+        skinny_body<NT, PRO, EPI, WARPS, W, STAGE>(args);                                    \
     }
 
 // NT: 8-column x tiles. The wide variant gives a
 // block twice the warps (and loads in flight): for long rows in too few tiles to give
 // every SM two blocks, such as the down projection. W: bf16 or FP8 weights.
-DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16)
-DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16)
-DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16)
-DEFINE_SKINNY(skinny_fp8_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8)
-DEFINE_SKINNY(skinny_fp8_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8)
-DEFINE_SKINNY(skinny_fp8_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8)
+DEFINE_SKINNY(skinny_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+// the normed products of 8 rows and more, launched in clusters that share x's staging
+DEFINE_SKINNY(skinny_norm_n1_shared, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_norm_n2_shared, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_norm_glu_n1_shared, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_norm_glu_n2_shared, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_norm_rope_n1_shared, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_norm_rope_n2_shared, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+DEFINE_SKINNY(skinny_fp8_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_wide_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_n1, 1, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_n2, 2, PRO_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 
 // ------------------------------------------------------------------------------------------
 // SIMT products, the same out[M, N] = x[M, K] w[N, K]^T for M <= 16 on the CUDA cores: each

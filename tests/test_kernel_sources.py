@@ -97,16 +97,24 @@ def test_expressions_and_unreadable_defines(tmp_path, monkeypatch):
 
 def test_kernel_families_come_from_the_define_lines():
     source = (kernel_dir() / "gemv.cu").read_text()
-    skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d, (W_\w+)\)$",
-                        source, re.M)
-    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 20
-    for name, nt, pro, epi, warps, w in skinny:
+    skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d, (W_\w+), "
+                        r"(STAGE_\w+)\)$", source, re.M)
+    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 26
+    for name, nt, pro, epi, warps, w, stage in skinny:
         key = (getattr(gemm, w), getattr(gemm, pro), getattr(gemm, epi),
-               kernels.constants("gemv")[warps], int(nt))
+               kernels.constants("gemv")[warps], int(nt), getattr(gemm, stage))
         assert gemm.SKINNY_KERNELS[key] == name
-    # every bf16 kernel has its FP8 twin
-    assert {key[1:] for key in gemm.SKINNY_KERNELS if key[0] == gemm.W_BF16} == {
-        key[1:] for key in gemm.SKINNY_KERNELS if key[0] == gemm.W_FP8}
+    # every bf16 kernel that stages alone has its FP8 twin; the normed bf16 ones, a variant
+    # that shares the staging in a cluster
+    alone = [key for key in gemm.SKINNY_KERNELS if key[5] == gemm.STAGE_ALONE]
+    assert {key[1:] for key in alone if key[0] == gemm.W_BF16} == {
+        key[1:] for key in alone if key[0] == gemm.W_FP8}
+    assert {key[:5] for key in gemm.SKINNY_KERNELS if key[5] == gemm.STAGE_SHARED} == {
+        key[:5] for key in alone if key[0] == gemm.W_BF16 and key[1] == gemm.PRO_NORM}
+    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_NORM, 16) == gemm.STAGING_CLUSTER > 1
+    assert gemm.staging_cluster(gemm.W_FP8, gemm.PRO_NORM, 16) == 1
+    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_PLAIN, 16) == 1
+    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_NORM, 1) == 1
     simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
     assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
     assert gemm.SKINNY_MAX_ROWS == 16

@@ -73,21 +73,22 @@ _C = constants("gemv")
 # SIMT kernels: rows -> (kernel, weight rows per warp), from the DEFINE_GEMV lines
 GEMV_VARIANTS = {m: (name, rows) for name, m, rows, _ in instances("gemv", "DEFINE_GEMV")}
 GEMV_WARPS = _C["GEMV_WARPS"]
-# tensor-core kernels: (weight format, prologue, epilogue, warps, 8-column x tiles) ->
-# kernel, from the DEFINE_SKINNY lines
-SKINNY_KERNELS = {(w, pro, epi, warps, nt): name
-                  for name, nt, pro, epi, warps, _, w in instances("gemv", "DEFINE_SKINNY")}
+# tensor-core kernels: (weight format, prologue, epilogue, warps, 8-column x tiles,
+# staging) -> kernel, from the DEFINE_SKINNY lines
+SKINNY_KERNELS = {(w, pro, epi, warps, nt, stage): name
+                  for name, nt, pro, epi, warps, _, w, stage in instances("gemv", "DEFINE_SKINNY")}
 W_BF16, W_FP8 = _C["W_BF16"], _C["W_FP8"]
 PRO_PLAIN, PRO_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"]
 EPI_STORE, EPI_GLU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_GLU"], _C["EPI_ROPE"]
 OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
+STAGE_ALONE, STAGE_SHARED = _C["STAGE_ALONE"], _C["STAGE_SHARED"]
 MMA_WARPS = _C["SKINNY_WARPS"]
 MMA_WIDE_WARPS = _C["SKINNY_WIDE_WARPS"]  # plain products of long rows in few tiles
 MMA_TILE_ROWS = _C["SKINNY_TILE"]         # weight rows per tile
 MMA_STEP = _C["SKINNY_STEP"]              # k per step; x rows are staged zero-padded to it
 MMA_X_PAD_CHUNKS = _C["SKINNY_X_PAD"]     # 16-byte chunks after each staged x row
 MMA_PARTIAL_BYTES = _C["SKINNY_PARTIAL_BYTES"]  # per warp and x tile
-SKINNY_MAX_ROWS = 8 * max(nt for *_, nt in SKINNY_KERNELS)
+SKINNY_MAX_ROWS = 8 * max(key[4] for key in SKINNY_KERNELS)
 assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels' row limits differ"
 # the launcher's own choices
 WIDE_MIN_K = 4096  # plain products of rows at least this long may take the wide variant
@@ -430,10 +431,11 @@ def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
     return m_rows * x_stride_bytes + x_tiles * warps * MMA_PARTIAL_BYTES
 
 
-def skinny_kernel(w: int, pro: int, epi: int, warps: int, m_rows: int):
+def skinny_kernel(w: int, pro: int, epi: int, warps: int, m_rows: int,
+                  stage: int = STAGE_ALONE):
     """The skinny kernel of a weight format, prologue, epilogue and block size for m_rows x
-    rows."""
-    return get_kernel("gemv", SKINNY_KERNELS[w, pro, epi, warps, cdiv(m_rows, 8)])
+    rows, staging x alone or shared in a cluster."""
+    return get_kernel("gemv", SKINNY_KERNELS[w, pro, epi, warps, cdiv(m_rows, 8), stage])
 
 
 def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> str | None:
@@ -449,8 +451,9 @@ def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> st
         return "16-byte aligned x and weight"
     if not launch.available():
         return "the CUDA driver's cuLaunchKernelEx"
-    kernel = skinny_kernel(weight_format(weight), pro, epi, warps, max(1, m_rows))
-    static = kernel.shared_size_bytes
+    variant = (weight_format(weight), pro, epi, warps, cdiv(max(1, m_rows), 8))
+    static = max(get_kernel("gemv", name).shared_size_bytes  # staging alone or shared
+                 for key, name in SKINNY_KERNELS.items() if key[:5] == variant)
     limit = device_limits()["max_shared_per_block"] - static
     if mma_shared_bytes(m_rows, k, warps) > limit:
         return (f"x of {m_rows} x {k} in {limit} bytes of shared memory "
@@ -523,8 +526,9 @@ def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args
 # the H200 (benchmarks/NOTES.md, change 40): at 8 and 16 rows the qkv and gate/up products
 # of the Llama-3.2-1B shape take 1 to 3 us less in clusters of 2; at 4 rows no less; in
 # clusters of 4 the gate/up product takes longer (its clusters do not all fit at once);
-# plain products, whose bf16 x is half the bytes and read once, took longer in clusters,
-# and their kernels have no cluster code (gemv.cu, stage_x's SHARED).
+# plain products, whose bf16 x is half the bytes and read once, took longer in clusters.
+# The clustered kernels are variants of their own (STAGE_SHARED): the cluster code would
+# lengthen every other kernel's start, which batch 1 feels.
 STAGING_CLUSTER = 2
 STAGING_CLUSTER_MIN_ROWS = 8
 assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
@@ -532,8 +536,9 @@ assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
 
 def staging_cluster(w: int, pro: int, m_rows: int) -> int:
     """The cluster size of a skinny product (weight format, prologue, x rows) where
-    clusters launch."""
-    shared = w == W_BF16 and pro == PRO_NORM and m_rows >= STAGING_CLUSTER_MIN_ROWS
+    clusters launch: 1 where no STAGE_SHARED kernel takes it."""
+    shared = (pro == PRO_NORM and m_rows >= STAGING_CLUSTER_MIN_ROWS
+              and any(key[:2] == (w, pro) and key[5] == STAGE_SHARED for key in SKINNY_KERNELS))
     return STAGING_CLUSTER if shared else 1
 
 
@@ -552,7 +557,8 @@ def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int,
         limits = device_limits()
         tiles = cdiv(n, MMA_TILE_ROWS)
         warps = _skinny_warps(pro, epi, n, k)
-        kernel = skinny_kernel(w, pro, epi, warps, m_rows)
+        kernel = skinny_kernel(w, pro, epi, warps, m_rows,
+                               STAGE_SHARED if cluster > 1 else STAGE_ALONE)
         shared = mma_shared_bytes(m_rows, k, warps)
         opt_in_shared(kernel, shared)
         per_sm = mma_blocks_per_sm(kernel.num_regs, shared, kernel.shared_size_bytes, limits,
