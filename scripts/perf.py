@@ -327,7 +327,7 @@ SUBLAYER_ROWS = (1, 4, 8, 16)
 STAGING_CLUSTERS = (1, 2, 4)  # the fused+pdl variant again, every product clustered so
 
 
-def every_staging_cluster(cluster: int, w: int, pro: int, m_rows: int) -> int:
+def every_staging_cluster(cluster: int, w: int, pro: int, m_rows: int, k: int) -> int:
     """In place of gemm.staging_cluster: every normed product of bf16 weights and at least
     2 x rows stages x in clusters of `cluster`."""
     return cluster if w == gemm.W_BF16 and pro == gemm.PRO_NORM and m_rows >= 2 else 1

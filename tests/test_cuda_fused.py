@@ -156,11 +156,12 @@ def test_clustered_staging_matches_staging_alone(cp, rng, cluster, monkeypatch):
     """Blocks that share the norm prologue's staging in a cluster stage what a block alone
     stages, the sums of squares added in another order (within a bf16 rounding of it), on
     grids that are and are not a multiple of the cluster. Every normed product is clustered
-    here, whatever its rows (the launcher's own choice, staging_cluster, clusters fewer)."""
+    here, whatever the size of its x (the launcher's own choice, staging_cluster, clusters
+    fewer)."""
     from cupy_llama.backends.cuda import gemm, launch
     if not launch.launch_attributes_usable():
         pytest.skip("clusters need cuLaunchKernelEx and an sm_90+ GPU")
-    monkeypatch.setattr(gemm, "staging_cluster", lambda w, pro, m_rows: cluster)
+    monkeypatch.setattr(gemm, "staging_cluster", lambda w, pro, m_rows, k: cluster)
     for k, n in ((2048, 3072), (200, 1001), (64, 37)):
         norm_bits, norm_w = random_bf16(rng, (k,))
         w_bits, w = random_bf16(rng, (n, k), scale=0.02)

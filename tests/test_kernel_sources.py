@@ -1,5 +1,6 @@
 """Where each number the launchers share with a kernel comes from: the kernel source, read by
 kernels.constants and kernels.instances, never a copy kept in step by hand. No GPU needed."""
+import functools
 import inspect
 import re
 
@@ -111,10 +112,12 @@ def test_kernel_families_come_from_the_define_lines():
         key[1:] for key in alone if key[0] == gemm.W_FP8}
     assert {key[:5] for key in gemm.SKINNY_KERNELS if key[5] == gemm.STAGE_SHARED} == {
         key[:5] for key in alone if key[0] == gemm.W_BF16 and key[1] == gemm.PRO_NORM}
-    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_NORM, 16) == gemm.STAGING_CLUSTER > 1
-    assert gemm.staging_cluster(gemm.W_FP8, gemm.PRO_NORM, 16) == 1
-    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_PLAIN, 16) == 1
-    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_NORM, 1) == 1
+    # clusters where x is large: 8 rows of 2,048 or 16 of 1,024, not 8 of 1,152 or 4 of 2,048
+    bf16_norm = functools.partial(gemm.staging_cluster, gemm.W_BF16, gemm.PRO_NORM)
+    assert bf16_norm(8, 2048) == bf16_norm(16, 1024) == gemm.STAGING_CLUSTER > 1
+    assert bf16_norm(8, 1152) == bf16_norm(4, 2048) == bf16_norm(1, 8192) == 1
+    assert gemm.staging_cluster(gemm.W_FP8, gemm.PRO_NORM, 16, 2048) == 1
+    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_PLAIN, 16, 2048) == 1
     simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
     assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
     assert gemm.SKINNY_MAX_ROWS == 16

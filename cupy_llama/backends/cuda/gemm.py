@@ -6,8 +6,8 @@ products of decode (at most 16 rows), one of the kernels of gemv.cu:
     the residual add after it (norm_linear, norm_gate_up_act, norm_qkv_rope,
     linear(accumulate=True)), and they
     launch programmatically (launch.py) so each starts streaming its weights while the
-    kernel before it drains; the normed ones of bf16 weights from STAGING_CLUSTER_MIN_ROWS
-    rows launch as thread-block clusters whose blocks share the staging of x (gemv.cu,
+    kernel before it drains; the normed ones of bf16 weights from STAGING_CLUSTER_MIN_X
+    elements of x launch as thread-block clusters whose blocks share the staging of x (gemv.cu,
     stage_x);
   - "gemv": the SIMT kernels (gemv_m*), which a measured choice table picks where they are
     fastest (the vocabulary-sized LM head at 1 and 2 rows on the H200).
@@ -514,7 +514,7 @@ def _check_norm_product(x, norm_weight, weight):
 def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
                    programmatic: bool, clusters: bool = False) -> None:
     import cupy
-    cluster = staging_cluster(w, pro, m_rows) if clusters else 1
+    cluster = staging_cluster(w, pro, m_rows, k) if clusters else 1
     kernel, grid, warps, shared = _mma_launch_shape(w, pro, epi, n, k, m_rows, cluster)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
@@ -522,22 +522,25 @@ def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args
 
 
 # Blocks of a normed skinny product of bf16 weights that share the staging of x (gemv.cu,
-# stage_x): clusters of STAGING_CLUSTER from STAGING_CLUSTER_MIN_ROWS x rows. Measured on
-# the H200 (benchmarks/NOTES.md, change 40): at 8 and 16 rows the qkv and gate/up products
-# of the Llama-3.2-1B shape take 1 to 3 us less in clusters of 2; at 4 rows no less; in
-# clusters of 4 the gate/up product takes longer (its clusters do not all fit at once);
-# plain products, whose bf16 x is half the bytes and read once, took longer in clusters.
-# The clustered kernels are variants of their own (STAGE_SHARED): the cluster code would
-# lengthen every other kernel's start, which batch 1 feels.
+# stage_x): clusters of STAGING_CLUSTER where x holds at least STAGING_CLUSTER_MIN_X
+# elements (64 KB of float32 read per pass). Measured on the H200 (benchmarks/NOTES.md,
+# change 40), graph-timed per call: from there on the normed products take less in
+# clusters of 2 (Llama-3.2-1B's qkv and gate/up at 8 and 16 rows of 2,048, Qwen3-0.6B's
+# and Gemma-3-1B's gate/up at 16 rows of 1,024 and 1,152), below it more (Llama at 4
+# rows, Qwen3 and Gemma at 8); in clusters of 4 the gate/up product takes longer (its
+# clusters do not all fit at once); plain products, whose bf16 x is half the bytes and
+# read once, took longer in clusters. The clustered kernels are variants of their own
+# (STAGE_SHARED): the cluster code would lengthen every other kernel's start, which
+# batch 1 feels.
 STAGING_CLUSTER = 2
-STAGING_CLUSTER_MIN_ROWS = 8
+STAGING_CLUSTER_MIN_X = 16384
 assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
 
 
-def staging_cluster(w: int, pro: int, m_rows: int) -> int:
-    """The cluster size of a skinny product (weight format, prologue, x rows) where
-    clusters launch: 1 where no STAGE_SHARED kernel takes it."""
-    shared = (pro == PRO_NORM and m_rows >= STAGING_CLUSTER_MIN_ROWS
+def staging_cluster(w: int, pro: int, m_rows: int, k: int) -> int:
+    """The cluster size of a skinny product (weight format, prologue, x rows and their
+    length) where clusters launch: 1 where no STAGE_SHARED kernel takes it."""
+    shared = (pro == PRO_NORM and m_rows * k >= STAGING_CLUSTER_MIN_X
               and any(key[:2] == (w, pro) and key[5] == STAGE_SHARED for key in SKINNY_KERNELS))
     return STAGING_CLUSTER if shared else 1
 
