@@ -190,10 +190,11 @@ def test_programmatic_launches_are_usable_from_sm_90(cp):
     assert launch.launch_attributes_usable()
 
 
-def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
+@pytest.mark.parametrize("m", [4, 16])
+def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng, m):
     """The programmatic (overlapping) launch only moves when a kernel starts: a chain of
     fused products gives the same bits with it on or off, eagerly and replayed from a
-    CUDA graph."""
+    CUDA graph (at 16 rows the normed product stages x in clusters: staging_cluster)."""
     from cupy_llama.backends.cuda import gemm, launch
     if not launch.launch_attributes_usable():
         pytest.skip("programmatic launches need cuLaunchKernelEx and an sm_90+ GPU")
@@ -202,7 +203,7 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     w_bits, _ = random_bf16(rng, (n, k), scale=0.02)
     up_bits, _ = random_bf16(rng, (2 * n, k), scale=0.02)
     norm_w, w, up = cp.asarray(norm_bits), cp.asarray(w_bits), cp.asarray(up_bits)
-    start = _residual(rng, 4, k)
+    start = _residual(rng, m, k)
 
     def chain(products, residual, act):
         for _ in range(3):
@@ -213,11 +214,11 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng):
     for on in (False, True):
         products = gemm.Products("auto", programmatic=on)
         assert products.programmatic == on
-        residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
+        residual, act = cp.asarray(start), cp.empty((m, n), np.uint16)
         chain(products, residual, act)
         results[("eager", on)] = cp.asnumpy(residual)
         stream = cp.cuda.Stream(non_blocking=True)
-        residual, act = cp.asarray(start), cp.empty((4, n), np.uint16)
+        residual, act = cp.asarray(start), cp.empty((m, n), np.uint16)
         with stream:
             stream.begin_capture()
             chain(products, residual, act)
