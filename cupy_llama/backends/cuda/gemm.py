@@ -7,8 +7,8 @@ products of decode (at most 16 rows), one of the kernels of gemv.cu:
     linear(accumulate=True)), and they
     launch programmatically (launch.py) so each starts streaming its weights while the
     kernel before it drains; the normed ones of bf16 weights from STAGING_CLUSTER_MIN_X
-    elements of x launch as thread-block clusters whose blocks share the staging of x (gemv.cu,
-    stage_x);
+    elements of x launch as thread-block clusters whose blocks share the staging of x
+    (gemv.cu, stage_x);
   - "gemv": the SIMT kernels (gemv_m*), which a measured choice table picks where they are
     fastest (the vocabulary-sized LM head at 1 and 2 rows on the H200).
 
@@ -197,8 +197,8 @@ class Products:
     programmatically. Made once per backend; a choice is worked out once per shape."""
 
     def __init__(self, skinny: str = "auto", programmatic: bool = False,
-                 table: dict | None = None, clusters: bool = True, dequantized=None, fp8_activations=None,
-                 fp8_gemm: str = "cublaslt"):
+                 table: dict | None = None, clusters: bool = True, dequantized=None,
+                 fp8_activations=None, fp8_gemm: str = "cublaslt"):
         """table: {(n, k): {m: kernel}} for "auto"; None: this GPU's choice file.
         For FP8 weights past SKINNY_MAX_ROWS rows: dequantized, flat bf16 device scratch
         that holds the largest weight as bf16; fp8_activations, (codes, scales, sums)
@@ -299,7 +299,7 @@ class Products:
         fp8 = isinstance(weight, Fp8Weight)
         kernel = self.kernel_for(n_cols, k, m_rows, accumulate, fp8)
         if kernel == "mma" and mma_unsupported(x, weight) is None:
-            _launch_mma(x, weight, out, accumulate, self.programmatic, self.clusters)
+            _launch_mma(x, weight, out, accumulate, self.programmatic)
         elif kernel == "gemv" and gemv_supported(x, weight):
             _launch_gemv(x, weight, out)
         elif fp8 and self.fp8_path(m_rows, n_cols, k) == "cublaslt":
@@ -461,7 +461,7 @@ def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> st
     return None
 
 
-def mma(x, weight, out, programmatic: bool = False, clusters: bool = True):
+def mma(x, weight, out, programmatic: bool = False):
     """The tensor-core skinny kernel whatever the table says (tests, timing); same shapes
     as linear. ValueError where it cannot take the product (linear uses cuBLAS there)."""
     m_rows, n_cols = check_product(x, weight, out)
@@ -469,16 +469,15 @@ def mma(x, weight, out, programmatic: bool = False, clusters: bool = True):
     if reason is not None:
         raise ValueError(f"skinny mma: needs {reason}; use linear(), which falls back to cuBLAS")
     if m_rows and n_cols:
-        usable = launch.launch_attributes_usable()
-        _launch_mma(x, weight, out, False, programmatic and usable, clusters and usable)
+        _launch_mma(x, weight, out, False, programmatic and launch.launch_attributes_usable())
 
 
-def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool, clusters: bool):
+def _launch_mma(x, weight, out, accumulate: bool, programmatic: bool):
     mode = OUT_F32_ADD if accumulate else OUT_F32 if out.dtype == F32 else OUT_BF16
     args = SkinnyArgs(x=x.data.ptr, w=_matrix(weight).data.ptr, out=out.data.ptr,
                       out_mode=mode, w_scale=_scale_pointer(weight))
     _launch_skinny(weight_format(weight), PRO_PLAIN, EPI_STORE, x.shape[0], weight.shape[0],
-                   x.shape[1], args, programmatic, clusters)
+                   x.shape[1], args, programmatic)
 
 
 def _scale_pointer(weight):
