@@ -260,6 +260,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     const int chunks = a.k / 8;
     const int total = a.m_rows * x_chunks;  // staged chunks, row by row
     const uint4 zero = make_uint4(0, 0, 0, 0);
+    static_assert(!SHARED || PRO == PRO_NORM, "only the norm prologue's staging is shared");
     const int size = SHARED ? cluster_size() : 1, rank = SHARED ? cluster_rank() : 0;
     const StagedX staged = {xs, rank, size};
     if (size > 1) cluster_wait();  // every block of the cluster has started
@@ -267,23 +268,22 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     // without clusters: it would sit between the wait and the first mma)
     const int first = size > 1 ? total * rank / size : 0;
     const int last = size > 1 ? total * (rank + 1) / size : total;
-    if (PRO == PRO_PLAIN) {
+    if (PRO == PRO_PLAIN) {  // never shared (static_assert above)
         const uint4* x4 = reinterpret_cast<const uint4*>(a.x);
-        for (int base = first + threadIdx.x; base < last; base += STAGE_BATCH * blockDim.x) {
+        for (int base = threadIdx.x; base < total; base += STAGE_BATCH * blockDim.x) {
             uint4 v[STAGE_BATCH];
 #pragma unroll
             for (int b = 0; b < STAGE_BATCH; ++b) {
                 const int i = base + b * blockDim.x, m = i / x_chunks, c = i - m * x_chunks;
-                v[b] = i < last && c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
+                v[b] = i < total && c < chunks ? __ldcg(x4 + (long long)m * chunks + c) : zero;
             }
 #pragma unroll
             for (int b = 0; b < STAGE_BATCH; ++b) {
                 const int i = base + b * blockDim.x, m = i / x_chunks;
-                if (i < last) staged.put(m * x_stride + i - m * x_chunks, v[b]);
+                if (i < total) xs[m * x_stride + i - m * x_chunks] = v[b];
             }
         }
-        if (size > 1) cluster_barrier();
-        else __syncthreads();
+        __syncthreads();
         return;
     }
     // PRO_NORM. The sums of squares of this block's share of every row (all of it without
