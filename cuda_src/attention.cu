@@ -701,18 +701,22 @@ DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory
-// prefill_smem_bytes(D) = (PREFILL_ROWS + 4 * PREFILL_KEYS) * (D + PREFILL_ROW_PAD) * 2.
-// Flash-attention 2. A CTA owns PREFILL_ROWS rows of one sequence and one kv head, a row
-// being a (new token, query head of the group) pair, row = token * group + g, so the K/V
-// tiles serve the whole group; warp w owns rows 16w .. 16w + 15. Row tiles run in reverse
-// order of blockIdx.x so the longest (latest) ones start first. The CTA streams tiles of
-// PREFILL_KEYS keys, gathered from the paged cache by cp.async into a double buffer
-// (keys past the tile's range are zero-filled: never-written slots hold NaN, and 0 * NaN
-// would poison P V). S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 in, fp32
-// accumulate); the online softmax is in fp32 registers, base 2, P rounded to bf16 for
-// the second product. The causal mask is applied only to tiles that reach past a warp's
-// first row; the CTA reads no tile past its last row's position. Shared rows are padded by
-// 16 bytes, so the 8 rows an ldmatrix phase reads fall in distinct banks.
+// prefill_smem_bytes(D, TILES) = (ROWS + 4 * PREFILL_KEYS) * (D + PREFILL_ROW_PAD) * 2,
+// ROWS = PREFILL_WARPS * 16 * TILES.
+// Flash-attention 2. A CTA owns ROWS rows of one sequence and one kv head, a row being a
+// (new token, query head of the group) pair, row = token * group + g, so the K/V tiles
+// serve the whole group; warp w owns the TILES 16-row mma tiles from row 16 * TILES * w.
+// Each K or V fragment a warp loads from shared memory feeds TILES products, so two tiles
+// a warp halve the shared-memory reads per product (head_dim 64; at 128 the registers
+// hold one tile). Row tiles run in reverse order of blockIdx.x so the longest (latest)
+// ones start first. The CTA streams tiles of PREFILL_KEYS keys, gathered from the paged
+// cache by cp.async into a double buffer (keys past the tile's range are zero-filled:
+// never-written slots hold NaN, and 0 * NaN would poison P V). S = Q K^T and O += P V run
+// on mma.sync m16n8k16 (bf16 in, fp32 accumulate); the online softmax is in fp32
+// registers, base 2 (the scale folded into the exponent's FMA), P rounded to bf16 for the
+// second product. The causal mask is applied only to tiles that reach past a warp's first
+// row; the CTA reads no tile past its last row's position. Shared rows are padded by 16
+// bytes, so the 8 rows an ldmatrix phase reads fall in distinct banks.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
 // A (16x16): reg0 (row g, cols 2t, 2t+1), reg1 (row g+8, same), reg2 (row g, cols 2t+8,
@@ -720,9 +724,9 @@ DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER
 // 2t+9; n g); C (16x8): c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same). The lower
 // index sits in the low 16 bits.
 
-#define PREFILL_ROWS 64     // query rows per CTA, 16 per warp
 #define PREFILL_KEYS 64     // keys per K/V tile
 #define PREFILL_THREADS 128
+#define PREFILL_WARPS (PREFILL_THREADS / WARP_SIZE)
 #define PREFILL_ROW_PAD 8   // bf16 after each shared Q/K/V row (16 bytes)
 
 __device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
@@ -754,20 +758,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
                  : "r"(shared_address(row_address)) : "memory");
 }
 
-template <int D>
+template <int D, int TILES>
 __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
         const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, int num_heads, int num_kv_heads, int block_shift,
         int max_blocks_per_seq, float scale_log2, int num_row_tiles, int window) {
+    constexpr int ROWS = PREFILL_WARPS * 16 * TILES;  // query rows per CTA
+    constexpr int WARP_ROWS = 16 * TILES;
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
     constexpr int CHUNKS = D / 8;          // 16-byte pieces per row
     constexpr int KEY_NTILES = PREFILL_KEYS / 8;  // 8-key column tiles of S
     constexpr int DIM_NTILES = D / 8;             // 8-dim column tiles of O
     extern __shared__ __align__(16) unsigned char prefill_smem[];
-    bf16* q_s = reinterpret_cast<bf16*>(prefill_smem);  // [PREFILL_ROWS][STRIDE]
-    bf16* k_s = q_s + PREFILL_ROWS * STRIDE;             // [2][PREFILL_KEYS][STRIDE]
+    bf16* q_s = reinterpret_cast<bf16*>(prefill_smem);  // [ROWS][STRIDE]
+    bf16* k_s = q_s + ROWS * STRIDE;                     // [2][PREFILL_KEYS][STRIDE]
     bf16* v_s = k_s + 2 * PREFILL_KEYS * STRIDE;         // [2][PREFILL_KEYS][STRIDE]
 
     const int b = blockIdx.z, kv_head = blockIdx.y;
@@ -777,9 +783,9 @@ __device__ __forceinline__ void prefill_attention_body(
     const int num_new = query_start_loc[b + 1] - q_start;
     const int context_start = seq_lens[b] - num_new;  // position of the first new token
     const int num_rows = num_new * group;
-    const int first_row = row_tile * PREFILL_ROWS;
+    const int first_row = row_tile * ROWS;
     if (first_row >= num_rows) return;  // the same for the whole CTA
-    const int last_row = min(first_row + PREFILL_ROWS, num_rows) - 1;
+    const int last_row = min(first_row + ROWS, num_rows) - 1;
     const int key_end = context_start + last_row / group + 1;  // keys 0 .. the last row's position
     const int num_tiles = (key_end + PREFILL_KEYS - 1) / PREFILL_KEYS;
     // with a window, no tile wholly before the first row's window
@@ -788,7 +794,7 @@ __device__ __forceinline__ void prefill_attention_body(
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int* table = block_tables + (long long)b * max_blocks_per_seq;
 
-    for (int idx = tid; idx < PREFILL_ROWS * CHUNKS; idx += PREFILL_THREADS) {
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += PREFILL_THREADS) {
         const int r = idx / CHUNKS, c = idx % CHUNKS;
         const int row = first_row + r;
         uint4 value = make_uint4(0u, 0u, 0u, 0u);  // rows past the sequence: zeros, never written
@@ -821,22 +827,38 @@ __device__ __forceinline__ void prefill_attention_body(
     cp_async_commit();
     __syncthreads();  // q_s written
 
-    unsigned q_frag[D / 16][4];  // A fragments of this warp's 16 rows, one per 16 dims
+    const int warp_row = first_row + warp * WARP_ROWS;  // this warp's first row
+    unsigned q_frag[TILES][D / 16][4];  // A fragments of this warp's rows, one per 16 dims
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(q_frag[kk], q_s + r * STRIDE + kk * 16 + (lane >> 4) * 8);
+    for (int mt = 0; mt < TILES; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int r = warp * WARP_ROWS + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ldmatrix_x4(q_frag[mt][kk], q_s + r * STRIDE + kk * 16 + (lane >> 4) * 8);
+        }
     }
-    float o[DIM_NTILES][4];
+    float o[TILES][DIM_NTILES][4];
 #pragma unroll
-    for (int n = 0; n < DIM_NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m_row[2] = {neg_inf(), neg_inf()}, l_row[2] = {0.0f, 0.0f};  // rows g, g + 8
-    const int row0 = first_row + warp * 16 + (lane >> 2);
-    // positions of this thread's two rows; -1: no such row (every key masked)
-    const int pos_row[2] = {row0 < num_rows ? context_start + row0 / group : -1,
-                            row0 + 8 < num_rows ? context_start + (row0 + 8) / group : -1};
-    const int warp_first_pos = context_start + (first_row + warp * 16) / group;
-    const int warp_last_pos = context_start + (min(first_row + warp * 16 + 15, num_rows - 1)) / group;
+    for (int mt = 0; mt < TILES; ++mt) {
+#pragma unroll
+        for (int n = 0; n < DIM_NTILES; ++n)
+            o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+    }
+    // per tile, rows g (index 0) and g + 8 (index 1); m_row in the scaled base-2 domain
+    float m_row[TILES][2], l_row[TILES][2];
+    int pos_row[TILES][2];  // the rows' positions; -1: no such row (every key masked)
+#pragma unroll
+    for (int mt = 0; mt < TILES; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row + mt * 16 + (lane >> 2) + 8 * r;
+            m_row[mt][r] = neg_inf();
+            l_row[mt][r] = 0.0f;
+            pos_row[mt][r] = row < num_rows ? context_start + row / group : -1;
+        }
+    }
+    const int warp_first_pos = context_start + warp_row / group;
+    const int warp_last_pos = context_start + min(warp_row + WARP_ROWS - 1, num_rows - 1) / group;
 
     for (int tile = first_tile; tile < num_tiles; ++tile) {
         if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) & 1);
@@ -846,9 +868,13 @@ __device__ __forceinline__ void prefill_attention_body(
         const bf16* k_tile = k_s + (tile & 1) * PREFILL_KEYS * STRIDE;
         const bf16* v_tile = v_s + (tile & 1) * PREFILL_KEYS * STRIDE;
 
-        float s[KEY_NTILES][4];  // S: [16 rows, PREFILL_KEYS keys] of this warp
+        float s[TILES][KEY_NTILES][4];  // S: [16 rows, PREFILL_KEYS keys] per mma tile
 #pragma unroll
-        for (int j = 0; j < KEY_NTILES; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        for (int mt = 0; mt < TILES; ++mt) {
+#pragma unroll
+            for (int j = 0; j < KEY_NTILES; ++j)
+                s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+        }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -856,8 +882,11 @@ __device__ __forceinline__ void prefill_attention_body(
                 unsigned k_frag[4];
                 const int key = jj * 16 + (lane & 7) + (lane >> 4) * 8;
                 ldmatrix_x4(k_frag, k_tile + key * STRIDE + kk * 16 + ((lane >> 3) & 1) * 8);
-                mma_bf16(s[2 * jj], q_frag[kk], k_frag[0], k_frag[1]);
-                mma_bf16(s[2 * jj + 1], q_frag[kk], k_frag[2], k_frag[3]);
+#pragma unroll
+                for (int mt = 0; mt < TILES; ++mt) {
+                    mma_bf16(s[mt][2 * jj], q_frag[mt][kk], k_frag[0], k_frag[1]);
+                    mma_bf16(s[mt][2 * jj + 1], q_frag[mt][kk], k_frag[2], k_frag[3]);
+                }
             }
         }
 
@@ -866,95 +895,115 @@ __device__ __forceinline__ void prefill_attention_body(
         // starting at or before the last row's window start, has keys some row must not see
         const bool needs_mask = key0 + PREFILL_KEYS - 1 > warp_first_pos
                                 || (window > 0 && key0 <= warp_last_pos - window);
+        if (needs_mask) {
 #pragma unroll
-        for (int j = 0; j < KEY_NTILES; ++j) {
+            for (int mt = 0; mt < TILES; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[j][e] * scale_log2;
-                const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1), pos = pos_row[e >> 1];
-                if (needs_mask && (key > pos || (window > 0 && key <= pos - window)))
-                    x = neg_inf();
-                s[j][e] = x;
+                for (int j = 0; j < KEY_NTILES; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + j * 8 + (lane & 3) * 2 + (e & 1);
+                        const int pos = pos_row[mt][e >> 1];
+                        if (key > pos || (window > 0 && key <= pos - window))
+                            s[mt][j][e] = neg_inf();
+                    }
+                }
             }
         }
 
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
-            float tile_max = neg_inf();
+        for (int mt = 0; mt < TILES; ++mt) {
 #pragma unroll
-            for (int j = 0; j < KEY_NTILES; ++j)
-                tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
-            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
-            const float m_new = fmaxf(m_row[r], tile_max);
-            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
-            const float correction = exp2f(m_row[r] - m_use);
-            m_row[r] = m_new;
-            float sum = 0.0f;  // this thread's columns only; the quad is summed at the end
+            for (int r = 0; r < 2; ++r) {  // online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3)
+                float tile_max = neg_inf();
 #pragma unroll
-            for (int j = 0; j < KEY_NTILES; ++j) {
-                s[j][2 * r] = exp2f(s[j][2 * r] - m_use);
-                s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_use);
-                sum += s[j][2 * r] + s[j][2 * r + 1];
-            }
-            l_row[r] = l_row[r] * correction + sum;
+                for (int j = 0; j < KEY_NTILES; ++j)
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+                // scale_log2 > 0, so the scaled maximum is the maximum of the scaled scores
+                const float m_new = fmaxf(m_row[mt][r], tile_max * scale_log2);
+                const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no key yet: avoid inf - inf
+                const float correction = exp2f(m_row[mt][r] - m_use);
+                m_row[mt][r] = m_new;
+                float sum = 0.0f;  // this thread's columns only; the quad is summed at the end
 #pragma unroll
-            for (int n = 0; n < DIM_NTILES; ++n) {
-                o[n][2 * r] *= correction;
-                o[n][2 * r + 1] *= correction;
+                for (int j = 0; j < KEY_NTILES; ++j) {
+                    s[mt][j][2 * r] = exp2f(fmaf(s[mt][j][2 * r], scale_log2, -m_use));
+                    s[mt][j][2 * r + 1] = exp2f(fmaf(s[mt][j][2 * r + 1], scale_log2, -m_use));
+                    sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+                }
+                l_row[mt][r] = l_row[mt][r] * correction + sum;
+#pragma unroll
+                for (int n = 0; n < DIM_NTILES; ++n) {
+                    o[mt][n][2 * r] *= correction;
+                    o[mt][n][2 * r + 1] *= correction;
+                }
             }
         }
 
 #pragma unroll
         for (int kk = 0; kk < PREFILL_KEYS / 16; ++kk) {  // O += P V, 16 keys at a time
-            const unsigned p_frag[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                                        pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                                        pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                        pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            unsigned p_frag[TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < TILES; ++mt) {
+                p_frag[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                p_frag[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                p_frag[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                p_frag[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
             const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
             for (int nn = 0; nn < D / 16; ++nn) {  // 16 dims: two column tiles
                 unsigned v_frag[4];
                 ldmatrix_x4_trans(v_frag, v_tile + key * STRIDE + nn * 16 + (lane >> 4) * 8);
-                mma_bf16(o[2 * nn], p_frag, v_frag[0], v_frag[1]);
-                mma_bf16(o[2 * nn + 1], p_frag, v_frag[2], v_frag[3]);
+#pragma unroll
+                for (int mt = 0; mt < TILES; ++mt) {
+                    mma_bf16(o[mt][2 * nn], p_frag[mt], v_frag[0], v_frag[1]);
+                    mma_bf16(o[mt][2 * nn + 1], p_frag[mt], v_frag[2], v_frag[3]);
+                }
             }
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_row[r];
-        l += __shfl_xor_sync(FULL_MASK, l, 1);
-        l += __shfl_xor_sync(FULL_MASK, l, 2);
-        const int row = row0 + 8 * r;
-        if (row >= num_rows) continue;
-        const int token = row / group, head = kv_head * group + row % group;
-        const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-        bf16* dst = out + ((long long)(q_start + token) * num_heads + head) * D + (lane & 3) * 2;
+    for (int mt = 0; mt < TILES; ++mt) {
 #pragma unroll
-        for (int n = 0; n < DIM_NTILES; ++n)
-            *reinterpret_cast<unsigned*>(dst + n * 8) =
-                pack_bf16x2(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+        for (int r = 0; r < 2; ++r) {
+            float l = l_row[mt][r];
+            l += __shfl_xor_sync(FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FULL_MASK, l, 2);
+            const int row = warp_row + mt * 16 + (lane >> 2) + 8 * r;
+            if (row >= num_rows) continue;
+            const int token = row / group, head = kv_head * group + row % group;
+            const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+            bf16* dst = out + ((long long)(q_start + token) * num_heads + head) * D + (lane & 3) * 2;
+#pragma unroll
+            for (int n = 0; n < DIM_NTILES; ++n)
+                *reinterpret_cast<unsigned*>(dst + n * 8) =
+                    pack_bf16x2(o[mt][n][2 * r] * inv_l, o[mt][n][2 * r + 1] * inv_l);
+        }
     }
 }
 
-#define DEFINE_PREFILL_ATTENTION(NAME, D)                                                  \
+// TILES: 16-row mma tiles per warp (a CTA's rows: PREFILL_WARPS * 16 * TILES)
+#define DEFINE_PREFILL_ATTENTION(NAME, D, TILES)                                           \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)                      \
     NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, int num_heads,        \
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,      \
         int num_row_tiles, int window) {                                                  \
-        prefill_attention_body<D>(q, k_cache, v_cache, block_tables, seq_lens,            \
-                                  query_start_loc, out, num_heads, num_kv_heads,          \
-                                  block_shift, max_blocks_per_seq, scale_log2,            \
-                                  num_row_tiles, window);                                 \
+        prefill_attention_body<D, TILES>(q, k_cache, v_cache, block_tables, seq_lens,     \
+                                         query_start_loc, out, num_heads, num_kv_heads,   \
+                                         block_shift, max_blocks_per_seq, scale_log2,     \
+                                         num_row_tiles, window);                          \
     }
 
-DEFINE_PREFILL_ATTENTION(prefill_attention_d64, 64)
-DEFINE_PREFILL_ATTENTION(prefill_attention_d128, 128)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t1, 64, 1)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t2, 64, 2)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d128_t1, 128, 1)
 
 // ====================================================== decode on tensor cores (batches)
 // Launch: grid (num_splits, nkv, B), block (DECODE_MMA_THREADS), dynamic shared memory

@@ -18,7 +18,7 @@ H200_SMS = 132
 def plan(**overrides):
     """Llama-3.2-1B shape by default: 32 query heads, 8 kv heads, head_dim 64, block 16."""
     args = dict(num_seqs=4, num_heads=32, num_kv_heads=8, head_dim=64, block_size=16,
-                max_query_len=1, num_splits=1)
+                max_query_len=1, num_splits=1, num_sms=H200_SMS)
     args.update(overrides)
     return attention_plan(**args)
 
@@ -44,7 +44,7 @@ def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
     assert plan(num_seqs=3, num_splits=1, clusters=True).kernel == "decode_attention_d64_g4"
     assert plan(num_splits=5, clusters=False).kernel == "decode_attention_d64_g4"
     # the other kernels do not change with it
-    assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64"
+    assert plan(max_query_len=30, clusters=True).kernel == "prefill_attention_d64_t1"
     assert plan(num_splits=4, num_slots=2 ** 31).kernel == "decode_attention_mma_d64"
     # where the tensor-core kernel runs, its own clusters
     assert plan(num_splits=4, num_slots=2 ** 31, clusters=True).kernel == "decode_attention_mma_d64_c4"
@@ -109,26 +109,53 @@ def test_decode_step_matches_the_cuda_source():
 
 def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(num_seqs=2, max_query_len=1000)
-    assert p.kernel == "prefill_attention_d64"
-    assert p.grid == (cdiv(1000 * 4, 64), 8, 2)  # rows are (token, head of the group) pairs
-    assert p.shared_mem == 2 * (64 + 4 * 64) * (64 + 8) <= 48 * 1024
+    assert p.kernel == "prefill_attention_d64_t2"  # 32 row tiles x 8 kv heads x 2 sequences
+    assert p.grid == (cdiv(1000 * 4, 128), 8, 2)  # rows are (token, head of the group) pairs
+    assert p.shared_mem == 2 * (128 + 4 * 64) * (64 + 8)
     p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
-    assert p.kernel == "prefill_attention_d128" and p.grid[0] == 1
+    assert p.kernel == "prefill_attention_d128_t1" and p.grid[0] == 1
     assert p.shared_mem == 2 * (64 + 4 * 64) * (128 + 8)
     # more than 8 heads per kv head: decode rows go through the tensor-core decode kernel
     # up to 16 heads, split or not; past that through the prefill kernel, and when split
     # through the scalar kernel (it splits any shape)
     assert plan(num_heads=32, num_kv_heads=2).kernel == "decode_attention_mma_d64"
     assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "decode_attention_mma_d64"
-    assert plan(num_heads=64, num_kv_heads=2).kernel == "prefill_attention_d64"
+    assert plan(num_heads=64, num_kv_heads=2).kernel == "prefill_attention_d64_t1"
     assert plan(num_heads=64, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+
+
+def test_prefill_takes_the_widest_kernel_that_fills_the_gpu():
+    """Two 16-row tiles a warp (128 rows a CTA) where that grid still gives every SM
+    PREFILL_WIDE_CTAS_PER_SM CTAs; one tile (64 rows) below that; head_dim 128 has one
+    width."""
+    assert attention.prefill_rows(1) == 64 and attention.prefill_rows(2) == 128
+    wide = attention.PREFILL_WIDE_CTAS_PER_SM * H200_SMS
+    # Llama-3.2-1B: 4 query heads per kv head, 8 kv heads, one sequence: 17 row tiles of
+    # 128 rows (32 tokens each) give 136 CTAs
+    tokens_at_the_edge = cdiv(wide, 8) * 32
+    assert tokens_at_the_edge == 544
+    assert plan(num_seqs=1, max_query_len=tokens_at_the_edge).kernel == "prefill_attention_d64_t2"
+    assert plan(num_seqs=1, max_query_len=tokens_at_the_edge - 32).kernel == \
+        "prefill_attention_d64_t1"
+    assert plan(num_seqs=1, max_query_len=128).grid == (8, 8, 1)
+    assert plan(num_seqs=1, max_query_len=4096).grid == (128, 8, 1)
+    assert plan(num_seqs=16, max_query_len=300).kernel == "prefill_attention_d64_t2"
+    # rows that would leave a wide CTA mostly empty: many sequences of a few tokens
+    assert plan(num_seqs=256, max_query_len=16).kernel == "prefill_attention_d64_t1"
+    assert plan(num_seqs=256, max_query_len=32).kernel == "prefill_attention_d64_t2"
+    assert plan(num_seqs=1, max_query_len=8192, head_dim=128).kernel == "prefill_attention_d128_t1"
+    # forced either way, for tests and benchmarks
+    assert plan(num_seqs=1, max_query_len=8, prefill_tiles=2).grid == (1, 8, 1)
+    assert plan(num_seqs=1, max_query_len=4096, prefill_tiles=1).grid == (256, 8, 1)
+    with pytest.raises(ValueError, match="no prefill kernel of 2 tiles a warp for head_dim 128"):
+        plan(max_query_len=30, head_dim=128, prefill_tiles=2)
 
 
 def test_a_pool_of_2_31_slots_or_more_keeps_decode_off_the_cuda_core_kernel():
     """The CUDA-core decode kernel keeps cache slot numbers in 32 bits: past that, decode
     batches take the tensor-core decode kernel (64-bit slots), split or not."""
     assert plan(num_slots=2 ** 31 - 1).kernel == "decode_attention_d64_g4"
-    assert plan(num_slots=2 ** 31, kernel="decode").kernel == "prefill_attention_d64"
+    assert plan(num_slots=2 ** 31, kernel="decode").kernel == "prefill_attention_d64_t1"
     assert plan(num_slots=2 ** 31).kernel == "decode_attention_mma_d64"
     assert plan(num_slots=2 ** 31, num_splits=4).kernel == "decode_attention_mma_d64"
 
@@ -149,7 +176,7 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
         "decode_attention_d64_g4_cluster"
     assert plan(num_seqs=256, kernel="decode").kernel == "decode_attention_d64_g4"
     assert plan(num_seqs=256, kernel="decode", num_heads=32, num_kv_heads=2).kernel == \
-        "prefill_attention_d64"  # no CUDA-core kernel for 16 heads per kv head
+        "prefill_attention_d64_t1"  # no CUDA-core kernel for 16 heads per kv head
 
 
 @pytest.mark.parametrize("overrides", [
@@ -234,8 +261,9 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
         assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
         assert attention.DECODE_WARPS[name] == int(warps)
     assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.DECODE_HEAD_DIMS == (64, 128, 256)
-    prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+)\)$", source, re.M)
-    assert {int(d): name for name, d in prefill} == attention.PREFILL_KERNELS
+    prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+), (\d+)\)$", source, re.M)
+    assert {(int(d), int(t)): name for name, d, t in prefill} == attention.PREFILL_KERNELS
+    assert attention.PREFILL_HEAD_DIMS == (64, 128)
     scalar = re.findall(r"^DEFINE_PAGED_ATTENTION\((\w+), (\d+)\)$", source, re.M)
     assert {int(dpl): name for name, dpl in scalar} == attention.SCALAR_KERNELS
 

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from test_cuda_graphs import (BLOCK_SIZE, EAGER_TOLERANCE, MAX_MODEL_LEN, REFERENCE_TOLERANCE,
                               Sequences, assert_kv_written_by, assert_logits_close)
-from test_cuda_ops import (DECODE, MIXED_PREFILL, REF, TILE_EDGES, _gpu_available, assert_close,
-                           build_attention_case, poisoned, random_bf16, rope_table,
-                           run_ops_attention, run_paged_attention, to_float)
+from test_cuda_ops import (DECODE, MIXED_PREFILL, PREFILL_VARIANTS, REF, TILE_EDGES,
+                           _gpu_available, assert_close, build_attention_case, poisoned,
+                           random_bf16, rope_table, run_ops_attention, run_paged_attention,
+                           to_float)
 
 from cupy_llama.backends.numpy_ops import normed
 from cupy_llama.bf16 import round_to_bf16
@@ -297,8 +298,11 @@ WINDOWS = [1, 40, 100, 512, 4096]
 def test_prefill_attention_with_a_window(cp, rng, head_dim, window):
     for seqs in (MIXED_PREFILL, TILE_EDGES):
         case = build_attention_case(cp, rng, seqs, 2, head_dim, 4, window=window)
-        got = run_paged_attention(cp, case, head_dim)
-        assert_close(got, case["expected"], 1.5e-2, 1e-2, f"prefill d={head_dim} window={window}")
+        for d, tiles in PREFILL_VARIANTS:
+            if d == head_dim:
+                got = run_paged_attention(cp, case, head_dim, prefill_tiles=tiles)
+                assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                             f"prefill d={head_dim} t={tiles} window={window}")
         got = run_paged_attention(cp, case, head_dim, kernel="scalar")
         assert_close(got, case["expected"], 1.5e-2, 1e-2, f"scalar d={head_dim} window={window}")
 

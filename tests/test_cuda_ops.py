@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupy_llama.interface import ForwardBatch, SamplingTensors
+from cupy_llama.backends.cuda import attention as attention_kernels
 from cupy_llama.backends.numpy_ops import NumpyOps, filtered_probs
+from cupy_llama.interface import ForwardBatch, SamplingTensors
 from cupy_llama.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from cupy_llama.util import cdiv
 
@@ -375,11 +376,19 @@ def test_attention_mixed_prefill(cp, rng, head_dim, group):
     assert_close(got, case["expected"], 1.5e-2, 1e-2, f"prefill attention d={head_dim} group={group}")
 
 
+# (head_dim, 16-row tiles a warp) of every tensor-core prefill kernel
+PREFILL_VARIANTS = sorted(attention_kernels.PREFILL_KERNELS)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_attention_long_prefill(cp, rng, head_dim):
     case = build_attention_case(cp, rng, [(0, 4099), (0, 1328)], 1, head_dim, 3)
     got = run_ops_attention(cp, case, head_dim)
     assert_close(got, case["expected"], 1.5e-2, 1e-2, f"long prefill d={head_dim}")
+    for d, tiles in PREFILL_VARIANTS:
+        if d == head_dim:
+            got = run_paged_attention(cp, case, head_dim, prefill_tiles=tiles)
+            assert_close(got, case["expected"], 1.5e-2, 1e-2, f"long prefill d={d} t={tiles}")
 
 
 DECODE = [(0, 1), (16, 1), (128, 1), (1327, 1), (4098, 1), (255, 1), (256, 1), (2047, 1)]
@@ -413,7 +422,7 @@ def test_attention_decode_splits(cp, rng, num_splits):
 
 
 def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch", kernel="auto",
-                        clusters=False):
+                        clusters=False, prefill_tiles=None):
     """attention.paged_attention on a case, outputs and workspaces poisoned first.
     max_seq_len="batch" passes the batch's longest sequence; None derives split lengths on
     the device (as CUDA-graph decode does)."""
@@ -430,7 +439,8 @@ def run_paged_attention(cp, case, head_dim, *, num_splits=1, max_seq_len="batch"
         cp.asarray(batch.seq_lens), cp.asarray(batch.query_start_loc), out,
         scale=head_dim ** -0.5, max_query_len=batch.max_query_len, max_seq_len=max_seq_len,
         num_splits=num_splits, partial_out=partial_out, partial_lse=partial_lse, kernel=kernel,
-        clusters=clusters, window=case.get("window"), softcap=case.get("softcap"))
+        clusters=clusters, window=case.get("window"), softcap=case.get("softcap"),
+        prefill_tiles=prefill_tiles)
     return to_float(cp, out)
 
 
@@ -443,17 +453,28 @@ def test_attention_scalar_fallback(cp, rng, seqs, head_dim):
     assert_close(got, case["expected"], 1.5e-2, 1e-2, f"scalar kernel d={head_dim}")
 
 
-# prefill rows and keys on both sides of the 64-row / 64-key tile edges, decode rows mixed in
+# prefill rows and keys on both sides of the 64- and 128-row / 64-key tile edges (rows are
+# tokens x the group), decode rows mixed in
 TILE_EDGES = [(0, 64), (0, 65), (0, 63), (64, 64), (1, 127), (63, 1), (128, 3), (0, 1), (191, 66),
-              (0, 2)]
+              (0, 2), (0, 128), (0, 129), (3, 33), (0, 31)]
 
 
 @pytest.mark.parametrize("group", [1, 4, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_prefill_tile_edges(cp, rng, head_dim, group):
+@pytest.mark.parametrize("head_dim, tiles", PREFILL_VARIANTS)
+def test_attention_prefill_tile_edges(cp, rng, head_dim, tiles, group):
     case = build_attention_case(cp, rng, TILE_EDGES, 2, head_dim, group)
-    got = run_paged_attention(cp, case, head_dim)
-    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"tile edges d={head_dim} group={group}")
+    got = run_paged_attention(cp, case, head_dim, prefill_tiles=tiles)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2,
+                 f"tile edges d={head_dim} t={tiles} group={group}")
+
+
+@pytest.mark.parametrize("head_dim, tiles", PREFILL_VARIANTS)
+def test_attention_prefill_variants_on_mixed_batches(cp, rng, head_dim, tiles):
+    """Every prefill kernel width on chunked-prefill batches (cached prefixes, 1 to 1264 new
+    tokens), whichever width the launcher would choose for them."""
+    case = build_attention_case(cp, rng, MIXED_PREFILL, 2, head_dim, 4)
+    got = run_paged_attention(cp, case, head_dim, prefill_tiles=tiles)
+    assert_close(got, case["expected"], 1.5e-2, 1e-2, f"mixed prefill d={head_dim} t={tiles}")
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 12])

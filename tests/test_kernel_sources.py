@@ -17,7 +17,7 @@ SHARED = {
     (attention, "K_TILE_PAD"): ("attention", "K_TILE_PAD"),
     (attention, "DECODE_CLUSTER"): ("attention", "DECODE_CLUSTER"),
     (attention, "PREFILL_THREADS"): ("attention", "PREFILL_THREADS"),
-    (attention, "PREFILL_ROWS"): ("attention", "PREFILL_ROWS"),
+    (attention, "PREFILL_WARPS"): ("attention", "PREFILL_WARPS"),
     (attention, "PREFILL_KEYS"): ("attention", "PREFILL_KEYS"),
     (attention, "PREFILL_ROW_PAD"): ("attention", "PREFILL_ROW_PAD"),
     (attention, "SPLIT_ALIGN"): ("attention", "SPLIT_ALIGN"),

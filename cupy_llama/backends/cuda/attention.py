@@ -12,8 +12,9 @@ Which kernel runs (`attention_plan`):
 - larger decode batches, head_dim 64/128, at most 16 query heads per kv head:
   decode_attention_mma_d{D} on the tensor cores, split and combined; clustered likewise
   (decode_attention_mma_d{D}_c{C}, C = mma_cluster_size(splits)) where clusters launch;
-- every other batch with head_dim 64/128 and no split: prefill_attention_d{D} (tensor
-  cores, flash-attention 2 over K/V tiles gathered from the paged cache);
+- every other batch with head_dim 64/128 and no split: prefill_attention_d{D}_t{T} (tensor
+  cores, flash-attention 2 over K/V tiles gathered from the paged cache; T 16-row tiles a
+  warp, choose_prefill_tiles);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
   arrays, soft-capped scores): the scalar paged_attention_dpl* kernel, which handles every
   shape.
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 from ...util import cdiv
 from . import launch
+from .device import device_limits
 from .kernels import (BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32, instances,
                       opt_in_shared)
 
@@ -36,7 +38,7 @@ K_TILE_PAD = _C["K_TILE_PAD"]
 THREADS = _C["ATTN_WARPS"] * _C["WARP_SIZE"]
 DECODE_CLUSTER = _C["DECODE_CLUSTER"]  # CTAs per cluster of the clustered decode kernels
 PREFILL_THREADS = _C["PREFILL_THREADS"]
-PREFILL_ROWS = _C["PREFILL_ROWS"]
+PREFILL_WARPS = _C["PREFILL_WARPS"]
 PREFILL_KEYS = _C["PREFILL_KEYS"]
 PREFILL_ROW_PAD = _C["PREFILL_ROW_PAD"]
 SPLIT_ALIGN = _C["SPLIT_ALIGN"]        # split lengths are multiples of this many keys
@@ -47,7 +49,10 @@ DECODE_KERNELS = {(d, g, cluster > 0): name
                   for name, d, g, cluster, _ in instances("attention", "DEFINE_DECODE_ATTENTION")}
 DECODE_WARPS = {name: warps  # a CUDA-core decode kernel's CTA width
                 for name, _, _, _, warps in instances("attention", "DEFINE_DECODE_ATTENTION")}
-PREFILL_KERNELS = {d: name for name, d in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+# (head_dim, tiles) -> name; tiles: 16-row mma tiles per warp
+PREFILL_KERNELS = {(d, tiles): name
+                   for name, d, tiles in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+PREFILL_HEAD_DIMS = tuple(sorted({d for d, _ in PREFILL_KERNELS}))
 # (head_dim, cluster) -> name; cluster 0: split ranges and the combine kernel
 DECODE_MMA_KERNELS = {(d, cluster): name
                       for name, d, cluster in instances("attention", "DEFINE_DECODE_ATTENTION_MMA")}
@@ -60,6 +65,8 @@ DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # upper bounds
 DECODE_HEAD_DIMS = tuple(sorted({d for d, _, _ in DECODE_KERNELS}))
 # the launcher's own choices
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
+# the wider tensor-core prefill kernel from a grid of this many CTAs per SM (NOTES change 41)
+PREFILL_WIDE_CTAS_PER_SM = 1
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
 # decode batches of at least this many sequences take the tensor-core decode kernel: it is
 # the faster kernel alone at every batch size, but inside a batch-1 step (graph replay,
@@ -81,10 +88,15 @@ def smem_bytes(head_dim: int) -> int:
     return 4 * (ROWS_PER_CTA * head_dim + KEY_TILE * (head_dim + K_TILE_PAD) + KEY_TILE * head_dim)
 
 
-def prefill_smem_bytes(head_dim: int) -> int:
+def prefill_rows(tiles: int) -> int:
+    """Query rows a tensor-core prefill CTA owns: 16-row mma tiles per warp (attention.cu)."""
+    return PREFILL_WARPS * 16 * tiles
+
+
+def prefill_smem_bytes(head_dim: int, tiles: int) -> int:
     """Tensor-core prefill: the Q tile and double-buffered K and V tiles, bf16 rows padded
     by PREFILL_ROW_PAD elements (attention.cu)."""
-    return 2 * (PREFILL_ROWS + 4 * PREFILL_KEYS) * (head_dim + PREFILL_ROW_PAD)
+    return 2 * (prefill_rows(tiles) + 4 * PREFILL_KEYS) * (head_dim + PREFILL_ROW_PAD)
 
 
 def decode_mma_smem_bytes(head_dim: int) -> int:
@@ -110,6 +122,22 @@ def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_l
     ctas = max(1, num_seqs * num_kv_heads)
     wanted = cdiv(CTAS_PER_SM * num_sms, ctas)
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
+
+
+def choose_prefill_tiles(head_dim: int, rows: int, ctas_per_row_tile: int, num_sms: int) -> int:
+    """16-row mma tiles per warp of the tensor-core prefill kernel for `rows` query rows (new
+    tokens x query heads per kv head, of the longest sequence) of ctas_per_row_tile kv heads
+    x sequences: the widest variant of the head_dim whose CTA the rows fill and whose grid
+    still gives every SM PREFILL_WIDE_CTAS_PER_SM CTAs; the narrowest where none does. A
+    wider CTA reads each K/V fragment from shared memory once for more rows (a third less
+    time from 2,048 tokens on the H200), but a grid that leaves SMs idle finishes with its
+    slowest CTA (benchmarks/NOTES.md, change 41)."""
+    widths = sorted(tiles for d, tiles in PREFILL_KERNELS if d == head_dim)
+    for tiles in reversed(widths):
+        ctas = cdiv(rows, prefill_rows(tiles)) * ctas_per_row_tile
+        if rows >= prefill_rows(tiles) and ctas >= PREFILL_WIDE_CTAS_PER_SM * num_sms:
+            return tiles
+    return widths[0]
 
 
 def decode_group_bound(group: int) -> int | None:
@@ -189,7 +217,8 @@ def _is_power_of_two(n: int) -> bool:
 def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
                    num_slots: int = 0, kernel: str = "auto", clusters: bool = False,
-                   softcap: bool = False) -> AttentionPlan:
+                   softcap: bool = False, num_sms: int = 0,
+                   prefill_tiles: int | None = None) -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
     16-byte loads). num_slots: the KV pool's cache slots (blocks x block_size); the CUDA-core
@@ -198,7 +227,8 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     and tensor-core decode kernels where they can run (tests, benchmarks). clusters: the GPU
     can launch thread-block clusters; a split decode batch then takes the clustered kernel
     where the CUDA-core kernel would run. softcap: the scores are soft-capped, which only the
-    scalar kernel does."""
+    scalar kernel does. num_sms and prefill_tiles: the tensor-core prefill kernel's width
+    (choose_prefill_tiles; prefill_tiles forces one, for tests and benchmarks)."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
@@ -230,10 +260,15 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                 return AttentionPlan(name, (DECODE_CLUSTER, num_kv_heads, num_seqs), threads, 0,
                                      DECODE_CLUSTER)
             return AttentionPlan(name, (num_splits, num_kv_heads, num_seqs), threads, 0)
-    if fast and num_splits == 1 and head_dim in PREFILL_KERNELS:
-        row_tiles = max(1, cdiv(max_query_len * group, PREFILL_ROWS))
-        return AttentionPlan(PREFILL_KERNELS[head_dim], (row_tiles, num_kv_heads, num_seqs),
-                             PREFILL_THREADS, prefill_smem_bytes(head_dim))
+    if fast and num_splits == 1 and head_dim in PREFILL_HEAD_DIMS:
+        rows = max_query_len * group
+        tiles = prefill_tiles or choose_prefill_tiles(head_dim, rows, num_kv_heads * num_seqs,
+                                                      num_sms)
+        if (head_dim, tiles) not in PREFILL_KERNELS:
+            raise ValueError(f"no prefill kernel of {tiles} tiles a warp for head_dim {head_dim}")
+        row_tiles = max(1, cdiv(rows, prefill_rows(tiles)))
+        return AttentionPlan(PREFILL_KERNELS[head_dim, tiles], (row_tiles, num_kv_heads, num_seqs),
+                             PREFILL_THREADS, prefill_smem_bytes(head_dim, tiles))
     row_tiles = max(1, cdiv(max_query_len * group, ROWS_PER_CTA))
     return AttentionPlan(SCALAR_KERNELS[dims_per_lane(head_dim)],
                          (row_tiles * num_splits, num_kv_heads, num_seqs), THREADS,
@@ -244,7 +279,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                     scale: float, max_query_len: int, max_seq_len: int | None,
                     num_splits: int = 1, partial_out=None, partial_lse=None,
                     kernel: str = "auto", clusters: bool = False, programmatic: bool = False,
-                    window: int | None = None, softcap: float | None = None):
+                    window: int | None = None, softcap: float | None = None,
+                    num_sms: int | None = None, prefill_tiles: int | None = None):
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
@@ -258,7 +294,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     kernel="scalar" runs the scalar fallback kernel whatever the shape.
     window: a token at position p sees the keys p - window + 1 .. p only (a decode
     sequence's splits then cover its window). softcap: scores become
-    softcap * tanh(score / softcap) (the scalar kernel)."""
+    softcap * tanh(score / softcap) (the scalar kernel). num_sms: the GPU's (None: asked
+    of the device). prefill_tiles: the tensor-core prefill kernel's 16-row tiles per warp
+    (None: choose_prefill_tiles)."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
                                            shape=(None, None, None, head_dim)).shape
@@ -286,7 +324,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                           max_query_len=max_query_len, num_splits=num_splits,
                           aligned=aligned16(q, k_cache, v_cache, out),
                           num_slots=k_cache.shape[0] * block_size, kernel=kernel,
-                          clusters=clusters, softcap=softcap is not None)
+                          clusters=clusters, softcap=softcap is not None,
+                          num_sms=device_limits()["sms"] if num_sms is None else num_sms,
+                          prefill_tiles=prefill_tiles)
     clustered = plan.cluster > 1
     if num_splits > 1 and not clustered:
         parts = num_seqs * num_heads * num_splits

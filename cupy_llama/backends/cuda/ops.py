@@ -202,7 +202,8 @@ class CudaOps(SublayerOps):
             scale=scale, max_query_len=meta.max_query_len,
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
-            clusters=clusters, programmatic=self.programmatic, window=window, softcap=softcap)
+            clusters=clusters, programmatic=self.programmatic, window=window, softcap=softcap,
+            num_sms=self.num_sms)
 
     def decode_split(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      max_seq_len: int) -> tuple[int, bool]:
