@@ -9,7 +9,9 @@ scalar kernel and the decode kernel, each with the split count an eager step pic
 (from the batch's longest context) and with the one a captured CUDA graph uses (its
 bucket's count for max_model_len 8192, split lengths derived on the device).
 Prefill: one sequence of 1,024 new tokens, one of 4,096, and a chunk of 1,024 new tokens
-after 3,072 cached ones (scalar kernel vs tensor-core kernel).
+after 3,072 cached ones (scalar kernel vs tensor-core kernel). --prefill-widths: the
+tensor-core prefill kernel as the launcher chooses it and at each of its widths, for one
+sequence of 128 to 8,192 new tokens and the chunk after cached ones.
 Random data in a random paged cache (each sequence's blocks scattered over the pool).
 Times are GPU times from CUDA events, the median of --runs after warm-up, taken while a
 spin kernel holds the GPU so the host's launch overhead stays out of the number (it is in
@@ -40,6 +42,8 @@ MAX_MODEL_LEN = 8192  # what `cupy-llama bench` runs with: fixes the graph split
 DECODE_BATCHES = (1, 8, 64, 256)
 DECODE_CONTEXTS = (512, 2048)
 PREFILLS = ((0, 1024), (0, 4096), (3072, 1024))  # (cached tokens, new tokens)
+# --prefill-widths: one sequence of 128 to 8,192 new tokens, and a chunk after cached ones
+PREFILL_WIDTH_CASES = tuple((0, n) for n in (128, 256, 512, 1024, 2048, 4096, 8192)) + ((3072, 1024),)
 REFERENCE_MAX_BATCH = 64
 WARMUP = 3
 SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to queue the runs
@@ -140,7 +144,7 @@ class Bench:
         self.partial_out = cupy.empty(max_parts * HEAD_DIM, np.float32)
         self.partial_lse = cupy.empty(max_parts, np.float32)
         needed = max(max(DECODE_BATCHES) * cdiv(max(DECODE_CONTEXTS), BLOCK_SIZE),
-                     max(cdiv(c + n, BLOCK_SIZE) for c, n in PREFILLS))
+                     max(cdiv(c + n, BLOCK_SIZE) for c, n in PREFILLS + PREFILL_WIDTH_CASES))
         self.num_blocks = needed + 1024
         shape = (self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.k_pool = self.random_bf16(shape)
@@ -235,13 +239,14 @@ class Bench:
                 result["max_err_vs_reference"][name] = max_abs_diff(cp, out, expected)
         return result
 
-    def run_attention(self, inputs, out, *, kernel, num_splits, max_seq_len, max_query_len):
+    def run_attention(self, inputs, out, *, kernel, num_splits, max_seq_len, max_query_len,
+                      prefill_tiles=None):
         q, tables, seq_lens, query_start_loc = inputs
         attention.paged_attention(q, self.k_pool, self.v_pool, tables, seq_lens, query_start_loc,
                                   out, scale=HEAD_DIM ** -0.5, max_query_len=max_query_len,
                                   max_seq_len=max_seq_len, num_splits=num_splits,
                                   partial_out=self.partial_out, partial_lse=self.partial_lse,
-                                  kernel=kernel)
+                                  kernel=kernel, prefill_tiles=prefill_tiles)
 
     # ---- cases -----------------------------------------------------------------------
     def decode_case(self, num_seqs: int, context: int) -> dict:
@@ -297,6 +302,34 @@ class Bench:
         self.compare(result, outputs, lambda: prefill_reference(
             cp, bits_to_float32(cp, q), gather_dense(cp, self.k_pool, tables, seq_len)[0],
             gather_dense(cp, self.v_pool, tables, seq_len)[0], HEAD_DIM ** -0.5))
+        return result
+
+    def prefill_widths_case(self, cached: int, num_new: int) -> dict:
+        """The tensor-core prefill kernel as the launcher chooses it, and forced to each of
+        its widths (16-row tiles a warp), each against the float32 reference."""
+        cp = self.cp
+        seq_len = cached + num_new
+        tables = cp.asarray(self.scattered_tables(1, seq_len))
+        q = self.random_bf16((num_new, NUM_HEADS, HEAD_DIM))
+        inputs = (q, tables, cp.full(1, seq_len, np.int32), cp.asarray(np.array([0, num_new], np.int32)))
+        chosen = attention.attention_plan(
+            num_seqs=1, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE, max_query_len=num_new, num_splits=1, num_sms=self.num_sms)
+        result = dict(case=f"prefill {num_new}" + (f" after {cached}" if cached else ""),
+                      kind="prefill widths", context=seq_len, new_tokens=num_new,
+                      chosen=chosen.kernel, us={}, max_err_vs_reference={})
+        widths = sorted(t for d, t in attention.PREFILL_KERNELS if d == HEAD_DIM)
+        expected = prefill_reference(
+            cp, bits_to_float32(cp, q), gather_dense(cp, self.k_pool, tables, seq_len)[0],
+            gather_dense(cp, self.v_pool, tables, seq_len)[0], HEAD_DIM ** -0.5)
+        for name, tiles in [("chosen", None)] + [(f"tiles {t}", t) for t in widths]:
+            out = cp.empty((num_new, NUM_HEADS * HEAD_DIM), np.uint16)
+            def launch(out=out, tiles=tiles):
+                self.run_attention(inputs, out, kernel="auto", num_splits=1, max_seq_len=seq_len,
+                                   max_query_len=num_new, prefill_tiles=tiles)
+            result["us"][name] = self.gpu_time_us(launch)
+            result["max_err_vs_reference"][name] = max_abs_diff(cp, bits_to_float32(cp, out),
+                                                                expected)
         return result
 
     def compare(self, result, outputs, reference):
@@ -357,6 +390,21 @@ def print_kernel_table(results, file=None):
               file=file)
 
 
+def print_widths_table(results, file=None):
+    file = file or sys.stdout
+    names = [n for n in results[0]["us"]] if results and "us" in results[0] else []
+    print("\ntensor-core prefill by width (16-row tiles a warp), GPU us per call (median); "
+          "err: max |x - float32 reference|", file=file)
+    print(f"{'case':<24}" + "".join(f"{n:>12}" for n in names) + f"{'chosen kernel':>28}{'err':>9}",
+          file=file)
+    for r in results:
+        if "error" in r:
+            print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
+            continue
+        print(f"{r['case']:<24}" + "".join(f"{r['us'][n]:>12.1f}" for n in names)
+              + f"{r['chosen']:>28}{max(r['max_err_vs_reference'].values()):>9.2g}", file=file)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="timed runs per kernel (median)")
@@ -364,6 +412,9 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-kernels", action="store_true",
                         help="only the CUDA-core against the tensor-core decode kernel, "
                              f"batch {', '.join(map(str, DECODE_KERNEL_BATCHES))}")
+    parser.add_argument("--prefill-widths", action="store_true",
+                        help="only the tensor-core prefill kernel, chosen and at each width, "
+                             "for 128 to 8,192 new tokens")
     args = parser.parse_args(argv)
     from cupy_llama.backends.cuda.device import check_cuda_device, device_name, import_cupy
     check_cuda_device()
@@ -375,8 +426,8 @@ def main(argv=None) -> int:
                              block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN),
                   runs=args.runs, seed=args.seed, setup_s=None, results=[])
     compile_started = time.perf_counter()
-    for name in ("paged_attention_dpl2", "decode_attention_d64_g4", "prefill_attention_d64",
-                 "attention_combine_kernel"):
+    for name in ("paged_attention_dpl2", "decode_attention_d64_g4", "attention_combine_kernel",
+                 *attention.PREFILL_KERNELS.values()):
         attention.get_kernel("attention", name)
     report["compile_s"] = time.perf_counter() - compile_started
     report["setup_s"] = time.perf_counter() - started
@@ -384,27 +435,33 @@ def main(argv=None) -> int:
           f"compile {report['compile_s']:.1f} s)", file=sys.stderr)
     if args.decode_kernels:
         cases = [("kernels", b, c) for c in DECODE_CONTEXTS for b in DECODE_KERNEL_BATCHES]
+    elif args.prefill_widths:
+        cases = [("widths", cached, n) for cached, n in PREFILL_WIDTH_CASES]
     else:
         cases = [("decode", b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
         cases += [("prefill", cached, n) for cached, n in PREFILLS]
     run = {"kernels": bench.decode_kernels_case, "decode": bench.decode_case,
-           "prefill": bench.prefill_case}
+           "prefill": bench.prefill_case, "widths": bench.prefill_widths_case}
     for kind, x, y in cases:
         try:
             result = run[kind](x, y)
         except Exception as e:  # keep going: one failing case must not hide the others
-            label = f"prefill {y} after {x}" if kind == "prefill" else f"decode b={x} ctx={y}"
+            label = (f"prefill {y} after {x}" if kind in ("prefill", "widths")
+                     else f"decode b={x} ctx={y}")
             result = dict(case=label, kind=kind, error=f"{type(e).__name__}: {e}"[:300])
         report["results"].append(result)
         print(json.dumps(result), file=sys.stderr)
     report["total_s"] = time.perf_counter() - started
     out_dir = os.environ.get("OUT")
     if out_dir:
-        name = "decode_kernels.json" if args.decode_kernels else "attention_bench.json"
+        name = ("decode_kernels.json" if args.decode_kernels else
+                "prefill_widths.json" if args.prefill_widths else "attention_bench.json")
         path = Path(out_dir) / name
         path.write_text(json.dumps(report, indent=1))
         print(f"wrote {path}", file=sys.stderr)
-    (print_kernel_table if args.decode_kernels else print_table)(report["results"])
+    table = (print_kernel_table if args.decode_kernels else
+             print_widths_table if args.prefill_widths else print_table)
+    table(report["results"])
     return 1 if any("error" in r for r in report["results"]) else 0
 
 
