@@ -307,12 +307,15 @@ class Decoder:
 
     def head(self, backend: Backend, meta, buf):
         """Only the last token of each sequence needs the final norm and the LM head: logits
-        [B, V] float32."""
+        [B, V] float32. In a decode step every row is its sequence's last: nothing to gather."""
         c, ops, w = self.config, backend.ops, backend.weights
-        ops.gather_rows(buf["residual"], meta.last_token_indices, buf["last_residual"])
+        last = buf["residual"]
+        if not meta.is_decode_only:
+            last = buf["last_residual"]
+            ops.gather_rows(buf["residual"], meta.last_token_indices, last)
         lm_head = w["lm_head"] if "lm_head" in w else w["embed"]  # tied embeddings
-        ops.norm_linear(buf["last_residual"], w["final_norm"], c.rms_norm_eps, lm_head,
-                        buf["logits"], buf["last_h"], offset=c.norm_offset)
+        ops.norm_linear(last, w["final_norm"], c.rms_norm_eps, lm_head, buf["logits"],
+                        buf["last_h"], offset=c.norm_offset)
         if c.final_logit_softcap is not None:
             ops.softcap(buf["logits"], c.final_logit_softcap)
         return buf["logits"]
