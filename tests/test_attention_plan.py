@@ -111,7 +111,7 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(num_seqs=2, max_query_len=1000)
     assert p.kernel == "prefill_attention_d64_t2"  # 32 row tiles x 8 kv heads x 2 sequences
     assert p.grid == (cdiv(1000 * 4, 128), 8, 2)  # rows are (token, head of the group) pairs
-    assert p.shared_mem == 2 * (128 + 4 * 64) * (64 + 8)
+    assert p.shared_mem == 2 * (128 + 4 * 64) * (64 + 8)  # Q, then K and V double-buffered
     p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
     assert p.kernel == "prefill_attention_d128_t1" and p.grid[0] == 1
     assert p.shared_mem == 2 * (64 + 4 * 64) * (128 + 8)
@@ -122,6 +122,14 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "decode_attention_mma_d64"
     assert plan(num_heads=64, num_kv_heads=2).kernel == "prefill_attention_d64_t1"
     assert plan(num_heads=64, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+
+
+def test_two_prefill_ctas_fit_an_sm():
+    """The prefill kernels' launch bound asks for two CTAs an SM: their shared memory (the
+    Q tile and the double-buffered K/V tiles, plus the 1 KB the hardware keeps per CTA)
+    must fit twice in the H100's and H200's 228 KB."""
+    for (head_dim, tiles), name in attention.PREFILL_KERNELS.items():
+        assert 2 * (attention.prefill_smem_bytes(head_dim, tiles) + 1024) <= 228 * 1024, name
 
 
 def test_prefill_takes_the_widest_kernel_that_fills_the_gpu():
