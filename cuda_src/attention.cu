@@ -701,7 +701,7 @@ DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory
-// prefill_smem_bytes(D, TILES) = (ROWS + 4 * PREFILL_KEYS) * (D + PREFILL_ROW_PAD) * 2,
+// prefill_smem_bytes(D, TILES, KEYS) = (ROWS + 4 * KEYS) * (D + PREFILL_ROW_PAD) * 2,
 // ROWS = PREFILL_WARPS * 16 * TILES.
 // Flash-attention 2. A CTA owns ROWS rows of one sequence and one kv head, a row being a
 // (new token, query head of the group) pair, row = token * group + g, so the K/V tiles
@@ -709,14 +709,17 @@ DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER
 // Each K or V fragment a warp loads from shared memory feeds TILES products, so two tiles
 // a warp halve the shared-memory reads per product (head_dim 64; at 128 the registers
 // hold one tile). Row tiles run in reverse order of blockIdx.x so the longest (latest)
-// ones start first. The CTA streams tiles of PREFILL_KEYS keys, gathered from the paged
-// cache by cp.async into a double buffer (keys past the tile's range are zero-filled:
+// ones start first. The CTA streams tiles of KEYS keys, gathered from the paged cache by
+// cp.async into a double buffer (keys past the tile's range are zero-filled:
 // never-written slots hold NaN, and 0 * NaN would poison P V). S = Q K^T and O += P V run
 // on mma.sync m16n8k16 (bf16 in, fp32 accumulate); the online softmax is in fp32
 // registers, base 2 (the scale folded into the exponent's FMA), P rounded to bf16 for the
 // second product. The causal mask is applied only to tiles that reach past a warp's first
 // row; the CTA reads no tile past its last row's position. Shared rows are padded by 16
-// bytes, so the 8 rows an ldmatrix phase reads fall in distinct banks.
+// bytes, so the 8 rows an ldmatrix phase reads fall in distinct banks. Up to head_dim
+// 128 each warp keeps its Q fragments in registers; at 256 they would take 64 registers
+// beside O's 128, so they are read from shared memory for each tile, and tiles of 32
+// keys keep two CTAs' buffers within an SM's shared memory.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, t = lane % 4):
 // A (16x16): reg0 (row g, cols 2t, 2t+1), reg1 (row g+8, same), reg2 (row g, cols 2t+8,
@@ -724,7 +727,6 @@ DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER
 // 2t+9; n g); C (16x8): c0, c1 (row g, cols 2t, 2t+1), c2, c3 (row g+8, same). The lower
 // index sits in the low 16 bits.
 
-#define PREFILL_KEYS 64     // keys per K/V tile
 #define PREFILL_THREADS 128
 #define PREFILL_WARPS (PREFILL_THREADS / WARP_SIZE)
 #define PREFILL_ROW_PAD 8   // bf16 after each shared Q/K/V row (16 bytes)
@@ -758,7 +760,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const bf16* 
                  : "r"(shared_address(row_address)) : "memory");
 }
 
-template <int D, int TILES>
+template <int D, int TILES, int KEYS>
 __device__ __forceinline__ void prefill_attention_body(
         const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
         const bf16* __restrict__ v_cache, const int* __restrict__ block_tables,
@@ -769,12 +771,13 @@ __device__ __forceinline__ void prefill_attention_body(
     constexpr int WARP_ROWS = 16 * TILES;
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
     constexpr int CHUNKS = D / 8;          // 16-byte pieces per row
-    constexpr int KEY_NTILES = PREFILL_KEYS / 8;  // 8-key column tiles of S
-    constexpr int DIM_NTILES = D / 8;             // 8-dim column tiles of O
+    constexpr int KEY_NTILES = KEYS / 8;  // 8-key column tiles of S
+    constexpr int DIM_NTILES = D / 8;     // 8-dim column tiles of O
+    constexpr bool Q_IN_REGS = D <= 128;  // else Q's fragments are read from q_s per tile
     extern __shared__ __align__(16) unsigned char prefill_smem[];
     bf16* q_s = reinterpret_cast<bf16*>(prefill_smem);  // [ROWS][STRIDE]
-    bf16* k_s = q_s + ROWS * STRIDE;                     // [2][PREFILL_KEYS][STRIDE]
-    bf16* v_s = k_s + 2 * PREFILL_KEYS * STRIDE;         // [2][PREFILL_KEYS][STRIDE]
+    bf16* k_s = q_s + ROWS * STRIDE;                     // [2][KEYS][STRIDE]
+    bf16* v_s = k_s + 2 * KEYS * STRIDE;                 // [2][KEYS][STRIDE]
 
     const int b = blockIdx.z, kv_head = blockIdx.y;
     const int row_tile = num_row_tiles - 1 - blockIdx.x;
@@ -787,10 +790,10 @@ __device__ __forceinline__ void prefill_attention_body(
     if (first_row >= num_rows) return;  // the same for the whole CTA
     const int last_row = min(first_row + ROWS, num_rows) - 1;
     const int key_end = context_start + last_row / group + 1;  // keys 0 .. the last row's position
-    const int num_tiles = (key_end + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    const int num_tiles = (key_end + KEYS - 1) / KEYS;
     // with a window, no tile wholly before the first row's window
     const int first_tile = window > 0
-        ? max(0, context_start + first_row / group - window + 1) / PREFILL_KEYS : 0;
+        ? max(0, context_start + first_row / group - window + 1) / KEYS : 0;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int* table = block_tables + (long long)b * max_blocks_per_seq;
 
@@ -806,11 +809,11 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 
     auto load_tile = [&](int tile, int buffer) {
-        for (int idx = tid; idx < PREFILL_KEYS * CHUNKS; idx += PREFILL_THREADS) {
+        for (int idx = tid; idx < KEYS * CHUNKS; idx += PREFILL_THREADS) {
             const int j = idx / CHUNKS, c = idx % CHUNKS;
-            const int pos = tile * PREFILL_KEYS + j;
-            bf16* k_dst = k_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
-            bf16* v_dst = v_s + (buffer * PREFILL_KEYS + j) * STRIDE + c * 8;
+            const int pos = tile * KEYS + j;
+            bf16* k_dst = k_s + (buffer * KEYS + j) * STRIDE + c * 8;
+            bf16* v_dst = v_s + (buffer * KEYS + j) * STRIDE + c * 8;
             if (pos < key_end) {
                 const long long offset =
                     (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
@@ -828,13 +831,18 @@ __device__ __forceinline__ void prefill_attention_body(
     __syncthreads();  // q_s written
 
     const int warp_row = first_row + warp * WARP_ROWS;  // this warp's first row
-    unsigned q_frag[TILES][D / 16][4];  // A fragments of this warp's rows, one per 16 dims
+    // A fragment of this warp's mma tile mt, dims 16 kk .. 16 kk + 15, from q_s
+    auto load_q = [&](unsigned (&frag)[4], int mt, int kk) {
+        const int r = warp * WARP_ROWS + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(frag, q_s + r * STRIDE + kk * 16 + (lane >> 4) * 8);
+    };
+    // where Q_IN_REGS: every A fragment of this warp's rows, one per 16 dims
+    unsigned q_frag[Q_IN_REGS ? TILES : 1][Q_IN_REGS ? D / 16 : 1][4];
+    if constexpr (Q_IN_REGS) {
 #pragma unroll
-    for (int mt = 0; mt < TILES; ++mt) {
+        for (int mt = 0; mt < TILES; ++mt) {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int r = warp * WARP_ROWS + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-            ldmatrix_x4(q_frag[mt][kk], q_s + r * STRIDE + kk * 16 + (lane >> 4) * 8);
+            for (int kk = 0; kk < D / 16; ++kk) load_q(q_frag[mt][kk], mt, kk);
         }
     }
     float o[TILES][DIM_NTILES][4];
@@ -865,10 +873,10 @@ __device__ __forceinline__ void prefill_attention_body(
         cp_async_commit();  // possibly empty: keeps the group count regular
         cp_async_wait_all_but_newest();  // this tile has landed (for this thread)
         __syncthreads();                 // ... and for every thread
-        const bf16* k_tile = k_s + (tile & 1) * PREFILL_KEYS * STRIDE;
-        const bf16* v_tile = v_s + (tile & 1) * PREFILL_KEYS * STRIDE;
+        const bf16* k_tile = k_s + (tile & 1) * KEYS * STRIDE;
+        const bf16* v_tile = v_s + (tile & 1) * KEYS * STRIDE;
 
-        float s[TILES][KEY_NTILES][4];  // S: [16 rows, PREFILL_KEYS keys] per mma tile
+        float s[TILES][KEY_NTILES][4];  // S: [16 rows, KEYS keys] per mma tile
 #pragma unroll
         for (int mt = 0; mt < TILES; ++mt) {
 #pragma unroll
@@ -877,6 +885,16 @@ __device__ __forceinline__ void prefill_attention_body(
         }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned q_kk[TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < TILES; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) q_kk[mt][e] = q_frag[mt][kk][e];
+                } else {
+                    load_q(q_kk[mt], mt, kk);
+                }
+            }
 #pragma unroll
             for (int jj = 0; jj < KEY_NTILES / 2; ++jj) {  // 16 keys: two column tiles
                 unsigned k_frag[4];
@@ -884,16 +902,16 @@ __device__ __forceinline__ void prefill_attention_body(
                 ldmatrix_x4(k_frag, k_tile + key * STRIDE + kk * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
                 for (int mt = 0; mt < TILES; ++mt) {
-                    mma_bf16(s[mt][2 * jj], q_frag[mt][kk], k_frag[0], k_frag[1]);
-                    mma_bf16(s[mt][2 * jj + 1], q_frag[mt][kk], k_frag[2], k_frag[3]);
+                    mma_bf16(s[mt][2 * jj], q_kk[mt], k_frag[0], k_frag[1]);
+                    mma_bf16(s[mt][2 * jj + 1], q_kk[mt], k_frag[2], k_frag[3]);
                 }
             }
         }
 
-        const int key0 = tile * PREFILL_KEYS;
+        const int key0 = tile * KEYS;
         // uniform per warp: a tile reaching past the warp's first row, or (with a window)
         // starting at or before the last row's window start, has keys some row must not see
-        const bool needs_mask = key0 + PREFILL_KEYS - 1 > warp_first_pos
+        const bool needs_mask = key0 + KEYS - 1 > warp_first_pos
                                 || (window > 0 && key0 <= warp_last_pos - window);
         if (needs_mask) {
 #pragma unroll
@@ -943,7 +961,7 @@ __device__ __forceinline__ void prefill_attention_body(
         }
 
 #pragma unroll
-        for (int kk = 0; kk < PREFILL_KEYS / 16; ++kk) {  // O += P V, 16 keys at a time
+        for (int kk = 0; kk < KEYS / 16; ++kk) {  // O += P V, 16 keys at a time
             unsigned p_frag[TILES][4];
 #pragma unroll
             for (int mt = 0; mt < TILES; ++mt) {
@@ -987,23 +1005,26 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 }
 
-// TILES: 16-row mma tiles per warp (a CTA's rows: PREFILL_WARPS * 16 * TILES)
-#define DEFINE_PREFILL_ATTENTION(NAME, D, TILES)                                           \
+// TILES: 16-row mma tiles per warp (a CTA's rows: PREFILL_WARPS * 16 * TILES); KEYS: keys
+// per K/V tile
+#define DEFINE_PREFILL_ATTENTION(NAME, D, TILES, KEYS)                                     \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS, 2)                      \
     NAME(                                                                                 \
         const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
         const int* seq_lens, const int* query_start_loc, bf16* out, int num_heads,        \
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,      \
         int num_row_tiles, int window) {                                                  \
-        prefill_attention_body<D, TILES>(q, k_cache, v_cache, block_tables, seq_lens,     \
-                                         query_start_loc, out, num_heads, num_kv_heads,   \
-                                         block_shift, max_blocks_per_seq, scale_log2,     \
-                                         num_row_tiles, window);                          \
+        prefill_attention_body<D, TILES, KEYS>(q, k_cache, v_cache, block_tables,         \
+                                               seq_lens, query_start_loc, out, num_heads, \
+                                               num_kv_heads, block_shift,                 \
+                                               max_blocks_per_seq, scale_log2,            \
+                                               num_row_tiles, window);                    \
     }
 
-DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t1, 64, 1)
-DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t2, 64, 2)
-DEFINE_PREFILL_ATTENTION(prefill_attention_d128_t1, 128, 1)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t1, 64, 1, 64)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d64_t2, 64, 2, 64)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d128_t1, 128, 1, 64)
+DEFINE_PREFILL_ATTENTION(prefill_attention_d256_t1, 256, 1, 32)
 
 // ====================================================== decode on tensor cores (batches)
 // Launch: grid (num_splits, nkv, B), block (DECODE_MMA_THREADS), dynamic shared memory

@@ -115,6 +115,10 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(head_dim=128, max_query_len=17, num_heads=9, num_kv_heads=3)
     assert p.kernel == "prefill_attention_d128_t1" and p.grid[0] == 1
     assert p.shared_mem == 2 * (64 + 4 * 64) * (128 + 8)
+    # head_dim 256 (Gemma 3): tiles of 32 keys, so two CTAs' buffers fit an SM
+    p = plan(head_dim=256, max_query_len=30, num_heads=4, num_kv_heads=1)
+    assert p.kernel == "prefill_attention_d256_t1" and p.grid == (2, 1, 4)
+    assert p.shared_mem == 2 * (64 + 4 * 32) * (256 + 8)
     # more than 8 heads per kv head: decode rows go through the tensor-core decode kernel
     # up to 16 heads, split or not; past that through the prefill kernel, and when split
     # through the scalar kernel (it splits any shape)
@@ -188,7 +192,7 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=256, max_query_len=30),
+    dict(head_dim=16), dict(head_dim=32), dict(head_dim=80), dict(head_dim=96, max_query_len=30),
     dict(softcap=True), dict(softcap=True, max_query_len=30),
     dict(block_size=12), dict(block_size=24), dict(aligned=False), dict(kernel="scalar"),
     dict(kernel="scalar", max_query_len=300)])
@@ -217,7 +221,9 @@ def test_wider_head_dims_decode_in_wider_ctas():
     # 8 query heads per kv head at head_dim 256: 4 warps, no cluster variant
     p = plan(head_dim=256, num_heads=16, num_kv_heads=2, num_seqs=1, num_splits=3, clusters=True)
     assert p.kernel == "decode_attention_d256_g8" and p.block == 128 and p.cluster == 1
-    assert plan(head_dim=256, max_query_len=40).kernel == "paged_attention_dpl8"
+    # prefill of head_dim 256 on the tensor cores; soft-capped scores on the scalar kernel
+    assert plan(head_dim=256, max_query_len=40).kernel == "prefill_attention_d256_t1"
+    assert plan(head_dim=256, max_query_len=40, softcap=True).kernel == "paged_attention_dpl8"
 
 
 def test_plan_rejects_an_unknown_kernel_choice():
@@ -269,9 +275,11 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
         assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
         assert attention.DECODE_WARPS[name] == int(warps)
     assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.DECODE_HEAD_DIMS == (64, 128, 256)
-    prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+), (\d+)\)$", source, re.M)
-    assert {(int(d), int(t)): name for name, d, t in prefill} == attention.PREFILL_KERNELS
-    assert attention.PREFILL_HEAD_DIMS == (64, 128)
+    prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+), (\d+), (\d+)\)$", source,
+                         re.M)
+    assert {(int(d), int(t)): name for name, d, t, _ in prefill} == attention.PREFILL_KERNELS
+    assert {name: int(keys) for name, _, _, keys in prefill} == attention.PREFILL_KEYS
+    assert attention.PREFILL_HEAD_DIMS == (64, 128, 256)
     scalar = re.findall(r"^DEFINE_PAGED_ATTENTION\((\w+), (\d+)\)$", source, re.M)
     assert {int(dpl): name for name, dpl in scalar} == attention.SCALAR_KERNELS
 

@@ -294,7 +294,7 @@ WINDOWS = [1, 40, 100, 512, 4096]
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_prefill_attention_with_a_window(cp, rng, head_dim, window):
     for seqs in (MIXED_PREFILL, TILE_EDGES):
         case = build_attention_case(cp, rng, seqs, 2, head_dim, 4, window=window)

@@ -380,7 +380,7 @@ def test_attention_mixed_prefill(cp, rng, head_dim, group):
 PREFILL_VARIANTS = sorted(attention_kernels.PREFILL_KERNELS)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_long_prefill(cp, rng, head_dim):
     case = build_attention_case(cp, rng, [(0, 4099), (0, 1328)], 1, head_dim, 3)
     got = run_ops_attention(cp, case, head_dim)

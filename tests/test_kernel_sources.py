@@ -18,7 +18,6 @@ SHARED = {
     (attention, "DECODE_CLUSTER"): ("attention", "DECODE_CLUSTER"),
     (attention, "PREFILL_THREADS"): ("attention", "PREFILL_THREADS"),
     (attention, "PREFILL_WARPS"): ("attention", "PREFILL_WARPS"),
-    (attention, "PREFILL_KEYS"): ("attention", "PREFILL_KEYS"),
     (attention, "PREFILL_ROW_PAD"): ("attention", "PREFILL_ROW_PAD"),
     (attention, "SPLIT_ALIGN"): ("attention", "SPLIT_ALIGN"),
     (attention, "MAX_SPLITS"): ("attention", "COMBINE_MAX_SPLITS"),

@@ -12,9 +12,9 @@ Which kernel runs (`attention_plan`):
 - larger decode batches, head_dim 64/128, at most 16 query heads per kv head:
   decode_attention_mma_d{D} on the tensor cores, split and combined; clustered likewise
   (decode_attention_mma_d{D}_c{C}, C = mma_cluster_size(splits)) where clusters launch;
-- every other batch with head_dim 64/128 and no split: prefill_attention_d{D}_t{T} (tensor
-  cores, flash-attention 2 over K/V tiles gathered from the paged cache; T 16-row tiles a
-  warp, choose_prefill_tiles);
+- every other batch with head_dim 64/128/256 and no split: prefill_attention_d{D}_t{T}
+  (tensor cores, flash-attention 2 over K/V tiles gathered from the paged cache; T 16-row
+  tiles a warp, choose_prefill_tiles);
 - anything else (other head dims, block sizes that are not powers of two, unaligned
   arrays, soft-capped scores): the scalar paged_attention_dpl* kernel, which handles every
   shape.
@@ -39,7 +39,6 @@ THREADS = _C["ATTN_WARPS"] * _C["WARP_SIZE"]
 DECODE_CLUSTER = _C["DECODE_CLUSTER"]  # CTAs per cluster of the clustered decode kernels
 PREFILL_THREADS = _C["PREFILL_THREADS"]
 PREFILL_WARPS = _C["PREFILL_WARPS"]
-PREFILL_KEYS = _C["PREFILL_KEYS"]
 PREFILL_ROW_PAD = _C["PREFILL_ROW_PAD"]
 SPLIT_ALIGN = _C["SPLIT_ALIGN"]        # split lengths are multiples of this many keys
 MAX_SPLITS = _C["COMBINE_MAX_SPLITS"]  # the combine kernel merges at most this many
@@ -51,7 +50,9 @@ DECODE_WARPS = {name: warps  # a CUDA-core decode kernel's CTA width
                 for name, _, _, _, warps in instances("attention", "DEFINE_DECODE_ATTENTION")}
 # (head_dim, tiles) -> name; tiles: 16-row mma tiles per warp
 PREFILL_KERNELS = {(d, tiles): name
-                   for name, d, tiles in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+                   for name, d, tiles, _ in instances("attention", "DEFINE_PREFILL_ATTENTION")}
+PREFILL_KEYS = {name: keys  # keys per K/V tile of a prefill kernel
+                for name, _, _, keys in instances("attention", "DEFINE_PREFILL_ATTENTION")}
 PREFILL_HEAD_DIMS = tuple(sorted({d for d, _ in PREFILL_KERNELS}))
 # (head_dim, cluster) -> name; cluster 0: split ranges and the combine kernel
 DECODE_MMA_KERNELS = {(d, cluster): name
@@ -96,7 +97,8 @@ def prefill_rows(tiles: int) -> int:
 def prefill_smem_bytes(head_dim: int, tiles: int) -> int:
     """Tensor-core prefill: the Q tile and double-buffered K and V tiles, bf16 rows padded
     by PREFILL_ROW_PAD elements (attention.cu)."""
-    return 2 * (prefill_rows(tiles) + 4 * PREFILL_KEYS) * (head_dim + PREFILL_ROW_PAD)
+    keys = PREFILL_KEYS[PREFILL_KERNELS[head_dim, tiles]]
+    return 2 * (prefill_rows(tiles) + 4 * keys) * (head_dim + PREFILL_ROW_PAD)
 
 
 def decode_mma_smem_bytes(head_dim: int) -> int:
