@@ -371,38 +371,42 @@ def print_table(results, file=None):
               file=file)
 
 
-def print_kernel_table(results, file=None):
+def print_rows(results, title: str, header: str, row, file=None):
+    """A table of one line per result: row(result) formats it; failed cases say why."""
     file = file or sys.stdout
+    print(title, file=file)
+    print(header, file=file)
+    for r in results:
+        print(f"{r['case']:<24}  FAILED: {r['error']}" if "error" in r else row(r), file=file)
+
+
+def print_kernel_table(results, file=None):
     names = ("cuda cores eager", "tensor cores eager", "cuda cores graph", "tensor cores graph",
              "clusters graph", "mma clusters graph")
-    print("\ndecode attention, GPU us per call (median), with the combine kernel where split; "
-          "err: max |x - float32 reference| of the tensor-core runs", file=file)
-    print(f"{'case':<24}" + "".join(f"{n:>20}" for n in names) + f"{'splits e/g':>12}{'err':>9}",
-          file=file)
-    for r in results:
-        if "error" in r:
-            print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
-            continue
+
+    def row(r):
         err = max((v for k, v in r["max_err_vs_reference"].items()
                    if k.startswith(("tensor", "mma"))), default=float("nan"))
-        print(f"{r['case']:<24}" + "".join(f"{r['us'].get(n, float('nan')):>20.1f}" for n in names)
-              + f"{str(r['splits']['eager']) + '/' + str(r['splits']['graph']):>12}{err:>9.2g}",
-              file=file)
+        return (f"{r['case']:<24}" + "".join(f"{r['us'].get(n, float('nan')):>20.1f}" for n in names)
+                + f"{str(r['splits']['eager']) + '/' + str(r['splits']['graph']):>12}{err:>9.2g}")
+
+    print_rows(results, "\ndecode attention, GPU us per call (median), with the combine kernel "
+               "where split; err: max |x - float32 reference| of the tensor-core runs",
+               f"{'case':<24}" + "".join(f"{n:>20}" for n in names) + f"{'splits e/g':>12}{'err':>9}",
+               row, file)
 
 
 def print_widths_table(results, file=None):
-    file = file or sys.stdout
-    names = [n for n in results[0]["us"]] if results and "us" in results[0] else []
-    print("\ntensor-core prefill by width (16-row tiles a warp), GPU us per call (median); "
-          "err: max |x - float32 reference|", file=file)
-    print(f"{'case':<24}" + "".join(f"{n:>12}" for n in names) + f"{'chosen kernel':>28}{'err':>9}",
-          file=file)
-    for r in results:
-        if "error" in r:
-            print(f"{r['case']:<24}  FAILED: {r['error']}", file=file)
-            continue
-        print(f"{r['case']:<24}" + "".join(f"{r['us'][n]:>12.1f}" for n in names)
-              + f"{r['chosen']:>28}{max(r['max_err_vs_reference'].values()):>9.2g}", file=file)
+    names = next((list(r["us"]) for r in results if "us" in r), [])
+
+    def row(r):
+        return (f"{r['case']:<24}" + "".join(f"{r['us'][n]:>12.1f}" for n in names)
+                + f"{r['chosen']:>28}{max(r['max_err_vs_reference'].values()):>9.2g}")
+
+    print_rows(results, "\ntensor-core prefill by width (16-row tiles a warp), GPU us per call "
+               "(median); err: max |x - float32 reference|",
+               f"{'case':<24}" + "".join(f"{n:>12}" for n in names)
+               + f"{'chosen kernel':>28}{'err':>9}", row, file)
 
 
 def main(argv=None) -> int:
