@@ -219,7 +219,7 @@ def _is_power_of_two(n: int) -> bool:
 def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, max_query_len: int, num_splits: int, aligned: bool = True,
                    num_slots: int = 0, kernel: str = "auto", clusters: bool = False,
-                   softcap: bool = False, num_sms: int = 0,
+                   softcap: bool = False, num_sms: int,
                    prefill_tiles: int | None = None) -> AttentionPlan:
     """The kernel and launch shape for one attention call (pure arithmetic, no GPU).
     aligned: q, the caches and out start at 16-byte boundaries (the fast kernels use
@@ -229,8 +229,9 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     and tensor-core decode kernels where they can run (tests, benchmarks). clusters: the GPU
     can launch thread-block clusters; a split decode batch then takes the clustered kernel
     where the CUDA-core kernel would run. softcap: the scores are soft-capped, which only the
-    scalar kernel does. num_sms and prefill_tiles: the tensor-core prefill kernel's width
-    (choose_prefill_tiles; prefill_tiles forces one, for tests and benchmarks)."""
+    scalar kernel does. num_sms (the GPU's) and prefill_tiles: the tensor-core prefill
+    kernel's width (choose_prefill_tiles; prefill_tiles forces one, for tests and
+    benchmarks)."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     group = num_heads // num_kv_heads
