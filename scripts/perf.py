@@ -13,7 +13,8 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      its FLOPs over 790 TFLOP/s, whichever is larger; beside the graph-replayed step;
   2. each op of a decode layer at 1 to 16 rows (sublayer_comparison), composed of cuBLAS
      and the small kernels against the fused skinny kernels with plain and programmatic
-     launches, graph-timed with weights from HBM, and the time of one decode step
+     launches and against what "auto" chooses, graph-timed with weights from HBM, and the
+     time of one decode step
      replayed from a CUDA graph at batch 1, 8, 64 and 256 beside the eager step, for each
      of those variants (STEP_VARIANTS);
   3. cuBLAS against both custom skinny kernels of gemv.cu (the SIMT "gemv" and the
@@ -64,9 +65,12 @@ GEMV_CALLS = 16       # calls per captured graph
 GEMV_REPLAYS = 10     # timed replays of it (median)
 FLUSH_L2_TIMES = 3    # the weight copies of one shape together hold this many L2 sizes
 # decode-step variants: name -> (skinny switch, programmatic launches); "cublas" composes
-# every sublayer of cuBLAS and the separate small kernels
+# every sublayer of cuBLAS and the separate small kernels, "fused" takes the skinny
+# kernels wherever they can, "auto" is what a backend runs by default
 STEP_VARIANTS = {"cublas": KernelSwitches(skinny_gemm="cublas", programmatic=False),
-                 "fused": KernelSwitches(programmatic=False), "fused+pdl": KernelSwitches()}
+                 "auto": KernelSwitches(),
+                 "fused": KernelSwitches(skinny_gemm="mma", programmatic=False),
+                 "fused+pdl": KernelSwitches(skinny_gemm="mma")}
 E2E_STEPS = 256
 
 
@@ -542,7 +546,7 @@ def print_table(result) -> None:
     print_gemv_table(result["gemv"])
     print("\n== decode layer ops: us per call, graph-timed, weights from HBM ==")
     for row in result.get("sublayer_us", []):
-        variants = ("cublas", "fused", "fused+pdl") + tuple(
+        variants = ("cublas", "auto", "fused", "fused+pdl") + tuple(
             f"staging cluster {c}" for c in STAGING_CLUSTERS)
         print(f"{row['op']:<14} M={row['m']:<3}" + "".join(
             f" {v} {row.get(v + '_us', float('nan')):7.1f}" for v in variants))
