@@ -213,7 +213,7 @@ def test_programmatic_launches_give_the_same_bits_eager_and_in_a_graph(cp, rng, 
 
     results = {}
     for on in (False, True):
-        products = gemm.Products("auto", programmatic=on)
+        products = gemm.Products("mma", programmatic=on)
         assert products.programmatic == on
         residual, act = cp.asarray(start), cp.empty((m, n), np.uint16)
         chain(products, residual, act)

@@ -618,6 +618,26 @@ def test_choose_follows_the_switch_then_the_table_then_the_rule():
         assert gemm.choose(switch, 3072, 2048, 17, table) == "cublas"
 
 
+def test_normed_products_fuse_up_to_a_size_of_x():
+    """Under "auto" the normed sublayer products take their fused skinny kernel while x holds
+    at most FUSED_NORM_MAX_X elements (Llama-3.2-1B's 13 rows of 2,048; every row count of
+    Qwen3-0.6B's 1,024), then compose; "mma" always fuses, "cublas" never, and FP8
+    weights (which only the skinny kernels read as they are) always."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.interface import Fp8Weight
+    bf16 = object()
+    fp8 = Fp8Weight(data=None, scale=None)
+    auto, mma, cublas = gemm.Products("auto"), gemm.Products("mma"), gemm.Products("cublas")
+    limit = gemm.FUSED_NORM_MAX_X
+    assert limit == 13 * 2048
+    assert auto.fuses_norm(13, 2048, bf16) and not auto.fuses_norm(14, 2048, bf16)
+    assert auto.fuses_norm(gemm.SKINNY_MAX_ROWS, 1024, bf16)
+    assert auto.fuses_norm(1, limit, bf16) and not auto.fuses_norm(1, limit + 8, bf16)
+    assert auto.fuses_norm(16, 2048, fp8)
+    assert mma.fuses_norm(16, 2048, bf16) and mma.fuses_norm(16, 2048, fp8)
+    assert not cublas.fuses_norm(1, 2048, bf16)
+
+
 def test_products_reject_unknown_switches():
     from cupy_llama.backends.cuda import gemm
     with pytest.raises(ValueError, match="skinny must be one of"):

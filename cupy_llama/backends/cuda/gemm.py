@@ -224,6 +224,16 @@ class Products:
         product, so the sublayer ops are composed around it)."""
         return self.skinny != "cublas"
 
+    def fuses_norm(self, m_rows: int, k: int, weight) -> bool:
+        """Whether a normed sublayer product (norm_qkv_rope, norm_gate_up_act) of m_rows x
+        rows of length k takes its fused skinny kernel: never under "cublas"; under "auto",
+        for bf16 weights, while x holds at most FUSED_NORM_MAX_X elements (past that the
+        norm, cuBLAS and the RoPE or activation kernel take it)."""
+        if not self.fusing:
+            return False
+        return (self.skinny != "auto" or isinstance(weight, Fp8Weight)
+                or m_rows * k <= FUSED_NORM_MAX_X)
+
     def kernel_for(self, n: int, k: int, m: int, accumulate: bool = False,
                    fp8: bool = False) -> str:
         """The kernel for an [m, k] x [n, k]^T product (accumulate: added to a float32 out;
@@ -338,7 +348,7 @@ class Products:
         m_rows, k = _check_norm_product(x, norm_weight, weight)
         n = weight.shape[0]
         check("out", out, BF16, shape=(m_rows, n // 2))
-        if (not self.fusing or n % MMA_TILE_ROWS
+        if (not self.fuses_norm(m_rows, k, weight) or n % MMA_TILE_ROWS
                 or fused_unsupported(x, weight, norm_weight) is not None):
             return False
         args = _norm_args(x, norm_weight, eps, weight, out, offset)
@@ -362,7 +372,7 @@ class Products:
         check_weight(weight, k, rows=(num_heads + 2 * num_kv_heads) * head_dim)
         if bias is not None:
             check("bias", bias, BF16, shape=(weight.shape[0],))
-        if (not self.fusing or head_dim % 16
+        if (not self.fuses_norm(m_rows, k, weight) or head_dim % 16
                 or fused_unsupported(x, weight, norm_weight) is not None):
             return False
         args = _norm_args(x, norm_weight, eps, weight, q_out, offset)
@@ -533,6 +543,13 @@ def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args
 # batch 1 feels.
 STAGING_CLUSTER = 2
 STAGING_CLUSTER_MIN_X = 16384
+# Under "auto", the normed sublayer products fuse while x holds at most this many
+# elements: past it (Llama-3.2-1B's 14 to 16 rows of 2,048) the decode step replayed from
+# its graph took 2 to 3% less with them composed of the norm, cuBLAS and the RoPE or
+# activation kernel, whose cuBLAS products read x from L2 once per tile where every
+# skinny block stages all of it (benchmarks/NOTES.md, "The normed products past 13 rows
+# of 2,048"). Qwen3-0.6B's, Qwen2.5-1.5B's and Gemma-3-1B's 16 rows stay under it.
+FUSED_NORM_MAX_X = 13 * 2048
 assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
 
 
