@@ -32,11 +32,11 @@ from cupy_llama.weights import open_checkpoint  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def prompt_batch(tokens: int) -> ForwardBatch:
-    """One sequence's first `tokens` tokens, in blocks 0, 1, ..."""
+def prompt_batch(tokens: int, vocab_size: int) -> ForwardBatch:
+    """One sequence's first `tokens` tokens (ids below vocab_size), in blocks 0, 1, ..."""
     positions = np.arange(tokens, dtype=np.int32)
-    return ForwardBatch(token_ids=(positions * 7 % 1000).astype(np.int32), positions=positions,
-                        slot_mapping=positions.copy(),
+    return ForwardBatch(token_ids=(positions * 7 % vocab_size).astype(np.int32),
+                        positions=positions, slot_mapping=positions.copy(),
                         query_start_loc=np.array([0, tokens], np.int32),
                         seq_lens=np.array([tokens], np.int32),
                         block_tables=np.arange(cdiv(tokens, BLOCK_SIZE), dtype=np.int32)[None, :],
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
                           max_num_batched_tokens=max_len, block_size=BLOCK_SIZE,
                           num_kv_blocks=cdiv(max_len, BLOCK_SIZE) + 8, log=lambda m: None)
     checkpoint.close()
-    batch = prompt_batch(args.tokens)
+    batch = prompt_batch(args.tokens, config.vocab_size)
     stream = cupy.cuda.get_current_stream()
     for _ in range(3):
         backend.forward(batch)

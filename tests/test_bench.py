@@ -338,6 +338,31 @@ def test_host_path_profiler_runs_the_real_engine(mode):
     assert "whole run, seconds:" in done.stdout and "total" in done.stdout
 
 
+def test_forward_host_time_prompt_is_a_prefill_the_reference_runs(model_dir):
+    """scripts/forward_host_time.py times the forward of its own prompt batch on the GPU; on
+    the reference backend that batch is one sequence's prefill whose last logits match
+    the same prompt's prefill through the engine's own path (the last position of
+    logits_at_every_position)."""
+    import numpy as np
+
+    from conftest import logits_at_every_position, script_module
+    from cupy_llama.backends.cpu import CpuBackend
+    from cupy_llama.models import model_for, read_config
+    from cupy_llama.weights import open_checkpoint
+    script = script_module("forward_host_time")
+    tokens, config = 40, read_config(model_dir)
+    batch = script.prompt_batch(tokens, config.vocab_size)
+    assert batch.num_seqs == 1 and batch.num_tokens == tokens and not batch.is_decode_only
+    model = model_for(config)
+    with open_checkpoint(model_dir, model) as checkpoint:
+        backend = CpuBackend(model, checkpoint, max_model_len=256, max_num_seqs=1,
+                             num_kv_blocks=batch.block_tables.shape[1],
+                             block_size=script.BLOCK_SIZE)
+    logits = np.asarray(backend.forward(batch))
+    expected = logits_at_every_position(model_dir, batch.token_ids.tolist())[-1]
+    np.testing.assert_allclose(logits[0], expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_prefix_check_script_finds_no_difference_on_the_reference_backend(tmp_path):
     """scripts/prefix_check.py (run on the GPU for the report) compares greedy outputs with
