@@ -545,10 +545,10 @@ STAGING_CLUSTER = 2
 STAGING_CLUSTER_MIN_X = 16384
 # Under "auto", the normed sublayer products fuse while x holds at most this many
 # elements: past it (Llama-3.2-1B's 14 to 16 rows of 2,048) the decode step replayed from
-# its graph took 2 to 3% less with them composed of the norm, cuBLAS and the RoPE or
+# its graph took about 2% less with them composed of the norm, cuBLAS and the RoPE or
 # activation kernel, whose cuBLAS products read x from L2 once per tile where every
-# skinny block stages all of it (benchmarks/NOTES.md, "The normed products past 13 rows
-# of 2,048"). Qwen3-0.6B's, Qwen2.5-1.5B's and Gemma-3-1B's 16 rows stay under it.
+# skinny block stages all of it (benchmarks/NOTES.md, change 44). Qwen3-0.6B's,
+# Qwen2.5-1.5B's and Gemma-3-1B's 16 rows stay under it.
 FUSED_NORM_MAX_X = 13 * 2048
 assert STAGING_CLUSTER <= _C["SKINNY_MAX_CLUSTER"]
 
