@@ -14,9 +14,8 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
   2. each op of a decode layer at 1 to 16 rows (sublayer_comparison), composed of cuBLAS
      and the small kernels against the fused skinny kernels with plain and programmatic
      launches and against what "auto" chooses, graph-timed with weights from HBM, and the
-     time of one decode step
-     replayed from a CUDA graph at batch 1, 8, 64 and 256 beside the eager step, for each
-     of those variants (STEP_VARIANTS);
+     time of one decode step replayed from a CUDA graph at batch 1, 8, 64 and 256 beside
+     the eager step, for each of those variants (STEP_VARIANTS);
   3. cuBLAS against both custom skinny kernels of gemv.cu (the SIMT "gemv" and the
      tensor-core "mma") for every weight shape and M = 1..16, each timed as a CUDA graph
      of back-to-back calls over enough weight copies that every call reads its weight from
