@@ -168,6 +168,21 @@ def test_out_of_range_values_are_refused_by_name(field, value, words):
     assert words in str(error.value)
 
 
+def test_ids_outside_the_vocabulary_are_refused_by_name(llm):
+    """The bias and ban tables index the logits by these ids: one past the vocabulary is a
+    request error naming the field, and the engine keeps serving."""
+    vocab = llm.engine.config.vocab_size
+    for params, field in ((SamplingParams(max_tokens=2, logit_bias={vocab: 5.0}), "logit_bias"),
+                          (SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[vocab]),
+                           "stop_token_ids")):
+        with pytest.raises(RequestError, match=rf"{field} holds token id {vocab}, outside the "
+                                               rf"vocabulary \[0, {vocab}\)"):
+            llm.generate(PROMPT, params)
+    assert len(llm.generate(PROMPT, SamplingParams(max_tokens=2, logit_bias={vocab - 1: 5.0},
+                                                   ignore_eos=True)).token_ids) == 2
+    assert_all_blocks_free(llm)
+
+
 # ---- the command line ---------------------------------------------------------------------
 
 def test_generate_takes_the_controls_and_help_lists_them(model_dir, llm, tmp_path, capsys):

@@ -357,6 +357,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        # the bias and ban tables index the logits by these ids
+        self.check_in_vocabulary("logit_bias", params.logit_bias)
+        self.check_in_vocabulary("stop_token_ids", params.stop_token_ids)
         grammar = None if params.structured is None else self.compile_structured(params.structured)
         allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
         banned, word_bans = self.bad_word_bans(params.bad_words)
@@ -391,12 +394,18 @@ class LLMEngine:
         if len(token_ids) > vocab:
             raise RequestError(f"allowed_token_ids holds {len(token_ids)} ids; the vocabulary "
                                f"has only {vocab}")
-        outside = next((t for t in token_ids if t >= vocab), None)
-        if outside is not None:
-            raise RequestError(f"allowed_token_ids holds token id {outside}, outside the "
-                               f"vocabulary [0, {vocab})")
+        self.check_in_vocabulary("allowed_token_ids", token_ids)
         from ..structured import AllowedTokensMatcher
         return AllowedTokensMatcher(token_ids, self._bitmask_words())
+
+    def check_in_vocabulary(self, name: str, token_ids) -> None:
+        """RequestError naming the field where a token id (of a list, or a dict's keys) is
+        outside the model's vocabulary: the logits have no such entry."""
+        vocab = self.config.vocab_size
+        outside = next((t for t in token_ids if t >= vocab), None)
+        if outside is not None:
+            raise RequestError(f"{name} holds token id {outside}, outside the vocabulary "
+                               f"[0, {vocab})")
 
     def _bitmask_words(self) -> int:
         """Words of a bitmask row: enough for the model's vocabulary and the tokenizer's
