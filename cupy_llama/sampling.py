@@ -25,6 +25,7 @@ MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's A
 MAX_N = 128  # samples per request
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (as OpenAI's API allows)
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
+MAX_REPETITION_PENALTY = 100.0  # and its inverse the least: logits stay finite in float32
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request (their bans share the bias table)
 MAX_BANNED_TOKENS = 128  # tokens one request's bad_words may ban at every step
 # bad words of more than one token one request may ban (vLLM's limits): sequences, and
@@ -159,9 +160,10 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
                                f"prompt), got {self.n!r}")
+        # a logit divided or multiplied by it must stay a float32 number
         number("repetition_penalty", self.repetition_penalty,
-               lambda v: as_float32(v) > 0 and v <= FLOAT32_MAX,
-               "a number > 0 that fits a float32 (1 means off)")
+               lambda v: 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+               f"in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 means off)")
         number("frequency_penalty", self.frequency_penalty, lambda v: -2 <= v <= 2,
                "in [-2, 2] (0 means off)")
         number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,

@@ -156,7 +156,8 @@ def test_include_stop_str_in_output_and_skip_special_tokens(llm):
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("repetition_penalty", 0, "> 0"), ("frequency_penalty", 2.5, "[-2, 2]"),
+    ("repetition_penalty", 0, "[0.01, 100]"), ("repetition_penalty", 1e-39, "[0.01, 100]"),
+    ("repetition_penalty", 101, "[0.01, 100]"), ("frequency_penalty", 2.5, "[-2, 2]"),
     ("presence_penalty", -3, "[-2, 2]"), ("logit_bias", {"x": 1}, "token ids"),
     ("logit_bias", {1: 101}, "[-100, 100]"), ("logit_bias", {i: 1 for i in range(301)}, "300"),
     ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
