@@ -230,6 +230,9 @@ class _SamplingFields(_Unsupported, _Model):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if not 1 <= self.n <= MAX_N:  # before best_of, whose samples would hide it
+            raise APIError(400, f"n must be an integer from 1 to {MAX_N} (choices per prompt), "
+                                f"got {_preview(self.n)}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
