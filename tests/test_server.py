@@ -643,6 +643,24 @@ def test_bodies_over_the_limit_are_413(server, http, llm):
 
 # ---- disconnects and load -----------------------------------------------------------------
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/completions"])
+def test_a_client_gone_during_its_body_is_no_error(server, http, llm, path):
+    """A client that hangs up halfway through sending its body: logged as 499 whatever the
+    route, with no traceback, and the server goes on serving."""
+    host, port = server.url.removeprefix("http://").split(":")
+    logged = len(server.log_text())
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                     f'{{"prompt": '.encode())
+    deadline = time.monotonic() + 30
+    while f"POST {path} 499" not in server.log_text()[logged:]:
+        assert time.monotonic() < deadline, server.log_text()[logged:]
+        time.sleep(0.02)
+    assert "Traceback" not in server.log_text()[logged:]
+    _good_request_works(http, llm)
+
+
 def test_a_client_that_disconnects_frees_its_request(server, http):
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=60) as own:

@@ -680,6 +680,12 @@ def create_app(state: ServerState):
     async def api_error(request, e: APIError):
         return _ErrorResponse(e)
 
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request, e: _ClientGone):
+        # the client left while its body came in (any route): nobody reads the answer,
+        # the access log shows it
+        return Response(status_code=CLIENT_CLOSED)
+
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         if e.status_code == 404:
@@ -771,10 +777,7 @@ def create_app(state: ServerState):
         """/v1/completions and /v1/chat/completions: the body parsed by the endpoint's
         request model, its prompts tokenized (both in a worker thread), its engine requests
         started, and the answer streamed or whole."""
-        try:
-            parsed, body = await body_of(request, request_model)
-        except _ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
+        parsed, body = await body_of(request, request_model)
         if isinstance(parsed, protocol.ChatCompletionRequest):
             parsed.set_tool_parser(settings.tool_call_parser)
         prompts, params = await asyncio.to_thread(
