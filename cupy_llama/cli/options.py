@@ -62,7 +62,7 @@ sampling_options = _options(
                  f"{CHAT_MAX_TOKENS} in chat, 256 in generate)."),
     click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."),
     click.option("--repetition-penalty", type=float, help="Divide the logits of tokens seen "
-                 "in the prompt or the reply (> 0; 1: off; vLLM's)."),
+                 "in the prompt or the reply ([0.01, 100]; 1: off; vLLM's)."),
     click.option("--frequency-penalty", type=float, help="Subtract this times each token's "
                  "count in the reply from its logit ([-2, 2]; 0: off)."),
     click.option("--presence-penalty", type=float, help="Subtract this from the logit of "
