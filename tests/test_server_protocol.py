@@ -39,6 +39,23 @@ def test_validation_errors_name_the_field_and_the_value():
     assert error_of(CompletionRequest, ["x"]).message.endswith("got an array")
 
 
+def test_validation_errors_speak_json_not_python():
+    """A field of several forms lists them, an object is an object, never a class name or a
+    form's tag in the path."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, body, param, message in (
+            (CompletionRequest, {"prompt": "x", "stop": [1]}, "stop",
+             "stop must be a string or an array of strings (got [1])"),
+            (CompletionRequest, {"prompt": "x", "stop": [1], "n": "2"}, "stop",
+             "stop must be a string or an array of strings (got [1]); and 1 more problem"),
+            (ChatCompletionRequest, {"messages": ["hi"]}, "messages[0]",
+             'messages[0] must be an object (got "hi")'),
+            (ChatCompletionRequest, {**chat, "stream_options": 5}, "stream_options",
+             "stream_options must be an object (got 5)")):
+        e = error_of(model, body)
+        assert (e.param, e.message) == (param, message)
+
+
 def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     harmless = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from dataclasses import fields, replace
 from pathlib import Path
@@ -113,18 +114,62 @@ def parse(model: type[_Model], body) -> _Model:
 
 
 def validation_error(e: ValidationError) -> APIError:
+    """The first problem in the client's words: the field's path, what it must be (each
+    form a union field takes, where none took the value) and what came; then how many
+    other problems there were."""
     errors = e.errors(include_url=False)
     first = errors[0]
-    path = _field_path(first["loc"])
+    loc = first["loc"]
+    # a field of several forms (str | list[str]) adds each form's tag to the path
+    cut = next((i for i, part in enumerate(loc) if _is_form_tag(part)), len(loc))
+    path = _field_path(loc[:cut])
+    counted = [first]
     if first["type"] == "missing":
         message = f"{path} is required"
+    elif cut < len(loc):
+        counted = [err for err in errors if len(err["loc"]) > cut and err["loc"][:cut] == loc[:cut]
+                   and _is_form_tag(err["loc"][cut])]
+        forms = list(dict.fromkeys(_form_words(err["loc"][cut]) for err in counted))
+        whole = next((err for err in counted if len(err["loc"]) == cut + 1), first)
+        message = f"{path} must be {' or '.join(forms)}"
+        if "input" in whole:
+            message += f" (got {_preview(whole['input'])})"
     else:
-        message = f"{path}: {first['msg']}"
+        words = _TYPE_WORDS.get(first["type"])
+        message = f"{path} must be {words}" if words else f"{path}: {first['msg']}"
         if "input" in first:
             message += f" (got {_preview(first['input'])})"
-    if len(errors) > 1:
-        message += f"; and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''}"
+    others = len(errors) - len(counted)
+    if others:
+        message += f"; and {others} more problem{'s' if others > 1 else ''}"
     return APIError(400, message, param=path or None)
+
+
+# the type errors of pydantic, and the tags it gives a union's forms, in the client's words
+_TYPE_WORDS = {"string_type": "a string", "int_type": "an integer", "int_from_float": "an integer",
+               "int_parsing": "an integer", "float_type": "a number", "bool_type": "true or false",
+               "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+               "model_attributes_type": "an object"}
+_FORM_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "none": "null"}
+
+
+def _is_form_tag(part) -> bool:
+    """Whether a part of an error's location names one form of a union field (str,
+    list[str], a model's class name) rather than a field or an index."""
+    return isinstance(part, str) and (part in _FORM_WORDS or "[" in part or part[:1].isupper())
+
+
+def _form_words(tag: str) -> str:
+    if tag in _FORM_WORDS:
+        return _FORM_WORDS[tag]
+    inner = re.fullmatch(r"list\[(\w+)\]", tag)
+    if inner:
+        return "an array" + (f" of {_FORM_WORDS[inner[1]].split(' ', 1)[1]}s"
+                             if inner[1] in ("str", "int", "float") else "")
+    if tag.startswith("list["):
+        return "an array"
+    return "an object"  # a model's class name, or a dict
 
 
 def _field_path(loc) -> str:
