@@ -95,9 +95,7 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if isinstance(self.logit_bias, dict):  # JSON keys are strings: "50256": -100
-            self.logit_bias = {_token_key(k): (float(v) if isinstance(v, numbers.Real)
-                                               and not isinstance(v, bool) else v)
-                               for k, v in self.logit_bias.items()}
+            self.logit_bias = {_token_key(k): _as_float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
                                    and not isinstance(t, bool) else t for t in self.stop_token_ids]
@@ -125,41 +123,45 @@ class SamplingParams:
 
     def validate(self) -> None:
         def number(name, value, ok, rule):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
-                raise RequestError(f"{name} must be {rule}, got {value!r}")
+            # an int is finite, and past float's range it compares without converting
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not (isinstance(value, int) or math.isfinite(value)) or not ok(value)):
+                raise RequestError(f"{name} must be {rule}, got {_preview(value)}")
 
         # the device works in float32 and int32: a value must survive that conversion
         number("temperature", self.temperature, lambda v: 0 <= v <= FLOAT32_MAX,
                "a number >= 0 (0 means greedy) that fits a float32")
-        number("top_p", self.top_p, lambda v: v <= 1 and as_float32(v) > 0,
+        number("top_p", self.top_p, lambda v: 0 < v <= 1 and as_float32(v) > 0,
                "in (0, 1] and not so small that float32 rounds it to 0")
         number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                 or not 0 <= self.top_k < 2**31):
             raise RequestError(f"top_k must be an integer in [0, 2^31) (0 means off), "
-                               f"got {self.top_k!r}")
+                               f"got {_preview(self.top_k)}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got "
+                               f"{_preview(self.max_tokens)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
-            raise RequestError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+            raise RequestError(f"seed must be an integer in [0, 2^64), got {_preview(self.seed)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise RequestError(f"stop must be a non-empty string or a list of them, got "
+                               f"{_preview(self.stop)}")
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be true or false, got {_preview(self.ignore_eos)}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool)
                                           or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or none), "
-                               f"got {self.logprobs!r}")
+                               f"got {_preview(self.logprobs)}")
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
                                                  or not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise RequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] (or "
-                               f"none), got {self.prompt_logprobs!r}")
+                               f"none), got {_preview(self.prompt_logprobs)}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer from 1 to {MAX_N} (samples per "
-                               f"prompt), got {self.n!r}")
+                               f"prompt), got {_preview(self.n)}")
         # a logit divided or multiplied by it must stay a float32 number
         number("repetition_penalty", self.repetition_penalty,
                lambda v: 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
@@ -168,20 +170,23 @@ class SamplingParams:
                "in [-2, 2] (0 means off)")
         number("presence_penalty", self.presence_penalty, lambda v: -2 <= v <= 2,
                "in [-2, 2] (0 means off)")
-        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+        if not isinstance(self.logit_bias, dict):
+            raise RequestError(f"logit_bias must map token ids to biases (an object such as "
+                               f'{{"50256": -100}}), got {_preview(self.logit_bias)}')
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to "
-                               f"biases, got {_preview(self.logit_bias)}")
+                               f"biases, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             if not _is_token_id(token):
                 raise RequestError(f"logit_bias keys must be token ids (integers >= 0), got "
-                                   f"{token!r}")
+                                   f"{_preview(token)}")
             number(f"logit_bias of token {token}", bias,
                    lambda v: -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE,
                    f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an integer from 0 to max_tokens "
-                               f"({self.max_tokens}), got {self.min_tokens!r}")
+                               f"({self.max_tokens}), got {_preview(self.min_tokens)}")
         if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(_is_token_id(t) for t in self.stop_token_ids)):
             raise RequestError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
@@ -189,7 +194,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise RequestError(f"{name} must be true or false, got "
+                                   f"{_preview(getattr(self, name))}")
         if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip()
                                                            for w in self.bad_words):
             raise RequestError(f"bad_words must be a list of non-blank strings, got "
@@ -238,6 +244,17 @@ class SamplingParams:
         merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
         merged.update(values)
         return cls(**merged)
+
+
+def _as_float(value):
+    """A real number as a float where it is one (validate checks the rest: a bool, a
+    string, an int past float's range stay what they are)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
 
 
 def _is_token_id(value) -> bool:

@@ -159,6 +159,7 @@ def test_include_stop_str_in_output_and_skip_special_tokens(llm):
     ("repetition_penalty", 0, "[0.01, 100]"), ("repetition_penalty", 1e-39, "[0.01, 100]"),
     ("repetition_penalty", 101, "[0.01, 100]"), ("frequency_penalty", 2.5, "[-2, 2]"),
     ("presence_penalty", -3, "[-2, 2]"), ("logit_bias", {"x": 1}, "token ids"),
+    ("logit_bias", [1, 2], "an object such as"),
     ("logit_bias", {1: 101}, "[-100, 100]"), ("logit_bias", {i: 1 for i in range(301)}, "300"),
     ("min_tokens", -1, "min_tokens"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("bad_words", [" "], "bad_words"), ("skip_special_tokens", "maybe", "true or false"),
@@ -167,6 +168,20 @@ def test_out_of_range_values_are_refused_by_name(field, value, words):
     with pytest.raises(RequestError, match=field.split("_")[0]) as error:
         SamplingParams(**{field: value})
     assert words in str(error.value)
+
+
+@pytest.mark.parametrize("field", ["seed", "max_tokens", "n", "top_k", "min_tokens",
+                                   "logprobs", "logit_bias", "temperature", "top_p"])
+def test_a_huge_value_is_refused_and_quoted_in_short(field):
+    """A RequestError whose quote of the value is cut short, for numbers of 4,000 digits
+    below a field's range and of 400 above it (past float's range: no OverflowError)."""
+    values = [{-10 ** 4000: 1.0} if field == "logit_bias" else -10 ** 4000]
+    if field != "max_tokens":  # the context caps it, not SamplingParams
+        values.append({5: 10 ** 400} if field == "logit_bias" else 10 ** 400)
+    for value in values:
+        with pytest.raises(RequestError, match=field) as error:
+            SamplingParams(**{field: value})
+        assert len(str(error.value)) < 200
 
 
 def test_ids_outside_the_vocabulary_are_refused_by_name(llm):

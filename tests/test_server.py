@@ -539,6 +539,10 @@ BAD_REQUESTS = [
     ("n below 1 beside best_of", "/v1/completions", {"prompt": "x", "n": 0, "best_of": 1}, {},
      400, ["n must be", "got 0"], "n"),
     ("a negative n", "/v1/completions", {"prompt": "x", "n": -3}, {}, 400, ["got -3"], "n"),
+    ("a seed of 4,000 digits", "/v1/completions", {"prompt": "x", "seed": 10 ** 4000}, {}, 400,
+     ["seed", "..."], "seed"),
+    ("max_tokens of 1e300", "/v1/completions", {"prompt": "x", "max_tokens": 1e300}, {}, 400,
+     ["max_tokens", "..."], "max_tokens"),
     ("best_of < n", "/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, {}, 400,
      ["best_of"], "best_of"),
     ("a penalty past 2", "/v1/completions", {"prompt": "x", "presence_penalty": 5}, {}, 400,
@@ -586,6 +590,7 @@ def test_bad_input_is_an_openai_error(http, llm, what, path, body, headers, stat
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and "Traceback" not in error["message"]
     assert all(word in error["message"] for word in words), error["message"]
+    assert len(error["message"]) < 400, "a message that quotes the request whole"
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
     _good_request_works(http, llm)

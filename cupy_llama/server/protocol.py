@@ -283,7 +283,8 @@ class _SamplingFields(_Unsupported, _Model):
                            param="stream_options")
         low, high = SEED_RANGE
         if self.seed is not None and not low <= self.seed < high:
-            raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got {self.seed}",
+            raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got "
+                                f"{_preview(self.seed)}",
                            param="seed")
 
     def structured_spec(self) -> StructuredSpec | None:
@@ -350,13 +351,14 @@ class _SamplingFields(_Unsupported, _Model):
         if requested is None:
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         elif requested < 1:
-            raise APIError(400, f"{max_tokens_field} must be at least 1, got {requested}",
+            raise APIError(400, f"{max_tokens_field} must be at least 1, got {_preview(requested)}",
                            param=max_tokens_field)
         elif requested > room:
+            total = _preview(num_prompt_tokens + requested)
             raise APIError(400, f"{num_prompt_tokens} prompt tokens + {max_tokens_field} "
-                                f"{requested} = {num_prompt_tokens + requested} tokens, past "
-                                f"the context limit of {max_model_len}; ask for at most "
-                                f"{room} tokens or shorten the prompt",
+                                f"{_preview(requested)} = {total} tokens, past the context "
+                                f"limit of {max_model_len}; ask for at most {room} tokens or "
+                                f"shorten the prompt",
                            param=max_tokens_field, code="context_length_exceeded")
         else:
             max_tokens = requested
