@@ -9,6 +9,7 @@ then encoded with special-token parsing off (and the marker removed).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -136,6 +137,8 @@ class Tokenizer:
         eos = {eos_token, *extra_eos}
         eos |= {t for t in END_OF_TURN_TOKENS if chat_template and t in chat_template}
         self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
+        self._added_ids: set | None = None    # token_bytes: worked out on first use
+        self._byte_level: bool | None = None
 
     # ---- loading ---------------------------------------------------------------------
 
@@ -204,6 +207,32 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own, as OpenAI's logprobs give them (a
+        token may hold part of a character, which its decoded text cannot show): a
+        byte-level vocabulary's token through GPT-2's byte alphabet, a SentencePiece byte
+        token (<0xC3>) its byte, another piece its text with "▁" as a space, a special
+        token its text. Nothing for an id past the vocabulary."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        added = self._added_ids
+        if added is None:
+            added = self._added_ids = set(self._backend.get_added_tokens_decoder())
+        if token_id in added:
+            return token.encode()
+        if self._byte_level is None:
+            self._byte_level = _decoder_kinds(self._backend) & {"ByteLevel"} != set()
+        if self._byte_level:
+            alphabet = _byte_alphabet()
+            if all(ch in alphabet for ch in token):
+                return bytes(alphabet[ch] for ch in token)
+            return token.encode()
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)
+        if byte:
+            return bytes([int(byte[1], 16)])
+        return token.replace("\u2581", " ").encode()
 
     def to_json(self) -> str:
         """tokenizer.json as the tokenizers library holds it, without padding or
@@ -805,6 +834,33 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _decoder_kinds(backend: BackendTokenizer) -> set[str]:
+    """The types of tokenizer.json's decoder and of the decoders it chains."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds, stack = set(), [decoder]
+    while stack:
+        part = stack.pop()
+        if isinstance(part, dict):
+            kinds.add(part.get("type"))
+            stack += part.get("decoders") or []
+    return kinds
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: the printable bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + extra)] = byte
+            extra += 1
+    return alphabet
 
 
 def _first_line(error: Exception) -> str:

@@ -292,7 +292,7 @@ def test_logprobs_are_the_log_softmax(http, llm):
     for position, (token, entry) in enumerate(zip(chat_want.token_ids, chat["content"])):
         row = chat_rows[position]
         assert entry["token"] == strings(token)
-        assert entry["bytes"] == list(strings(token).encode())
+        assert entry["bytes"] == list(llm.tokenizer.token_bytes(token))
         assert abs(entry["logprob"] - row[token]) < 1e-4
         values = [alternative["logprob"] for alternative in entry["top_logprobs"]]
         assert values == sorted(values, reverse=True) and len(values) == k

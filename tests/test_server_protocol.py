@@ -251,6 +251,11 @@ def test_logprobs_in_both_shapes(llm):
     assert chat == {"content": [{"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
         {"token": "h", "logprob": -0.5, "bytes": [104]},
         {"token": "i", "logprob": -1.25, "bytes": [105]}]}], "refusal": None}
+    # a token of part of a character: its text is U+FFFD, its bytes are its own (OpenAI's)
+    lone = next(t for t in range(llm.tokenizer.vocab_size)
+                if llm.tokenizer.token_bytes(t) == b"\xc3")
+    assert protocol.chat_logprobs([(lone, -1.0, [])], strings)["content"][0] == {
+        "token": "\ufffd", "logprob": -1.0, "bytes": [0xC3], "top_logprobs": []}
     special = llm.tokenizer.bos_token_id
     assert strings(special) == llm.tokenizer.bos_token  # spelled out, not skipped
 

@@ -393,3 +393,37 @@ def test_continue_final_message_leaves_the_last_message_open(demo):
     with pytest.raises(RequestError, match="empty"):
         demo.encode_chat([chat[0], {"role": "assistant", "content": " "}],
                          add_generation_prompt=False, continue_final_message=True)
+
+
+# ---- a token's own bytes (logprobs) -----------------------------------------------------
+
+def test_token_bytes_add_up_to_the_text(named):
+    """Each token's bytes, joined, are the text's UTF-8: also where a token holds part of
+    a character (its decoded text alone is U+FFFD there)."""
+    _, tok = named
+    for text in STREAM_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    partial = [i for text in STREAM_TEXTS for i in tok.encode(text, add_special_tokens=False)
+               if "\ufffd" in tok.decode([i])]
+    assert partial, "the texts hold characters split across tokens"
+    for i in partial:
+        assert tok.token_bytes(i) and b"\xef\xbf\xbd" not in tok.token_bytes(i)
+
+
+def test_token_bytes_of_special_tokens_and_ids_past_the_vocabulary(demo):
+    assert demo.token_bytes(demo.token_to_id("<|im_end|>")) == b"<|im_end|>"
+    assert demo.token_bytes(demo.vocab_size + 5) == b""
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    """SentencePiece's byte tokens (<0xC3>) are their byte; other pieces their text with
+    "\u2581" as a space."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "\u2581caf": 3, "\u2581": 4, "x": 5}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(backend, None, None, None)
+    assert [tok.token_bytes(i) for i in range(1, 6)] == [b"\xc3", b"\xa9", b" caf", b" ", b"x"]
+    assert b"".join(tok.token_bytes(i) for i in (3, 1, 2)).decode() == " café"

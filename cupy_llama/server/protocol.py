@@ -395,11 +395,19 @@ class _SamplingFields(_Unsupported, _Model):
 
 class TokenStrings:
     """Each token's own text for logprobs: decoded alone, special tokens spelled out (an id
-    past the tokenizer's vocabulary, a padded model vocabulary's, has none)."""
+    past the tokenizer's vocabulary, a padded model vocabulary's, has none); and its bytes
+    (Tokenizer.token_bytes: part of a character where the token holds part of one)."""
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        values = self._bytes.get(token_id)
+        if values is None:
+            values = self._bytes[token_id] = list(self._tokenizer.token_bytes(token_id))
+        return values
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -447,7 +455,8 @@ def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[d
 def chat_logprobs(entries, token_strings) -> dict:
     def item(token_id, logprob):
         text = token_strings(token_id)
-        return {"token": text, "logprob": _number(logprob), "bytes": list(text.encode())}
+        return {"token": text, "logprob": _number(logprob),
+                "bytes": token_strings.bytes_of(token_id)}
 
     return {"content": [{**item(token_id, logprob),
                          "top_logprobs": [item(t, lp) for t, lp in top]}
