@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
-from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, are_token_ids
 from .sampling import SamplingParams, model_sampling_defaults
@@ -74,7 +74,7 @@ class LLM:
 
     def _live_engine(self) -> LLMEngine:
         if self.engine is None:
-            raise RequestError("this LLM is closed; make a new one to generate")
+            raise RequestError(CLOSED)
         return self.engine
 
     # ---- generation -----------------------------------------------------------------

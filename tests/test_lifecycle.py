@@ -22,7 +22,15 @@ def test_close_ends_the_engine_and_says_so(model_dir):
     for use in (lambda: llm.generate([1, 2, 3], GREEDY), lambda: llm.chat([{"role": "user", "content": "hi"}])):
         with pytest.raises(RequestError, match="closed; make a new one"):
             use()
+    # the stream read on, and one made before close() and read only after it: the same
+    # error, at once (its requests went with the engine)
+    with pytest.raises(RequestError, match="closed; make a new one"):
+        next(stream)
     llm.close()  # twice: nothing happens
+    with LLM(model_dir, device="cpu", log=None) as again:
+        unread = again.stream([[4, 5]], GREEDY)
+    with pytest.raises(RequestError, match="closed; make a new one"):
+        next(unread)
     with LLM(model_dir, device="cpu", log=None) as again:
         assert again.generate([1, 2, 3], GREEDY).token_ids == want
     assert again.closed

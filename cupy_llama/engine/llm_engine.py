@@ -213,6 +213,9 @@ class EngineStats:
         return 1 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+CLOSED = "this LLM is closed; make a new one to generate"  # after LLMEngine.close()
+
+
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, tokenizer, backend, engine_config: EngineConfig,
                  max_model_len: int):
@@ -249,6 +252,7 @@ class LLMEngine:
         self.outputs: OutputAccumulator | None = OutputAccumulator()
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
+        self.closed = False
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._grammars = None  # GrammarCompiler, made at the first constrained request
@@ -507,6 +511,7 @@ class LLMEngine:
     def close(self) -> None:
         """Abort every request, forget the steps in flight (their tokens are dropped) and
         close the backend, which hands its memory back; closing twice does nothing."""
+        self.closed = True
         for request_id in list(self.requests):
             self.abort_deltas(request_id)
         if self.outputs is not None:
@@ -896,9 +901,11 @@ class LLMEngine:
         steps produce them (stream=False: only the final ones, one per sample). Requests
         still running when the caller stops iterating are aborted."""
         try:
+            self._check_open()
             self._add_all(prompts, params, stream, ids)
             unfinished = set(ids)
             while unfinished:
+                self._check_open()  # a stream read on after close(): its requests are gone
                 for output in self._outputs_for(unfinished):
                     # the request's last output: its accumulator forgot it
                     if output.finished and output.request_id not in self.outputs:
@@ -906,6 +913,10 @@ class LLMEngine:
                     yield output
         finally:
             self._close(ids)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RequestError(CLOSED)
 
     def stream(self, prompts: list, params: list[SamplingParams]) -> Iterator[RequestOutput]:
         """Add all prompts, then yield their outputs as steps produce them (each carries its
