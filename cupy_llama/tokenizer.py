@@ -414,6 +414,17 @@ class Tokenizer:
         for k, piece in enumerate(pieces):
             yield (piece, None) if k % 2 == 0 else ("", self._special[piece][0])
 
+    def check_fits(self, model_vocab_size: int, model_dir) -> None:
+        """TokenizerError where tokenizer.json's own vocabulary (its added tokens aside) has
+        more tokens than the model's embeddings: it belongs to another model, and its ids
+        past the model's would fail every prompt. Fewer is common (padded vocabularies)."""
+        base = self._backend.get_vocab_size(with_added_tokens=False)
+        if base > model_vocab_size:
+            raise TokenizerError(
+                f"tokenizer.json in {str(model_dir)!r} has {base} tokens but the model's "
+                f"vocabulary (config.json vocab_size) has {model_vocab_size}: it is another "
+                f"model's tokenizer; copy this model's tokenizer.json into the folder")
+
     def check_chat_template(self) -> None:
         """Compile the chat template and render it once on a short conversation, so that a
         broken template (bad syntax, an error when it runs, a reach out of the sandbox) is

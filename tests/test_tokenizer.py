@@ -192,6 +192,18 @@ def test_unreadable_tokenizer_json(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
+def test_another_models_tokenizer_fails_the_load(tmp_path, model_dir, demo_dir):
+    """A tokenizer.json with more tokens than the model's vocabulary (the demo's 49,152
+    beside the tiny model's 512) is refused when the model loads, naming the file."""
+    from cupy_llama import LLM
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    shutil.copy(demo_dir / "tokenizer.json", folder / "tokenizer.json")
+    with pytest.raises(TokenizerError, match=r"tokenizer.json in .* has 49152 tokens but the "
+                                             r"model's vocabulary .* has 512"):
+        LLM(folder, device="cpu", log=None)
+
+
 def test_no_template_is_a_clear_error(tmp_path, demo_dir):
     tok = _dir_with(tmp_path, demo_dir)
     with pytest.raises(TokenizerError, match="no chat template"):

@@ -294,6 +294,7 @@ class LLMEngine:
         config = engine_config.model_config(config)
         max_model_len = engine_config.resolved_max_model_len(config)
         tokenizer = Tokenizer.from_dir(model_dir, config)
+        tokenizer.check_fits(config.vocab_size, model_dir)
         tokenizer.check_chat_template()  # a broken template fails the load, not a chat
         model = model_for(config)
         with open_checkpoint(model_dir, model, log=log) as checkpoint:
