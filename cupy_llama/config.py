@@ -195,6 +195,14 @@ class ConfigReader:
             raise ConfigError(f"config.json is missing {name!r}")
         return self.raw[name]
 
+    def need_count(self, name: str) -> int:
+        """A required positive integer, checked here: the families work with it before
+        ModelConfig checks the rest (a layer count sizes the per-layer fields)."""
+        value = self.need(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
+        return value
+
     def number(self, name: str, default=None) -> float | None:
         """A number, default when the field is absent, None when it is null."""
         value = self.raw.get(name, default)
@@ -235,7 +243,7 @@ class ConfigReader:
             max_positions = int(max_positions)
         return dict(
             architecture=architecture, hidden_size=hidden,
-            num_hidden_layers=self.need("num_hidden_layers"), num_attention_heads=heads,
+            num_hidden_layers=self.need_count("num_hidden_layers"), num_attention_heads=heads,
             num_key_value_heads=kv_heads, head_dim=head_dim,
             intermediate_size=self.need("intermediate_size"), vocab_size=self.need("vocab_size"),
             rms_norm_eps=_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),

@@ -514,6 +514,21 @@ def test_llama3_rope_scaling_takes_an_integral_float_length():
         config_from_dicts(raw)
 
 
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM",
+                                          "Gemma3ForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("layers", ["2", 2.0, 0, True])
+def test_a_layer_count_that_is_no_count_is_named(architecture, layers):
+    """Each family sizes per-layer fields by num_hidden_layers before the rest is checked:
+    a string, a float or 0 there is the field's own error, not Python's."""
+    from cupy_llama.models import config_from_dicts
+    raw = {"architectures": [architecture], "hidden_size": 8, "num_hidden_layers": layers,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 12,
+           "vocab_size": 16, "head_dim": 4}
+    with pytest.raises(ConfigError, match=r"config.json: num_hidden_layers must be a positive "
+                                          r"integer, got"):
+        config_from_dicts(raw)
+
+
 def test_params_may_be_any_iterable_and_chat_batches_may_be_tuples(llm):
     params = [SamplingParams(max_tokens=2, **GREEDY), SamplingParams(max_tokens=3, **GREEDY)]
     outs = llm.generate(["a", "b"], (p for p in params))
