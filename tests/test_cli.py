@@ -121,6 +121,13 @@ def test_info(model_dir, capsys):
     assert f"{config.num_parameters:,}" in out
     assert "10 blocks x 16 tokens = 160 tokens" in out
     assert "hidden 64, 2 layers, 4 heads (2 KV)" in out
+    # on the CPU: no GPU figure, and the context the engine would run (160 tokens, not
+    # max_model_len); the ids a reply ends at are the engine's, the tokenizer's included
+    assert "on the GPU" not in out and "float32 on the CPU" in out
+    assert "context       " in out and "160 tokens per sequence" in out
+    from cupy_llama import LLM
+    engine_eos = sorted(LLM(model_dir, device="cpu", log=None).engine.eos_token_ids)
+    assert f"eos ids       {', '.join(map(str, engine_eos))}\n" in out
 
 
 def cli(*args, stdin=None):
@@ -700,15 +707,17 @@ def test_an_interrupted_summary_counts_the_finished_requests_only(llm):
 
 def test_the_cpu_warning_is_one_short_line_that_device_cpu_silences(model_dir, tmp_path,
                                                                     capsys):
-    """Every command on a machine without a usable GPU warned in 160 characters; the line
-    is short now, says why, and --device cpu (which asks for the CPU) has none."""
+    """Every command on a machine without a usable GPU (chat, and info, which plans for
+    it) warns in one short line that says why; --device cpu (which asks for the CPU) has
+    none."""
     from cupy_llama.backends.cuda import cuda_usable
     if cuda_usable()[0]:
         pytest.skip("a usable GPU is present: auto means the GPU there")
-    args = ["chat", "--model", str(model_dir), "--max-tokens", "1", "Hi"]
-    assert main(args) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and len(warnings[0]) <= 100, warnings
-    assert "running on the CPU" in warnings[0] and "--device cpu" in warnings[0]
-    assert main(args + ["--device", "cpu"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    for args in (["chat", "--model", str(model_dir), "--max-tokens", "1", "Hi"],
+                 ["info", "--model", str(model_dir)]):
+        assert main(args) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and len(warnings[0]) <= 100, warnings
+        assert "running on the CPU" in warnings[0] and "--device cpu" in warnings[0]
+        assert main(args + ["--device", "cpu"]) == 0
+        assert "warning" not in capsys.readouterr().err

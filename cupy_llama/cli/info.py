@@ -21,11 +21,11 @@ def info(model_dir, device, **flags):
     model_dir = model_dir or options.default_model_dir()
     config = check_model_options(model_dir, engine)
     if device == "auto":
-        device = auto_device()
+        device = auto_device(log=options.log)
     # the plan first: an error there (no GPU, say) comes before any of the report
     rows = _cpu_memory_plan(model_dir, config, engine) if device == "cpu" \
         else _loaded_memory_plan(model_dir, device, engine)
-    for label, value in _describe(config):
+    for label, value in _describe(config, device, _eos_ids(model_dir, config)):
         click.echo(f"{label:<14}{value}")
     click.echo(f"memory plan ({device}):")
     width = max(len(label) for label, _ in rows) + 2
@@ -33,7 +33,15 @@ def info(model_dir, device, **flags):
         click.echo(f"  {label:<{width}}{value}")
 
 
-def _describe(config) -> list[tuple[str, str]]:
+def _eos_ids(model_dir, config) -> list[int]:
+    """The tokens that end a reply, as the engine stops at them: config.json's and
+    generation_config.json's, and the tokenizer's (its EOS and the chat template's
+    end-of-turn tokens)."""
+    from ..tokenizer import Tokenizer
+    return sorted(set(config.eos_token_ids) | set(Tokenizer.from_dir(model_dir, config).eos_token_ids))
+
+
+def _describe(config, device: str, eos_ids: list[int]) -> list[tuple[str, str]]:
     return [
         ("architecture", config.architecture),
         ("shape", f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
@@ -48,24 +56,26 @@ def _describe(config) -> list[tuple[str, str]]:
                                 for kind, rope in config.rope.items())),
         ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
         ("dtype", config.torch_dtype),
-        ("weights", _weights(config)),
-        ("eos ids", ", ".join(map(str, config.eos_token_ids)) or "none"),
+        ("weights", _weights(config, device)),
+        ("eos ids", ", ".join(map(str, eos_ids)) or "none"),
     ]
 
 
-def _weights(config) -> str:
-    """The weights' format and the memory they take on the GPU (bf16 as they would be
-    without FP8, for comparison)."""
+def _weights(config, device: str) -> str:
+    """The weights' format and, on the GPU, the memory they take there (bf16 as they would
+    be without FP8, for comparison); the CPU computes in float32 (its plan says how much)."""
     from dataclasses import replace
 
     from ..models import model_for
+    source = "the checkpoint's" if config.checkpoint_quantization else "quantized at load"
+    fp8 = f"projections FP8 (e4m3, a float32 scale per row; {source}), the rest bf16"
+    if device == "cpu":
+        return f"{'bf16' if config.quantization is None else fp8}; float32 on the CPU"
     size = model_for(config).weight_plan()[1]
     if config.quantization is None:
         return f"bf16, {_size(size)} on the GPU"
     bf16 = model_for(replace(config, quantization=None, checkpoint_quantization=None)).weight_plan()[1]
-    source = "the checkpoint's" if config.checkpoint_quantization else "quantized at load"
-    return (f"projections FP8 (e4m3, a float32 scale per row; {source}), the rest bf16: "
-            f"{_size(size)} on the GPU against {_size(bf16)} in bf16")
+    return f"{fp8}: {_size(size)} on the GPU against {_size(bf16)} in bf16"
 
 
 def _features(config) -> str:
@@ -139,16 +149,20 @@ def _cpu_memory_plan(model_dir, config, engine: dict) -> list[tuple[str, str]]:
     model = model_for(config)
     with open_checkpoint(model_dir, model) as checkpoint:
         stored = ", ".join(sorted(checkpoint.source_dtypes))
+    memory = plan(model, engine_config, max_model_len)
     rows = [(name, f"{_size(nbytes)}  {note}" + (f" (stored as {stored})" if name == "weights" else ""))
-            for name, nbytes, note in plan(model, engine_config, max_model_len).rows]
-    return rows + [("context", f"{max_model_len} tokens per sequence")]
+            for name, nbytes, note in memory.rows]
+    # as the engine caps it (LLMEngine.context_limit): a cache smaller than one sequence
+    context = min(max_model_len, memory.num_kv_blocks * memory.block_size)
+    return rows + [("context", f"{context} tokens per sequence")]
 
 
 def _loaded_memory_plan(model_dir, device: str, engine: dict) -> list[tuple[str, str]]:
     """The plan as the loaded backend reports it."""
     llm = options.load(model_dir, device, engine)
     try:
-        return [(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in llm.backend.memory_plan()]
+        return ([(name, f"{_size(nbytes)}  {note}") for name, nbytes, note in llm.backend.memory_plan()]
+                + [("context", f"{llm.context_limit} tokens per sequence")])
     finally:
         llm.close()
 
