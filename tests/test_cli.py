@@ -87,6 +87,28 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     assert all(set(r) == {"id", "error"} for i, r in enumerate(rows) if i not in ok)
 
 
+def test_plain_lines_give_the_logprobs_they_ask_for(model_dir, llm, tmp_path):
+    """A plain line's logprobs and prompt_logprobs come back beside its text, the values
+    LLM.generate gives (and text for each token), never dropped."""
+    lines = [{"id": "g", "prompt": "abc", "max_tokens": 3, "temperature": 0, "logprobs": 2},
+             {"id": "p", "prompt": "abc", "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1},
+             {"id": "none", "prompt": "abc", "max_tokens": 1}]
+    code, rows = run_generate(model_dir, tmp_path, "\n".join(map(json.dumps, lines)).encode())
+    assert code == 0
+    want = llm.generate("abc", SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    assert [e["token_id"] for e in rows[0]["logprobs"]] == want.token_ids
+    for got, entry in zip(rows[0]["logprobs"], want.logprobs):
+        assert got["logprob"] == pytest.approx(entry.logprob, abs=1e-5)
+        assert [(t["token_id"], t["token"]) for t in got["top_logprobs"]] == [
+            (t, llm.tokenizer.decode([t], skip_special_tokens=False)
+             if t < llm.tokenizer.vocab_size else "")  # a padded vocabulary's id: no text
+            for t, _ in entry.top]
+    scored = llm.generate("abc", SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    assert rows[1]["prompt_logprobs"][0] is None
+    assert [e["token_id"] for e in rows[1]["prompt_logprobs"][1:]] == scored.prompt_token_ids[1:]
+    assert "logprobs" not in rows[2] and "prompt_logprobs" not in rows[2]
+
+
 def test_empty_file_gives_empty_output(model_dir, tmp_path):
     for content in (b"", b"\xef\xbb\xbf", b"\r\n\n  \n"):
         code, rows = run_generate(model_dir, tmp_path, content)

@@ -18,7 +18,9 @@ Lines may end in CRLF and the file may start with a UTF-8 BOM.
 Output: one JSON object per request, in input order. For plain lines
 `{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` (with
 tools, also `"content"` and `"tool_calls"`, OpenAI's, and finish_reason "tool_calls" when
-there are calls) or, for a request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
+there are calls; where the line asks for them, `"logprobs"`, an entry per output token
+`{"token", "token_id", "logprob", "top_logprobs": [{"token", "token_id", "logprob"}]}`,
+and `"prompt_logprobs"`, null for the first prompt token and then such an entry) or, for a request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
 output line `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}`: body is the chat.completion or text_completion object the server would answer
 with; a request the server would refuse gets its error status and body, and `error`
@@ -438,6 +440,17 @@ class _Runner:
         self.token_strings = None     # for an OpenAI body's logprobs
         self.fingerprint = None       # an OpenAI body's system_fingerprint, as serve's
         self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index
+        self._texts: dict[int, str] = {}  # token id -> its text, for plain lines' logprobs
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, special tokens spelled out (nothing past the tokenizer's
+        vocabulary, a padded model vocabulary's)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            tokenizer = self.llm.tokenizer
+            text = self._texts[token_id] = tokenizer.decode_unchecked(
+                [token_id], skip_special_tokens=False) if token_id < tokenizer.vocab_size else ""
+        return text
 
     @property
     def num_running(self) -> int:
@@ -564,7 +577,8 @@ class _Runner:
             output = line.outputs[0][0]
             if line.tool_parser is not None:
                 self.llm.parse_tool_calls(output, line.tool_parser)
-            line.result = result_object(line.request.id, output, line.tool_parser is not None)
+            line.result = result_object(line.request.id, output, line.tool_parser is not None,
+                                        self._token_text)
         else:
             api = line.api
             body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
@@ -588,8 +602,10 @@ def _with_defaults(body, defaults: dict):
                        if body.get(name) is None}}
 
 
-def result_object(request_id, output, with_tools: bool = False) -> dict:
-    """with_tools: the line offered tools; its parsed reply goes beside the text."""
+def result_object(request_id, output, with_tools: bool = False, token_text=None) -> dict:
+    """with_tools: the line offered tools; its parsed reply goes beside the text. Where the
+    line asked for logprobs or prompt_logprobs, they go beside it too (token_text: a token
+    id's text)."""
     result = {"id": request_id, "text": output.text,
               "usage": {"prompt_tokens": len(output.prompt_token_ids),
                         "completion_tokens": len(output.token_ids)},
@@ -597,7 +613,26 @@ def result_object(request_id, output, with_tools: bool = False) -> dict:
     if with_tools:
         result["content"] = output.content
         result["tool_calls"] = [call.to_openai() for call in output.tool_calls or []]
+    if output.logprobs is not None:
+        result["logprobs"] = [_logprob_entry(entry, token_text) for entry in output.logprobs]
+    prompt_logprobs = output.prompt_logprobs
+    if prompt_logprobs is not None:
+        result["prompt_logprobs"] = [None if entry is None else _logprob_entry(entry, token_text)
+                                     for entry in prompt_logprobs]
     return result
+
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: OpenAI's API reports this instead
+
+
+def _logprob_entry(entry, token_text) -> dict:
+    """A token's log-probability and its top alternatives', as the line's output holds them."""
+    def item(token_id, logprob):
+        return {"token": token_text(token_id), "token_id": token_id,
+                "logprob": max(float(logprob), LOGPROB_FLOOR)}
+
+    return {**item(entry.token_id, entry.logprob),
+            "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top]}
 
 
 def _write_ready(results: list, out, start: int) -> int:
