@@ -298,6 +298,19 @@ def test_pipe_mode_with_empty_stdin_is_an_error(model_dir):
     assert "Traceback" not in result.stderr
 
 
+def test_a_model_without_a_chat_template_is_refused_with_the_way_out(tmp_path):
+    """chat needs the template: a model without one gets that said once it loads, with the
+    command that sends plain prompts, not an error about messages it cannot avoid."""
+    from cupy_llama.bench.random_model import make_random_model
+    folder = make_random_model(tmp_path / "model", "tiny", architectures=["Qwen2ForCausalLM"])
+    for name in ("chat_template.jinja", "tokenizer_config.json"):  # its template's places
+        (folder / name).unlink()
+    result = chat_cli(folder, "Hi", stdin="")
+    assert result.returncode == 1, result.stderr
+    assert "no chat template" in result.stderr and "generate --raw" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_prompt_argument_is_answered_once(model_dir, llm):
     # stdin is not read when PROMPT is given (a script's loop over its own stdin keeps it)
     result = chat_cli(model_dir, "--system", "Be brief.", "What is two plus two?",

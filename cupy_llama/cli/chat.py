@@ -68,6 +68,12 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     llm = options.load(model_dir or options.default_model_dir(), device, engine)
+    if llm.tokenizer.chat_template is None:
+        from ..errors import TokenizerError
+        raise TokenizerError("this model has no chat template (no chat_template.jinja and no "
+                             "chat_template in tokenizer_config.json), which chat needs; add "
+                             "one to the model folder, or send plain prompts with "
+                             "`cupy-llama generate --raw`")
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
     if tools is not None and tools.parser is None and tools.tool_choice != "none":
         from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
