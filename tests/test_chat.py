@@ -84,10 +84,13 @@ def test_a_message_that_does_not_fit_alone_is_refused_and_the_history_stays(mode
         "".join(session.reply("x" * 200))
     message = str(refused.value)
     assert "does not fit" in message and "the context holds 128" in message
-    assert "/clear" in message and "\n" not in message
+    assert "/clear" not in message and "\n" not in message  # one-shot: no /commands
     # 128 is below the model's 16384: the flag that raises it is named, with the limit
     assert "--max-model-len (the model takes up to 16384)" in message
     assert session.history == before and len(session.turns) == 1
+    session.interactive = True  # at the terminal: the history stays, /clear empties it
+    with pytest.raises(RequestError, match=r"The conversation is unchanged \(/clear"):
+        "".join(session.reply("x" * 200))
 
 
 def test_at_the_model_s_own_limit_the_refusal_does_not_offer_a_larger_context(tmp_path):
@@ -98,7 +101,10 @@ def test_at_the_model_s_own_limit_the_refusal_does_not_offer_a_larger_context(tm
         "".join(session.reply("x" * 200))
     message = str(refused.value)
     assert "max-model-len" not in message and "max_model_len" not in message
-    assert "with the system prompt" in message and "(/system)" in message
+    assert "with the system prompt" in message and "(--system)" in message
+    session.interactive = True
+    with pytest.raises(RequestError, match=r"\(/system\)"):
+        "".join(session.reply("x" * 200))
 
 
 def small_context_session(model_dir, limit, max_tokens, system=None):

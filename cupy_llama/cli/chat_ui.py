@@ -130,6 +130,7 @@ class ChatSession:
         self.system = system or None
         self.template_kwargs = template_kwargs  # more chat-template variables (--chat-template-kwargs)
         self.tools = tools
+        self.interactive = False  # run_terminal's: its hints name the /commands
         # turns: a user message, then the assistant's reply; with tools, a reply with
         # tool_calls is followed by a tool message per call and the assistant's next reply
         self.history: list[dict] = []
@@ -215,14 +216,15 @@ class ChatSession:
             prompt = self._prompt(self.history[cut(dropped):], new)
         if len(prompt) < limit:  # alone, it may leave less room than wished: still sent
             return prompt, cut(dropped) if dropped else 0
-        what = "it or the system prompt (/system)" if self.system else "it"
+        system = "/system" if self.interactive else "--system"
+        what = f"it or the system prompt ({system})" if self.system else "it"
         more = context_hint(self.llm)
         raise RequestError(
             f"this message does not fit: it makes a prompt of {len(prompt)} tokens"
             f"{' with the system prompt' if self.system else ''} and the context holds "
             f"{limit}, one of them for the reply, even with every earlier turn left out; "
-            f"shorten {what}{',' if more and self.system else ''}{more}. The conversation "
-            "is unchanged (/clear empties it)")
+            f"shorten {what}{',' if more and self.system else ''}{more}"
+            + (". The conversation is unchanged (/clear empties it)" if self.interactive else ""))
 
     # ---- replies -----------------------------------------------------------------------
 
@@ -626,6 +628,8 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
                  history_path: Path | None = None) -> int:
     """The interactive loop; returns the exit code (0 for /exit or Ctrl-D, 130 for Ctrl-C
     twice at the prompt)."""
+    session.interactive = True
+
     def read(prompt: str) -> str:
         try:
             return read_line(prompt)
