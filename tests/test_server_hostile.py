@@ -266,10 +266,12 @@ def test_fuzzed_chat_completions_never_get_a_500(fuzz_client, body):
 def test_cors_flags_take_json_lists_as_vllm_does(model_dir, capsys):
     """--allowed-origins and its siblings take vLLM's JSON lists; anything else is a usage
     error naming the flag, before the model loads."""
-    for flag, value in (("--allowed-origins", "http://ui.example"),
-                        ("--allowed-methods", '"POST"'), ("--allowed-headers", "[1]")):
+    for flag, value, example in (("--allowed-origins", "http://ui.example", '"http://'),
+                                 ("--allowed-methods", '"POST"', '"GET"'),
+                                 ("--allowed-headers", "[1]", '"Authorization"')):
         assert main(["serve", "--model", str(model_dir), flag, value]) == 2
-        assert f"{flag} must be a JSON list of strings" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"{flag} must be a JSON list of strings, such as '[{example}" in err  # its own kind
 
 
 # ---- the HTTP layer: uvicorn with the server's protocol, on a socket ------------------------

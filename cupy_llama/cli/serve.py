@@ -152,8 +152,13 @@ def _json_list(flag: str, text: str) -> tuple[str, ...]:
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise OptionError(f"{flag} must be a JSON list of strings, such as "
-                          f"'[\"http://localhost:3000\"]', got {text!r}")
+                          f"'{CORS_EXAMPLES[flag]}', got {text!r}")
     return tuple(value)
+
+
+CORS_EXAMPLES = {"--allowed-origins": '["http://localhost:3000"]',
+                 "--allowed-methods": '["GET", "POST"]',
+                 "--allowed-headers": '["Authorization", "Content-Type"]'}
 
 
 def _listen(host: str, port: int):
