@@ -274,6 +274,11 @@ def test_cors_flags_take_json_lists_as_vllm_does(model_dir, capsys):
         assert f"{flag} must be a JSON list of strings, such as '[{example}" in err  # its own kind
 
 
+def test_serve_s_own_engine_flags_are_named_in_their_errors(model_dir, capsys):
+    assert main(["serve", "--model", str(model_dir), "--block-size", "0"]) == 2
+    assert "--block-size must be a positive integer, got 0" in capsys.readouterr().err
+
+
 # ---- the HTTP layer: uvicorn with the server's protocol, on a socket ------------------------
 
 @contextlib.contextmanager

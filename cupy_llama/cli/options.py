@@ -104,7 +104,7 @@ def given(options: dict, names) -> dict:
 
 def _flagged(message: str) -> str:
     """A message about a setting, with the setting named by its command-line flag."""
-    for name in (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager"):
+    for name in (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager", "block_size"):  # serve's too
         if message.startswith(name + " "):
             return option_flag(name) + message[len(name):]
     return message
