@@ -71,11 +71,16 @@ class StructuredSpec:
     def json(cls, schema, source: str = "structured") -> "StructuredSpec":
         """A JSON schema (a dict, or its JSON text). Properties come out in the schema's
         order, as llguidance generates them."""
+        deep = RequestError(f"{source}: the JSON schema nests objects or arrays too deeply; "
+                            f"use at most a few hundred levels ($defs and $ref name a "
+                            f"repeated part)")
         if isinstance(schema, (str, bytes)):
             try:
                 schema = json.loads(schema)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise RequestError(f"{source}: the JSON schema is not valid JSON ({e})") from None
+            except RecursionError:
+                raise deep from None
         if not isinstance(schema, dict):
             raise RequestError(f"{source} must be a JSON schema (a JSON object), got "
                                f"{_type_name(schema)}")
@@ -85,6 +90,8 @@ class StructuredSpec:
         except (TypeError, ValueError) as e:
             raise RequestError(f"{source}: the JSON schema cannot be written as JSON "
                                f"({e})") from None
+        except RecursionError:
+            raise deep from None
         return cls("json", text, source)
 
     @classmethod

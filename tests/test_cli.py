@@ -65,18 +65,20 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
         {"id": "e"},                                                   # no prompt
         ["a", "list"],
         {"id": "f", "prompt": "x" * 5000},                             # longer than the context
+        "[" * 5000 + "]" * 5000,                                       # past Python's parser
         {"id": 7, "prompt": "numeric id", "stop": ["zz"]},
     ]
     text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines)
     code, rows = run_generate(model_dir, tmp_path, text.encode())
     assert code == 1  # some requests failed
-    assert [r["id"] for r in rows] == ["a", 2, 3, "b", "c", "a", "d", "e", 9, "f", 7]
+    assert [r["id"] for r in rows] == ["a", 2, 3, "b", "c", "a", "d", "e", 9, "f", 11, 7]
     ok = {i for i, r in enumerate(rows) if "error" not in r}
-    assert ok == {0, 3, 4, 10}
+    assert ok == {0, 3, 4, 11}
     assert rows[0]["text"] == expected(llm, "first", max_tokens=3).text
     assert rows[3]["text"] == llm.chat(chat, SamplingParams(temperature=0, max_tokens=6)).text
     assert rows[4]["usage"]["completion_tokens"] == 2
-    assert rows[10]["text"] == expected(llm, "numeric id", stop=["zz"]).text
+    assert rows[11]["text"] == expected(llm, "numeric id", stop=["zz"]).text
+    assert "line 11 nests arrays or objects too deeply" in rows[10]["error"]
     assert "-1" in rows[1]["error"] and "temperature" in rows[1]["error"]
     assert "not valid JSON" in rows[2]["error"]
     assert "duplicate id 'a'" in rows[5]["error"] and "line 1" in rows[5]["error"]

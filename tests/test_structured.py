@@ -408,3 +408,16 @@ def test_apply_token_bitmask_sets_disallowed_logits_to_minus_infinity():
                                                        invert=True))
     with pytest.raises(ValueError, match="does not cover 70 tokens"):
         apply_token_bitmask(logits, bitmask[:, :2])
+
+
+def test_a_schema_nested_past_python_s_parser_is_a_request_error():
+    """As deep as the interpreter's recursion limit: a RequestError naming the field, not
+    a RecursionError (the server refuses such a body before it gets here)."""
+    from cupy_llama import SamplingParams
+    schema = {"type": "object"}
+    for _ in range(1200):
+        schema = {"type": "array", "items": schema}
+    for given in (schema, "[" * 5000 + "]" * 5000):
+        with pytest.raises(RequestError, match=r"structured.json: the JSON schema nests .* too "
+                                               r"deeply"):
+            SamplingParams(structured={"json": given})

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -127,6 +128,12 @@ def _json_object(number: int, text: str) -> tuple[dict | None, str | None]:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:  # valid JSON Python's parser cannot take
+        return None, (f"line {number} nests arrays or objects too deeply; write at most a "
+                      "few hundred levels")
+    except ValueError:  # the int-string conversion limit
+        return None, (f"line {number} holds an integer of more than "
+                      f"{sys.get_int_max_str_digits()} digits; write smaller numbers")
     if not isinstance(obj, dict):
         return None, f"line {number} must be a JSON object, got {type(obj).__name__}"
     return obj, None
