@@ -118,9 +118,11 @@ class LLM:
         "parameters"}}], shown to the chat template; tool_choice "auto" (the default with
         tools), "none" (no tools shown), "required" or {"type": "function", "function":
         {"name": ...}} (a call enforced by a grammar); parallel_tool_calls=False: at most
-        one call. Each finished reply is parsed (tool_call_parser, or the format the chat
-        template shows): its calls go to RequestOutput.tool_calls, its other text to
-        .content, and finish_reason becomes "tool_calls". Streamed replies are parsed as
+        one call (with "required" or a named function the grammar writes one; with "auto"
+        the calls after the first are dropped, as vLLM drops them). Each finished reply is
+        parsed (tool_call_parser, or the format the chat template shows): its calls go to
+        RequestOutput.tool_calls, its other text to .content, and finish_reason becomes
+        "tool_calls". Streamed replies are parsed as
         they come (the server's streaming parser): each output's `delta` is new content
         only, never a call's text, its `tool_call_deltas` the calls' new pieces; `text`
         stays the model's raw text, and the last output carries tool_calls, content and
@@ -139,11 +141,12 @@ class LLM:
                                               chat_template=chat_template)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)
+        max_calls = None if parallel_tool_calls else 1  # as vLLM: the first call only
         if parser is not None and stream:
-            return self._stream_tool_calls(result, parser)
+            return self._stream_tool_calls(result, parser, max_calls)
         if parser is not None:
             for output in result if isinstance(result, list) else [result]:
-                self.parse_tool_calls(output, parser)
+                self.parse_tool_calls(output, parser, max_calls)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
             return result
         return result[0]
@@ -180,8 +183,10 @@ class LLM:
             params = replace(params, structured=grammar)
         return tools, parser_name, params
 
-    def parse_tool_calls(self, output: RequestOutput, parser_name: str) -> None:
-        """A finished reply's calls into output.tool_calls and .content (tool_setup's parser)."""
+    def parse_tool_calls(self, output: RequestOutput, parser_name: str,
+                         max_calls: int | None = None) -> None:
+        """A finished reply's calls into output.tool_calls and .content (tool_setup's
+        parser); max_calls: the calls kept (1 for parallel_tool_calls false)."""
         from .tool_parsers import parse_tool_calls
 
         text = output.text
@@ -191,14 +196,15 @@ class LLM:
             text = self.tokenizer.decode_unchecked(
                 [t for t in output.token_ids if t not in ends and t < vocab],
                 skip_special_tokens=False)
-        parsed = parse_tool_calls(text, parser_name)
+        parsed = parse_tool_calls(text, parser_name, max_calls=max_calls)
         output.content = parsed.content
         if parsed.tool_calls:
             output.tool_calls = parsed.tool_calls
             if output.finish_reason == "stop":
                 output.finish_reason = "tool_calls"
 
-    def _stream_tool_calls(self, outputs, parser_name: str) -> Iterator[RequestOutput]:
+    def _stream_tool_calls(self, outputs, parser_name: str,
+                           max_calls: int | None = None) -> Iterator[RequestOutput]:
         """The streamed outputs with each sample's text fed to its own tool-call parser."""
         from .tool_parsers import make_tool_parser
 
@@ -207,7 +213,7 @@ class LLM:
             for output in outputs:
                 key = (output.request_id, output.index)
                 if key not in samples:
-                    samples[key] = (make_tool_parser(parser_name),
+                    samples[key] = (make_tool_parser(parser_name, max_calls=max_calls),
                                     self._reply_reader(parser_name))
                 parser, reply_text = samples[key]
                 delta = parser.feed(reply_text(output))

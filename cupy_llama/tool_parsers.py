@@ -137,16 +137,19 @@ def check_parser_name(name: str, flag: str = "--tool-call-parser") -> str:
     return name
 
 
-def make_tool_parser(name: str, make_id=None) -> "ToolCallParser":
+def make_tool_parser(name: str, make_id=None,
+                     max_calls: int | None = None) -> "ToolCallParser":
     """A fresh parser for one reply. make_id: a function giving each call its id (by
-    default a random one in the format's style)."""
+    default a random one in the format's style); max_calls: the calls a reply may hold
+    (1 for parallel_tool_calls false), the ones after them dropped, text and all."""
     check_parser_name(name)
-    return _PARSERS[name](make_id)
+    return _PARSERS[name](make_id, max_calls)
 
 
-def parse_tool_calls(text: str, name: str, make_id=None) -> ParsedReply:
+def parse_tool_calls(text: str, name: str, make_id=None,
+                     max_calls: int | None = None) -> ParsedReply:
     """The tool calls in a whole reply and the content around them."""
-    parser = make_tool_parser(name, make_id)
+    parser = make_tool_parser(name, make_id, max_calls)
     parser.feed(text)
     parser.finish()
     return parser.result()
@@ -330,8 +333,9 @@ class ToolCallParser:
     # format's opener is one
     keeps_special_tokens = False
 
-    def __init__(self, make_id=None):
+    def __init__(self, make_id=None, max_calls: int | None = None):
         self._make_id = make_id or openai_call_id
+        self._max_calls = max_calls  # the calls kept (vLLM's parallel_tool_calls false: 1)
         self._text = ""
         self._scan = 0  # the text before this belongs to a segment
         self._segments: list[_Text | _Region] = []
@@ -364,7 +368,8 @@ class ToolCallParser:
         if not self._finished:
             raise RuntimeError("result() comes after finish()")
         calls = [call for segment in self._segments if isinstance(segment, _Region)
-                 and not segment.broken for call in segment.calls]
+                 and not segment.broken for call in segment.calls
+                 if self._max_calls is None or call.index < self._max_calls]
         content = self._content(final=True, broken_as_text=True)
         return ParsedReply(content or None,
                            [ToolCall(c.call_id, c.name, c.arguments) for c in calls])
@@ -524,7 +529,7 @@ class ToolCallParser:
 
     def _delta(self, final: bool) -> StreamDelta:
         delta = StreamDelta(self._new_content(final))
-        for call in self._calls:
+        for call in self._calls[:self._max_calls]:
             sent = self._sent_arguments[call.index]
             if sent is None:
                 delta.tool_calls.append(ToolCallDelta(call.index, call.call_id, call.name))
@@ -661,8 +666,8 @@ class MistralParser(ToolCallParser):
     LIST, NAME, CALL_ID, ARGUMENTS = 1, 2, 3, 4
     LIST_ITEM, LIST_NEXT = 5, 6
 
-    def __init__(self, make_id=None):
-        super().__init__(make_id or mistral_call_id)
+    def __init__(self, make_id=None, max_calls: int | None = None):
+        super().__init__(make_id or mistral_call_id, max_calls)
 
     def _scan_region(self, region, text, final):
         if region.stage == 0:

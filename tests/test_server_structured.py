@@ -286,6 +286,33 @@ def test_streamed_calls_reassemble_to_the_whole_answer(tool_server):
     assert "<tool_call>" not in content and '"name"' not in content
 
 
+def test_without_parallel_calls_auto_answers_the_first(tool_server):
+    """parallel_tool_calls false with "auto": a reply of several calls (a guided grammar
+    makes the random model write them) answers the first, whole and streamed."""
+    from cupy_llama.tool_choice import tool_call_grammar
+    from cupy_llama.tool_parsers import tool_parser_for_template
+    model_dir, llm = tool_server
+    parser = tool_parser_for_template(llm.tokenizer.chat_template)
+    several = tool_call_grammar(parser, TOOLS, "required", True, token_id=llm.tokenizer.token_to_id)
+    state = make_state(model_dir, llm)
+    for seed in range(8):  # a seed whose reply holds several calls
+        body = tool_request(seed, guided_grammar=several.text)
+        many = ask(state, [("POST", "/v1/chat/completions",
+                            {"json": {**body, "parallel_tool_calls": True}})])[0]
+        many = many.json()["choices"][0]["message"].get("tool_calls") or []
+        if len(many) > 1:
+            break
+    assert len(many) > 1, "no seed wrote several calls: the test shows nothing"
+    one, streamed = ask(state, [
+        ("POST", "/v1/chat/completions", {"json": body}),
+        ("POST", "/v1/chat/completions", {"json": {**body, "stream": True}})])
+    one = one.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"] for c in one] == [many[0]["function"]]
+    indexes = {entry["index"] for event in streamed.events() for choice in event["choices"]
+               for entry in choice["delta"].get("tool_calls", [])}
+    assert indexes == {0}
+
+
 def weather_model(pydantic):
     """The pydantic model the client tests ask for as a json_schema response_format."""
     class Weather(pydantic.BaseModel):

@@ -49,6 +49,31 @@ def test_required_and_named_calls_are_always_valid(tool_llm, seed):
     assert len(named.tool_calls) == 1
 
 
+def test_without_parallel_calls_auto_keeps_the_first(tool_llm):
+    """parallel_tool_calls=False with "auto": a reply that writes several calls (a grammar
+    makes this random model write them) keeps the first, whole and streamed, as vLLM."""
+    from cupy_llama.tool_choice import tool_call_grammar
+    parser = "hermes" if "tool_call" in tool_llm.tokenizer.chat_template else "llama3_json"
+    several = tool_call_grammar(parser, TOOLS, "required", True,
+                                token_id=tool_llm.tokenizer.token_to_id)
+    seen_several = False
+    for seed in range(4):
+        given = params(seed, structured=several)
+        many = tool_llm.chat(QUESTION, given, tools=TOOLS, tool_choice="auto")
+        one = tool_llm.chat(QUESTION, given, tools=TOOLS, tool_choice="auto",
+                            parallel_tool_calls=False)
+        assert one.text == many.text
+        first = [(c.name, c.arguments) for c in many.tool_calls or []][:1]
+        assert [(c.name, c.arguments) for c in one.tool_calls or []] == first
+        seen_several |= len(many.tool_calls or []) > 1
+        streamed = list(tool_llm.chat(QUESTION, given, tools=TOOLS, tool_choice="auto",
+                                      parallel_tool_calls=False, stream=True))
+        indexes = {d.index for o in streamed for d in o.tool_call_deltas or []}
+        assert indexes <= {0}
+        assert [(c.name, c.arguments) for c in streamed[-1].tool_calls or []] == first
+    assert seen_several, "no seed wrote several calls: the test shows nothing"
+
+
 def test_none_never_calls(tool_llm):
     for output in tool_llm.chat([QUESTION] * 4, params(1, max_tokens=60), tools=TOOLS,
                                 tool_choice="none"):

@@ -181,6 +181,20 @@ def test_malformed_streams_never_raise_nor_show_call_text(parser_name, text):
         assert content == text
 
 
+@pytest.mark.parametrize("parser_name, text, content, calls",
+                         [case for case in WELL_FORMED if len(case[3]) > 1])
+def test_max_calls_keeps_the_first_calls_whole_and_streamed(parser_name, text, content,
+                                                            calls):
+    """parallel_tool_calls false keeps the first call; the others' text is no content."""
+    reply = parse_tool_calls(text, parser_name, make_id=counting_ids(), max_calls=1)
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == calls[:1]
+    assert reply.content == content
+    parser = make_tool_parser(parser_name, make_id=counting_ids(), max_calls=1)
+    deltas = [parser.feed(ch) for ch in text] + [parser.finish()]
+    assert {d.index for delta in deltas for d in delta.tool_calls} == {0}
+    assert "".join(delta.content for delta in deltas) == (content or "")
+
+
 def test_held_text_is_released_when_it_is_no_call():
     parser = make_tool_parser("hermes")
     assert parser.feed("Use the <tool").content == "Use the"  # " <tool" may open a call

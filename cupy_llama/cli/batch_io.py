@@ -432,6 +432,7 @@ class _Line:
     created: int = 0                 # when it was added (an OpenAI body's "created")
     result: dict | None = None
     tool_parser: str | None = None   # a plain line with tools: the parser of its reply
+    max_calls: int | None = None     # and the calls it keeps (1: parallel_tool_calls false)
 
 
 class _Runner:
@@ -487,9 +488,10 @@ class _Runner:
             if params.n != 1:  # one output line per request
                 raise RequestError(f"n must be 1 in a batch file (one reply per line), got "
                                    f"{params.n}; repeat the line with other ids instead")
-            tools, parser = None, None
+            tools, parser, max_calls = None, None, None
             if tool_fields:
                 tools, parser, params = self._tool_setup(request, tool_fields, params)
+                max_calls = 1 if tool_fields.get("parallel_tool_calls") is False else None
             if request.messages is not None:
                 prompt = self.llm.tokenizer.encode_chat(request.messages,
                                                         add_generation_prompt=True, tools=tools,
@@ -501,7 +503,7 @@ class _Runner:
                         f"context limit is {engine.context_limit} (prompt plus at least one "
                         f"new token); shorten the prompt{context_hint(self.llm)}")
             self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1,
-                              tool_parser=parser), [prompt], [params])
+                              tool_parser=parser, max_calls=max_calls), [prompt], [params])
         except CupyLlamaError as e:
             return f"line {request.line}: {e}"
         return None
@@ -583,7 +585,7 @@ class _Runner:
         if line.api is None:
             output = line.outputs[0][0]
             if line.tool_parser is not None:
-                self.llm.parse_tool_calls(output, line.tool_parser)
+                self.llm.parse_tool_calls(output, line.tool_parser, line.max_calls)
             line.result = result_object(line.request.id, output, line.tool_parser is not None,
                                         self._token_text)
         else:

@@ -1104,7 +1104,15 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
 
     def new_stream_parser(self):
         """A streamed choice's tool-call parser, where replies are parsed; else None."""
-        return make_tool_parser(self._parser) if self.uses_tools else None
+        if not self.uses_tools:
+            return None
+        return make_tool_parser(self._parser, max_calls=self.max_calls)
+
+    @property
+    def max_calls(self) -> int | None:
+        """The calls a reply keeps: 1 for parallel_tool_calls false (as vLLM, the first;
+        the grammar of "required" or a named function writes one anyway), else all."""
+        return 1 if self.parallel_tool_calls is False else None
 
     def response_body(self, response_id: str, created: int, model: str, outputs: list[list],
                       token_strings=None, fingerprint: str | None = None) -> dict:
@@ -1168,7 +1176,8 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
         message = {"role": "assistant", "content": output.text}
         finish_reason = FINISH_REASONS[output.finish_reason]
         if request.uses_tools:
-            parsed = parse_tool_calls(request.reply_text(output), request._parser)
+            parsed = parse_tool_calls(request.reply_text(output), request._parser,
+                                      max_calls=request.max_calls)
             message = legacy_message(parsed) if request.legacy_functions else parsed.to_openai()
             if parsed.tool_calls and finish_reason == "stop":
                 finish_reason = "function_call" if request.legacy_functions else "tool_calls"
