@@ -178,12 +178,14 @@ def _calls_schema(functions: list[dict], arguments_key: str) -> dict:
 
 
 def _rebased(schema, own: str):
-    """schema with its references into its own root pointed at its place in $defs."""
+    """schema with its references into its own root pointed at its place in $defs, and
+    without $id: an $id there would make itself the base those references resolve
+    against, where the pointers now lead from the combined schema's root."""
     if isinstance(schema, list):
         return [_rebased(item, own) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    moved = {key: _rebased(value, own) for key, value in schema.items()}
+    moved = {key: _rebased(value, own) for key, value in schema.items() if key != "$id"}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         parts = ref[1:].split("/")  # "", then the pointer's tokens

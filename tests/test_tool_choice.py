@@ -172,3 +172,21 @@ def test_the_families_own_form_passes(families, style):
     named = tool_call_grammar(name, TOOLS, {"type": "function", "function": {"name": "ping"}},
                               True, token_id)
     assert not passes(named, WRITTEN[style])
+
+
+def test_a_schema_with_its_own_id_compiles_and_holds(families):
+    """parameters that name themselves with $id (as JSON Schema generators may write)
+    and refer to their own $defs: the moved copy resolves its references from the
+    combined schema's root, and the call still follows the schema."""
+    tok, compiler, token_id = families["hermes"]
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "$id": "https://example.com/pick.json", "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/X"}}, "required": ["x"],
+        "$defs": {"X": {"$id": "https://example.com/x.json", "enum": ["a", "b"]}}}}}
+    spec = tool_call_grammar("hermes", [tool], "required", False, token_id)
+    matcher = compiler.matcher(spec)  # compiles
+    for text, holds in (('{"name": "pick", "arguments": {"x": "a"}}', True),
+                        ('{"name": "pick", "arguments": {"x": "c"}}', False)):
+        matcher = compiler.matcher(spec)
+        ids = tok.encode(f"<tool_call>\n{text}\n</tool_call>", add_special_tokens=False)
+        assert (all(matcher.advance(t) for t in ids) and matcher.eos_allowed) == holds, text
