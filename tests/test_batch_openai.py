@@ -190,6 +190,8 @@ def test_refused_bodies_get_the_server_s_status_and_message(model_dir, server, t
         assert row["response"]["status_code"] == 400, line
         assert row["error"] is not None, line
         assert_same_as_served(server, line, row)
+        # the whole error body as the server's, its param too
+        assert row["response"]["body"]["error"] == served(server, line).json()["error"], line
 
 
 def test_stream_and_missing_fields_are_refused_with_what_to_do(model_dir, tmp_path):

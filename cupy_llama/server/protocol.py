@@ -74,10 +74,19 @@ def new_id(prefix: str) -> str:
 
 
 def request_error(message: str) -> APIError:
-    """A message of the engine's own checks (SamplingParams, the scheduler) as a 400; a
-    message that starts with a sampling field's name names that field."""
-    first = message.split(" ", 1)[0]
-    return APIError(400, message, param=first if first in SAMPLING_FIELDS else None)
+    """A message of the engine's own checks (SamplingParams, the scheduler, a constraint's
+    compiler) as a 400; a message that starts with a field's name ("top_p must ...",
+    "structured_outputs.grammar: the grammar ...") names that field."""
+    first = re.split(r"[ :.\[]", message, maxsplit=1)[0]
+    named = first in SAMPLING_FIELDS or first in CONSTRAINT_FIELDS
+    return APIError(400, message, param=first if named else None)
+
+
+# the request fields a constraint comes from (structured_spec, tool_call_grammar): a
+# compiler's message starts with the one it quotes
+CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json",
+                               "guided_regex", "guided_choice", "guided_grammar", "grammar",
+                               "json_schema", "tool_choice"})
 
 
 # ---- parsing --------------------------------------------------------------------------
