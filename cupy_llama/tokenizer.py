@@ -501,6 +501,9 @@ class Tokenizer:
         return compiled
 
 
+CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for the spaces a decode drops
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas. Decodes only a short window of recent
     ids: `prefix_offset..read_offset` is text already emitted, used as context so that
@@ -519,19 +522,34 @@ class IncrementalDetokenizer:
         self._stream = None if checked else _decode_stream(tokenizer, skip_special_tokens)
         self._num_chars = 0    # text emitted so far (the stream's)
         self._holding = False  # the stream's last token emitted nothing: it may hold bytes
+        self._num_emitted = 0  # tokens whose text the stream has emitted, all of it
 
     def add(self, token_id: int) -> str:
         """Text newly completed by this token ('' while a character is still partial)."""
         self.token_ids.append(token_id)
         stream = self._stream
         if stream is not None:
-            text = stream[0].step(stream[1], token_id)
+            try:
+                text = stream[0].step(stream[1], token_id)
+            except Exception:  # noqa: BLE001 (the Rust side raises plain Exceptions)
+                # bytes that are no UTF-8 prefix (a byte-fallback vocabulary's lone bytes:
+                # "Invalid prefix encountered"): the window below goes on from the tokens
+                # not emitted yet, where a broken character decodes as U+FFFD
+                self._stream = None
+                self._read_offset = self._num_emitted
+                self._prefix_offset = max(0, self._num_emitted - CONTEXT_TOKENS)
+                return self.add_to_window()
             if text:
                 self._num_chars += len(text)
                 self._holding = False
+                self._num_emitted = len(self.token_ids)
                 return text
             self._holding = True
             return ""
+        return self.add_to_window()
+
+    def add_to_window(self) -> str:
+        """The window's text newly completed by the last token added."""
         decode = self._decode
         prefix_text = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = decode(self.token_ids[self._prefix_offset:], self._skip)

@@ -439,3 +439,32 @@ def test_token_bytes_of_a_sentencepiece_vocabulary():
     tok = Tokenizer(backend, None, None, None)
     assert [tok.token_bytes(i) for i in range(1, 6)] == [b"\xc3", b"\xa9", b" caf", b" ", b"x"]
     assert b"".join(tok.token_bytes(i) for i in (3, 1, 2)).decode() == " café"
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A SentencePiece-style vocabulary (Llama 2, Mistral, Gemma): byte tokens <0x..> for
+    what its pieces do not spell, "\u2581" for a space, the decoder's first space dropped."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)},
+             "I": 257, "\u2581world": 258, "\u2581": 259}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, None, None, None)
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_broken_character_streams_as_the_whole_decode_shows_it(checked):
+    """Byte tokens that are no UTF-8 (a lone 0xC3 before "I", after a whole 楥): the
+    stream goes on with U+FFFD for the broken bytes and never raises (tokenizers'
+    DecodeStream does: "Invalid prefix encountered"). The one-shot decode replaces the
+    whole run of byte tokens, 楥 too, which the stream had sent whole before the lone byte
+    came: that character differs, the rest is the same."""
+    tok = _byte_fallback_tokenizer()
+    ids = [1 + 0xE6, 1 + 0xA5, 1 + 0xA5, 1 + 0xC3, 257, 258, 1 + 0xC3, 1 + 0xA9]
+    detokenizer = IncrementalDetokenizer(tok, checked=checked)
+    deltas = [detokenizer.add(i) for i in ids] + [detokenizer.flush()]
+    assert deltas[:3] == ["", "", "\u6965"] and deltas[3] == ""  # 楥 whole, then held
+    whole = tok.decode(ids)
+    assert whole == "\ufffd" * 4 + "I world\u00e9"
+    assert "".join(deltas) == "\u6965" + whole[1:]
