@@ -38,7 +38,7 @@ MAX_BAD_WORD_TOKENS = 1024
 class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0         # 1.0 means off
-    top_k: int = 0             # 0 means off
+    top_k: int = 0             # 0 means off (-1 too, vLLM's way: taken as 0)
     min_p: float = 0.0         # 0.0 means off
     max_tokens: int = 256
     seed: int | None = None    # None: a fresh random seed per request
@@ -114,6 +114,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and type(value) not in (bool, int):
                 setattr(self, name, int(value))
+        if self.top_k == -1 and type(self.top_k) is int:
+            self.top_k = 0
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             value = getattr(self, name)
@@ -136,7 +138,7 @@ class SamplingParams:
         number("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         if (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                 or not 0 <= self.top_k < 2**31):
-            raise RequestError(f"top_k must be an integer in [0, 2^31) (0 means off), "
+            raise RequestError(f"top_k must be an integer in [0, 2^31) (0 or -1 means off), "
                                f"got {_preview(self.top_k)}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got "

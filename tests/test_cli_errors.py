@@ -143,7 +143,7 @@ CASES = {
         lambda d: (d / "generation_config.json").write_text("[1, 2]"), "generation_config.json"),
     "generation config top_k negative": (
         lambda d: (d / "generation_config.json").write_text(json.dumps(
-            {"do_sample": True, "temperature": 0.6, "top_k": -1})), "generation_config.json: top_k"),
+            {"do_sample": True, "temperature": 0.6, "top_k": -2})), "generation_config.json: top_k"),
     "missing weights file": (lambda d: (d / "model.safetensors").unlink(), "safetensors"),
     "missing tensor": (edit_tensors(lambda t: {k: v for k, v in t.items() if "o_proj" not in k}), "o_proj"),
     "unexpected tensor": (edit_tensors(lambda t: {**t, "model.extra.weight": np.zeros(4, np.uint16)}), "model.extra.weight"),

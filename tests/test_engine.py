@@ -464,7 +464,7 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     shutil.copytree(model_dir, copy)
     gen_path = copy / "generation_config.json"
     gen = json.loads(gen_path.read_text())
-    for bad, message in (({**gen, "top_k": -1}, "generation_config.json: top_k.*-1.*fix or remove"),
+    for bad, message in (({**gen, "top_k": -2}, "generation_config.json: top_k.*-2.*fix or remove"),
                          ({**gen, "temperature": "0.7"}, "generation_config.json: temperature"),
                          # do_sample 1 samples (model_samples): its bad value is an error too
                          ({**gen, "do_sample": 1, "temperature": -1},

@@ -184,6 +184,13 @@ def test_a_huge_value_is_refused_and_quoted_in_short(field):
         assert len(str(error.value)) < 200
 
 
+def test_top_k_minus_one_is_off_as_in_vllm():
+    """top_k=-1 is off (vLLM's default), as 0."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
 def test_ids_outside_the_vocabulary_are_refused_by_name(llm):
     """The bias and ban tables index the logits by these ids: one past the vocabulary is a
     request error naming the field, and the engine keeps serving."""
