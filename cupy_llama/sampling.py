@@ -20,7 +20,7 @@ def as_float32(value: float) -> float:
 
 # Fields a request may set; a request that leaves one out takes the model's default
 # (generation_config.json) or, failing that, the dataclass default.
-GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
 MAX_N = 128  # samples per request
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (as OpenAI's API allows)

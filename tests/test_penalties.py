@@ -191,6 +191,18 @@ def test_top_k_minus_one_is_off_as_in_vllm():
         SamplingParams(top_k=-2)
 
 
+def test_generation_config_s_repetition_penalty_is_a_default(tmp_path, model_dir):
+    """generation_config.json's repetition_penalty is the model's default, as transformers
+    and vLLM apply it."""
+    import json
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.05}))
+    assert LLM(folder, device="cpu", log=None).default_sampling_params().repetition_penalty == 1.05
+
+
 def test_ids_outside_the_vocabulary_are_refused_by_name(llm):
     """The bias and ban tables index the logits by these ids: one past the vocabulary is a
     request error naming the field, and the engine keeps serving."""
