@@ -153,6 +153,17 @@ def test_include_stop_str_in_output_and_skip_special_tokens(llm):
                                                   **GREEDY))
     assert without.text == "" and with_special.text == \
         llm.engine.tokenizer.decode([special] * 3, skip_special_tokens=False)
+    # a stop token's text (stop_token_ids, EOS) ends the text only where asked, as vLLM
+    plain_ids = llm.generate(PROMPT, SamplingParams(max_tokens=12, logit_bias=letters,
+                                                     **GREEDY)).token_ids
+    token = plain_ids[4]
+    for include in (False, True):
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=12, logit_bias=letters,
+                                                  stop_token_ids=[token],
+                                                  include_stop_str_in_output=include, **GREEDY))
+        upto = plain_ids[:plain_ids.index(token) + 1]
+        assert out.token_ids == upto and out.finish_reason == "stop"
+        assert out.text == llm.engine.tokenizer.decode(upto if include else upto[:-1])
 
 
 @pytest.mark.parametrize("field, value, words", [

@@ -596,6 +596,24 @@ def test_bad_input_is_an_openai_error(http, llm, what, path, body, headers, stat
     _good_request_works(http, llm)
 
 
+def test_a_stop_token_s_text_only_where_asked(http, llm):
+    """stop_token_ids with include_stop_str_in_output: the server's text (made in its own
+    process, streamed or not) is LLM.generate's, the stop token's text kept only where
+    asked."""
+    ids = greedy(llm, "abc", 8).token_ids
+    upto = ids[:ids.index(ids[3]) + 1]
+    for include in (False, True):
+        fields = {"stop_token_ids": [ids[3]], "include_stop_str_in_output": include}
+        want = greedy(llm, "abc", 8, **fields)
+        assert want.text == llm.tokenizer.decode(upto if include else upto[:-1])
+        body = {"prompt": "abc", "max_tokens": 8, "temperature": 0, **fields}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert (whole["text"], whole["finish_reason"]) == (want.text, "stop")
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            streamed = "".join(e["choices"][0]["text"] for e in sse_events(response))
+        assert streamed == want.text
+
+
 def test_unknown_fields_are_ignored(http, llm):
     body = {"prompt": "abc", "max_tokens": 3, "temperature": 0, "colour": "red",
             "metadata": {"a": 1}, "user": "me", "n": 1, "best_of": 1}

@@ -839,8 +839,9 @@ class LLMEngine:
                 and (grammar_status := self._advance_matcher(sample, token_id)):
             status = grammar_status  # its last token is the grammar's: it has text
             sample.finish_text(last_is_eos=False)
-        elif status is not None:
-            sample.finish_text(last_is_eos=status is SequenceStatus.FINISHED_STOPPED)
+        elif status is not None:  # EOS or a stop token: its text only where asked (vLLM)
+            sample.finish_text(last_is_eos=status is SequenceStatus.FINISHED_STOPPED
+                               and not params.include_stop_str_in_output)
         if status is None:
             return sample.stream
         del seq.output_token_ids[index + 1:]  # a token of a step still running

@@ -200,10 +200,11 @@ class DetokenizedSample:
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=()):
         self.text = SampleText(tokenizer, params, stream or bool(params.stop))
         self.finished = False
-        # the tokens whose "stop" has no text (EOS, stop_token_ids); a sample may also stop
-        # at a token that has (a grammar complete: structured outputs)
-        self.eos = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(
-            params.stop_token_ids)
+        # the tokens whose "stop" has no text (EOS, stop_token_ids; none where the request
+        # keeps what stopped it, include_stop_str_in_output); a sample may also stop at a
+        # token that has (a grammar complete: structured outputs)
+        self.eos = frozenset() if params.include_stop_str_in_output else frozenset(
+            () if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
         self.first_token_at: float | None = None  # when its first token reached this process
         self.num_cached_tokens = 0  # as the sample's latest delta said
 
