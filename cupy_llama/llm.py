@@ -122,11 +122,11 @@ class LLM:
         the calls after the first are dropped, as vLLM drops them). Each finished reply is
         parsed (tool_call_parser, or the format the chat template shows): its calls go to
         RequestOutput.tool_calls, its other text to .content, and finish_reason becomes
-        "tool_calls". Streamed replies are parsed as
-        they come (the server's streaming parser): each output's `delta` is new content
-        only, never a call's text, its `tool_call_deltas` the calls' new pieces; `text`
-        stays the model's raw text, and the last output carries tool_calls, content and
-        finish_reason as a reply that was not streamed would."""
+        "tool_calls". Streamed replies are parsed as they come (the server's streaming
+        parser): each output's `delta` is new content only, never a call's text, its
+        `tool_call_deltas` the calls' new pieces; `text` stays the model's raw text, and
+        the last output carries tool_calls, content and finish_reason as a reply that was
+        not streamed would (README: except a reply broken off inside a call)."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
