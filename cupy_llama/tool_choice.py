@@ -149,7 +149,8 @@ def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice,
     token_id = token_id or (lambda text: None)
     many = parallel_tool_calls is not False
     lark = _GRAMMARS[parser_name](functions, many, token_id)
-    return StructuredSpec.grammar(lark, "tool_choice")
+    # what can fail to compile here is a tool's parameters schema: the source names them
+    return StructuredSpec.grammar(lark, "tools (the parameters schemas tool_choice enforces)")
 
 
 # ---- the formats ------------------------------------------------------------------------

@@ -190,3 +190,15 @@ def test_a_schema_with_its_own_id_compiles_and_holds(families):
         matcher = compiler.matcher(spec)
         ids = tok.encode(f"<tool_call>\n{text}\n</tool_call>", add_special_tokens=False)
         assert (all(matcher.advance(t) for t in ids) and matcher.eos_allowed) == holds, text
+
+
+def test_a_schema_that_does_not_compile_is_blamed_on_the_tools(families):
+    """Under "required" a tool's parameters schema is compiled into the call grammar: one
+    that does not compile is the tools' error (param "tools" over HTTP), not tool_choice's."""
+    from cupy_llama.server.protocol import request_error
+    tok, compiler, token_id = families["hermes"]
+    bogus = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+    spec = tool_call_grammar("hermes", [bogus], "required", False, token_id)
+    with pytest.raises(RequestError, match=r"^tools \(the parameters schemas") as refused:
+        compiler.matcher(spec)
+    assert request_error(str(refused.value)).body()["error"]["param"] == "tools"

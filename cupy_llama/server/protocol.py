@@ -82,11 +82,11 @@ def request_error(message: str) -> APIError:
     return APIError(400, message, param=first if named else None)
 
 
-# the request fields a constraint comes from (structured_spec, tool_call_grammar): a
-# compiler's message starts with the one it quotes
+# the request fields a constraint comes from (structured_spec; tool_call_grammar's, the
+# tools' schemas): a compiler's message starts with the one it quotes
 CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json",
                                "guided_regex", "guided_choice", "guided_grammar", "grammar",
-                               "json_schema", "tool_choice"})
+                               "json_schema", "tool_choice", "tools"})
 
 
 # ---- parsing --------------------------------------------------------------------------
