@@ -115,3 +115,39 @@ def are_token_ids(values) -> bool:
     C-speed pass over their types: a prompt of 4,096 ids would otherwise cost a Python
     call per id (half a millisecond) on the way to its first token."""
     return set(map(type, values)) <= {int} or all(is_token_id(v) for v in values)
+
+
+# ---- log-probabilities as JSON (the server's bodies, generate's batch lines) -------------
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
+
+
+def json_logprob(logprob: float) -> float:
+    """JSON has no -Infinity (nor NaN): those become OpenAI's floor."""
+    return float(logprob) if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+class TokenStrings:
+    """Each token's own text for logprobs: decoded alone, special tokens spelled out (an id
+    past the tokenizer's vocabulary, a padded model vocabulary's, has none); and its bytes
+    (Tokenizer.token_bytes: part of a character where the token holds part of one)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        values = self._bytes.get(token_id)
+        if values is None:
+            values = self._bytes[token_id] = list(self._tokenizer.token_bytes(token_id))
+        return values
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            tokenizer = self._tokenizer
+            text = tokenizer.decode_unchecked([token_id], skip_special_tokens=False) \
+                if token_id < tokenizer.vocab_size else ""
+            self._texts[token_id] = text
+        return text

@@ -26,7 +26,7 @@ import numpy as np
 import openai
 
 from cupy_llama import SamplingParams
-from cupy_llama.server import protocol
+from cupy_llama.outputs import TokenStrings
 
 KEY = "test-key-4f1c"
 READY_TIMEOUT_S = 90
@@ -269,7 +269,7 @@ def test_logprobs_are_the_log_softmax(http, llm):
     from test_logprobs import reference_log_softmax
     k = 4
     tokens, rows, best = reference(llm, k)
-    strings = protocol.TokenStrings(llm.tokenizer)
+    strings = TokenStrings(llm.tokenizer)
     body = {"prompt": LOGPROB_PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": k}
     response = http.post("/v1/completions", json=body).json()
     legacy = response["choices"][0]["logprobs"]

@@ -15,6 +15,7 @@ from inprocess_server import ask, ask_one, make_state
 
 from cupy_llama import SamplingParams
 from cupy_llama.sampling import model_sampling_defaults
+from cupy_llama.outputs import TokenStrings
 from cupy_llama.server import protocol
 from cupy_llama.server.protocol import (APIError, ChatCompletionRequest, ChatMessage,
                                         CompletionRequest, DetokenizeRequest, StreamOptions,
@@ -40,7 +41,7 @@ def test_completion_logprobs_add_the_sampled_token(state, llm):
     `logprobs` most likely tokens plus the sampled one when it is not among them;
     logprobs 0 gives the sampled token alone."""
     from test_logprobs import reference_log_softmax
-    strings = protocol.TokenStrings(llm.tokenizer)
+    strings = TokenStrings(llm.tokenizer)
     for k in (0, 1):
         body = {"prompt": PROMPT, "max_tokens": 12, "logprobs": k, **SAMPLED}
         choice = ask_one(state, "POST", "/v1/completions", json=body).json()["choices"][0]
@@ -132,7 +133,7 @@ def _effect(tokenizer, vocab, defaults, model, body):
     if model is TokenizeRequest:
         return request.response(tokenizer, request.token_ids(tokenizer), 64)
     prompts, params = request.engine_inputs(tokenizer, vocab, 64, defaults)
-    strings = protocol.TokenStrings(tokenizer)
+    strings = TokenStrings(tokenizer)
     logprobs = [TokenLogprob(4, -1.0, [(4, -1.0), (6, -2.0)]),
                 TokenLogprob(5, -1.5, [(7, -1.0), (5, -1.5)])]
     outputs = [[RequestOutput("r", p, [4, 5], "de", "stop", index=j, logprobs=logprobs)

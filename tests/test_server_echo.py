@@ -11,7 +11,7 @@ pytest.importorskip("fastapi")
 from inprocess_server import ask, ask_one, make_state  # noqa: E402
 
 from cupy_llama import SamplingParams  # noqa: E402
-from cupy_llama.server import protocol  # noqa: E402
+from cupy_llama.outputs import TokenStrings  # noqa: E402
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -37,7 +37,7 @@ def test_echo_with_logprobs_scores_the_prompt_in_the_legacy_shape(state, llm, mo
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2))
     assert choice["text"] == text + plain.text
     legacy = choice["logprobs"]
-    strings = protocol.TokenStrings(llm.tokenizer)
+    strings = TokenStrings(llm.tokenizer)
     assert legacy["tokens"] == [strings(t) for t in prompt + plain.token_ids]
     assert legacy["token_logprobs"][0] is None and legacy["top_logprobs"][0] is None
     scores = reference_scores(model_dir, prompt)

@@ -12,6 +12,7 @@ import json
 import httpx
 
 from cupy_llama import SamplingParams
+from cupy_llama.outputs import TokenStrings
 from cupy_llama.models import read_config
 from cupy_llama.engine.async_engine import ENGINE_STOPPED, Rejected
 from cupy_llama.outputs import RequestOutput
@@ -237,7 +238,7 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
 
 
 def test_logprobs_in_both_shapes(llm):
-    strings = protocol.TokenStrings(llm.tokenizer)
+    strings = TokenStrings(llm.tokenizer)
     beyond = llm.tokenizer.vocab_size  # a padded model vocabulary's id: no text
     h, i = llm.tokenizer.encode("h", add_special_tokens=False)[0], \
         llm.tokenizer.encode("i", add_special_tokens=False)[0]

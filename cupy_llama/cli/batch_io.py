@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
+from ..outputs import TokenStrings, json_logprob
 from ..sampling import SamplingParams, model_sampling_defaults
 from ..structured import StructuredSpec
 
@@ -445,20 +446,9 @@ class _Runner:
         self.model_name = model_name
         self.model_defaults = model_sampling_defaults(llm.config.generation_config)
         self.protocol = None          # server/protocol.py, once an OpenAI line comes
-        self.token_strings = None     # for an OpenAI body's logprobs
+        self.token_strings = TokenStrings(llm.tokenizer)  # each token's text, for logprobs
         self.fingerprint = None       # an OpenAI body's system_fingerprint, as serve's
         self._lines: dict[str, tuple[_Line, int]] = {}  # engine id -> line, prompt index
-        self._texts: dict[int, str] = {}  # token id -> its text, for plain lines' logprobs
-
-    def _token_text(self, token_id: int) -> str:
-        """A token's own text, special tokens spelled out (nothing past the tokenizer's
-        vocabulary, a padded model vocabulary's)."""
-        text = self._texts.get(token_id)
-        if text is None:
-            tokenizer = self.llm.tokenizer
-            text = self._texts[token_id] = tokenizer.decode_unchecked(
-                [token_id], skip_special_tokens=False) if token_id < tokenizer.vocab_size else ""
-        return text
 
     @property
     def num_running(self) -> int:
@@ -534,7 +524,6 @@ class _Runner:
         and files written for a hosted API name that API's models."""
         if self.protocol is None:
             self.protocol = openai_protocol()
-            self.token_strings = self.protocol.TokenStrings(self.llm.tokenizer)
             self.fingerprint = self.protocol.system_fingerprint(self.llm.model_dir,
                                                                 self.llm.device)
         protocol, line = self.protocol, request.batch_line
@@ -587,7 +576,7 @@ class _Runner:
             if line.tool_parser is not None:
                 self.llm.parse_tool_calls(output, line.tool_parser, line.max_calls)
             line.result = result_object(line.request.id, output, line.tool_parser is not None,
-                                        self._token_text)
+                                        self.token_strings)
         else:
             api = line.api
             body = api.response_body(self.protocol.new_id(api.ID_PREFIX), line.created,
@@ -631,14 +620,11 @@ def result_object(request_id, output, with_tools: bool = False, token_text=None)
     return result
 
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: OpenAI's API reports this instead
-
-
 def _logprob_entry(entry, token_text) -> dict:
     """A token's log-probability and its top alternatives', as the line's output holds them."""
     def item(token_id, logprob):
         return {"token": token_text(token_id), "token_id": token_id,
-                "logprob": max(float(logprob), LOGPROB_FLOOR)}
+                "logprob": json_logprob(logprob)}
 
     return {**item(entry.token_id, entry.logprob),
             "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top]}

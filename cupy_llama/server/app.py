@@ -46,7 +46,7 @@ from .. import __version__
 from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError, Rejected,
                                    RequestStream)
 from ..errors import RequestError
-from ..outputs import PromptScores, RequestOutput
+from ..outputs import PromptScores, RequestOutput, TokenStrings
 from ..sampling import model_sampling_defaults
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
@@ -117,7 +117,7 @@ class ServerState:
     def __init__(self, settings: ServerSettings, tokenizer, model_config):
         self.settings = settings
         self.tokenizer = tokenizer
-        self.token_strings = protocol.TokenStrings(tokenizer)
+        self.token_strings = TokenStrings(tokenizer)
         self.vocab_size = model_config.vocab_size
         self.model_defaults = model_sampling_defaults(model_config.generation_config)
         self.max_bytes_per_token = protocol.max_bytes_per_token(tokenizer)

@@ -31,7 +31,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..errors import CupyLlamaError, RequestError
-from ..outputs import is_token_id
+from ..outputs import is_token_id, json_logprob
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
@@ -46,7 +46,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # is cut, not finished, as when max_tokens cuts it. OpenAI's finish reasons have no "abort".
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length",
                   "tool_calls": "tool_calls", "function_call": "function_call"}
-LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; OpenAI's API reports this instead
 
 
 class APIError(Exception):
@@ -402,42 +401,11 @@ class _SamplingFields(_Unsupported, _Model):
 
 # ---- log-probabilities ----------------------------------------------------------------
 
-class TokenStrings:
-    """Each token's own text for logprobs: decoded alone, special tokens spelled out (an id
-    past the tokenizer's vocabulary, a padded model vocabulary's, has none); and its bytes
-    (Tokenizer.token_bytes: part of a character where the token holds part of one)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-        self._bytes: dict[int, list[int]] = {}
-
-    def bytes_of(self, token_id: int) -> list[int]:
-        values = self._bytes.get(token_id)
-        if values is None:
-            values = self._bytes[token_id] = list(self._tokenizer.token_bytes(token_id))
-        return values
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            tokenizer = self._tokenizer
-            text = tokenizer.decode_unchecked([token_id], skip_special_tokens=False) \
-                if token_id < tokenizer.vocab_size else ""
-            self._texts[token_id] = text
-        return text
-
-
 def logprob_entries(logprobs) -> list[tuple]:
     """(token id, log-probability, [(id, log-probability), ...]) for each token, from a
     RequestOutput's TokenLogprobs or the tuples the server carries."""
     return [(e.token_id, e.logprob, e.top) if hasattr(e, "token_id") else e
             for e in logprobs or ()]
-
-
-def _number(logprob: float) -> float:
-    """JSON has no -Infinity (nor NaN): those become OpenAI's floor."""
-    return float(logprob) if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[dict, int]:
@@ -450,10 +418,10 @@ def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[d
     for token_id, logprob, top in entries:
         text = token_strings(token_id)
         tokens.append(text)
-        token_logprobs.append(_number(logprob))
-        alternatives = {token_strings(t): _number(lp) for t, lp in top}
+        token_logprobs.append(json_logprob(logprob))
+        alternatives = {token_strings(t): json_logprob(lp) for t, lp in top}
         if all(t != token_id for t, _ in top):
-            alternatives.setdefault(text, _number(logprob))
+            alternatives.setdefault(text, json_logprob(logprob))
         top_logprobs.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(text)
@@ -464,7 +432,7 @@ def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[d
 def chat_logprobs(entries, token_strings) -> dict:
     def item(token_id, logprob):
         text = token_strings(token_id)
-        return {"token": text, "logprob": _number(logprob),
+        return {"token": text, "logprob": json_logprob(logprob),
                 "bytes": token_strings.bytes_of(token_id)}
 
     return {"content": [{**item(token_id, logprob),
@@ -734,9 +702,9 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
         for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
             if position >= len(tokens):
                 break
-            logprob = _number(row_values[0])
+            logprob = json_logprob(row_values[0])
             token_logprobs[position] = logprob
-            alternatives = {token_strings(t): _number(lp)
+            alternatives = {token_strings(t): json_logprob(lp)
                             for t, lp in zip(row_ids[1:1 + k], row_values[1:1 + k])}
             if row_ids[0] not in row_ids[1:1 + k]:
                 alternatives.setdefault(tokens[position], logprob)
@@ -759,10 +727,10 @@ def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | No
             break
         token_id, top = row_ids[0], row_ids[1:]
         rank = top.index(token_id) + 1 if token_id in top else None
-        items = {str(token_id): {"logprob": _number(row_values[0]), "rank": rank,
+        items = {str(token_id): {"logprob": json_logprob(row_values[0]), "rank": rank,
                                  "decoded_token": token_strings(token_id)}}
         for rank, (t, lp) in enumerate(zip(top[:k], row_values[1:1 + k]), start=1):
-            items.setdefault(str(t), {"logprob": _number(lp), "rank": rank,
+            items.setdefault(str(t), {"logprob": json_logprob(lp), "rank": rank,
                                       "decoded_token": token_strings(t)})
         result[position] = items
     return result
