@@ -105,8 +105,10 @@ def test_combined_with_allowed_ids_the_masks_are_anded():
 
 def test_bans_that_leave_nothing_end_the_sample_saying_why(llm, caplog):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=5, allowed_token_ids=[97],
-                                              bad_words=["aa"], **GREEDY))
-    assert out.token_ids[0] == 97 and out.finish_reason == "abort"
+                                              bad_words=["aa"], logprobs=1, **GREEDY))
+    # the token drawn from nothing is not kept: the output is what the constraint allows
+    assert out.token_ids == [97] and out.text == "a" and out.finish_reason == "abort"
+    assert [entry.token_id for entry in out.logprobs] == [97]
     assert "bad_words ban every token the constraint allows" in caplog.text
     assert_all_blocks_free(llm)
 

@@ -80,6 +80,21 @@ def test_a_complete_grammar_stops_without_eos(llm):
     assert not set(output.token_ids) & llm.engine.eos_token_ids
 
 
+def test_a_constraint_the_requests_bans_leave_nothing_of_ends_before_the_bad_token(llm):
+    """bad_words that ban every token the grammar allows next: the sample ends ("abort")
+    with the text written so far, streamed or not, and nothing the grammar rejects."""
+    params = dict(temperature=0.0, structured={"choice": ["yes", "no"]},
+                  bad_words=["yes", "no"], max_tokens=20)
+    output = generate(llm, "x", **params)
+    assert output.finish_reason == "abort"
+    assert output.text in ("ye", "n") and output.token_ids == llm.tokenizer.encode(
+        output.text, add_special_tokens=False)
+    streamed = list(llm.stream(["x"], SamplingParams(**params)))  # cumulative outputs
+    assert len(streamed) > 1 and streamed[-1].text == output.text
+    assert streamed[-1].finish_reason == "abort"
+    assert_all_blocks_free(llm)
+
+
 def test_a_constraint_that_does_not_compile_is_refused_before_queueing(llm):
     bad = [SamplingParams(max_tokens=4),
            SamplingParams(max_tokens=4, structured={"grammar": "start: nothing_here"})]

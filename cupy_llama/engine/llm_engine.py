@@ -831,12 +831,16 @@ class LLMEngine:
         sample.num_resolved = index + 1
         status = stop_status(params, token_id, index + 1, seq.num_prompt_tokens + index + 1,
                              self.eos_token_ids, self.context_limit)
+        grammar_status = None
+        if sample.matcher is not None and status is not SequenceStatus.FINISHED_STOPPED:
+            grammar_status = self._advance_matcher(sample, token_id)
+            if grammar_status is SequenceStatus.FINISHED_ABORTED:
+                return self._reject_token(sample, index)
         text = sample.text
         if status is not SequenceStatus.FINISHED_STOPPED and text is not None \
                 and text.detokenizer is not None and text.add(token_id):  # a stop string
             status = SequenceStatus.FINISHED_STOPPED
-        elif sample.matcher is not None and status is not SequenceStatus.FINISHED_STOPPED \
-                and (grammar_status := self._advance_matcher(sample, token_id)):
+        elif grammar_status is not None:
             status = grammar_status  # its last token is the grammar's: it has text
             sample.finish_text(last_is_eos=False)
         elif status is not None:  # EOS or a stop token: its text only where asked (vLLM)
@@ -844,23 +848,39 @@ class LLMEngine:
                                and not params.include_stop_str_in_output)
         if status is None:
             return sample.stream
-        del seq.output_token_ids[index + 1:]  # a token of a step still running
+        self._end_sample(sample, index + 1, status)
+        return True
+
+    def _reject_token(self, sample: _Sample, index: int) -> bool:
+        """The sample's constraint rejected its output token `index`: the sample ends
+        before it ("abort"), so its text, tokens and logprobs keep to the constraint."""
+        sample.num_resolved = index
+        if sample.logprobs:
+            sample.logprobs.pop()  # the rejected token's, appended as it arrived
+        sample.finish_text(last_is_eos=False)
+        self._end_sample(sample, index, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def _end_sample(self, sample: _Sample, num_tokens: int, status: SequenceStatus) -> None:
+        """Finish the sample with its first num_tokens output tokens."""
+        seq = sample.seq
+        del seq.output_token_ids[num_tokens:]  # tokens of a step still running
         self.scheduler.finish(seq, status)
         sample.finish(status.finish_reason)
         samples = self.requests[seq.request_id]
         if all(s.finish_reason is not None for s in samples):  # the request is over
             del self.requests[seq.request_id]
-        return True
 
     def _advance_matcher(self, sample: _Sample, token_id: int) -> SequenceStatus | None:
         """Advance the sample's matcher by its new token: "stop" once the grammar is
-        complete (nothing may follow but EOS), "abort" for a token the grammar rejects,
-        which only a draw without the mask could give (a bug: logged)."""
+        complete (nothing may follow but EOS), "abort" for a token the constraint rejects.
+        A draw under the mask never gives one, unless the request's own settings left
+        the mask empty (bad_words against its grammar): logged with the reason."""
         matcher = sample.matcher
         if not matcher.advance(token_id):
             import logging
-            logging.getLogger("cupy_llama").error(
-                "request %s: token %d breaks its grammar (%s); the sample is aborted",
+            logging.getLogger("cupy_llama").warning(
+                "request %s: token %d breaks its constraint (%s); the sample ends before it",
                 sample.seq.request_id, token_id, matcher.error)
             return SequenceStatus.FINISHED_ABORTED
         return SequenceStatus.FINISHED_STOPPED if matcher.is_complete else None
