@@ -488,11 +488,60 @@ class CombinedMatcher:
         self.bad_words.rollback(num_tokens)
 
 
+class _TrieSource:
+    """What llguidance builds a token trie from (its TokenizerWrapper protocol): each
+    token's bytes as llguidance reads them from tokenizer.json, with only the tokens the
+    tokenizer calls special marked special, and an encoder that reads special tokens'
+    text as text.
+
+    Built from tokenizer.json directly, llguidance marks every added token special (Qwen's
+    <tool_call> too), while the encoder it tokenizes a grammar's forced text with splits
+    added tokens out of text: a constraint that spells one ("<tool_call>x", "<|eot_id|>")
+    got a mask allowing only that token, which its matcher then rejected. Here the text
+    and its tokens agree: a non-special added token is its text, and a special token's
+    text is written with ordinary tokens (grammars still name special tokens, <[id]> or
+    <|name|>)."""
+
+    def __init__(self, tokens: list[bytes], special_token_ids: list[int], encoder, eos: int):
+        self.tokens = tokens
+        self.special_token_ids = special_token_ids
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.is_tokenizer_wrapper = True
+        self._encoder = encoder
+
+    @classmethod
+    def of(cls, llg, tokenizer_json: str, eos: list[int], vocab_size: int):
+        """The source for tokenizer.json and a model of vocab_size ids (the ids past the
+        tokenizer's are special tokens, which no text grammar allows), or
+        tokenizer.json itself where the tokenizers library cannot read special tokens as
+        text."""
+        from tokenizers import Tokenizer as BackendTokenizer
+
+        encoder = BackendTokenizer.from_str(tokenizer_json)
+        try:
+            encoder.encode_special_tokens = True
+        except AttributeError:  # tokenizers before 0.15.1
+            return tokenizer_json
+        as_read = llg.LLTokenizer(tokenizer_json, eos_token=eos, slices=[])  # no mask work
+        tokens = [as_read.decode_bytes([i]) for i in range(as_read.vocab_size)]
+        special = sorted(i for i, token in encoder.get_added_tokens_decoder().items()
+                         if token.special)
+        padding = range(len(tokens), vocab_size)  # named as llguidance names them
+        tokens += [f"<[{i}]>".encode() for i in padding]
+        return cls(tokens, special + list(padding), encoder, eos[0])
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._encoder.encode(text, add_special_tokens=False).ids
+
+
 class GrammarCompiler:
     """Compiles specs for one model. Building it reads the whole vocabulary into
-    llguidance's token trie: about 3 s for Llama 3's 128,256 tokens on a 2-core x86-64
-    (the interpreter lock is held meanwhile), so a model builds one, once, before it
-    serves constrained requests.
+    llguidance's token trie (_TrieSource): about 1.1 s for Llama 3's 128,256 tokens on a
+    2-core x86-64 (the interpreter lock is held meanwhile), so a model builds one, once,
+    before it serves constrained requests.
 
     vocab_size: the model's vocabulary (config.json), which may exceed the tokenizer's;
     eos_token_ids: every id that ends a sequence (config.json, generation_config.json and
@@ -504,12 +553,13 @@ class GrammarCompiler:
         eos = sorted({int(i) for i in eos_token_ids})
         if not eos:
             raise ValueError("a grammar needs at least one EOS token id")
+        source = _TrieSource.of(llg, tokenizer_json, eos, int(vocab_size))
         try:
-            tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=eos)
+            tokenizer = llg.LLTokenizer(source, n_vocab=int(vocab_size), eos_token=eos)
         except ValueError:
             # the tokenizer has more ids than the model (ids the model can never sample):
             # the mask covers the tokenizer's, of which the model reads its own
-            tokenizer = llg.LLTokenizer(tokenizer_json, eos_token=eos)
+            tokenizer = llg.LLTokenizer(source, eos_token=eos)
             if tokenizer.vocab_size < vocab_size:
                 raise
         self._tokenizer = tokenizer

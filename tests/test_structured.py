@@ -386,6 +386,27 @@ def test_a_real_vocabulary_takes_its_own_tokens(llama3_compiler):
     assert allowed_token_ids(bitmask[1], 128256).tolist() == [128001, 128008, 128009]
 
 
+def test_a_special_tokens_text_is_written_as_text(llama3_compiler):
+    """A constraint spelling a special token's text ("<|eot_id|>") is written with
+    ordinary tokens, and the mask never offers the special token for it; a grammar that
+    names the token (<|eot_id|>) takes the token itself."""
+    tokenizer, compiler = llama3_compiler
+    as_text = tokenizer.from_str(tokenizer.to_str())  # a copy that reads specials as text
+    as_text.encode_special_tokens = True
+    bitmask = np.zeros((1, compiler.num_words), np.uint32)
+    matcher = compiler.matcher(StructuredSpec.choice(["<|eot_id|>x", "<|eot_id|>yz"]))
+    for token in as_text.encode("<|eot_id|>yz", add_special_tokens=False).ids:
+        matcher.fill_bitmask(bitmask, 0)
+        assert not bitmask[0, 128009 // 32] >> (128009 % 32) & 1
+        assert bitmask[0, token // 32] >> (token % 32) & 1, tokenizer.decode([token])
+        assert matcher.advance(token), matcher.error
+    assert matcher.is_complete
+    named = compiler.matcher(StructuredSpec.grammar('start: <|eot_id|> "x"'))
+    named.fill_bitmask(bitmask, 0)
+    assert allowed_token_ids(bitmask[0], 128256).tolist() == [128009]
+    assert named.advance(128009) and named.advance(tokenizer.token_to_id("x"))
+
+
 # ---- the NumPy reference of masking -----------------------------------------------------
 
 def test_apply_token_bitmask_sets_disallowed_logits_to_minus_infinity():

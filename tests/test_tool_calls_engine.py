@@ -49,6 +49,17 @@ def test_required_and_named_calls_are_always_valid(tool_llm, seed):
     assert len(named.tool_calls) == 1
 
 
+def test_a_constraint_that_spells_a_tag_writes_it(tool_llm):
+    """A choice spelling the family's call tag (Llama's special <|python_tag|>, Qwen's
+    added <tool_call>) is written and ends at "stop": the mask offers only what the
+    constraint's matcher then accepts (as text, or as the added token that is text)."""
+    tag = "<|python_tag|>" if tool_llm.tokenizer.token_to_id("<|python_tag|>") else "<tool_call>"
+    choices = [tag + "x", tag + "yy"]
+    for seed in range(3):
+        output = tool_llm.generate(["Hi"], params(seed, structured={"choice": choices}))[0]
+        assert output.finish_reason == "stop" and output.text in choices, output
+
+
 def test_without_parallel_calls_auto_keeps_the_first(tool_llm):
     """parallel_tool_calls=False with "auto": a reply that writes several calls (a grammar
     makes this random model write them) keeps the first, whole and streamed, as vLLM."""
