@@ -139,6 +139,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
         self._added_ids: set | None = None    # token_bytes: worked out on first use
         self._byte_level: bool | None = None
+        self._context_stops: frozenset | None = None  # text_context: on first use
 
     # ---- loading ---------------------------------------------------------------------
 
@@ -271,6 +272,30 @@ class Tokenizer:
         """decode() for ids known to be in the vocabulary (the engine's own sampled ids):
         no per-id checks, which cost as much as decoding a few ids."""
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def text_context(self, prompt_ids) -> list[int]:
+        """The prompt's last tokens that an output's text is decoded after, so that its
+        first token keeps the space it starts with. Only a decoder that drops the first
+        space of a text (SentencePiece's Strip: Llama 2's and Mistral's vocabularies) needs
+        them: up to CONTEXT_TOKENS prompt tokens after the prompt's last special token (a
+        reply after a chat template's closing token is a text of its own, as transformers
+        decodes it; a completion continues its prompt, " Paris" after "... France is", as
+        vLLM decodes it). None for other decoders."""
+        stops = self._context_stops
+        if stops is None:
+            if "Strip" in _decoder_kinds(self._backend):
+                added = self._backend.get_added_tokens_decoder()
+                stops = frozenset(i for i, token in added.items() if token.special)
+            else:
+                stops = frozenset({-1})  # the marker of "no context": nothing is stripped
+            self._context_stops = stops
+        if -1 in stops:
+            return []
+        tail = list(prompt_ids[-CONTEXT_TOKENS:])
+        for at in range(len(tail) - 1, -1, -1):
+            if tail[at] in stops:
+                return tail[at + 1:]
+        return tail
 
     # ---- fill-in-the-middle -----------------------------------------------------------
 
@@ -512,17 +537,35 @@ class IncrementalDetokenizer:
     DecodeStream, where the installed tokenizers has it)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 checked: bool = True):
-        """checked=False: the ids are known to be in the vocabulary; skip decode()'s checks."""
+                 checked: bool = True, context: list[int] = ()):
+        """checked=False: the ids are known to be in the vocabulary; skip decode()'s checks.
+        context: tokens the text comes after, whose own text is not given
+        (Tokenizer.text_context)."""
         self._decode = tokenizer.decode if checked else tokenizer.decode_unchecked
         self._skip = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context)  # the context's, then the added ones
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(context)
         self._stream = None if checked else _decode_stream(tokenizer, skip_special_tokens)
         self._num_chars = 0    # text emitted so far (the stream's)
         self._holding = False  # the stream's last token emitted nothing: it may hold bytes
-        self._num_emitted = 0  # tokens whose text the stream has emitted, all of it
+        self._num_emitted = len(context)  # tokens whose text the stream has emitted, all of it
+        if context and self._stream is not None:
+            self._read_context()
+
+    def _read_context(self) -> None:
+        """Step the stream through the context, its text not given; where the stream
+        cannot take it, the window decodes it as context."""
+        stream, backend = self._stream
+        try:
+            for token_id in self.token_ids:
+                self._num_chars += len(stream.step(backend, token_id) or "")
+        except Exception:  # noqa: BLE001 (lone bytes: see add)
+            self._stream = None
+            self._num_chars = 0
+            return
+        # a context that ends inside a character would hold bytes: flush decodes whole
+        self._holding = True
 
     def add(self, token_id: int) -> str:
         """Text newly completed by this token ('' while a character is still partial)."""

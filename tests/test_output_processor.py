@@ -76,6 +76,9 @@ class CharTokenizer:
     def decode_unchecked(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) * (1 + (i >= 26)) for i in ids)
 
+    def text_context(self, prompt_ids):
+        return []  # a decode drops no space
+
 
 def run_sample(token_ids, stops, stream=True):
     """Feed tokens to a sample as the engine does; its deltas and where it stopped."""

@@ -468,3 +468,82 @@ def test_a_broken_character_streams_as_the_whole_decode_shows_it(checked):
     whole = tok.decode(ids)
     assert whole == "\ufffd" * 4 + "I world\u00e9"
     assert "".join(deltas) == "\u6965" + whole[1:]
+
+
+# ---- an output's text after its prompt (SentencePiece's first space) ---------------------
+
+def _sentencepiece_tokenizer(out_dir=None) -> Tokenizer:
+    """Llama 2's and Mistral's kind of vocabulary: "\u2581" pieces, byte tokens, special
+    <s> and [/INST], and a decoder that drops the first space of a text (Strip)."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, normalizers
+    vocab = {"<unk>": 0, "<s>": 1, "[/INST]": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "\u2581The": 259, "\u2581capital": 260, "\u2581is": 261, "\u2581Paris": 262,
+             ".": 263, "?": 264, "\u2581": 265}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken("<s>", special=True),
+                                AddedToken("[/INST]", special=True)])
+    if out_dir is not None:
+        backend.save(str(out_dir / "tokenizer.json"))
+    return Tokenizer(backend, None, None, None)
+
+
+def test_a_text_context_is_the_prompt_after_its_last_special_token(demo):
+    tok = _sentencepiece_tokenizer()
+    assert tok.decode([262, 263]) == "Paris."  # alone, the first space is dropped
+    assert tok.text_context([1, 259, 260, 261]) == [259, 260, 261]
+    assert tok.text_context([1, 265, 259, 260, 261, 262]) == [259, 260, 261, 262]  # the last 4
+    assert tok.text_context([1, 259, 264, 2]) == []  # a reply after [/INST] stands alone
+    assert tok.text_context([1, 259, 2, 260]) == [260]
+    assert demo.text_context(demo.encode("The capital of France is")) == []  # byte-level
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_an_output_after_its_prompt_keeps_its_first_space(checked):
+    """Streamed or decoded once, a completion's text is what it adds to its prompt's:
+    " Paris." after "The capital is", not "Paris." (vLLM's text)."""
+    from cupy_llama import SamplingParams
+    from cupy_llama.engine.output_processor import DetokenizedSample, EngineDelta, SampleText
+    tok = _sentencepiece_tokenizer()
+    prompt, output = [1, 259, 260, 261], [262, 263]
+    whole, before = tok.decode(prompt + output), tok.decode(prompt)
+    assert whole[len(before):] == " Paris."
+    detokenizer = IncrementalDetokenizer(tok, checked=checked, context=tok.text_context(prompt))
+    assert "".join(detokenizer.add(i) for i in output) + detokenizer.flush() == " Paris."
+    for incremental in (True, False):
+        text = SampleText(tok, SamplingParams(), incremental, prompt)
+        if incremental:
+            assert [text.add(i) for i in output] == [False, False]
+        text.finish(output)
+        assert text.take(True) == " Paris."
+    reply = SampleText(tok, SamplingParams(), False, [1, 259, 264, 2])  # after [/INST]
+    reply.finish([259, 260])
+    assert reply.take(True) == "The capital"
+    for stream in (True, False):  # the server process's text of the engine's token ids
+        sample = DetokenizedSample(tok, SamplingParams(), stream, prompt_ids=prompt)
+        delta, _ = sample.process(EngineDelta("r", 0, "", output, "length"))
+        assert delta.text == " Paris."
+
+
+def test_the_engine_writes_a_completion_after_its_prompt(tmp_path):
+    """Through the engine (a tiny model with the SentencePiece vocabulary), whole and
+    streamed: the first token's space is kept, as the prompt and text read together."""
+    from cupy_llama import LLM, SamplingParams
+    from cupy_llama.bench.random_model import make_random_model
+    model_dir = make_random_model(tmp_path / "m", "tiny", seed=0, std=0.15)
+    tok = _sentencepiece_tokenizer(model_dir)
+    llm = LLM(model_dir, device="cpu", log=None)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, allowed_token_ids=[262, 263])
+        output = llm.generate(["The capital is"], params)[0]
+        prompt = output.prompt_token_ids
+        assert output.token_ids[0] in (262, 263)
+        expected = tok.decode(prompt + output.token_ids)[len(tok.decode(prompt)):]
+        assert output.text == expected and output.text.startswith(" Paris") == (
+            output.token_ids[0] == 262)
+        assert list(llm.stream(["The capital is"], params))[-1].text == expected
+    finally:
+        llm.close()

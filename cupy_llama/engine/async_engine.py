@@ -518,8 +518,8 @@ class AsyncEngine:
         tokenizer = self.tokenizer
         if tokenizer is not None:
             eos = self.info.eos_token_ids if self.info is not None else ()
-            self._texts[request_id] = [DetokenizedSample(tokenizer, params, stream, eos)
-                                       for _ in range(params.n)]
+            self._texts[request_id] = [DetokenizedSample(tokenizer, params, stream, eos,
+                                                         prompt_ids) for _ in range(params.n)]
         self._send(("add", request_id, prompt_ids, params, stream, tokenizer is None))
 
     def abort(self, request_id: str) -> None:

@@ -46,8 +46,8 @@ class _Sample:
         # text=False: the caller makes the text from the token ids and matches the stop
         # strings (serve's server process); a sample with stop strings then sends every
         # step's tokens, streamed or not, and ends at a stop string when the caller says
-        self.text = (SampleText(tokenizer, seq.params, stream or bool(seq.params.stop))
-                     if text else None)
+        self.text = (SampleText(tokenizer, seq.params, stream or bool(seq.params.stop),
+                                seq.prompt_token_ids) if text else None)
         self.stream = stream or (not text and bool(seq.params.stop))  # a delta every step
         # neither text made token by token nor a grammar: only stop_status can end the
         # sample at a token (LLMEngine._finish_step's short way)

@@ -117,13 +117,17 @@ class SampleText:
     detokenizer's deltas concatenate to the one-shot decode). The engine keeps one per
     sample; with serve, the server process does (AsyncEngine), off the step loop."""
     __slots__ = ("tokenizer", "detokenizer", "stops", "vocab_size", "hold_back", "unsent",
-                 "tail", "skip_special_tokens", "min_tokens", "include_stop", "num_tokens")
+                 "tail", "skip_special_tokens", "min_tokens", "include_stop", "num_tokens",
+                 "context")
 
-    def __init__(self, tokenizer, params, incremental: bool):
+    def __init__(self, tokenizer, params, incremental: bool, prompt_ids=()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.skip_special_tokens,
-                                                  checked=False) if incremental else None
+        # the prompt tokens the text is decoded after (Tokenizer.text_context): mostly none
+        self.context = tokenizer.text_context(prompt_ids) if prompt_ids else []
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, self.skip_special_tokens, checked=False,
+            context=self.context) if incremental else None
         self.stops = stops = params.stop
         self.min_tokens = params.min_tokens  # no stop string before that many tokens (vLLM)
         self.include_stop = params.include_stop_str_in_output  # the text ends with it
@@ -176,7 +180,14 @@ class SampleText:
         vocab = self.vocab_size
         if token_ids and max(token_ids) >= vocab:  # ids past the tokenizer's vocabulary
             token_ids = [t for t in token_ids if t < vocab]
-        self.unsent.append(self.tokenizer.decode_unchecked(token_ids, self.skip_special_tokens))
+        decode, skip = self.tokenizer.decode_unchecked, self.skip_special_tokens
+        context = self.context
+        if context and token_ids:  # the text as it reads after the context
+            before, whole = decode(context, skip), decode(context + token_ids, skip)
+            if whole.startswith(before):
+                self.unsent.append(whole[len(before):])
+                return
+        self.unsent.append(decode(token_ids, skip))
 
     def take(self, finished: bool) -> str:
         """The text made since the last take(), less what is held back unless finished."""
@@ -197,8 +208,8 @@ class DetokenizedSample:
     told to stop it, and what it made meanwhile is dropped here)."""
     __slots__ = ("text", "finished", "first_token_at", "eos", "num_cached_tokens")
 
-    def __init__(self, tokenizer, params, stream: bool, eos_token_ids=()):
-        self.text = SampleText(tokenizer, params, stream or bool(params.stop))
+    def __init__(self, tokenizer, params, stream: bool, eos_token_ids=(), prompt_ids=()):
+        self.text = SampleText(tokenizer, params, stream or bool(params.stop), prompt_ids)
         self.finished = False
         # the tokens whose "stop" has no text (EOS, stop_token_ids; none where the request
         # keeps what stopped it, include_stop_str_in_output); a sample may also stop at a
