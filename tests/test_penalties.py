@@ -91,6 +91,11 @@ def test_min_tokens_holds_eos_off_and_stop_token_ids_stop(llm):
                                               logit_bias={eos: 100}))
     assert out.token_ids[:5] == [t for t in out.token_ids[:5] if t != eos] and len(out.token_ids) == 6
     assert out.token_ids[5] == eos and out.finish_reason == "stop"
+    # under ignore_eos EOS stops nothing, and min_tokens still holds it off (vLLM)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, min_tokens=5,
+                                              ignore_eos=True, logit_bias={eos: 100}))
+    assert eos not in out.token_ids[:5] and out.token_ids[5:] == [eos] * 3
+    assert out.finish_reason == "length"
     plain = llm.generate(PROMPT, SamplingParams(max_tokens=12, **GREEDY)).token_ids
     stop = plain[6]
     out = llm.generate(PROMPT, SamplingParams(max_tokens=12, stop_token_ids=[stop], **GREEDY))

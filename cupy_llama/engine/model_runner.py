@@ -44,14 +44,15 @@ def row_value(name: str, seq: Sequence, entries):
 def bias_entries(seq: Sequence, eos_token_ids) -> tuple[list, list, int, int]:
     """(ids, values, num_biases, num_min_bans): the sequence's logit_bias and bans (its
     banned_token_ids: bad words), one entry per token, a ban over a bias; then the tokens
-    banned until min_tokens (EOS, unless ignore_eos, and stop_token_ids)."""
+    banned until min_tokens (EOS and stop_token_ids; EOS under ignore_eos too, as vLLM bans
+    it: min_tokens says how many tokens come before any EOS)."""
     params = seq.params
     always = dict(params.logit_bias)
     for token in getattr(seq, "banned_token_ids", ()):
         always[token] = float("-inf")
     until_min = []
     if params.min_tokens:
-        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_token_ids))
+        stops = list(params.stop_token_ids) + sorted(eos_token_ids)
         until_min = sorted(set(stops))
     ids = list(always) + until_min
     if len(ids) > MAX_BIAS_ENTRIES:  # SamplingParams' limits keep this from happening
