@@ -816,6 +816,24 @@ def test_bad_tool_options_are_refused_before_the_model_loads(tool_model_dir, tmp
     assert alone.returncode == 2 and "needs --tools FILE" in alone.stderr
 
 
+def test_an_enforced_schema_that_does_not_compile_names_its_file_and_tool(tool_model_dir,
+                                                                         tmp_path):
+    pytest.importorskip("llguidance")
+    from conftest import TOOLS
+    tools = tmp_path / "tools.json"
+    bogus = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+    tools.write_text(json.dumps(TOOLS + [bogus]))
+    result = chat_cli(tool_model_dir, "--tools", str(tools), "--tool-choice", "required",
+                      "hi", stdin="")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: --tools: {tools}[2].function.parameters: the JSON "
+                                    f"schema does not compile: "), result.stderr
+    assert "loading" not in result.stderr
+    auto = chat_cli(tool_model_dir, "--tools", str(tools), "--tool-choice", "get_time",
+                    "--max-tokens", "2", "hi", stdin="")  # f is not enforced: it loads
+    assert auto.returncode == 0, auto.stderr
+
+
 def test_tools_need_a_template_with_a_tool_format(model_dir, tmp_path):
     from conftest import TOOLS
     tools = tmp_path / "tools.json"

@@ -192,13 +192,17 @@ def test_a_schema_with_its_own_id_compiles_and_holds(families):
         assert (all(matcher.advance(t) for t in ids) and matcher.eos_allowed) == holds, text
 
 
-def test_a_schema_that_does_not_compile_is_blamed_on_the_tools(families):
-    """Under "required" a tool's parameters schema is compiled into the call grammar: one
-    that does not compile is the tools' error (param "tools" over HTTP), not tool_choice's."""
+def test_a_schema_that_does_not_compile_is_blamed_on_its_tool(families):
+    """Under "required" each tool's parameters schema goes into the call grammar: one that
+    does not compile is named by its place in tools (param "tools" over HTTP), not
+    tool_choice's error; a named choice enforces (and checks) its own tool's only."""
     from cupy_llama.server.protocol import request_error
     tok, compiler, token_id = families["hermes"]
+    good = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
     bogus = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
-    spec = tool_call_grammar("hermes", [bogus], "required", False, token_id)
-    with pytest.raises(RequestError, match=r"^tools \(the parameters schemas") as refused:
-        compiler.matcher(spec)
+    with pytest.raises(RequestError, match=r"^tools\[1\]\.function\.parameters: the JSON "
+                                           r"schema does not compile: .*bogus") as refused:
+        tool_call_grammar("hermes", [good, bogus], "required", False, token_id)
     assert request_error(str(refused.value)).body()["error"]["param"] == "tools"
+    named = {"type": "function", "function": {"name": "g"}}
+    compiler.matcher(tool_call_grammar("hermes", [good, bogus], named, False, token_id))

@@ -109,7 +109,7 @@ def _chat_tools(path: str | None, choice: str | None, parser: str | None,
                 parallel: bool | None):
     """--tools and the flags that go with it, checked before the model loads."""
     from .chat_ui import ChatTools
-    from ..tool_choice import TOOL_CHOICES, check_tool_choice, check_tools
+    from ..tool_choice import TOOL_CHOICES, check_tool_choice, check_tools, enforced_functions
     from ..tool_parsers import check_parser_name
 
     if path is None:
@@ -138,6 +138,8 @@ def _chat_tools(path: str | None, choice: str | None, parser: str | None,
                                   f"or a tool of {path} ({', '.join(names)})")
             choice = {"type": "function", "function": {"name": choice}}
         choice = check_tool_choice(choice, tools, field="--tool-choice")
+        if choice not in ("auto", "none"):  # the schemas a grammar will hold replies to
+            enforced_functions(tools, choice, field=path)
         if parser is not None:
             check_parser_name(parser)
     except RequestError as e:
