@@ -889,6 +889,12 @@ def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
             raise TokenizerError(f"{str(jinja_file)!r} is not UTF-8 text; fix or remove "
                                  "it") from None
     template = tok_config.get("chat_template")
+    json_file = model_dir / "chat_template.json"  # image-text models' processors keep it here
+    if template is None and json_file.is_file():
+        template = _read_tokenizer_config(json_file).get("chat_template")
+        if not isinstance(template, str):
+            raise TokenizerError("chat_template.json must hold {\"chat_template\": \"...\"}; "
+                                 "re-download it or delete it")
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]

@@ -217,6 +217,21 @@ def test_template_from_tokenizer_config_list_uses_default(tmp_path, demo_dir):
     assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey!"
 
 
+def test_template_from_an_image_text_models_chat_template_json(tmp_path, demo_dir):
+    """Image-text repositories (Gemma 3 4B and up) keep the template in chat_template.json,
+    their processor's file; tokenizer_config.json's own template comes first."""
+    (tmp_path / "chat_template.json").write_text(json.dumps(
+        {"chat_template": "{{ messages[0].content }}?"}))
+    tok = _dir_with(tmp_path, demo_dir)
+    assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey?"
+    tok = _dir_with(tmp_path, demo_dir, tokenizer_config={"chat_template": "{{ 'own' }}"})
+    assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "own"
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"template": "x"}))
+    with pytest.raises(TokenizerError, match=r'chat_template.json must hold \{"chat_template"'):
+        _dir_with(tmp_path, demo_dir)
+
+
 def test_template_environment_matches_transformers(tmp_path, demo_dir):
     template = ("{{ strftime_now('%Y-%m-%d') }}|{{ messages[0].content | tojson }}|"
                 "{{ {'k': [1]} | tojson(indent=2) }}|{{ bos_token }}{{ eos_token }}|"
