@@ -236,7 +236,7 @@ class ConfigReader:
                                   f"num_attention_heads ({heads}) and head_dim is not given")
             head_dim = hidden // heads
         quantization = read_quantization_config(raw.get("quantization_config"))
-        eos = _id_set(raw.get("eos_token_id")) | _id_set(gen.get("eos_token_id"))
+        eos = id_set(raw.get("eos_token_id")) | id_set(gen.get("eos_token_id"))
         bos = gen.get("bos_token_id", raw.get("bos_token_id"))
         max_positions = raw.get("max_position_embeddings", 2048)
         if isinstance(max_positions, float) and max_positions.is_integer():
@@ -451,7 +451,7 @@ def _read_json(path: Path, required: bool):
         raise ConfigError(f"{path.name} is not valid JSON ({e}); re-download the model") from None
 
 
-def _id_set(value) -> set[int]:
+def id_set(value) -> set[int]:
     if value is None:
         return set()
     if isinstance(value, bool):

@@ -272,6 +272,7 @@ def open_checkpoint(model_dir, model, log: Callable[[str], None] | None = None) 
     else:
         raise CheckpointError(_no_weights_message(model_dir))
 
+    tensors = model.checkpoint_names(tensors)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIX)}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)   # tied: the LM head reads embed_tokens

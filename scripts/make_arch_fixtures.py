@@ -2,7 +2,8 @@
 float32 logits and greedy continuations on them. Needs torch and transformers; the tests do
 not.
 
-    python scripts/make_arch_fixtures.py      # writes tests/fixtures/arch_<name>/
+    python scripts/make_arch_fixtures.py              # writes tests/fixtures/arch_<name>/
+    python scripts/make_arch_fixtures.py gemma3_vision  # only the ones named
 
 Each model is made from its transformers config class (the config.json it writes is the
 transformers-5 form: rope_parameters, layer_types), with its weights drawn by transformers
@@ -54,6 +55,16 @@ MODELS = {
         rope_scaling={"rope_type": "linear", "factor": 8.0}),
         {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2}),
+    # the image-text checkpoint (the 4B and larger): the same language model as "gemma3"
+    # under text_config, beside a tiny vision tower the engine leaves on disk; its legacy
+    # config.json writes text_config as the released ones do, only what differs from
+    # transformers' defaults
+    "gemma3_vision": ("Gemma3Config", dict(
+        query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=2,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}),
+        {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2}),
     "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=16, sliding_window=WINDOW,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                                     rope_theta=10000.0),
@@ -75,10 +86,32 @@ def perturb(model, torch, offset_norms: bool) -> None:
 
 def legacy_config(config: dict, changes: dict) -> dict:
     """The config.json of a released checkpoint for the same model: rope settings at top
-    level, no layer_types or rope_parameters."""
+    level, no layer_types or rope_parameters (an image-text config: in its text_config,
+    which holds only the fields that differ from Gemma3TextConfig's defaults)."""
+    if "text_config" in config:
+        import transformers
+        defaults = transformers.Gemma3TextConfig().to_dict()
+        text = {k: v for k, v in legacy_config(config["text_config"], changes).items()
+                if k in changes or k not in defaults or defaults[k] != v}
+        return {**config, "text_config": text}
     legacy = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
     legacy.update(changes)
     return legacy
+
+
+def make_config(transformers, config_class: str, values: dict):
+    """The transformers config of a fixture; an image-text one holds the language model of
+    SHAPE and values in its text_config, beside a vision tower of one small layer."""
+    if config_class != "Gemma3Config":
+        return getattr(transformers, config_class)(**SHAPE, **values)
+    text = transformers.Gemma3TextConfig(**SHAPE, **values)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision,
+                                     mm_tokens_per_image=4, boi_token_index=258,
+                                     eoi_token_index=259, image_token_index=260,
+                                     eos_token_id=[SHAPE["eos_token_id"], 261],
+                                     tie_word_embeddings=True)
 
 
 def greedy(model, torch, prompt: list[int], steps: int) -> list[int]:
@@ -97,9 +130,14 @@ def main():
     import transformers
     from transformers import AutoModelForCausalLM
 
-    for name, (config_class, values, legacy_changes) in MODELS.items():
+    names = sys.argv[1:] or list(MODELS)
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        sys.exit(f"unknown fixture(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    for name in names:
+        config_class, values, legacy_changes = MODELS[name]
         torch.manual_seed(0)
-        config = getattr(transformers, config_class)(**SHAPE, **values)
+        config = make_config(transformers, config_class, values)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         perturb(model, torch, offset_norms=name.startswith("gemma"))
         target = FIXTURES / f"arch_{name}"
@@ -113,7 +151,8 @@ def main():
         raw = json.loads((target / "config.json").read_text())
         (target / "config_legacy.json").write_text(
             json.dumps(legacy_config(raw, legacy_changes), indent=2) + "\n")
-        write_tokenizer(target, SHAPE["vocab_size"], TOKENIZER_OF[raw["architectures"][0]])
+        write_tokenizer(target, SHAPE["vocab_size"], TOKENIZER_OF["Gemma3ForCausalLM"
+                        if name == "gemma3_vision" else raw["architectures"][0]])
         reference = AutoModelForCausalLM.from_pretrained(
             target, dtype=torch.float32, attn_implementation="eager").eval()
         rng = np.random.default_rng(7)

@@ -3,7 +3,9 @@ that transformers wrote itself (tests/fixtures/arch_*, made by
 scripts/make_arch_fixtures.py): Qwen2 (q/k/v biases, yarn RoPE), Qwen3 (q/k norms, a
 sliding layer), Mistral (a sliding window on every layer), Gemma 3 (Gemma's norms,
 GeGLU, scaled embeddings, sliding and full layers with their own RoPE tables, linear
-scaling) and Gemma 2 (soft-capped scores and logits). Prompts are several windows long."""
+scaling), Gemma 3's image-text checkpoint run on text (its language model under
+text_config, a vision tower left on disk) and Gemma 2 (soft-capped scores and logits).
+Prompts are several windows long."""
 import shutil
 from pathlib import Path
 
@@ -12,10 +14,11 @@ import pytest
 from conftest import logits_at_every_position
 
 from cupy_llama import LLM, SamplingParams
+from cupy_llama.errors import ConfigError
 from cupy_llama.models import read_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma2")
+NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma3_vision", "gemma2")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -106,3 +109,55 @@ def test_qwen_sliding_window_is_off_unless_asked():
     config = config_from_dicts(config_json({**QWEN2_5_1_5B, "use_sliding_window": True}))
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     assert sliding == list(range(21, 28)) and config.sliding_window == 32768
+
+
+def test_an_image_text_checkpoint_in_transformers_5_names_reads_the_same(tmp_path):
+    """Gemma3ForConditionalGeneration's language model under the names transformers 5 holds
+    it in (model.language_model.*, model.vision_tower.*), as a checkpoint saved from them
+    may write them: the same logits as the released names (language_model.model.*)."""
+    from cupy_llama.checkpoint import write_safetensors
+    from cupy_llama.weights import Checkpoint, read_safetensors_header
+    folder, reference = fixture("gemma3_vision")
+    target = tmp_path / "arch_gemma3_vision"
+    shutil.copytree(folder, target)
+    path = target / "model.safetensors"
+    tensors = read_safetensors_header(path)
+    with Checkpoint(target, tensors) as checkpoint:
+        renamed = {}
+        for name in tensors:
+            new = name.replace("language_model.model.", "model.language_model.", 1)
+            if name.startswith(("vision_tower.", "multi_modal_projector.")):
+                new = "model." + name
+            renamed[new] = np.array(checkpoint.read(name))
+        dtypes = {name: "BF16" for name, array in renamed.items() if array.dtype == np.uint16}
+    assert any(n.startswith("model.language_model.") for n in renamed)
+    write_safetensors(path, renamed, dtypes=dtypes)
+    logits = every_position_logits(target)
+    assert np.abs(logits - reference["logits"]).max() < 1e-3
+
+
+def test_a_released_image_text_config_reads_as_transformers_reads_it():
+    """gemma-3-4b-it's config.json writes only what differs from Gemma3TextConfig's
+    defaults under text_config; the layers, heads and RoPE tables transformers 5.25 makes
+    of it, and the top level's end-of-turn id."""
+    from cupy_llama.models import config_from_dicts
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+           "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+           "mm_tokens_per_image": 256, "model_type": "gemma3", "torch_dtype": "bfloat16",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "model_type": "gemma3_text", "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}
+    config = config_from_dicts(raw)
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert full == [5, 11, 17, 23, 29] and config.sliding_window == 1024
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert (config.vocab_size, config.max_position_embeddings) == (262208, 131072)
+    assert config.attn_scale == 256 ** -0.5 and config.tie_word_embeddings
+    assert config.rope["sliding_attention"].theta == 10000.0
+    full_rope = config.rope["full_attention"]
+    assert full_rope.theta == 1000000.0 and full_rope.rope_type == "linear" and full_rope.factor == 8.0
+    assert set(config.eos_token_ids) == {1, 106}
+    with pytest.raises(ConfigError, match="text_config must be an object"):
+        config_from_dicts({**raw, "text_config": None})

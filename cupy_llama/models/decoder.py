@@ -66,6 +66,12 @@ class Decoder:
         raise NotImplementedError
 
     # ---- weights -----------------------------------------------------------------------
+    def checkpoint_names(self, tensors: dict) -> dict:
+        """The checkpoint's tensors under the names the weight plan reads (a family whose
+        checkpoints name them otherwise renames them here, and leaves out what it does not
+        run); as they are by default."""
+        return tensors
+
     def layer_roles(self) -> list[str]:
         """The roles of a layer's weights, in checkpoint order."""
         c = self.config

@@ -11,7 +11,8 @@
 - soft-capped attention scores and logits where the config sets them."""
 from __future__ import annotations
 
-from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, sqrt_hidden
+from ..config import (FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, id_set,
+                      sqrt_hidden)
 from ..errors import ConfigError
 from .decoder import LLAMA_LAYER_TENSORS, Decoder
 
@@ -67,3 +68,64 @@ class Gemma3(Decoder):
                            sliding_window=window if SLIDING_ATTENTION in layer_types else None,
                            rope=reader.rope(layer_types, default_theta=1_000_000.0,
                                             sliding_theta=10_000.0))
+
+
+# transformers' Gemma3TextConfig defaults: a multimodal checkpoint's text_config writes only
+# the fields that differ from them (gemma-3-4b-it: its sizes, rope_scaling, sliding_window)
+TEXT_CONFIG_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "rope_scaling": None,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+    "bos_token_id": 2, "eos_token_id": 1,
+}
+# where the language model's tensors sit in an image-text checkpoint: as released
+# (transformers 4.50 saved them so), and as transformers 5 saves them
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+class Gemma3WithVision(Gemma3):
+    """The language model of Gemma 3's image-text checkpoints
+    (Gemma3ForConditionalGeneration: the 4B, 12B and 27B), run on text: config.json's
+    text_config is Gemma3ForCausalLM's config, with transformers' defaults for what it
+    leaves out; the vision tower and its projector stay on disk."""
+    architectures = ("Gemma3ForConditionalGeneration",)
+    model_types = ("gemma3",)
+
+    @classmethod
+    def read_config(cls, reader: ConfigReader) -> ModelConfig:
+        raw = reader.raw
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("config.json: text_config must be an object (a "
+                              "Gemma3ForConditionalGeneration's language model settings)")
+        if raw.get("quantization_config") is not None:
+            raise ConfigError("config.json: quantization_config is not supported for "
+                              "Gemma3ForConditionalGeneration; use the bf16 checkpoint")
+        merged = {**TEXT_CONFIG_DEFAULTS, **text}
+        for key in ("torch_dtype", "dtype"):  # the checkpoint's, written at the top
+            if key in raw and key not in text:
+                merged[key] = raw[key]
+        if "eos_token_id" in raw:  # the top level's end-of-turn ids (gemma-3: 1 and 106)
+            merged["eos_token_id"] = sorted(id_set(raw["eos_token_id"])
+                                           | id_set(merged["eos_token_id"]))
+        return super().read_config(ConfigReader(merged, reader.gen))
+
+    def checkpoint_names(self, tensors: dict) -> dict:
+        renamed = {}
+        for name, info in tensors.items():
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            for old, new in _TEXT_PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            renamed[name] = info
+        return renamed
+
