@@ -65,6 +65,10 @@ MODELS = {
         rope_scaling={"rope_type": "linear", "factor": 8.0}),
         {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2}),
+    # Mistral Small 3.x's image-text checkpoint: the "mistral" language model under
+    # text_config, with its own LM head, beside a tiny Pixtral vision tower
+    "mistral3": ("Mistral3Config", dict(rope_theta=10000.0, sliding_window=WINDOW),
+                 {"rope_theta": 10000.0}),
     "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=16, sliding_window=WINDOW,
                                     attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                                     rope_theta=10000.0),
@@ -90,9 +94,10 @@ def legacy_config(config: dict, changes: dict) -> dict:
     which holds only the fields that differ from Gemma3TextConfig's defaults)."""
     if "text_config" in config:
         import transformers
-        defaults = transformers.Gemma3TextConfig().to_dict()
+        text_class = {"gemma3": "Gemma3TextConfig", "mistral3": "MistralConfig"}
+        defaults = getattr(transformers, text_class[config["model_type"]])().to_dict()
         text = {k: v for k, v in legacy_config(config["text_config"], changes).items()
-                if k in changes or k not in defaults or defaults[k] != v}
+                if k in changes or k == "model_type" or k not in defaults or defaults[k] != v}
         return {**config, "text_config": text}
     legacy = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
     legacy.update(changes)
@@ -102,6 +107,13 @@ def legacy_config(config: dict, changes: dict) -> dict:
 def make_config(transformers, config_class: str, values: dict):
     """The transformers config of a fixture; an image-text one holds the language model of
     SHAPE and values in its text_config, beside a vision tower of one small layer."""
+    if config_class == "Mistral3Config":
+        text = transformers.MistralConfig(**{**SHAPE, "tie_word_embeddings": False}, **values)
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
+        return transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision,
+                                           spatial_merge_size=1, image_token_index=260,
+                                           tie_word_embeddings=False)
     if config_class != "Gemma3Config":
         return getattr(transformers, config_class)(**SHAPE, **values)
     text = transformers.Gemma3TextConfig(**SHAPE, **values)
@@ -128,7 +140,7 @@ def greedy(model, torch, prompt: list[int], steps: int) -> list[int]:
 def main():
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     names = sys.argv[1:] or list(MODELS)
     unknown = sorted(set(names) - set(MODELS))
@@ -138,7 +150,8 @@ def main():
         config_class, values, legacy_changes = MODELS[name]
         torch.manual_seed(0)
         config = make_config(transformers, config_class, values)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        auto = AutoModelForImageTextToText if name == "mistral3" else AutoModelForCausalLM
+        model = auto.from_config(config, attn_implementation="eager")
         perturb(model, torch, offset_norms=name.startswith("gemma"))
         target = FIXTURES / f"arch_{name}"
         shutil.rmtree(target, ignore_errors=True)
@@ -151,9 +164,10 @@ def main():
         raw = json.loads((target / "config.json").read_text())
         (target / "config_legacy.json").write_text(
             json.dumps(legacy_config(raw, legacy_changes), indent=2) + "\n")
-        write_tokenizer(target, SHAPE["vocab_size"], TOKENIZER_OF["Gemma3ForCausalLM"
-                        if name == "gemma3_vision" else raw["architectures"][0]])
-        reference = AutoModelForCausalLM.from_pretrained(
+        text_architecture = {"gemma3_vision": "Gemma3ForCausalLM",
+                             "mistral3": "MistralForCausalLM"}.get(name, raw["architectures"][0])
+        write_tokenizer(target, SHAPE["vocab_size"], TOKENIZER_OF[text_architecture])
+        reference = auto.from_pretrained(
             target, dtype=torch.float32, attn_implementation="eager").eval()
         rng = np.random.default_rng(7)
         long_prompt = rng.integers(0, 256, LONG_PROMPT_LEN).tolist()

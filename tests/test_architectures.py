@@ -3,8 +3,9 @@ that transformers wrote itself (tests/fixtures/arch_*, made by
 scripts/make_arch_fixtures.py): Qwen2 (q/k/v biases, yarn RoPE), Qwen3 (q/k norms, a
 sliding layer), Mistral (a sliding window on every layer), Gemma 3 (Gemma's norms,
 GeGLU, scaled embeddings, sliding and full layers with their own RoPE tables, linear
-scaling), Gemma 3's image-text checkpoint run on text (its language model under
-text_config, a vision tower left on disk) and Gemma 2 (soft-capped scores and logits).
+scaling), Gemma 3's and Mistral Small 3's image-text checkpoints run on text (the
+language model under text_config, a vision tower left on disk) and Gemma 2 (soft-capped
+scores and logits).
 Prompts are several windows long."""
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ from cupy_llama.errors import ConfigError
 from cupy_llama.models import read_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
-NAMES = ("qwen2", "qwen3", "mistral", "gemma3", "gemma3_vision", "gemma2")
+NAMES = ("qwen2", "qwen3", "mistral", "mistral3", "gemma3", "gemma3_vision", "gemma2")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -111,14 +112,15 @@ def test_qwen_sliding_window_is_off_unless_asked():
     assert sliding == list(range(21, 28)) and config.sliding_window == 32768
 
 
-def test_an_image_text_checkpoint_in_transformers_5_names_reads_the_same(tmp_path):
-    """Gemma3ForConditionalGeneration's language model under the names transformers 5 holds
-    it in (model.language_model.*, model.vision_tower.*), as a checkpoint saved from them
-    may write them: the same logits as the released names (language_model.model.*)."""
+@pytest.mark.parametrize("name", ["gemma3_vision", "mistral3"])
+def test_an_image_text_checkpoint_in_transformers_5_names_reads_the_same(name, tmp_path):
+    """An image-text checkpoint's language model under the names transformers 5 holds it
+    in (model.language_model.*, lm_head.*, model.vision_tower.*), as a checkpoint saved from
+    them may write them: the same logits as the released names (language_model.model.*)."""
     from cupy_llama.checkpoint import write_safetensors
     from cupy_llama.weights import Checkpoint, read_safetensors_header
-    folder, reference = fixture("gemma3_vision")
-    target = tmp_path / "arch_gemma3_vision"
+    folder, reference = fixture(name)
+    target = tmp_path / f"arch_{name}"
     shutil.copytree(folder, target)
     path = target / "model.safetensors"
     tensors = read_safetensors_header(path)
@@ -126,6 +128,7 @@ def test_an_image_text_checkpoint_in_transformers_5_names_reads_the_same(tmp_pat
         renamed = {}
         for name in tensors:
             new = name.replace("language_model.model.", "model.language_model.", 1)
+            new = new.replace("language_model.lm_head.", "lm_head.", 1)
             if name.startswith(("vision_tower.", "multi_modal_projector.")):
                 new = "model." + name
             renamed[new] = np.array(checkpoint.read(name))
@@ -161,3 +164,7 @@ def test_a_released_image_text_config_reads_as_transformers_reads_it():
     assert set(config.eos_token_ids) == {1, 106}
     with pytest.raises(ConfigError, match="text_config must be an object"):
         config_from_dicts({**raw, "text_config": None})
+    with pytest.raises(ConfigError, match="text_config.model_type 'gemma3n_text' is not "
+                                          "supported for Gemma3ForConditionalGeneration"):
+        config_from_dicts({**raw, "text_config": {**raw["text_config"],
+                                                  "model_type": "gemma3n_text"}})

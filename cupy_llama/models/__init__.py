@@ -11,12 +11,12 @@ from .decoder import Decoder
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3, Gemma3WithVision
 from .llama import Llama
-from .mistral import Mistral
+from .mistral import Mistral, Mistral3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 
-FAMILIES: tuple[type[Decoder], ...] = (Llama, Mistral, Qwen2, Qwen3, Gemma3,
-                                         Gemma3WithVision, Gemma2)
+FAMILIES: tuple[type[Decoder], ...] = (Llama, Mistral, Qwen2, Qwen3, Gemma3, Gemma2,
+                                         Gemma3WithVision, Mistral3)
 ARCHITECTURES = {name: family for family in FAMILIES for name in family.architectures}
 MODEL_TYPES = {name: family for family in FAMILIES for name in family.model_types}
 

@@ -11,10 +11,10 @@
 - soft-capped attention scores and logits where the config sets them."""
 from __future__ import annotations
 
-from ..config import (FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, id_set,
-                      sqrt_hidden)
+from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig, sqrt_hidden
 from ..errors import ConfigError
 from .decoder import LLAMA_LAYER_TENSORS, Decoder
+from .image_text import ImageText
 
 GEMMA_LAYER_TENSORS = {
     **LLAMA_LAYER_TENSORS,
@@ -70,8 +70,8 @@ class Gemma3(Decoder):
                                             sliding_theta=10_000.0))
 
 
-# transformers' Gemma3TextConfig defaults: a multimodal checkpoint's text_config writes only
-# the fields that differ from them (gemma-3-4b-it: its sizes, rope_scaling, sliding_window)
+# transformers' Gemma3TextConfig defaults: an image-text checkpoint's text_config writes
+# only the fields that differ from them (gemma-3-4b-it: its sizes, rope_scaling, sliding_window)
 TEXT_CONFIG_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
     "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -82,50 +82,12 @@ TEXT_CONFIG_DEFAULTS = {
     "final_logit_softcapping": None, "attn_logit_softcapping": None,
     "bos_token_id": 2, "eos_token_id": 1,
 }
-# where the language model's tensors sit in an image-text checkpoint: as released
-# (transformers 4.50 saved them so), and as transformers 5 saves them
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                  ("model.language_model.", "model."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
 
 
-class Gemma3WithVision(Gemma3):
-    """The language model of Gemma 3's image-text checkpoints
-    (Gemma3ForConditionalGeneration: the 4B, 12B and 27B), run on text: config.json's
-    text_config is Gemma3ForCausalLM's config, with transformers' defaults for what it
-    leaves out; the vision tower and its projector stay on disk."""
+class Gemma3WithVision(ImageText, Gemma3):
+    """Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration: the 4B, 12B and
+    27B), their language model run on text (models/image_text.py)."""
     architectures = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
-
-    @classmethod
-    def read_config(cls, reader: ConfigReader) -> ModelConfig:
-        raw = reader.raw
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError("config.json: text_config must be an object (a "
-                              "Gemma3ForConditionalGeneration's language model settings)")
-        if raw.get("quantization_config") is not None:
-            raise ConfigError("config.json: quantization_config is not supported for "
-                              "Gemma3ForConditionalGeneration; use the bf16 checkpoint")
-        merged = {**TEXT_CONFIG_DEFAULTS, **text}
-        for key in ("torch_dtype", "dtype"):  # the checkpoint's, written at the top
-            if key in raw and key not in text:
-                merged[key] = raw[key]
-        if "eos_token_id" in raw:  # the top level's end-of-turn ids (gemma-3: 1 and 106)
-            merged["eos_token_id"] = sorted(id_set(raw["eos_token_id"])
-                                           | id_set(merged["eos_token_id"]))
-        return super().read_config(ConfigReader(merged, reader.gen))
-
-    def checkpoint_names(self, tensors: dict) -> dict:
-        renamed = {}
-        for name, info in tensors.items():
-            if name.startswith(_VISION_PREFIXES):
-                continue
-            for old, new in _TEXT_PREFIXES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
-                    break
-            renamed[name] = info
-        return renamed
-
+    text_model_type = "gemma3_text"
+    text_defaults = TEXT_CONFIG_DEFAULTS
