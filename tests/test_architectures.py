@@ -162,6 +162,12 @@ def test_a_released_image_text_config_reads_as_transformers_reads_it():
     full_rope = config.rope["full_attention"]
     assert full_rope.theta == 1000000.0 and full_rope.rope_type == "linear" and full_rope.factor == 8.0
     assert set(config.eos_token_ids) == {1, 106}
+    from cupy_llama.bench.random_model import GEMMA_3_4B, config_json
+    preset = config_from_dicts(config_json(GEMMA_3_4B))  # bench's gemma-3-4b: the same model
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "vocab_size", "layer_types", "sliding_window",
+                  "rope", "attn_scale", "embed_scale", "max_position_embeddings"):
+        assert getattr(preset, field) == getattr(config, field), field
     with pytest.raises(ConfigError, match="text_config must be an object"):
         config_from_dicts({**raw, "text_config": None})
     with pytest.raises(ConfigError, match="text_config.model_type 'gemma3n_text' is not "

@@ -576,7 +576,8 @@ def test_attention_decode_at_split_edges(cp, rng, head_dim, group):
 # the families' batch-1 shapes: (num_heads, num_kv_heads, head_dim, window)
 FAMILY_DECODE_SHAPES = {"qwen3-0.6b": (16, 8, 128, None), "gemma-3-1b": (4, 1, 256, 512),
                         "gemma-3-1b full layers": (4, 1, 256, None),
-                        "qwen2.5-1.5b": (12, 2, 128, None)}
+                        "qwen2.5-1.5b": (12, 2, 128, None),
+                        "gemma-3-4b": (8, 4, 256, 1024), "gemma-3-4b full layers": (8, 4, 256, None)}
 
 
 @pytest.mark.parametrize("shape", sorted(FAMILY_DECODE_SHAPES))

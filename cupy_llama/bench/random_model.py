@@ -50,9 +50,16 @@ GEMMA_3_1B = dict(
     rope_local_base_freq=10000.0, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
     sliding_window=512, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh",
     final_logit_softcapping=None, attn_logit_softcapping=None, rope_scaling=None)
+# Gemma 3 4B's language model (gemma-3-4b-it's text_config with Gemma3TextConfig's
+# defaults), as a text checkpoint: the kernels see the same shapes
+GEMMA_3_4B = dict(
+    GEMMA_3_1B, hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
+    num_key_value_heads=4, intermediate_size=10240, vocab_size=262208,
+    max_position_embeddings=131072, sliding_window=1024,
+    rope_scaling=dict(rope_type="linear", factor=8.0))
 
 PRESETS = {"tiny": TINY, "llama-3.2-1b": LLAMA_3_2_1B, "qwen3-0.6b": QWEN3_0_6B,
-           "qwen2.5-1.5b": QWEN2_5_1_5B, "gemma-3-1b": GEMMA_3_1B}
+           "qwen2.5-1.5b": QWEN2_5_1_5B, "gemma-3-1b": GEMMA_3_1B, "gemma-3-4b": GEMMA_3_4B}
 
 # config.json's own fields of each family
 FAMILY_FIELDS = {

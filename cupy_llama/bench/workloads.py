@@ -20,7 +20,7 @@ ALL_MODES = MODES + ("all", "prefix")
 DEVICES = ("auto", "cuda", "cpu")
 # the shapes of random_model.PRESETS, named here so the command line can offer them without
 # importing NumPy (tests/test_bench.py checks the two agree)
-PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-1.5b", "gemma-3-1b", "tiny")
+PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "qwen2.5-1.5b", "gemma-3-1b", "gemma-3-4b", "tiny")
 DEFAULT_PRESETS = {"cuda": "llama-3.2-1b", "cpu": "tiny"}
 DEFAULT_BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 MODEL_SEED = 0                  # random weights: the same model for every workload seed
