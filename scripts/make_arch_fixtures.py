@@ -38,6 +38,12 @@ LONG_PROMPT_LEN = 96
 NUM_GREEDY = 24
 WINDOW = 16
 
+GEMMA3_VALUES = dict(query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=2,
+                     rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA3_LEGACY = {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                 "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                 "sliding_window_pattern": 2}
 # name -> (transformers config class, its own values, the legacy config.json's changes)
 MODELS = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, rope_scaling={
@@ -49,22 +55,12 @@ MODELS = {
               {"rope_theta": 1000000.0}),
     "mistral": ("MistralConfig", dict(rope_theta=10000.0, sliding_window=WINDOW),
                 {"rope_theta": 10000.0}),
-    "gemma3": ("Gemma3TextConfig", dict(
-        query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=2,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}),
-        {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2}),
+    "gemma3": ("Gemma3TextConfig", GEMMA3_VALUES, GEMMA3_LEGACY),
     # the image-text checkpoint (the 4B and larger): the same language model as "gemma3"
     # under text_config, beside a tiny vision tower the engine leaves on disk; its legacy
     # config.json writes text_config as the released ones do, only what differs from
     # transformers' defaults
-    "gemma3_vision": ("Gemma3Config", dict(
-        query_pre_attn_scalar=16, sliding_window=WINDOW, sliding_window_pattern=2,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}),
-        {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 2}),
+    "gemma3_vision": ("Gemma3Config", GEMMA3_VALUES, GEMMA3_LEGACY),
     # Mistral Small 3.x's image-text checkpoint: the "mistral" language model under
     # text_config, with its own LM head, beside a tiny Pixtral vision tower
     "mistral3": ("Mistral3Config", dict(rope_theta=10000.0, sliding_window=WINDOW),
