@@ -491,55 +491,59 @@ class CombinedMatcher:
 class _TrieSource:
     """What llguidance builds a token trie from (its TokenizerWrapper protocol): each
     token's bytes as llguidance reads them from tokenizer.json, with only the tokens the
-    tokenizer calls special marked special, and an encoder that reads special tokens'
-    text as text.
+    tokenizer calls special marked special, and an encoder that writes special tokens'
+    text with ordinary tokens.
 
     Built from tokenizer.json directly, llguidance marks every added token special (Qwen's
     <tool_call> too), while the encoder it tokenizes a grammar's forced text with splits
     added tokens out of text: a constraint that spells one ("<tool_call>x", "<|eot_id|>")
     got a mask allowing only that token, which its matcher then rejected. Here the text
     and its tokens agree: a non-special added token is its text, and a special token's
-    text is written with ordinary tokens (grammars still name special tokens, <[id]> or
-    <|name|>)."""
+    text is spelled greedily with ordinary tokens (grammars still name special tokens,
+    <[id]> or <|name|>). The encoder is otherwise llguidance's own, which knows the space
+    a SentencePiece vocabulary puts in front of a text."""
 
-    def __init__(self, tokens: list[bytes], special_token_ids: list[int], encoder, eos: int):
+    def __init__(self, as_read, tokens: list[bytes], special_token_ids: list[int], eos: int):
         self.tokens = tokens
         self.special_token_ids = special_token_ids
         self.eos_token_id = eos
         self.bos_token_id = None
         self.is_tokenizer_wrapper = True
-        self._encoder = encoder
+        self._as_read = as_read  # llguidance's tokenizer of tokenizer.json
+        self._special = frozenset(special_token_ids)
 
     @classmethod
-    def of(cls, llg, tokenizer_json: str, eos: list[int], vocab_size: int):
+    def of(cls, llg, tokenizer_json: str, eos: list[int], vocab_size: int) -> "_TrieSource":
         """The source for tokenizer.json and a model of vocab_size ids (the ids past the
-        tokenizer's are special tokens, which no text grammar allows), or
-        tokenizer.json itself where the tokenizers library cannot read special tokens as
-        text."""
-        from tokenizers import Tokenizer as BackendTokenizer
-
-        encoder = BackendTokenizer.from_str(tokenizer_json)
-        try:
-            encoder.encode_special_tokens = True
-        except AttributeError:  # tokenizers before 0.15.1
-            return tokenizer_json
+        tokenizer's are special tokens, which no text grammar allows)."""
         as_read = llg.LLTokenizer(tokenizer_json, eos_token=eos, slices=[])  # no mask work
         tokens = [as_read.decode_bytes([i]) for i in range(as_read.vocab_size)]
-        special = sorted(i for i, token in encoder.get_added_tokens_decoder().items()
-                         if token.special)
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        special = sorted({token["id"] for token in added if isinstance(token, dict)
+                          and token.get("special") and isinstance(token.get("id"), int)
+                          and 0 <= token["id"] < len(tokens)})
         padding = range(len(tokens), vocab_size)  # named as llguidance names them
         tokens += [f"<[{i}]>".encode() for i in padding]
-        return cls(tokens, special + list(padding), encoder, eos[0])
+        return cls(as_read, tokens, special + list(padding), eos[0])
 
     def __call__(self, text) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._encoder.encode(text, add_special_tokens=False).ids
+        read = self._as_read
+        ids = read.tokenize_bytes(text if isinstance(text, bytes) else text.encode())
+        special = self._special
+        if special.isdisjoint(ids):
+            return ids
+        spelled = []
+        for token_id in ids:
+            if token_id in special:
+                spelled += read.greedy_tokenize(self.tokens[token_id].decode(errors="replace"))
+            else:
+                spelled.append(token_id)
+        return spelled
 
 
 class GrammarCompiler:
     """Compiles specs for one model. Building it reads the whole vocabulary into
-    llguidance's token trie (_TrieSource): about 1.1 s for Llama 3's 128,256 tokens on a
+    llguidance's token trie (_TrieSource): about 1 s for Llama 3's 128,256 tokens on a
     2-core x86-64 (the interpreter lock is held meanwhile), so a model builds one, once,
     before it serves constrained requests.
 

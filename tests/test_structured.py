@@ -407,6 +407,31 @@ def test_a_special_tokens_text_is_written_as_text(llama3_compiler):
     assert named.advance(128009) and named.advance(tokenizer.token_to_id("x"))
 
 
+def test_a_sentencepiece_vocabulary_writes_forced_text_without_its_leading_space():
+    """Llama 2's and Mistral's kind of vocabulary puts "\u2581" in front of a text it
+    encodes: a choice's forced text is written as it reads (no space first), a special
+    token's text ([/INST]) with ordinary tokens, and every token the mask offers passes."""
+    from test_tokenizer import _sentencepiece_tokenizer
+    pytest.importorskip("llguidance")
+    tok = _sentencepiece_tokenizer()
+    compiler = GrammarCompiler.from_tokenizer(tok, 300, [1])
+    bitmask = np.zeros((1, compiler.num_words), np.uint32)
+    for choices in (["Paris is x", "Paris is y"], [" The capital", " The capitol"],
+                    ["[/INST] a", "[/INST] b"]):
+        for pick in (0, 1):
+            matcher, written = compiler.matcher(StructuredSpec.choice(choices)), []
+            while not matcher.is_complete:
+                matcher.fill_bitmask(bitmask, 0)
+                allowed = [t for t in allowed_token_ids(bitmask[0], 300).tolist() if t != 1]
+                assert allowed and 2 not in allowed, (choices, written)  # never [/INST] itself
+                # the token that keeps to choices[pick] where there is a choice
+                token = next((t for t in allowed if choices[pick].lstrip().startswith(
+                    tok.decode(written + [t]))), allowed[0])
+                assert matcher.advance(token), matcher.error
+                written.append(token)
+            assert tok.decode(written) == choices[pick].lstrip()  # Strip drops a first space
+
+
 # ---- the NumPy reference of masking -----------------------------------------------------
 
 def test_apply_token_bitmask_sets_disallowed_logits_to_minus_infinity():
