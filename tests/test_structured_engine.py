@@ -212,3 +212,48 @@ def test_a_constrained_prompt_in_chunks_beside_logprobs(model_dir, llm):
     jsonschema.validate(json.loads(outputs[1].text), PERSON)
     assert outputs[1].text == llm.generate(long_prompt, bound).text
     chunked.close()
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_there(llm):
+    """serve's engine loop compiles a grammar on a worker thread before it takes the request
+    in. Aborted meanwhile (its client gone), the request still ends: a final "abort" delta
+    for each sample, its sequences counted as taken, so the server drops its stream and
+    its waiting count (a request left behind made the server refuse work and then stop its
+    own engine as stalled)."""
+    from concurrent.futures import Future
+
+    from cupy_llama.engine.async_engine import _EngineLoop
+    from cupy_llama.engine.output_processor import EngineDelta
+
+    class ScriptedChannel:
+        def __init__(self, turns):
+            self.turns, self.sent = list(turns), []
+
+        def receive(self, wait):  # the script, then nothing while busy, then stop
+            return self.turns.pop(0) if self.turns else [("stop",)] if wait else []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    engine = llm.engine
+    never = Future()  # a grammar still compiling
+    params = SamplingParams(max_tokens=5, n=2, structured={"regex": "[a-z]+"})
+    plain = SamplingParams(max_tokens=2, temperature=0)
+    channel = ScriptedChannel([
+        [("add", "slow", [5, 6, 7], params, True, False)],
+        [("add", "plain", [5, 6], plain, False, False), ("abort", "slow")],
+    ])
+    loop = _EngineLoop(engine, channel)
+    original = engine.compile_structured_async
+    engine.compile_structured_async = lambda spec: never
+    try:
+        loop.run()
+    finally:
+        engine.compile_structured_async = original
+        engine.outputs = None
+    deltas = [EngineDelta.of(d) for message in channel.sent for d in message[1]]
+    ended = {(d.request_id, d.index): d.finish_reason for d in deltas if d.finished}
+    assert ended[("slow", 0)] == ended[("slow", 1)] == "abort"
+    assert ended[("plain", 0)] == "length"
+    assert channel.sent[-1][3]["num_added_seqs"] == 3
+    assert not engine.has_unfinished_requests()

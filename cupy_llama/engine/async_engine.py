@@ -192,7 +192,8 @@ class _EngineLoop:
                         self._add(message, rejected)
                 elif kind == "abort":  # the final delta of each sample still running
                     if len(message) == 2:  # the whole request: also one still compiling
-                        compiling = [(f, m) for f, m in compiling if m[1] != message[1]]
+                        compiling, dropped = self._drop_compiling(compiling, message[1])
+                        deltas += dropped
                     deltas += engine.abort_deltas(*message[1:])  # (request id[, index])
                 elif kind == "stop":
                     return  # engine.close() aborts what still runs and frees the device
@@ -218,6 +219,21 @@ class _EngineLoop:
                 channel.send(self.step_message(deltas, rejected, columns))
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
+
+    def _drop_compiling(self, compiling: list, request_id: str) -> tuple[list, list]:
+        """(compiling without the request, the final "abort" delta of each of its samples):
+        a request aborted while its grammar compiles ends here, as one the engine had
+        taken in would, and its sequences count as taken."""
+        kept, dropped = [], []
+        for future, message in compiling:
+            if message[1] != request_id:
+                kept.append((future, message))
+                continue
+            num_samples = message[3].n
+            self.num_added_seqs += num_samples
+            dropped += [EngineDelta(request_id, index, "", [], "abort")
+                        for index in range(num_samples)]
+        return kept, dropped
 
     def _add(self, message, rejected: list, compile_error: BaseException | None = None) -> None:
         """Add a request (compile_error: why its grammar did not compile, or None)."""
