@@ -122,6 +122,9 @@ class Tokenizer:
         # A copy that never matches special tokens in text: message content goes through it.
         self._plain = BackendTokenizer.from_str(backend.to_str())
         self._plain.encode_special_tokens = True
+        # and for text after the start of a chat prompt (past a special token): tokenizers
+        # gives a Metaspace pre-tokenizer's "first" space only to text at offset 0
+        self._plain_inner = _never_prepending(self._plain) or self._plain
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self._special = {tok.content: (i, tok) for i, tok in added.items() if tok.special}
@@ -397,11 +400,12 @@ class Tokenizer:
         if continue_final_message:
             text = _continue_final(text, guarded, add_generation_prompt)
         ids: list[int] = []
-        for piece, special in self._split_on_specials(text):
+        for k, (piece, special) in enumerate(self._split_on_specials(text)):
             if special is not None:
                 ids.append(special)
             elif piece:
-                ids.extend(_encode(self._plain, piece.replace(marker, ""), False))
+                plain = self._plain if k == 0 else self._plain_inner
+                ids.extend(_encode(plain, piece.replace(marker, ""), False))
         return ids
 
     def _guard(self, value, marker: str):
@@ -771,6 +775,27 @@ def _continue_final(text: str, messages: list[dict], add_generation_prompt: bool
 # a text this long is encoded with the interpreter lock released (encode_batch lets it go,
 # encode keeps it), so that a server's other threads run meanwhile
 _LONG_TEXT = 4096
+
+
+def _never_prepending(backend: BackendTokenizer) -> BackendTokenizer | None:
+    """A copy of a tokenizer whose Metaspace pre-tokenizer prepends its space to the first
+    text only (prepend_scheme "first") that prepends it nowhere, or None for another
+    tokenizer (its pieces encode the same wherever they are)."""
+    config = json.loads(backend.to_str())
+    found, stack = False, [config.get("pre_tokenizer")]
+    while stack:
+        part = stack.pop()
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "Metaspace" and part.get("prepend_scheme") == "first":
+            part["prepend_scheme"] = "never"
+            found = True
+        stack += part.get("pretokenizers") or []
+    if not found:
+        return None
+    inner = BackendTokenizer.from_str(json.dumps(config))
+    inner.encode_special_tokens = True
+    return inner
 
 
 def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -562,3 +562,32 @@ def test_the_engine_writes_a_completion_after_its_prompt(tmp_path):
         assert list(llm.stream(["The capital is"], params))[-1].text == expected
     finally:
         llm.close()
+
+
+def test_chat_text_after_a_special_token_gets_no_first_space():
+    """A Metaspace pre-tokenizer with prepend_scheme "first" (SentencePiece vocabularies
+    converted without the legacy normalizer) puts its space before the text at the start
+    of the prompt only, not before text that follows a special token: a chat prompt's ids
+    are the whole rendered text's, as transformers encodes it."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "\u2581Hello": 259, "\u2581": 260, "Hi": 261, "!": 262, "\u2581[": 263}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] "
+                "{{ m.content }} [/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}"
+                "{% endfor %}")
+    tok = Tokenizer(backend, template, "<s>", "</s>")
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+                {"role": "user", "content": "Hello"}]
+    text = tok.apply_chat_template(messages)
+    assert text.startswith("<s>[INST] Hello [/INST]Hi!</s>[INST]")
+    whole = backend.encode(text, add_special_tokens=False).ids
+    assert tok.encode_chat(messages) == whole
+    assert whole[1] != 260 and 263 not in whole  # no "\u2581" after <s> or </s>
+    # at offset 0, the first text does get it
+    plain_start = Tokenizer(backend, "[INST]{{ bos_token }}", "<s>", "</s>")
+    assert plain_start.encode_chat(messages) == backend.encode("[INST]<s>",
+                                                               add_special_tokens=False).ids
