@@ -168,7 +168,7 @@ class LLM:
         if parser_name is not None:
             parser_name = check_parser_name(parser_name, "tool_call_parser")
         else:
-            parser_name = tool_parser_for_template(self.tokenizer.chat_template)
+            parser_name = tool_parser_for_template(self.tokenizer.template_for_tools)
             if parser_name is None:
                 raise RequestError("the model's chat template shows no tool-call format "
                                    "this engine knows; pass tool_call_parser= "

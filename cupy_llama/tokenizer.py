@@ -117,7 +117,10 @@ class Tokenizer:
 
     def __init__(self, backend: BackendTokenizer, chat_template: str | None,
                  bos_token: str | None, eos_token: str | None, extra_eos: tuple[str, ...] = (),
-                 add_bos: bool = False, template_tokens: dict | None = None):
+                 add_bos: bool = False, template_tokens: dict | None = None,
+                 tool_chat_template: str | None = None):
+        """tool_chat_template: the template for chats that offer tools, where the model
+        has one of its own (a "tool_use" template beside the default), else None."""
         self._backend = backend
         # A copy that never matches special tokens in text: message content goes through it.
         self._plain = BackendTokenizer.from_str(backend.to_str())
@@ -131,6 +134,8 @@ class Tokenizer:
         self._special_pattern = _alternation(self._special)
         self.chat_template = chat_template
         self._compiled_template = None
+        self.tool_chat_template = tool_chat_template
+        self._compiled_tool_template = None
         self._request_templates: dict = {}  # requests' own templates (_request_template)
         self._request_templates_lock = threading.Lock()
         self.bos_token = bos_token if self._id_of(bos_token) is not None else None
@@ -187,7 +192,8 @@ class Tokenizer:
             add_bos = not _post_processor_adds(backend, backend.token_to_id(bos))
         template_tokens = {name: _token_text(tok_config.get(name))
                            for name in ("unk_token", "pad_token")}
-        return cls(backend, template, bos, eos, extra_eos, add_bos, template_tokens)
+        return cls(backend, template, bos, eos, extra_eos, add_bos, template_tokens,
+                   _find_tool_template(model_dir, tok_config))
 
     # ---- vocabulary ------------------------------------------------------------------
 
@@ -454,6 +460,12 @@ class Tokenizer:
                 f"vocabulary (config.json vocab_size) has {model_vocab_size}: it is another "
                 f"model's tokenizer; copy this model's tokenizer.json into the folder")
 
+    @property
+    def template_for_tools(self) -> str | None:
+        """The template a chat that offers tools renders with (its tool-call format is the
+        one replies are parsed in)."""
+        return self.tool_chat_template or self.chat_template
+
     def check_chat_template(self) -> None:
         """Compile the chat template and render it once on a short conversation, so that a
         broken template (bad syntax, an error when it runs, a reach out of the sandbox) is
@@ -463,6 +475,8 @@ class Tokenizer:
             return
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)  # names the syntax error
+        if self.tool_chat_template is not None and self._compiled_tool_template is None:
+            self._compiled_tool_template = _compile_template(self.tool_chat_template)
         try:
             self._render(list(PROBE_CONVERSATION), True, "26 Jul 2024", None, None)
         except TokenizerError as e:
@@ -481,6 +495,10 @@ class Tokenizer:
             raise TokenizerError("this model has no chat template (no chat_template.jinja and "
                                  "no chat_template in tokenizer_config.json); add one, or "
                                  "send plain prompts instead of chat messages")
+        elif tools is not None and self.tool_chat_template is not None:
+            if self._compiled_tool_template is None:
+                self._compiled_tool_template = _compile_template(self.tool_chat_template)
+            compiled = self._compiled_tool_template
         else:
             if self._compiled_template is None:
                 self._compiled_template = _compile_template(self.chat_template)
@@ -930,6 +948,25 @@ def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
                              "'default'; add chat_template.jinja to the model directory")
     raise TokenizerError("tokenizer_config.json: chat_template must be a string or a list "
                          "of {name, template}")
+
+
+def _find_tool_template(model_dir: Path, tok_config: dict) -> str | None:
+    """The model's template for chats that offer tools, as transformers picks it:
+    additional_chat_templates/tool_use.jinja, or the "tool_use" entry of a list of named
+    templates in tokenizer_config.json (NousResearch's Hermes models ship one)."""
+    jinja_file = model_dir / "additional_chat_templates" / "tool_use.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{str(jinja_file)!r} is not UTF-8 text; fix or remove "
+                                 "it") from None
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("tool_use"), str):
+            return named["tool_use"]
+    return None
 
 
 def _token_text(value) -> str | None:

@@ -591,3 +591,24 @@ def test_chat_text_after_a_special_token_gets_no_first_space():
     plain_start = Tokenizer(backend, "[INST]{{ bos_token }}", "<s>", "</s>")
     assert plain_start.encode_chat(messages) == backend.encode("[INST]<s>",
                                                                add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("form", ["list", "additional"])
+def test_chats_with_tools_render_the_tool_use_template(tmp_path, demo_dir, form):
+    """A model with a template of its own for chats that offer tools (a "tool_use" entry
+    beside "default" in tokenizer_config.json, as NousResearch's Hermes models ship, or
+    additional_chat_templates/tool_use.jinja, as transformers saves it) renders it when
+    tools are given, and the default otherwise, as transformers picks them."""
+    default, tool_use = "{{ messages[0].content }}!", "{{ tools | length }} tools: {{ messages[0].content }}"
+    if form == "list":
+        tok = _dir_with(tmp_path, demo_dir, tokenizer_config={"chat_template": [
+            {"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]})
+    else:
+        (tmp_path / "additional_chat_templates").mkdir()
+        (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+        tok = _dir_with(tmp_path, demo_dir, template=default)
+    messages = [{"role": "user", "content": "hey"}]
+    assert tok.apply_chat_template(messages) == "hey!"
+    assert tok.apply_chat_template(messages, tools=[{"name": "f"}]) == "1 tools: hey"
+    assert tok.template_for_tools == tool_use
+    assert tok.apply_chat_template(messages, tools=[{"name": "f"}], chat_template="x") == "x"

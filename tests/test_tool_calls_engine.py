@@ -215,3 +215,25 @@ def test_plain_batch_lines_take_tools(tool_llm, tmp_path):
     assert "tools need 'messages'" in rows["prompt"]["error"]
     assert "tool_choice.function.name 'nope' is not one of the tools" in rows["unknown"]["error"]
     assert "leave out the line's constraint" in rows["both"]["error"]
+
+
+def test_a_tool_use_template_beside_the_default_calls_tools(tmp_path):
+    """A model whose tools come in through a "tool_use" template beside a default one
+    (Hermes' tokenizer_config.json): its format is found there and the calls are valid."""
+    from cupy_llama.bench.random_model import CHATML_TEMPLATE
+    model_dir = make_tool_model(tmp_path / "hermes", "hermes")
+    tool_use = (model_dir / "chat_template.jinja").read_text()
+    (model_dir / "chat_template.jinja").unlink()
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": CHATML_TEMPLATE},
+        {"name": "tool_use", "template": tool_use}], "eos_token": "<|im_end|>"}))
+    llm = LLM(model_dir, device="cpu", log=None)
+    try:
+        assert "<tools>" not in llm.tokenizer.apply_chat_template(QUESTION)
+        assert "<tools>" in llm.tokenizer.apply_chat_template(QUESTION, tools=TOOLS)
+        output = llm.chat(QUESTION, params(0), tools=TOOLS, tool_choice="required",
+                          parallel_tool_calls=False)
+        assert_valid_calls(output, {"get_weather", "get_time"})
+        assert len(output.tool_calls) == 1
+    finally:
+        llm.close()

@@ -77,7 +77,7 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
     if tools is not None and tools.parser is None and tools.tool_choice != "none":
         from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
-        if tool_parser_for_template(llm.tokenizer.chat_template) is None:
+        if tool_parser_for_template(llm.tokenizer.template_for_tools) is None:
             raise OptionError("--tools: the model's chat template shows no tool-call format "
                               "this engine knows; use a model whose template calls tools, or "
                               f"name the format with --tool-call-parser ({', '.join(PARSER_NAMES)})")
