@@ -351,3 +351,32 @@ def test_http_errors_outside_the_app_are_openai_errors_and_headers_time_out():
             while data := sock.recv(65536):
                 answer += data
             assert answer.startswith(b"HTTP/1.1 200") and b"\r\nok\r\n" in answer
+
+
+def test_a_body_that_stops_arriving_is_a_408(model_dir, llm):
+    """A client that sends part of a body and then nothing (Content-Length or chunked)
+    gets a 408 once the body has paused for --header-timeout (0.5 s here), with the
+    connection closed; a body sent at once is served as before."""
+    from inprocess_server import with_app
+    state = make_state(model_dir, llm, header_timeout_s=0.5)
+
+    async def stalled():
+        yield b'{"model": "m", "prompt": "hi",'
+        await asyncio.sleep(30)
+        yield b' "max_tokens": 2}'
+
+    async def work(transport):
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            started = time.monotonic()
+            slow = await client.post("/v1/completions", content=stalled())
+            waited = time.monotonic() - started
+            whole = await client.post("/v1/completions",
+                                      json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        return slow, waited, whole
+
+    slow, waited, whole = with_app(state, work)
+    assert slow.status_code == 408 and slow.headers["connection"] == "close"
+    error = slow.json()["error"]
+    assert error["code"] == "request_timeout" and "stopped arriving for 0.5 s" in error["message"]
+    assert 0.4 < waited < 20
+    assert whole.status_code == 200

@@ -49,7 +49,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
                    "30 on a GPU, 300 on the CPU).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds a connection has to send a request's headers "
-              "before it is closed.")
+              "before it is closed, and the most a request's body may pause (then a 408).")
 @click.option("--allowed-origins", metavar="JSON", default="[]", show_default=True,
               help='Origins a browser may call the API from, as a JSON list '
                    '(\'["http://localhost:3000"]\', or \'["*"]\'); none: no cross-origin '

@@ -568,7 +568,10 @@ async def _events(job: _Job, stream_builder, updates: dict):
         yield SSE_DONE
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request's body, at most limit bytes, each of its parts arriving within
+    timeout_s of the one before (a client that stops sending its body would otherwise hold
+    the connection for ever): APIError 413 or 408 otherwise."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.strip().isdigit():
@@ -578,7 +581,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
                                 f"limit of {limit:,}", code="request_too_large",
                            headers={"Connection": "close"})
     body = bytearray()
-    async for chunk in request.stream():
+    parts = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(parts.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body stopped arriving for {timeout_s:g} s; send "
+                                "it whole", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"the request body is larger than the limit of {limit:,} "
@@ -714,7 +726,8 @@ def create_app(state: ServerState):
         state.check_key(request)
         state.check_ready()
         try:
-            body = await _read_body(request, settings.max_body_bytes)
+            body = await _read_body(request, settings.max_body_bytes,
+                                    settings.header_timeout_s)
         except ClientDisconnect:
             raise _ClientGone() from None
 
