@@ -17,7 +17,7 @@ import time
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inprocess_server import ask, ask_one, make_state
+from inprocess_server import ask, ask_one, make_state, with_app
 
 from cupy_llama.cli import main
 from cupy_llama.server.app import ServerSettings, create_app, ready_line
@@ -357,7 +357,6 @@ def test_a_body_that_stops_arriving_is_a_408(model_dir, llm):
     """A client that sends part of a body and then nothing (Content-Length or chunked)
     gets a 408 once the body has paused for --header-timeout (0.5 s here), with the
     connection closed; a body sent at once is served as before."""
-    from inprocess_server import with_app
     state = make_state(model_dir, llm, header_timeout_s=0.5)
 
     async def stalled():
@@ -380,3 +379,46 @@ def test_a_body_that_stops_arriving_is_a_408(model_dir, llm):
     assert error["code"] == "request_timeout" and "stopped arriving for 0.5 s" in error["message"]
     assert 0.4 < waited < 20
     assert whole.status_code == 200
+
+
+def test_bodies_of_more_entries_than_could_run_are_refused_before_they_are_read(state):
+    """Chat messages past the context's token count, and completion prompts past what the
+    server could take in, are 400s decided on the body's JSON, before the request model
+    reads each entry and the prompts are rendered and tokenized (seconds of held-up
+    streams for a body of hundreds of thousands of entries)."""
+    context = None
+
+    async def work(transport):
+        nonlocal context
+        context = state.info.context_limit
+        many = [{"role": "user", "content": ""}] * (context + 1)
+        at_once = state.engine.info.max_num_seqs + state.settings.max_waiting
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            chat = await client.post("/v1/chat/completions", json={"model": "m", "messages": many})
+            prompts = await client.post("/v1/completions", json={
+                "model": "m", "prompt": ["a"] * (at_once + 1), "max_tokens": 1})
+            doubled = await client.post("/v1/completions", json={
+                "model": "m", "prompt": ["a"] * (at_once // 2 + 1), "n": 2, "max_tokens": 1})
+            ids = await client.post("/v1/completions", json={  # one prompt of token ids
+                "model": "m", "prompt": [5] * 10, "max_tokens": 1})
+        return chat, prompts, doubled, ids
+
+    from cupy_llama.server import protocol
+    parse, read = protocol.parse, []
+
+    def counted(model, body):
+        read.append(model.__name__)
+        return parse(model, body)
+
+    protocol.parse = counted
+    try:
+        chat, prompts, doubled, ids = with_app(state, work)
+    finally:
+        protocol.parse = parse
+    assert read == ["CompletionRequest"]  # only the body that runs was read
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert f"more than the model's context of {context:,} tokens" in chat.json()["error"]["message"]
+    for answer, param in ((prompts, "prompt"), (doubled, "n")):
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+        assert "sequences" in answer.json()["error"]["message"]
+    assert ids.status_code == 200

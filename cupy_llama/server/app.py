@@ -296,16 +296,40 @@ class ServerState:
                 field = spec.source.split(".", 1)[0]
                 raise APIError(400, str(e), param=field) from None
 
-    def start_job(self, response_id: str, prompts: list[list[int]], params: list,
-                  stream: bool, n: int) -> "_Job":
-        new_seqs, limit = len(prompts) * n, self.settings.max_waiting
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """400 for a request of more sequences than the server could ever take in (no
+        retry would help)."""
+        new_seqs, limit = num_prompts * n, self.settings.max_waiting
         at_once = self.engine.info.max_num_seqs
-        if new_seqs > at_once + limit:  # could never be taken in: no retry would help
-            what = f"{len(prompts)} prompts x n={n}" if len(prompts) > 1 else f"n={n}"
+        if new_seqs > at_once + limit:
+            what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
             raise APIError(400, f"this request needs {new_seqs} sequences ({what}) but the "
                                 f"server runs {at_once} at once and lets {limit} wait "
                                 "(--max-num-seqs, --max-waiting); send fewer prompts or a "
                                 "smaller n", param="n" if n > 1 else "prompt")
+
+    def check_sizes(self, body) -> None:
+        """Bounds a body's lists must keep, checked on its JSON before the request model
+        reads it and its prompts are rendered and tokenized (seconds for a body of
+        hundreds of thousands of entries, which would hold up the other streams): no more
+        messages than the context has tokens (every template writes each message), no more
+        prompts than the server could take in."""
+        if not isinstance(body, dict):
+            return
+        messages, prompt = body.get("messages"), body.get("prompt")
+        context = self.info.context_limit
+        if isinstance(messages, list) and len(messages) > context:
+            raise APIError(400, f"messages has {len(messages):,} entries, more than the "
+                                f"model's context of {context:,} tokens can hold; send fewer",
+                           param="messages", code="context_length_exceeded")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            n = body.get("n")
+            self.check_sequences(len(prompt), n if isinstance(n, int) and n > 0 else 1)
+
+    def start_job(self, response_id: str, prompts: list[list[int]], params: list,
+                  stream: bool, n: int) -> "_Job":
+        self.check_sequences(len(prompts), n)
+        new_seqs, limit = len(prompts) * n, self.settings.max_waiting
         would_wait = self.engine.num_would_wait(new_seqs)
         if would_wait > limit:
             counted = f"{would_wait} sequence{'s' if would_wait != 1 else ''}"
@@ -733,6 +757,8 @@ def create_app(state: ServerState):
 
         def parse():
             decoded = _decode_json(body)
+            if model in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
+                state.check_sizes(decoded)  # before the request model reads every entry
             return protocol.parse(model, decoded), decoded
 
         parsed, decoded = await asyncio.to_thread(parse)
