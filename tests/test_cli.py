@@ -154,6 +154,14 @@ def test_info(model_dir, capsys):
     assert f"eos ids       {', '.join(map(str, engine_eos))}\n" in out
 
 
+def test_info_says_an_image_text_model_runs_its_language_model(capsys):
+    folder = Path(__file__).parent / "fixtures" / "arch_gemma3_vision"
+    assert main(["info", "--model", str(folder), *CPU]) == 0
+    out = capsys.readouterr().out
+    assert "architecture  Gemma3ForConditionalGeneration (its language model; images are " \
+           "not read)\n" in out
+
+
 def cli(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "cupy_llama.cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=60)

@@ -43,7 +43,9 @@ def _eos_ids(model_dir, config) -> list[int]:
 
 def _describe(config, device: str, eos_ids: list[int]) -> list[tuple[str, str]]:
     return [
-        ("architecture", config.architecture),
+        ("architecture", config.architecture + (" (its language model; images are not "
+                                                "read)" if config.architecture.endswith(
+                                                    "ForConditionalGeneration") else "")),
         ("shape", f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
                   f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV), "
                   f"head_dim {config.head_dim}, intermediate {config.intermediate_size}"),
