@@ -143,11 +143,13 @@ def test_a_two_turn_exchange_through_the_openai_client(tool_server):
     assert call.name == "get_weather" and not first.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
     assert answer.choices[0].finish_reason in ("stop", "length", "function_call")
+    # the deprecated API has no ids: the server makes one up, as Mistral's templates take
+    # them (9 letters and digits: they refuse others)
     modern = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
+            "id": "call00001", "type": "function",
             "function": {"name": "get_weather", "arguments": call.arguments}}]},
-        {"role": "tool", "name": "get_weather", "tool_call_id": "call_1",
+        {"role": "tool", "name": "get_weather", "tool_call_id": "call00001",
          "content": "22C and sunny"}]
     assert engine_inputs(model_dir, llm, {"messages": history, "functions": FUNCTIONS}) == \
         engine_inputs(model_dir, llm, {"messages": modern, "tools": TOOLS})
@@ -218,3 +220,18 @@ def test_harmless_values_change_nothing(tool_server):
         assert engine_inputs(model_dir, llm, {"messages": QUESTION, **fields}) == plain, fields
     with pytest.raises(APIError):  # (and a value that is not harmless is not taken as one)
         engine_inputs(model_dir, llm, {"messages": QUESTION, "functions": {}})
+
+
+def test_a_legacy_calls_made_up_id_is_one_every_template_takes():
+    """The deprecated API's calls have no ids; the one the server makes up for the template
+    (and the "function" reply that answers it) is 9 letters and digits, the only form
+    Mistral's templates take ("Tool call IDs should be alphanumeric strings with length
+    9!")."""
+    import re
+    history = QUESTION + [CALLED, {"role": "function", "name": "get_time", "content": "12:00"}]
+    request = parse(ChatCompletionRequest, {"model": "m", "messages": history,
+                                            "functions": FUNCTIONS})
+    call, answer = request.conversation()[1:3]
+    made_up = call["tool_calls"][0]["id"]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", made_up) and answer["tool_call_id"] == made_up
+

@@ -889,7 +889,9 @@ class _ChatPrompt:
             if message.tool_calls is not None:  # the tokenizer checks their shape
                 entry["tool_calls"] = message.tool_calls
             if message.function_call is not None:
-                last_call_id = f"call_{i}"
+                # made up (the deprecated API has no ids), in the one form every template
+                # takes: Mistral's want 9 letters and digits
+                last_call_id = f"call{i:05d}"
                 entry["tool_calls"] = [_legacy_call(message, last_call_id, where)]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
