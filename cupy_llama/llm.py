@@ -175,12 +175,18 @@ class LLM:
                                    "('llama3_json', 'hermes' or 'mistral')")
         grammar = tool_call_grammar(parser_name, tools, choice, parallel_tool_calls,
                                     token_id=self.tokenizer.token_to_id)
+        changes = {}
         if grammar is not None:
-            params = self._param_list(params, 1)[0]
-            if params.structured is not None:
+            changes["structured"] = grammar
+        if changes:
+            single = params is None or isinstance(params, SamplingParams)
+            count = len(params) if isinstance(params, (list, tuple)) else 1  # one per prompt
+            each = self._param_list(params, count)
+            if grammar is not None and any(p.structured is not None for p in each):
                 raise RequestError("tool_choice \"required\" or a named function sets the "
                                    "output's grammar; leave params.structured out")
-            params = replace(params, structured=grammar)
+            each = [replace(p, **changes) for p in each]
+            params = each[0] if single else each
         return tools, parser_name, params
 
     def parse_tool_calls(self, output: RequestOutput, parser_name: str,

@@ -178,6 +178,17 @@ def test_streamed_mistral_calls_read_the_special_tag(tmp_path):
         llm.close()
 
 
+def test_conversations_with_their_own_params_take_an_enforced_tool_choice(tool_llm):
+    """LLM.chat over several conversations, one SamplingParams each, with tool_choice
+    "required": each gets the grammar, with its own params."""
+    conversations = [QUESTION, [{"role": "user", "content": "And the time in Tokyo?"}]]
+    outputs = tool_llm.chat(conversations, [params(0), params(1, max_tokens=400)],
+                            tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert len(outputs) == 2
+    for output in outputs:
+        assert_valid_calls(output, SCHEMAS)
+
+
 def test_plain_batch_lines_take_tools(tool_llm, tmp_path):
     """`generate` with plain lines: tools, tool_choice and parallel_tool_calls beside
     messages, as LLM.chat takes them; the parsed calls in the output line."""
