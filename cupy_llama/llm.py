@@ -156,7 +156,7 @@ class LLM:
         parser of the replies or None, the params with the grammar that enforces
         tool_choice). `generate`'s batch lines use it as chat() does."""
         from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
-        from .tool_parsers import check_parser_name, tool_parser_for_template
+        from .tool_parsers import SPECIAL_TAG_PARSERS, check_parser_name, tool_parser_for_template
 
         tools = check_tools(tools)
         choice = check_tool_choice(tool_choice, tools)
@@ -178,6 +178,8 @@ class LLM:
         changes = {}
         if grammar is not None:
             changes["structured"] = grammar
+        if parser_name in SPECIAL_TAG_PARSERS:  # the text keeps the tag the calls start at
+            changes["skip_special_tokens"] = False
         if changes:
             single = params is None or isinstance(params, SamplingParams)
             count = len(params) if isinstance(params, (list, tuple)) else 1  # one per prompt
@@ -195,14 +197,7 @@ class LLM:
         parser); max_calls: the calls kept (1 for parallel_tool_calls false)."""
         from .tool_parsers import parse_tool_calls
 
-        text = output.text
-        if parser_name == "mistral":  # its [TOOL_CALLS] tag is a special token
-            ends = self.engine.eos_token_ids
-            vocab = self.tokenizer.vocab_size  # ids past it (a padded vocabulary) have no text
-            text = self.tokenizer.decode_unchecked(
-                [t for t in output.token_ids if t not in ends and t < vocab],
-                skip_special_tokens=False)
-        parsed = parse_tool_calls(text, parser_name, max_calls=max_calls)
+        parsed = parse_tool_calls(output.text, parser_name, max_calls=max_calls)
         output.content = parsed.content
         if parsed.tool_calls:
             output.tool_calls = parsed.tool_calls
@@ -214,15 +209,14 @@ class LLM:
         """The streamed outputs with each sample's text fed to its own tool-call parser."""
         from .tool_parsers import make_tool_parser
 
-        samples = {}  # (request_id, index) -> (its parser, its reply-text reader)
+        samples = {}  # (request_id, index) -> its parser
         with closing(outputs):  # a caller that stops early aborts the requests at once
             for output in outputs:
                 key = (output.request_id, output.index)
                 if key not in samples:
-                    samples[key] = (make_tool_parser(parser_name, max_calls=max_calls),
-                                    self._reply_reader(parser_name))
-                parser, reply_text = samples[key]
-                delta = parser.feed(reply_text(output))
+                    samples[key] = make_tool_parser(parser_name, max_calls=max_calls)
+                parser = samples[key]
+                delta = parser.feed(output.delta)
                 if output.finished:
                     last = parser.finish()
                     delta.content += last.content
@@ -237,24 +231,6 @@ class LLM:
                 output.delta = delta.content
                 output.tool_call_deltas = delta.tool_calls or None
                 yield output
-
-    def _reply_reader(self, parser_name: str):
-        """A function of a sample's streamed output giving the new text its parser reads:
-        the delta, or for Mistral, whose [TOOL_CALLS] tag is a special token that the text
-        leaves out, the new tokens decoded with their special tokens."""
-        if parser_name != "mistral":
-            return lambda output: output.delta
-        from .tokenizer import IncrementalDetokenizer
-
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False,
-                                             checked=False)
-        ends, vocab = self.engine.eos_token_ids, self.tokenizer.vocab_size
-
-        def new_text(output: RequestOutput) -> str:
-            text = "".join(detokenizer.add(t) for t in output.delta_token_ids
-                           if t not in ends and t < vocab)
-            return text + detokenizer.flush() if output.finished else text
-        return new_text
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:

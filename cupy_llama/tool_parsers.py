@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from .errors import RequestError
 
 PARSER_NAMES = ("llama3_json", "hermes", "mistral")
+# the formats whose calls start at a special token ([TOOL_CALLS]): their replies' text
+# keeps special tokens (skip_special_tokens false), so that the parser sees the tag in the
+# same text stop strings cut (vLLM's Mistral parser asks for the same)
+SPECIAL_TAG_PARSERS = frozenset({"mistral"})
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _WHITESPACE = " \t\r\n"
 # keys a call object may show before its name and arguments: anything else, before the

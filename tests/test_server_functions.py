@@ -18,7 +18,7 @@ from cupy_llama.server.protocol import APIError, ChatCompletionRequest, parse  #
 from cupy_llama.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import QUESTION, SCHEMAS, TOOLS  # noqa: E402
-from inprocess_server import ask, make_state, with_app  # noqa: E402
+from inprocess_server import ask, ask_one, make_state, with_app  # noqa: E402
 
 FUNCTIONS = [tool["function"] for tool in TOOLS]  # the same two, in the older form
 SAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -235,3 +235,22 @@ def test_a_legacy_calls_made_up_id_is_one_every_template_takes():
     made_up = call["tool_calls"][0]["id"]
     assert re.fullmatch(r"[A-Za-z0-9]{9}", made_up) and answer["tool_call_id"] == made_up
 
+
+def test_a_stop_string_cuts_a_reply_offered_tools(tool_server):
+    """With tools (auto) a reply's content is cut at its stop string, whole or streamed,
+    in every format (Mistral's keeps special tokens in its text to see its call tag)."""
+    model_dir, llm = tool_server
+    state = make_state(model_dir, llm)
+    body = {"model": "m", "messages": QUESTION, "tools": TOOLS, "max_tokens": 40,
+            "temperature": 1.0, "seed": 5}
+    free = ask_one(state, "POST", "/v1/chat/completions", json=body).json()
+    text = free["choices"][0]["message"]["content"] or ""
+    assert free["choices"][0]["finish_reason"] == "length" and len(text) > 8  # noise to cut
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    whole, streamed = ask(state, [
+        ("POST", "/v1/chat/completions", {"json": {**body, "stop": [stop]}}),
+        ("POST", "/v1/chat/completions", {"json": {**body, "stop": [stop], "stream": True}})])
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == text[:text.index(stop)]
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in streamed.events() if e["choices"]]
+    assert "".join(deltas) == choice["message"]["content"]

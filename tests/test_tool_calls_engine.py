@@ -178,6 +178,27 @@ def test_streamed_mistral_calls_read_the_special_tag(tmp_path):
         llm.close()
 
 
+def test_a_mistral_reply_with_tools_is_cut_at_its_stop_string(tmp_path):
+    """Mistral's calls start at a special token, so replies offered tools keep special
+    tokens in their text; a stop string still cuts that text, and the content parsed from
+    it, streamed or not (the content used to be decoded again from every token)."""
+    llm = LLM(make_tool_model(tmp_path, "mistral"), device="cpu", log=None)
+    try:
+        free = llm.chat(QUESTION, params(1, max_tokens=40), tools=TOOLS)
+        text = free.text
+        stop = next(text[i:i + 2] for i in range(3, len(text) - 2)
+                    if "\ufffd" not in text[i:i + 2] and "[" not in text[i:i + 2])
+        cut = llm.chat(QUESTION, params(1, max_tokens=40, stop=[stop]), tools=TOOLS)
+        assert cut.finish_reason == "stop" and stop not in cut.text
+        assert cut.text == text[:text.index(stop)]
+        assert cut.content == cut.text and not cut.tool_calls  # noise: no call in it
+        streamed = list(llm.chat(QUESTION, params(1, max_tokens=40, stop=[stop]),
+                                 tools=TOOLS, stream=True))
+        assert "".join(o.delta for o in streamed) == cut.content == streamed[-1].content
+    finally:
+        llm.close()
+
+
 def test_conversations_with_their_own_params_take_an_enforced_tool_choice(tool_llm):
     """LLM.chat over several conversations, one SamplingParams each, with tool_choice
     "required": each gets the grammar, with its own params."""

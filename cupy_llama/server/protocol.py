@@ -34,10 +34,11 @@ from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id, json_logprob
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
-from ..tokenizer import IncrementalDetokenizer, check_template_kwargs
+from ..tokenizer import check_template_kwargs
 from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
                            tool_choice_of_function_call, tools_of_functions)
-from ..tool_parsers import PARSER_NAMES, make_tool_parser, parse_tool_calls, tool_parser_for_template
+from ..tool_parsers import (PARSER_NAMES, SPECIAL_TAG_PARSERS, make_tool_parser,
+                            parse_tool_calls, tool_parser_for_template)
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -752,10 +753,9 @@ class _Stream:
                       "model": model, "system_fingerprint": fingerprint}
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None, token_ids=None) -> list[dict]:
+               usage: dict | None = None) -> list[dict]:
         """The chunks that carry a choice's new text (logprobs: the new tokens' (token id,
-        log-probability, top) entries; usage: the choice's usage so far; token_ids: the
-        new tokens)."""
+        log-probability, top) entries; usage: the choice's usage so far)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
     def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
@@ -808,7 +808,7 @@ class CompletionStream(_Stream):
                             text=self._prompt_texts[prompt_index], logprobs=logprobs)]
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None, token_ids=None) -> list[dict]:
+               usage: dict | None = None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
         if finish_reason is not None and self._request.echo and self._request.suffix:
@@ -950,7 +950,6 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     echo: Any = None
     # the server's --tool-call-parser (set_tool_parser), else the chat template's format
     _tool_parser_name: str | None = PrivateAttr(None)
-    _tokenizer: Any = PrivateAttr(None)
     _checked_tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr("none")
     _tool_grammar: Any = PrivateAttr(None)
@@ -1024,9 +1023,14 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         """max_completion_tokens (or the older max_tokens) left out: what the context leaves."""
         field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(field, getattr(self, field), num_prompt_tokens,
-                                     max_model_len, model_defaults, None, "messages", logprobs,
-                                     structured=self._tool_grammar)
+        params = self._sampling_params(field, getattr(self, field), num_prompt_tokens,
+                                       max_model_len, model_defaults, None, "messages",
+                                       logprobs, structured=self._tool_grammar)
+        if self.uses_tools and self._parser in SPECIAL_TAG_PARSERS:
+            # the reply's text keeps the special token its calls start with (vLLM's
+            # Mistral parser asks the same), so stop strings and the parser read one text
+            params = replace(params, skip_special_tokens=False)
+        return params
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
                       model_defaults: dict, max_prompt_bytes: int | None = None
@@ -1035,7 +1039,6 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         CompletionRequest gives them."""
         self._tool_grammar = None
         if self.uses_tools:
-            self._tokenizer = tokenizer
             self._parser = self.tool_parser(tokenizer)
             parallel = False if self.legacy_functions else self.parallel_tool_calls
             self._tool_grammar = tool_call_grammar(
@@ -1052,34 +1055,6 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
                                 "needs at least one token", param="chat_template")
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
-
-    def reply_text(self, output) -> str:
-        """The text tool calls are parsed from: Mistral's [TOOL_CALLS] tag is a special
-        token, which the reply's text leaves out."""
-        if self._parser != "mistral":
-            return output.text
-        tokenizer = self._tokenizer
-        ends = set(getattr(tokenizer, "eos_token_ids", ()))
-        return tokenizer.decode_unchecked(
-            [t for t in output.token_ids if t < tokenizer.vocab_size and t not in ends],
-            skip_special_tokens=False)
-
-    def new_reply_text(self):
-        """For a parser whose tag is a special token (Mistral's), one streamed choice's: a
-        function of its new token ids (and whether they are its last) giving their text
-        with special tokens spelled out; None for the other parsers, which read the
-        reply's text."""
-        if self._parser != "mistral":
-            return None
-        tokenizer = self._tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, checked=False)
-        ends = set(getattr(tokenizer, "eos_token_ids", ()))
-
-        def text_of(token_ids, last: bool) -> str:
-            text = "".join(detokenizer.add(t) for t in token_ids
-                           if t < tokenizer.vocab_size and t not in ends)
-            return text + detokenizer.flush() if last else text
-        return text_of
 
     def new_stream_parser(self):
         """A streamed choice's tool-call parser, where replies are parsed; else None."""
@@ -1155,7 +1130,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
         message = {"role": "assistant", "content": output.text}
         finish_reason = FINISH_REASONS[output.finish_reason]
         if request.uses_tools:
-            parsed = parse_tool_calls(request.reply_text(output), request._parser,
+            parsed = parse_tool_calls(output.text, request._parser,
                                       max_calls=request.max_calls)
             message = legacy_message(parsed) if request.legacy_functions else parsed.to_openai()
             if parsed.tool_calls and finish_reason == "stop":
@@ -1212,10 +1187,9 @@ class ChatCompletionStream(_Stream):
         self._started: set[int] = set()
         self._request = request
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
-        self._reply_texts: dict = {}  # choice index -> new_reply_text(), with tools
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None, token_ids=None) -> list[dict]:
+               usage: dict | None = None) -> list[dict]:
         chunks = []
         if index not in self._started:
             self._started.add(index)
@@ -1224,11 +1198,11 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage, token_ids))
+        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage))
         return chunks
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
-              usage: dict | None = None, token_ids=None) -> dict:
+              usage: dict | None = None) -> dict:
         """A chunk of text after the choice's opening one."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
@@ -1237,10 +1211,6 @@ class ChatCompletionStream(_Stream):
             parser = self._tool_parsers.get(index)
             if parser is None:
                 parser = self._tool_parsers[index] = self._request.new_stream_parser()
-                self._reply_texts[index] = self._request.new_reply_text()
-            reply = self._reply_texts[index]
-            if reply is not None:  # the text with its special tokens (Mistral's tag)
-                text = reply(token_ids or [], finish_reason is not None)
             parsed = parser.feed(text)
             if finish_reason is not None:
                 last = parser.finish()
