@@ -924,13 +924,9 @@ def _read_tokenizer_config(path: Path) -> dict:
 
 
 def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise TokenizerError(f"{str(jinja_file)!r} is not UTF-8 text; fix or remove "
-                                 "it") from None
+    jinja = _read_jinja(model_dir / "chat_template.jinja")
+    if jinja is not None:
+        return jinja
     template = tok_config.get("chat_template")
     json_file = model_dir / "chat_template.json"  # image-text models' processors keep it here
     if template is None and json_file.is_file():
@@ -941,9 +937,9 @@ def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
+        default = _named_template(template, "default")
+        if default is not None:
+            return default
         raise TokenizerError("tokenizer_config.json lists chat templates but none named "
                              "'default'; add chat_template.jinja to the model directory")
     raise TokenizerError("tokenizer_config.json: chat_template must be a string or a list "
@@ -954,19 +950,27 @@ def _find_tool_template(model_dir: Path, tok_config: dict) -> str | None:
     """The model's template for chats that offer tools, as transformers picks it:
     additional_chat_templates/tool_use.jinja, or the "tool_use" entry of a list of named
     templates in tokenizer_config.json (NousResearch's Hermes models ship one)."""
-    jinja_file = model_dir / "additional_chat_templates" / "tool_use.jinja"
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise TokenizerError(f"{str(jinja_file)!r} is not UTF-8 text; fix or remove "
-                                 "it") from None
+    jinja = _read_jinja(model_dir / "additional_chat_templates" / "tool_use.jinja")
+    if jinja is not None:
+        return jinja
     template = tok_config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if isinstance(named.get("tool_use"), str):
-            return named["tool_use"]
-    return None
+    return _named_template(template, "tool_use") if isinstance(template, list) else None
+
+
+def _read_jinja(path: Path) -> str | None:
+    """A template file's text, or None where there is none."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{str(path)!r} is not UTF-8 text; fix or remove it") from None
+
+
+def _named_template(templates: list, name: str) -> str | None:
+    """The template of that name in tokenizer_config.json's list of {name, template}."""
+    named = {t.get("name"): t.get("template") for t in templates if isinstance(t, dict)}
+    return named[name] if isinstance(named.get(name), str) else None
 
 
 def _token_text(value) -> str | None:
