@@ -131,6 +131,7 @@ class Tokenizer:
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()  # id -> AddedToken
         self._special = {tok.content: (i, tok) for i, tok in added.items() if tok.special}
+        self._special_ids = frozenset(i for i, _ in self._special.values())
         self._special_pattern = _alternation(self._special)
         self.chat_template = chat_template
         self._compiled_template = None
@@ -147,7 +148,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
         self._added_ids: set | None = None    # token_bytes: worked out on first use
         self._byte_level: bool | None = None
-        self._context_stops: frozenset | None = None  # text_context: on first use
+        self._strips_first_space: bool | None = None  # text_context: on first use
 
     # ---- loading ---------------------------------------------------------------------
 
@@ -290,19 +291,14 @@ class Tokenizer:
         reply after a chat template's closing token is a text of its own, as transformers
         decodes it; a completion continues its prompt, " Paris" after "... France is", as
         vLLM decodes it). None for other decoders."""
-        stops = self._context_stops
-        if stops is None:
-            if "Strip" in _decoder_kinds(self._backend):
-                added = self._backend.get_added_tokens_decoder()
-                stops = frozenset(i for i, token in added.items() if token.special)
-            else:
-                stops = frozenset({-1})  # the marker of "no context": nothing is stripped
-            self._context_stops = stops
-        if -1 in stops:
+        strips = self._strips_first_space
+        if strips is None:
+            strips = self._strips_first_space = "Strip" in _decoder_kinds(self._backend)
+        if not strips:
             return []
         tail = list(prompt_ids[-CONTEXT_TOKENS:])
         for at in range(len(tail) - 1, -1, -1):
-            if tail[at] in stops:
+            if tail[at] in self._special_ids:
                 return tail[at + 1:]
         return tail
 
