@@ -3,6 +3,7 @@ an LLM on the NumPy backend; the engine checks several test files make (every bl
 the prompt tokens the steps compute); the check of a one-line CLI error; and the tools of
 scripts/ as modules."""
 import importlib.util
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,6 +80,13 @@ def logits_at_every_position(model_dir, prompt, config=None):
         seq_lens=positions + 1, block_tables=np.repeat(table[None], n, axis=0),
         max_query_len=1, max_seq_len=n)
     return backend.forward(batch)
+
+
+def read_jsonl(path: Path) -> list:
+    """The objects of a JSON Lines file, split at "\n" only: a generated text may hold
+    U+2028, U+0085 or other characters that str.splitlines also takes for line ends."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")
+            if line.strip()]
 
 
 def one_error_line(err: str) -> str:

@@ -13,7 +13,7 @@ import sys
 
 import httpx
 
-from conftest import one_error_line
+from conftest import one_error_line, read_jsonl
 from test_server import ServerProcess
 
 from cupy_llama.cli.batch_io import read_requests, run_batch
@@ -53,7 +53,7 @@ def generate(model_dir, tmp_path, lines, *options, out=None) -> tuple[int, list[
     out = out or tmp_path / "out.jsonl"
     code = main(["generate", "--model", str(model_dir), "--input", str(path), "--output",
                  str(out), *ENGINE, *options])
-    return code, [json.loads(line) for line in out.read_text().splitlines()]
+    return code, read_jsonl(out)
 
 
 def served(server, line) -> httpx.Response:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import one_error_line
+from conftest import one_error_line, read_jsonl
 
 from cupy_llama import SamplingParams
 from cupy_llama.cli import main
@@ -488,8 +488,7 @@ def full_run(llm, rows):
 
 
 def texts(path):
-    return [{"id": r["id"], "text": r["text"]} for r in map(json.loads,
-                                                              path.read_text().splitlines())]
+    return [{"id": r["id"], "text": r["text"]} for r in read_jsonl(path)]
 
 
 def test_ctrl_c_stops_generate_with_a_summary_and_resume_finishes_it(model_dir, llm, tmp_path):

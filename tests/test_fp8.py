@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import logits_at_every_position
+from conftest import logits_at_every_position, read_jsonl
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.backends.cpu import CpuBackend
@@ -298,7 +298,7 @@ def test_the_command_line_takes_quantization(tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "--input", str(prompts), "--output",
                  str(output), "--device", "cpu", "--quantization", "fp8", "--max-tokens", "3",
                  "--temperature", "0"]) == 0
-    assert json.loads(output.read_text().splitlines()[0])["text"]
+    assert read_jsonl(output)[0]["text"]
     assert main(["info", "--model", str(folder), "--device", "cpu", "--quantization", "int4"]) == 2
     assert "'int4' is not 'fp8'" in capsys.readouterr().err
 

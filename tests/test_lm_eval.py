@@ -5,7 +5,6 @@ generate_until task). The harness tokenizes through the server (/tokenizer_info,
 /tokenize, /detokenize: its "remote" tokenizer), so nothing is downloaded. Each item's
 log-likelihood must equal the one computed here from the NumPy backend's logits at every
 position, within 1e-3, and each generation the engine's own greedy text."""
-import json
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import logits_at_every_position
+from conftest import logits_at_every_position, read_jsonl
 from test_server import ServerProcess
 
 from cupy_llama import LLM, SamplingParams
@@ -46,7 +45,7 @@ def run_lm_eval(url: str, out: Path) -> None:
 
 def samples(out: Path, task: str) -> list[dict]:
     [path] = (out / "results").rglob(f"samples_{task}_*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(path)
 
 
 def continuation_loglikelihood(model_dir, tokenizer, context: str, continuation: str) -> float:

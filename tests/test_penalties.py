@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, read_jsonl
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.backends.numpy_ops import penalized_logits
@@ -252,7 +252,7 @@ def test_generate_takes_the_controls_and_help_lists_them(model_dir, llm, tmp_pat
                  str(out), "--device", "cpu", "--temperature", "0", "--max-tokens", "16",
                  "--ignore-eos", *flags])
     assert code == 0
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    lines = read_jsonl(out)
     common = dict(max_tokens=16, min_tokens=2, logit_bias={300: 1.5, 12: -3.0},
                   repetition_penalty=1.5, frequency_penalty=0.7, **GREEDY)
     first = llm.generate(PROMPT, SamplingParams(presence_penalty=0.4, **common))

@@ -14,7 +14,7 @@ from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import RequestError
 from cupy_llama.structured import StructuredSpec
 
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, read_jsonl
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -189,7 +189,7 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code = main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
                  str(path), "--output", str(out)])
-    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    rows = {row["id"]: row for row in read_jsonl(out)}
     assert code == 1  # line d failed
     jsonschema.validate(json.loads(rows["a"]["text"]), PERSON)
     assert rows["b"]["text"] in ("up", "down")

@@ -9,7 +9,7 @@ import pytest
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import RequestError
 
-from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model
+from conftest import QUESTION, SCHEMAS, TOOLS, make_tool_model, read_jsonl
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -228,7 +228,7 @@ def test_plain_batch_lines_take_tools(tool_llm, tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code = main(["generate", "--model", str(tool_llm.model_dir), "--device", "cpu",
                  "--input", str(path), "--output", str(out)])
-    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    rows = {row["id"]: row for row in read_jsonl(out)}
     assert code == 1  # the last three lines failed
     for name, choice in (("required", "required"), ("named", named)):
         row = rows[name]
