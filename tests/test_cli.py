@@ -639,6 +639,22 @@ def test_the_progress_bar_never_shares_a_line_with_the_results(model_dir, llm, t
     assert any("generating" in line for line in screen)  # the bar was there
 
 
+def test_a_result_line_above_the_bar_stays_one_line():
+    """A text holding U+2028 or U+0085 is still one JSON line on the terminal."""
+    from cupy_llama.cli.generate import _ConsoleLines
+
+    class Console:
+        printed = []
+
+        def print(self, line, **_):
+            self.printed.append(line)
+
+    lines = _ConsoleLines(Console())
+    row = json.dumps({"id": 0, "text": "a\u2028b\x85c\x1ed"}, ensure_ascii=False)
+    lines.write(row + "\n")
+    lines.write("")
+    assert Console.printed == [row] and json.loads(Console.printed[0])["text"] == "a\u2028b\x85c\x1ed"
+
 def test_generate_and_info_default_to_the_demo_model(model_dir, llm, tmp_path, monkeypatch,
                                                      capsys):
     """Without --model both run the demo model, as chat and serve do; an OpenAI batch

@@ -284,7 +284,9 @@ class _ConsoleLines:
         self.console = console
 
     def write(self, text: str) -> int:
-        for line in text.splitlines():
+        # split at "\n" only: a result's text may hold U+2028 and the like, which
+        # str.splitlines would turn into a line break inside one JSON line
+        for line in text.removesuffix("\n").split("\n") if text else ():
             self.console.print(line, markup=False, highlight=False, emoji=False,
                                soft_wrap=True)
         return len(text)
