@@ -27,15 +27,24 @@ BIG = 100.0  # what the two scripted dimensions hold; everything else is about 1
 
 
 def script_reply(model_dir, end_of_turn: str) -> None:
-    """Rewrite the weights so that "\\n" -> "!" -> end_of_turn (see the module doc): in
-    dimension 0 every token's embedding is -BIG but "\\n"'s, +BIG, and only "!"'s LM-head row
-    reads it; dimension 1 likewise for "!" and end_of_turn. No layer writes either
-    dimension (their rows of o_proj and down are 0), so they reach the LM head as embedded."""
+    """Rewrite the weights so that "\\n" -> "!" -> end_of_turn (see the module doc)."""
+    script_chain(model_dir, ["\n", "!", end_of_turn])
+
+
+def script_chain(model_dir, chain: list[str]) -> None:
+    """Rewrite the weights so that each token of the chain makes the next the likeliest
+    (plain text of one token, or an added token's own text): for each pair, one dimension
+    of every token's embedding is -BIG but the first's, +BIG, and only the second's LM-head
+    row reads it. No layer writes those dimensions (their rows of o_proj and down are 0),
+    so they reach the LM head as embedded."""
     tokenizer = Tokenizer.from_dir(model_dir)
-    newline, bang = tokenizer.encode("\n", add_special_tokens=False), \
-        tokenizer.encode("!", add_special_tokens=False)
-    assert len(newline) == len(bang) == 1
-    eot = tokenizer.token_to_id(end_of_turn)
+
+    def token(text):
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:
+            [token_id] = tokenizer.encode(text, add_special_tokens=False)
+        return token_id
+
     path = model_dir / "model.safetensors"
     header = read_safetensors_header(path)
     data = path.read_bytes()
@@ -44,14 +53,15 @@ def script_reply(model_dir, end_of_turn: str) -> None:
         bits = np.frombuffer(data[info.start:info.start + info.nbytes], np.uint16).reshape(info.shape)
         tensors[name] = bf16_bits_to_float32(bits).copy()
     embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
-    for dim, (trigger, target) in enumerate(((newline[0], bang[0]), (bang[0], eot))):
+    ids = [token(text) for text in chain]
+    for dim, (trigger, target) in enumerate(zip(ids, ids[1:])):
         embed[:, dim] = -BIG
         embed[trigger, dim] = BIG
         head[:, dim] = 0.0
         head[target, dim] = 1.0
     for name, tensor in tensors.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor[:2, :] = 0.0
+            tensor[:len(ids) - 1, :] = 0.0
     write_safetensors(path, {name: float32_to_bf16_bits(t) for name, t in tensors.items()},
                       metadata={"format": "pt"})
 

