@@ -1,0 +1,150 @@
+"""A reasoning model's thinking apart from its answer (serve --reasoning-parser, vLLM's
+flag and parser names). Qwen3 and DeepSeek-R1 think between <think> and </think> before
+they answer; a chat reply's text is split into `reasoning` (the thinking) and `content`
+(the answer), whole or as it streams (docs/ARCHITECTURE.md, "Reasoning models").
+
+- "qwen3": thinking unless the request's chat_template_kwargs say {"enable_thinking":
+  false}; a <tool_call> while thinking ends the thinking (the call is the answer's).
+- "deepseek_r1": thinking always (its template opens <think> in the prompt).
+
+Either way a prompt whose generation prompt already closes the thinking (it ends with
+</think>, as Qwen3's template writes it for enable_thinking false) starts with the answer.
+A reply that never closes its thinking (cut off by max_tokens) is all reasoning. The
+markers that open and close the thinking are in neither part; the answer is as written;
+whitespace around the markers is kept, as vLLM keeps it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    name: str
+    start: str = "<think>"
+    end: str = "</think>"
+    implicit_ends: tuple[str, ...] = ()     # text that ends the thinking and opens the answer
+    follows_enable_thinking: bool = False   # chat_template_kwargs' enable_thinking: false
+
+    def thinks(self, prompt_tail: str, template_kwargs: dict | None) -> bool:
+        """Whether a reply to this prompt starts by thinking: prompt_tail is the rendered
+        prompt's last few tokens as text."""
+        if self.follows_enable_thinking and (template_kwargs or {}).get("enable_thinking") is False:
+            return False
+        return not prompt_tail.rstrip().endswith(self.end)
+
+
+FORMATS = {"qwen3": ReasoningFormat("qwen3", implicit_ends=("<tool_call>",),
+                                    follows_enable_thinking=True),
+           "deepseek_r1": ReasoningFormat("deepseek_r1")}
+PARSER_NAMES = tuple(FORMATS)
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens `thinks` reads
+
+
+def reasoning_format(name: str, flag: str = "--reasoning-parser") -> ReasoningFormat:
+    if name not in FORMATS:
+        raise RequestError(f"{flag}: unknown parser {name!r}; use one of "
+                           f"{', '.join(PARSER_NAMES)}")
+    return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A reasoning format bound to a model's tokenizer: the id of the token that ends the
+    thinking (where a structured reply's constraint begins, structured.ReasoningGate),
+    and whether the markers are special tokens (then replies keep special tokens, or
+    their text would lose the markers)."""
+    format: ReasoningFormat
+    end_token: int
+    special: bool
+
+    @classmethod
+    def for_tokenizer(cls, name: str, tokenizer, flag: str = "--reasoning-parser"
+                      ) -> "ReasoningParser":
+        """RequestError for an unknown name, or a vocabulary without the end marker as
+        one token (not a model that thinks in that format)."""
+        fmt = reasoning_format(name, flag)
+        token_id = tokenizer.token_to_id(fmt.end)
+        if token_id is None:
+            raise RequestError(f"{flag} {name}: this model's vocabulary has no {fmt.end} "
+                               "token, so it does not think in that format; leave the flag "
+                               "out")
+        specials = set(tokenizer.all_special_ids)
+        start_id = tokenizer.token_to_id(fmt.start)
+        return cls(fmt, token_id, token_id in specials or start_id in specials)
+
+    def thinks(self, tokenizer, prompt_ids, template_kwargs: dict | None) -> bool:
+        """Whether the reply to this prompt starts by thinking."""
+        tail = tokenizer.decode_unchecked(list(prompt_ids[-PROMPT_TAIL_TOKENS:]),
+                                          skip_special_tokens=False)
+        return self.format.thinks(tail, template_kwargs)
+
+
+class ReasoningSplitter:
+    """One reply's text, fed in pieces as it streams, as (reasoning, content) pieces. Text
+    that may be the start of a marker waits for the next piece (or `finish`)."""
+
+    def __init__(self, fmt: ReasoningFormat, thinking: bool):
+        self.fmt = fmt
+        self.thinking = thinking
+        self.thought = thinking  # whether any of the reply was thinking
+        self._held = ""
+        self._markers = (fmt.start, fmt.end, *fmt.implicit_ends)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._held = self._held + text, ""
+        reasoning = []
+        while self.thinking and text:
+            at, marker = _first(text, self._markers)
+            if marker is None:
+                keep = _partial_marker(text, self._markers)
+                reasoning.append(text[:len(text) - keep])
+                self._held, text = text[len(text) - keep:], ""
+                break
+            reasoning.append(text[:at])
+            if marker == self.fmt.start:  # dropped: the thinking's own opening
+                text = text[at + len(marker):]
+            else:  # the answer begins: after </think>, or at a marker that opens it
+                self.thinking = False
+                text = text[at:] if marker in self.fmt.implicit_ends else text[at + len(marker):]
+        return "".join(reasoning), text  # the answer's text is never changed
+
+    def finish(self) -> tuple[str, str]:
+        """What waited at the end of the reply: it was no marker."""
+        held, self._held = self._held, ""
+        return (held, "") if self.thinking else ("", held)
+
+
+def split_reasoning(fmt: ReasoningFormat, text: str, thinking: bool
+                    ) -> tuple[str | None, str | None]:
+    """A whole reply as (reasoning, content): reasoning None when the reply did not think,
+    content None when it holds no answer (it never closed its thinking)."""
+    splitter = ReasoningSplitter(fmt, thinking)
+    reasoning, content = splitter.feed(text)
+    last_reasoning, last_content = splitter.finish()
+    reasoning, content = reasoning + last_reasoning, content + last_content
+    return (reasoning if splitter.thought else None,
+            content if content or not splitter.thought else None)
+
+
+def _first(text: str, markers) -> tuple[int, str | None]:
+    """The earliest marker in text and where it starts ((len(text), None) for none)."""
+    best, found = len(text), None
+    for marker in markers:
+        at = text.find(marker, 0, best + len(marker))
+        if at != -1 and at < best:
+            best, found = at, marker
+    return best, found
+
+
+def _partial_marker(text: str, markers) -> int:
+    """The length of the longest end of text that begins a marker (0 for none)."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if marker.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
