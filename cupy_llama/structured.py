@@ -57,6 +57,9 @@ class StructuredSpec:
     kind: str
     text: str = ""
     source: str = field(default="structured", compare=False)
+    # a token id: the constraint applies to the tokens after it, those up to it (a
+    # reasoning model's thinking, ended by </think>) are free (ReasoningGate); None: all
+    starts_after: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -64,6 +67,10 @@ class StructuredSpec:
                                f"{', '.join(KINDS)}")
         if not isinstance(self.text, str):
             raise RequestError(f"{self.source}: the constraint text must be a string")
+        if self.starts_after is not None and not (
+                type(self.starts_after) is int and self.starts_after >= 0):
+            raise RequestError(f"{self.source}: starts_after must be a token id, got "
+                               f"{self.starts_after!r}")
 
     # ---- makers -------------------------------------------------------------------------
 
@@ -486,6 +493,63 @@ class CombinedMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.constraint.rollback(num_tokens)
         self.bad_words.rollback(num_tokens)
+
+
+class ReasoningGate:
+    """A constraint that begins after a token: a reasoning model's thinking, up to and
+    including the token that ends it (</think>), is drawn under `free` (the whole
+    vocabulary, EOS too); the constraint's matcher sees only the tokens after it, as vLLM
+    applies structured outputs after the reasoning (docs/ARCHITECTURE.md, "Reasoning
+    models")."""
+
+    def __init__(self, constraint, end_token: int, free: AllowedTokensMatcher):
+        self.constraint = constraint
+        self.end_token = end_token
+        self.free = free
+        self.thinking = True
+        self.num_thinking = 0  # tokens drawn free, the end token included
+        self.num_after = 0     # tokens the constraint took
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        (self.free if self.thinking else self.constraint).fill_bitmask(bitmask, row)
+
+    def advance(self, token_id: int) -> bool:
+        if not self.thinking:
+            accepted = self.constraint.advance(token_id)
+            self.num_after += accepted
+            return accepted
+        self.num_thinking += 1
+        self.thinking = int(token_id) != self.end_token
+        return True
+
+    @property
+    def eos_allowed(self) -> bool:
+        return self.thinking or self.constraint.eos_allowed
+
+    @property
+    def is_complete(self) -> bool:
+        return not self.thinking and self.constraint.is_complete
+
+    @property
+    def error(self) -> str | None:
+        return None if self.thinking else self.constraint.error
+
+    def fork(self) -> "ReasoningGate":
+        copy = ReasoningGate(self.constraint.fork(), self.end_token, self.free)
+        copy.thinking, copy.num_thinking, copy.num_after = \
+            self.thinking, self.num_thinking, self.num_after
+        return copy
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_thinking + self.num_after:
+            raise ValueError(f"cannot roll back {num_tokens} of "
+                             f"{self.num_thinking + self.num_after} tokens")
+        after = min(num_tokens, self.num_after)
+        self.constraint.rollback(after)
+        self.num_after -= after
+        if num_tokens > after:  # back into the thinking, its end token taken back
+            self.num_thinking -= num_tokens - after
+            self.thinking = True
 
 
 class _TrieSource:

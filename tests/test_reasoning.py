@@ -8,6 +8,7 @@ tokens, as Qwen3's does) with dimensions of the residual stream taken over to sc
 reply, as test_family_chat.py does: the generation prompt's last token "\\n" makes <think>
 the likeliest next token, then "a", then </think>, then "b", then <|im_end|>."""
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -16,12 +17,14 @@ from cupy_llama.bench.random_model import make_random_model
 from cupy_llama.errors import RequestError
 from cupy_llama.reasoning import (FORMATS, ReasoningParser, ReasoningSplitter,
                                   split_reasoning)
+from cupy_llama.structured import StructuredSpec
 from cupy_llama.tokenizer import Tokenizer
 
 from test_family_chat import script_chain
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
 CHAT = [{"role": "user", "content": "Yes or no?"}]
+YES_NO = StructuredSpec.choice(["yes", "no"])
 
 # (format, starts thinking, reply) -> (reasoning, content)
 SPLITS = [
@@ -96,3 +99,59 @@ def test_the_scripted_reply_thinks_then_answers(qwen3):
     reply = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=10))
     assert reply.text == "<think>a</think>b" and reply.finish_reason == "stop"
     assert split_reasoning(QWEN3, reply.text, True) == ("a", "b")
+
+
+def test_a_constraint_after_the_thinking_leaves_the_thinking_free(qwen3):
+    """Constrained from the first token, the reply cannot think (<think> is not "yes" or
+    "no"); starting after </think>, the thinking runs as scripted and the answer keeps to
+    the constraint, whatever the script would have said ("b")."""
+    _, llm = qwen3
+    end = llm.tokenizer.token_to_id("</think>")
+    greedy = dict(temperature=0, max_tokens=10)
+    plain = llm.chat(CHAT, SamplingParams(structured=YES_NO, **greedy))
+    assert plain.text in ("yes", "no")
+    gated = SamplingParams(structured=replace(YES_NO, starts_after=end), **greedy)
+    replies = llm.chat([CHAT, CHAT], gated)
+    for reply in replies:
+        reasoning, content = split_reasoning(QWEN3, reply.text, True)
+        assert reasoning == "a" and content in ("yes", "no"), reply.text
+        assert reply.finish_reason == "stop"
+    # cut off while thinking: nothing is constrained yet
+    short = llm.chat(CHAT, SamplingParams(structured=gated.structured, temperature=0,
+                                          max_tokens=2))
+    assert short.text == "<think>a" and short.finish_reason == "length"
+
+
+def test_a_gated_constraint_forks_and_rolls_back(qwen3):
+    """ReasoningGate keeps its place through fork and rollback, the end token included."""
+    _, llm = qwen3
+    from cupy_llama.structured import GrammarCompiler
+    tokenizer = llm.tokenizer
+    compiler = GrammarCompiler.from_tokenizer(tokenizer, llm.engine.config.vocab_size,
+                                              llm.engine.eos_token_ids)
+    end = tokenizer.token_to_id("</think>")
+    spec = StructuredSpec("choice", YES_NO.text, starts_after=end)
+    engine = llm.engine
+    gate = engine._grammar_matcher(compiler.compile(spec), SamplingParams(structured=spec))
+    words = compiler.compile(spec)._num_words
+    import numpy as np
+    mask = np.zeros((1, words), np.uint32)
+    think = tokenizer.encode("a", add_special_tokens=False)
+    assert all(gate.advance(t) for t in think) and gate.thinking and gate.eos_allowed
+    gate.fill_bitmask(mask, 0)
+    assert np.unpackbits(mask.view(np.uint8), bitorder="little")[
+        :engine.config.vocab_size].all()  # every token, while thinking
+    assert gate.advance(end) and not gate.thinking and not gate.eos_allowed
+    fork = gate.fork()
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert all(fork.advance(t) for t in yes) and fork.is_complete
+    assert not gate.is_complete  # the fork went its own way
+    fork.rollback(len(yes) + 1)  # back before </think>: thinking again
+    assert fork.thinking and fork.num_after == 0 and fork.num_thinking == len(think)
+    assert not gate.advance(tokenizer.encode("b", add_special_tokens=False)[0])
+    assert gate.error is not None
+    with pytest.raises(RequestError, match="starts_after must be a token id"):
+        StructuredSpec("choice", YES_NO.text, starts_after=-1)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate("x", SamplingParams(structured=StructuredSpec(
+            "choice", YES_NO.text, starts_after=10**6)))

@@ -259,6 +259,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._compile_pool = None  # the worker thread of compile_structured_async
         self._bitmask = None  # [max_num_seqs, words] uint32: a step's mask rows, filled here
+        self._every_token = None  # the free mask of a ReasoningGate's thinking
         self._columns: TokenColumns | None = None  # the one step_deltas() call's, if any
 
     @classmethod
@@ -366,6 +367,8 @@ class LLMEngine:
         self.check_in_vocabulary("logit_bias", params.logit_bias)
         self.check_in_vocabulary("stop_token_ids", params.stop_token_ids)
         grammar = None if params.structured is None else self.compile_structured(params.structured)
+        if grammar is not None and params.structured.starts_after is not None:
+            self.check_in_vocabulary("structured.starts_after", [params.structured.starts_after])
         allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
         banned, word_bans = self.bad_word_bans(params.bad_words)
         samples, parent = [], None
@@ -376,7 +379,7 @@ class LLMEngine:
             seq.output_limit = output_limit(params, len(prompt_ids), self.context_limit)
             parent = parent or seq
             # each sample follows the grammar on its own: a fresh matcher each
-            matcher = allowed if grammar is None else grammar.matcher()
+            matcher = allowed if grammar is None else self._grammar_matcher(grammar, params)
             if word_bans is not None:  # and keeps its own output tokens for its bad words
                 matcher = (word_bans.fork() if matcher is None
                            else CombinedMatcher(matcher, word_bans.fork()))
@@ -389,6 +392,18 @@ class LLMEngine:
         if self.outputs is not None:
             self.outputs.add(request_id, prompt_ids, params.n)
         return request_id
+
+    def _grammar_matcher(self, grammar, params: SamplingParams):
+        """A fresh matcher of a compiled grammar; behind a ReasoningGate where the
+        constraint starts after a token (structured.starts_after)."""
+        after = params.structured.starts_after
+        if after is None:
+            return grammar.matcher()
+        from ..structured import AllowedTokensMatcher, ReasoningGate
+        if self._every_token is None:  # the whole vocabulary, shared: it keeps no state
+            self._every_token = AllowedTokensMatcher(range(self.config.vocab_size),
+                                                     self._bitmask_words())
+        return ReasoningGate(grammar.matcher(), after, self._every_token)
 
     def allowed_tokens_matcher(self, token_ids: list[int] | None):
         """The fixed-mask matcher of allowed_token_ids (None for none): the ids checked
