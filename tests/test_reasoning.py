@@ -8,6 +8,7 @@ tokens, as Qwen3's does) with dimensions of the residual stream taken over to sc
 reply, as test_family_chat.py does: the generation prompt's last token "\\n" makes <think>
 the likeliest next token, then "a", then </think>, then "b", then <|im_end|>."""
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -155,3 +156,108 @@ def test_a_gated_constraint_forks_and_rolls_back(qwen3):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate("x", SamplingParams(structured=StructuredSpec(
             "choice", YES_NO.text, starts_after=10**6)))
+
+
+# ---- over HTTP --------------------------------------------------------------------------
+
+def chat(state, **fields):
+    from inprocess_server import ask_one
+    return ask_one(state, "POST", "/v1/chat/completions",
+                   json={"messages": CHAT, "temperature": 0, "max_tokens": 10, **fields})
+
+
+def streamed(answer) -> tuple[str, str, list]:
+    """A streamed reply's reasoning and content, joined, and its deltas."""
+    deltas = [event["choices"][0]["delta"] for event in answer.events() if event["choices"]]
+    for delta in deltas:
+        assert delta.get("reasoning") == delta.get("reasoning_content"), delta
+    return ("".join(d.get("reasoning") or "" for d in deltas),
+            "".join(d.get("content") or "" for d in deltas), deltas)
+
+
+def test_the_server_answers_reasoning_apart(qwen3):
+    pytest.importorskip("fastapi")
+    from inprocess_server import make_state
+    model_dir, llm = qwen3
+    state = make_state(model_dir, llm, reasoning_parser="qwen3")
+    message = chat(state).json()["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == \
+        ("a", "a", "b")
+    reasoning, content, deltas = streamed(chat(state, stream=True))
+    assert (reasoning, content) == ("a", "b")
+    assert not any("think>" in json.dumps(delta) for delta in deltas)
+    hidden = chat(state, include_reasoning=False).json()["choices"][0]["message"]
+    assert (hidden["reasoning"], hidden["content"]) == (None, "b")
+    assert streamed(chat(state, stream=True, include_reasoning=False))[:2] == ("", "b")
+    # no thinking asked for: the template closes it in the prompt, and the reply (which
+    # the script makes think anyway) is all answer
+    off = chat(state, chat_template_kwargs={"enable_thinking": False}).json()
+    assert off["choices"][0]["message"]["content"] == "<think>a</think>b"
+    assert off["choices"][0]["message"]["reasoning"] is None
+    cut = chat(state, max_tokens=2).json()["choices"][0]
+    assert (cut["message"]["reasoning"], cut["message"]["content"], cut["finish_reason"]) == \
+        ("a", None, "length")
+    plain = chat(make_state(model_dir, llm)).json()["choices"][0]["message"]
+    assert plain["content"] == "<think>a</think>b" and "reasoning" not in plain
+
+
+def test_a_structured_answer_follows_the_thinking_over_http(qwen3):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from inprocess_server import make_state
+    model_dir, llm = qwen3
+    state = make_state(model_dir, llm, reasoning_parser="qwen3")
+    for stream in (False, True):
+        answer = chat(state, stream=stream, structured_outputs={"choice": ["yes", "no"]})
+        if stream:
+            reasoning, content, _ = streamed(answer)
+        else:
+            message = answer.json()["choices"][0]["message"]
+            reasoning, content = message["reasoning"], message["content"]
+        assert reasoning == "a" and content in ("yes", "no"), (reasoning, content)
+    # thinking off: constrained from the first token, as without a parser
+    off = chat(state, structured_outputs={"choice": ["yes", "no"]},
+               chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]
+    assert off["message"]["content"] in ("yes", "no") and off["message"]["reasoning"] is None
+
+
+def test_tool_calls_are_read_from_the_answer_only(qwen3):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from conftest import TOOLS
+    from inprocess_server import make_state
+    model_dir, llm = qwen3
+    state = make_state(model_dir, llm, reasoning_parser="qwen3", tool_call_parser="hermes")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        answer = chat(state, stream=stream, tools=TOOLS, tool_choice=named, max_tokens=400,
+                      parallel_tool_calls=False)
+        if stream:
+            reasoning, content, deltas = streamed(answer)
+            calls = [c for d in deltas for c in d.get("tool_calls", [])]
+            name = calls[0]["function"]["name"]
+            arguments = "".join(c["function"]["arguments"] for c in calls)
+            finish = [e["choices"][0]["finish_reason"] for e in answer.events()
+                      if e["choices"]][-1]
+        else:
+            choice = answer.json()["choices"][0]
+            reasoning, content = choice["message"]["reasoning"], choice["message"]["content"]
+            [call] = choice["message"]["tool_calls"]
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            finish = choice["finish_reason"]
+        assert reasoning == "a" and not content, (reasoning, content)
+        assert name == "get_weather" and isinstance(json.loads(arguments), dict)
+        assert finish == "tool_calls"
+
+
+def test_the_reasoning_parser_option(qwen3, tmp_path, capsys):
+    """An unknown name, or a model that does not think in that format, is a usage error
+    before the model loads."""
+    from cupy_llama.cli import main
+    from conftest import one_error_line
+    model_dir, _ = qwen3
+    assert main(["serve", "--model", str(model_dir), "--reasoning-parser", "nope"]) == 2
+    assert "--reasoning-parser: unknown parser 'nope'" in one_error_line(capsys.readouterr().err)
+    llama_dir = make_random_model(tmp_path / "llama", "tiny")
+    assert main(["serve", "--model", str(llama_dir), "--reasoning-parser", "qwen3"]) == 2
+    assert "has no </think> token" in one_error_line(capsys.readouterr().err)

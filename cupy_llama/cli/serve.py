@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ..errors import CupyLlamaError, OptionError
+from ..errors import CupyLlamaError, OptionError, RequestError
 from . import options
 from .options import (ENGINE_NAMES, EXIT_OK, MODEL_PATH, check_options, device_option,
                       engine_options, given, log)
@@ -61,6 +61,10 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 @click.option("--tool-call-parser", metavar="NAME",
               help="How the model writes tool calls: llama3_json, hermes or mistral "
                    "(default: the format the chat template shows).")
+@click.option("--reasoning-parser", metavar="NAME",
+              help="Split a reasoning model's thinking from its answer: qwen3 or "
+                   "deepseek_r1. Chat replies then carry it as message.reasoning (and "
+                   "reasoning_content), and structured outputs constrain the answer only.")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Render a request's own chat_template (vLLM's flag; off: such a request "
                    "is refused). The template runs on the server: trust the clients.")
@@ -70,7 +74,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
           log_requests, replica_name, drain_delay, engine_timeout, header_timeout,
           allowed_origins, allowed_methods, allowed_headers, tool_call_parser,
-          trust_request_chat_template, **flags):
+          reasoning_parser, trust_request_chat_template, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
 
@@ -115,6 +119,12 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
         model_dir = options.default_model_dir()
     config = read_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
+    if reasoning_parser is not None:  # a known format, and the model thinks in it
+        from ..reasoning import ReasoningParser
+        try:
+            ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
+        except RequestError as e:
+            raise OptionError(str(e)) from None
     sock = _listen(host, port)
     if device == "auto":  # said here, in the command line's short words, not by the engine
         device = options.auto_device(log=log)
@@ -124,6 +134,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                               replica_name=replica_name, drain_delay_s=drain_delay,
                               engine_timeout_s=engine_timeout, header_timeout_s=header_timeout,
                               tool_call_parser=tool_call_parser,
+                              reasoning_parser=reasoning_parser,
                               trust_request_chat_template=trust_request_chat_template, **cors)
     try:
         run_server(settings, sock, tokenizer, config)

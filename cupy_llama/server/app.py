@@ -47,6 +47,7 @@ from ..engine.async_engine import (ENGINE_STOPPED, AsyncEngine, EngineStartError
                                    RequestStream)
 from ..errors import RequestError
 from ..outputs import PromptScores, RequestOutput, TokenStrings
+from ..reasoning import ReasoningParser
 from ..sampling import model_sampling_defaults
 from . import protocol
 from .metrics import CONTENT_TYPE, Metrics
@@ -91,6 +92,7 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     tool_call_parser: str | None = None  # None: the format the chat template shows
+    reasoning_parser: str | None = None  # None: a reply is all content (reasoning.py)
     # vLLM's --trust-request-chat-template: a request's own chat_template is rendered (it
     # runs on the server, sandboxed but unbounded in time and memory); off: a 400
     trust_request_chat_template: bool = False
@@ -121,6 +123,8 @@ class ServerState:
         self.vocab_size = model_config.vocab_size
         self.model_defaults = model_sampling_defaults(model_config.generation_config)
         self.max_bytes_per_token = protocol.max_bytes_per_token(tokenizer)
+        self.reasoning = None if settings.reasoning_parser is None else \
+            ReasoningParser.for_tokenizer(settings.reasoning_parser, tokenizer)
         # structured outputs: constraints are compiled here, before a request is queued,
         # so that one that does not compile is a 400 (the engine compiles its own copy)
         self._grammars = None
@@ -818,6 +822,7 @@ def create_app(state: ServerState):
         parsed, body = await body_of(request, request_model)
         if isinstance(parsed, protocol.ChatCompletionRequest):
             parsed.set_tool_parser(settings.tool_call_parser)
+            parsed.set_reasoning_parser(state.reasoning)
         prompts, params = await asyncio.to_thread(
             parsed.engine_inputs, state.tokenizer, state.vocab_size, state.info.context_limit,
             state.model_defaults, state.max_prompt_bytes)

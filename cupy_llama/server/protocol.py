@@ -32,6 +32,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id, json_logprob
+from ..reasoning import ReasoningParser, ReasoningSplitter, split_reasoning
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import check_template_kwargs
@@ -948,12 +949,15 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     modalities: Any = None
     web_search_options: Any = None
     echo: Any = None
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out
     # the server's --tool-call-parser (set_tool_parser), else the chat template's format
     _tool_parser_name: str | None = PrivateAttr(None)
     _checked_tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr("none")
     _tool_grammar: Any = PrivateAttr(None)
     _parser: str | None = PrivateAttr(None)
+    _reasoning: Any = PrivateAttr(None)  # the server's --reasoning-parser (ReasoningParser)
+    _thinks: bool = PrivateAttr(False)   # the reply starts by thinking (engine_inputs)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -991,6 +995,11 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         """The server's --tool-call-parser (None: the chat template's format)."""
         self._tool_parser_name = name
 
+    def set_reasoning_parser(self, parser: ReasoningParser | None) -> None:
+        """The server's --reasoning-parser: replies are split into reasoning and content
+        (None: all content)."""
+        self._reasoning = parser
+
     @property
     def legacy_functions(self) -> bool:
         """The request speaks the deprecated functions API: its reply's call is answered as
@@ -1026,10 +1035,15 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         params = self._sampling_params(field, getattr(self, field), num_prompt_tokens,
                                        max_model_len, model_defaults, None, "messages",
                                        logprobs, structured=self._tool_grammar)
-        if self.uses_tools and self._parser in SPECIAL_TAG_PARSERS:
+        if ((self.uses_tools and self._parser in SPECIAL_TAG_PARSERS)
+                or (self._reasoning is not None and self._reasoning.special)):
             # the reply's text keeps the special token its calls start with (vLLM's
-            # Mistral parser asks the same), so stop strings and the parser read one text
+            # Mistral parser asks the same), or the thinking's markers, so that stop
+            # strings and the parsers read one text
             params = replace(params, skip_special_tokens=False)
+        if self._thinks and params.structured is not None:  # the answer is constrained,
+            params = replace(params, structured=replace(    # not the thinking before it
+                params.structured, starts_after=self._reasoning.end_token))
         return params
 
     def engine_inputs(self, tokenizer, vocab_size: int, max_model_len: int,
@@ -1054,7 +1068,30 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         if not prompt and self.chat_template is not None:
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
                                 "needs at least one token", param="chat_template")
+        self._thinks = self._reasoning is not None and self._reasoning.thinks(
+            tokenizer, prompt, self.chat_template_kwargs)
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
+
+    def new_reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A streamed choice's splitter of thinking from answer, where replies are split."""
+        if self._reasoning is None:
+            return None
+        return ReasoningSplitter(self._reasoning.format, self._thinks)
+
+    def split_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """A whole reply as (reasoning, content); (None, text) where replies are not split."""
+        if self._reasoning is None:
+            return None, text
+        return split_reasoning(self._reasoning.format, text, self._thinks)
+
+    def with_reasoning(self, message: dict, reasoning: str | None) -> dict:
+        """A message or delta with the reasoning beside its content, where replies are
+        split, under both names clients read: vLLM's `reasoning` and DeepSeek's
+        `reasoning_content` (a delta only where it has some)."""
+        if self._reasoning is None:
+            return message
+        shown = reasoning if self.include_reasoning else None
+        return {**message, "reasoning": shown, "reasoning_content": shown}
 
     def new_stream_parser(self):
         """A streamed choice's tool-call parser, where replies are parsed; else None."""
@@ -1127,14 +1164,16 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     for output in sorted(outputs, key=_index):
         logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
             if request.logprobs else None
-        message = {"role": "assistant", "content": output.text}
+        reasoning, content = request.split_reasoning(output.text)
+        message = {"role": "assistant", "content": content}
         finish_reason = FINISH_REASONS[output.finish_reason]
-        if request.uses_tools:
-            parsed = parse_tool_calls(output.text, request._parser,
+        if request.uses_tools:  # calls are the answer's: the thinking is not parsed
+            parsed = parse_tool_calls(content or "", request._parser,
                                       max_calls=request.max_calls)
             message = legacy_message(parsed) if request.legacy_functions else parsed.to_openai()
             if parsed.tool_calls and finish_reason == "stop":
                 finish_reason = "function_call" if request.legacy_functions else "tool_calls"
+        message = request.with_reasoning(message, reasoning)
         choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason})
     body = {"id": response_id, "object": "chat.completion", "created": created,
@@ -1187,6 +1226,7 @@ class ChatCompletionStream(_Stream):
         self._started: set[int] = set()
         self._request = request
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
+        self._splitters: dict = {}  # choice index -> its ReasoningSplitter, where split
 
     def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
                usage: dict | None = None) -> list[dict]:
@@ -1206,6 +1246,15 @@ class ChatCompletionStream(_Stream):
         """A chunk of text after the choice's opening one."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
+        reasoning = ""
+        if self._request._reasoning is not None:
+            splitter = self._splitters.get(index)
+            if splitter is None:
+                splitter = self._splitters[index] = self._request.new_reasoning_splitter()
+            reasoning, text = splitter.feed(text)
+            if finish_reason is not None:
+                last_reasoning, last_text = splitter.finish()
+                reasoning, text = reasoning + last_reasoning, text + last_text
         delta = {"content": text} if text else {}
         if self._request.uses_tools:  # calls go out as delta.tool_calls, never as text
             parser = self._tool_parsers.get(index)
@@ -1221,6 +1270,8 @@ class ChatCompletionStream(_Stream):
                         else "tool_calls"
             delta = legacy_delta(parsed) if self._request.legacy_functions \
                 else parsed.to_openai()
+        if reasoning and self._request.include_reasoning:
+            delta = self._request.with_reasoning(delta, reasoning)
         return self._chunk(index, finish_reason, usage, delta=delta, logprobs=choice_logprobs)
 
 
