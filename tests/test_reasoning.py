@@ -261,3 +261,38 @@ def test_the_reasoning_parser_option(qwen3, tmp_path, capsys):
     llama_dir = make_random_model(tmp_path / "llama", "tiny")
     assert main(["serve", "--model", str(llama_dir), "--reasoning-parser", "qwen3"]) == 2
     assert "has no </think> token" in one_error_line(capsys.readouterr().err)
+
+
+def test_generate_splits_openai_batch_lines(qwen3, tmp_path, capsys):
+    """generate --reasoning-parser: OpenAI chat lines are answered as serve answers them;
+    a file of plain lines is a usage error, before the model loads."""
+    pytest.importorskip("pydantic")
+    from cupy_llama.cli import main
+    from conftest import one_error_line, read_jsonl
+    model_dir, _ = qwen3
+    body = {"messages": CHAT, "temperature": 0, "max_tokens": 10}
+    lines = [{"custom_id": "think", "method": "POST", "url": "/v1/chat/completions",
+              "body": body},
+             {"custom_id": "off", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body, "chat_template_kwargs": {"enable_thinking": False}}}]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["generate", "--model", str(model_dir), "--device", "cpu", "--input", str(path),
+            "--output", str(out)]
+    assert main(args + ["--reasoning-parser", "qwen3"]) == 0
+    messages = {row["custom_id"]: row["response"]["body"]["choices"][0]["message"]
+                for row in read_jsonl(out)}
+    assert (messages["think"]["reasoning"], messages["think"]["content"]) == ("a", "b")
+    assert (messages["off"]["reasoning"], messages["off"]["content"]) == \
+        (None, "<think>a</think>b")
+    assert main(args + ["--overwrite"]) == 0  # without the option: no split
+    assert read_jsonl(out)[0]["response"]["body"]["choices"][0]["message"]["content"] == \
+        "<think>a</think>b"
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"messages": CHAT}) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model_dir), "--input", str(plain),
+                 "--reasoning-parser", "qwen3"]) == 2
+    assert "this file has plain lines" in one_error_line(capsys.readouterr().err)
+    assert main(args + ["--overwrite", "--reasoning-parser", "r1"]) == 2
+    assert "unknown parser 'r1'" in one_error_line(capsys.readouterr().err)

@@ -368,7 +368,7 @@ def _requests(count: int) -> str:
 
 
 def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=None,
-              model_name: str | None = None) -> BatchSummary:
+              model_name: str | None = None, reasoning=None) -> BatchSummary:
     """Add every runnable request to the engine at once, step until all finish, and write
     one JSON line per request to `out` in input order (as soon as its turn comes).
     Ctrl-C (KeyboardInterrupt) stops the run: the lines written so far stay, the rest of
@@ -377,9 +377,11 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
     defaults: sampling fields for requests that do not set them (the command line's);
     the model's generation_config.json lies underneath both.
     progress: called as progress(num_done, completion_tokens) after every step.
-    model_name: the "model" of OpenAI response bodies (default: the model folder)."""
+    model_name: the "model" of OpenAI response bodies (default: the model folder).
+    reasoning: a ReasoningParser that splits OpenAI chat lines' replies, as serve's
+    --reasoning-parser does (None: no split)."""
     engine = llm.engine
-    runner = _Runner(llm, defaults, model_name or str(llm.model_dir))
+    runner = _Runner(llm, defaults, model_name or str(llm.model_dir), reasoning)
     results: list[dict | None] = [None] * len(requests)
     failed = [False] * len(requests)
     summary = BatchSummary(num_requests=len(requests))
@@ -439,8 +441,9 @@ class _Line:
 class _Runner:
     """Adds each request to the engine and builds its output line once it is finished."""
 
-    def __init__(self, llm, defaults: dict, model_name: str):
+    def __init__(self, llm, defaults: dict, model_name: str, reasoning=None):
         self.llm = llm
+        self.reasoning = reasoning
         self.engine = llm.engine
         self.defaults = defaults
         self.model_name = model_name
@@ -530,6 +533,8 @@ class _Runner:
         try:
             api = protocol.parse_batch_request(line["method"], line["url"],
                                                _with_defaults(line["body"], self.defaults))
+            if isinstance(api, protocol.ChatCompletionRequest):
+                api.set_reasoning_parser(self.reasoning)
             prompts, params = api.engine_inputs(self.llm.tokenizer, self.llm.config.vocab_size,
                                                 self.engine.context_limit, self.model_defaults)
             engine_ids = [f"{index}-{i}" for i in range(len(prompts))]

@@ -42,12 +42,15 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
               "of that run (--raw among them) again: other ones are refused.")
 @click.option("--overwrite", is_flag=True, help="Replace an --output file that holds results "
               "(without --resume or --overwrite such a file is refused).")
+@click.option("--reasoning-parser", metavar="NAME",
+              help="OpenAI batch lines of chat completions: split a reasoning model's "
+                   "thinking from its answer, as serve's option does (qwen3, deepseek_r1).")
 @click.option("--progress-interval", type=float, default=PROGRESS_INTERVAL_S, show_default=True,
               help="Seconds between progress lines on stderr when it is not a terminal (0: "
                    "after every step); a terminal gets a progress bar.")
 @engine_options
 def generate(model_dir, input_path, output_path, input_format, raw, device, resume,
-             overwrite, progress_interval, **flags):
+             overwrite, reasoning_parser, progress_interval, **flags):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
@@ -113,7 +116,14 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         del defaults["stop"]
     engine = given(flags, ENGINE_NAMES)
     check_options(defaults, engine)
+    if reasoning_parser is not None and any(r.batch_line is None and r.error is None
+                                            for r in requests):
+        raise OptionError("--reasoning-parser splits the replies of OpenAI batch lines "
+                          "(/v1/chat/completions); this file has plain lines: leave it out, "
+                          "or write the requests as OpenAI batch lines")
     run_options = _run_options(model_dir, format, raw, defaults)
+    if reasoning_parser is not None:
+        run_options["--reasoning-parser"] = reasoning_parser
     earlier = _read_earlier_output(output_path) if resume else None
     num_skipped = 0
     if earlier is not None:
@@ -135,6 +145,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
         model_dir = options.default_model_dir()
+    reasoning = _reasoning_parser(reasoning_parser, model_dir)
     llm = options.load(model_dir, device, engine)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
@@ -145,7 +156,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
                 request.prompt = None
     run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
                earlier_errors=earlier.num_errors if earlier is not None else 0,
-               model_name=model_name)
+               model_name=model_name, reasoning=reasoning)
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
                              **run)
@@ -159,6 +170,21 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _reasoning_parser(name: str | None, model_dir):
+    """--reasoning-parser bound to the model's tokenizer, before the model loads: an
+    OptionError for an unknown name or a model that does not think in that format."""
+    if name is None:
+        return None
+    from ..models import read_config
+    from ..reasoning import ReasoningParser
+    from ..tokenizer import Tokenizer
+    try:
+        return ReasoningParser.for_tokenizer(name, Tokenizer.from_dir(model_dir,
+                                                                      read_config(model_dir)))
+    except RequestError as e:
+        raise OptionError(str(e)) from None
 
 
 def _plural(count: int, noun: str) -> str:
@@ -335,7 +361,8 @@ def _duration(seconds: float) -> str:
 
 
 def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
-                  num_skipped: int = 0, earlier_errors: int = 0, model_name: str) -> int:
+                  num_skipped: int = 0, earlier_errors: int = 0, model_name: str,
+                  reasoning=None) -> int:
     """Runs the batch with progress on stderr; the exit code (0, 1 when a request failed,
     130 when interrupted), after a summary."""
     from rich.console import Console
@@ -361,11 +388,11 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
             if where == "stdout" and _same_terminal(sys.stdout, sys.stderr):
                 out = _ConsoleLines(progress.console)
             summary = run_batch(llm, requests, out, defaults, progress=update,
-                                model_name=model_name)
+                                model_name=model_name, reasoning=reasoning)
     else:
         summary = run_batch(llm, requests, out, defaults,
                             progress=_ProgressLines(len(requests), interval),
-                            model_name=model_name)
+                            model_name=model_name, reasoning=reasoning)
     summary.num_skipped = num_skipped
     log(summary.line())
     total = num_skipped + summary.num_requests
