@@ -296,3 +296,48 @@ def test_generate_splits_openai_batch_lines(qwen3, tmp_path, capsys):
     assert "this file has plain lines" in one_error_line(capsys.readouterr().err)
     assert main(args + ["--overwrite", "--reasoning-parser", "r1"]) == 2
     assert "unknown parser 'r1'" in one_error_line(capsys.readouterr().err)
+
+
+# ---- cupy-llama chat ---------------------------------------------------------------------
+
+VIEWS = [  # (prompt opened <think>, reply) -> (thinking, answer) as the chat shows them
+    (False, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
+    (False, "Paris, no thinking.", ("", "Paris, no thinking.")),
+    (False, "<thinker>", ("", "<thinker>")),
+    (False, "<thi", ("", "<thi")),
+    (False, "<think>cut off", ("cut off", "")),
+    (True, "Hm.</think>\n\nParis.", ("Hm.", "Paris.")),
+]
+
+
+@pytest.mark.parametrize("opened, text, expected", VIEWS)
+def test_the_chat_shows_the_thinking_apart_at_any_cut(opened, text, expected):
+    from cupy_llama.cli.chat_ui import ThinkingView
+    for cut in range(len(text) + 1):
+        view = ThinkingView(opened)
+        pieces = view.feed(text[:cut]) + view.feed(text[cut:]) + view.finish()
+        shown = tuple("".join(t for kind, t in pieces if kind == want)
+                      for want in ("thinking", "answer"))
+        assert shown == expected, cut
+
+
+def test_piped_chat_writes_the_answer_alone(qwen3):
+    import subprocess
+    import sys
+    model_dir, _ = qwen3
+    result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
+                             str(model_dir), "--device", "cpu", "--temperature", "0",
+                             "--max-tokens", "10"], input="Yes or no?\n", capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "b\n"
+    assert "\na\n" in result.stderr and "tok/s" in result.stderr
+
+
+def test_the_terminal_chat_dims_the_thinking(qwen3, tmp_path):
+    from test_chat import ask, finish, spawn
+    model_dir, _ = qwen3
+    child = spawn(model_dir, "--temperature", "0", "--max-tokens", "10", cache=tmp_path)
+    assert ask(child, "Yes or no?") == "\x1b[2ma\x1b[0mb"
+    child.sendeof()
+    finish(child, 0)

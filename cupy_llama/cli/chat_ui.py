@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import CupyLlamaError, RequestError
+from ..reasoning import FORMATS, ReasoningSplitter
 
 HELP = """\
 /help                 this text
@@ -135,6 +136,7 @@ class ChatSession:
         # tool_calls is followed by a tool message per call and the assistant's next reply
         self.history: list[dict] = []
         self.turns: list[TurnStats] = []
+        self.prompt_opens_thinking = False  # the last prompt ends inside <think> (ThinkingView)
 
     def messages(self, user_text: str) -> list[dict]:
         return self.conversation() + [{"role": "user", "content": user_text}]
@@ -294,6 +296,7 @@ class ChatSession:
                 chat_template_kwargs=self.template_kwargs, tools=tools.tools,
                 tool_choice=tools.tool_choice, tool_call_parser=tools.parser,
                 parallel_tool_calls=tools.parallel_tool_calls)
+        self.prompt_opens_thinking = self._opens_thinking(prompt)
         if dropped:
             num_turns = sum(m["role"] == "user" for m in self.history[:dropped])
             del self.history[:dropped]
@@ -334,6 +337,15 @@ class ChatSession:
             context_limit=self.context_limit if cut_by_context else None))
         if answer.get("tool_calls"):  # shown as calls, never as the text the model wrote
             yield ("\n" if text else "") + "\n".join(map(call_line, answer["tool_calls"]))
+
+    def _opens_thinking(self, prompt: list[int]) -> bool:
+        """Whether the chat template opened the reply's thinking (a prompt that ends with
+        <think>, as DeepSeek-R1's templates write it)."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer.token_to_id(THINKING.start) is None:
+            return False
+        tail = tokenizer.decode_unchecked(prompt[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(THINKING.start)
 
     def retry(self, should_stop=lambda: False, on_drop=None):
         """Yield a new reply to the last message; it replaces the last reply. RequestError
@@ -485,6 +497,49 @@ def _a(role: str) -> str:
     return ("an " if role == "assistant" else "a ") + role
 
 
+# ---- a reply's thinking -------------------------------------------------------------------
+
+THINKING = FORMATS["deepseek_r1"]  # <think> ... </think>, nothing else ends it
+
+
+class ThinkingView:
+    """A reply's text as the chat shows it: ("thinking", text) for what a reasoning model
+    writes between <think> and </think> (Qwen3, DeepSeek-R1), ("answer", text) for the
+    rest. A reply thinks when it opens with <think>, or when its prompt did. Only the
+    display: the history keeps the text as written (these models' templates drop the
+    thinking of earlier turns themselves)."""
+
+    def __init__(self, prompt_opened: bool):
+        self._splitter = ReasoningSplitter(THINKING, True) if prompt_opened else None
+        self._opening = "" if not prompt_opened else None  # the reply's first characters
+        self._answered = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        if self._opening is not None:  # until they show whether the reply opens <think>
+            self._opening += text
+            start = THINKING.start
+            if len(self._opening) < len(start) and start.startswith(self._opening):
+                return []
+            text, self._opening = self._opening, None
+            if text.startswith(start):
+                self._splitter = ReasoningSplitter(THINKING, True)
+        if self._splitter is None:
+            return self._pieces("", text)
+        return self._pieces(*self._splitter.feed(text))
+
+    def finish(self) -> list[tuple[str, str]]:
+        if self._opening:
+            text, self._opening = self._opening, None
+            return self._pieces("", text)
+        return self._pieces(*self._splitter.finish()) if self._splitter is not None else []
+
+    def _pieces(self, thinking: str, answer: str) -> list[tuple[str, str]]:
+        if self._splitter is not None and not self._answered:
+            answer = answer.lstrip("\n")  # the blank line after </think>
+        self._answered = self._answered or bool(answer)
+        return [piece for piece in (("thinking", thinking), ("answer", answer)) if piece[1]]
+
+
 # ---- one prompt ---------------------------------------------------------------------------
 
 def piped_prompt(text: str) -> str:
@@ -506,13 +561,30 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     def dropped(count: int) -> None:
         err.write(_dropped_note(session, count) + "\n")
 
+    view, last_thought = None, ""
     for delta in session.reply(prompt, on_drop=dropped):
-        out.write(shown(delta))
-        out.flush()
+        view = view or ThinkingView(session.prompt_opens_thinking)
+        last_thought = _write_pieces(view.feed(delta), out, err, shown) or last_thought
+    if view is not None:
+        last_thought = _write_pieces(view.finish(), out, err, shown) or last_thought
+    if last_thought and not last_thought.endswith("\n"):
+        err.write("\n")  # the statistics line goes on a line of its own
     out.write("\n")
     out.flush()
     err.write(session.turns[-1].line() + "\n")
     return 0
+
+
+def _write_pieces(pieces, out, err, shown) -> str:
+    """The answer to out; the thinking to err (stdout holds the answer alone). Returns
+    the last thinking written ("" for none)."""
+    thought = ""
+    for kind, text in pieces:
+        stream = out if kind == "answer" else err
+        stream.write(shown(text))
+        stream.flush()
+        thought = text if kind == "thinking" else thought
+    return thought
 
 
 def _waiting_note(waiting: list[dict]) -> str:
@@ -676,11 +748,21 @@ def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) 
         err_console.print(f"[dim]{escape(_dropped_note(session, count))}[/dim]",
                           highlight=False)
 
+    dim, normal = ("\x1b[2m", "\x1b[0m") if use_colour(console) else ("", "")
+    view = None
+
+    def show(pieces) -> None:
+        for kind, text in pieces:
+            out.write(f"{dim}{printable(text)}{normal}" if kind == "thinking" else printable(text))
+        out.flush()
+
     with interrupts.during_reply():
         try:
             for delta in deltas(lambda: interrupts.is_set, dropped):
-                out.write(printable(delta))
-                out.flush()
+                view = view or ThinkingView(session.prompt_opens_thinking)
+                show(view.feed(delta))
+            if view is not None:
+                show(view.finish())
         except CupyLlamaError as e:
             err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
             return
