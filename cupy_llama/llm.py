@@ -104,7 +104,8 @@ class LLM:
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
              date_string: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list | None = None, tool_choice=None, parallel_tool_calls: bool = True,
-             tool_call_parser: str | None = None, chat_template: str | None = None):
+             tool_call_parser: str | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False):
         """messages: [{"role": ..., "content": ...}, ...], answered with one RequestOutput,
         or a list of such conversations, answered with a list (of one for a list of one);
         with SamplingParams(n=k), k replies per conversation, ordered as generate() orders
@@ -112,7 +113,9 @@ class LLM:
         chat_template_kwargs: more variables for the chat template, such as
         {"enable_thinking": False} for Qwen3's. chat_template: a Jinja template to render
         instead of the model's (vLLM's), in the same sandbox; RequestError quoting the
-        problem when it does not compile or render.
+        problem when it does not compile or render. continue_final_message=True: the reply
+        continues the last message (an assistant's start, say) instead of answering it;
+        add_generation_prompt (default: true unless continuing) as vLLM's.
 
         tools: OpenAI's [{"type": "function", "function": {"name", "description",
         "parameters"}}], shown to the chat template; tool_choice "auto" (the default with
@@ -136,8 +139,12 @@ class LLM:
         self._live_engine()
         tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
                                                  tool_call_parser, params)
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True, date_string=date_string,
-                                              tools=tools, template_kwargs=chat_template_kwargs,
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                              date_string=date_string, tools=tools,
+                                              template_kwargs=chat_template_kwargs,
+                                              continue_final_message=continue_final_message,
                                               chat_template=chat_template)
                    for c in conversations]
         result = self.generate(prompts, params, stream=stream)

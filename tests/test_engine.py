@@ -449,6 +449,29 @@ def test_chat_answers_a_list_of_conversations_with_a_list(llm):
         llm.chat(conversation, params, date_string=5)
 
 
+def test_chat_continues_the_final_message(llm):
+    """continue_final_message: the reply goes on from the last message's text, as a
+    completion of the rendered chat cut after it; add_generation_prompt follows it."""
+    chat = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "The colour is"}]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    reply = llm.chat(chat, params, continue_final_message=True)
+    text = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert text.endswith("The colour is")
+    assert reply.prompt_token_ids == llm.tokenizer.encode_chat(
+        chat, add_generation_prompt=False, continue_final_message=True)
+    assert reply.token_ids == llm.generate(reply.prompt_token_ids, params).token_ids
+    answered = llm.chat(chat, params)  # a new turn after the assistant's message
+    assert answered.prompt_token_ids[:len(reply.prompt_token_ids)] == reply.prompt_token_ids
+    assert len(answered.prompt_token_ids) > len(reply.prompt_token_ids)
+    bare = llm.chat(chat[:1], params, add_generation_prompt=False)
+    assert bare.prompt_token_ids == llm.tokenizer.encode_chat(chat[:1],
+                                                              add_generation_prompt=False)
+    with pytest.raises(RequestError, match="cannot both be true"):
+        llm.chat(chat, params, continue_final_message=True, add_generation_prompt=True)
+
+
 def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a model directory"):
         LLM(model_dir / "config.json", device="cpu", log=None)
