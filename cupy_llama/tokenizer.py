@@ -651,7 +651,7 @@ def _decode_stream(tokenizer: Tokenizer, skip_special_tokens: bool):
 
 def validate_messages(messages) -> list[dict]:
     """A chat: a non-empty list of {"role": str, "content": str, ...} dicts, as OpenAI's chat
-    API writes them. An assistant message may carry "tool_calls" ([{"id", "type":
+    API writes them (a content of text parts is joined into one string). An assistant message may carry "tool_calls" ([{"id", "type":
     "function", "function": {"name", "arguments"}}]), its content then null or left out; a
     "tool" message answers a call ("tool_call_id"). Other keys pass to the template as
     they are. Tool-call arguments sent as JSON text (OpenAI's form) reach the template as
@@ -682,6 +682,9 @@ def validate_messages(messages) -> list[dict]:
                                    f"{message['role']!r}; only assistant messages call tools")
             tool_calls = _check_tool_calls(tool_calls, f"{where}['tool_calls']")
         content = message.get("content")
+        if isinstance(content, (list, tuple)):  # OpenAI's parts: their texts, one a line
+            content = _text_parts(content, f"{where}['content']")
+            message = {**message, "content": content}
         if not (tool_calls and content is None):  # a message of tool calls needs no text
             if "content" not in message:
                 raise RequestError(f"{where} has no 'content'")
@@ -698,6 +701,21 @@ def validate_messages(messages) -> list[dict]:
                 message["tool_calls"] = tool_calls
         checked.append(message)
     return checked
+
+
+def _text_parts(parts, where: str) -> str:
+    """[{"type": "text", "text": ...}, ...] as one text, the parts joined by newlines (as
+    the server joins them)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RequestError(f"{where}[{j}] must be {{'type': 'text', 'text': ...}} (got "
+                               f"{kind!r}): only text content is supported")
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{j}]['text'] must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_tool_calls(calls, where: str) -> list[dict]:

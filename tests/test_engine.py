@@ -472,6 +472,22 @@ def test_chat_continues_the_final_message(llm):
         llm.chat(chat, params, continue_final_message=True, add_generation_prompt=True)
 
 
+def test_chat_takes_content_as_text_parts(llm):
+    """OpenAI's content parts, as the server and vLLM's LLM.chat take them: the texts one a
+    line; a part that is not text is refused by its place."""
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                          {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hello\nthere"}]
+    assert llm.chat(parts, params).prompt_token_ids == llm.chat(joined, params).prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(RequestError, match=r"messages\[0\]\['content'\]\[0\] must be "
+                                           r".*'image_url'.*only text content"):
+        llm.chat(image, params)
+    with pytest.raises(RequestError, match=r"\['content'\]\[0\]\['text'\] must be a string"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], params)
+
+
 def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a model directory"):
         LLM(model_dir / "config.json", device="cpu", log=None)

@@ -160,7 +160,7 @@ def test_llama3_ids_above_128000_come_only_from_the_template(llama3):
     ([{"role": "user"}], "messages\\[0\\] has no 'content'"),
     ([{"content": "hi"}], "has no 'role'"),
     ([{"role": "user", "content": None}], "content.*string"),
-    ([{"role": "user", "content": ["a"]}], "content.*string"),
+    ([{"role": "user", "content": ["a"]}], "content'\\]\\[0\\] must be {'type': 'text'"),
     ([{"role": 1, "content": "hi"}], "role.*string"),
     (["user: hi"], "messages\\[0\\] must be a dict"),
     ([{"role": "user", "content": "ok"}, 5], "messages\\[1\\]"),
