@@ -4,14 +4,15 @@ they answer; a chat reply's text is split into `reasoning` (the thinking) and `c
 (the answer), whole or as it streams (docs/ARCHITECTURE.md, "Reasoning models").
 
 - "qwen3": thinking unless the request's chat_template_kwargs say {"enable_thinking":
-  false}; a <tool_call> while thinking ends the thinking (the call is the answer's).
+  false}.
 - "deepseek_r1": thinking always (its template opens <think> in the prompt).
 
 Either way a prompt whose generation prompt already closes the thinking (it ends with
 </think>, as Qwen3's template writes it for enable_thinking false) starts with the answer.
-A reply that never closes its thinking (cut off by max_tokens) is all reasoning. The
-markers that open and close the thinking are in neither part; the answer is as written;
-whitespace around the markers is kept, as vLLM keeps it.
+A reply that never closes its thinking (cut off by max_tokens) is all reasoning. Only
+</think> ends the thinking, in the text as in the engine's constraint
+(structured.ReasoningGate). The markers that open and close the thinking are in neither
+part; the answer is as written; whitespace around the markers is kept, as vLLM keeps it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ class ReasoningFormat:
     name: str
     start: str = "<think>"
     end: str = "</think>"
-    implicit_ends: tuple[str, ...] = ()     # text that ends the thinking and opens the answer
     follows_enable_thinking: bool = False   # chat_template_kwargs' enable_thinking: false
 
     def thinks(self, prompt_tail: str, template_kwargs: dict | None) -> bool:
@@ -36,8 +36,7 @@ class ReasoningFormat:
         return not prompt_tail.rstrip().endswith(self.end)
 
 
-FORMATS = {"qwen3": ReasoningFormat("qwen3", implicit_ends=("<tool_call>",),
-                                    follows_enable_thinking=True),
+FORMATS = {"qwen3": ReasoningFormat("qwen3", follows_enable_thinking=True),
            "deepseek_r1": ReasoningFormat("deepseek_r1")}
 PARSER_NAMES = tuple(FORMATS)
 PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens `thinks` reads
@@ -91,7 +90,7 @@ class ReasoningSplitter:
         self.thinking = thinking
         self.thought = thinking  # whether any of the reply was thinking
         self._held = ""
-        self._markers = (fmt.start, fmt.end, *fmt.implicit_ends)
+        self._markers = (fmt.start, fmt.end)
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self._held = self._held + text, ""
@@ -104,11 +103,8 @@ class ReasoningSplitter:
                 self._held, text = text[len(text) - keep:], ""
                 break
             reasoning.append(text[:at])
-            if marker == self.fmt.start:  # dropped: the thinking's own opening
-                text = text[at + len(marker):]
-            else:  # the answer begins: after </think>, or at a marker that opens it
-                self.thinking = False
-                text = text[at:] if marker in self.fmt.implicit_ends else text[at + len(marker):]
+            self.thinking = marker == self.fmt.start  # a <think> while thinking is dropped
+            text = text[at + len(marker):]
         return "".join(reasoning), text  # the answer's text is never changed
 
     def finish(self) -> tuple[str, str]:

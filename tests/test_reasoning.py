@@ -34,11 +34,10 @@ SPLITS = [
     (QWEN3, True, "<think>cut off by max_tok", ("cut off by max_tok", None)),
     (QWEN3, True, "<think>a <</think>", ("a <", None)),
     (QWEN3, True, "<think>ends at </thi", ("ends at </thi", None)),
-    (QWEN3, True, "<think>hm<tool_call>{}</tool_call>", ("hm", "<tool_call>{}</tool_call>")),
+    (QWEN3, True, "<think>hm<tool_call>{}", ("hm<tool_call>{}", None)),  # only </think> ends it
     (QWEN3, True, "a</think>b</think>c", ("a", "b</think>c")),  # the answer as written
     (QWEN3, False, "<think>x</think>Paris.", (None, "<think>x</think>Paris.")),
     (R1, True, "Thinking.\n</think>\n\nParis.", ("Thinking.\n", "\n\nParis.")),
-    (R1, True, "hm<tool_call>x", ("hm<tool_call>x", None)),  # no implicit end in R1's
 ]
 
 
