@@ -5,12 +5,13 @@ they answer; a chat reply's text is split into `reasoning` (the thinking) and `c
 
 - "qwen3": thinking unless the request's chat_template_kwargs say {"enable_thinking":
   false}.
-- "deepseek_r1": thinking always (its template opens <think> in the prompt).
+- "deepseek_r1": thinking (its template opens <think> in the prompt).
 
-Either way a prompt whose generation prompt already closes the thinking (it ends with
-</think>, as Qwen3's template writes it for enable_thinking false) starts with the answer.
-A reply that never closes its thinking (cut off by max_tokens) is all reasoning. Only
-</think> ends the thinking, in the text as in the engine's constraint
+Either way the prompt's last turn decides where it shows: a reply after </think> (Qwen3's
+template writes an empty thinking for enable_thinking false; an assistant message being
+continued may hold its thinking whole) starts with the answer, a reply after <think>
+starts thinking. A reply that never closes its thinking (cut off by max_tokens) is all
+reasoning. Only </think> ends the thinking, in the text as in the engine's constraint
 (structured.ReasoningGate). The markers that open and close the thinking are in neither
 part; the answer is as written; whitespace around the markers is kept, as vLLM keeps it.
 """
@@ -28,18 +29,10 @@ class ReasoningFormat:
     end: str = "</think>"
     follows_enable_thinking: bool = False   # chat_template_kwargs' enable_thinking: false
 
-    def thinks(self, prompt_tail: str, template_kwargs: dict | None) -> bool:
-        """Whether a reply to this prompt starts by thinking: prompt_tail is the rendered
-        prompt's last few tokens as text."""
-        if self.follows_enable_thinking and (template_kwargs or {}).get("enable_thinking") is False:
-            return False
-        return not prompt_tail.rstrip().endswith(self.end)
-
 
 FORMATS = {"qwen3": ReasoningFormat("qwen3", follows_enable_thinking=True),
            "deepseek_r1": ReasoningFormat("deepseek_r1")}
 PARSER_NAMES = tuple(FORMATS)
-PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens `thinks` reads
 
 
 def reasoning_format(name: str, flag: str = "--reasoning-parser") -> ReasoningFormat:
@@ -57,7 +50,9 @@ class ReasoningParser:
     their text would lose the markers)."""
     format: ReasoningFormat
     end_token: int
+    start_token: int | None
     special: bool
+    turn_tokens: frozenset  # the special tokens other than the markers: where turns begin
 
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer, flag: str = "--reasoning-parser"
@@ -72,13 +67,24 @@ class ReasoningParser:
                                "out")
         specials = set(tokenizer.all_special_ids)
         start_id = tokenizer.token_to_id(fmt.start)
-        return cls(fmt, token_id, token_id in specials or start_id in specials)
+        return cls(fmt, token_id, start_id, token_id in specials or start_id in specials,
+                   frozenset(specials - {token_id, start_id}))
 
-    def thinks(self, tokenizer, prompt_ids, template_kwargs: dict | None) -> bool:
-        """Whether the reply to this prompt starts by thinking."""
-        tail = tokenizer.decode_unchecked(list(prompt_ids[-PROMPT_TAIL_TOKENS:]),
-                                          skip_special_tokens=False)
-        return self.format.thinks(tail, template_kwargs)
+    def thinks(self, prompt_ids, template_kwargs: dict | None) -> bool:
+        """Whether the reply to this prompt starts by thinking: not where Qwen3's
+        enable_thinking is false, else as the last marker of the prompt's last turn (the
+        tokens after its last special token) says, and thinking where it has none."""
+        if (self.format.follows_enable_thinking
+                and (template_kwargs or {}).get("enable_thinking") is False):
+            return False
+        for token in reversed(prompt_ids):
+            if token == self.end_token:
+                return False
+            if token == self.start_token:
+                return True
+            if token in self.turn_tokens:
+                break
+        return True
 
 
 class ReasoningSplitter:

@@ -57,15 +57,6 @@ def test_a_reply_splits_alike_whole_and_streamed_at_any_cut(fmt, thinking, text,
         assert all("<think>" not in r and "</think>" not in r for r, _ in pieces)
 
 
-def test_where_a_reply_starts():
-    assert QWEN3.thinks("<|im_start|>assistant\n", None)
-    assert QWEN3.thinks("<|im_start|>assistant\n", {"enable_thinking": True})
-    assert not QWEN3.thinks("<|im_start|>assistant\n", {"enable_thinking": False})
-    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's enable_thinking false
-    assert not QWEN3.thinks(closed, None) and not R1.thinks(closed, None)
-    assert R1.thinks("<｜Assistant｜><think>\n", {"enable_thinking": False})  # R1 ignores it
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """(model dir, LLM on the CPU) of the scripted tiny Qwen3 (module doc)."""
@@ -78,15 +69,29 @@ def qwen3(tmp_path_factory):
 
 
 def test_the_parser_knows_the_model_thinks(qwen3, tmp_path):
+    """Where a reply starts: as the last marker of the prompt's last turn says (thinking
+    where it has none), or not thinking where Qwen3's enable_thinking is false."""
     model_dir, llm = qwen3
-    parser = ReasoningParser.for_tokenizer("qwen3", llm.tokenizer)
-    assert parser.end_token == llm.tokenizer.token_to_id("</think>") and not parser.special
-    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT),
-                                  add_special_tokens=False)
-    assert parser.thinks(llm.tokenizer, prompt, None)
-    closed = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-        CHAT, template_kwargs={"enable_thinking": False}), add_special_tokens=False)
-    assert not parser.thinks(llm.tokenizer, closed, None)
+    tokenizer = llm.tokenizer
+    parser = ReasoningParser.for_tokenizer("qwen3", tokenizer)
+    assert parser.end_token == tokenizer.token_to_id("</think>") and not parser.special
+    r1 = ReasoningParser.for_tokenizer("deepseek_r1", tokenizer)
+    assert parser.thinks(tokenizer.encode_chat(CHAT), None)
+    closed = tokenizer.encode_chat(CHAT, template_kwargs={"enable_thinking": False})
+    assert not parser.thinks(closed, None) and not r1.thinks(closed, None)
+    assert not parser.thinks(tokenizer.encode_chat(CHAT), {"enable_thinking": False})
+    assert r1.thinks(tokenizer.encode_chat(CHAT), {"enable_thinking": False})  # R1's ignores it
+
+    def turn(text):  # a last turn: <|im_start|> then text
+        return [tokenizer.token_to_id("<|im_start|>")] + tokenizer.encode(
+            text, add_special_tokens=False)
+
+    earlier = tokenizer.encode_chat(CHAT + [
+        {"role": "assistant", "content": "<think>x</think>y"},
+        {"role": "user", "content": "Again?"}], add_generation_prompt=False)
+    assert parser.thinks(earlier + turn("assistant\n"), None)  # an earlier turn's </think>
+    assert not parser.thinks(earlier + turn("assistant\n<think>\nhm\n</think>\n\nThe"), None)
+    assert parser.thinks(earlier + turn("assistant\n<think>\nLet me"), None)
     with pytest.raises(RequestError, match="unknown parser 'nope'; use one of qwen3, deepseek_r1"):
         ReasoningParser.for_tokenizer("nope", llm.tokenizer)
     llama_dir = make_random_model(tmp_path / "llama", "tiny")

@@ -1069,7 +1069,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
                                 "needs at least one token", param="chat_template")
         self._thinks = self._reasoning is not None and self._reasoning.thinks(
-            tokenizer, prompt, self.chat_template_kwargs)
+            prompt, self.chat_template_kwargs)
         return [prompt], [self.sampling_params(len(prompt), max_model_len, model_defaults)]
 
     def new_reasoning_splitter(self) -> ReasoningSplitter | None:
