@@ -205,6 +205,25 @@ def test_the_server_answers_reasoning_apart(qwen3):
     assert plain["content"] == "<think>a</think>b" and "reasoning" not in plain
 
 
+def test_a_returned_thinking_reaches_the_template(qwen3):
+    """An assistant message sent back with its reasoning (either name) gives the chat
+    template both, as Qwen3's reads the thinking of a tool-call loop."""
+    pytest.importorskip("fastapi")
+    from inprocess_server import ask_one, make_state
+    model_dir, llm = qwen3
+    state = make_state(model_dir, llm, reasoning_parser="qwen3",
+                       trust_request_chat_template=True)
+    template = ("{% for m in messages %}{{ m.role }}={{ m.reasoning }}|{{ m.reasoning_content }}"
+                "|{{ m.content }};{% endfor %}")
+    for name in ("reasoning", "reasoning_content"):
+        answer = ask_one(state, "POST", "/tokenize", json={
+            "chat_template": template, "add_generation_prompt": False,
+            "messages": CHAT + [{"role": "assistant", "content": "b", name: "a"}]})
+        assert answer.status == 200, answer.body
+        text = llm.tokenizer.decode(answer.json()["tokens"], skip_special_tokens=False)
+        assert text.endswith("assistant=a|a|b;"), text
+
+
 def test_a_structured_answer_follows_the_thinking_over_http(qwen3):
     pytest.importorskip("fastapi")
     pytest.importorskip("llguidance")

@@ -86,6 +86,8 @@ def test_chat_top_logprobs_are_the_top_k_only(state, llm):
 NO_EFFECT = {
     "user": "an end-user id for abuse monitoring (OpenAI); no effect on the output",
     "model": "the one model served; a wrong name is a 404 (test_models)",
+    "include_reasoning": "only with serve --reasoning-parser (tests/test_reasoning.py); "
+                         "without one a reply is all content",
 }
 # A value for each field that differs from its default, valid on its own.
 SAMPLE = {
@@ -102,7 +104,7 @@ SAMPLE = {
     "guided_grammar": "start: \"a\"", "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required", "parallel_tool_calls": False,
     "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-    "tool_call_id": "1",
+    "tool_call_id": "1", "reasoning": "hm", "reasoning_content": "hm",
     "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
     "logit_bias": {"1": 5}, "min_tokens": 2, "stop_token_ids": [1], "bad_words": ["x"],
     "include_stop_str_in_output": True, "skip_special_tokens": False,
@@ -200,6 +202,7 @@ def test_every_field_is_used_or_refused(llm):
     template = ("{# <tool_call> #}{% if tools %}<t{{ tools | length }}>{% endif %}"
                 "{% for m in messages %}<{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}>"
                 "{{ m.content }}{% if m.tool_calls %}<c{{ m.tool_calls | length }}>{% endif %}"
+                "{{ m.reasoning | default('') }}"
                 "{{ m.tool_call_id | default('') }}{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}{{ flavour | default('') }}")
     tokenizer = Tokenizer(llm.tokenizer._backend, template, llm.tokenizer.bos_token,

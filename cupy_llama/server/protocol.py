@@ -849,6 +849,10 @@ class ChatMessage(_Model):
     tool_calls: Any = None     # an assistant's calls: passed to the chat template as they are
     tool_call_id: Any = None   # a tool message's: the call it answers
     function_call: Any = None  # an assistant's call in the deprecated functions API
+    # an assistant's thinking, as a reasoning parser answered it (vLLM's two names): the
+    # chat template takes it under both (Qwen3's keeps the thinking of a tool-call loop)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class _ChatPrompt:
@@ -898,6 +902,10 @@ class _ChatPrompt:
                 entry["tool_call_id"] = message.tool_call_id
             elif message.role == "function" and last_call_id is not None:
                 entry["tool_call_id"] = last_call_id
+            thinking = message.reasoning if message.reasoning is not None \
+                else message.reasoning_content
+            if thinking is not None:
+                entry["reasoning"] = entry["reasoning_content"] = thinking
             conversation.append(entry)
         return conversation
 
