@@ -187,9 +187,13 @@ def test_the_server_answers_reasoning_apart(qwen3):
     message = chat(state).json()["choices"][0]["message"]
     assert (message["reasoning"], message["reasoning_content"], message["content"]) == \
         ("a", "a", "b")
-    reasoning, content, deltas = streamed(chat(state, stream=True))
+    answer = chat(state, stream=True)
+    reasoning, content, deltas = streamed(answer)
     assert (reasoning, content) == ("a", "b")
     assert not any("think>" in json.dumps(delta) for delta in deltas)
+    # no chunk carries nothing (the markers' tokens show as none)
+    assert all(e["choices"][0]["delta"] or e["choices"][0]["finish_reason"]
+               for e in answer.events() if e["choices"])
     hidden = chat(state, include_reasoning=False).json()["choices"][0]["message"]
     assert (hidden["reasoning"], hidden["content"]) == (None, "b")
     assert streamed(chat(state, stream=True, include_reasoning=False))[:2] == ("", "b")

@@ -156,13 +156,14 @@ def test_builders_make_openai_bodies():
                                          "stream": True, "stream_options": {"include_usage": True}})
     stream = protocol.ChatCompletionStream(chat, "c-1", 5, "m", None, "fp_2")
     # OpenAI's first chunk: the role and empty content; the text follows
-    (opening, first), (second,), (last,) = (stream.chunks(0, "a", None, None),
-                                            stream.chunks(0, "", None, None),
-                                            stream.chunks(0, "b", None, "length"))
+    # a step that adds no text sends nothing; the end is sent even when it adds none
+    (opening, first), nothing, (last,), (end,) = (
+        stream.chunks(0, "a", None, None), stream.chunks(0, "", None, None),
+        stream.chunks(0, "b", None, None), stream.chunks(0, "", None, "length"))
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert first["choices"][0]["delta"] == {"content": "a"}
-    assert second["choices"][0]["delta"] == {} and last["choices"][0]["delta"] == {"content": "b"}
-    chunks = (opening, first, second, last)
+    assert first["choices"][0]["delta"] == {"content": "a"} and nothing == []
+    assert last["choices"][0]["delta"] == {"content": "b"} and end["choices"][0]["delta"] == {}
+    chunks = (opening, first, last, end)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert all(c["usage"] is None and c["object"] == "chat.completion.chunk"
                and c["system_fingerprint"] == "fp_2" for c in chunks)

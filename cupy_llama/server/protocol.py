@@ -1246,7 +1246,10 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunks.append(self.chunk(index, text, logprobs, finish_reason, usage))
+        chunk = self.chunk(index, text, logprobs, finish_reason, usage)
+        choice = chunk["choices"][0]
+        if choice["delta"] or choice["logprobs"] is not None or finish_reason is not None:
+            chunks.append(chunk)  # not one that carries nothing (a marker's token, say)
         return chunks
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
