@@ -323,6 +323,9 @@ def test_generate_splits_openai_batch_lines(qwen3, tmp_path, capsys):
     assert "this file has plain lines" in one_error_line(capsys.readouterr().err)
     assert main(args + ["--overwrite", "--reasoning-parser", "r1"]) == 2
     assert "unknown parser 'r1'" in one_error_line(capsys.readouterr().err)
+    assert main(["generate", "--model", str(model_dir), "--input", str(plain),
+                 "--reasoning-parser", "r1"]) == 2  # the name first, then the file
+    assert "unknown parser 'r1'" in one_error_line(capsys.readouterr().err)
 
 
 # ---- cupy-llama chat ---------------------------------------------------------------------

@@ -116,6 +116,12 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         del defaults["stop"]
     engine = given(flags, ENGINE_NAMES)
     check_options(defaults, engine)
+    if reasoning_parser is not None:
+        from ..reasoning import reasoning_format
+        try:
+            reasoning_format(reasoning_parser)
+        except RequestError as e:
+            raise OptionError(str(e)) from None
     if reasoning_parser is not None and any(r.batch_line is None and r.error is None
                                             for r in requests):
         raise OptionError("--reasoning-parser splits the replies of OpenAI batch lines "
