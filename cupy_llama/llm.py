@@ -84,7 +84,8 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  *, stream: bool = False):
-        """prompts: a string, a list of token ids, or a list of either. Returns one
+        """prompts: a string, a list of token ids, or a list of either (also as vLLM's
+        {"prompt": text} and {"prompt_token_ids": ids} dicts). Returns one
         RequestOutput per prompt in order (a single one for a single prompt); with
         SamplingParams(n=k), k per prompt, as one flat list ordered by prompt and then by
         sample (RequestOutput.index), a list of k for a single prompt. With stream=True,
@@ -260,11 +261,24 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> tuple[bool, list]:
-    if isinstance(prompts, str):
-        return True, [prompts]
+    if isinstance(prompts, (str, dict)):
+        return True, [_prompt_of(prompts)]
     if isinstance(prompts, (list, tuple)) and prompts and are_token_ids(prompts):
         return True, [list(prompts)]
     if isinstance(prompts, (list, tuple)):
-        return False, list(prompts)
+        return False, [_prompt_of(prompt) for prompt in prompts]
     raise RequestError(f"prompts must be a string, a list of token ids or a list of those, "
                        f"got {type(prompts).__name__}")
+
+
+def _prompt_of(prompt):
+    """vLLM's prompt dicts, TextPrompt {"prompt": text} and TokensPrompt
+    {"prompt_token_ids": ids}, as the text or ids they hold; any other prompt as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    for key in ("prompt", "prompt_token_ids"):
+        if set(prompt) == {key}:
+            return prompt[key]
+    raise RequestError(f"a prompt dict must be {{'prompt': text}} or {{'prompt_token_ids': "
+                       f"[ids]}} (vLLM's TextPrompt and TokensPrompt), got the keys "
+                       f"{sorted(map(str, prompt))}")

@@ -449,6 +449,21 @@ def test_chat_answers_a_list_of_conversations_with_a_list(llm):
         llm.chat(conversation, params, date_string=5)
 
 
+def test_vllm_prompt_dicts_are_taken(llm):
+    """TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": ...}, alone or in
+    a list, are the text or ids they hold; a dict of other keys is refused by them."""
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    ids = llm.tokenizer.encode("a b c")
+    by_text, by_ids = llm.generate("a b c", params), llm.generate(ids, params)
+    assert llm.generate({"prompt": "a b c"}, params).token_ids == by_text.token_ids
+    assert llm.generate({"prompt_token_ids": ids}, params).token_ids == by_ids.token_ids
+    both = llm.generate([{"prompt": "a b c"}, {"prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in both] == [by_text.token_ids, by_ids.token_ids]
+    with pytest.raises(RequestError, match=r"a prompt dict must be .*got the keys "
+                                           r"\['multi_modal_data', 'prompt'\]"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
+
+
 def test_chat_continues_the_final_message(llm):
     """continue_final_message: the reply goes on from the last message's text, as a
     completion of the rendered chat cut after it; add_generation_prompt follows it."""
