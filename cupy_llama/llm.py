@@ -12,6 +12,7 @@ from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, are_token_ids
 from .sampling import SamplingParams, model_sampling_defaults
+from .tokenizer import Tokenizer
 
 
 def _stderr(message: str) -> None:
@@ -76,6 +77,10 @@ class LLM:
         if self.engine is None:
             raise RequestError(CLOSED)
         return self.engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (`LLM.tokenizer`), by vLLM's name for it."""
+        return self.tokenizer
 
     # ---- generation -----------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:

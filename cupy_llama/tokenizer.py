@@ -371,14 +371,22 @@ class Tokenizer:
                             date_string: str | None = None, tools=None,
                             template_kwargs: dict | None = None,
                             continue_final_message: bool = False,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, tokenize: bool = False,
+                            **more_template_kwargs) -> str | list[int]:
         """The prompt text the model's chat template renders for these messages.
         template_kwargs: more variables for the template (Qwen3's enable_thinking, say), as
-        transformers' apply_chat_template takes them. continue_final_message: the text ends
-        with the last message's content, left open for the model to continue (as in
-        transformers; it excludes add_generation_prompt). chat_template: a Jinja template
-        to render instead of the model's (vLLM's request field), in the same sandbox;
-        RequestError when it does not compile or render."""
+        transformers' apply_chat_template takes them (its keyword arguments too: `...,
+        enable_thinking=False`). continue_final_message: the text ends with the last
+        message's content, left open for the model to continue (as in transformers; it
+        excludes add_generation_prompt). chat_template: a Jinja template to render instead
+        of the model's (vLLM's request field), in the same sandbox; RequestError when it
+        does not compile or render. tokenize=True: the prompt's ids (encode_chat) instead,
+        for scripts written against transformers' tokenizer."""
+        if more_template_kwargs:
+            template_kwargs = {**(template_kwargs or {}), **more_template_kwargs}
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt, date_string, tools,
+                                    template_kwargs, continue_final_message, chat_template)
         messages = validate_messages(messages)
         text = self._render(messages, add_generation_prompt, date_string, tools,
                             template_kwargs, chat_template)

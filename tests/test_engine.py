@@ -464,6 +464,23 @@ def test_vllm_prompt_dicts_are_taken(llm):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
 
 
+def test_a_vllm_script_s_chat_prompt(llm):
+    """The pattern of vLLM scripts: the tokenizer by get_tokenizer(), the prompt text by
+    transformers' apply_chat_template(..., tokenize=False, add_generation_prompt=True),
+    template variables as keywords; tokenize=True gives its ids."""
+    tokenizer = llm.get_tokenizer()
+    chat = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == tokenizer.apply_chat_template(chat)
+    ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    assert ids == tokenizer.encode_chat(chat)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    assert llm.generate(ids, params).token_ids == llm.chat(chat, params).token_ids
+    flavoured = tokenizer.apply_chat_template(chat, chat_template="{{ flavour }}", flavour="x")
+    assert flavoured == "x" == tokenizer.apply_chat_template(
+        chat, chat_template="{{ flavour }}", template_kwargs={"flavour": "x"})
+
+
 def test_chat_continues_the_final_message(llm):
     """continue_final_message: the reply goes on from the last message's text, as a
     completion of the rendered chat cut after it; add_generation_prompt follows it."""
