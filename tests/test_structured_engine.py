@@ -181,7 +181,8 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
     lines = [{"id": "a", "prompt": "x", "max_tokens": 300, "structured": {"json": PERSON}},
              {"id": "b", "prompt": "y", "max_tokens": 50, "guided_choice": ["up", "down"]},
              {"id": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
-              "response_format": {"type": "json_object"}},
+              "response_format": {"type": "json_schema",  # bounded: a random model ends it
+                                  "json_schema": {"name": "person", "schema": PERSON}}},
              {"id": "d", "prompt": "z", "structured_outputs": {"grammar": "start: nowhere"}},
              {"id": "e", "prompt": "w", "max_tokens": 50, "grammar": 'root ::= "x" [0-9]{2}'},
              {"id": "f", "prompt": "v", "max_tokens": 300, "json_schema": PERSON}]
@@ -193,7 +194,7 @@ def test_a_plain_batch_file_takes_constraints(model_dir, tmp_path):
     assert code == 1  # line d failed
     jsonschema.validate(json.loads(rows["a"]["text"]), PERSON)
     assert rows["b"]["text"] in ("up", "down")
-    assert isinstance(json.loads(rows["c"]["text"]), dict)
+    jsonschema.validate(json.loads(rows["c"]["text"]), PERSON)
     assert re.fullmatch("x[0-9]{2}", rows["e"]["text"]), rows["e"]
     jsonschema.validate(json.loads(rows["f"]["text"]), PERSON)
     assert "structured_outputs.grammar: the grammar does not compile" in rows["d"]["error"]
