@@ -14,7 +14,9 @@
 // do the same arithmetic for the maximum and the sum, so a row's values do not depend on
 // which one ran. Ties go to the lower index; NaN logits count as -inf: never chosen, no
 // mass. Output row r: values[r][0] = logprob of the sampled token, values[r][1 + j] = the
-// j-th most likely token's (ids[r][...] alike; past the vocabulary, id 0 and -inf).
+// j-th most likely token's (ids[r][...] alike; past the vocabulary, id 0 and -inf); where
+// ranks is not null, ranks[r] = the sampled token's place in the row's order, 1 + the
+// logits that rank before it (so a token among the top k has its place there).
 
 #include "common.cuh"
 
@@ -89,13 +91,17 @@ __device__ __forceinline__ void pop(TopList<CAP>& top, int keep) {
     top.i[keep - 1] = NO_INDEX;
 }
 
-// four logits at indices base..base + 3 into a thread's maximum, sum and list
+// four logits at indices base..base + 3 into a thread's maximum, sum, list and count of
+// the logits that rank before the sampled token's (chosen_v, chosen)
 template <int CAP>
 __device__ __forceinline__ void scan_group(float4 group, int base, float& own_max, float& sum,
                                            TopList<CAP>& top, float& bar_v, int& bar_i,
-                                           int keep) {
+                                           int keep, float chosen_v, int chosen, int& ahead) {
     const float v0 = finite_or_low(group.x), v1 = finite_or_low(group.y),
                 v2 = finite_or_low(group.z), v3 = finite_or_low(group.w);
+    ahead += ranks_before(v0, base, chosen_v, chosen) + ranks_before(v1, base + 1, chosen_v, chosen)
+             + ranks_before(v2, base + 2, chosen_v, chosen)
+             + ranks_before(v3, base + 3, chosen_v, chosen);
     const float m = fmaxf(fmaxf(v0, v1), fmaxf(v2, v3));
     if (m > own_max) {
         sum *= expf(own_max - m);  // 0 while own_max is -inf
@@ -113,12 +119,16 @@ template <int CAP>
 __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, int vocab,
                                              const int* __restrict__ rows,
                                              const int* __restrict__ tokens, int k,
-                                             float* __restrict__ values, int* __restrict__ ids) {
+                                             float* __restrict__ values, int* __restrict__ ids,
+                                             int* __restrict__ ranks) {
     __shared__ float scratch_v[WARP_SIZE];
     __shared__ int scratch_i[WARP_SIZE];
     __shared__ float sum_scratch[WARP_SIZE];
     const int row = rows[blockIdx.x];
     const float* x = logits + (long long)row * vocab;
+    const int chosen = tokens[row];
+    const float chosen_v = finite_or_low(x[chosen]);
+    int ahead = 0;  // this thread's logits that rank before the chosen token's
     const int keep = CAP == 1 ? 1 : (k > 1 ? k : 1);  // a constant for a list of one
 
     TopList<CAP> top;
@@ -142,10 +152,11 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
             const float4 first = x4[g];
             const bool second = 4 * (g + LOGPROB_THREADS) < vec_end;
             const float4 next = second ? x4[g + LOGPROB_THREADS] : first;
-            scan_group(first, 4 * g, own_max, sum, top, bar_v, bar_i, keep);
+            scan_group(first, 4 * g, own_max, sum, top, bar_v, bar_i, keep, chosen_v, chosen,
+                       ahead);
             if (second)
                 scan_group(next, 4 * (g + LOGPROB_THREADS), own_max, sum, top, bar_v, bar_i,
-                           keep);
+                           keep, chosen_v, chosen, ahead);
         }
         if (CAP > 1) {
             for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -157,6 +168,7 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
     }
     for (int i = vec_end + threadIdx.x; i < vocab; i += LOGPROB_THREADS) {
         const float v = finite_or_low(x[i]);
+        ahead += ranks_before(v, i, chosen_v, chosen);
         if (v > own_max) {
             sum = sum * expf(own_max - v) + 1.0f;  // expf(-inf) = 0 at the first finite value
             own_max = v;
@@ -177,9 +189,8 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
             const float rescaled = sum > 0.0f ? sum * expf(own_max - best) : 0.0f;
             log_total = best + logf(block_sum(rescaled, sum_scratch));
             if (threadIdx.x == 0) {
-                const int chosen = tokens[row];
                 out_ids[0] = chosen;
-                out_values[0] = finite_or_low(x[chosen]) - log_total;
+                out_values[0] = chosen_v - log_total;
             }
         }
         if (j < k && threadIdx.x == 0) {
@@ -188,18 +199,22 @@ __device__ __forceinline__ void logprobs_row(const float* __restrict__ logits, i
         }
         if (best_i < vocab && top.i[0] == best_i) pop(top, keep);
     }
+    if (ranks != nullptr) {  // counts below 2^24 add exactly in float32
+        const float before = block_sum(static_cast<float>(ahead), sum_scratch);
+        if (threadIdx.x == 0) ranks[blockIdx.x] = 1 + static_cast<int>(before);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
 logprobs_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
                 const int* __restrict__ tokens, int k, float* __restrict__ values,
-                int* __restrict__ ids) {
-    logprobs_row<1>(logits, vocab, rows, tokens, k, values, ids);
+                int* __restrict__ ids, int* __restrict__ ranks) {
+    logprobs_row<1>(logits, vocab, rows, tokens, k, values, ids, ranks);
 }
 
 extern "C" __global__ void __launch_bounds__(LOGPROB_THREADS)
 logprobs_top_kernel(const float* __restrict__ logits, int vocab, const int* __restrict__ rows,
                     const int* __restrict__ tokens, int k, float* __restrict__ values,
-                    int* __restrict__ ids) {
-    logprobs_row<LOGPROB_MAX_K>(logits, vocab, rows, tokens, k, values, ids);
+                    int* __restrict__ ids, int* __restrict__ ranks) {
+    logprobs_row<LOGPROB_MAX_K>(logits, vocab, rows, tokens, k, values, ids, ranks);
 }

@@ -277,20 +277,22 @@ class PromptLogprobRequest:
     """The prompt positions of a step whose next-token log-probabilities are wanted (the
     requests with SamplingParams.prompt_logprobs): the model computes the logits of these
     rows too, in pieces, and keeps only each row's log-softmax of its target and the k
-    largest. values and ids ([P, 1 + k], backend arrays) are set by the forward pass."""
+    largest, and its target's rank. values, ids and ranks (backend arrays) are set by the
+    forward pass."""
     rows: np.ndarray     # [P] int32: rows of the step's tokens (T axis)
     targets: np.ndarray  # [P] int32: the prompt token that follows each row's token
     k: int               # alternatives per row: the most any request of the step asks
     values: Any = None   # [P, 1 + k] float32: column 0 the target's, then the k best
     ids: Any = None      # [P, 1 + k] int32
+    ranks: Any = None    # [P] int32: the target's place in its row (1: the most likely)
     spans: list = field(default_factory=list)  # the caller's: whose rows are whose
 
-    def host(self) -> tuple[np.ndarray, np.ndarray]:
-        """values and ids as host numpy arrays (waits for the device where needed)."""
-        to_host = getattr(self.values, "get", None)
-        if to_host is not None:  # cupy
-            return self.values.get(), self.ids.get()
-        return np.asarray(self.values), np.asarray(self.ids)
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """values, ids and ranks as host numpy arrays (waits for the device where needed)."""
+        arrays = (self.values, self.ids, self.ranks)
+        if getattr(self.values, "get", None) is not None:  # cupy
+            return tuple(a.get() for a in arrays)
+        return tuple(np.asarray(a) for a in arrays)
 
 
 class SampledTokens:
@@ -409,10 +411,11 @@ class Ops(Protocol):
         """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
     def device_array(self, host: np.ndarray) -> Any:
         """A copy of a host array in backend memory (the NumPy backend: the array itself)."""
-    def token_logprobs(self, logits, targets, k: int, values, ids) -> None:
+    def token_logprobs(self, logits, targets, k: int, values, ids, ranks) -> None:
         """logits [n, V] float32, targets [n] int32 -> values [n, 1 + k] float32 and ids
         [n, 1 + k] int32: column 0 each target's log-softmax, then the k largest, best
-        first (ties to the lower id)."""
+        first (ties to the lower id); ranks [n] int32: each target's place in its row (1:
+        the most likely, in the same order)."""
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         """logits [B, V] float32 -> host numpy int32 [B] token ids."""
     def sample_async(self, logits, sampling: SamplingTensors) -> SampledTokens:

@@ -11,19 +11,21 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
+    rank: int | None = None  # the token's place among all (1: the most likely), where known
 
 
 class PromptScores:
     """A prompt's log-probabilities as the device returned them (docs/ARCHITECTURE.md,
     "Prompt log-probabilities"): row r scores prompt token r + 1 given the ones before it,
     values[r, 0] its log-probability and values[r, 1:] the k most likely tokens' there
-    (ids[r, 1:]), best first; ids[r, 0] is the token. entries() makes the per-token
-    objects once, for whoever reads them."""
-    __slots__ = ("values", "ids", "_entries")
+    (ids[r, 1:]), best first; ids[r, 0] is the token, ranks[r] its place in the row (1:
+    the most likely). entries() makes the per-token objects once, for whoever reads them."""
+    __slots__ = ("values", "ids", "ranks", "_entries")
 
-    def __init__(self, values, ids):
+    def __init__(self, values, ids, ranks):
         self.values = values  # [P - 1, 1 + k] float32 (NumPy)
         self.ids = ids        # [P - 1, 1 + k] int32
+        self.ranks = ranks    # [P - 1] int32
         self._entries: list | None = None
 
     @property
@@ -34,21 +36,21 @@ class PromptScores:
         """One per prompt token (the first has no score)."""
         return self.ids.shape[0] + 1
 
-    def rows(self) -> tuple[list, list]:
-        """(ids, values) as nested Python lists, made in one pass each."""
-        return self.ids.tolist(), self.values.tolist()
+    def rows(self) -> tuple[list, list, list]:
+        """(ids, values, ranks) as Python lists, made in one pass each."""
+        return self.ids.tolist(), self.values.tolist(), self.ranks.tolist()
 
     def entries(self) -> list[TokenLogprob | None]:
         """RequestOutput.prompt_logprobs: None for the first token, then a TokenLogprob per
         scored token (made on the first call, the same list after)."""
         if self._entries is None:
-            ids, values = self.rows()
-            self._entries = [None] + [TokenLogprob(i[0], v[0], list(zip(i[1:], v[1:])))
-                                      for i, v in zip(ids, values)]
+            ids, values, ranks = self.rows()
+            self._entries = [None] + [TokenLogprob(i[0], v[0], list(zip(i[1:], v[1:])), r)
+                                      for i, v, r in zip(ids, values, ranks)]
         return self._entries
 
     def __reduce__(self):  # the arrays only: the entries are made again where read
-        return PromptScores, (self.values, self.ids)
+        return PromptScores, (self.values, self.ids, self.ranks)
 
 
 @dataclass(frozen=True)

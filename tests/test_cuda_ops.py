@@ -756,22 +756,27 @@ def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
 def test_logprobs_of_one_and_of_many_agree(cp, rng, vocab):
     """logprobs.cu's two kernels (a list of one pair per thread for k <= 1, of k for more)
     give a row the same bits for the sampled token and the first of the top k, and the
-    list of many equals the NumPy top k; a vocabulary smaller than k pads with id 0, -inf."""
+    list of many equals the NumPy top k; a vocabulary smaller than k pads with id 0, -inf;
+    the sampled tokens' ranks equal the NumPy ones (ties to the lower id, NaN last)."""
     from cupy_llama.backends.cuda import logprobs as logprob_kernels
-    from cupy_llama.backends.numpy_ops import logprobs as reference
+    from cupy_llama.backends.numpy_ops import logprobs as reference, token_ranks
     rows_n = 6
     logits = rng.standard_normal((rows_n, vocab), dtype=np.float32) * 3
     logits[1, : vocab // 3] = -np.inf
     tokens = rng.integers(0, vocab, rows_n).astype(np.int32)
     tokens[1] = vocab - 1
     rows = np.arange(rows_n, dtype=np.int32)
+    logits[2, :] = logits[2, tokens[2]]  # a row of ties: the token ranks after lower ids
+    logits[3, 5] = np.nan                 # NaN ranks last
     got = {}
     for k in (1, 20):
         values = cp.empty((rows_n, 1 + k), np.float32)
         ids = cp.empty((rows_n, 1 + k), np.int32)
+        ranks = cp.empty(rows_n, np.int32)
         logprob_kernels.logprobs(cp.asarray(logits), cp.asarray(rows), cp.asarray(tokens), k,
-                                 values, ids)
+                                 values, ids, ranks)
         got[k] = (values.get(), ids.get())
+        np.testing.assert_array_equal(ranks.get(), token_ranks(logits, tokens))
     np.testing.assert_array_equal(got[1][0], got[20][0][:, :2])
     np.testing.assert_array_equal(got[1][1], got[20][1][:, :2])
     want = reference(logits, tokens, rows, min(20, vocab))

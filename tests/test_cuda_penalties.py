@@ -159,3 +159,9 @@ def test_prompt_logprobs_on_the_gpu_equal_the_cpu(tmp_path, monkeypatch, logits_
     assert diff.max() <= 5e-2 * np.abs(want).max(), diff.max()
     assert np.median(diff) <= 2e-2, np.median(diff)
     assert [e.token_id for e in gpu[1:]] == prompt[1:]
+    # each token's place among all: the device's count, the same order as the CPU's up to
+    # the places bf16 moves (near neighbours swap)
+    gpu_ranks = np.array([e.rank for e in gpu[1:]])
+    cpu_ranks = np.array([e.rank for e in cpu[1:]])
+    assert gpu_ranks.min() >= 1 and gpu_ranks.max() <= llm.config.vocab_size
+    assert np.corrcoef(gpu_ranks, cpu_ranks)[0, 1] > 0.95

@@ -40,6 +40,12 @@ def check(scored, prompt, expected, k):
         np.testing.assert_allclose([v for _, v in entry.top], row[top_ids], atol=TOLERANCE)
         # the k largest, best first (a near tie may order two neighbours either way)
         assert np.all(np.sort(row)[::-1][:k] - row[top_ids] < TOLERANCE), position
+        # the token's place among all: 1 + those clearly above it, up to those near it
+        own = row[prompt[position]]
+        above, near = np.sum(row > own + TOLERANCE), np.sum(row > own - TOLERANCE) - 1
+        assert 1 + above <= entry.rank <= 1 + near, (position, entry.rank, above, near)
+        if entry.token_id in top_ids:  # where it is among the k, that place
+            assert entry.rank == 1 + top_ids.index(entry.token_id) or near > above
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,11 +124,12 @@ def test_prompt_scores_cross_a_pickle_as_arrays_and_make_their_entries_once():
     from cupy_llama.outputs import PromptScores, TokenLogprob
     values = np.array([[-1.5, -0.5, -1.5], [-0.25, -0.25, -2.0]], np.float32)
     ids = np.array([[7, 3, 7], [9, 9, 1]], np.int32)
-    scores = pickle.loads(pickle.dumps(PromptScores(values, ids)))
+    ranks = np.array([2, 1], np.int32)
+    scores = pickle.loads(pickle.dumps(PromptScores(values, ids, ranks)))
     assert len(scores) == 3 and scores.k == 2
     entries = scores.entries()
-    assert entries == [None, TokenLogprob(7, -1.5, [(3, -0.5), (7, -1.5)]),
-                       TokenLogprob(9, -0.25, [(9, -0.25), (1, -2.0)])]
+    assert entries == [None, TokenLogprob(7, -1.5, [(3, -0.5), (7, -1.5)], 2),
+                       TokenLogprob(9, -0.25, [(9, -0.25), (1, -2.0)], 1)]
     assert scores.entries() is entries  # made once, shared by whoever reads them
     assert all(type(entry.token_id) is int and type(entry.logprob) is float
                for entry in entries[1:])

@@ -146,9 +146,13 @@ def test_vllm_prompt_logprobs_on_both_endpoints(state, llm, model_dir):
     assert scored[0] is None and len(scored) == len(prompt)
     for position in range(1, len(prompt)):
         entry = scored[position][str(prompt[position])]
-        assert abs(entry["logprob"] - scores[position - 1, prompt[position]]) < 1e-4
-        best = int(np.argmax(scores[position - 1]))
+        row = scores[position - 1]
+        assert abs(entry["logprob"] - row[prompt[position]]) < 1e-4
+        best = int(np.argmax(row))
         assert scored[position][str(best)]["rank"] == 1
+        # the token's own place, also where it is not the best (vLLM's: never null)
+        own = row[prompt[position]]
+        assert 1 + np.sum(row > own + 1e-4) <= entry["rank"] <= np.sum(row > own - 1e-4), entry
     chat = ask_one(state, "POST", "/v1/chat/completions",
                    json={"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
     chat_prompt = llm.tokenizer.encode_chat(CHAT, add_generation_prompt=True)

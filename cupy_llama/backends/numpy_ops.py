@@ -123,10 +123,12 @@ class NumpyOps(SublayerOps):
     def device_array(self, host):
         return np.asarray(host)
 
-    def token_logprobs(self, logits, targets, k, values, ids):
-        result = logprobs(logits, np.asarray(targets), np.arange(logits.shape[0]), k)
+    def token_logprobs(self, logits, targets, k, values, ids, ranks):
+        targets = np.asarray(targets)
+        result = logprobs(logits, targets, np.arange(logits.shape[0]), k)
         values[...] = result.values
         ids[...] = result.ids
+        ranks[...] = token_ranks(logits, targets)
 
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
@@ -261,6 +263,16 @@ def logprobs(logits, tokens, rows: np.ndarray, k: int) -> Logprobs:
         ids[i, 0], values[i, 0] = tokens[row], log_softmax[tokens[row]]
         ids[i, 1:], values[i, 1:] = best, log_softmax[best]
     return Logprobs(rows, ids, values)
+
+
+def token_ranks(logits, tokens) -> np.ndarray:
+    """Each row's token's place in the row (1: the most likely): 1 + the logits that rank
+    before it, larger or equal with a lower id (as logprobs.cu orders them; NaN as -inf)."""
+    x = np.where(np.isnan(logits), -np.inf, logits)
+    own = x[np.arange(x.shape[0]), tokens][:, None]
+    ids = np.arange(x.shape[1])[None, :]
+    before = (x > own) | ((x == own) & (ids < np.asarray(tokens)[:, None]))
+    return (1 + before.sum(axis=1)).astype(np.int32)
 
 
 def normed(x, weight, eps, offset=0.0):

@@ -278,7 +278,7 @@ def _as_delta(output) -> EngineDelta:
         times = (times.added, times.scheduled, times.first_token, times.last_token)
     scores, prompt_logprobs = output.prompt_scores, None
     if scores is not None and len(output.token_ids) == len(output.delta_token_ids):
-        prompt_logprobs = (scores.values, scores.ids)  # sent with the first delta only
+        prompt_logprobs = (scores.values, scores.ids, scores.ranks)  # with the first delta only
     return EngineDelta(output.request_id, output.index, output.delta, output.delta_token_ids,
                        output.finish_reason, logprobs, output.num_cached_tokens, times,
                        prompt_logprobs)

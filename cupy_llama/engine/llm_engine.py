@@ -76,7 +76,7 @@ class _Sample:
         # log-probabilities"), joined into one pair once every prompt token is scored
         self.prompt_chunks: list | None = None if seq.params.prompt_logprobs is None else []
         self.num_scored = 1  # prompt positions covered (the first has no score)
-        self.prompt_scores: tuple | None = None  # (values, ids) once complete
+        self.prompt_scores: tuple | None = None  # (values, ids, ranks) once complete
         self.prompt_source = self  # the sample that computes them (sample 0)
         # in a delta already (a sample that asks none has none to send: its deltas skip
         # the check)
@@ -160,8 +160,9 @@ class _Sample:
             max(0, seq.num_cached_tokens), times, prompt))
 
     def complete_prompt_logprobs(self) -> tuple | None:
-        """The prompt's scores, (values [P - 1, 1 + k] float32, ids [P - 1, 1 + k] int32),
-        once every prompt token is scored, else None (PromptScores' arrays)."""
+        """The prompt's scores, (values [P - 1, 1 + k] float32, ids [P - 1, 1 + k] int32,
+        ranks [P - 1] int32), once every prompt token is scored, else None (PromptScores'
+        arrays)."""
         source = self.prompt_source
         if source.prompt_scores is None:
             chunks = source.prompt_chunks
@@ -170,26 +171,27 @@ class _Sample:
             if not chunks:  # a prompt of one token: nothing to score
                 width = 1 + self.seq.params.prompt_logprobs
                 source.prompt_scores = (np.empty((0, width), np.float32),
-                                        np.empty((0, width), np.int32))
+                                        np.empty((0, width), np.int32),
+                                        np.empty(0, np.int32))
             elif len(chunks) == 1:
                 source.prompt_scores = chunks[0]
             else:
-                source.prompt_scores = (np.concatenate([v for v, _ in chunks]),
-                                        np.concatenate([i for _, i in chunks]))
+                source.prompt_scores = tuple(np.concatenate(parts) for parts in zip(*chunks))
             source.prompt_chunks = []
         return source.prompt_scores
 
-    def add_prompt_logprobs(self, first: int, values, ids) -> None:
+    def add_prompt_logprobs(self, first: int, values, ids, ranks) -> None:
         """Scores of prompt tokens first, first + 1, ... (rows of values and ids: the token's
-        then the top k's, of the step's width); those it has already (a recomputed prompt)
-        are kept."""
+        then the top k's, of the step's width; ranks: the token's place); those it has
+        already (a recomputed prompt) are kept."""
         skip = max(0, self.num_scored - first)
         if skip >= values.shape[0]:
             return
         width = 1 + self.seq.params.prompt_logprobs  # the step's may be wider
         # copies: the step's arrays are not the sample's to keep
         self.prompt_chunks.append((np.array(values[skip:, :width], np.float32),
-                                   np.array(ids[skip:, :width], np.int32)))
+                                   np.array(ids[skip:, :width], np.int32),
+                                   np.array(ranks[skip:], np.int32)))
         self.num_scored += values.shape[0] - skip
 
 
@@ -830,13 +832,13 @@ class LLMEngine:
         return deltas
 
     def _take_prompt_logprobs(self, prompt) -> None:
-        values, ids = prompt.host()
+        values, ids, ranks = prompt.host()
         offset = 0
         for seq, first, count in prompt.spans:
             sample = self._sample_of(seq)
             if sample is not None:
-                sample.add_prompt_logprobs(first, values[offset:offset + count],
-                                           ids[offset:offset + count])
+                span = slice(offset, offset + count)
+                sample.add_prompt_logprobs(first, values[span], ids[span], ranks[span])
             offset += count
 
     def _append_token(self, sample: _Sample, index: int, token_id: int) -> bool:

@@ -225,12 +225,13 @@ class Decoder:
         wide = backend.buffers(meta.num_tokens, piece)
         prompt.values = ops.empty((count, 1 + k), np.float32)
         prompt.ids = ops.empty((count, 1 + k), np.int32)
+        prompt.ranks = ops.empty((count,), np.int32)
         rows, targets = staged[0], staged[1]
         for start in range(0, count, piece):
             stop = min(count, start + piece)
             logits = self.logits_of(backend, buf["residual"], rows[start:stop], wide)
             ops.token_logprobs(logits, targets[start:stop], k, prompt.values[start:stop],
-                               prompt.ids[start:stop])
+                               prompt.ids[start:stop], prompt.ranks[start:stop])
 
     def logits_of(self, backend: Backend, residual, rows, buf):
         """The final norm and the LM head of residual[rows]: logits [len(rows), V] float32,

@@ -700,7 +700,7 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
         offset += len(text)
     token_logprobs, top_logprobs = [None] * len(tokens), [None] * len(tokens)
     if scored is not None:
-        ids, values = scored.rows()
+        ids, values, _ = scored.rows()
         for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
             if position >= len(tokens):
                 break
@@ -718,17 +718,16 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
 def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | None:
     """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {
     "logprob", "rank", "decoded_token"}} for the token and the k most likely there (rank
-    1 the most likely; the token's own rank where it is among them, else null). scored:
-    the prompt's PromptScores, or None."""
+    1 the most likely, the token's own wherever it ranks). scored: the prompt's
+    PromptScores, or None."""
     if scored is None:
         return None
     result = [None] * len(prompt_ids)
-    ids, values = scored.rows()
-    for position, (row_ids, row_values) in enumerate(zip(ids, values), start=1):
+    ids, values, ranks = scored.rows()
+    for position, (row_ids, row_values, rank) in enumerate(zip(ids, values, ranks), start=1):
         if position >= len(prompt_ids):
             break
         token_id, top = row_ids[0], row_ids[1:]
-        rank = top.index(token_id) + 1 if token_id in top else None
         items = {str(token_id): {"logprob": json_logprob(row_values[0]), "rank": rank,
                                  "decoded_token": token_strings(token_id)}}
         for rank, (t, lp) in enumerate(zip(top[:k], row_values[1:1 + k]), start=1):

@@ -239,9 +239,9 @@ class CudaOps(SublayerOps):
     def device_array(self, host):
         return self._cupy.asarray(host)
 
-    def token_logprobs(self, logits, targets, k, values, ids):
+    def token_logprobs(self, logits, targets, k, values, ids, ranks):
         rows = self._cupy.arange(logits.shape[0], dtype=np.int32)
-        logprob_kernels.logprobs(logits, rows, targets, k, values, ids)
+        logprob_kernels.logprobs(logits, rows, targets, k, values, ids, ranks)
 
     def sample(self, logits, sampling: SamplingTensors) -> np.ndarray:
         return self.sample_async(logits, sampling).get()
