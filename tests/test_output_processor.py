@@ -279,3 +279,33 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
             assert [entry[0] for d in mine for entry in d.logprobs] == output.token_ids
     assert any(o.finish_reason == "stop" for o in expected.values())
     assert_all_blocks_free(llm)
+
+
+def test_a_stepping_engine_says_so_without_output(llm, monkeypatch):
+    """A request that is not streamed has no output until it ends; the engine loop still
+    sends a message at least every PROGRESS_EVERY_S while it steps, since the server's
+    stall watch (--engine-timeout) counts from the last one. Here every step's."""
+    from cupy_llama.engine import async_engine
+
+    class ScriptedChannel:
+        def __init__(self, turns):
+            self.turns, self.sent = list(turns), []
+
+        def receive(self, wait):  # the script, then nothing while busy, then stop
+            return self.turns.pop(0) if self.turns else [("stop",)] if wait else []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for every, least, most in ((0.0, 12, 13), (3600.0, 1, 2)):
+        monkeypatch.setattr(async_engine, "PROGRESS_EVERY_S", every)
+        channel = ScriptedChannel([[("add", "quiet", [5, 6, 7], params, False, True)]])
+        try:
+            async_engine._EngineLoop(llm.engine, channel).run()
+        finally:
+            llm.engine.outputs = None
+        assert least <= len(channel.sent) <= most, (every, len(channel.sent))
+        finals = [d for message in channel.sent for d in message[1]]
+        assert len(finals) == 1 and len(finals[0][3]) == 12  # the one delta, at the end
+        assert all(message[0] == "out" for message in channel.sent)

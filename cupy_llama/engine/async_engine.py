@@ -31,8 +31,10 @@ Messages, server to engine: ("settings", model_dir, device, engine_options) firs
 ("stop",). With text False (the server has the tokenizer, as `serve` does) the engine
 sends token ids only: the server process detokenizes and matches stop strings
 (DetokenizedSample), and ends a sample at its stop string with an abort of that sample. Engine to server: ("ready", info) or ("failed", kind,
-message) once, then ("out", deltas, rejected, stats) after every step (and after any
-message handled while idle), and ("crashed", traceback) if the loop dies. The deltas are
+message) once, then ("out", deltas, rejected, stats) after every step that has output
+(and after any message handled while idle), at least every PROGRESS_EVERY_S while it
+steps (the server's sign that a step finished: requests that are not streamed have no
+output until they end), and ("crashed", traceback) if the loop dies. The deltas are
 the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
 about 6x faster than a tuple subclass, and named again on arrival. An "out" message may
 carry a fifth field, the step's TokenColumns as a plain tuple of three lists: the one-token
@@ -61,6 +63,9 @@ from .output_processor import DetokenizedSample, EngineDelta, TokenColumns
 
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 COMPILE_POLL_S = 0.005  # an idle loop's wait for a grammar compiling, between messages
+# the longest a stepping engine goes without a message to the server (its stall watch,
+# --engine-timeout, counts from the last one); steps with output send one anyway
+PROGRESS_EVERY_S = 1.0
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _HEADER = struct.Struct("<I")
@@ -168,6 +173,7 @@ class _EngineLoop:
 
     def run(self) -> None:
         engine, channel = self.engine, self.channel
+        sent_at = time.monotonic()
         # constrained requests whose grammar compiles on a worker thread, in arrival order:
         # (future, add message); compiling never holds up the steps
         compiling: list = []
@@ -215,8 +221,10 @@ class _EngineLoop:
                 stepped = True
             else:
                 stepped = False
-            if deltas or rejected or messages or (columns and columns.request_ids):
+            if (deltas or rejected or messages or (columns and columns.request_ids)
+                    or (stepped and time.monotonic() - sent_at >= PROGRESS_EVERY_S)):
                 channel.send(self.step_message(deltas, rejected, columns))
+                sent_at = time.monotonic()
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
 
@@ -451,8 +459,9 @@ class AsyncEngine:
         self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
         self._stopping = False
         self._stopped = False
-        # the last sign of the engine's progress: an output frame (one after every step),
-        # or work arriving at an idle engine (stalled_for)
+        # the last sign of the engine's progress: an output frame (one a step with output,
+        # one every PROGRESS_EVERY_S while it steps), or work arriving at an idle engine
+        # (stalled_for)
         self._progress_at = time.monotonic()
 
     # ---- lifetime ----------------------------------------------------------------------
