@@ -105,6 +105,17 @@ def test_a_named_commit_wins_and_git_is_kept_beside_it(monkeypatch):
     assert bench_report.commit_info(None) == {"commit": "unknown", "commit_source": "none"}
 
 
+def test_git_is_asked_at_the_checkout_s_root():
+    """The root of the source tree, where a checkout's .git is (not the package folder)."""
+    import re
+
+    from cupy_llama.bench import report as bench_report
+    root = bench_report.SOURCE_ROOT
+    assert (root / "cupy_llama" / "bench" / "report.py").is_file()
+    if (root / ".git").exists():  # a checkout, as the tests run in one
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", bench_report.git_commit(root))
+
+
 # ---- a whole run --------------------------------------------------------------------------
 
 def test_all_modes_write_a_complete_report(report_all, model_dir):

@@ -53,6 +53,10 @@ def add_ratios(results: dict) -> None:
 
 # ---- what the report says about the run ---------------------------------------------------
 
+# the folder that holds the cupy_llama package: a checkout's root, where its .git is
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
 def commit_info(explicit: str | None) -> dict:
     """The commit: --commit (else $CUPY_LLAMA_COMMIT) when given, with what git says beside
     it where that differs or the tree has uncommitted changes (a copied tree can carry a
@@ -60,7 +64,7 @@ def commit_info(explicit: str | None) -> dict:
     uncommitted changes."""
     named = explicit or os.environ.get("CUPY_LLAMA_COMMIT")
     source = "--commit" if explicit else "CUPY_LLAMA_COMMIT"
-    git = git_commit(Path(__file__).resolve().parents[1])
+    git = git_commit(SOURCE_ROOT)
     if named:
         info = {"commit": named, "commit_source": source}
         if git is not None and (not git.startswith(named) or git.endswith("-dirty")):
