@@ -120,3 +120,17 @@ def test_serve_streams_the_reply_and_stops_at_the_end_of_turn(family):
         assert (text, reasons) == ("!", ["stop"])
     finally:
         assert server.stop() == 0, server.log_text()
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_a_reply_of_tool_calls_renders_in_the_random_models_templates(tmp_path, architecture):
+    """An assistant message that only calls tools has content null (OpenAI's form, and what
+    `chat --tools` keeps); the ChatML templates of the random models render it as empty."""
+    model_dir = make_random_model(tmp_path / "model", "tiny", architectures=[architecture])
+    tokenizer = Tokenizer.from_dir(model_dir)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    text = tokenizer.apply_chat_template([
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}])
+    assert "<|im_start|>assistant\n<|im_end|>" in text and "done" in text

@@ -84,14 +84,14 @@ LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header
                          "<|end_header_id|>", "<|eot_id|>"]
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 # Qwen3: ChatML; a reply's thinking (<think>...</think>) is dropped from earlier turns, and
 # with enable_thinking false the generation prompt holds an empty thinking block
 QWEN3_TEMPLATE = (
     "{%- for message in messages %}"
-    "{%- set content = message.content %}"
+    "{%- set content = message.content or '' %}"  # null for a reply of tool calls
     "{%- if message.role == 'assistant' and '</think>' in content %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
