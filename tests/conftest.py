@@ -89,6 +89,21 @@ def read_jsonl(path: Path) -> list:
             if line.strip()]
 
 
+class ScriptedChannel:
+    """The engine loop's channel to the server (engine/async_engine.py _EngineLoop), played
+    from a script: each turn's messages, then none while the engine is busy, then stop
+    once it is idle; what the loop sends is kept in `sent`."""
+
+    def __init__(self, turns):
+        self.turns, self.sent = list(turns), []
+
+    def receive(self, wait):
+        return self.turns.pop(0) if self.turns else [("stop",)] if wait else []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
 def one_error_line(err: str) -> str:
     """The one `error:` line, last on stderr (after any progress lines), no traceback."""
     lines = [line for line in err.splitlines() if line.strip()]

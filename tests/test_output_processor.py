@@ -285,18 +285,9 @@ def test_a_stepping_engine_says_so_without_output(llm, monkeypatch):
     """A request that is not streamed has no output until it ends; the engine loop still
     sends a message at least every PROGRESS_EVERY_S while it steps, since the server's
     stall watch (--engine-timeout) counts from the last one. Here every step's."""
+    from conftest import ScriptedChannel
+
     from cupy_llama.engine import async_engine
-
-    class ScriptedChannel:
-        def __init__(self, turns):
-            self.turns, self.sent = list(turns), []
-
-        def receive(self, wait):  # the script, then nothing while busy, then stop
-            return self.turns.pop(0) if self.turns else [("stop",)] if wait else []
-
-        def send(self, message):
-            self.sent.append(message)
-
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for every, least, most in ((0.0, 12, 13), (3600.0, 1, 2)):
         monkeypatch.setattr(async_engine, "PROGRESS_EVERY_S", every)

@@ -14,7 +14,7 @@ from cupy_llama import LLM, SamplingParams
 from cupy_llama.errors import RequestError
 from cupy_llama.structured import StructuredSpec
 
-from conftest import assert_all_blocks_free, read_jsonl
+from conftest import ScriptedChannel, assert_all_blocks_free, read_jsonl
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -225,16 +225,6 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_there(llm):
 
     from cupy_llama.engine.async_engine import _EngineLoop
     from cupy_llama.engine.output_processor import EngineDelta
-
-    class ScriptedChannel:
-        def __init__(self, turns):
-            self.turns, self.sent = list(turns), []
-
-        def receive(self, wait):  # the script, then nothing while busy, then stop
-            return self.turns.pop(0) if self.turns else [("stop",)] if wait else []
-
-        def send(self, message):
-            self.sent.append(message)
 
     engine = llm.engine
     never = Future()  # a grammar still compiling
