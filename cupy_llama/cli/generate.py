@@ -151,7 +151,12 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
         model_dir = options.default_model_dir()
-    reasoning = _reasoning_parser(reasoning_parser, model_dir)
+    reasoning = None
+    if reasoning_parser is not None:  # checked before the model loads
+        from ..models import read_config
+        from ..tokenizer import Tokenizer
+        reasoning = options.reasoning_parser(
+            reasoning_parser, Tokenizer.from_dir(model_dir, read_config(model_dir)))
     llm = options.load(model_dir, device, engine)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
@@ -176,21 +181,6 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
-
-
-def _reasoning_parser(name: str | None, model_dir):
-    """--reasoning-parser bound to the model's tokenizer, before the model loads: an
-    OptionError for an unknown name or a model that does not think in that format."""
-    if name is None:
-        return None
-    from ..models import read_config
-    from ..reasoning import ReasoningParser
-    from ..tokenizer import Tokenizer
-    try:
-        return ReasoningParser.for_tokenizer(name, Tokenizer.from_dir(model_dir,
-                                                                      read_config(model_dir)))
-    except RequestError as e:
-        raise OptionError(str(e)) from None
 
 
 def _plural(count: int, noun: str) -> str:

@@ -165,6 +165,18 @@ def load(model_dir, device: str, engine: dict):
     return llm
 
 
+def reasoning_parser(name: str | None, tokenizer):
+    """--reasoning-parser (serve, generate) bound to the model's tokenizer, or None: an
+    OptionError for an unknown name or a model that does not think in that format."""
+    if name is None:
+        return None
+    from ..reasoning import ReasoningParser
+    try:
+        return ReasoningParser.for_tokenizer(name, tokenizer)
+    except RequestError as e:
+        raise OptionError(str(e)) from None
+
+
 def served_name(model_dir) -> str:
     """The model's name in the API when none is given: its folder's name (never its path,
     which would tell clients and metrics where it lives); the demo model's name."""

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from ..errors import CupyLlamaError, OptionError, RequestError
+from ..errors import CupyLlamaError, OptionError
 from . import options
 from .options import (ENGINE_NAMES, EXIT_OK, MODEL_PATH, check_options, device_option,
                       engine_options, given, log)
@@ -119,12 +119,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
         model_dir = options.default_model_dir()
     config = read_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config)
-    if reasoning_parser is not None:  # a known format, and the model thinks in it
-        from ..reasoning import ReasoningParser
-        try:
-            ReasoningParser.for_tokenizer(reasoning_parser, tokenizer)
-        except RequestError as e:
-            raise OptionError(str(e)) from None
+    options.reasoning_parser(reasoning_parser, tokenizer)  # known, and the model thinks so
     sock = _listen(host, port)
     if device == "auto":  # said here, in the command line's short words, not by the engine
         device = options.auto_device(log=log)
