@@ -72,19 +72,22 @@ class ReasoningParser:
 
     def thinks(self, prompt_ids, template_kwargs: dict | None) -> bool:
         """Whether the reply to this prompt starts by thinking: not where Qwen3's
-        enable_thinking is false, else as the last marker of the prompt's last turn (the
-        tokens after its last special token) says, and thinking where it has none."""
+        enable_thinking is false, else unless the prompt's last turn closed it, thinking
+        where it shows no marker."""
         if (self.format.follows_enable_thinking
                 and (template_kwargs or {}).get("enable_thinking") is False):
             return False
+        return self.last_marker(prompt_ids) != self.end_token
+
+    def last_marker(self, prompt_ids) -> int | None:
+        """The last marker token (start_token or end_token) of the prompt's last turn (the
+        tokens after its last special token), or None where it has none."""
         for token in reversed(prompt_ids):
-            if token == self.end_token:
-                return False
-            if token == self.start_token:
-                return True
+            if token == self.end_token or token == self.start_token:
+                return token
             if token in self.turn_tokens:
-                break
-        return True
+                return None
+        return None
 
 
 class ReasoningSplitter:

@@ -92,6 +92,9 @@ def test_the_parser_knows_the_model_thinks(qwen3, tmp_path):
     assert parser.thinks(earlier + turn("assistant\n"), None)  # an earlier turn's </think>
     assert not parser.thinks(earlier + turn("assistant\n<think>\nhm\n</think>\n\nThe"), None)
     assert parser.thinks(earlier + turn("assistant\n<think>\nLet me"), None)
+    # what the chat reads to show a thinking its template opened
+    assert parser.last_marker(earlier + turn("assistant\n<think>\n")) == parser.start_token
+    assert parser.last_marker(earlier + turn("assistant\n")) is None
     with pytest.raises(RequestError, match="unknown parser 'nope'; use one of qwen3, deepseek_r1"):
         ReasoningParser.for_tokenizer("nope", llm.tokenizer)
     llama_dir = make_random_model(tmp_path / "llama", "tiny")

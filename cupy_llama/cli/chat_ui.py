@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import CupyLlamaError, RequestError
-from ..reasoning import FORMATS, ReasoningSplitter
+from ..reasoning import FORMATS, ReasoningParser, ReasoningSplitter
 
 HELP = """\
 /help                 this text
@@ -137,6 +137,10 @@ class ChatSession:
         self.history: list[dict] = []
         self.turns: list[TurnStats] = []
         self.prompt_opens_thinking = False  # the last prompt ends inside <think> (ThinkingView)
+        try:  # <think> ... </think> in the model's vocabulary: where a prompt opens it
+            self._markers = ReasoningParser.for_tokenizer(THINKING.name, llm.tokenizer)
+        except RequestError:
+            self._markers = None
 
     def messages(self, user_text: str) -> list[dict]:
         return self.conversation() + [{"role": "user", "content": user_text}]
@@ -296,7 +300,9 @@ class ChatSession:
                 chat_template_kwargs=self.template_kwargs, tools=tools.tools,
                 tool_choice=tools.tool_choice, tool_call_parser=tools.parser,
                 parallel_tool_calls=tools.parallel_tool_calls)
-        self.prompt_opens_thinking = self._opens_thinking(prompt)
+        markers = self._markers  # the template opened the thinking (DeepSeek-R1's do)
+        self.prompt_opens_thinking = markers is not None and markers.start_token is not None \
+            and markers.last_marker(prompt) == markers.start_token
         if dropped:
             num_turns = sum(m["role"] == "user" for m in self.history[:dropped])
             del self.history[:dropped]
@@ -337,15 +343,6 @@ class ChatSession:
             context_limit=self.context_limit if cut_by_context else None))
         if answer.get("tool_calls"):  # shown as calls, never as the text the model wrote
             yield ("\n" if text else "") + "\n".join(map(call_line, answer["tool_calls"]))
-
-    def _opens_thinking(self, prompt: list[int]) -> bool:
-        """Whether the chat template opened the reply's thinking (a prompt that ends with
-        <think>, as DeepSeek-R1's templates write it)."""
-        tokenizer = self.llm.tokenizer
-        if tokenizer.token_to_id(THINKING.start) is None:
-            return False
-        tail = tokenizer.decode_unchecked(prompt[-8:], skip_special_tokens=False)
-        return tail.rstrip().endswith(THINKING.start)
 
     def retry(self, should_stop=lambda: False, on_drop=None):
         """Yield a new reply to the last message; it replaces the last reply. RequestError
