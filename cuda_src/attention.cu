@@ -335,12 +335,15 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 }
 
 // ====================================================================== decode (CUDA cores)
-// Launch: grid (num_splits, nkv, B), block (WARPS * WARP_SIZE: the last argument of the
-// kernel's DEFINE_DECODE_ATTENTION line), no dynamic shared memory.
+// Launch: grid (num_splits, nkv << head_parts_log2, B), block (WARPS * WARP_SIZE: the last
+// argument of the kernel's DEFINE_DECODE_ATTENTION line), no dynamic shared memory.
 // Every sequence has at most one new token (a sequence with none is skipped). A CTA serves
-// one (sequence, kv head, split) and all `group` query heads of that kv head, so each K/V
-// row is read once. A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte
-// load each (lane `sub` holds dims sub*8 .. sub*8+7); a warp holds 32/(D/8) slots. Slot s
+// one (sequence, kv head, split) and the query heads of that kv head: all of them where
+// head_parts_log2 is 0, so each K/V row is read once; a larger group may be shared out
+// evenly among 2^head_parts_log2 CTAs, each reading the kv head's keys (the repeats mostly
+// from L2), so that a CTA's registers go to keys in flight (attention.py, decode_head_parts).
+// A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte load each (lane
+// `sub` holds dims sub*8 .. sub*8+7); a warp holds 32/(D/8) slots. Slot s
 // takes keys base + u * SLOTS + s (u < UNROLL: that many loads in flight per lane), scores
 // them against all query heads (dot products reduced over the slot's lanes by xor
 // shuffles, so every lane of a slot holds the same score), and keeps its own online
@@ -378,7 +381,8 @@ __device__ __forceinline__ void decode_attention_body(
         const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
         bf16* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int block_shift,
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len, int window) {
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len, int window,
+        int head_parts_log2) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
     constexpr int NUM_WARPS = WARPS;
@@ -399,9 +403,13 @@ __device__ __forceinline__ void decode_attention_body(
         float m[CTA_G], l[CTA_G], acc[CTA_G][CTA_D];
     } cta;
 
-    const int b = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x;
-    const int group = num_heads / num_kv_heads;
-    const int head0 = kv_head * group;  // first query head of this kv head
+    const int b = blockIdx.z, split = blockIdx.x;
+    // the query heads this CTA serves: 2^head_parts_log2 CTAs share out each kv head's
+    // group evenly, so the CTAs along y serve consecutive runs of `heads` query heads (a
+    // shift, not a division, finds the kv head: the division's result would take a
+    // register through the loop, and d128_g4 would spill)
+    const int heads = (num_heads / num_kv_heads) >> head_parts_log2;
+    const int head0 = blockIdx.y * heads;  // the first
     const int q_row = query_start_loc[b];
     if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
     const int seq_len = seq_lens[b];
@@ -421,9 +429,9 @@ __device__ __forceinline__ void decode_attention_body(
     if (CLUSTER == 0 && key_begin >= key_end) {
         wait_for_previous_kernel();  // which may still read the outputs
         if (num_splits == 1) {
-            for (int i = threadIdx.x; i < group * D; i += THREADS)
+            for (int i = threadIdx.x; i < heads * D; i += THREADS)
                 out[((long long)q_row * num_heads + head0) * D + i] = to_bf16(0.0f);
-        } else if (threadIdx.x < group) {
+        } else if (threadIdx.x < heads) {
             const long long part = ((long long)b * num_heads + head0 + threadIdx.x) * num_splits + split;
             partial_lse[part] = neg_inf();
         }
@@ -434,6 +442,7 @@ __device__ __forceinline__ void decode_attention_body(
     const int slot = warp * SLOTS_PER_WARP + lane / LANES_PER_KEY;
     const int* table = block_tables + (long long)b * max_blocks_per_seq;
     const long long row_stride = (long long)num_kv_heads * D;  // elements per cache slot
+    const int kv_head = blockIdx.y >> head_parts_log2;
     const int head_offset = kv_head * D + sub * 8;
 
     // The first step's cache slots come from the metadata, copied before this step's first
@@ -455,7 +464,7 @@ __device__ __forceinline__ void decode_attention_body(
     float q_reg[MAXG][8];  // this lane's 8 dims of each query head, times scale * log2(e)
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) {
-        if (g < group) {
+        if (g < heads) {
             unpack_bf16x8(load16(q + ((long long)q_row * num_heads + head0 + g) * D + sub * 8), q_reg[g]);
 #pragma unroll
             for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale_log2;
@@ -497,7 +506,7 @@ __device__ __forceinline__ void decode_attention_body(
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
                 float dot = 0.0f;
-                if (g < group) {  // uniform: the shuffles below stay warp-wide
+                if (g < heads) {  // uniform: the shuffles below stay warp-wide
 #pragma unroll
                     for (int i = 0; i < 8; ++i) dot = fmaf(q_reg[g][i], k_val[i], dot);
 #pragma unroll
@@ -509,7 +518,7 @@ __device__ __forceinline__ void decode_attention_body(
         }
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
-            if (g >= group) continue;
+            if (g >= heads) continue;
             float step_max = p[0][g];
 #pragma unroll
             for (int u = 1; u < UNROLL; ++u) step_max = fmaxf(step_max, p[u][g]);
@@ -533,7 +542,7 @@ __device__ __forceinline__ void decode_attention_body(
             unpack_bf16x8(v_raw[u], v_val);  // zeros past the range: p * v stays finite
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
-                if (g >= group) continue;
+                if (g >= heads) continue;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p[u][g], v_val[i], acc[g][i]);
             }
@@ -545,7 +554,7 @@ __device__ __forceinline__ void decode_attention_body(
     for (int offset = LANES_PER_KEY; offset < WARP_SIZE; offset <<= 1) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
-            if (g >= group) continue;
+            if (g >= heads) continue;
             const float m_other = __shfl_xor_sync(FULL_MASK, m[g], offset);
             const float l_other = __shfl_xor_sync(FULL_MASK, l[g], offset);
             const float m_new = fmaxf(m[g], m_other);
@@ -565,7 +574,7 @@ __device__ __forceinline__ void decode_attention_body(
         if (warp >= MERGE_WARPS && lane < LANES_PER_KEY) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
-                if (g >= group) continue;
+                if (g >= heads) continue;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) merge_acc[warp - MERGE_WARPS][g][sub * 8 + i] = acc[g][i];
                 if (lane == 0) {
@@ -578,7 +587,7 @@ __device__ __forceinline__ void decode_attention_body(
         if (warp < MERGE_WARPS && lane < LANES_PER_KEY) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
-                if (g >= group) continue;
+                if (g >= heads) continue;
                 const float m_other = merge_m[warp][g], l_other = merge_l[warp][g];
                 const float m_new = fmaxf(m[g], m_other);
                 const float m_use = m_new == neg_inf() ? 0.0f : m_new;
@@ -596,7 +605,7 @@ __device__ __forceinline__ void decode_attention_body(
     if ((NUM_WARPS == MERGE_WARPS || warp < MERGE_WARPS) && lane < LANES_PER_KEY) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
-            if (g >= group) continue;
+            if (g >= heads) continue;
 #pragma unroll
             for (int i = 0; i < 8; ++i) merge_acc[warp][g][sub * 8 + i] = acc[g][i];
             if (lane == 0) {
@@ -607,7 +616,7 @@ __device__ __forceinline__ void decode_attention_body(
     }
     __syncthreads();
     // merge the warps: thread i writes dim i % D of head i / D
-    for (int i = threadIdx.x; i < group * D; i += THREADS) {
+    for (int i = threadIdx.x; i < heads * D; i += THREADS) {
         const int g = i / D, c = i % D;
         // m_max is finite where the range holds a key (its slot has l >= 1); -inf only for
         // an empty range of a cluster CTA, whose sums then stay 0
@@ -638,7 +647,7 @@ __device__ __forceinline__ void decode_attention_body(
         static_assert(MAXG * D <= CLUSTER * THREADS, "a CTA's outputs fit its threads");
         const unsigned base = shared_address(&cta);
         cluster_merge_out<CLUSTER, D, THREADS>(
-            &cta, split, group,
+            &cta, split, heads,
             [&](int g, int c, unsigned& m_at, unsigned& l_at, unsigned& acc_at) {
                 m_at = shared_address(&cta.m[g]) - base;
                 l_at = shared_address(&cta.l[g]) - base;
@@ -656,13 +665,13 @@ __device__ __forceinline__ void decode_attention_body(
         const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
         float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
-        int window) {                                                                     \
+        int window, int head_parts_log2) {                                                \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         /* launched programmatically: the body waits before it reads q or writes */       \
         decode_attention_body<D, MAXG, CLUSTER, WARPS>(                                   \
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,   \
             partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
-            scale_log2, num_splits, split_len, window);                                       \
+            scale_log2, num_splits, split_len, window, head_parts_log2);                      \
     }
 
 // group <= MAXG (query heads per kv head); WARPS: the CTA's width (see above). The split

@@ -27,10 +27,37 @@ def test_the_cuda_core_decode_kernel_takes_the_smallest_group_bound():
     p = plan(num_seqs=3, num_splits=5)
     assert p.kernel == "decode_attention_d64_g4"
     assert p.grid == (5, 8, 3) and p.block == 128 and p.shared_mem == 0
-    # the smallest instantiated group bound that holds the group
-    for group, bound in ((1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8)):
-        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128).kernel
-        assert got == f"decode_attention_d128_g{bound}", (group, got)
+    # the smallest instantiated group bound that holds a CTA's share of the group: past
+    # DECODE_MAX_CTA_HEADS (4) heads, the group is shared out among CTAs along y
+    for group, bound, parts in ((1, 1, 1), (2, 2, 1), (3, 4, 1), (4, 4, 1), (5, 8, 1),
+                                (6, 4, 2), (7, 8, 1), (8, 4, 2), (12, 4, 4), (16, 4, 4),
+                                (24, 4, 8), (32, 4, 8)):
+        got = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128, num_splits=5)
+        assert got.kernel == f"decode_attention_d128_g{bound}", (group, got)
+        assert got.grid == (5, 2 * parts, 4), (group, got)
+        clustered = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128, num_splits=5,
+                         clusters=True, num_seqs=1)
+        assert clustered.grid == (attention.DECODE_CLUSTER, 2 * parts, 1), (group, clustered)
+
+
+def test_a_kv_heads_ctas_share_out_its_heads_evenly():
+    """The kernel takes its heads from the grid (attention.cu: group >> head_parts_log2
+    heads from blockIdx.y times as many, its kv head blockIdx.y >> head_parts_log2), so
+    the parts are a power of two that divides the group; the fewest that bring a CTA's
+    share to DECODE_MAX_CTA_HEADS, or one CTA where none does."""
+    most = attention.DECODE_MAX_CTA_HEADS
+    for group in range(1, 65):
+        parts = attention.decode_head_parts(group)
+        assert parts & (parts - 1) == 0 and group % parts == 0, group
+        splits = [p for p in (1, 2, 4, 8, 16, 32, 64) if group % p == 0 and group // p <= most]
+        assert parts == (splits[0] if splits else 1), group
+        if attention.decode_group_bound(group) is not None:
+            assert group // parts <= attention.decode_group_bound(group)
+        # every CTA's heads belong to the kv head it reads
+        shift, heads = parts.bit_length() - 1, group // parts
+        for y in range(3 * parts):  # three kv heads
+            first = y * heads
+            assert y >> shift == first // group == (first + heads - 1) // group, (group, y)
 
 
 def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
@@ -58,15 +85,18 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
                                              num_kv_heads=num_kv_heads, head_dim=head_dim,
                                              max_seq_len=max_seq_len, num_sms=H200_SMS)
     # one step: 16 slots x 4 keys (head_dim 64 in 4 warps, 128 in 8, 256 in 16: its
-    # clusters), 2 keys per slot past 4 query heads per kv head (attention.cu: SLOTS * UNROLL)
+    # clusters); a CTA serves at most 4 query heads (decode_head_parts), so every group
+    # steps as far (attention.cu: SLOTS * UNROLL)
     step = attention.decode_step_keys
     assert step(64, 4) == step(64, 1) == step(128, 4) == step(256, 3, cluster=True) == 64
     assert step(128, 2, cluster=True) == step(256, 4, cluster=True) == 64
-    assert step(64, 8) == step(128, 8) == 32 and step(256, 8) == 8 and step(256, 4) == 16
+    assert step(64, 8) == step(128, 6) == step(128, 16) == 64 and step(256, 4) == 16
+    assert step(64, 7) == step(128, 5) == 32  # 7 and 5 heads: one CTA of the 8-head variant
     # a CTA's range is a multiple of SPLIT_ALIGN (64) keys: only 64-key steps give one step
-    for head_dim, group in ((64, 4), (64, 1), (128, 4), (128, 2), (256, 4), (256, 1)):
+    for head_dim, group in ((64, 4), (64, 1), (128, 4), (128, 2), (256, 4), (256, 1),
+                            (64, 8), (128, 6), (128, 8), (256, 8), (64, 16)):
         assert attention.cluster_max_keys(head_dim, group) == 512, (head_dim, group)
-    for head_dim, group in ((64, 8), (128, 8), (256, 8), (64, 16), (96, 4)):
+    for head_dim, group in ((64, 7), (128, 5), (256, 7), (96, 4)):
         assert attention.cluster_max_keys(head_dim, group) == 0, (head_dim, group)
     assert pay(1, 289) and pay(2, 512)
     assert not pay(1, 513)  # two steps per CTA
@@ -75,8 +105,11 @@ def test_clusters_pay_for_one_step_of_keys_per_cta_and_one_cta_per_sm():
     assert pay(1, 512, head_dim=128) and not pay(1, 513, head_dim=128)
     assert pay(1, 512, head_dim=256, num_heads=4, num_kv_heads=1)  # Gemma-3-1B
     assert pay(16, 289, head_dim=256, num_heads=4, num_kv_heads=1)  # 128 CTAs
-    assert not pay(1, 100, head_dim=128, num_heads=48, num_kv_heads=8)  # 32-key steps
-    assert not pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: no decode kernel
+    # 6 heads per kv head (Qwen2.5-1.5B): 2 CTAs per kv head, so 8 x 2 x 8 CTAs
+    assert pay(1, 100, head_dim=128, num_heads=48, num_kv_heads=8)
+    assert pay(1, 512, head_dim=128, num_heads=12, num_kv_heads=2)  # Qwen2.5-1.5B itself
+    assert not pay(2, 100, head_dim=128, num_heads=48, num_kv_heads=8)  # 256 CTAs
+    assert pay(1, 100, num_heads=32, num_kv_heads=2)  # 16 heads per kv head: 4 CTAs each
     assert not pay(1, 100, head_dim=96)
     # the tensor-core kernel's batches: clustered at every context (NOTES change 38)
     mma_min = attention.DECODE_MMA_MIN_SEQS
@@ -119,13 +152,17 @@ def test_prefill_batches_take_the_tensor_core_kernel():
     p = plan(head_dim=256, max_query_len=30, num_heads=4, num_kv_heads=1)
     assert p.kernel == "prefill_attention_d256_t1" and p.grid == (2, 1, 4)
     assert p.shared_mem == 2 * (64 + 4 * 32) * (256 + 8)
-    # more than 8 heads per kv head: decode rows go through the tensor-core decode kernel
-    # up to 16 heads, split or not; past that through the prefill kernel, and when split
-    # through the scalar kernel (it splits any shape)
-    assert plan(num_heads=32, num_kv_heads=2).kernel == "decode_attention_mma_d64"
-    assert plan(num_heads=32, num_kv_heads=2, num_splits=3).kernel == "decode_attention_mma_d64"
-    assert plan(num_heads=64, num_kv_heads=2).kernel == "prefill_attention_d64_t1"
-    assert plan(num_heads=64, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+    # more than 8 heads per kv head that no power of two shares out in CTAs of at most 4
+    # (decode_head_parts): decode rows go through the tensor-core decode kernel up to 16
+    # heads, split or not; past that through the prefill kernel, and when split through
+    # the scalar kernel (it splits any shape)
+    assert plan(num_heads=20, num_kv_heads=2).kernel == "decode_attention_mma_d64"
+    assert plan(num_heads=20, num_kv_heads=2, num_splits=3).kernel == "decode_attention_mma_d64"
+    assert plan(num_heads=40, num_kv_heads=2).kernel == "prefill_attention_d64_t1"
+    assert plan(num_heads=40, num_kv_heads=2, num_splits=3).kernel == "paged_attention_dpl2"
+    # 16 and 32 heads per kv head: 4 and 8 CTAs of 4 heads on the CUDA cores
+    assert plan(num_heads=32, num_kv_heads=2, num_splits=3).grid == (3, 8, 4)
+    assert plan(num_heads=64, num_kv_heads=2, num_splits=3).kernel == "decode_attention_d64_g4"
 
 
 def test_two_prefill_ctas_fit_an_sm():
@@ -187,8 +224,8 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
     assert plan(num_seqs=64, num_splits=3, clusters=True, kernel="decode").kernel == \
         "decode_attention_d64_g4_cluster"
     assert plan(num_seqs=256, kernel="decode").kernel == "decode_attention_d64_g4"
-    assert plan(num_seqs=256, kernel="decode", num_heads=32, num_kv_heads=2).kernel == \
-        "prefill_attention_d64_t1"  # no CUDA-core kernel for 16 heads per kv head
+    assert plan(num_seqs=256, kernel="decode", num_heads=20, num_kv_heads=2).kernel == \
+        "prefill_attention_d64_t1"  # no CUDA-core kernel for 10 heads per kv head
 
 
 @pytest.mark.parametrize("overrides", [
@@ -218,8 +255,8 @@ def test_wider_head_dims_decode_in_wider_ctas():
     p = plan(head_dim=128, num_heads=16, num_kv_heads=8, num_seqs=1, num_splits=8, clusters=True)
     assert p.kernel == "decode_attention_d128_g2_cluster" and p.block == 256
     assert plan(head_dim=128, num_seqs=3, num_splits=5).block == 256
-    # 8 query heads per kv head at head_dim 256: 4 warps, no cluster variant
-    p = plan(head_dim=256, num_heads=16, num_kv_heads=2, num_seqs=1, num_splits=3, clusters=True)
+    # 7 query heads per kv head at head_dim 256: one CTA of 4 warps, no cluster variant
+    p = plan(head_dim=256, num_heads=14, num_kv_heads=2, num_seqs=1, num_splits=3, clusters=True)
     assert p.kernel == "decode_attention_d256_g8" and p.block == 128 and p.cluster == 1
     # prefill of head_dim 256 on the tensor cores; soft-capped scores on the scalar kernel
     assert plan(head_dim=256, max_query_len=40).kernel == "prefill_attention_d256_t1"

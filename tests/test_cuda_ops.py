@@ -491,11 +491,12 @@ def test_attention_block_sizes(cp, rng, seqs, block_size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 32])
-@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 6, 8, 12, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
-    """Every CUDA-core decode kernel variant (groups up to 8, more falls back), host-chosen
-    and device-derived split lengths."""
+    """Every CUDA-core decode kernel variant, a kv head's heads in one CTA (up to 8) or
+    shared out among 2 CTAs (6 and 8 heads) or 4 (12 and 16; decode_head_parts),
+    host-chosen and device-derived split lengths."""
     case = build_attention_case(cp, rng, DECODE, 2, head_dim, group)
     for max_seq_len in ("batch", None):
         got = run_paged_attention(cp, case, head_dim, num_splits=num_splits, max_seq_len=max_seq_len,
@@ -504,7 +505,7 @@ def test_attention_decode_groups(cp, rng, head_dim, group, num_splits):
                      f"decode d={head_dim} group={group} splits={num_splits} max_seq_len={max_seq_len}")
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_clusters(cp, rng, head_dim, group):
     """The clustered decode kernels (sm_90+), CUDA-core (clusters of 8) and tensor-core
@@ -549,7 +550,7 @@ def test_attention_decode_clusters(cp, rng, head_dim, group):
 SPLIT_EDGES = [(63, 1), (64, 1), (127, 1), (510, 1), (511, 1), (512, 1), (1023, 1), (1024, 1)]
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 6, 7, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_attention_decode_at_split_edges(cp, rng, head_dim, group):
     """The CUDA-core decode kernels, split and clustered, and the tensor-core kernel's

@@ -3,9 +3,10 @@ combine step of split-KV decode.
 
 Which kernel runs (`attention_plan`):
 - decode batches (at most one new token per sequence) of fewer than DECODE_MMA_MIN_SEQS
-  sequences, head_dim 64/128/256, at most 8 query heads per kv head:
-  decode_attention_d{D}_g{G} (one CTA per sequence, kv head and split, of
-  DECODE_WARPS[kernel] warps; 16-byte K/V loads; fp32 online softmax). Where the keys are
+  sequences, head_dim 64/128/256: decode_attention_d{D}_g{G} (one CTA per sequence, kv
+  head and split, of DECODE_WARPS[kernel] warps, for at most DECODE_MAX_CTA_HEADS of the
+  kv head's query heads: larger groups take decode_head_parts CTAs; 16-byte K/V loads;
+  fp32 online softmax). Where the keys are
   split and the GPU launches thread-block clusters (sm_90+), and decode_clusters_pay says
   so, decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
   sequence and kv head splits the keys and merges on chip, with no combine kernel after it;
@@ -62,9 +63,14 @@ DECODE_MMA_CLUSTERS = tuple(sorted({c for _, c in DECODE_MMA_KERNELS if c > 0}))
 DECODE_MMA_THREADS = _C["DECODE_MMA_THREADS"]
 DECODE_MMA_KEYS = _C["DECODE_MMA_KEYS"]
 DECODE_MMA_MAX_GROUP = 16  # the query heads of a kv head are the rows of one 16-row mma tile
-DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # upper bounds on the group
+DECODE_GROUPS = tuple(sorted({g for _, g, _ in DECODE_KERNELS}))  # bounds on a CTA's heads
 DECODE_HEAD_DIMS = tuple(sorted({d for d, _, _ in DECODE_KERNELS}))
 # the launcher's own choices
+# a CUDA-core decode CTA serves at most this many query heads; a kv head with more shares
+# them out among several CTAs, each reading its keys (decode_head_parts): past 4 heads a
+# CTA has registers for half as many keys in flight, and at 6 heads per kv head (Qwen2.5)
+# that made attention 13 us of a batch-1 layer (benchmarks/NOTES.md, change 45)
+DECODE_MAX_CTA_HEADS = 4
 MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 # the wider tensor-core prefill kernel from a grid of this many CTAs per SM (NOTES change 41)
 PREFILL_WIDE_CTAS_PER_SM = 1
@@ -119,9 +125,9 @@ def workspace_sizes(max_num_seqs: int, num_heads: int, head_dim: int, max_model_
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int,
                          num_sms: int, max_splits: int) -> int:
     """How many key ranges each sequence of a decode batch is split into: enough CTAs for
-    about CTAS_PER_SM per SM (the decode kernel runs one CTA per sequence and kv head, for
-    every group size), each range at least MIN_SPLIT_LEN keys."""
-    ctas = max(1, num_seqs * num_kv_heads)
+    about CTAS_PER_SM per SM (the decode kernel runs decode_head_parts(group) CTAs per
+    sequence and kv head), each range at least MIN_SPLIT_LEN keys."""
+    ctas = max(1, num_seqs * num_kv_heads * decode_head_parts(group))
     wanted = cdiv(CTAS_PER_SM * num_sms, ctas)
     return max(1, min(wanted, max_splits, max_seq_len // MIN_SPLIT_LEN))
 
@@ -142,15 +148,31 @@ def choose_prefill_tiles(head_dim: int, rows: int, ctas_per_row_tile: int, num_s
     return widths[0]
 
 
+def decode_head_parts(group: int) -> int:
+    """CTAs of the CUDA-core decode kernel that share out the `group` query heads of one
+    kv head (of one sequence and key range): the fewest that divide the group evenly into
+    at most DECODE_MAX_CTA_HEADS heads each, a power of two (the kernel finds its kv head
+    with a shift); 1 where none does. So 6 heads take 2 CTAs of 3, 16 take 4 of 4, and 5 or
+    7 one CTA (the 8-head variant)."""
+    parts = 1
+    while parts <= group:
+        if group % parts == 0 and group // parts <= DECODE_MAX_CTA_HEADS:
+            return parts
+        parts *= 2
+    return 1
+
+
 def decode_group_bound(group: int) -> int | None:
-    """The decode kernel variant for `group` query heads per kv head: the smallest
-    instantiated bound that holds it (DECODE_GROUPS), None past the largest."""
-    return next((g for g in DECODE_GROUPS if g >= group), None)
+    """The CUDA-core decode kernel variant for `group` query heads per kv head: the
+    smallest instantiated bound (DECODE_GROUPS) that holds one CTA's share of them, None
+    past the largest."""
+    heads = group // decode_head_parts(group)
+    return next((g for g in DECODE_GROUPS if g >= heads), None)
 
 
 def decode_step_keys(head_dim: int, group: int, cluster: bool = False) -> int:
     """Keys a decode CTA scores per step of its loop (attention.cu: SLOTS * UNROLL), for
-    the kernel variant of this group size (at most DECODE_GROUPS[-1]), clustered or not."""
+    the kernel variant of this group size (decode_group_bound), clustered or not."""
     bound = decode_group_bound(group)
     warp = _C["WARP_SIZE"]
     warps = DECODE_WARPS[DECODE_KERNELS[head_dim, bound, cluster]]
@@ -161,9 +183,10 @@ def decode_step_keys(head_dim: int, group: int, cluster: bool = False) -> int:
 def cluster_max_keys(head_dim: int, group: int) -> int:
     """The longest context the clustered kernel runs at: one step of keys per CTA (512 where
     a CTA's step covers SPLIT_ALIGN keys: head_dim 64, 128 and 256 up to 4 query heads per
-    kv head). The kernel rounds each CTA's range up to SPLIT_ALIGN keys, so a variant whose
-    step covers fewer (8 query heads per kv head) would take several steps per CTA, where
-    the cluster was measured to lose: 0 for those, and for shapes without a decode kernel."""
+    CTA, which decode_head_parts keeps to). The kernel rounds each CTA's range up to
+    SPLIT_ALIGN keys, so a variant whose step covers fewer (8 query heads per CTA) would take
+    several steps per CTA, where the cluster was measured to lose: 0 for those, and for
+    shapes without a decode kernel."""
     if (head_dim, decode_group_bound(group), True) not in DECODE_KERNELS:
         return 0
     step = decode_step_keys(head_dim, group, cluster=True)
@@ -184,8 +207,8 @@ def decode_clusters_pay(*, num_seqs: int, num_heads: int, num_kv_heads: int, hea
     if (num_seqs >= DECODE_MMA_MIN_SEQS and head_dim in DECODE_MMA_HEAD_DIMS
             and group <= DECODE_MMA_MAX_GROUP):
         return True  # the tensor-core kernel's clusters: at every context (NOTES change 38)
-    return (max_seq_len <= cluster_max_keys(head_dim, group)
-            and num_seqs * num_kv_heads * DECODE_CLUSTER <= num_sms)
+    ctas = num_seqs * num_kv_heads * decode_head_parts(group) * DECODE_CLUSTER
+    return max_seq_len <= cluster_max_keys(head_dim, group) and ctas <= num_sms
 
 
 def mma_cluster_size(num_splits: int) -> int:
@@ -259,10 +282,11 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
         if cuda_core_can and kernel != "decode_mma":
             name = DECODE_KERNELS[head_dim, bound, clustered]
             threads = DECODE_WARPS[name] * _C["WARP_SIZE"]
+            ctas_y = num_kv_heads * decode_head_parts(group)  # the kernel reads the parts here
             if clustered:
-                return AttentionPlan(name, (DECODE_CLUSTER, num_kv_heads, num_seqs), threads, 0,
+                return AttentionPlan(name, (DECODE_CLUSTER, ctas_y, num_seqs), threads, 0,
                                      DECODE_CLUSTER)
-            return AttentionPlan(name, (num_splits, num_kv_heads, num_seqs), threads, 0)
+            return AttentionPlan(name, (num_splits, ctas_y, num_seqs), threads, 0)
     if fast and num_splits == 1 and head_dim in PREFILL_HEAD_DIMS:
         rows = max_query_len * group
         tiles = prefill_tiles or choose_prefill_tiles(head_dim, rows, num_kv_heads * num_seqs,
@@ -349,6 +373,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         args = tables + (partial_out, partial_lse, i32(num_heads), i32(num_kv_heads),
                          i32(block_size.bit_length() - 1), i32(max_blocks),
                          f32(scale * LOG2_E), i32(num_splits), i32(split_len), window)
+        if plan.kernel in DECODE_KERNELS.values():  # the CUDA-core kernel's head parts
+            args += (i32((plan.grid[1] // num_kv_heads).bit_length() - 1),)
     elif plan.kernel in PREFILL_KERNELS.values():
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
                          i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]), window)
