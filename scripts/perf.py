@@ -25,7 +25,9 @@ For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
      readback), tok/s with graphs (cuBLAS and "auto" skinny products) and eager;
 then a short table. With $OUT set, everything also goes to $OUT/perf.json (or to --json)
 and the choice table to $OUT/gemm_choice_<gpu>.json (commit it beside gemm.py). With
---tune only step 3 runs (no weights are loaded; the model directory gives the shapes);
+--tune only step 3 runs (no weights are loaded; the model directory gives the shapes),
+and with --merge the table written keeps the shapes of the one beside gemm.py that this
+model lacks (tune each model in turn, copying the table there after each);
 --steps-only skips it; --kernels-only runs step 1 alone. --batches and --contexts choose
 the batch sizes (of steps 1, 2 and 4) and contexts (of step 1). The KV cache is zeroed
 instead of prefilled: timings do not depend on its values."""
@@ -403,11 +405,34 @@ def choice_file_name(gpu: str) -> str:
     return f"gemm_choice_{slug or 'gpu'}.json"
 
 
-def tune(cupy, config, gpu: str) -> tuple[list, dict]:
-    """Time the skinny kernels and write the choice table to $OUT when set; returns the
-    rows and the table (a backend made with it uses it: gemm.Products(table=...))."""
+def merged_table(table: dict, directory: Path = gemm.CHOICE_DIR) -> dict:
+    """`table` plus the shapes it lacks from this GPU's choice file beside gemm.py: one
+    table for several models, each tuned in turn with --merge (a shape both hold takes
+    the new timing)."""
+    path = directory / choice_file_name(table["gpu"])
+    if not path.exists():
+        return table
+    old = json.loads(path.read_text(encoding="utf-8"))
+    if old.get("gpu") != table["gpu"]:
+        return table
+    return {**table, "measured_by": MERGED_BY,
+            "choices": {**old.get("choices", {}), **table["choices"]},
+            "us_per_call": {**old.get("us_per_call", {}), **table["us_per_call"]}}
+
+
+MERGED_BY = ("python3 scripts/perf.py MODEL_DIR --tune --merge, once per model (a random "
+             "model of each `make_random_model.py --preset`), the table copied beside "
+             "gemm.py after each")
+
+
+def tune(cupy, config, gpu: str, merge: bool = False) -> tuple[list, dict]:
+    """Time the skinny kernels and write the choice table to $OUT when set (merge: with
+    the other shapes of the table beside gemm.py); returns the rows and the table (a
+    backend made with it uses it: gemm.Products(table=...))."""
     rows = gemv_comparison(cupy, config)
     table = choice_table(gpu, rows)
+    if merge:
+        table = merged_table(table)
     out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, choice_file_name(gpu)).write_text(json.dumps(table, indent=2) + "\n")
@@ -452,6 +477,9 @@ def main(argv=None) -> int:
                                        "where OUT is set)")
     parser.add_argument("--tune", action="store_true",
                         help="only time the skinny products and write the choice table")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --tune: keep the shapes of the choice table beside gemm.py "
+                             "that this model lacks")
     parser.add_argument("--steps-only", action="store_true",
                         help="skip the skinny-product table (per-op and step times only)")
     parser.add_argument("--kernels-only", action="store_true",
@@ -465,7 +493,7 @@ def main(argv=None) -> int:
     gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if args.tune:
         started = time.perf_counter()
-        rows, _ = tune(cupy, config, gpu)
+        rows, _ = tune(cupy, config, gpu, merge=args.merge)
         print_gemv_table(rows)
         print(f"tuned in {time.perf_counter() - started:.1f} s")
         return 0

@@ -686,6 +686,29 @@ def test_perf_choice_table_round_trip():
     assert perf.choice_file_name("NVIDIA H100 80GB HBM3") == "gemm_choice_h100_80gb_hbm3.json"
 
 
+def test_perf_merges_a_models_shapes_into_the_gpus_table(tmp_path):
+    """--tune --merge: the shapes of the table beside gemm.py that the model lacks stay, a
+    shape both hold takes the new timing, another GPU's file is not mixed in."""
+    import json
+
+    from conftest import script_module
+    from cupy_llama.backends.cuda import gemm
+    perf = script_module("perf")
+    old = {"gpu": "NVIDIA H200", "measured_by": "x",
+           "choices": {"3072x2048": {"1": "gemv"}, "4096x1024": {"1": "cublas"}},
+           "us_per_call": {"3072x2048": {"1": {"gemv": 5.0}}, "4096x1024": {"1": {"cublas": 9.0}}}}
+    (tmp_path / "gemm_choice_h200.json").write_text(json.dumps(old))
+    new = perf.choice_table("NVIDIA H200", [
+        {"weight": "qkv", "n": 4096, "k": 1024, "m": 1, "cublas_us": 9.0, "gemv_us": 7.0,
+         "mma_us": 4.0, "best": "mma"}])
+    merged = perf.merged_table(new, tmp_path)
+    assert gemm.parse_choice_table(merged) == {(3072, 2048): {1: "gemv"}, (4096, 1024): {1: "mma"}}
+    assert merged["us_per_call"]["3072x2048"] == {"1": {"gemv": 5.0}}
+    assert merged["measured_by"] == perf.MERGED_BY
+    other = perf.choice_table("NVIDIA H100 80GB HBM3", [])
+    assert perf.merged_table(other, tmp_path) == other  # no file for that GPU
+
+
 H200_LIMITS = {"sms": 132, "max_shared_per_block": 232448, "shared_per_sm": 233472,
                "regs_per_sm": 65536, "threads_per_sm": 2048}
 
