@@ -71,13 +71,15 @@ class ReasoningParser:
                    frozenset(specials - {token_id, start_id}))
 
     def thinks(self, prompt_ids, template_kwargs: dict | None) -> bool:
-        """Whether the reply to this prompt starts by thinking: not where Qwen3's
-        enable_thinking is false, else unless the prompt's last turn closed it, thinking
-        where it shows no marker."""
-        if (self.format.follows_enable_thinking
-                and (template_kwargs or {}).get("enable_thinking") is False):
-            return False
-        return self.last_marker(prompt_ids) != self.end_token
+        """Whether the reply to this prompt starts by thinking: the prompt's last turn
+        decides where it shows a marker (a template that opens <think> whatever
+        enable_thinking says, QwQ's and the Thinking-2507 models'; one that closes it);
+        without one, not where Qwen3's enable_thinking is false, else thinking."""
+        marker = self.last_marker(prompt_ids)
+        if marker is not None:
+            return marker == self.start_token
+        return not (self.format.follows_enable_thinking
+                    and (template_kwargs or {}).get("enable_thinking") is False)
 
     def last_marker(self, prompt_ids) -> int | None:
         """The last marker token (start_token or end_token) of the prompt's last turn (the

@@ -69,8 +69,8 @@ def qwen3(tmp_path_factory):
 
 
 def test_the_parser_knows_the_model_thinks(qwen3, tmp_path):
-    """Where a reply starts: as the last marker of the prompt's last turn says (thinking
-    where it has none), or not thinking where Qwen3's enable_thinking is false."""
+    """Where a reply starts: as the last marker of the prompt's last turn says; where it
+    has none, not thinking where Qwen3's enable_thinking is false, else thinking."""
     model_dir, llm = qwen3
     tokenizer = llm.tokenizer
     parser = ReasoningParser.for_tokenizer("qwen3", tokenizer)
@@ -95,6 +95,9 @@ def test_the_parser_knows_the_model_thinks(qwen3, tmp_path):
     # what the chat reads to show a thinking its template opened
     assert parser.last_marker(earlier + turn("assistant\n<think>\n")) == parser.start_token
     assert parser.last_marker(earlier + turn("assistant\n")) is None
+    # a template that opens <think> whatever enable_thinking says (QwQ, the Thinking-2507
+    # models): the prompt's marker wins over the keyword
+    assert parser.thinks(earlier + turn("assistant\n<think>\n"), {"enable_thinking": False})
     with pytest.raises(RequestError, match="unknown parser 'nope'; use one of qwen3, deepseek_r1"):
         ReasoningParser.for_tokenizer("nope", llm.tokenizer)
     llama_dir = make_random_model(tmp_path / "llama", "tiny")
