@@ -296,3 +296,20 @@ def test_admission_counts_free_slots_and_refuses_what_could_never_run(state):
     assert (never.status, never.param) == (400, "n") and "needs 3 sequences" in never.message
     assert admit(n=1, max_waiting=0, running=0, prompts=3).param == "prompt"
     assert sent == ["cmpl-0-0", "cmpl-1-0"]  # the two admitted requests alone reached the engine
+
+
+def test_a_chats_thinking_and_tool_calls_count_toward_its_bytes(llm):
+    """An assistant message's reasoning and tool calls are rendered by templates that show
+    them, so the size check before rendering counts them with the content: a chat too long
+    to fit is refused before its template runs, wherever its text is."""
+    tokenizer = llm.tokenizer
+    big = "x" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": big}}
+    for assistant in ({"content": big}, {"content": "", "reasoning": big},
+                      {"content": "", "reasoning_content": big}, {"tool_calls": [call]}):
+        request = parse(ChatCompletionRequest, {"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", **assistant},
+            {"role": "user", "content": "again"}]})
+        e = pytest.raises(APIError, request.prompt_token_ids, tokenizer, 4000).value
+        assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded"), assistant
+        assert request.prompt_token_ids(tokenizer, 40_000)  # rendered where it fits

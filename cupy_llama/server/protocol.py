@@ -918,10 +918,10 @@ class _ChatPrompt:
         Messages of more text than max_prompt_bytes are refused before they are rendered."""
         conversation = self.conversation()
         if max_prompt_bytes is not None:
-            text_bytes = sum(len(m["content"]) for m in conversation) * 4
-            if text_bytes > max_prompt_bytes:  # else they fit, whatever their characters
-                check_prompt_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass"))
-                                       for m in conversation), max_prompt_bytes, "messages")
+            texts = [text for message in conversation for text in _rendered_texts(message)]
+            if sum(map(len, texts)) * 4 > max_prompt_bytes:  # else they fit, whatever they hold
+                check_prompt_bytes(sum(len(text.encode("utf-8", "surrogatepass"))
+                                       for text in texts), max_prompt_bytes, "messages")
         try:
             return tokenizer.encode_chat(conversation,
                                          add_generation_prompt=self.add_generation_prompt,
@@ -932,6 +932,17 @@ class _ChatPrompt:
         except CupyLlamaError as e:  # the template refused the messages, or there is none
             param = "chat_template" if str(e).startswith("chat_template") else "messages"
             raise APIError(400, str(e), param=param) from None
+
+
+def _rendered_texts(message: dict) -> list[str]:
+    """The text of a template's message that a template may render: its content, an
+    assistant's thinking and its tool calls (as JSON, about their rendered size)."""
+    texts = [message["content"]]
+    if "reasoning" in message:  # reasoning_content is the same text
+        texts.append(message["reasoning"])
+    if "tool_calls" in message:
+        texts.append(json.dumps(message["tool_calls"], ensure_ascii=False, default=str))
+    return texts
 
 
 class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
