@@ -232,8 +232,7 @@ class LLM:
                 delta = parser.feed(output.delta)
                 if output.finished:
                     last = parser.finish()
-                    delta.content += last.content
-                    delta.tool_calls += last.tool_calls
+                    delta.extend(last)
                     del samples[key]
                     parsed = parser.result()
                     output.content = parsed.content

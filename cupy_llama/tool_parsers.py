@@ -84,7 +84,8 @@ class ParsedReply:
 
 @dataclass
 class ToolCallDelta:
-    """An OpenAI delta.tool_calls entry: the first for a call carries its id and name."""
+    """An OpenAI delta.tool_calls entry: the first for a call carries its id and name (and
+    the start of its arguments, where the same delta has them)."""
     index: int
     id: str | None = None
     name: str | None = None
@@ -107,6 +108,24 @@ class StreamDelta:
 
     def __bool__(self):
         return bool(self.content or self.tool_calls)
+
+    def add(self, entry: ToolCallDelta) -> None:
+        """Add a call's entry: its arguments join the entry this delta already holds for
+        that call, so a delta never carries two entries of one index (OpenAI sends one,
+        and a client reading tool_calls[0] would miss the rest)."""
+        for held in self.tool_calls:
+            if held.index == entry.index:
+                if entry.id is not None and held.id is None:
+                    held.id, held.name = entry.id, entry.name
+                held.arguments += entry.arguments
+                return
+        self.tool_calls.append(entry)
+
+    def extend(self, later: "StreamDelta") -> None:
+        """Append what a later delta of the same sample adds (a stream's last piece)."""
+        self.content += later.content
+        for entry in later.tool_calls:
+            self.add(entry)
 
     def to_openai(self) -> dict:
         """The chunk's delta: {"content": ...} and/or {"tool_calls": [...]} ({} when empty)."""
@@ -536,11 +555,10 @@ class ToolCallParser:
         for call in self._calls[:self._max_calls]:
             sent = self._sent_arguments[call.index]
             if sent is None:
-                delta.tool_calls.append(ToolCallDelta(call.index, call.call_id, call.name))
+                delta.add(ToolCallDelta(call.index, call.call_id, call.name))
                 sent = ""
             if len(call.arguments) > len(sent):
-                delta.tool_calls.append(ToolCallDelta(call.index,
-                                                      arguments=call.arguments[len(sent):]))
+                delta.add(ToolCallDelta(call.index, arguments=call.arguments[len(sent):]))
             self._sent_arguments[call.index] = call.arguments
         return delta
 

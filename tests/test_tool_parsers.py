@@ -92,10 +92,12 @@ def streamed(parser_name: str, pieces) -> tuple[str | None, list[tuple], list[St
     content, calls = "", {}
     for delta in deltas:
         content += delta.content
+        indexes = [entry.index for entry in delta.tool_calls]
+        assert len(indexes) == len(set(indexes)), "one entry per call in a delta, as OpenAI's"
         for entry in delta.tool_calls:
-            if entry.id is not None:  # a call's first entry: its id and name, no arguments
-                assert entry.index not in calls and entry.arguments == ""
-                calls[entry.index] = [entry.id, entry.name, ""]
+            if entry.id is not None:  # a call's first entry: its id, name and first arguments
+                assert entry.index not in calls
+                calls[entry.index] = [entry.id, entry.name, entry.arguments]
             else:  # then fragments of its arguments
                 calls[entry.index][2] += entry.arguments
     assert sorted(calls) == list(range(len(calls)))
@@ -216,8 +218,8 @@ def test_openai_shapes():
     parser = make_tool_parser("hermes", make_id=lambda: "call_1")
     delta = parser.feed('Hi <tool_call>{"name": "f", "arguments": {"a"')
     assert delta.to_openai() == {"content": "Hi", "tool_calls": [
-        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}},
-        {"index": 0, "function": {"arguments": '{"a"'}}]}
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": '{"a"'}}]}
     assert parser.feed(": 1}}</tool_call>").to_openai() == {
         "tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
     assert parser.finish().to_openai() == {} and not parser.finish()

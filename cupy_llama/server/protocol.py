@@ -1284,8 +1284,7 @@ class ChatCompletionStream(_Stream):
             parsed = parser.feed(text)
             if finish_reason is not None:
                 last = parser.finish()
-                parsed.content += last.content
-                parsed.tool_calls += last.tool_calls
+                parsed.extend(last)
                 if parser.result().tool_calls and finish_reason == "stop":
                     finish_reason = "function_call" if self._request.legacy_functions \
                         else "tool_calls"
