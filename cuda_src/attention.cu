@@ -674,7 +674,7 @@ __device__ __forceinline__ void decode_attention_body(
             scale_log2, num_splits, split_len, window, head_parts_log2);                      \
     }
 
-// group <= MAXG (query heads per kv head); WARPS: the CTA's width (see above). The split
+// a CTA's heads <= MAXG (decode_head_parts); WARPS: the CTA's width (see above). The split
 // kernels of head_dim 256 keep 4 warps: they serve every batch size of that head_dim (there
 // is no tensor-core decode kernel for it), and a CTA of 16 warps takes a whole SM's
 // registers, so large batches would lose the overlap of several CTAs per SM. Its clusters,
