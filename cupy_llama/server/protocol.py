@@ -935,7 +935,7 @@ class _ChatPrompt:
 
 
 def _rendered_texts(message: dict) -> list[str]:
-    """The text of a template's message that a template may render: its content, an
+    """The texts of a chat message that its template may render: its content, an
     assistant's thinking and its tool calls (as JSON, about their rendered size)."""
     texts = [message["content"]]
     if "reasoning" in message:  # reasoning_content is the same text
