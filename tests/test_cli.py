@@ -768,3 +768,15 @@ def test_the_cpu_warning_is_one_short_line_that_device_cpu_silences(model_dir, t
         assert "running on the CPU" in warnings[0] and "--device cpu" in warnings[0]
         assert main(args + ["--device", "cpu"]) == 0
         assert "warning" not in capsys.readouterr().err
+
+
+def test_generate_expands_a_quoted_tilde_in_its_output(model_dir, tmp_path, monkeypatch, capsys):
+    """An --output "~/..." that no shell expanded (quoted, or from a script) names the
+    home folder, for the results and the run's options alike, as its checks took it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "in.txt").write_text("hi\n")
+    assert main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.txt"), *CPU,
+                 "--max-tokens", "2", "--output", "~/out.jsonl"]) == 0
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert [row["id"] for row in rows] == [1] and "text" in rows[0]
+    assert (tmp_path / "out.jsonl.run.json").is_file()

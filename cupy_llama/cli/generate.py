@@ -91,6 +91,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     """
     from .batch_io import input_format as format_of, read_requests, still_to_run
 
+    if output_path != "-":  # "~/out.jsonl" in quotes reaches us unexpanded
+        output_path = os.path.expanduser(output_path)
     format = format_of(input_path, input_format)
     if output_path != "-":
         if input_path != "-" and _same_file(input_path, output_path):
