@@ -21,9 +21,20 @@ DEVICES = ("auto", "cpu", "cuda")  # as backends.DEVICES (importing it would imp
 QUANTIZATIONS = ("fp8",)  # as config.QUANTIZATIONS (tests/test_cli.py checks)
 CHAT_MAX_TOKENS = 1024
 PROGRESS_INTERVAL_S = 10.0  # generate's progress lines when stderr is not a terminal
-# Any path: a missing folder or a file is the loader's one-line error (exit 1), the same
-# for every command, rather than click's usage error for some of the cases.
-MODEL_PATH = click.Path()
+class _ModelPath(click.Path):
+    """Any path but an empty one: a missing folder or a file is the loader's one-line error
+    (exit 1), the same for every command, rather than click's usage error for some of the
+    cases. An empty --model (an unset variable in a script) is a usage error everywhere,
+    rather than the demo model for some commands and the current folder for others."""
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            self.fail("is empty; name a model folder, or leave --model out for the demo "
+                      "model", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+MODEL_PATH = _ModelPath()
 
 
 # ---- options shared by the commands -------------------------------------------------------
