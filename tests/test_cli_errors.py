@@ -1,6 +1,7 @@
 """Bad model directories through the `cupy-llama` command: each gives exit code 1 and ONE
 line on stderr that names the problem, never a traceback. (tests/test_weights.py checks
 the same cases through the API, with their exception types.)"""
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -195,12 +196,18 @@ def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_
                             (good_model / "config.json", "is a file, not a model directory")):
         assert main([*args, "--model", str(model), "--device", "cpu"]) == 1, model
         assert fragment in one_error_line(capsys.readouterr().err)
+    # an empty --model (an unset variable) is a usage error, not the demo model nor "."
+    assert main([*args, "--model", "", "--device", "cpu"]) == 2
+    assert "'--model': is empty; name a model folder" in one_error_line(capsys.readouterr().err)
 
 
 def test_a_context_beyond_the_model_names_the_flag_and_the_limit(good_model, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
-    for command in (["chat", "hi"], ["generate", "--input", str(prompts)], ["info"]):
+    commands = [["chat", "hi"], ["generate", "--input", str(prompts)], ["info"]]
+    if all(importlib.util.find_spec(p) for p in ("fastapi", "uvicorn", "pydantic")):
+        commands.append(["serve", "--port", "0"])  # before it listens
+    for command in commands:
         code = main([*command, "--model", str(good_model), "--device", "cpu",
                      "--max-model-len", "100000"])
         err = capsys.readouterr().err
