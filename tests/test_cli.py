@@ -330,6 +330,16 @@ def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
     assert main(["fetch-demo", "--out", ".", "--no-check"]) == 1  # "." names the same folder
     assert "holds other files" in one_error_line(capsys.readouterr().err)
     assert (keep / "important.txt").read_text() == "precious"
+    # another model's folder, even one of the demo's file names alone or all of them
+    for names in (("config.json", "model.safetensors"), demo.MODEL_FILES):
+        other = tmp_path / f"model{len(names)}"
+        other.mkdir()
+        for name in names:
+            (other / name).write_text("theirs")
+        assert main(["fetch-demo", "--out", str(other), "--no-check", "--force"]) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert "already holds another model's files (" in line and "config.json" in line
+        assert all((other / name).read_text() == "theirs" for name in names)
 
 
 def test_a_default_id_that_repeats_a_given_one_says_so(model_dir, tmp_path):
@@ -393,7 +403,8 @@ def test_fetch_demo_into_the_current_folder_keeps_the_folder(tmp_path, monkeypat
     inode = here.stat().st_ino
     (here / ".here.k3j2").mkdir()  # left by a build that was killed
     assert main(["fetch-demo", "--out", ".", "--no-check"]) == 0
-    assert sorted(p.name for p in here.iterdir() if p.name != ".here.k3j2") == sorted(demo.MODEL_FILES)
+    assert sorted(p.name for p in here.iterdir() if p.name != ".here.k3j2") == \
+        sorted([*demo.MODEL_FILES, demo.BUILD_MARKER])
     assert here.stat().st_ino == inode and Path.cwd() == here.resolve()
     (here / "notes.txt").write_text("mine")  # beside a complete build: allowed, and kept
     assert main(["fetch-demo", "--out", ".", "--no-check", "--force"]) == 0

@@ -148,8 +148,8 @@ def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
 def test_tokenizer_only_build(tmp_path):
     out = build_demo_tokenizer(tmp_path / "tok", **QUIET)
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["chat_template.jinja", "config.json", "generation_config.json",
-                     "tokenizer.json", "tokenizer_config.json"]
+    assert names == [demo.BUILD_MARKER, "chat_template.jinja", "config.json",
+                     "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
     assert "<|im_start|>" in (out / "chat_template.jinja").read_text()
 
 

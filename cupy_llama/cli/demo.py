@@ -33,6 +33,8 @@ DEMO_QUESTION = "What is the capital of France?"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors") + TOKENIZER_FILES
+# written beside them by every build: a folder holding it holds files fetch-demo may replace
+BUILD_MARKER = ".cupy-llama-demo"
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -183,19 +185,21 @@ def is_built(model_dir: Path) -> bool:
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """A folder the user names for the demo model must be new, empty, or hold a complete
-    earlier build: the build writes the model's files there and would overwrite another
-    model's config.json or weights of the same names. The temp folder of a build that was
-    killed (_write_atomically's) does not count."""
+    """A folder the user names for the demo model must be new, empty, or hold an earlier
+    build (its BUILD_MARKER): the build writes the model's files there and would overwrite
+    another model's config.json or weights of the same names. The temp folder of a build
+    that was killed (_write_atomically's) does not count."""
     if out_dir.exists() and not out_dir.is_dir():
         raise DemoModelError(f"{str(out_dir)!r} is a file; pass a new or empty folder to --out")
-    if not out_dir.is_dir() or is_built(out_dir):
+    if not out_dir.is_dir() or (out_dir / BUILD_MARKER).is_file():
         return
-    others = sorted(p.name for p in out_dir.iterdir()
-                    if p.name not in MODEL_FILES and not _is_build_temp(out_dir, p))
-    if others:
-        listed = ", ".join(others[:2]) + (", ..." if len(others) > 2 else "")
-        raise DemoModelError(f"{str(out_dir)!r} already holds other files ({listed}); pass a "
+    held = sorted(p.name for p in out_dir.iterdir() if not _is_build_temp(out_dir, p))
+    if held:
+        models = [name for name in held if name in MODEL_FILES]
+        what = "another model's files" if models else "other files"
+        shown = models or held
+        listed = ", ".join(shown[:2]) + (", ..." if len(shown) > 2 else "")
+        raise DemoModelError(f"{str(out_dir)!r} already holds {what} ({listed}); pass a "
                              "new or empty folder to --out")
 
 
@@ -220,6 +224,7 @@ def _write_atomically(out_dir: Path, write) -> None:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model dir is an ordinary folder
     try:
         write(tmp)
+        (tmp / BUILD_MARKER).write_text("built by cupy-llama fetch-demo\n")
         if out_dir.is_dir():
             for built in tmp.iterdir():
                 os.replace(built, out_dir / built.name)
