@@ -26,10 +26,19 @@ class LLM:
     >>> llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8)).text
     """
 
-    def __init__(self, model_dir, device: str = "auto", *, log=_stderr, **engine_options):
-        """device: "auto" (the GPU when usable), "cuda" or "cpu"; engine_options: the fields
+    def __init__(self, model_dir=None, device: str = "auto", *, model=None, log=_stderr,
+                 **engine_options):
+        """device: "auto" (the GPU when usable), "cuda" or "cpu"; model: the folder, by
+        vLLM's keyword (LLM(model=...)), in place of model_dir; engine_options: the fields
         of EngineConfig (max_num_seqs, max_model_len, ...); log: where load messages go
         (None: nowhere)."""
+        if model is not None:
+            if model_dir is not None:
+                raise ConfigError("give the model folder once: model_dir or model, not both")
+            model_dir = model
+        if model_dir is None:
+            raise ConfigError("LLM needs a model folder: LLM('path/to/model') or "
+                              "LLM(model='path/to/model')")
         if not isinstance(model_dir, (str, os.PathLike)):
             raise ConfigError(f"model_dir must be the path of a model folder, got "
                               f"{type(model_dir).__name__}")

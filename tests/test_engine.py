@@ -523,8 +523,15 @@ def test_chat_takes_content_as_text_parts(llm):
 def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a model directory"):
         LLM(model_dir / "config.json", device="cpu", log=None)
-    with pytest.raises(ConfigError, match="model_dir must be the path.*got NoneType"):
+    with pytest.raises(ConfigError, match=r"LLM needs a model folder: LLM\('path/to/model'\)"):
         LLM(None, device="cpu", log=None)
+    with pytest.raises(ConfigError, match="model_dir must be the path.*got int"):
+        LLM(5, device="cpu", log=None)
+    with pytest.raises(ConfigError, match="give the model folder once"):
+        LLM(model_dir, model=model_dir, device="cpu", log=None)
+    llm = LLM(model=str(model_dir), device="cpu", log=None)  # vLLM's keyword
+    assert llm.model_dir == model_dir
+    llm.close()
     with pytest.raises(ConfigError, match="unknown LLM option 'dtype'; the options are .*max_num_seqs"):
         LLM(model_dir, device="cpu", log=None, dtype="float16")
     with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number"):
