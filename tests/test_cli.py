@@ -791,3 +791,11 @@ def test_generate_expands_a_quoted_tilde_in_its_output(model_dir, tmp_path, monk
     rows = read_jsonl(tmp_path / "out.jsonl")
     assert [row["id"] for row in rows] == [1] and "text" in rows[0]
     assert (tmp_path / "out.jsonl.run.json").is_file()
+
+
+def test_a_missing_choice_argument_is_one_readable_line(capsys):
+    """click spreads the choices over indented lines; the one line keeps them a list."""
+    assert main(["bench"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: Missing argument 'MODE'. Choose from: throughput, latency, ")
+    assert "\t" not in line and ",;" not in line and ":;" not in line

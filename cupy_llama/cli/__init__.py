@@ -37,6 +37,16 @@ def _command_flags(argv) -> set[str]:
     return {flag for param in (command.params if command else ()) for flag in param.opts}
 
 
+def _one_line(message: str) -> str:
+    """click's message on one line: a list it spreads over indented lines ("Choose
+    from:\n\tthroughput,\n\tlatency") continues its line, other lines join with "; "."""
+    joined = ""
+    for line in (line.strip() for line in message.splitlines()):
+        if line:
+            joined += (" " if joined.endswith((":", ",")) else "; ") + line if joined else line
+    return joined
+
+
 def main(argv=None) -> int:
     """Entry point: runs the CLI and maps errors to exit codes."""
     try:
@@ -55,7 +65,7 @@ def main(argv=None) -> int:
             return EXIT_OK
         return e.code if isinstance(e.code, int) else EXIT_ERROR
     except click.ClickException as e:
-        message = "; ".join(line for line in e.format_message().splitlines() if line.strip())
+        message = _one_line(e.format_message())
         context = getattr(e, "ctx", None)
         if isinstance(e, click.UsageError) and context is not None:
             message += f" (see '{context.command_path} --help')"
