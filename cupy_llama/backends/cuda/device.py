@@ -6,7 +6,7 @@ from ...errors import DeviceError
 INSTALL_HINT = ("install CuPy for the machine's CUDA: pip install cupy-cuda12x (CUDA 12) or "
                 "cupy-cuda13x (CUDA 13)")
 MIN_COMPUTE_CAPABILITY = 80  # bf16 arithmetic and storage: Ampere (sm_80) and newer
-CPU_HINT = ", or run with --device cpu"  # how every "no GPU" message ends
+CPU_HINT = ', or run on the CPU (--device cpu; device="cpu" in Python)'  # ends each no-GPU message
 
 
 def _no_gpu(reason: str) -> DeviceError:
