@@ -190,13 +190,13 @@ def _plural(count: int, noun: str) -> str:
 
 
 def _holds_results(output_path: str) -> bool:
-    path = Path(output_path).expanduser()
+    path = Path(output_path)  # expanded by generate
     return path.is_file() and path.stat().st_size > 0
 
 
 def _options_path(output_path: str) -> Path:
     """Where a run keeps the options that shape its results: beside the output."""
-    path = Path(output_path).expanduser()
+    path = Path(output_path)  # expanded by generate
     return path.with_name(path.name + ".run.json")
 
 
@@ -251,7 +251,7 @@ def _read_earlier_output(output_path: str):
     """What an earlier run left in --output (nothing when the file does not exist)."""
     from .batch_io import Resume, read_resume
 
-    path = Path(output_path).expanduser()
+    path = Path(output_path)  # expanded by generate
     if not path.exists():
         return Resume(set(), 0)
     return read_resume(path.read_bytes(), repr(output_path))
