@@ -110,15 +110,13 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                                  "installed): pip install 'cupy-llama[serve]', or in a "
                                  "checkout pip install -e '.[serve]'") from None
     from ..engine.async_engine import EngineStartError
-    from ..models import read_config
     from ..server.app import ServerSettings, run_server
     from ..tokenizer import Tokenizer
 
     name = served_model_name or options.served_name(model_dir)
     if model_dir is None:
         model_dir = options.default_model_dir()
-    options.check_model_options(model_dir, engine)  # --max-model-len, before listening
-    config = read_config(model_dir)
+    config = options.check_model_options(model_dir, engine)  # --max-model-len, before listening
     tokenizer = Tokenizer.from_dir(model_dir, config)
     options.reasoning_parser(reasoning_parser, tokenizer)  # known, and the model thinks so
     sock = _listen(host, port)
