@@ -80,9 +80,10 @@ class CharTokenizer:
         return []  # a decode drops no space
 
 
-def run_sample(token_ids, stops, stream=True):
+def run_sample(token_ids, stops, stream=True, min_tokens=0):
     """Feed tokens to a sample as the engine does; its deltas and where it stopped."""
-    seq = Sequence("r", [1], SamplingParams(max_tokens=100, stop=stops), 0, 0)
+    seq = Sequence("r", [1], SamplingParams(max_tokens=100, stop=stops, min_tokens=min_tokens),
+                   0, 0)
     sample = _Sample(seq, CharTokenizer(), stream, text=True)
     deltas = []
     for index, token_id in enumerate(token_ids):
@@ -98,6 +99,18 @@ def run_sample(token_ids, stops, stream=True):
         if stream:
             deltas.append(sample.delta())
     return deltas, None
+
+
+def test_a_stop_string_counts_only_past_min_tokens():
+    """As EOS and stop tokens: min_tokens 1 with a stop string that the first token spells
+    gives that token's text, never an empty one (vLLM's rule); the tokens held off count
+    whether or not they have text (an id past the tokenizer's vocabulary has none)."""
+    for min_tokens, stop_at, text in ((0, 0, ""), (1, 1, "a"), (2, 2, "aa"), (3, None, "aaa")):
+        deltas, stopped_at = run_sample([0, 0, 0], ["a"], min_tokens=min_tokens)
+        assert stopped_at == stop_at
+        assert "".join(d.text for d in deltas) == text
+    deltas, stopped_at = run_sample([CharTokenizer.vocab_size, 0, 0], ["a"], min_tokens=1)
+    assert stopped_at == 1 and "".join(d.text for d in deltas) == ""
 
 
 def test_streamed_text_never_shows_part_of_a_stop_string():

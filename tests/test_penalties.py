@@ -107,6 +107,19 @@ def test_min_tokens_holds_eos_off_and_stop_token_ids_stop(llm):
     assert_all_blocks_free(llm)
 
 
+def test_min_tokens_holds_a_stop_string_off_as_it_does_stop_tokens(llm):
+    """A stop string that the first tokens spell ends the text only past min_tokens, so
+    min_tokens 1 never returns an empty text."""
+    forced = 77  # every token this one (a logit bias of 100), whose text is the stop string
+    stop = llm.engine.tokenizer.decode([forced])
+    assert stop, "the forced token has no text: the test proves nothing"
+    for min_tokens in (0, 1, 2):
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=8, stop=[stop], min_tokens=min_tokens,
+                                                  logit_bias={forced: 100}, **GREEDY))
+        assert out.text == stop * min_tokens and out.finish_reason == "stop"
+        assert out.token_ids == [forced] * (min_tokens + 1)
+
+
 def test_penalties_survive_preemption_and_prefix_caching(model_dir, llm):
     import random
     rng = random.Random(3)

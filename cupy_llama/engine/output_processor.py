@@ -129,9 +129,11 @@ class SampleText:
             tokenizer, self.skip_special_tokens, checked=False,
             context=self.context) if incremental else None
         self.stops = stops = params.stop
-        self.min_tokens = params.min_tokens  # no stop string before that many tokens (vLLM)
+        # a stop string counts only in a token past the first min_tokens, as EOS and stop
+        # tokens do (stop_status): min_tokens 1 never gives an empty text (vLLM's rule)
+        self.min_tokens = params.min_tokens
         self.include_stop = params.include_stop_str_in_output  # the text ends with it
-        self.num_tokens = 0  # tokens added
+        self.num_tokens = 0  # tokens added, text or not (as the sample's output counts them)
         self.vocab_size = tokenizer.vocab_size
         # deltas hold back the last `hold_back` characters (one less than the longest stop
         # string) while a stop string could still be forming, so the user never sees part
@@ -147,9 +149,9 @@ class SampleText:
     def add(self, token_id: int) -> bool:
         """Adds the token's text (incremental only); True when that completes a stop
         string: the text then ends where the stop string starts (it is not shown)."""
+        self.num_tokens += 1
         if token_id >= self.vocab_size:
             return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
-        self.num_tokens += 1
         new = self.detokenizer.add(token_id)
         if not new:
             return False
@@ -159,7 +161,7 @@ class SampleText:
         # a new match ends in the new text: look in it and the characters before it
         window = self.tail + new
         at = find_stop(window, self.stops, len(self.tail)) \
-            if self.num_tokens >= self.min_tokens else None
+            if self.num_tokens > self.min_tokens else None
         if at is None:
             self.unsent.append(new)
             self.tail = window[-self.hold_back:] if self.hold_back else ""
