@@ -115,6 +115,8 @@ SAMPLE = {
     "function_call": {"name": "f", "arguments": "{}"},
     "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}",
 }
+# where a field's default differs by endpoint: the value to try there
+SAMPLE_ON = {(CompletionRequest, "add_special_tokens"): False}
 # A value for each refused field that is not one of its harmless ones (suffix: refused by
 # this tokenizer, which has no fill-in-the-middle tokens; test_fim.py takes it on one that has).
 REFUSED_VALUE = {"modalities": ["audio"], "use_beam_search": True, "suffix": "end",
@@ -219,7 +221,7 @@ def test_every_field_is_used_or_refused(llm):
             only_here = REFUSED_ON.get((model, leaf))
             refused = leaf in protocol.UNSUPPORTED or leaf in REFUSED_VALUE or only_here is not None
             value = (only_here if only_here is not None else REFUSED_VALUE.get(leaf)) if refused \
-                else SAMPLE.get(leaf, SAMPLE)
+                else SAMPLE_ON.get((model, leaf), SAMPLE.get(leaf, SAMPLE))
             if value is SAMPLE or value is None:
                 wrong.append(f"{where}: no value to try; add it to SAMPLE or REFUSED_VALUE")
                 continue

@@ -20,7 +20,7 @@ from cupy_llama.sampling import model_sampling_defaults
 from cupy_llama.server import protocol
 from cupy_llama.server.app import ServerSettings, ServerState, create_app, _Job
 from cupy_llama.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                        parse)
+                                        TokenizeRequest, parse)
 
 
 def error_of(model, body) -> APIError:
@@ -131,6 +131,30 @@ def test_prompts_and_sampling_params(llm):
     e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
         {"role": "user", "content": None}]}).conversation).value
     assert e.param == "messages[0].content"
+
+
+def test_add_special_tokens_as_vllm_takes_it(llm):
+    """Completions put the tokenizer's BOS before a text unless add_special_tokens is
+    false (a client that renders a chat itself, or scores a text as it is); chat leaves it
+    to the template unless add_special_tokens is true, as vLLM does. /tokenize counts the
+    same ids."""
+    tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
+    bos = tokenizer.encode("", add_special_tokens=True)
+    assert bos, "the test model's tokenizer adds no BOS: the test proves nothing"
+    for body, expected in (({"prompt": "Hi"}, bos + tokenizer.encode("Hi", add_special_tokens=False)),
+                           ({"prompt": ["Hi"], "add_special_tokens": False},
+                            tokenizer.encode("Hi", add_special_tokens=False))):
+        assert parse(CompletionRequest, body).prompt_token_ids(tokenizer, vocab) == [expected]
+        counted = parse(TokenizeRequest, {"prompt": "Hi", **{
+            k: v for k, v in body.items() if k == "add_special_tokens"}}).token_ids(tokenizer)
+        assert counted == expected
+    messages = [{"role": "user", "content": "Hi"}]
+    templated = tokenizer.encode_chat(messages)
+    for extra, expected in (({}, templated), ({"add_special_tokens": True}, bos + templated)):
+        chat = parse(ChatCompletionRequest, {"messages": messages, **extra})
+        assert chat.engine_inputs(tokenizer, vocab, 512, {})[0] == [expected]
+        assert parse(TokenizeRequest, {"messages": messages, **extra}).token_ids(tokenizer) \
+            == expected
 
 
 def test_builders_make_openai_bodies():

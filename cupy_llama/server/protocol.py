@@ -451,6 +451,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = None
     logprobs: Int | None = None
     echo: Any = None
+    add_special_tokens: bool = True  # vLLM's: false leaves the tokenizer's BOS out of a text
     # the text after the gap, for fill-in-the-middle: each prompt is the text before it and
     # the completion the middle ("" or null: none)
     suffix: Any = None
@@ -459,18 +460,20 @@ class CompletionRequest(_SamplingFields):
     def prompt_token_ids(self, tokenizer, vocab_size: int,
                          max_prompt_bytes: int | None = None) -> list[list[int]]:
         """One list of ids per prompt: strings are tokenized as a completion prompt is
-        (with the tokenizer's special tokens, BOS), token ids are checked. A string longer
+        (with the tokenizer's special tokens, BOS, unless add_special_tokens is false),
+        token ids are checked. A string longer
         than max_prompt_bytes (PromptLimit) is refused before it is tokenized. With a
         suffix, each prompt string and the suffix make the model's fill-in-the-middle
         prompt (Tokenizer.encode_fim)."""
         prompt = self.prompt
         if self.suffix:
             return self._fim_prompts(tokenizer, max_prompt_bytes)
+        special = self.add_special_tokens
         if isinstance(prompt, str):
-            return [_encode(tokenizer, prompt, "prompt", max_prompt_bytes)]
+            return [_encode(tokenizer, prompt, "prompt", max_prompt_bytes, special)]
         if isinstance(prompt, list) and prompt:
             if all(isinstance(p, str) for p in prompt):
-                return [_encode(tokenizer, p, f"prompt[{i}]", max_prompt_bytes)
+                return [_encode(tokenizer, p, f"prompt[{i}]", max_prompt_bytes, special)
                         for i, p in enumerate(prompt)]
             if all(_is_token_id(t) for t in prompt):
                 return [_check_ids(prompt, vocab_size, "prompt")]
@@ -614,11 +617,12 @@ def check_prompt_bytes(num_bytes: int, max_prompt_bytes: int | None, param: str)
                        code="context_length_exceeded")
 
 
-def _encode(tokenizer, text: str, param: str, max_prompt_bytes: int | None = None) -> list[int]:
+def _encode(tokenizer, text: str, param: str, max_prompt_bytes: int | None = None,
+            add_special_tokens: bool = True) -> list[int]:
     if max_prompt_bytes is not None and len(text) * 4 > max_prompt_bytes:  # else it fits
         check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), max_prompt_bytes, param)
     try:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except RequestError as e:
         raise APIError(400, f"{param}: {e}", param=param) from None
 
@@ -914,8 +918,10 @@ class _ChatPrompt:
 
     def prompt_token_ids(self, tokenizer, max_prompt_bytes: int | None = None) -> list[int]:
         """The prompt the model's chat template renders: ending in the assistant's turn
-        (add_generation_prompt), or in the last message left open (continue_final_message).
-        Messages of more text than max_prompt_bytes are refused before they are rendered."""
+        (add_generation_prompt), or in the last message left open (continue_final_message);
+        with vLLM's add_special_tokens, the tokenizer's special tokens (BOS) put around it
+        as around a plain text, on top of the template's own. Messages of more text than
+        max_prompt_bytes are refused before they are rendered."""
         conversation = self.conversation()
         if max_prompt_bytes is not None:
             texts = [text for message in conversation for text in _rendered_texts(message)]
@@ -923,15 +929,18 @@ class _ChatPrompt:
                 check_prompt_bytes(sum(len(text.encode("utf-8", "surrogatepass"))
                                        for text in texts), max_prompt_bytes, "messages")
         try:
-            return tokenizer.encode_chat(conversation,
-                                         add_generation_prompt=self.add_generation_prompt,
-                                         continue_final_message=self.continue_final_message,
-                                         tools=self.template_tools(),
-                                         template_kwargs=self.chat_template_kwargs,
-                                         chat_template=self.chat_template)
+            ids = tokenizer.encode_chat(conversation,
+                                        add_generation_prompt=self.add_generation_prompt,
+                                        continue_final_message=self.continue_final_message,
+                                        tools=self.template_tools(),
+                                        template_kwargs=self.chat_template_kwargs,
+                                        chat_template=self.chat_template)
         except CupyLlamaError as e:  # the template refused the messages, or there is none
             param = "chat_template" if str(e).startswith("chat_template") else "messages"
             raise APIError(400, str(e), param=param) from None
+        if self.add_special_tokens:
+            ids = tokenizer.encode("", add_special_tokens=True) + ids
+        return ids
 
 
 def _rendered_texts(message: dict) -> list[str]:
@@ -956,6 +965,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     continue_final_message: bool = False     # vLLM's
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template
     chat_template: str | None = None  # vLLM's: a Jinja template instead of the model's
+    add_special_tokens: bool = False  # vLLM's: BOS on top of the template's (prompt_token_ids)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # false: at most one call
@@ -1399,10 +1409,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
 
     def token_ids(self, tokenizer, max_prompt_bytes: int | None = None) -> list[int]:
         if self.messages is not None:
-            ids = self.prompt_token_ids(tokenizer, max_prompt_bytes)
-            if self.add_special_tokens:  # what the tokenizer adds around a text, on top
-                ids = tokenizer.encode("", add_special_tokens=True) + ids
-            return ids
+            return self.prompt_token_ids(tokenizer, max_prompt_bytes)
         if max_prompt_bytes is not None and len(self.prompt) * 4 > max_prompt_bytes:
             check_prompt_bytes(len(self.prompt.encode("utf-8", "surrogatepass")),
                                max_prompt_bytes, "prompt")
