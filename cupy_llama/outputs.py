@@ -132,12 +132,21 @@ def json_logprob(logprob: float) -> float:
 class TokenStrings:
     """Each token's own text for logprobs: decoded alone, special tokens spelled out (an id
     past the tokenizer's vocabulary, a padded model vocabulary's, has none); and its bytes
-    (Tokenizer.token_bytes: part of a character where the token holds part of one)."""
+    (Tokenizer.token_bytes: part of a character where the token holds part of one).
+    Called, it gives the name logprobs show for a token: its text, or "token_id:N" from
+    by_id()'s view (vLLM's return_tokens_as_token_ids: many byte tokens share a text)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, named_by_id: bool = False):
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+        self.named_by_id = named_by_id
+
+    def by_id(self) -> "TokenStrings":
+        """A view that names tokens "token_id:N" and shares this one's texts and bytes."""
+        view = TokenStrings(self._tokenizer, named_by_id=True)
+        view._texts, view._bytes = self._texts, self._bytes
+        return view
 
     def bytes_of(self, token_id: int) -> list[int]:
         values = self._bytes.get(token_id)
@@ -146,6 +155,9 @@ class TokenStrings:
         return values
 
     def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.named_by_id else self.text(token_id)
+
+    def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             tokenizer = self._tokenizer

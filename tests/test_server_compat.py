@@ -109,7 +109,7 @@ SAMPLE = {
     "logit_bias": {"1": 5}, "min_tokens": 2, "stop_token_ids": [1], "bad_words": ["x"],
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
-    "best_of": 3, "allowed_token_ids": [1, 2],
+    "best_of": 3, "allowed_token_ids": [1, 2], "return_tokens_as_token_ids": True,
     "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
     "functions": [{"name": "f"}],  # (a request's function_call, and an assistant message's:)
     "function_call": {"name": "f", "arguments": "{}"},
@@ -187,7 +187,7 @@ def _body(model, dotted: str, value) -> dict:
         body["functions"] = SAMPLE["functions"]
     if head == "parallel_tool_calls":
         body["tool_choice"] = "required"
-    if head == "logprobs":
+    if head in ("logprobs", "return_tokens_as_token_ids"):
         body["logprobs"] = True if model is ChatCompletionRequest else 2
     return body
 

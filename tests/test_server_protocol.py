@@ -284,6 +284,25 @@ def test_logprobs_in_both_shapes(llm):
         "token": "\ufffd", "logprob": -1.0, "bytes": [0xC3], "top_logprobs": []}
     special = llm.tokenizer.bos_token_id
     assert strings(special) == llm.tokenizer.bos_token  # spelled out, not skipped
+    # return_tokens_as_token_ids: tokens named by id (byte tokens share "\ufffd"); the
+    # offsets still count the text, and the bytes are still the token's own
+    by_id = parse(CompletionRequest, {"prompt": "x", "return_tokens_as_token_ids": True}) \
+        .token_names(strings)
+    legacy, offset = protocol.completion_logprobs(entries + [(lone, -1.0, [])], by_id, 3)
+    assert legacy["tokens"] == [f"token_id:{h}", f"token_id:{beyond}", f"token_id:{lone}"]
+    assert legacy["top_logprobs"][0] == {f"token_id:{h}": -0.5, f"token_id:{i}": -1.25}
+    assert legacy["text_offset"] == [3, 4, 4] and offset == 5
+    assert protocol.chat_logprobs([(lone, -1.0, [(h, -2.0)])], by_id)["content"][0] == {
+        "token": f"token_id:{lone}", "logprob": -1.0, "bytes": [0xC3],
+        "top_logprobs": [{"token": f"token_id:{h}", "logprob": -2.0, "bytes": [104]}]}
+    for model, stream_class, body in (
+            (CompletionRequest, protocol.CompletionStream, {"prompt": "x", "logprobs": 1}),
+            (ChatCompletionRequest, protocol.ChatCompletionStream,
+             {"messages": [{"role": "user", "content": "x"}], "logprobs": True})):
+        request = parse(model, {**body, "return_tokens_as_token_ids": True})
+        chunks = stream_class(request, "c", 1, "m", strings).chunks(0, "h", entries[:1], None)
+        assert f"token_id:{h}" in json.dumps(chunks[-1]["choices"][0]["logprobs"])
+    assert strings(h) == "h"  # the view leaves the names of other requests alone
 
 
 def test_admission_counts_free_slots_and_refuses_what_could_never_run(state):

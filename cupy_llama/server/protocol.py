@@ -282,6 +282,7 @@ class _SamplingFields(_Unsupported, _Model):
     bad_words: Any = None
     grammar: Any = None       # llama.cpp's: a GBNF grammar
     json_schema: Any = None   # llama.cpp's: a JSON schema
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -296,6 +297,13 @@ class _SamplingFields(_Unsupported, _Model):
             raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got "
                                 f"{_preview(self.seed)}",
                            param="seed")
+
+    def token_names(self, token_strings):
+        """What names the tokens of this request's logprobs (TokenStrings): their texts, or
+        with return_tokens_as_token_ids "token_id:N"."""
+        if self.return_tokens_as_token_ids and token_strings is not None:
+            return token_strings.by_id()
+        return token_strings
 
     def structured_spec(self) -> StructuredSpec | None:
         """The request's constraint: at most one of response_format (json_object or
@@ -418,15 +426,15 @@ def completion_logprobs(entries, token_strings, text_offset: int = 0) -> tuple[d
     logprobs + 1 entries; logprobs 0: the sampled token alone)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, top in entries:
-        text = token_strings(token_id)
-        tokens.append(text)
+        name = token_strings(token_id)
+        tokens.append(name)
         token_logprobs.append(json_logprob(logprob))
         alternatives = {token_strings(t): json_logprob(lp) for t, lp in top}
         if all(t != token_id for t, _ in top):
-            alternatives.setdefault(text, json_logprob(logprob))
+            alternatives.setdefault(name, json_logprob(logprob))
         top_logprobs.append(alternatives)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(token_strings.text(token_id))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, text_offset
 
@@ -655,6 +663,7 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     (one per choice). Choice i * n + j is prompt i's choice j."""
     choices = []
     echo = bool(request.echo)
+    token_strings = request.token_names(token_strings)
     usage = usage_of(outputs)  # every sample best_of made counts
     outputs = [request.best_outputs(group) for group in outputs]
     if request.scores_only:  # the one token made to score the prompt is not shown
@@ -699,9 +708,9 @@ def prompt_completion_logprobs(prompt_ids, scored, k: int, token_strings) -> tup
     arrays, no object per token), or None. Returns it and the offset after the prompt."""
     tokens = [token_strings(t) for t in prompt_ids]
     offsets, offset = [], 0
-    for text in tokens:
+    for token_id in prompt_ids:
         offsets.append(offset)
-        offset += len(text)
+        offset += len(token_strings.text(token_id))
     token_logprobs, top_logprobs = [None] * len(tokens), [None] * len(tokens)
     if scored is not None:
         ids, values, _ = scored.rows()
@@ -733,10 +742,10 @@ def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | No
             break
         token_id, top = row_ids[0], row_ids[1:]
         items = {str(token_id): {"logprob": json_logprob(row_values[0]), "rank": rank,
-                                 "decoded_token": token_strings(token_id)}}
+                                 "decoded_token": token_strings.text(token_id)}}
         for rank, (t, lp) in enumerate(zip(top[:k], row_values[1:1 + k]), start=1):
             items.setdefault(str(t), {"logprob": json_logprob(lp), "rank": rank,
-                                      "decoded_token": token_strings(t)})
+                                      "decoded_token": token_strings.text(t)})
         result[position] = items
     return result
 
@@ -752,7 +761,7 @@ class _Stream:
                  fingerprint: str | None = None):
         self.include_usage = request.include_usage
         self.continuous_usage = request.continuous_usage
-        self._token_strings = token_strings
+        self._token_strings = request.token_names(token_strings)
         self._head = {"id": response_id, "object": self.OBJECT, "created": created,
                       "model": model, "system_fingerprint": fingerprint}
 
@@ -1189,6 +1198,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     choice. A choice's logprobs hold top_logprobs alternatives per token, as OpenAI's chat
     API gives them (the sampled token is not added to them, unlike legacy completions)."""
     choices = []
+    token_strings = request.token_names(token_strings)
     for output in sorted(outputs, key=_index):
         logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
             if request.logprobs else None
