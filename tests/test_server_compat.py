@@ -110,6 +110,7 @@ SAMPLE = {
     "include_stop_str_in_output": True, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "echo": True, "prompt_logprobs": 1,
     "best_of": 3, "allowed_token_ids": [1, 2], "return_tokens_as_token_ids": True,
+    "truncate_prompt_tokens": 2,
     "grammar": "root ::= \"a\"", "json_schema": {"type": "object"},
     "functions": [{"name": "f"}],  # (a request's function_call, and an assistant message's:)
     "function_call": {"name": "f", "arguments": "{}"},

@@ -157,6 +157,37 @@ def test_add_special_tokens_as_vllm_takes_it(llm):
             == expected
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: a prompt's last k tokens (-1: the context's), on both
+    endpoints, before the length check, and past the prompt's byte limit (the point of it
+    is a prompt too long); echo shows what was kept. k past the context, 0 or below -1 is
+    a 400 naming the field."""
+    tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    ids = tokenizer.encode(text)
+    assert len(ids) > 40
+    request = parse(CompletionRequest, {"prompt": [text, "hi"], "truncate_prompt_tokens": 5,
+                                        "echo": True, "max_tokens": 2})
+    prompts, params = request.engine_inputs(tokenizer, vocab, 64, {}, max_prompt_bytes=40)
+    assert prompts == [ids[-5:], tokenizer.encode("hi")]
+    assert request.prompt_texts(prompts, TokenStrings(tokenizer))[0] == \
+        tokenizer.decode(ids[-5:], skip_special_tokens=False)
+    whole = parse(CompletionRequest, {"prompt": text, "truncate_prompt_tokens": -1})
+    assert whole.truncated(ids, 30) == ids[-30:]  # the whole context: no room left, a 400
+    assert pytest.raises(APIError, whole.engine_inputs, tokenizer, vocab, 30, {}).value.code \
+        == "context_length_exceeded"
+    assert whole.engine_inputs(tokenizer, vocab, 512, {})[0] == [ids]
+    messages = [{"role": "user", "content": text}]
+    chat = parse(ChatCompletionRequest, {"messages": messages, "truncate_prompt_tokens": 7})
+    assert chat.engine_inputs(tokenizer, vocab, 512, {})[0] == [tokenizer.encode_chat(messages)[-7:]]
+    for k in (0, -2):
+        assert error_of(CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": k}).param \
+            == "truncate_prompt_tokens"
+    e = pytest.raises(APIError, parse(CompletionRequest, {
+        "prompt": "x", "truncate_prompt_tokens": 65}).engine_inputs, tokenizer, vocab, 64, {}).value
+    assert e.param == "truncate_prompt_tokens" and "64" in e.message
+
+
 def test_builders_make_openai_bodies():
     outputs = [[RequestOutput("r-0", [1, 2, 3], [7, 8], "hi", "stop")],
                [RequestOutput("r-1", [4], [9, 9, 9], "abc", "abort")]]

@@ -283,6 +283,7 @@ class _SamplingFields(_Unsupported, _Model):
     grammar: Any = None       # llama.cpp's: a GBNF grammar
     json_schema: Any = None   # llama.cpp's: a JSON schema
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    truncate_prompt_tokens: Int | None = None  # vLLM's: keep the prompt's last k tokens
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -292,11 +293,34 @@ class _SamplingFields(_Unsupported, _Model):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (k == -1 or k >= 1):
+            raise APIError(400, f"truncate_prompt_tokens must be -1 (the model's context) or "
+                                f"a positive number of tokens, got {k}",
+                           param="truncate_prompt_tokens")
         low, high = SEED_RANGE
         if self.seed is not None and not low <= self.seed < high:
             raise APIError(400, f"seed must be an integer in [-2^63, 2^64), got "
                                 f"{_preview(self.seed)}",
                            param="seed")
+
+    def prompt_byte_limit(self, max_prompt_bytes: int | None) -> int | None:
+        """The text a prompt may hold before it is tokenized: none where it is truncated to
+        its last tokens (the body's size limit still holds)."""
+        return None if self.truncate_prompt_tokens is not None else max_prompt_bytes
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        if k == -1:
+            k = max_model_len
+        if k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({k}) is more than the model's context "
+                                f"({max_model_len} tokens); send at most {max_model_len}, or -1",
+                           param="truncate_prompt_tokens")
+        return prompt[-k:]
 
     def token_names(self, token_strings):
         """What names the tokens of this request's logprobs (TokenStrings): their texts, or
@@ -464,6 +488,7 @@ class CompletionRequest(_SamplingFields):
     # the completion the middle ("" or null: none)
     suffix: Any = None
     _fim_end_ids: list = PrivateAttr(default_factory=list)
+    _cut: bool = PrivateAttr(False)  # truncate_prompt_tokens shortened a prompt
 
     def prompt_token_ids(self, tokenizer, vocab_size: int,
                          max_prompt_bytes: int | None = None) -> list[list[int]]:
@@ -583,10 +608,11 @@ class CompletionRequest(_SamplingFields):
                                      end_token_ids=self._fim_end_ids)
 
     def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
-        """What echo puts before each completion: the prompt as sent (token ids: decoded)."""
-        if isinstance(self.prompt, str):
+        """What echo puts before each completion: the prompt as sent (token ids, or a
+        prompt cut by truncate_prompt_tokens: decoded)."""
+        if not self._cut and isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, str) for p in self.prompt):
+        if not self._cut and all(isinstance(p, str) for p in self.prompt):
             return list(self.prompt)
         tokenizer = token_strings._tokenizer
         return [tokenizer.decode_unchecked([t for t in ids if t < tokenizer.vocab_size],
@@ -596,7 +622,10 @@ class CompletionRequest(_SamplingFields):
                       model_defaults: dict, max_prompt_bytes: int | None = None
                       ) -> tuple[list[list[int]], list[SamplingParams]]:
         """Each prompt's token ids and SamplingParams: one engine request per prompt."""
-        prompts = self.prompt_token_ids(tokenizer, vocab_size, max_prompt_bytes)
+        whole = self.prompt_token_ids(tokenizer, vocab_size,
+                                      self.prompt_byte_limit(max_prompt_bytes))
+        prompts = [self.truncated(p, max_model_len) for p in whole]
+        self._cut = any(len(p) < len(w) for p, w in zip(prompts, whole))
         return prompts, [self.sampling_params(len(p), max_model_len, model_defaults)
                          for p in prompts]
 
@@ -1101,7 +1130,8 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
                     "tool_choice \"required\" or a named function"
                 raise APIError(400, f"{what} sets the answer's grammar; leave out "
                                     "response_format and structured_outputs", param=choice)
-        prompt = self.prompt_token_ids(tokenizer, max_prompt_bytes)
+        prompt = self.truncated(self.prompt_token_ids(
+            tokenizer, self.prompt_byte_limit(max_prompt_bytes)), max_model_len)
         if not prompt and self.chat_template is not None:
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
                                 "needs at least one token", param="chat_template")
