@@ -32,6 +32,8 @@ MAX_BANNED_TOKENS = 128  # tokens one request's bad_words may ban at every step
 # their tokens in all
 MAX_BAD_WORD_SEQUENCES = 128
 MAX_BAD_WORD_TOKENS = 1024
+# max_tokens=None (vLLM's "no limit"): the output ends at the context limit, as any does there
+NO_MAX_TOKENS = 2**63 - 1
 
 
 @dataclass
@@ -40,7 +42,7 @@ class SamplingParams:
     top_p: float = 1.0         # 1.0 means off
     top_k: int = 0             # 0 means off (-1 too, vLLM's way: taken as 0)
     min_p: float = 0.0         # 0.0 means off
-    max_tokens: int = 256
+    max_tokens: int = 256      # None: up to the context limit (NO_MAX_TOKENS)
     seed: int | None = None    # None: a fresh random seed per request
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the text
     ignore_eos: bool = False
@@ -82,6 +84,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
+        # None for a field that vLLM declares optional: its default
+        for name, empty in (("stop", list), ("stop_token_ids", list), ("bad_words", list),
+                            ("logit_bias", dict)):
+            if getattr(self, name) is None:
+                setattr(self, name, empty())
+        if self.max_tokens is None:
+            self.max_tokens = NO_MAX_TOKENS
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.structured, dict):

@@ -437,6 +437,20 @@ def test_numpy_scalars_are_sampling_values():
         SamplingParams(max_tokens=np.int64(0))
 
 
+def test_none_takes_the_default_where_vllm_declares_a_field_optional(llm):
+    """Code written for vLLM passes None for stop, stop_token_ids, logit_bias and
+    bad_words (none), and for max_tokens (no limit but the context's)."""
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, bad_words=None,
+                            max_tokens=None, temperature=0, ignore_eos=True)
+    assert (params.stop, params.stop_token_ids, params.logit_bias, params.bad_words) == \
+        ([], [], {}, [])
+    prompt = [5] * 20
+    out = llm.generate(prompt, params)
+    assert out.finish_reason == "length"
+    assert len(prompt) + len(out.token_ids) == llm.engine.context_limit
+    assert_all_blocks_free(llm)
+
+
 def test_chat_answers_a_list_of_conversations_with_a_list(llm):
     conversation = [{"role": "user", "content": "a"}]
     params = SamplingParams(max_tokens=2, **GREEDY)
