@@ -268,6 +268,20 @@ def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_p
     assert "--no-such-option" in line and "cupy-llama generate --help" in line
 
 
+def test_a_logit_bias_outside_the_vocabulary_is_a_usage_error_before_loading(
+        model_dir, tmp_path, capsys):
+    """config.json's vocab_size is known before the weights are read: an id past it is the
+    command line's mistake, for generate and chat alike (the ones that take --logit-bias)."""
+    for command in (_generate_args(model_dir, tmp_path), ["chat", "--model", str(model_dir),
+                                                           *CPU, "hi"]):
+        assert main([*command, "--logit-bias", "3=1", "--logit-bias", "512=-100"]) == 2
+        err = capsys.readouterr().err
+        assert one_error_line(err) == (
+            "error: --logit-bias names token id 512, outside the model's vocabulary of 512 "
+            "tokens (ids 0 to 511); give ids below 512")
+        assert "loading" not in err
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_is_one_line_exit_1(model_dir, tmp_path, capsys):
     # every write to /dev/full fails with "No space left on device"

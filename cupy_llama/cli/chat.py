@@ -67,7 +67,9 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
                               "'Hello', or leave it out for an interactive chat")
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
-    llm = options.load(model_dir or options.default_model_dir(), device, engine)
+    model_dir = model_dir or options.default_model_dir()
+    options.check_model_options(model_dir, engine, values)  # before the weights are read
+    llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
         from ..errors import TokenizerError
         raise TokenizerError("this model has no chat template (no chat_template.jinja and no "

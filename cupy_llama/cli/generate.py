@@ -153,6 +153,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
         model_dir = options.default_model_dir()
+    options.check_model_options(model_dir, engine, defaults)  # before the weights are read
     reasoning = None
     if reasoning_parser is not None:  # checked before the model loads
         from ..models import read_config

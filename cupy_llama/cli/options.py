@@ -133,10 +133,11 @@ def check_options(sampling: dict, engine: dict) -> None:
         raise OptionError(_flagged(str(e))) from None
 
 
-def check_model_options(model_dir, engine: dict):
-    """The model's config.json (a bad folder is a one-line error, exit 1), then the engine
-    options the model must take: --max-model-len beyond its context is a usage error.
-    Returns the ModelConfig as the engine will run it (--quantization applied)."""
+def check_model_options(model_dir, engine: dict, sampling: dict | None = None):
+    """The model's config.json (a bad folder is a one-line error, exit 1), then the options
+    the model must take, as usage errors: --max-model-len beyond its context, a --logit-bias
+    token id outside its vocabulary. Returns the ModelConfig as the engine will run it
+    (--quantization applied)."""
     from ..config import EngineConfig
     from ..models import read_config
 
@@ -146,6 +147,12 @@ def check_model_options(model_dir, engine: dict):
         engine_config.resolved_max_model_len(config)
     except ConfigError as e:
         raise OptionError(_flagged(str(e))) from None
+    vocab = config.vocab_size
+    outside = next((t for t in (sampling or {}).get("logit_bias") or () if t >= vocab), None)
+    if outside is not None:
+        raise OptionError(f"--logit-bias names token id {outside}, outside the model's "
+                          f"vocabulary of {vocab} tokens (ids 0 to {vocab - 1}); give ids "
+                          f"below {vocab}")
     return engine_config.model_config(config)
 
 
