@@ -282,6 +282,55 @@ def test_a_logit_bias_outside_the_vocabulary_is_a_usage_error_before_loading(
         assert "loading" not in err
 
 
+def test_a_max_tokens_that_fills_the_context_is_a_usage_error_before_loading(
+        model_dir, tmp_path, capsys):
+    """--max-tokens stands for every line: one that leaves no room for a prompt in the
+    context (the model's 4096 positions, or --max-model-len) can run no line."""
+    generate = _generate_args(model_dir, tmp_path)[:-2]  # without its --max-tokens
+    for extra, message in (
+            (["--max-tokens", "4096"], "--max-tokens 4096 leaves no room for a prompt: the "
+             "context holds 4096 tokens, prompt and reply together; ask for fewer than 4096"),
+            (["--max-tokens", "2000", "--max-model-len", "1024"], "--max-tokens 2000 leaves "
+             "no room for a prompt: the context holds 1024 tokens, prompt and reply together; "
+             "ask for fewer than 1024, or raise --max-model-len (the model takes up to 4096)")):
+        assert main([*generate, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert one_error_line(err) == "error: " + message and "loading" not in err
+
+
+def test_a_line_past_the_context_fails_alike_in_both_kinds_of_file(model_dir, tmp_path):
+    """A max_tokens asked for, by the line or by --max-tokens, that the context cannot give
+    beside the prompt: a plain line fails with the numbers the server's 400 names, as an
+    OpenAI batch line does; a plain line that leaves max_tokens out ends at the context."""
+    def run(name: str, lines: list, *extra) -> list:
+        path, out = tmp_path / name, tmp_path / f"{name}.out"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        main(["generate", "--model", str(model_dir), "--input", str(path), "--output",
+              str(out), *CPU, "--temperature", "0", "--max-model-len", "64", "--overwrite",
+              *extra])
+        return read_jsonl(out)
+
+    def batch_line(custom_id: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": "hi", **body}}
+
+    plain = run("plain.jsonl", [{"prompt": "hi", "max_tokens": 63},
+                                {"prompt": "hi", "ignore_eos": True}])
+    batch = run("batch.jsonl", [batch_line("a", max_tokens=63)])
+    message = batch[0]["error"]["message"]
+    assert re.fullmatch(r"(\d+) prompt tokens \+ max_tokens 63 = \d+ tokens, past the context "
+                        r"limit of 64; ask for at most \d+ tokens or shorten the prompt", message)
+    assert plain[0] == {"id": 1, "error": f"line 1: {message}"}
+    prompt_tokens = int(message.split()[0])
+    assert plain[1]["usage"] == {"prompt_tokens": prompt_tokens,
+                                 "completion_tokens": 64 - prompt_tokens}
+    assert plain[1]["finish_reason"] == "length"
+    # --max-tokens is asked for on every line that leaves max_tokens out
+    plain = run("plain.jsonl", [{"prompt": "hi"}], "--max-tokens", "63")
+    batch = run("batch.jsonl", [batch_line("a")], "--max-tokens", "63")
+    assert plain[0]["error"] == f"line 1: {batch[0]['error']['message']}" == f"line 1: {message}"
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_is_one_line_exit_1(model_dir, tmp_path, capsys):
     # every write to /dev/full fails with "No space left on device"

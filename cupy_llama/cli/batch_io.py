@@ -6,7 +6,9 @@ line), in one of two kinds:
 - plain lines: `prompt` or `messages`, optional `id` and sampling fields; with
   `messages`, also `tools`, `tool_choice`, `parallel_tool_calls`, `tool_call_parser` and
   `chat_template` as LLM.chat takes them. A request's default id is its line number. A later request reusing an id gets an error line; the
-  first one runs.
+  first one runs. A `max_tokens` asked for (the line's or the command line's) that the
+  context cannot give beside the prompt gets an error line, in the words the server
+  refuses it with; left out, the reply ends where the context does, if not before.
 - OpenAI batch lines `{"custom_id", "method", "url", "body"}` (a `metadata` beside them is
   ignored), as OpenAI's Batch API and vLLM's run-batch read them. Each is the request
   `cupy-llama serve` would take at that url and method, parsed and checked by the server's
@@ -495,6 +497,16 @@ class _Runner:
                 return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
                         f"context limit is {engine.context_limit} (prompt plus at least one "
                         f"new token); shorten the prompt{context_hint(self.llm)}")
+            # a max_tokens asked for (the line's or --max-tokens) that the context cannot
+            # give is refused, in the server's words, as an OpenAI line's is; left out, the
+            # default ends where the context does
+            asked = "max_tokens" in fields or "max_tokens" in self.defaults
+            room = engine.context_limit - len(prompt)
+            if asked and params.max_tokens > room:
+                return (f"line {request.line}: {len(prompt)} prompt tokens + max_tokens "
+                        f"{params.max_tokens} = {len(prompt) + params.max_tokens} tokens, "
+                        f"past the context limit of {engine.context_limit}; ask for at most "
+                        f"{room} tokens or shorten the prompt")
             self._start(_Line(index, request, None, [f"{index}-0"], [[None]], 1,
                               tool_parser=parser, max_calls=max_calls), [prompt], [params])
         except CupyLlamaError as e:

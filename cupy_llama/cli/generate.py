@@ -67,6 +67,13 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     Files may start with a UTF-8 BOM and use CRLF line ends.
 
     \b
+    A line's max_tokens (or --max-tokens, for lines without one) shares the context
+    (--max-model-len) with its prompt: a line whose prompt and max_tokens pass it fails
+    with the numbers, as the server refuses such a request; left out, a plain line's
+    reply ends at 256 tokens or where the context does. A --max-tokens that leaves no
+    room for any prompt is refused before the model loads.
+
+    \b
     Output, in input order:
       {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
     A line that cannot run gives {"id", "error"} and the others proceed. When an id
@@ -153,7 +160,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
         model_dir = options.default_model_dir()
-    options.check_model_options(model_dir, engine, defaults)  # before the weights are read
+    config = options.check_model_options(model_dir, engine, defaults)  # before the weights
+    _check_max_tokens(defaults.get("max_tokens"), config, engine)
     reasoning = None
     if reasoning_parser is not None:  # checked before the model loads
         from ..models import read_config
@@ -184,6 +192,26 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _check_max_tokens(max_tokens: int | None, config, engine: dict) -> None:
+    """--max-tokens stands for every line that leaves max_tokens out, each line's prompt
+    beside it in the context: one that fills the context alone leaves no line room for
+    its prompt, a usage error before the model loads (a line whose prompt and max_tokens
+    together pass the context fails on its own, as the server refuses it)."""
+    from ..config import EngineConfig
+
+    if max_tokens is None:
+        return
+    context = EngineConfig(**engine).resolved_max_model_len(config)
+    if max_tokens < context:
+        return
+    model_limit = config.max_position_embeddings
+    more = (f", or raise --max-model-len (the model takes up to {model_limit})"
+            if max_tokens < model_limit else "")
+    raise OptionError(f"--max-tokens {max_tokens} leaves no room for a prompt: the context "
+                      f"holds {context} tokens, prompt and reply together; ask for fewer "
+                      f"than {context}{more}")
 
 
 def _plural(count: int, noun: str) -> str:
