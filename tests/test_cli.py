@@ -1,5 +1,6 @@
 """`cupy-llama generate` and `info` on a tiny random model, and the exit codes."""
 import fcntl
+import io
 import json
 import os
 import re
@@ -111,10 +112,21 @@ def test_plain_lines_give_the_logprobs_they_ask_for(model_dir, llm, tmp_path):
     assert "logprobs" not in rows[2] and "prompt_logprobs" not in rows[2]
 
 
-def test_empty_file_gives_empty_output(model_dir, tmp_path):
+def test_an_input_without_prompts_is_a_usage_error_before_loading(model_dir, tmp_path,
+                                                                  capsys, monkeypatch):
+    path = tmp_path / "in.jsonl"
     for content in (b"", b"\xef\xbb\xbf", b"\r\n\n  \n"):
-        code, rows = run_generate(model_dir, tmp_path, content)
-        assert code == 0 and rows == []
+        path.write_bytes(content)
+        assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU]) == 2
+        err = capsys.readouterr().err
+        assert one_error_line(err) == (
+            f"error: --input {str(path)!r} holds no prompts: it is empty or has only blank "
+            "lines; write one prompt per line (.txt) or one JSON object per line (.jsonl)")
+        assert "loading" not in err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert main(["generate", "--model", str(model_dir), "--input", "-", "--format", "txt",
+                 *CPU]) == 2
+    assert "stdin (--input -) holds no prompts" in one_error_line(capsys.readouterr().err)
 
 
 def test_stdout_output_and_summary(model_dir, tmp_path, capsys):

@@ -54,7 +54,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
-    .txt: one prompt per line; blank lines are skipped; the id is the line number. When
+    .txt: one prompt per line; blank lines are skipped (a file without any prompt is
+    refused); the id is the line number. When
     the model has a chat template each line is a user message through it (as chat takes
     a message), else plain text; --raw sends plain text always.
     .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
@@ -119,6 +120,10 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
     requests = read_requests(data, format)
+    if not requests:  # nothing to run: no reason to load a model
+        name = "stdin (--input -)" if input_path == "-" else f"--input {input_path!r}"
+        raise OptionError(f"{name} holds no prompts: it is empty or has only blank lines; "
+                          "write one prompt per line (.txt) or one JSON object per line (.jsonl)")
     defaults = given(flags, SAMPLING_NAMES)
     defaults["stop"] = list(defaults.get("stop", ()))
     if not defaults["stop"]:
