@@ -300,7 +300,7 @@ def test_pipe_mode_prints_only_the_answer(model_dir, llm):
 
 def test_pipe_mode_with_empty_stdin_is_an_error(model_dir):
     result = chat_cli(model_dir, stdin="")
-    assert result.returncode == 1 and "stdin is empty" in result.stderr
+    assert result.returncode == 2 and "stdin is empty" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -381,11 +381,14 @@ def test_out_of_memory_names_only_the_command_s_own_options(monkeypatch, capsys)
                     "--gpu-memory-utilization")
 
 
-def test_chat_with_empty_stdin_fails_before_loading(model_dir):
-    result = cli("chat", "--model", str(model_dir), *CPU, stdin="  \n")
-    assert result.returncode == 1
-    assert "stdin is empty" in one_error_line(result.stderr)
-    assert "loading" not in result.stderr
+def test_chat_with_an_empty_message_is_a_usage_error_before_loading(model_dir):
+    """Piped or given as PROMPT, an empty message is the same mistake: exit 2, one line."""
+    for args, stdin, fragment in ((["  "], None, "PROMPT is empty"),
+                                  ([], "  \n", "stdin is empty"), ([], "", "stdin is empty")):
+        result = cli("chat", "--model", str(model_dir), *CPU, *args, stdin=stdin)
+        assert result.returncode == 2, (args, stdin, result.stderr)
+        assert fragment in one_error_line(result.stderr)
+        assert "loading" not in result.stderr
 
 
 def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):

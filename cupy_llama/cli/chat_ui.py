@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import CupyLlamaError, RequestError
+from ..errors import CupyLlamaError, OptionError, RequestError
 from ..reasoning import FORMATS, ReasoningParser, ReasoningSplitter
 
 HELP = """\
@@ -540,12 +540,12 @@ class ThinkingView:
 # ---- one prompt ---------------------------------------------------------------------------
 
 def piped_prompt(text: str) -> str:
-    """The message piped into `chat`, without the newline `echo` adds; RequestError when
-    there is none."""
+    """The message piped into `chat`, without the newline `echo` adds; OptionError when
+    there is none (a usage error, as an empty PROMPT is)."""
     prompt = text.strip()
     if not prompt:
-        raise RequestError("stdin is empty; pipe a prompt in, e.g. "
-                           "echo 'Hello' | cupy-llama chat")
+        raise OptionError("stdin is empty; pipe a prompt in, e.g. echo 'Hello' | cupy-llama "
+                          "chat, or give it as PROMPT: cupy-llama chat 'Hello'")
     return prompt
 
 
