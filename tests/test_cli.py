@@ -343,6 +343,42 @@ def test_a_line_past_the_context_fails_alike_in_both_kinds_of_file(model_dir, tm
     assert plain[0]["error"] == f"line 1: {batch[0]['error']['message']}" == f"line 1: {message}"
 
 
+def test_a_model_given_as_an_argument_is_told_where_it_goes(model_dir, tmp_path, capsys):
+    """`serve MODEL` (vLLM's spelling) and the like: a usage error that says the command
+    takes the model as --model, for every command, before anything is read or built."""
+    prompts = _generate_args(model_dir, tmp_path)[4]
+    for command, hint in (
+            (["serve"], "serve takes the model as --model PATH"),
+            (["info"], "info takes the model as --model PATH"),
+            (["generate", "--input", prompts], "generate takes the model as --model PATH "
+                                               "and the prompts as --input FILE"),
+            (["bench", "latency"], "bench takes one MODE and the model as --model PATH"),
+            (["fetch-demo"], "fetch-demo takes the folder to build in as --out DIR")):
+        for model in ("tiny", str(model_dir)):
+            assert main([*command, model]) == 2, command
+            assert one_error_line(capsys.readouterr().err) == (
+                f"error: unexpected argument {model!r}; {hint} (see 'cupy-llama "
+                f"{command[0]} --help')")
+    # where an argument is taken: a model folder as chat's PROMPT or as bench's MODE
+    assert main(["chat", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert one_error_line(err) == (f"error: PROMPT {str(model_dir)!r} is a folder, not a "
+                                   "message; chat takes the model as --model PATH: "
+                                   f"cupy-llama chat --model {model_dir}")
+    assert "loading" not in err and "demo" not in err
+    assert main(["bench", str(model_dir)]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: Invalid value for 'MODE': {str(model_dir)!r} is a path, not a MODE; bench "
+        f"takes the model as --model PATH: cupy-llama bench latency --model {model_dir} "
+        "(see 'cupy-llama bench --help')")
+    # a message of several words, unquoted
+    assert main(["chat", "--model", str(model_dir), "Name", "three", "rivers."]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: unexpected arguments 'three', 'rivers.'; chat takes one PROMPT (quote a "
+        "message of several words: cupy-llama chat 'Name three rivers.') and the model as "
+        "--model PATH (see 'cupy-llama chat --help')")
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_full_disk_is_one_line_exit_1(model_dir, tmp_path, capsys):
     # every write to /dev/full fails with "No space left on device"

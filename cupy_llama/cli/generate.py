@@ -18,7 +18,8 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
                       engine_options, given, log, sampling_options)
 
 
-@click.command()
+@options.command(stray_hint="generate takes the model as --model PATH and the prompts as "
+                            "--input FILE")
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")

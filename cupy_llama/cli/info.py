@@ -8,7 +8,7 @@ from .options import (ENGINE_NAMES, MODEL_PATH, auto_device, check_model_options
                       check_options, device_option, engine_options, given)
 
 
-@click.command()
+@options.command(stray_hint="info takes the model as --model PATH")
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")

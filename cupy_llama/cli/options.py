@@ -1,4 +1,5 @@
-"""What the commands share: the option decorators, checking option values before the
+"""What the commands share: the command decorator (an argument a command does not take
+refused saying what it takes), the option decorators, checking option values before the
 model loads, choosing the device, loading a model and the demo model default.
 """
 from __future__ import annotations
@@ -35,6 +36,32 @@ class _ModelPath(click.Path):
 
 
 MODEL_PATH = _ModelPath()
+
+
+class _HintedCommand(click.Command):
+    """A command that refuses an argument it does not take saying what it takes instead
+    (`serve MODEL`, as `vllm serve` is spelled, gets "serve takes the model as --model
+    PATH"), where click would say only "Got unexpected extra argument"."""
+
+    allow_extra_args = True  # kept in ctx.args for parse_args to refuse
+
+    def __init__(self, *args, stray_hint: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stray_hint = stray_hint
+
+    def parse_args(self, ctx, args):
+        rest = super().parse_args(ctx, args)
+        if ctx.args and not ctx.resilient_parsing:
+            plural = "s" if len(ctx.args) > 1 else ""
+            ctx.fail(f"unexpected argument{plural} {', '.join(map(repr, ctx.args))}; "
+                     f"{self.stray_hint}")
+        return rest
+
+
+def command(name: str | None = None, *, stray_hint: str):
+    """click.command, with an argument the command does not take refused with stray_hint
+    (what the command takes, and where)."""
+    return click.command(name, cls=_HintedCommand, stray_hint=stray_hint)
 
 
 # ---- options shared by the commands -------------------------------------------------------

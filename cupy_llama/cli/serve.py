@@ -17,7 +17,7 @@ SERVE_ENGINE_NAMES = (*ENGINE_NAMES, "block_size", "enforce_eager")
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 
-@click.command()
+@options.command(stray_hint="serve takes the model as --model PATH")
 @click.option("--model", "model_dir", type=MODEL_PATH,
               help="Model directory (Hugging Face layout). Default: the demo model, built "
                    "on first use.")
