@@ -165,16 +165,41 @@ class ModelConfig:
 
 # ---------------------------------------------------------------- reading config.json
 
+_GGUF_REFUSED = ("cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face "
+                "model folder (config.json, tokenizer.json and .safetensors weights), such as "
+                "the model's release on the Hugging Face Hub")
+
+
+def _is_gguf(path: Path) -> bool:
+    """A GGUF file (llama.cpp's format), by its name or its magic bytes."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def read_model_json(model_dir) -> tuple[dict, dict]:
     """config.json and generation_config.json ({} when absent) of a model folder, as JSON
-    objects; one-line ConfigErrors for a folder that is missing, a file, or bad JSON."""
+    objects; one-line ConfigErrors for a folder that is missing, a file (a GGUF file, or a
+    folder of them, named as such), or bad JSON."""
     model_dir = Path(model_dir)
     if model_dir.is_file():
+        if _is_gguf(model_dir):
+            raise ConfigError(f"{str(model_dir)!r} is a GGUF file; {_GGUF_REFUSED}")
         raise ConfigError(f"{str(model_dir)!r} is a file, not a model directory; pass the "
                           "folder that holds config.json")
     if not model_dir.is_dir():
         raise ConfigError(f"model directory {str(model_dir)!r} does not exist; pass the "
                           "path of a Hugging Face model folder (with config.json)")
+    if not (model_dir / "config.json").is_file():
+        ggufs = sorted(p.name for p in model_dir.glob("*.[gG][gG][uU][fF]"))
+        if ggufs:
+            raise ConfigError(f"{str(model_dir)!r} holds GGUF files ({', '.join(ggufs[:2])}"
+                              f"{', ...' if len(ggufs) > 2 else ''}) and no config.json; "
+                              f"{_GGUF_REFUSED}")
     raw = _read_json(model_dir / "config.json", required=True)
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")

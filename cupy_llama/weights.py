@@ -325,6 +325,11 @@ def _no_weights_message(model_dir: Path) -> str:
     names = sorted(p.name for p in model_dir.iterdir())
     pickles = [n for n in names if n.endswith(_PICKLE_SUFFIXES)]
     loose = [n for n in names if n.endswith(".safetensors")]
+    ggufs = [n for n in names if n.lower().endswith(".gguf")]
+    if ggufs and not (pickles or loose):
+        return (f"no weights in {str(model_dir)!r}: looked for {SINGLE_FILE} and {INDEX_FILE}; "
+                f"found {', '.join(ggufs[:4])}, GGUF (llama.cpp's format), which cupy-llama "
+                "does not load: use the model's Hugging Face release (.safetensors weights)")
     found = ""
     if pickles:
         found = f"; found {', '.join(pickles[:4])}"

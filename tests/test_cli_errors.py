@@ -146,6 +146,9 @@ CASES = {
         lambda d: (d / "generation_config.json").write_text(json.dumps(
             {"do_sample": True, "temperature": 0.6, "top_k": -2})), "generation_config.json: top_k"),
     "missing weights file": (lambda d: (d / "model.safetensors").unlink(), "safetensors"),
+    "GGUF weights": (lambda d: (d / "model.safetensors").rename(d / "model-Q4_K_M.gguf"),
+                     "found model-q4_k_m.gguf, gguf (llama.cpp's format), which cupy-llama "
+                     "does not load"),
     "missing tensor": (edit_tensors(lambda t: {k: v for k, v in t.items() if "o_proj" not in k}), "o_proj"),
     "unexpected tensor": (edit_tensors(lambda t: {**t, "model.extra.weight": np.zeros(4, np.uint16)}), "model.extra.weight"),
     "wrong shape": (edit_tensors(lambda t: {**t, "model.norm.weight": np.zeros(63, np.uint16)}), "model.norm.weight"),
@@ -192,8 +195,21 @@ def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
     args = [str(prompts) if arg == "PROMPTS" else arg for arg in command]
+    # GGUF (llama.cpp's format), named as such: a file by its name or its magic bytes, and
+    # a folder of them without config.json
+    gguf_folder = tmp_path / "Llama-3.2-1B-Instruct-GGUF"
+    gguf_folder.mkdir()
+    (gguf_folder / "Llama-3.2-1B-Instruct-Q4_K_M.gguf").write_bytes(b"GGUF\x03\0\0\0")
+    (tmp_path / "renamed.bin").write_bytes(b"GGUF\x03\0\0\0")
+    not_gguf = "cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face model " \
+               "folder (config.json, tokenizer.json and .safetensors weights)"
     for model, fragment in ((tmp_path / "nonexistent", "does not exist"),
-                            (good_model / "config.json", "is a file, not a model directory")):
+                            (good_model / "config.json", "is a file, not a model directory"),
+                            (gguf_folder / "Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+                             f"is a GGUF file; {not_gguf}"),
+                            (tmp_path / "renamed.bin", f"is a GGUF file; {not_gguf}"),
+                            (gguf_folder, "holds GGUF files (Llama-3.2-1B-Instruct-Q4_K_M.gguf) "
+                                          f"and no config.json; {not_gguf}")):
         assert main([*args, "--model", str(model), "--device", "cpu"]) == 1, model
         assert fragment in one_error_line(capsys.readouterr().err)
     # an empty --model (an unset variable) is a usage error, not the demo model nor "."
