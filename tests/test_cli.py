@@ -427,6 +427,16 @@ def test_chat_with_an_empty_message_is_a_usage_error_before_loading(model_dir):
         assert "loading" not in result.stderr
 
 
+def test_fetch_demo_help_says_which_folders_out_takes(capsys):
+    """The folders the guard lets through (demo._check_out_dir), named in --out's help, its
+    marker file by the name the build writes."""
+    from cupy_llama.cli.demo import BUILD_MARKER
+    assert main(["fetch-demo", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"a new or empty folder, or an earlier build of the demo model (it holds a "
+            f"{BUILD_MARKER} file); a folder that holds other files is refused.") in text
+
+
 def test_fetch_demo_never_deletes_what_is_in_out(tmp_path, capsys, monkeypatch):
     from cupy_llama.cli import demo
 

