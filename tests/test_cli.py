@@ -338,9 +338,12 @@ def test_a_line_past_the_context_fails_alike_in_both_kinds_of_file(model_dir, tm
                                  "completion_tokens": 64 - prompt_tokens}
     assert plain[1]["finish_reason"] == "length"
     # --max-tokens is asked for on every line that leaves max_tokens out
-    plain = run("plain.jsonl", [{"prompt": "hi"}], "--max-tokens", "63")
+    plain = run("plain.jsonl", [{"prompt": "hi"}, {"prompt": "hi", "max_tokens": None,
+                                                    "ignore_eos": True}], "--max-tokens", "63")
     batch = run("batch.jsonl", [batch_line("a")], "--max-tokens", "63")
     assert plain[0]["error"] == f"line 1: {batch[0]['error']['message']}" == f"line 1: {message}"
+    # a line's max_tokens null asks for none (vLLM's None): it ends at the context
+    assert plain[1]["usage"]["completion_tokens"] == 64 - prompt_tokens
 
 
 def test_a_model_given_as_an_argument_is_told_where_it_goes(model_dir, tmp_path, capsys):

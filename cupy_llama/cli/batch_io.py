@@ -500,7 +500,7 @@ class _Runner:
             # a max_tokens asked for (the line's or --max-tokens) that the context cannot
             # give is refused, in the server's words, as an OpenAI line's is; left out, the
             # default ends where the context does
-            asked = "max_tokens" in fields or "max_tokens" in self.defaults
+            asked = fields.get("max_tokens", self.defaults.get("max_tokens")) is not None
             room = engine.context_limit - len(prompt)
             if asked and params.max_tokens > room:
                 return (f"line {request.line}: {len(prompt)} prompt tokens + max_tokens "
