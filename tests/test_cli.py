@@ -294,6 +294,15 @@ def test_a_logit_bias_outside_the_vocabulary_is_a_usage_error_before_loading(
         assert "loading" not in err
 
 
+def test_a_refused_generate_leaves_no_files_behind(model_dir, tmp_path):
+    """The model's checks come before generate writes anything: a refused run leaves
+    neither the output nor its options file (OUTPUT.run.json) for --resume to find."""
+    out = tmp_path / "out.jsonl"
+    for extra in (["--logit-bias", "512=1"], ["--max-tokens", "4096"]):
+        assert main([*_generate_args(model_dir, tmp_path), "--output", str(out), *extra]) == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
 def test_a_max_tokens_that_fills_the_context_is_a_usage_error_before_loading(
         model_dir, tmp_path, capsys):
     """--max-tokens stands for every line: one that leaves no room for a prompt in the

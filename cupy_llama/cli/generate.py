@@ -161,8 +161,6 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
              + (" (its last line was cut short: that request runs again)"
                 if earlier.dropped_partial else ""))
         requests = todo
-    if output_path != "-" and earlier is None:
-        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
     model_name = options.served_name(model_dir)  # an OpenAI body's "model", as serve names it
     if model_dir is None:
         model_dir = options.default_model_dir()
@@ -170,10 +168,11 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     _check_max_tokens(defaults.get("max_tokens"), config, engine)
     reasoning = None
     if reasoning_parser is not None:  # checked before the model loads
-        from ..models import read_config
         from ..tokenizer import Tokenizer
-        reasoning = options.reasoning_parser(
-            reasoning_parser, Tokenizer.from_dir(model_dir, read_config(model_dir)))
+        reasoning = options.reasoning_parser(reasoning_parser,
+                                             Tokenizer.from_dir(model_dir, config))
+    if output_path != "-" and earlier is None:  # the options of a run that starts
+        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
     llm = options.load(model_dir, device, engine)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
