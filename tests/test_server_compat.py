@@ -146,7 +146,8 @@ def _effect(tokenizer, vocab, defaults, model, body):
     stream_class = (protocol.CompletionStream if model is CompletionRequest
                     else protocol.ChatCompletionStream)
     stream = stream_class(request, "id", 1, "m", strings, "fp")
-    chunks = stream.chunks(0, "de", [(4, -1.0, [(4, -1.0)])], "stop", protocol.usage(3, 2))
+    chunks = stream.chunks(0, "de", [4, 5], [(4, -1.0, [(4, -1.0)])], "stop",
+                           protocol.usage(3, 2))
     return prompts, params, request.response_body("id", 1, "m", outputs, strings, "fp"), \
         chunks if request.stream else None
 

@@ -213,8 +213,8 @@ def test_builders_make_openai_bodies():
     # OpenAI's first chunk: the role and empty content; the text follows
     # a step that adds no text sends nothing; the end is sent even when it adds none
     (opening, first), nothing, (last,), (end,) = (
-        stream.chunks(0, "a", None, None), stream.chunks(0, "", None, None),
-        stream.chunks(0, "b", None, None), stream.chunks(0, "", None, "length"))
+        stream.chunks(0, "a", [1], None, None), stream.chunks(0, "", [2], None, None),
+        stream.chunks(0, "b", [3], None, None), stream.chunks(0, "", [4], None, "length"))
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["choices"][0]["delta"] == {"content": "a"} and nothing == []
     assert last["choices"][0]["delta"] == {"content": "b"} and end["choices"][0]["delta"] == {}
@@ -284,7 +284,8 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
 
     job, updates = asyncio.run(go())
     logprobs = [(10, -1.0, []), (11, -1.0, []), (12, -1.0, []), (13, -1.0, []), (14, -2.0, [])]
-    assert updates == {(0, 0): ["abcd", logprobs, "stop"], (1, 0): ["x", None, "length"]}
+    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], logprobs, "stop"],
+                       (1, 0): ["x", [20], None, "length"]}
     assert job.choices[0][0].token_ids == [10, 11, 12, 13, 14]
     assert job.choices[0][0].logprobs == logprobs and job.choices[1][0].logprobs is None
     assert job.done and job.usage() == protocol.usage(3, 6)

@@ -389,7 +389,7 @@ class _Job:
 
     async def next_updates(self) -> dict:
         """Everything that arrived since the last call, merged per choice:
-        {(prompt index, choice index): [text, logprobs, finish_reason]}."""
+        {(prompt index, choice index): [text, token_ids, logprobs, finish_reason]}."""
         items = await self.sink.get()
         now = time.monotonic()
         updates: dict = {}
@@ -409,12 +409,13 @@ class _Job:
             self._record(i, choice, text, token_ids, logprobs, finish_reason, times, now)
             update = updates.get((i, index))
             if update is None:
-                updates[(i, index)] = [text, logprobs, finish_reason]
+                updates[(i, index)] = [text, list(token_ids), logprobs, finish_reason]
             else:
                 update[0] += text
+                update[1] += token_ids
                 if logprobs:
-                    update[1] = (update[1] or []) + logprobs
-                update[2] = finish_reason
+                    update[2] = (update[2] or []) + logprobs
+                update[3] = finish_reason
         return updates
 
     def _record(self, i: int, choice: _Choice, text: str, token_ids: list[int], logprobs,
@@ -462,7 +463,7 @@ class _Job:
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
-        for (i, j), (text, logprobs, finish_reason) in updates.items():
+        for (i, j), (text, token_ids, logprobs, finish_reason) in updates.items():
             usage = None
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
@@ -472,8 +473,8 @@ class _Job:
                 for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
                                                     self._prompt_scores[i], opening_usage):
                     parts.append(_sse(chunk))
-            for chunk in stream_builder.chunks(i * self.n + j, text, logprobs, finish_reason,
-                                               usage):
+            for chunk in stream_builder.chunks(i * self.n + j, text, token_ids, logprobs,
+                                               finish_reason, usage):
                 parts.append(_sse(chunk))
         return b"".join(parts)
 

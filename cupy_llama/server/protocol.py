@@ -794,10 +794,10 @@ class _Stream:
         self._head = {"id": response_id, "object": self.OBJECT, "created": created,
                       "model": model, "system_fingerprint": fingerprint}
 
-    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
-        """The chunks that carry a choice's new text (logprobs: the new tokens' (token id,
-        log-probability, top) entries; usage: the choice's usage so far)."""
+    def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
+               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
+        """The chunks that carry a choice's new text (token_ids: the new tokens; logprobs:
+        their (token id, log-probability, top) entries; usage: the choice's usage so far)."""
         return [self.chunk(index, text, logprobs, finish_reason, usage)]
 
     def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
@@ -849,8 +849,8 @@ class CompletionStream(_Stream):
         return [self._chunk(index, None, self._scores_only_usage(usage),
                             text=self._prompt_texts[prompt_index], logprobs=logprobs)]
 
-    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+    def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
+               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
         if finish_reason is not None and self._request.echo and self._request.suffix:
@@ -1296,8 +1296,8 @@ class ChatCompletionStream(_Stream):
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
         self._splitters: dict = {}  # choice index -> its ReasoningSplitter, where split
 
-    def chunks(self, index: int, text: str, logprobs, finish_reason: str | None,
-               usage: dict | None = None) -> list[dict]:
+    def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
+               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
         chunks = []
         if index not in self._started:
             self._started.add(index)
