@@ -11,13 +11,16 @@ Either way the prompt's last turn decides where it shows: a reply after </think>
 template writes an empty thinking for enable_thinking false; an assistant message being
 continued may hold its thinking whole) starts with the answer, a reply after <think>
 starts thinking. A reply that never closes its thinking (cut off by max_tokens) is all
-reasoning. Only </think> ends the thinking, in the text as in the engine's constraint
-(structured.ReasoningGate). The markers that open and close the thinking are in neither
-part; the answer is as written; whitespace around the markers is kept, as vLLM keeps it.
+reasoning. Only the </think> token ends the thinking, in the text as in the engine's
+constraint (structured.ReasoningGate): the same text spelled in ordinary tokens ("</",
+"think", ">") is part of the thinking. The markers' tokens are in neither part; the answer
+is as written; whitespace around the markers is kept, as vLLM keeps it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 from .errors import RequestError
 
@@ -53,6 +56,8 @@ class ReasoningParser:
     start_token: int | None
     special: bool
     turn_tokens: frozenset  # the special tokens other than the markers: where turns begin
+    # token ids -> their text, special tokens kept (where a marker token's text falls)
+    decode: Callable[[list], str] = field(compare=False, repr=False)
 
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer, flag: str = "--reasoning-parser"
@@ -67,8 +72,14 @@ class ReasoningParser:
                                "out")
         specials = set(tokenizer.all_special_ids)
         start_id = tokenizer.token_to_id(fmt.start)
+        vocab_size = tokenizer.vocab_size
+
+        def decode(token_ids) -> str:  # ids past the vocabulary (a padded one's) have no text
+            return tokenizer.decode_unchecked([t for t in token_ids if t < vocab_size],
+                                              skip_special_tokens=False)
+
         return cls(fmt, token_id, start_id, token_id in specials or start_id in specials,
-                   frozenset(specials - {token_id, start_id}))
+                   frozenset(specials - {token_id, start_id}), decode)
 
     def thinks(self, prompt_ids, template_kwargs: dict | None) -> bool:
         """Whether the reply to this prompt starts by thinking: the prompt's last turn
@@ -93,17 +104,37 @@ class ReasoningParser:
 
 
 class ReasoningSplitter:
-    """One reply's text, fed in pieces as it streams, as (reasoning, content) pieces. Text
-    that may be the start of a marker waits for the next piece (or `finish`)."""
+    """One reply's text, fed in pieces as it streams with the tokens that made them, as
+    (reasoning, content) pieces. The thinking ends at the parser's end token, and a start
+    token while thinking is dropped; the same texts spelled in ordinary tokens are
+    thinking. A piece's text may lag its tokens (a character not complete yet, a stop
+    string's hold-back), never lead them.
 
-    def __init__(self, fmt: ReasoningFormat, thinking: bool):
-        self.fmt = fmt
+    A marker token's place in the text is found by counting: when it arrives, the text of
+    the tokens before it says how many times its text came before (spelled, or an earlier
+    marker), so its own is the next one. The count goes on from the last marker token's,
+    decoding only the tokens since (no occurrence spans a marker token's text: neither
+    marker's text begins inside the other's or its own), so a long thinking is decoded
+    once. Text that may be the start of a marker waits for the next piece (or `finish`),
+    so that every occurrence is counted whole."""
+
+    def __init__(self, parser: ReasoningParser, thinking: bool):
+        self.parser = parser
         self.thinking = thinking
         self.thought = thinking  # whether any of the reply was thinking
         self._held = ""
-        self._markers = (fmt.start, fmt.end)
+        self._markers = (parser.format.start, parser.format.end)
+        self._watching = thinking  # tokens are read until the end token
+        self._unread: list[int] = []  # the tokens since the last marker token
+        # occurrences of each marker's text in the text of the tokens up to the last marker
+        # token, and in the text fed so far
+        self._written = dict.fromkeys(self._markers, 0)
+        self._seen = dict.fromkeys(self._markers, 0)
+        self._due: deque = deque()  # (marker text, its occurrence number) of marker tokens
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, token_ids) -> tuple[str, str]:
+        if self._watching:
+            self._read_tokens(token_ids)
         text, self._held = self._held + text, ""
         reasoning = []
         while self.thinking and text:
@@ -113,10 +144,32 @@ class ReasoningSplitter:
                 reasoning.append(text[:len(text) - keep])
                 self._held, text = text[len(text) - keep:], ""
                 break
-            reasoning.append(text[:at])
-            self.thinking = marker == self.fmt.start  # a <think> while thinking is dropped
+            self._seen[marker] += 1
+            if self._due and self._due[0] == (marker, self._seen[marker]):  # the token's
+                self._due.popleft()
+                reasoning.append(text[:at])
+                self.thinking = marker == self.parser.format.start
+            else:  # spelled in ordinary tokens: part of the thinking
+                reasoning.append(text[:at + len(marker)])
             text = text[at + len(marker):]
         return "".join(reasoning), text  # the answer's text is never changed
+
+    def _read_tokens(self, token_ids) -> None:
+        parser = self.parser
+        for token_id in token_ids:
+            if token_id != parser.start_token and token_id != parser.end_token:
+                self._unread.append(token_id)
+                continue
+            since = parser.decode(self._unread)
+            for marker in self._markers:
+                self._written[marker] += since.count(marker)
+            marker = parser.format.end if token_id == parser.end_token else parser.format.start
+            self._written[marker] += 1
+            self._due.append((marker, self._written[marker]))
+            self._unread = []
+            if token_id == parser.end_token:
+                self._watching = False
+                return
 
     def finish(self) -> tuple[str, str]:
         """What waited at the end of the reply: it was no marker."""
@@ -124,12 +177,13 @@ class ReasoningSplitter:
         return (held, "") if self.thinking else ("", held)
 
 
-def split_reasoning(fmt: ReasoningFormat, text: str, thinking: bool
+def split_reasoning(parser: ReasoningParser, text: str, token_ids, thinking: bool
                     ) -> tuple[str | None, str | None]:
-    """A whole reply as (reasoning, content): reasoning None when the reply did not think,
-    content None when it holds no answer (it never closed its thinking)."""
-    splitter = ReasoningSplitter(fmt, thinking)
-    reasoning, content = splitter.feed(text)
+    """A whole reply (its text and tokens) as (reasoning, content): reasoning None when the
+    reply did not think, content None when it holds no answer (it never closed its
+    thinking)."""
+    splitter = ReasoningSplitter(parser, thinking)
+    reasoning, content = splitter.feed(text, token_ids)
     last_reasoning, last_content = splitter.finish()
     reasoning, content = reasoning + last_reasoning, content + last_content
     return (reasoning if splitter.thought else None,

@@ -16,45 +16,109 @@ import pytest
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.bench.random_model import make_random_model
 from cupy_llama.errors import RequestError
-from cupy_llama.reasoning import (FORMATS, ReasoningParser, ReasoningSplitter,
-                                  split_reasoning)
+from cupy_llama.reasoning import ReasoningParser, ReasoningSplitter, split_reasoning
 from cupy_llama.structured import StructuredSpec
 from cupy_llama.tokenizer import Tokenizer
 
 from test_family_chat import script_chain
 
-QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
 CHAT = [{"role": "user", "content": "Yes or no?"}]
 YES_NO = StructuredSpec.choice(["yes", "no"])
+MARKERS = ("<think>", "</think>")
 
-# (format, starts thinking, reply) -> (reasoning, content)
+# (parser, starts thinking, reply) -> (reasoning, content). A reply is written as its
+# parts: "<think>" or "</think>" alone is that marker's token; any other part is spelled
+# in ordinary tokens, one character at a time, the markers' text in it too.
 SPLITS = [
-    (QWEN3, True, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "\n\nParis.")),
-    (QWEN3, True, "Let me see.</think>Paris.", ("Let me see.", "Paris.")),
-    (QWEN3, True, "<think>cut off by max_tok", ("cut off by max_tok", None)),
-    (QWEN3, True, "<think>a <</think>", ("a <", None)),
-    (QWEN3, True, "<think>ends at </thi", ("ends at </thi", None)),
-    (QWEN3, True, "<think>hm<tool_call>{}", ("hm<tool_call>{}", None)),  # only </think> ends it
-    (QWEN3, True, "a</think>b</think>c", ("a", "b</think>c")),  # the answer as written
-    (QWEN3, False, "<think>x</think>Paris.", (None, "<think>x</think>Paris.")),
-    (R1, True, "Thinking.\n</think>\n\nParis.", ("Thinking.\n", "\n\nParis.")),
+    ("qwen3", True, ["<think>", "\nLet me see.\n", "</think>", "\n\nParis."],
+     ("\nLet me see.\n", "\n\nParis.")),
+    ("qwen3", True, ["Let me see.", "</think>", "Paris."], ("Let me see.", "Paris.")),
+    ("qwen3", True, ["<think>", "cut off by max_tok"], ("cut off by max_tok", None)),
+    ("qwen3", True, ["<think>", "a <", "</think>"], ("a <", None)),
+    ("qwen3", True, ["<think>", "ends at </thi"], ("ends at </thi", None)),
+    ("qwen3", True, ["<think>", "hm<tool_call>{}"], ("hm<tool_call>{}", None)),
+    ("qwen3", True, ["a", "</think>", "b", "</think>", "c"], ("a", "b</think>c")),
+    ("qwen3", False, ["<think>", "x", "</think>", "Paris."], (None, "<think>x</think>Paris.")),
+    ("deepseek_r1", True, ["Thinking.\n", "</think>", "\n\nParis."],
+     ("Thinking.\n", "\n\nParis.")),
+    ("qwen3", True, ["<think>", "<think>", "a", "</think>", "b"], ("a", "b")),
+    # the markers' text in ordinary tokens is the thinking's: only the tokens end it
+    ("qwen3", True, ["<think>", "a</think>b"], ("a</think>b", None)),
+    ("qwen3", True, ["<think>", "a</think>", "</think>", "b"], ("a</think>", "b")),
+    ("qwen3", True, ["<think>", "<think>x</think></think>", "</think>", "</think>y"],
+     ("<think>x</think></think>", "</think>y")),
+    ("deepseek_r1", True, ["say </think>", "<think>", "then <think>", "</think>", "ok"],
+     ("say </think>then <think>", "ok")),
 ]
 
 
-@pytest.mark.parametrize("fmt, thinking, text, expected", SPLITS)
-def test_a_reply_splits_alike_whole_and_streamed_at_any_cut(fmt, thinking, text, expected):
-    assert split_reasoning(fmt, text, thinking) == expected
-    want_reasoning, want_content = (part or "" for part in expected)
-    for cuts in itertools.chain(itertools.combinations(range(1, len(text)), 1),
-                                itertools.combinations(range(1, len(text)), 2)):
-        splitter = ReasoningSplitter(fmt, thinking)
-        bounds = (0, *cuts, len(text))
-        pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
-        pieces.append(splitter.finish())
-        assert "".join(r for r, _ in pieces) == want_reasoning, cuts
-        assert "".join(c for _, c in pieces) == want_content, cuts
-        # nothing is sent as reasoning that turns out to be a marker
-        assert all("<think>" not in r and "</think>" not in r for r, _ in pieces)
+@pytest.fixture(scope="module")
+def parsers(tmp_path_factory):
+    """The parsers by name, on a tiny Qwen3 tokenizer (byte-level, <think> and </think>
+    plain added tokens)."""
+    from cupy_llama.bench.random_model import write_tokenizer
+    folder = tmp_path_factory.mktemp("qwen3_tokenizer")
+    write_tokenizer(folder, 512, "qwen3")
+    tokenizer = Tokenizer.from_dir(folder)
+    return {name: ReasoningParser.for_tokenizer(name, tokenizer)
+            for name in ("qwen3", "deepseek_r1")}
+
+
+def reply_tokens(parser, parts) -> list[int]:
+    """The token ids of a reply written as parts (SPLITS)."""
+    token_id = {parser.format.start: parser.start_token, parser.format.end: parser.end_token}
+    ids = []
+    for part in parts:
+        if part in MARKERS:
+            ids.append(token_id[part])
+        else:
+            ids += [ord(ch) for ch in part]  # the test vocabulary's byte tokens
+    assert parser.decode(ids) == "".join(parts)
+    return ids
+
+
+def split_in_pieces(parser, thinking, ids, cuts) -> list[tuple[str, str]]:
+    """The splitter's pieces of a reply fed in pieces: cuts are (tokens, characters) fed
+    by the end of each piece but the last; a piece's text lags its tokens, never leads."""
+    splitter, text = ReasoningSplitter(parser, thinking), parser.decode(ids)
+    bounds = [(0, 0), *cuts, (len(ids), len(text))]
+    pieces = [splitter.feed(text[c:d], ids[a:b]) for (a, c), (b, d) in zip(bounds, bounds[1:])]
+    return pieces + [splitter.finish()]
+
+
+@pytest.mark.parametrize("name, thinking, parts, expected", SPLITS)
+def test_a_reply_splits_alike_whole_and_streamed_at_any_cut(parsers, name, thinking, parts,
+                                                            expected):
+    parser = parsers[name]
+    ids = reply_tokens(parser, parts)
+    text = parser.decode(ids)
+    assert split_reasoning(parser, text, ids, thinking) == expected
+    want = tuple(part or "" for part in expected)
+    ends = [len(parser.decode(ids[:n])) for n in range(len(ids) + 1)]  # each prefix's text
+    points = [(n, c) for n in range(len(ids) + 1) for c in range(ends[n] + 1)]
+    caught_up = [(n, ends[n]) for n in range(len(ids) + 1)]
+    for cuts in itertools.chain(
+            ([point] for point in points),  # one cut, the text anywhere behind its tokens
+            itertools.combinations(caught_up, 2),  # two, the text up to its tokens
+            ([(len(ids), c)] for c in range(len(text) + 1))):  # every token first
+        pieces = split_in_pieces(parser, thinking, ids, cuts)
+        assert tuple("".join(piece[k] for piece in pieces) for k in (0, 1)) == want, cuts
+
+
+def test_the_split_ends_the_thinking_where_the_gate_does(parsers):
+    """Token by token, the split's thinking and the engine's gate end together: at the
+    </think> token, not at its text in ordinary tokens."""
+    from cupy_llama.structured import AllowedTokensMatcher, ReasoningGate
+    parser = parsers["qwen3"]
+    ids = reply_tokens(parser, ["<think>", "a</think>", "b", "</think>", "{}"])
+    anything = AllowedTokensMatcher(range(512), 16)
+    gate = ReasoningGate(anything, parser.end_token, anything)
+    splitter = ReasoningSplitter(parser, True)
+    for token_id in ids:
+        gate.advance(token_id)
+        splitter.feed(parser.decode([token_id]), [token_id])
+        assert splitter.thinking == gate.thinking, token_id
+    assert not gate.thinking and gate.num_thinking == len(ids) - 2
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +173,8 @@ def test_the_scripted_reply_thinks_then_answers(qwen3):
     _, llm = qwen3
     reply = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=10))
     assert reply.text == "<think>a</think>b" and reply.finish_reason == "stop"
-    assert split_reasoning(QWEN3, reply.text, True) == ("a", "b")
+    parser = ReasoningParser.for_tokenizer("qwen3", llm.tokenizer)
+    assert split_reasoning(parser, reply.text, reply.token_ids, True) == ("a", "b")
 
 
 def test_a_constraint_after_the_thinking_leaves_the_thinking_free(qwen3):
@@ -117,14 +182,15 @@ def test_a_constraint_after_the_thinking_leaves_the_thinking_free(qwen3):
     "no"); starting after </think>, the thinking runs as scripted and the answer keeps to
     the constraint, whatever the script would have said ("b")."""
     _, llm = qwen3
-    end = llm.tokenizer.token_to_id("</think>")
+    parser = ReasoningParser.for_tokenizer("qwen3", llm.tokenizer)
+    end = parser.end_token
     greedy = dict(temperature=0, max_tokens=10)
     plain = llm.chat(CHAT, SamplingParams(structured=YES_NO, **greedy))
     assert plain.text in ("yes", "no")
     gated = SamplingParams(structured=replace(YES_NO, starts_after=end), **greedy)
     replies = llm.chat([CHAT, CHAT], gated)
     for reply in replies:
-        reasoning, content = split_reasoning(QWEN3, reply.text, True)
+        reasoning, content = split_reasoning(parser, reply.text, reply.token_ids, True)
         assert reasoning == "a" and content in ("yes", "no"), reply.text
         assert reply.finish_reason == "stop"
     # cut off while thinking: nothing is constrained yet
@@ -336,22 +402,28 @@ def test_generate_splits_openai_batch_lines(qwen3, tmp_path, capsys):
 
 # ---- cupy-llama chat ---------------------------------------------------------------------
 
-VIEWS = [  # (prompt opened <think>, reply) -> (thinking, answer) as the chat shows them
-    (False, "<think>\nLet me see.\n</think>\n\nParis.", ("\nLet me see.\n", "Paris.")),
-    (False, "Paris, no thinking.", ("", "Paris, no thinking.")),
-    (False, "<thinker>", ("", "<thinker>")),
-    (False, "<thi", ("", "<thi")),
-    (False, "<think>cut off", ("cut off", "")),
-    (True, "Hm.</think>\n\nParis.", ("Hm.", "Paris.")),
+VIEWS = [  # (prompt opened <think>, reply as in SPLITS) -> (thinking, answer) as shown
+    (False, ["<think>", "\nLet me see.\n", "</think>", "\n\nParis."],
+     ("\nLet me see.\n", "Paris.")),
+    (False, ["Paris, no thinking."], ("", "Paris, no thinking.")),
+    (False, ["<thinker>"], ("", "<thinker>")),
+    (False, ["<thi"], ("", "<thi")),
+    (False, ["<think>", "cut off"], ("cut off", "")),
+    (True, ["Hm.", "</think>", "\n\nParis."], ("Hm.", "Paris.")),
+    (False, ["<think>x</think>y"], ("", "<think>x</think>y")),  # no marker token: no thinking
+    (True, ["a</think>", "</think>", "b"], ("a</think>", "b")),
 ]
 
 
-@pytest.mark.parametrize("opened, text, expected", VIEWS)
-def test_the_chat_shows_the_thinking_apart_at_any_cut(opened, text, expected):
+@pytest.mark.parametrize("opened, parts, expected", VIEWS)
+def test_the_chat_shows_the_thinking_apart_at_any_cut(parsers, opened, parts, expected):
     from cupy_llama.cli.chat_ui import ThinkingView
-    for cut in range(len(text) + 1):
-        view = ThinkingView(opened)
-        pieces = view.feed(text[:cut]) + view.feed(text[cut:]) + view.finish()
+    parser = parsers["deepseek_r1"]  # the chat's markers
+    ids = reply_tokens(parser, parts)
+    for cut in range(len(ids) + 1):
+        view, text = ThinkingView(parser, opened), parser.decode(ids[:cut])
+        pieces = (view.feed(text, ids[:cut]) + view.feed(parser.decode(ids)[len(text):], ids)
+                  + view.finish())
         shown = tuple("".join(t for kind, t in pieces if kind == want)
                       for want in ("thinking", "answer"))
         assert shown == expected, cut

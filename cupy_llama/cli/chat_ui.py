@@ -137,6 +137,7 @@ class ChatSession:
         self.history: list[dict] = []
         self.turns: list[TurnStats] = []
         self.prompt_opens_thinking = False  # the last prompt ends inside <think> (ThinkingView)
+        self.reply_token_ids: list[int] = []  # the reply's tokens so far, as reply() yields
         try:  # <think> ... </think> in the model's vocabulary: where a prompt opens it
             self._markers = ReasoningParser.for_tokenizer(THINKING.name, llm.tokenizer)
         except RequestError:
@@ -149,6 +150,10 @@ class ChatSession:
         """The system prompt (when set) and the turns, as OpenAI-style messages."""
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + [dict(message) for message in self.history]
+
+    def thinking_view(self) -> "ThinkingView":
+        """A view of the reply about to stream (fed reply()'s deltas and reply_token_ids)."""
+        return ThinkingView(self._markers, self.prompt_opens_thinking)
 
     @property
     def context_limit(self) -> int:
@@ -236,7 +241,8 @@ class ChatSession:
 
     def reply(self, user_text: str, should_stop=lambda: False, on_drop=None):
         """Yield the reply's text deltas (with tools, the lines of its calls last, from
-        call_line). Afterwards the turn is in the history (also when stopped early) and its
+        call_line); at each, self.reply_token_ids holds the reply's tokens so far.
+        Afterwards the turn is in the history (also when stopped early) and its
         statistics in self.turns. Oldest turns that must go to make room are dropped
         first, and on_drop(number of turns) is told. Raises CupyLlamaError, with the
         history unchanged, when the request cannot run."""
@@ -310,6 +316,7 @@ class ChatSession:
                 on_drop(num_turns)
         first_token_at = last_token_at = None
         text, output = "", None
+        self.reply_token_ids = []
         try:
             for latest in stream:
                 if should_stop():  # Ctrl-C came while this step ran: its token is not shown
@@ -321,6 +328,7 @@ class ChatSession:
                 last_token_at = now
                 if output.delta:
                     text += output.delta
+                    self.reply_token_ids = output.token_ids
                     yield output.delta
         finally:
             stream.close()  # aborts the request if it is still running
@@ -501,33 +509,34 @@ THINKING = FORMATS["deepseek_r1"]  # <think> ... </think>, nothing else ends it
 
 class ThinkingView:
     """A reply's text as the chat shows it: ("thinking", text) for what a reasoning model
-    writes between <think> and </think> (Qwen3, DeepSeek-R1), ("answer", text) for the
-    rest. A reply thinks when it opens with <think>, or when its prompt did. Only the
-    display: the history keeps the text as written (these models' templates drop the
-    thinking of earlier turns themselves)."""
+    writes between its <think> and </think> tokens (Qwen3, DeepSeek-R1), ("answer", text)
+    for the rest, split as serve's --reasoning-parser splits it (reasoning.py: the same
+    text in ordinary tokens is no marker). A reply thinks when its first token is <think>,
+    or when its prompt opened it. Only the display: the history keeps the text as written
+    (these models' templates drop the thinking of earlier turns themselves)."""
 
-    def __init__(self, prompt_opened: bool):
-        self._splitter = ReasoningSplitter(THINKING, True) if prompt_opened else None
-        self._opening = "" if not prompt_opened else None  # the reply's first characters
+    def __init__(self, markers: ReasoningParser | None, prompt_opened: bool):
+        """markers: the vocabulary's <think> and </think> (None where it has no </think>
+        token: the reply is all answer)."""
+        self._markers = markers
+        self._splitter = ReasoningSplitter(markers, True) if prompt_opened else None
+        self._first_decides = markers is not None and not prompt_opened  # <think> first?
+        self._num_tokens = 0
         self._answered = False
 
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        if self._opening is not None:  # until they show whether the reply opens <think>
-            self._opening += text
-            start = THINKING.start
-            if len(self._opening) < len(start) and start.startswith(self._opening):
-                return []
-            text, self._opening = self._opening, None
-            if text.startswith(start):
-                self._splitter = ReasoningSplitter(THINKING, True)
+    def feed(self, text: str, token_ids) -> list[tuple[str, str]]:
+        """text: the reply's new text; token_ids: all its tokens so far."""
+        new = token_ids[self._num_tokens:]
+        self._num_tokens = len(token_ids)
+        if self._first_decides and new:
+            self._first_decides = False
+            if new[0] == self._markers.start_token:
+                self._splitter = ReasoningSplitter(self._markers, True)
         if self._splitter is None:
             return self._pieces("", text)
-        return self._pieces(*self._splitter.feed(text))
+        return self._pieces(*self._splitter.feed(text, new))
 
     def finish(self) -> list[tuple[str, str]]:
-        if self._opening:
-            text, self._opening = self._opening, None
-            return self._pieces("", text)
         return self._pieces(*self._splitter.finish()) if self._splitter is not None else []
 
     def _pieces(self, thinking: str, answer: str) -> list[tuple[str, str]]:
@@ -560,8 +569,9 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
 
     view, last_thought = None, ""
     for delta in session.reply(prompt, on_drop=dropped):
-        view = view or ThinkingView(session.prompt_opens_thinking)
-        last_thought = _write_pieces(view.feed(delta), out, err, shown) or last_thought
+        view = view or session.thinking_view()
+        last_thought = _write_pieces(view.feed(delta, session.reply_token_ids), out, err,
+                                     shown) or last_thought
     if view is not None:
         last_thought = _write_pieces(view.finish(), out, err, shown) or last_thought
     if last_thought and not last_thought.endswith("\n"):
@@ -756,8 +766,8 @@ def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) 
     with interrupts.during_reply():
         try:
             for delta in deltas(lambda: interrupts.is_set, dropped):
-                view = view or ThinkingView(session.prompt_opens_thinking)
-                show(view.feed(delta))
+                view = view or session.thinking_view()
+                show(view.feed(delta, session.reply_token_ids))
             if view is not None:
                 show(view.finish())
         except CupyLlamaError as e:

@@ -1143,13 +1143,15 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         """A streamed choice's splitter of thinking from answer, where replies are split."""
         if self._reasoning is None:
             return None
-        return ReasoningSplitter(self._reasoning.format, self._thinks)
+        return ReasoningSplitter(self._reasoning, self._thinks)
 
-    def split_reasoning(self, text: str) -> tuple[str | None, str | None]:
-        """A whole reply as (reasoning, content); (None, text) where replies are not split."""
+    def split_reasoning(self, text: str, token_ids: list[int]
+                        ) -> tuple[str | None, str | None]:
+        """A whole reply (its text and tokens) as (reasoning, content); (None, text) where
+        replies are not split."""
         if self._reasoning is None:
             return None, text
-        return split_reasoning(self._reasoning.format, text, self._thinks)
+        return split_reasoning(self._reasoning, text, token_ids, self._thinks)
 
     def with_reasoning(self, message: dict, reasoning: str | None) -> dict:
         """A message or delta with the reasoning beside its content, where replies are
@@ -1232,7 +1234,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
     for output in sorted(outputs, key=_index):
         logprobs = chat_logprobs(logprob_entries(output.logprobs), token_strings) \
             if request.logprobs else None
-        reasoning, content = request.split_reasoning(output.text)
+        reasoning, content = request.split_reasoning(output.text, output.token_ids)
         message = {"role": "assistant", "content": content}
         finish_reason = FINISH_REASONS[output.finish_reason]
         if request.uses_tools:  # calls are the answer's: the thinking is not parsed
@@ -1306,15 +1308,16 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunk = self.chunk(index, text, logprobs, finish_reason, usage)
+        chunk = self.chunk(index, text, token_ids, logprobs, finish_reason, usage)
         choice = chunk["choices"][0]
         if choice["delta"] or choice["logprobs"] is not None or finish_reason is not None:
             chunks.append(chunk)  # not one that carries nothing (a marker's token, say)
         return chunks
 
-    def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
-              usage: dict | None = None) -> dict:
-        """A chunk of text after the choice's opening one."""
+    def chunk(self, index: int, text: str, token_ids: list[int], logprobs,
+              finish_reason: str | None, usage: dict | None = None) -> dict:
+        """A chunk of text after the choice's opening one (token_ids: the tokens that made
+        it; the reasoning split reads them)."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
         reasoning = ""
@@ -1322,7 +1325,7 @@ class ChatCompletionStream(_Stream):
             splitter = self._splitters.get(index)
             if splitter is None:
                 splitter = self._splitters[index] = self._request.new_reasoning_splitter()
-            reasoning, text = splitter.feed(text)
+            reasoning, text = splitter.feed(text, token_ids)
             if finish_reason is not None:
                 last_reasoning, last_text = splitter.finish()
                 reasoning, text = reasoning + last_reasoning, text + last_text
