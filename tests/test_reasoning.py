@@ -6,7 +6,9 @@ over HTTP.
 The model is a tiny random Qwen3 (its tokenizer holds <think> and </think> as plain
 tokens, as Qwen3's does) with dimensions of the residual stream taken over to script its
 reply, as test_family_chat.py does: the generation prompt's last token "\\n" makes <think>
-the likeliest next token, then "a", then </think>, then "b", then <|im_end|>."""
+the likeliest next token, then "a", then </think>, then "b", then <|im_end|>. A second one
+(`quoting`) writes "</think>" in ordinary tokens before the </think> token: only the token
+ends the thinking."""
 import itertools
 import json
 from dataclasses import replace
@@ -398,6 +400,96 @@ def test_generate_splits_openai_batch_lines(qwen3, tmp_path, capsys):
     assert main(["generate", "--model", str(model_dir), "--input", str(plain),
                  "--reasoning-parser", "r1"]) == 2  # the name first, then the file
     assert "unknown parser 'r1'" in one_error_line(capsys.readouterr().err)
+
+
+# ---- the tag spelled in ordinary tokens -------------------------------------------------
+
+YES_NO_SCHEMA = {"enum": ["yes", "no"]}
+
+
+@pytest.fixture(scope="module")
+def quoting(tmp_path_factory):
+    """(model dir, LLM on the CPU) of a tiny Qwen3 scripted to think "a", then "</think>"
+    spelled in ordinary tokens ("<", "/", "t", ..., ">"), then the </think> token, then
+    to answer "b"."""
+    model_dir = make_random_model(tmp_path_factory.mktemp("quoting") / "model", "tiny",
+                                  seed=0, architectures=["Qwen3ForCausalLM"],
+                                  tie_word_embeddings=False)
+    script_chain(model_dir, ["\n", "<think>", "a", *"</think>", "</think>", "b", "<|im_end|>"])
+    llm = LLM(model_dir, device="cpu", log=None)
+    yield model_dir, llm
+    llm.close()
+
+
+def test_a_spelled_tag_neither_ends_the_thinking_nor_frees_the_answer(quoting):
+    """The engine's gate ends the thinking at the </think> token; the split agrees, so a
+    structured answer is the whole content, after the spelled tag and the token."""
+    pytest.importorskip("llguidance")
+    _, llm = quoting
+    parser = ReasoningParser.for_tokenizer("qwen3", llm.tokenizer)
+    reply = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=20))
+    assert reply.text == "<think>a</think></think>b"
+    assert split_reasoning(parser, reply.text, reply.token_ids, True) == ("a</think>", "b")
+    spec = replace(StructuredSpec.json(YES_NO_SCHEMA), starts_after=parser.end_token)
+    gated = llm.chat(CHAT, SamplingParams(structured=spec, temperature=0, max_tokens=20))
+    reasoning, content = split_reasoning(parser, gated.text, gated.token_ids, True)
+    assert reasoning == "a</think>" and json.loads(content) in ("yes", "no"), gated.text
+    # cut off after the spelled tag: still thinking, as the gate is
+    cut = llm.chat(CHAT, SamplingParams(structured=spec, temperature=0, max_tokens=10))
+    assert split_reasoning(parser, cut.text, cut.token_ids, True) == ("a</think>", None)
+
+
+def test_a_spelled_tag_stays_in_the_reasoning_over_http(quoting):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from inprocess_server import make_state
+    model_dir, llm = quoting
+    state = make_state(model_dir, llm, reasoning_parser="qwen3")
+    schema = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO_SCHEMA}}
+    for stream in (False, True):
+        for fields, want in (({}, "b"), ({"response_format": schema}, None)):
+            answer = chat(state, stream=stream, max_tokens=20, **fields)
+            if stream:
+                reasoning, content, _ = streamed(answer)
+            else:
+                message = answer.json()["choices"][0]["message"]
+                reasoning, content = message["reasoning"], message["content"]
+            assert reasoning == "a</think>", (stream, fields, reasoning, content)
+            if want is None:
+                assert json.loads(content) in ("yes", "no"), content
+            else:
+                assert content == want
+
+
+def test_generate_keeps_a_spelled_tag_in_the_reasoning(quoting, tmp_path):
+    pytest.importorskip("pydantic")
+    pytest.importorskip("llguidance")
+    from cupy_llama.cli import main
+    from conftest import read_jsonl
+    model_dir, _ = quoting
+    schema = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO_SCHEMA}}
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": CHAT, "temperature": 0, "max_tokens": 20,
+                     "response_format": schema}}
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
+                 str(path), "--output", str(out), "--reasoning-parser", "qwen3"]) == 0
+    message = read_jsonl(out)[0]["response"]["body"]["choices"][0]["message"]
+    assert message["reasoning"] == "a</think>" and json.loads(message["content"]) in ("yes", "no")
+
+
+def test_the_chat_shows_a_spelled_tag_as_thinking(quoting):
+    import subprocess
+    import sys
+    model_dir, _ = quoting
+    result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
+                             str(model_dir), "--device", "cpu", "--temperature", "0",
+                             "--max-tokens", "20"], input="Yes or no?\n", capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "b\n"
+    assert "\na</think>\n" in result.stderr
 
 
 # ---- cupy-llama chat ---------------------------------------------------------------------
