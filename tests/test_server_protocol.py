@@ -332,7 +332,8 @@ def test_logprobs_in_both_shapes(llm):
             (ChatCompletionRequest, protocol.ChatCompletionStream,
              {"messages": [{"role": "user", "content": "x"}], "logprobs": True})):
         request = parse(model, {**body, "return_tokens_as_token_ids": True})
-        chunks = stream_class(request, "c", 1, "m", strings).chunks(0, "h", entries[:1], None)
+        chunks = stream_class(request, "c", 1, "m", strings).chunks(0, "h", [h], entries[:1],
+                                                                    None)
         assert f"token_id:{h}" in json.dumps(chunks[-1]["choices"][0]["logprobs"])
     assert strings(h) == "h"  # the view leaves the names of other requests alone
 
