@@ -93,6 +93,10 @@ class RequestOutput:
     # prompt is computed (the same for all n samples): the scores as arrays;
     # prompt_logprobs below makes the per-token objects from them when read
     prompt_scores: PromptScores | None = None
+    # on a finished output (vLLM's stop_reason): the stop string (SamplingParams.stop) or
+    # the stop token id (stop_token_ids) that ended it; None when something else did, EOS
+    # included (a token that is EOS and a stop token too counts as EOS)
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:

@@ -131,6 +131,60 @@ def test_stop_strings_end_the_text_and_are_not_shown(llm):
     assert all(stop not in d for d in deltas)
 
 
+def test_stop_reason_names_the_stop_string_or_token(llm):
+    """vLLM's stop_reason on RequestOutput, from LLM.generate and on the last output of
+    LLM.stream (None on the others): the stop string that ended the text (kept in it or
+    not), the stop token id that ended it (an int); None for EOS, for a token that is
+    both EOS and a stop token (vLLM checks EOS first), for length and for an abort."""
+    prompt = prompts(1, seed=11)[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY))
+    text = free.text
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    token = next(t for t in free.token_ids[3:] if t not in free.token_ids[:3])
+    at = free.token_ids.index(token)
+    assert not llm.engine.eos_token_ids & set(free.token_ids[:at + 1])  # the model's own EOS
+    cases = [  # (params, finish_reason, stop_reason)
+        (dict(stop=["never appears here", stop]), "stop", stop),
+        (dict(stop=[stop], include_stop_str_in_output=True), "stop", stop),
+        (dict(stop_token_ids=[token]), "stop", token),
+        (dict(stop_token_ids=[token], include_stop_str_in_output=True), "stop", token),
+        (dict(stop_token_ids=[token], stop=["never appears here"]), "stop", token),
+        (dict(stop=["never appears here"]), "length", None),
+        (dict(), "length", None),
+    ]
+    for fields, finish_reason, stop_reason in cases:
+        params = SamplingParams(max_tokens=40, **GREEDY, **fields)
+        out = llm.generate(prompt, params)
+        assert (out.finish_reason, out.stop_reason) == (finish_reason, stop_reason), fields
+        assert type(out.stop_reason) is type(stop_reason)
+        streamed = list(llm.stream(prompt, params))
+        assert [o.stop_reason for o in streamed] == [None] * (len(streamed) - 1) + [stop_reason]
+    # min_tokens: a stop token or string that comes earlier does not count
+    held = llm.generate(prompt, SamplingParams(max_tokens=40, stop_token_ids=[token],
+                                               min_tokens=at + 1, **GREEDY))
+    assert held.stop_reason in (None, token) and len(held.token_ids) > at + 1
+    assert (held.finish_reason == "stop") == (held.stop_reason == token)
+    assert llm.generate(prompt, SamplingParams(max_tokens=40, stop=[stop], min_tokens=40,
+                                               **GREEDY)).stop_reason is None
+    llm.engine.eos_token_ids.add(token)
+    try:
+        for fields in (dict(), dict(stop_token_ids=[token])):
+            out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, **fields))
+            assert (out.finish_reason, out.stop_reason) == ("stop", None), fields
+            assert out.token_ids == free.token_ids[:at + 1]
+        ignoring = llm.generate(prompt, SamplingParams(max_tokens=40, stop_token_ids=[token],
+                                                       **GREEDY))
+        assert ignoring.stop_reason == token  # ignore_eos: only the stop token is left
+    finally:
+        llm.engine.eos_token_ids.discard(token)
+    request_id = llm.engine.add_request(prompt, SamplingParams(max_tokens=40,
+                                                               stop_token_ids=[token], **GREEDY))
+    llm.engine.step()
+    [aborted] = llm.engine.abort(request_id)
+    assert (aborted.finish_reason, aborted.stop_reason) == ("abort", None)
+    assert_all_blocks_free(llm)
+
+
 def test_streaming_deltas_concatenate_to_the_final_text(llm):
     batch = prompts(6, seed=8)
     params = SamplingParams(max_tokens=30, **GREEDY)

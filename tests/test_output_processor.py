@@ -2,12 +2,14 @@
 per-sample text deltas and the output accumulator, against independent references."""
 import pickle
 import random
+from dataclasses import replace
 
 import pytest
 
 from cupy_llama.engine.llm_engine import _Sample
-from cupy_llama.engine.output_processor import (EngineDelta, OutputAccumulator, TokenColumns,
-                                                find_stop, output_limit, stop_status)
+from cupy_llama.engine.output_processor import (DetokenizedSample, EngineDelta,
+                                                OutputAccumulator, TokenColumns, find_stop,
+                                                output_limit, stop_status)
 from cupy_llama.engine.sequence import Sequence, SequenceStatus
 from cupy_llama.outputs import TokenLogprob
 from cupy_llama.sampling import SamplingParams
@@ -18,16 +20,34 @@ STOPPED, LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGT
 def test_stop_status_decides_eos_and_lengths():
     params = SamplingParams(max_tokens=5)
     eos = {2, 7}
-    assert stop_status(params, 3, 1, 11, eos, 100) is None
-    assert stop_status(params, 7, 1, 11, eos, 100) is STOPPED
-    assert stop_status(params, 3, 5, 15, eos, 100) is LENGTH       # max_tokens
-    assert stop_status(params, 3, 2, 100, eos, 100) is LENGTH      # the context limit
-    assert stop_status(params, 2, 5, 100, eos, 100) is STOPPED     # EOS says why, not length
+    assert stop_status(params, 3, 1, 11, eos, 100) == (None, None)
+    assert stop_status(params, 7, 1, 11, eos, 100) == (STOPPED, None)
+    assert stop_status(params, 3, 5, 15, eos, 100) == (LENGTH, None)    # max_tokens
+    assert stop_status(params, 3, 2, 100, eos, 100) == (LENGTH, None)   # the context limit
+    assert stop_status(params, 2, 5, 100, eos, 100) == (STOPPED, None)  # EOS says why, not length
     ignoring = SamplingParams(max_tokens=5, ignore_eos=True)
-    assert stop_status(ignoring, 7, 1, 11, eos, 100) is None
+    assert stop_status(ignoring, 7, 1, 11, eos, 100) == (None, None)
     # a token not known yet (its step launching): only the lengths decide
-    assert stop_status(params, None, 4, 14, eos, 100) is None
-    assert stop_status(params, None, 5, 15, eos, 100) is LENGTH
+    assert stop_status(params, None, 4, 14, eos, 100) == (None, None)
+    assert stop_status(params, None, 5, 15, eos, 100) == (LENGTH, None)
+
+
+def test_stop_status_names_the_stop_token_as_vllm_does():
+    """vLLM's check_stop: a stop token is the stop reason, EOS is none; EOS is checked
+    first, so a token that is both has none, unless the request ignores EOS. Before
+    min_tokens neither stops; at max_tokens a stop token still says why."""
+    eos = {2, 7}
+    stops = SamplingParams(max_tokens=5, stop_token_ids=[4, 7])
+    assert stop_status(stops, 4, 1, 11, eos, 100) == (STOPPED, 4)
+    assert stop_status(stops, 4, 5, 15, eos, 100) == (STOPPED, 4)
+    assert stop_status(stops, 7, 1, 11, eos, 100) == (STOPPED, None)  # EOS and a stop token
+    assert stop_status(stops, 2, 1, 11, eos, 100) == (STOPPED, None)
+    ignoring = SamplingParams(max_tokens=5, stop_token_ids=[4, 7], ignore_eos=True)
+    assert stop_status(ignoring, 7, 1, 11, eos, 100) == (STOPPED, 7)
+    assert stop_status(ignoring, 2, 1, 11, eos, 100) == (None, None)
+    held = SamplingParams(max_tokens=5, stop_token_ids=[4], min_tokens=2)
+    assert stop_status(held, 4, 2, 12, eos, 100) == (None, None)
+    assert stop_status(held, 4, 3, 13, eos, 100) == (STOPPED, 4)
 
 
 def test_output_limit_is_stop_status_length_rule():
@@ -43,8 +63,8 @@ def test_output_limit_is_stop_status_length_rule():
         num_outputs = rng.randint(1, 70)
         limit = output_limit(params, num_prompt, context_limit)
         token = rng.choice([None, 1, 2, 4, 5, 9])
-        status = stop_status(params, token, num_outputs, num_prompt + num_outputs, {2, 7},
-                             context_limit)
+        status, _ = stop_status(params, token, num_outputs, num_prompt + num_outputs, {2, 7},
+                                context_limit)
         if token is None:
             assert (status is LENGTH) == (num_outputs >= limit)
         if num_outputs >= limit:
@@ -150,13 +170,84 @@ def test_a_sample_not_streamed_sends_one_delta():
     assert delta.finish_reason == "length"
 
 
+def detokenized(stops=(), stream=True, eos=(), **params):
+    """A DetokenizedSample over CharTokenizer, as serve's server process keeps one."""
+    return DetokenizedSample(CharTokenizer(), SamplingParams(max_tokens=100, stop=list(stops),
+                                                             **params), stream, eos)
+
+
+def test_the_server_process_names_the_stop_string_it_finds():
+    """serve's split: a stop string found in the server process is the final delta's
+    stop_reason, whether the token came alone (TokenColumns) or in a delta, with or
+    without the stop string in the text; min_tokens holds it off as in the engine."""
+    for include, text in ((False, "ab"), (True, "abcd")):
+        sample = detokenized(["zz", "cd"], include_stop_str_in_output=include)
+        deltas = [sample.process_token("r", 0, token)[0] for token in (0, 1, 2, 3)]
+        assert [d.stop_reason for d in deltas] == [None, None, None, "cd"]
+        assert deltas[-1].finish_reason == "stop" and "".join(d.text for d in deltas) == text
+        assert sample.process_token("r", 0, 4) == (None, False)  # it has ended here
+        sample = detokenized(["zz", "cd"], include_stop_str_in_output=include)
+        delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2, 3, 4], None))
+        assert stopped and delta.token_ids == [0, 1, 2, 3] and delta.text == text
+        assert (delta.finish_reason, delta.stop_reason) == ("stop", "cd")
+    # min_tokens: the first "a" comes too early; "ab", which ends past it, is the reason
+    sample = detokenized(["a", "ab"], min_tokens=1)
+    first, _ = sample.process_token("r", 0, 0)
+    last, stopped = sample.process_token("r", 0, 1)
+    assert stopped and first.stop_reason is None and last.stop_reason == "ab"
+    assert first.text + last.text == ""
+    sample = detokenized(["a", "ab"], min_tokens=1, include_stop_str_in_output=True)
+    delta, _ = sample.process(EngineDelta("r", 0, "", [0, 1, 2], None))
+    assert (delta.text, delta.stop_reason) == ("ab", "ab")
+
+
+def test_a_stop_string_before_the_engine_s_end_wins():
+    """The engine sends token ids only and goes on past a stop string until it is told:
+    its final delta (a stop token's, or length's) may already hold tokens after the stop
+    string. The server's reason is the string, and the tokens after it are dropped."""
+    for finish, reason in (("stop", 9), ("length", None)):
+        sample = detokenized(["cd"], stream=False, stop_token_ids=[9])
+        delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 2, 3, 4, 9], finish,
+                                                    stop_reason=reason))
+        assert stopped and delta.token_ids == [0, 2, 3] and delta.text == "a"
+        assert (delta.finish_reason, delta.stop_reason) == ("stop", "cd")
+
+
+def test_the_engine_s_stop_reason_passes_through_the_server_process():
+    """What the engine decided (stop_status) reaches the client as it said it: a stop
+    token's id, none for EOS (even one that is a stop token too) or for length, none on
+    a delta that is not the last."""
+    cases = [  # (params, final delta's tokens, finish reason, the engine's stop reason)
+        (dict(stop_token_ids=[9]), [0, 1, 9], "stop", 9),
+        (dict(stop_token_ids=[9], include_stop_str_in_output=True), [0, 1, 9], "stop", 9),
+        (dict(), [0, 1, 7], "stop", None),                     # EOS
+        (dict(stop_token_ids=[7]), [0, 1, 7], "stop", None),   # EOS and a stop token
+        (dict(stop_token_ids=[9]), [0, 1, 2], "length", None),
+        (dict(stop_token_ids=[9]), [0, 1], "abort", None),
+    ]
+    for stream in (False, True):
+        for stops in ((), ("zz",)):
+            for params, token_ids, finish, reason in cases:
+                sample = detokenized(stops, stream, eos=(7,), **params)
+                if stream:
+                    delta, _ = sample.process(EngineDelta("r", 0, "", [5], None))
+                    assert delta.stop_reason is None
+                delta, stopped = sample.process(EngineDelta("r", 0, "", token_ids, finish,
+                                                            stop_reason=reason))
+                assert not stopped and delta.finish_reason == finish
+                assert delta.stop_reason == reason and type(delta.stop_reason) is type(reason)
+
+
 def test_engine_deltas_travel_as_plain_tuples():
-    delta = EngineDelta("r1", 2, "hi", [5, 6], "stop", [(5, -0.1, [])], 3, (1.0, 2.0, 3.0, 4.0))
+    delta = EngineDelta("r1", 2, "hi", [5, 6], "stop", [(5, -0.1, [])], 3, (1.0, 2.0, 3.0, 4.0),
+                        stop_reason=6)
     assert (delta.request_id, delta.index, delta.text, delta.token_ids) == ("r1", 2, "hi", [5, 6])
     assert delta.finished and delta.num_cached_tokens == 3 and delta.times[3] == 4.0
     wire = pickle.loads(pickle.dumps(tuple(delta)))
     assert type(wire) is tuple
     assert EngineDelta.of(wire) == delta and EngineDelta.of(wire).finish_reason == "stop"
+    assert EngineDelta.of(wire).stop_reason == 6
+    assert EngineDelta("r1", 0, "", []).stop_reason is None  # the default: every other delta
 
 
 def test_the_accumulator_makes_cumulative_outputs():
@@ -230,13 +321,25 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
                                                    ignore_eos=True)).token_ids
     eos = next(t for t in free[4:] if t < 256 and t not in free[:4])
     params[0] = SamplingParams(max_tokens=30, temperature=0)
+    # request 2 ends at a stop token (its stop reason), request 4 at one that is EOS too
+    # (none: EOS comes first)
+    for i, eos_too in ((2, False), (4, True)):
+        drawn = llm.generate(prompts[i], params[i]).token_ids
+        token = next(t for t in drawn[3:] if t not in drawn[:3])
+        params[i] = replace(params[i], stop_token_ids=[token])
+        if eos_too:
+            params[i] = replace(params[i], ignore_eos=False)
+            eos_and_stop = token
     streams = [i % 3 != 1 for i in range(len(prompts))]
     expected = {}
-    engine.eos_token_ids.add(eos)
+    engine.eos_token_ids.update((eos, eos_and_stop))
     for i, (prompt, sampling) in enumerate(zip(prompts, params)):
         for output in llm.generate([prompt], sampling):
             expected[str(i), output.index] = output
     assert expected["0", 0].token_ids[-1] == eos and expected["0", 0].finish_reason == "stop"
+    assert expected["2", 0].stop_reason == params[2].stop_token_ids[0]
+    assert (expected["4", 0].finish_reason, expected["4", 0].stop_reason) == ("stop", None)
+    assert expected["4", 0].token_ids[-1] == eos_and_stop
 
     sent = []
     server = AsyncEngine("unused", "cpu", {}, tokenizer=engine.tokenizer)
@@ -275,7 +378,7 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
             server._on_message(pickle.loads(pickle.dumps(message)))
     finally:
         engine.outputs = accumulator
-        engine.eos_token_ids.discard(eos)
+        engine.eos_token_ids.difference_update((eos, eos_and_stop))
     assert not server._streams and not server._texts
     assert (num_column_entries > 0) == columns
     for (request_id, index), output in expected.items():
@@ -284,13 +387,14 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
         if not streams[int(request_id)] and not params[int(request_id)].stop:
             assert len(mine) == 1  # not streamed: one delta at the end
         assert mine[-1].finish_reason == output.finish_reason
+        assert [d.stop_reason for d in mine] == [None] * (len(mine) - 1) + [output.stop_reason]
         first, last = mine[-1].times[2:]  # the engine's, or those seen by the server
         assert first is not None and last >= first
         assert "".join(d.text for d in mine) == output.text, (request_id, index)
         assert [t for d in mine for t in d.token_ids] == output.token_ids
         if output.logprobs is not None:
             assert [entry[0] for d in mine for entry in d.logprobs] == output.token_ids
-    assert any(o.finish_reason == "stop" for o in expected.values())
+    assert {type(o.stop_reason) for o in expected.values()} == {type(None), str, int}
     assert_all_blocks_free(llm)
 
 

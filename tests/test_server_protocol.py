@@ -276,9 +276,9 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
         job = _Job(state, "cmpl-m", [[1, 2], [3]], 1, True)
         for text, ids in (("a", [10]), ("", [11]), ("bc", [12, 13])):
             job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None,
-                          None))
-        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None, None))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None))
+                          None, None))
+        job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None, None, None))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None, None))
         updates = await job.next_updates()
         return job, updates
 

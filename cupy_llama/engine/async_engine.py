@@ -289,7 +289,7 @@ def _as_delta(output) -> EngineDelta:
         prompt_logprobs = (scores.values, scores.ids, scores.ranks)  # with the first delta only
     return EngineDelta(output.request_id, output.index, output.delta, output.delta_token_ids,
                        output.finish_reason, logprobs, output.num_cached_tokens, times,
-                       prompt_logprobs)
+                       prompt_logprobs, output.stop_reason)
 
 
 def _engine_info(engine) -> dict:

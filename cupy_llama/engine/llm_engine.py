@@ -68,6 +68,7 @@ class _Sample:
         # why the sample ended, once its last known token says so (the sequence itself
         # may finish earlier in the scheduler, when its length is reached at launch)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token, if one
         # (token id, logprob, top) per resolved token not in a delta yet, where asked
         self.logprobs: list | None = [] if seq.params.logprobs is not None else None
         # the prompt's scores (SamplingParams.prompt_logprobs), filled by sample 0 as its
@@ -157,7 +158,7 @@ class _Sample:
             self.prompt_logprobs_sent = prompt is not None
         return _new_tuple(EngineDelta, (
             seq.request_id, seq.index, text, token_ids, self.finish_reason, logprobs,
-            max(0, seq.num_cached_tokens), times, prompt))
+            max(0, seq.num_cached_tokens), times, prompt, self.stop_reason))
 
     def complete_prompt_logprobs(self) -> tuple | None:
         """The prompt's scores, (values [P - 1, 1 + k] float32, ids [P - 1, 1 + k] int32,
@@ -846,17 +847,20 @@ class LLMEngine:
         True when the sample has a delta to send (streamed, or finished)."""
         seq, params = sample.seq, sample.seq.params
         sample.num_resolved = index + 1
-        status = stop_status(params, token_id, index + 1, seq.num_prompt_tokens + index + 1,
-                             self.eos_token_ids, self.context_limit)
+        status, stop_reason = stop_status(params, token_id, index + 1,
+                                          seq.num_prompt_tokens + index + 1,
+                                          self.eos_token_ids, self.context_limit)
         grammar_status = None
         if sample.matcher is not None and status is not SequenceStatus.FINISHED_STOPPED:
             grammar_status = self._advance_matcher(sample, token_id)
             if grammar_status is SequenceStatus.FINISHED_ABORTED:
                 return self._reject_token(sample, index)
-        text = sample.text
+        text, stop = sample.text, None
         if status is not SequenceStatus.FINISHED_STOPPED and text is not None \
-                and text.detokenizer is not None and text.add(token_id):  # a stop string
-            status = SequenceStatus.FINISHED_STOPPED
+                and text.detokenizer is not None:
+            stop = text.add(token_id)  # the stop string the token completes, if any
+        if stop is not None:
+            status, stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         elif grammar_status is not None:
             status = grammar_status  # its last token is the grammar's: it has text
             sample.finish_text(last_is_eos=False)
@@ -865,6 +869,7 @@ class LLMEngine:
                                and not params.include_stop_str_in_output)
         if status is None:
             return sample.stream
+        sample.stop_reason = stop_reason
         self._end_sample(sample, index + 1, status)
         return True
 

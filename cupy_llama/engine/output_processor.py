@@ -2,10 +2,10 @@
 
 The engine emits one EngineDelta per sample that has news (docs/ARCHITECTURE.md, "Engine
 output"): the tokens and text new since that sample's previous delta, and its finish
-reason once it ends. Deltas are tuples with named fields, so they cross the engine
-process's socket at a plain tuple's pickling cost. An OutputAccumulator turns them into
+reason and stop reason once it ends. Deltas are tuples with named fields, so they cross
+the engine process's socket at a plain tuple's pickling cost. An OutputAccumulator turns them into
 the cumulative RequestOutputs that LLM.generate, LLM.stream and the batch files read.
-stop_status is the one function that decides EOS and lengths.
+stop_status is the one function that decides EOS, stop tokens and lengths.
 """
 from __future__ import annotations
 
@@ -37,13 +37,17 @@ class EngineDelta(tuple):
     # once, on the first delta after the whole prompt is scored, where the request asked
     # (SamplingParams.prompt_logprobs): PromptScores' (values, ids) arrays; else None
     prompt_logprobs: tuple | None = property(itemgetter(8))
+    # on the last delta of a sample that a stop string (str) or a stop token (its id)
+    # ended: that one (vLLM's stop_reason); else None, EOS included
+    stop_reason: str | int | None = property(itemgetter(9))
 
     def __new__(cls, request_id: str, index: int, text: str, token_ids: list[int],
                 finish_reason: str | None = None, logprobs: list | None = None,
                 num_cached_tokens: int = 0, times: tuple | None = None,
-                prompt_logprobs: tuple | None = None):
+                prompt_logprobs: tuple | None = None, stop_reason: str | int | None = None):
         return tuple.__new__(cls, (request_id, index, text, token_ids, finish_reason,
-                                   logprobs, num_cached_tokens, times, prompt_logprobs))
+                                   logprobs, num_cached_tokens, times, prompt_logprobs,
+                                   stop_reason))
 
     @classmethod
     def of(cls, fields: tuple) -> "EngineDelta":
@@ -76,21 +80,27 @@ class TokenColumns(tuple):
         return tuple.__new__(cls, fields)
 
 
+_EOS, _LENGTH_CAP, _GOES_ON = (_STOPPED, None), (_LENGTH, None), (None, None)
+
+
 def stop_status(params, token_id: int | None, num_output_tokens: int, num_tokens: int,
-                eos_token_ids, context_limit: int) -> SequenceStatus | None:
-    """Why a sequence ends at its latest token, or None: EOS (unless ignore_eos) and
-    stop_token_ids stop it once it has min_tokens (before, the device bans them), max_tokens
-    or the context limit end it for length. token_id None: the token is not known yet (a
-    step launching it): only the lengths decide, and a sequence they end has nothing left
-    to schedule. Stop strings are text and decided where the text is made (SampleText: in
-    the engine, or in serve's server process)."""
-    if token_id is not None and num_output_tokens > params.min_tokens and (
-            (token_id in eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids):
-        return _STOPPED
+                eos_token_ids, context_limit: int) -> tuple[SequenceStatus | None, int | None]:
+    """Why a sequence ends at its latest token (None: it goes on), and the stop reason:
+    EOS (unless ignore_eos) and stop_token_ids stop it once it has min_tokens (before, the
+    device bans them), a stop token with itself as the reason; max_tokens or the context
+    limit end it for length. EOS is checked first, as vLLM's check_stop does: a token that
+    is both EOS and a stop token has no reason. token_id None: the token is not known yet
+    (a step launching it): only the lengths decide, and a sequence they end has nothing
+    left to schedule. Stop strings are text and decided where the text is made
+    (SampleText.add: in the engine, or in serve's server process)."""
+    if token_id is not None and num_output_tokens > params.min_tokens:
+        if token_id in eos_token_ids and not params.ignore_eos:
+            return _EOS
+        if token_id in params.stop_token_ids:
+            return _STOPPED, token_id
     if num_output_tokens >= params.max_tokens or num_tokens >= context_limit:
-        return _LENGTH
-    return None
+        return _LENGTH_CAP
+    return _GOES_ON
 
 
 def output_limit(params, num_prompt_tokens: int, context_limit: int) -> int:
@@ -146,18 +156,19 @@ class SampleText:
     def incremental(self) -> bool:
         return self.detokenizer is not None
 
-    def add(self, token_id: int) -> bool:
-        """Adds the token's text (incremental only); True when that completes a stop
-        string: the text then ends where the stop string starts (it is not shown)."""
+    def add(self, token_id: int) -> str | None:
+        """Adds the token's text (incremental only). The stop string that it completes, or
+        None: the text then ends where the stop string starts (it is not shown), or after
+        it with include_stop_str_in_output. The one place a stop string is decided."""
         self.num_tokens += 1
         if token_id >= self.vocab_size:
-            return False  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
+            return None  # ids past the tokenizer's vocabulary (a padded model vocabulary) have no text
         new = self.detokenizer.add(token_id)
         if not new:
-            return False
+            return None
         if not self.stops:
             self.unsent.append(new)
-            return False
+            return None
         # a new match ends in the new text: look in it and the characters before it
         window = self.tail + new
         at = find_stop(window, self.stops, len(self.tail)) \
@@ -165,13 +176,17 @@ class SampleText:
         if at is None:
             self.unsent.append(new)
             self.tail = window[-self.hold_back:] if self.hold_back else ""
-            return False
+            return None
+        # the one find_stop found: the first listed of those that start there and end in
+        # the new text (one that ends before it came while min_tokens held stops off)
+        old = len(self.tail)
+        stop = next(s for s in self.stops if window.startswith(s, at) and at + len(s) > old)
         if self.include_stop:  # the text ends with the stop string, not before it
-            at += next(len(s) for s in self.stops if window.startswith(s, at))
+            at += len(stop)
         # the window's characters are all unsent (take() holds back hold_back of them)
         text = "".join(self.unsent) + new
         self.unsent = [text[:len(text) - (len(window) - at)]]
-        return True
+        return stop
 
     def finish(self, token_ids: list[int]) -> None:
         """The end of the text (not after a stop string): what the detokenizer held back,
@@ -223,10 +238,13 @@ class DetokenizedSample:
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
         """(the delta with its text, or None once the sample has ended here; True when a
-        stop string ended it here)."""
+        stop string ended it here). A stop string found here is the delta's stop_reason,
+        in place of the engine's (its stop token, or none) when the engine had gone on
+        past it."""
         if self.finished:
             return None, False
-        request_id, index, _, token_ids, finish_reason, logprobs, cached, times, prompt = delta
+        (request_id, index, _, token_ids, finish_reason, logprobs, cached, times, prompt,
+         stop_reason) = delta
         self.num_cached_tokens = cached
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
@@ -237,7 +255,8 @@ class DetokenizedSample:
                                           and token_ids[-1] in self.eos)
         if text.incremental:
             for i in range(num_with_text):
-                if text.add(token_ids[i]):
+                stop = text.add(token_ids[i])
+                if stop is not None:
                     token_ids = token_ids[:i + 1]
                     if logprobs is not None:
                         logprobs = logprobs[:i + 1]
@@ -245,7 +264,7 @@ class DetokenizedSample:
                     # times seen here stand in (RequestTimes' fields; taken in and first
                     # scheduled unknown)
                     times = (None, None, self.first_token_at, time.monotonic())
-                    finish_reason, stopped = "stop", True
+                    finish_reason, stop_reason, stopped = "stop", stop, True
                     break
             else:
                 if finish_reason is not None:
@@ -255,7 +274,7 @@ class DetokenizedSample:
         self.finished = finish_reason is not None
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
-            cached, times, prompt)), stopped
+            cached, times, prompt, stop_reason)), stopped
 
     def process_token(self, request_id: str, index: int,
                       token_id: int) -> tuple[EngineDelta | None, bool]:
@@ -266,13 +285,15 @@ class DetokenizedSample:
         text, now = self.text, time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
-        if text.incremental and text.add(token_id):  # a stop string ends the sample here
+        stop = text.add(token_id) if text.incremental else None
+        if stop is not None:  # a stop string ends the sample here
             self.finished = True
             return _new_tuple(EngineDelta, (
                 request_id, index, text.take(True), [token_id], "stop", None,
-                self.num_cached_tokens, (None, None, self.first_token_at, now), None)), True
+                self.num_cached_tokens, (None, None, self.first_token_at, now), None,
+                stop)), True
         return _new_tuple(EngineDelta, (request_id, index, text.take(False), [token_id], None,
-                                        None, self.num_cached_tokens, None, None)), False
+                                        None, self.num_cached_tokens, None, None, None)), False
 
 
 _new_tuple = tuple.__new__  # EngineDelta's fields without a Python-level __new__
@@ -330,7 +351,7 @@ class OutputAccumulator:
     def process(self, deltas) -> list[RequestOutput]:
         requests, outputs = self._requests, []
         for (request_id, index, text, token_ids, finish_reason, logprobs, cached, times,
-             prompt) in deltas:
+             prompt, stop_reason) in deltas:
             request = requests.get(request_id)
             if request is None:
                 continue
@@ -356,5 +377,5 @@ class OutputAccumulator:
                 request_id, request.prompt_token_ids, sample.token_ids[:], sample.text,
                 finish_reason, text, token_ids, index, cached,
                 None if sample.logprobs is None else sample.logprobs[:], sample.times,
-                prompt_scores=request.prompt_scores))
+                prompt_scores=request.prompt_scores, stop_reason=stop_reason))
         return outputs

@@ -397,7 +397,7 @@ class _Job:
             if not isinstance(item, tuple):  # an EngineDelta, else the engine's word
                 self._fail(item)
             (request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times,
-             prompt_logprobs) = item
+             prompt_logprobs, _) = item
             i = self._prompt_of[request_id]
             if prompt_logprobs is not None and self._prompt_scores[i] is None:
                 self._prompt_scores[i] = PromptScores(*prompt_logprobs)
