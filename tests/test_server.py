@@ -240,6 +240,40 @@ def test_stop_strings(client, http, llm):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
 
 
+def test_stop_reason_beside_finish_reason(http, llm):
+    """vLLM's stop_reason on each choice of both endpoints, in a body and on a streamed
+    choice's last chunk (beside its finish_reason; the chunks before have none): the stop
+    string (found in the server process, after the engine process went on past it) or the
+    stop token id (the engine process's) that ended the choice, null for length; what
+    LLM.generate says."""
+    chat = [{"role": "user", "content": "Hi there"}]
+    chat_prompt = http.post("/tokenize", json={"messages": chat}).json()["tokens"]
+    for path, prompt, field in (("/v1/completions", "abc", {"prompt": "abc"}),
+                                ("/v1/chat/completions", chat_prompt, {"messages": chat})):
+        free = greedy(llm, prompt, 24, ignore_eos=True)
+        text = free.text
+        stop = next(c for c in text[1:] if c != "\ufffd")  # (the tiny model's text)
+        token = next(t for t in free.token_ids[4:] if t not in free.token_ids[:4])
+        for fields, finish, reason in (
+                ({"stop": ["\u2603\u2603", stop]}, "stop", stop),
+                ({"stop": [stop], "include_stop_str_in_output": True}, "stop", stop),
+                ({"stop_token_ids": [token]}, "stop", token),
+                ({"stop_token_ids": [token], "stop": ["\u2603\u2603"]}, "stop", token),
+                ({}, "length", None)):
+            want = greedy(llm, prompt, 24, ignore_eos=True, **fields)
+            assert (want.finish_reason, want.stop_reason) == (finish, reason), fields
+            body = {**field, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **fields}
+            whole = http.post(path, json=body).json()["choices"][0]
+            assert (whole["finish_reason"], whole["stop_reason"]) == (finish, reason), \
+                (path, fields)
+            with http.stream("POST", path, json={**body, "stream": True}) as response:
+                chunks = [e["choices"][0] for e in sse_events(response)]
+            *before, last = chunks
+            assert (last["finish_reason"], last["stop_reason"]) == (finish, reason), \
+                (path, fields)
+            assert all("stop_reason" not in c and c["finish_reason"] is None for c in before)
+
+
 def test_same_seed_same_sample(client, llm):
     def sample(seed):
         return client.completions.create(model="tiny", prompt="Hello there", max_tokens=12,

@@ -189,7 +189,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
 
 
 def test_builders_make_openai_bodies():
-    outputs = [[RequestOutput("r-0", [1, 2, 3], [7, 8], "hi", "stop")],
+    outputs = [[RequestOutput("r-0", [1, 2, 3], [7, 8], "hi", "stop", stop_reason="!")],
                [RequestOutput("r-1", [4], [9, 9, 9], "abc", "abort")]]
     request = parse(CompletionRequest, {"prompt": ["x", "y"]})
     body = protocol.completion_response(request, "cmpl-1", 123, "m", outputs, None, "fp_1")
@@ -202,9 +202,10 @@ def test_builders_make_openai_bodies():
                                "prompt_tokens_details": {"cached_tokens": 32}}
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 123, "model": "m",
                     "system_fingerprint": "fp_1", "choices": [{"index": 0, "text": "hi", "logprobs": None,
-                                 "finish_reason": "stop"},
+                                 "finish_reason": "stop", "stop_reason": "!"},
                                 {"index": 1, "text": "abc", "logprobs": None,
-                                 "finish_reason": "length"}],  # cut short: "length"
+                                 "finish_reason": "length",  # cut short: "length"
+                                 "stop_reason": None}],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9,
                               "prompt_tokens_details": {"cached_tokens": 0}}}
     chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
@@ -214,12 +215,15 @@ def test_builders_make_openai_bodies():
     # a step that adds no text sends nothing; the end is sent even when it adds none
     (opening, first), nothing, (last,), (end,) = (
         stream.chunks(0, "a", [1], None, None), stream.chunks(0, "", [2], None, None),
-        stream.chunks(0, "b", [3], None, None), stream.chunks(0, "", [4], None, "length"))
+        stream.chunks(0, "b", [3], None, None),
+        stream.chunks(0, "", [4], None, "length", None, 7))
     assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["choices"][0]["delta"] == {"content": "a"} and nothing == []
     assert last["choices"][0]["delta"] == {"content": "b"} and end["choices"][0]["delta"] == {}
     chunks = (opening, first, last, end)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+    # vLLM's stop_reason beside the finish_reason, on the last chunk only
+    assert [c["choices"][0].get("stop_reason", "-") for c in chunks] == ["-", "-", "-", 7]
     assert all(c["usage"] is None and c["object"] == "chat.completion.chunk"
                and c["system_fingerprint"] == "fp_2" for c in chunks)
     usage = stream.usage_chunk(protocol.usage(3, 2))
@@ -278,20 +282,22 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
             job.sink.put(("cmpl-m-0", 0, text, ids, None, [(t, -1.0, []) for t in ids], 0, None,
                           None, None))
         job.sink.put(("cmpl-m-1", 0, "x", [20], "length", None, 0, None, None, None))
-        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None, None))
+        job.sink.put(("cmpl-m-0", 0, "d", [14], "stop", [(14, -2.0, [])], 0, None, None, "cd"))
         updates = await job.next_updates()
         return job, updates
 
     job, updates = asyncio.run(go())
     logprobs = [(10, -1.0, []), (11, -1.0, []), (12, -1.0, []), (13, -1.0, []), (14, -2.0, [])]
-    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], logprobs, "stop"],
-                       (1, 0): ["x", [20], None, "length"]}
+    assert updates == {(0, 0): ["abcd", [10, 11, 12, 13, 14], logprobs, "stop", "cd"],
+                       (1, 0): ["x", [20], None, "length", None]}
+    assert [c[0].stop_reason for c in job.choices] == ["cd", None]
     assert job.choices[0][0].token_ids == [10, 11, 12, 13, 14]
     assert job.choices[0][0].logprobs == logprobs and job.choices[1][0].logprobs is None
     assert job.done and job.usage() == protocol.usage(3, 6)
     stream = protocol.CompletionStream(parse(CompletionRequest, {"prompt": "x"}), "c", 1, "m")
     events = job.sse(stream, updates).decode().split("\n\n")
-    assert [json.loads(e[len("data: "):])["choices"][0]["text"] for e in events if e] == ["abcd", "x"]
+    choices = [json.loads(e[len("data: "):])["choices"][0] for e in events if e]
+    assert [(c["text"], c["stop_reason"]) for c in choices] == [("abcd", "cd"), ("x", None)]
 
 
 def test_logprobs_in_both_shapes(llm):

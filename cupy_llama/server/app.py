@@ -351,13 +351,14 @@ class ServerState:
 # ---- one HTTP request's engine requests ---------------------------------------------------
 
 class _Choice:
-    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason", "stop_reason")
 
     def __init__(self):
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list | None = None  # (token id, logprob, top) per token, when asked
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token that ended it
 
 
 class _Job:
@@ -389,7 +390,8 @@ class _Job:
 
     async def next_updates(self) -> dict:
         """Everything that arrived since the last call, merged per choice:
-        {(prompt index, choice index): [text, token_ids, logprobs, finish_reason]}."""
+        {(prompt index, choice index): [text, token_ids, logprobs, finish_reason,
+        stop_reason]}."""
         items = await self.sink.get()
         now = time.monotonic()
         updates: dict = {}
@@ -397,7 +399,7 @@ class _Job:
             if not isinstance(item, tuple):  # an EngineDelta, else the engine's word
                 self._fail(item)
             (request_id, index, text, token_ids, finish_reason, logprobs, num_cached, times,
-             prompt_logprobs, _) = item
+             prompt_logprobs, stop_reason) = item
             i = self._prompt_of[request_id]
             if prompt_logprobs is not None and self._prompt_scores[i] is None:
                 self._prompt_scores[i] = PromptScores(*prompt_logprobs)
@@ -406,20 +408,22 @@ class _Job:
                 continue
             if index == 0:  # the sample that computed the prompt
                 self._cached[i] = num_cached
-            self._record(i, choice, text, token_ids, logprobs, finish_reason, times, now)
+            self._record(i, choice, text, token_ids, logprobs, finish_reason, stop_reason,
+                         times, now)
             update = updates.get((i, index))
             if update is None:
-                updates[(i, index)] = [text, list(token_ids), logprobs, finish_reason]
+                updates[(i, index)] = [text, list(token_ids), logprobs, finish_reason,
+                                       stop_reason]
             else:
                 update[0] += text
                 update[1] += token_ids
                 if logprobs:
                     update[2] = (update[2] or []) + logprobs
-                update[3] = finish_reason
+                update[3], update[4] = finish_reason, stop_reason
         return updates
 
     def _record(self, i: int, choice: _Choice, text: str, token_ids: list[int], logprobs,
-                finish_reason: str | None, times, now: float) -> None:
+                finish_reason: str | None, stop_reason, times, now: float) -> None:
         metrics = self.metrics
         if not self._admitted[i]:
             self._admitted[i] = True
@@ -432,7 +436,7 @@ class _Job:
                 choice.logprobs = (choice.logprobs or []) + logprobs
             metrics.generation_tokens.inc(len(token_ids))
         if finish_reason is not None:
-            choice.finish_reason = finish_reason
+            choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
             self.num_unfinished -= 1
             if all(c.finish_reason is not None for c in self.choices[i]):
                 self._running.discard(self.request_ids[i])
@@ -455,7 +459,8 @@ class _Job:
             await self.next_updates()
         return [[RequestOutput(request_id, prompt, list(c.token_ids), "".join(c.texts),
                                c.finish_reason, logprobs=c.logprobs, index=index,
-                               num_cached_tokens=cached, prompt_scores=scored)
+                               num_cached_tokens=cached, prompt_scores=scored,
+                               stop_reason=c.stop_reason)
                  for index, c in enumerate(choices)]
                 for request_id, prompt, choices, cached, scored in zip(
                     self.request_ids, self.prompts, self.choices, self._cached,
@@ -463,7 +468,7 @@ class _Job:
 
     def sse(self, stream_builder, updates: dict) -> bytes:
         parts = []
-        for (i, j), (text, token_ids, logprobs, finish_reason) in updates.items():
+        for (i, j), (text, token_ids, logprobs, finish_reason, stop_reason) in updates.items():
             usage = None
             if stream_builder.continuous_usage:  # this choice's so far, as vLLM counts it
                 usage = protocol.usage(len(self.prompts[i]), len(self.choices[i][j].token_ids))
@@ -474,7 +479,7 @@ class _Job:
                                                     self._prompt_scores[i], opening_usage):
                     parts.append(_sse(chunk))
             for chunk in stream_builder.chunks(i * self.n + j, text, token_ids, logprobs,
-                                               finish_reason, usage):
+                                               finish_reason, usage, stop_reason):
                 parts.append(_sse(chunk))
         return b"".join(parts)
 

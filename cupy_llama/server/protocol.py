@@ -716,7 +716,8 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
                     key: logprobs[key] + generated[key] for key in logprobs}
             choice = {"index": i * request.n + _index(output), "text": text,
                       "logprobs": logprobs,
-                      "finish_reason": FINISH_REASONS[output.finish_reason]}
+                      "finish_reason": FINISH_REASONS[output.finish_reason],
+                      "stop_reason": output.stop_reason}
             if request.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(
                     output.prompt_token_ids, output.prompt_scores, request.prompt_logprobs,
@@ -783,7 +784,8 @@ class _Stream:
     """What the streams of both endpoints share: each chunk's head (id, object, created,
     model, system_fingerprint) and one choice; "usage" on every chunk when the request
     asked for usage (null, or with vLLM's continuous_usage_stats the choice's usage so far),
-    and usage_chunk() last."""
+    and usage_chunk() last. A choice's last chunk has vLLM's stop_reason beside its
+    finish_reason (the stop string or stop token id that ended it, or null)."""
     OBJECT = ""
 
     def __init__(self, request, response_id: str, created: int, model: str, token_strings,
@@ -795,10 +797,12 @@ class _Stream:
                       "model": model, "system_fingerprint": fingerprint}
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
-               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
+               finish_reason: str | None, usage: dict | None = None,
+               stop_reason: str | int | None = None) -> list[dict]:
         """The chunks that carry a choice's new text (token_ids: the new tokens; logprobs:
-        their (token id, log-probability, top) entries; usage: the choice's usage so far)."""
-        return [self.chunk(index, text, logprobs, finish_reason, usage)]
+        their (token id, log-probability, top) entries; usage: the choice's usage so far;
+        stop_reason: with a finish_reason, the choice's)."""
+        return [self.chunk(index, text, logprobs, finish_reason, usage, stop_reason)]
 
     def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
                 usage: dict | None = None) -> list[dict]:
@@ -807,9 +811,11 @@ class _Stream:
         return []
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
-               **fields) -> dict:
+               stop_reason: str | int | None = None, **fields) -> dict:
         choice = {"index": index, **fields,
                   "finish_reason": None if finish_reason is None else FINISH_REASONS[finish_reason]}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         body = {**self._head, "choices": [choice]}
         if self.include_usage:
             body["usage"] = usage if self.continuous_usage else None
@@ -850,13 +856,14 @@ class CompletionStream(_Stream):
                             text=self._prompt_texts[prompt_index], logprobs=logprobs)]
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
-               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
+               finish_reason: str | None, usage: dict | None = None,
+               stop_reason: str | int | None = None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
         if finish_reason is not None and self._request.echo and self._request.suffix:
             text += self._request.suffix  # echo ends with the suffix, as completion_response
         return [self.chunk(index, text, logprobs, finish_reason,
-                           self._scores_only_usage(usage))]
+                           self._scores_only_usage(usage), stop_reason)]
 
     def usage_chunk(self, usage: dict) -> dict:
         return super().usage_chunk(self._scores_only_usage(usage))
@@ -868,12 +875,13 @@ class CompletionStream(_Stream):
         return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def chunk(self, index: int, text: str, logprobs, finish_reason: str | None,
-              usage: dict | None = None) -> dict:
+              usage: dict | None = None, stop_reason: str | int | None = None) -> dict:
         choice_logprobs = None
         if self._wants_logprobs:
             choice_logprobs, self._text_offsets[index] = completion_logprobs(
                 logprob_entries(logprobs), self._token_strings, self._text_offsets.get(index, 0))
-        return self._chunk(index, finish_reason, usage, text=text, logprobs=choice_logprobs)
+        return self._chunk(index, finish_reason, usage, stop_reason, text=text,
+                           logprobs=choice_logprobs)
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------
@@ -1245,7 +1253,7 @@ def chat_completion_response(request: ChatCompletionRequest, response_id: str, c
                 finish_reason = "function_call" if request.legacy_functions else "tool_calls"
         message = request.with_reasoning(message, reasoning)
         choices.append({"index": _index(output), "message": message, "logprobs": logprobs,
-                        "finish_reason": finish_reason})
+                        "finish_reason": finish_reason, "stop_reason": output.stop_reason})
     body = {"id": response_id, "object": "chat.completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage_of([outputs])}
@@ -1299,7 +1307,8 @@ class ChatCompletionStream(_Stream):
         self._splitters: dict = {}  # choice index -> its ReasoningSplitter, where split
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
-               finish_reason: str | None, usage: dict | None = None) -> list[dict]:
+               finish_reason: str | None, usage: dict | None = None,
+               stop_reason: str | int | None = None) -> list[dict]:
         chunks = []
         if index not in self._started:
             self._started.add(index)
@@ -1308,14 +1317,15 @@ class ChatCompletionStream(_Stream):
             chunks.append(self._chunk(index, None, opening,
                                       delta={"role": "assistant", "content": ""},
                                       logprobs=None))
-        chunk = self.chunk(index, text, token_ids, logprobs, finish_reason, usage)
+        chunk = self.chunk(index, text, token_ids, logprobs, finish_reason, usage, stop_reason)
         choice = chunk["choices"][0]
         if choice["delta"] or choice["logprobs"] is not None or finish_reason is not None:
             chunks.append(chunk)  # not one that carries nothing (a marker's token, say)
         return chunks
 
     def chunk(self, index: int, text: str, token_ids: list[int], logprobs,
-              finish_reason: str | None, usage: dict | None = None) -> dict:
+              finish_reason: str | None, usage: dict | None = None,
+              stop_reason: str | int | None = None) -> dict:
         """A chunk of text after the choice's opening one (token_ids: the tokens that made
         it; the reasoning split reads them)."""
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
@@ -1345,7 +1355,8 @@ class ChatCompletionStream(_Stream):
                 else parsed.to_openai()
         if reasoning and self._request.include_reasoning:
             delta = self._request.with_reasoning(delta, reasoning)
-        return self._chunk(index, finish_reason, usage, delta=delta, logprobs=choice_logprobs)
+        return self._chunk(index, finish_reason, usage, stop_reason, delta=delta,
+                           logprobs=choice_logprobs)
 
 
 # ---- usage ----------------------------------------------------------------------------
