@@ -90,6 +90,24 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     assert all(set(r) == {"id", "error"} for i, r in enumerate(rows) if i not in ok)
 
 
+def test_plain_lines_say_what_stopped_them(model_dir, llm, tmp_path):
+    """A plain line's stop_reason beside its finish_reason, LLM.generate's: the stop
+    string or stop token id that ended the reply, null when none did."""
+    free = expected(llm, "abc", max_tokens=12, ignore_eos=True)
+    stop = next(c for c in free.text[1:] if c != "\ufffd")  # (the tiny model's text)
+    token = next(t for t in free.token_ids[4:] if t not in free.token_ids[:4])
+    fields = {"string": {"stop": [stop]}, "token": {"stop_token_ids": [token]}, "none": {}}
+    lines = [{"id": name, "prompt": "abc", "max_tokens": 12, "ignore_eos": True, **more}
+             for name, more in fields.items()]
+    code, rows = run_generate(model_dir, tmp_path, "\n".join(map(json.dumps, lines)).encode())
+    assert code == 0
+    for row, (name, more) in zip(rows, fields.items()):
+        want = expected(llm, "abc", max_tokens=12, ignore_eos=True, **more)
+        assert (row["text"], row["finish_reason"], row["stop_reason"]) == \
+            (want.text, want.finish_reason, want.stop_reason), name
+    assert [row["stop_reason"] for row in rows] == [stop, token, None]
+
+
 def test_plain_lines_give_the_logprobs_they_ask_for(model_dir, llm, tmp_path):
     """A plain line's logprobs and prompt_logprobs come back beside its text, the values
     LLM.generate gives (and text for each token), never dropped."""

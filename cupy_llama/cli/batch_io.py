@@ -18,9 +18,10 @@ line), in one of two kinds:
 Lines may end in CRLF and the file may start with a UTF-8 BOM.
 
 Output: one JSON object per request, in input order. For plain lines
-`{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` (with
-tools, also `"content"` and `"tool_calls"`, OpenAI's, and finish_reason "tool_calls" when
-there are calls; where the line asks for them, `"logprobs"`, an entry per output token
+`{"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason",
+"stop_reason"}` (stop_reason: the stop string or stop token id that ended the reply, else
+null, as RequestOutput.stop_reason; with tools, also `"content"` and `"tool_calls"`,
+OpenAI's, and finish_reason "tool_calls" when there are calls; where the line asks for them, `"logprobs"`, an entry per output token
 `{"token", "token_id", "logprob", "top_logprobs": [{"token", "token_id", "logprob"}]}`,
 and `"prompt_logprobs"`, null for the first prompt token and then such an entry) or, for a request that could not run, `{"id", "error"}`. For OpenAI batch lines, OpenAI's batch
 output line `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
@@ -624,7 +625,7 @@ def result_object(request_id, output, with_tools: bool = False, token_text=None)
     result = {"id": request_id, "text": output.text,
               "usage": {"prompt_tokens": len(output.prompt_token_ids),
                         "completion_tokens": len(output.token_ids)},
-              "finish_reason": output.finish_reason}
+              "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
     if with_tools:
         result["content"] = output.content
         result["tool_calls"] = [call.to_openai() for call in output.tool_calls or []]

@@ -77,7 +77,9 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
 
     \b
     Output, in input order:
-      {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}
+      {"id", "text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason",
+       "stop_reason"}
+    (stop_reason: the stop string or stop token id that ended the reply, else null.)
     A line that cannot run gives {"id", "error"} and the others proceed. When an id
     repeats, the first request runs and each later one gets an error line.
 
