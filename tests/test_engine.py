@@ -185,6 +185,35 @@ def test_stop_reason_names_the_stop_string_or_token(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_stop_token_s_text_is_kept_where_asked_streamed_or_not(llm):
+    """include_stop_str_in_output keeps the text of the stop token (or EOS) that ended a
+    sample, as vLLM does; without it the text ends before that token. The same text
+    whether it is made token by token (streamed, or watched for stop strings) or once at
+    the end."""
+    prompt = prompts(1, seed=11)[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=20, **GREEDY)).token_ids
+    token = next(t for t in free[3:] if t not in free[:3])
+    upto = free[:free.index(token) + 1]
+    assert not llm.engine.eos_token_ids & set(upto)
+    for include in (False, True):
+        want = llm.tokenizer.decode(upto if include else upto[:-1])
+        for fields in (dict(stop_token_ids=[token], **GREEDY),
+                       dict(stop_token_ids=[token], stop=["never here"], **GREEDY),
+                       dict(temperature=0)):  # EOS (below)
+            params = SamplingParams(max_tokens=20, include_stop_str_in_output=include,
+                                    **fields)
+            if "stop_token_ids" not in fields:
+                llm.engine.eos_token_ids.add(token)
+            try:
+                whole = llm.generate(prompt, params)
+                streamed = "".join(o.delta for o in llm.stream(prompt, params))
+            finally:
+                llm.engine.eos_token_ids.discard(token)
+            assert whole.token_ids == upto and whole.finish_reason == "stop"
+            assert (whole.text, streamed) == (want, want), (include, fields)
+    assert_all_blocks_free(llm)
+
+
 def test_streaming_deltas_concatenate_to_the_final_text(llm):
     batch = prompts(6, seed=8)
     params = SamplingParams(max_tokens=30, **GREEDY)

@@ -189,10 +189,16 @@ class SampleText:
         return stop
 
     def finish(self, token_ids: list[int]) -> None:
-        """The end of the text (not after a stop string): what the detokenizer held back,
-        or the one-shot decode of token_ids, the sample's tokens that have text."""
-        if self.detokenizer is not None:
-            self.unsent.append(self.detokenizer.flush())
+        """The end of the text (not after a stop string): the one-shot decode of
+        token_ids, the sample's tokens that have text; or, made token by token, the text
+        of those add() has not had (the stop token or EOS that ended the sample, where
+        include_stop_str_in_output keeps it) and what the detokenizer held back."""
+        detokenizer = self.detokenizer
+        if detokenizer is not None:
+            for token_id in token_ids[self.num_tokens:]:  # not matched for stop strings
+                if token_id < self.vocab_size:
+                    self.unsent.append(detokenizer.add(token_id))
+            self.unsent.append(detokenizer.flush())
             return
         vocab = self.vocab_size
         if token_ids and max(token_ids) >= vocab:  # ids past the tokenizer's vocabulary
