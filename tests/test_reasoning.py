@@ -479,15 +479,21 @@ def test_generate_keeps_a_spelled_tag_in_the_reasoning(quoting, tmp_path):
     assert message["reasoning"] == "a</think>" and json.loads(message["content"]) in ("yes", "no")
 
 
-def test_the_chat_shows_a_spelled_tag_as_thinking(quoting):
+def piped_chat(model_dir, max_tokens: int):
+    """`echo 'Yes or no?' | cupy-llama chat` on the model, greedy: the finished process."""
     import subprocess
     import sys
-    model_dir, _ = quoting
     result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
                              str(model_dir), "--device", "cpu", "--temperature", "0",
-                             "--max-tokens", "20"], input="Yes or no?\n", capture_output=True,
-                            text=True, timeout=120)
+                             "--max-tokens", str(max_tokens)], input="Yes or no?\n",
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_the_chat_shows_a_spelled_tag_as_thinking(quoting):
+    model_dir, _ = quoting
+    result = piped_chat(model_dir, 20)
     assert result.stdout == "b\n"
     assert "\na</think>\n" in result.stderr
 
@@ -522,14 +528,8 @@ def test_the_chat_shows_the_thinking_apart_at_any_cut(parsers, opened, parts, ex
 
 
 def test_piped_chat_writes_the_answer_alone(qwen3):
-    import subprocess
-    import sys
     model_dir, _ = qwen3
-    result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
-                             str(model_dir), "--device", "cpu", "--temperature", "0",
-                             "--max-tokens", "10"], input="Yes or no?\n", capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = piped_chat(model_dir, 10)
     assert result.stdout == "b\n"
     assert "\na\n" in result.stderr and "tok/s" in result.stderr
 
