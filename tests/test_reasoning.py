@@ -541,3 +541,21 @@ def test_the_terminal_chat_dims_the_thinking(qwen3, tmp_path):
     assert ask(child, "Yes or no?") == "\x1b[2ma\x1b[0mb"
     child.sendeof()
     finish(child, 0)
+
+
+def test_piped_chat_splits_where_the_markers_are_special_tokens(tmp_path):
+    """Where <think> and </think> are special tokens (skipped in a reply's text by
+    default), the chat keeps them in the text it splits, as serve does: the answer is
+    still stdout's, the thinking stderr's."""
+    model_dir = make_random_model(tmp_path / "model", "tiny", seed=0,
+                                  architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in ("<think>", "</think>"):
+            token["special"] = True
+    path.write_text(json.dumps(tokenizer))
+    script_chain(model_dir, ["\n", "<think>", "a", "</think>", "b", "<|im_end|>"])
+    result = piped_chat(model_dir, 20)
+    assert result.stdout == "b\n"
+    assert "\na\n" in result.stderr

@@ -295,6 +295,10 @@ class ChatSession:
     def _answer(self, new: list[dict], should_stop, on_drop):
         prompt, dropped = self.fit(new)
         params = self.params
+        if self._markers is not None and self._markers.special:
+            # the reply's text keeps the thinking's markers, as serve's with a reasoning
+            # parser does: ThinkingView finds the end of the thinking in it
+            params = replace(params, skip_special_tokens=False)
         started = time.perf_counter()
         # the request is added (and checked) before any turn is dropped
         if self.tools is None:
