@@ -4,11 +4,13 @@
 //
 // Greedy (temperature <= 0): argmax, lowest index on ties. Otherwise, with
 // w_i = exp((logit_i - max) / temperature) (unnormalized probabilities, max 1; NaN counts
-// as 0), the same filters and order as numpy_ops.filtered_probs:
-//   top-k  keep the k largest (ties broken by lower index), when 0 < k < vocab;
+// as 0), the same filters and order as numpy_ops.filtered_probs (vLLM's order):
+//   min-p  keep w_i >= min_p (that is p_i >= min_p * p_max);
+//   top-k  among those, keep the k largest (ties broken by lower index), when 0 < k < vocab;
 //   top-p  among those, in descending order, keep a token while the mass of the tokens
-//          before it is < top_p (of the top-k mass), when top_p < 1;
-//   min-p  keep w_i >= min_p (that is p_i >= min_p * p_max).
+//          before it is < top_p (of the mass min-p and top-k kept), when top_p < 1.
+// min-p and top-k each keep a prefix of the same order (key descending, index ascending),
+// so top-k among min-p's tokens is the two sets' intersection, selected over the row.
 // Thresholds are found without sorting: radix select over the order-preserving 32-bit key
 // of each fp32 logit (four 8-bit passes, counting or summing mass per digit). A kept set
 // is "key > threshold, or key == threshold and index <= last_index", which handles ties
@@ -49,6 +51,9 @@
 #define CANDIDATE_CUT 16.0f  // candidates: logit >= max - CANDIDATE_CUT * temperature
 #define PROCESS_THREADS 1024  // process_logits_kernel and reset_state_kernel
 #define CANDIDATE_MARGIN 1.001f  // top-p alone: candidate mass >= target * this, for float sums
+// a min-p at least this keeps candidates only: e^-CANDIDATE_CUT (the weight at the cut) with
+// room for the cut key's rounding
+#define MIN_P_OF_CANDIDATES 2.25e-7f
 #define MASK_SKIP -2  // mask_rows: this launch draws no token for the row
 
 // whether a bitmask row (null: no constraint) allows token i
@@ -479,24 +484,25 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
             k_last = (int)~idx.key;
         }
     }
-    auto in_top_k = [&](unsigned int key, int i) {
-        return key > k_key || (key == k_key && i <= k_last);
+    // min-p and top-k: the set top-p takes its share of
+    auto before_p = [&](unsigned int key, int i) {
+        return (key > k_key || (key == k_key && i <= k_last)) && weight_of(key) >= in.min_p;
     };
 
-    // top-p over the top-k set
+    // top-p over that set
     unsigned int p_key = 0;
     int p_last = in.vocab;
     if (in.top_p < 1.0f) {
         float mass = in.row_mass;
-        if (in.top_k_active()) {
+        if (in.top_k_active() || in.min_p > 0.0f) {
             float own = 0.0f;
             for_each_element<CDF_UNROLL>(view, [&](unsigned int key, int i, bool valid) {
-                if (valid && in_top_k(key, i)) own += weight_of(key);
+                if (valid && before_p(key, i)) own += weight_of(key);
             });
             mass = block_sum(own, sh.scratch);
         }
         const float target = fmaxf(in.top_p, 0.0f) * mass;
-        const Selected s = select_by_mass(sh, view, in_top_k, weight_of, target);
+        const Selected s = select_by_mass(sh, view, before_p, weight_of, target);
         if (s.found) {
             p_key = s.key;
             // tokens with the threshold key, in index order, are kept while the mass before
@@ -507,16 +513,15 @@ __device__ int filter_and_draw(SampleShared& sh, const View& view, const DrawInp
                 wanted >= (float)s.count_equal ? s.count_equal : (unsigned int)fmaxf(wanted, 1.0f);
             if (keep_equal < s.count_equal) {
                 const Selected idx = select_by_count(
-                    sh, view, [&](unsigned int key, int i) { return in_top_k(key, i) && key == p_key; },
+                    sh, view, [&](unsigned int key, int i) { return before_p(key, i) && key == p_key; },
                     by_index, keep_equal);
                 p_last = (int)~idx.key;
             }
         }
     }
     auto kept_weight = [&](unsigned int key, int i) {
-        if (!in_top_k(key, i) || !(key > p_key || (key == p_key && i <= p_last))) return 0.0f;
-        const float w = weight_of(key);
-        return w >= in.min_p ? w : 0.0f;
+        return before_p(key, i) && (key > p_key || (key == p_key && i <= p_last))
+            ? weight_of(key) : 0.0f;
     };
 
     // inverse CDF: this thread's kept mass, in its order (with no filter, the row's pass
@@ -699,10 +704,14 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
     in.row_mass = totals[0];
     const float all_candidate_mass = totals[1], all_candidates = totals[2], most = totals[3];
 
-    // the slots serve when they hold every candidate and the filters keep only candidates
+    // the slots serve when they hold every candidate and the filters keep only candidates:
+    // a min-p past the cut's weight, top-k with at least k of them, or top-p alone with
+    // their mass above its target (with a smaller min-p, its share would be of a mass the
+    // slots do not hold all of)
     const bool covered =
+        in.min_p >= MIN_P_OF_CANDIDATES ||
         (in.top_k_active() && all_candidates >= (float)in.top_k) ||
-        (!in.top_k_active() && in.top_p < 1.0f &&
+        (!in.top_k_active() && in.top_p < 1.0f && in.min_p <= 0.0f &&
          all_candidate_mass >= fmaxf(in.top_p, 0.0f) * in.row_mass * CANDIDATE_MARGIN);
     int chosen;
     if (slots > 0 && most <= (float)slots && covered) {

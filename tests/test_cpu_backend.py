@@ -65,3 +65,17 @@ def test_the_reference_attention_uses_matrix_products(monkeypatch):
     NumpyOps().attention(q, cache, cache, batch, d ** -0.5, out)
     # the last row attends to every key: the mean of softmax-weighted values, finite
     assert np.isfinite(out).all()
+
+
+def test_filters_apply_in_vllms_order():
+    """min-p, then top-k, then top-p over what those kept (vLLM's sampler): with
+    probabilities .5 / .3 / .2, min-p 0.5 keeps .5 and .3, and top-p 0.6 of their mass
+    (0.48) keeps .5 alone; top-p first (of the whole mass) would keep .5 and .3."""
+    from cupy_llama.backends.numpy_ops import filtered_probs
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+    np.testing.assert_allclose(filtered_probs(logits, 1.0, 0, 0.6, 0.5), [1, 0, 0])
+    np.testing.assert_allclose(filtered_probs(logits, 1.0, 0, 0.6, 0.0), [0.625, 0.375, 0])
+    # top-k among the tokens min-p kept, and top-p's share of the mass both kept
+    logits = np.log(np.array([0.4, 0.25, 0.2, 0.15]))
+    np.testing.assert_allclose(filtered_probs(logits, 1.0, 3, 0.7, 0.45),
+                               [0.4 / 0.65, 0.25 / 0.65, 0, 0])

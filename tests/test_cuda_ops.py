@@ -948,8 +948,11 @@ def test_sampling_distribution(cp, rng, case, ties, slots):
                     f32(params["top_p"]), f32(params["min_p"]),
                     cp.asarray(rng.integers(0, 2**64, draws, dtype=np.uint64)),
                     cp.zeros(draws, np.int32), out, slots=slots, used_slots=used)
-    # every token of this row is a candidate: the slots serve top-k and top-p draws
-    filtered = params["top_k"] > 0 or params["top_p"] < 1
+    # every token of this row is a candidate: the slots serve top-k and top-p draws, and
+    # min-p ones past the candidates' cut
+    from cupy_llama.backends.cuda.kernels import constants
+    filtered = (params["top_k"] > 0 or params["top_p"] < 1
+                or params["min_p"] >= constants("sampling")["MIN_P_OF_CANDIDATES"])
     assert (cp.asnumpy(used) == int(slots is None and filtered)).all()
     tokens = cp.asnumpy(out)
     counts = np.bincount(tokens, minlength=vocab)

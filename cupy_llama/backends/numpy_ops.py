@@ -297,13 +297,16 @@ def rotate(x, cos, sin):
 
 
 def filtered_probs(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
-    """Probabilities after temperature, then top-k, top-p and min-p filtering (in that
-    order); filtered tokens get probability 0 and the rest are renormalized."""
+    """Probabilities after temperature, then min-p, top-k and top-p filtering, in vLLM's
+    order (top-p takes its share of the mass the others kept); filtered tokens get
+    probability 0 and the rest are renormalized."""
     scaled = logits.astype(np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     keep = np.ones(probs.shape[0], dtype=bool)
+    if min_p > 0.0:
+        keep &= probs >= min_p * probs.max()
     if 0 < top_k < probs.shape[0]:
         keep[order[top_k:]] = False
     if top_p < 1.0:
@@ -311,8 +314,6 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
         sorted_probs /= sorted_probs.sum()
         before = np.cumsum(sorted_probs) - sorted_probs  # mass of strictly more likely tokens
         keep[order[before >= top_p]] = False
-    if min_p > 0.0:
-        keep &= probs >= min_p * probs.max()
     keep[order[0]] = True  # the most likely token always survives
     probs = np.where(keep, probs, 0.0)
     return probs / probs.sum()
