@@ -238,6 +238,27 @@ def test_the_engine_s_stop_reason_passes_through_the_server_process():
                 assert delta.stop_reason == reason and type(delta.stop_reason) is type(reason)
 
 
+def test_a_stop_token_that_completes_a_stop_string_is_the_stop_reason():
+    """vLLM's check_stop checks EOS, then stop tokens, then stop strings: a token that
+    both ends the sample in the engine (stop_status) and completes a stop string in the
+    server process leaves the engine's reason (its id, or none for EOS), with the text
+    the engine's own would be (the token's kept only with include_stop_str_in_output)."""
+    for include, text in ((False, "ab"), (True, "abc")):
+        for params, reason in ((dict(stop_token_ids=[2]), 2), (dict(), None)):  # c; EOS
+            for stream in (False, True):
+                sample = detokenized(["bc"], stream, eos=(2,), include_stop_str_in_output=include,
+                                     **params)
+                delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2], "stop",
+                                                            stop_reason=reason))
+                assert not stopped and delta.token_ids == [0, 1, 2]
+                assert (delta.finish_reason, delta.stop_reason, delta.text) == \
+                    ("stop", reason, text), (include, params, stream)
+    # a token the engine did not stop at (ignore_eos) is matched as any
+    sample = detokenized(["bc"], eos=(2,), ignore_eos=True, include_stop_str_in_output=True)
+    delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2], None))
+    assert stopped and (delta.stop_reason, delta.text) == ("bc", "abc")
+
+
 def test_engine_deltas_travel_as_plain_tuples():
     delta = EngineDelta("r1", 2, "hi", [5, 6], "stop", [(5, -0.1, [])], 3, (1.0, 2.0, 3.0, 4.0),
                         stop_reason=6)

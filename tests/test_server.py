@@ -245,7 +245,8 @@ def test_stop_reason_beside_finish_reason(http, llm):
     choice's last chunk (beside its finish_reason; the chunks before have none): the stop
     string (found in the server process, after the engine process went on past it) or the
     stop token id (the engine process's) that ended the choice, null for length; what
-    LLM.generate says."""
+    LLM.generate says. A token that is a stop token and completes a stop string is the
+    stop token's (vLLM checks stop tokens before stop strings), kept in the text or not."""
     chat = [{"role": "user", "content": "Hi there"}]
     chat_prompt = http.post("/tokenize", json={"messages": chat}).json()["tokens"]
     for path, prompt, field in (("/v1/completions", "abc", {"prompt": "abc"}),
@@ -254,11 +255,15 @@ def test_stop_reason_beside_finish_reason(http, llm):
         text = free.text
         stop = next(c for c in text[1:] if c != "\ufffd")  # (the tiny model's text)
         token = next(t for t in free.token_ids[4:] if t not in free.token_ids[:4])
+        both, piece = stop_token_with_text(llm, prompt, free.token_ids)
         for fields, finish, reason in (
                 ({"stop": ["\u2603\u2603", stop]}, "stop", stop),
                 ({"stop": [stop], "include_stop_str_in_output": True}, "stop", stop),
                 ({"stop_token_ids": [token]}, "stop", token),
                 ({"stop_token_ids": [token], "stop": ["\u2603\u2603"]}, "stop", token),
+                ({"stop_token_ids": [both], "stop": [piece]}, "stop", both),
+                ({"stop_token_ids": [both], "stop": [piece], "include_stop_str_in_output": True},
+                 "stop", both),
                 ({}, "length", None)):
             want = greedy(llm, prompt, 24, ignore_eos=True, **fields)
             assert (want.finish_reason, want.stop_reason) == (finish, reason), fields
@@ -266,12 +271,31 @@ def test_stop_reason_beside_finish_reason(http, llm):
             whole = http.post(path, json=body).json()["choices"][0]
             assert (whole["finish_reason"], whole["stop_reason"]) == (finish, reason), \
                 (path, fields)
+            assert whole.get("text", whole.get("message", {}).get("content")) == want.text, \
+                (path, fields)
             with http.stream("POST", path, json={**body, "stream": True}) as response:
                 chunks = [e["choices"][0] for e in sse_events(response)]
             *before, last = chunks
             assert (last["finish_reason"], last["stop_reason"]) == (finish, reason), \
                 (path, fields)
             assert all("stop_reason" not in c and c["finish_reason"] is None for c in before)
+
+
+def stop_token_with_text(llm, prompt, token_ids):
+    """(a token of the greedy output token_ids, the text it adds): text that is found
+    first where that token ends it, so it is a stop string the token completes."""
+    for at, token in enumerate(token_ids[4:], 4):
+        if token in token_ids[:at]:
+            continue
+        without, kept = (greedy(llm, prompt, 24, ignore_eos=True, stop_token_ids=[token],
+                                include_stop_str_in_output=include).text
+                         for include in (False, True))
+        piece = kept[len(without):]
+        if piece and "\ufffd" not in piece and piece not in without:
+            assert greedy(llm, prompt, 24, ignore_eos=True, stop=[piece]).token_ids == \
+                token_ids[:at + 1]
+            return token, piece
+    raise AssertionError("no token of the output completes a text of its own")
 
 
 def test_same_seed_same_sample(client, llm):

@@ -195,9 +195,7 @@ class SampleText:
         include_stop_str_in_output keeps it) and what the detokenizer held back."""
         detokenizer = self.detokenizer
         if detokenizer is not None:
-            for token_id in token_ids[self.num_tokens:]:  # not matched for stop strings
-                if token_id < self.vocab_size:
-                    self.unsent.append(detokenizer.add(token_id))
+            self.add_unmatched(token_ids[self.num_tokens:])
             self.unsent.append(detokenizer.flush())
             return
         vocab = self.vocab_size
@@ -211,6 +209,14 @@ class SampleText:
                 self.unsent.append(whole[len(before):])
                 return
         self.unsent.append(decode(token_ids, skip))
+
+    def add_unmatched(self, token_ids) -> None:
+        """Adds the tokens' text (incremental only) without matching it for stop strings:
+        the stop token or EOS that stop_status ended the sample at decided first (vLLM's
+        check_stop order), and its text is kept only with include_stop_str_in_output."""
+        for token_id in token_ids:
+            if token_id < self.vocab_size:
+                self.unsent.append(self.detokenizer.add(token_id))
 
     def take(self, finished: bool) -> str:
         """The text made since the last take(), less what is held back unless finished."""
@@ -229,16 +235,20 @@ class DetokenizedSample:
     the server process sees it: process() adds the text to each delta and ends the sample
     at a stop string, keeping the tokens up to the one that completed it (the engine is
     told to stop it, and what it made meanwhile is dropped here)."""
-    __slots__ = ("text", "finished", "first_token_at", "eos", "num_cached_tokens")
+    __slots__ = ("text", "finished", "first_token_at", "stop_tokens", "keep_stop_token",
+                 "num_cached_tokens")
 
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=(), prompt_ids=()):
         self.text = SampleText(tokenizer, params, stream or bool(params.stop), prompt_ids)
         self.finished = False
-        # the tokens whose "stop" has no text (EOS, stop_token_ids; none where the request
-        # keeps what stopped it, include_stop_str_in_output); a sample may also stop at a
-        # token that has (a grammar complete: structured outputs)
-        self.eos = frozenset() if params.include_stop_str_in_output else frozenset(
+        # the tokens stop_status ends a sample at (EOS unless ignore_eos, stop_token_ids):
+        # the engine's "stop" at one of them was decided before any stop string, as the
+        # engine's own text decides it (LLMEngine._append_token); its text is kept only
+        # with include_stop_str_in_output. A sample may also stop at another token (a
+        # grammar complete: structured outputs), whose text is matched as any
+        self.stop_tokens = frozenset(
             () if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
+        self.keep_stop_token = params.include_stop_str_in_output
         self.first_token_at: float | None = None  # when its first token reached this process
         self.num_cached_tokens = 0  # as the sample's latest delta said
 
@@ -255,12 +265,12 @@ class DetokenizedSample:
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
             self.first_token_at = time.monotonic()
-        # the engine's "stop" at EOS: that token has no text (the engine matches no stop
-        # strings for this sample; a completed grammar's last token has text)
-        num_with_text = len(token_ids) - (finish_reason == "stop" and bool(token_ids)
-                                          and token_ids[-1] in self.eos)
+        # the engine's "stop" at EOS or a stop token (stop_status): that token is not
+        # matched for stop strings, and the stop reason stays the engine's
+        num_matched = len(token_ids) - (finish_reason == "stop" and bool(token_ids)
+                                        and token_ids[-1] in self.stop_tokens)
         if text.incremental:
-            for i in range(num_with_text):
+            for i in range(num_matched):
                 stop = text.add(token_ids[i])
                 if stop is not None:
                     token_ids = token_ids[:i + 1]
@@ -274,9 +284,11 @@ class DetokenizedSample:
                     break
             else:
                 if finish_reason is not None:
+                    if self.keep_stop_token:
+                        text.add_unmatched(token_ids[num_matched:])
                     text.finish(())
         elif finish_reason is not None:  # its one delta carries all of its tokens
-            text.finish(token_ids[:num_with_text])
+            text.finish(token_ids if self.keep_stop_token else token_ids[:num_matched])
         self.finished = finish_reason is not None
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
