@@ -196,8 +196,11 @@ class SamplingParams:
                    f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
-            raise RequestError(f"min_tokens must be an integer from 0 to max_tokens "
-                               f"({self.max_tokens}), got {_preview(self.min_tokens)}")
+            # max_tokens None has no number to show: the context limit ends the output
+            rule = ">= 0" if self.max_tokens == NO_MAX_TOKENS else \
+                f"from 0 to max_tokens ({self.max_tokens})"
+            raise RequestError(f"min_tokens must be an integer {rule}, got "
+                               f"{_preview(self.min_tokens)}")
         if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(_is_token_id(t) for t in self.stop_token_ids)):
             raise RequestError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
