@@ -546,6 +546,19 @@ def test_min_tokens_error_names_only_a_max_tokens_that_was_given():
     assert "max_tokens (5)" in message and "got 6" in message
 
 
+def test_min_tokens_past_the_context_bans_eos_up_to_it(llm):
+    """max_tokens None: any min_tokens >= 0 is taken, and one past the context limit
+    keeps the stop tokens banned until the context ends the output."""
+    prompt = [5] * (llm.engine.context_limit - 6)
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0)).token_ids[0]
+    for min_tokens in (6, 2**40):
+        out = llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=min_tokens,
+                                                  stop_token_ids=[first], temperature=0))
+        assert out.finish_reason == "length" and len(out.token_ids) == 6, min_tokens
+        assert first not in out.token_ids
+    assert_all_blocks_free(llm)
+
+
 def test_chat_answers_a_list_of_conversations_with_a_list(llm):
     conversation = [{"role": "user", "content": "a"}]
     params = SamplingParams(max_tokens=2, **GREEDY)

@@ -33,6 +33,9 @@ ROW_SOURCES = {
     "num_logprobs": lambda seq, entries: -1 if seq.params.logprobs is None else seq.params.logprobs,
     "num_biases": lambda seq, entries: entries[2],
     "num_min_bans": lambda seq, entries: entries[3],
+    # an int32 row: min_tokens past the output's end (max_tokens None leaves it unbounded)
+    # bans no more than the output's length does
+    "min_tokens": lambda seq, entries: min(seq.params.min_tokens, seq.output_limit),
 }
 
 
