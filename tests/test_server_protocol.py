@@ -102,6 +102,32 @@ def test_sampling_controls_reach_sampling_params_and_bad_values_name_the_field(l
             assert (e.status, e.param) == (400, name) and name in e.message, name
 
 
+def test_min_tokens_past_a_max_tokens_left_out_names_its_source(llm):
+    """A max_tokens the client left out is the context's room (chat) or OpenAI's 16
+    (completions): a min_tokens past it says which, and how to fix the request, not a
+    max_tokens nobody sent; one that was sent is named as it was."""
+    defaults = model_sampling_defaults(llm.config.generation_config)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, base in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, chat)):
+        e = pytest.raises(APIError, parse(model, {**base, "min_tokens": 96}).sampling_params,
+                          5, 100, defaults).value
+        assert (e.status, e.param) == (400, "min_tokens"), model
+        assert "96" in e.message and "95 tokens" in e.message and "context limit of 100" \
+            in e.message and "max_tokens" not in e.message, e.message
+    assert parse(ChatCompletionRequest, {**chat, "min_tokens": 95}).sampling_params(
+        5, 100, defaults).min_tokens == 95  # all the room is allowed
+    e = pytest.raises(APIError, parse(CompletionRequest, {"prompt": "x", "min_tokens": 20})
+                      .sampling_params, 5, 100, defaults).value
+    assert (e.status, e.param) == (400, "min_tokens")
+    assert "16 when it is left out" in e.message and "at least 20" in e.message, e.message
+    assert parse(CompletionRequest, {"prompt": "x", "min_tokens": 20, "max_tokens": 20}) \
+        .sampling_params(5, 100, defaults).min_tokens == 20
+    e = pytest.raises(APIError, parse(ChatCompletionRequest, {**chat, "min_tokens": 20,
+                                                              "max_tokens": 10})
+                      .sampling_params, 5, 100, defaults).value
+    assert e.param == "min_tokens" and "max_tokens (10)" in e.message
+
+
 def test_prompts_and_sampling_params(llm):
     tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
     defaults = model_sampling_defaults(llm.config.generation_config)

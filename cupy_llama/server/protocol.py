@@ -404,6 +404,17 @@ class _SamplingFields(_Unsupported, _Model):
                            param=max_tokens_field, code="context_length_exceeded")
         else:
             max_tokens = requested
+        wanted = self.min_tokens
+        if requested is None and type(wanted) is int and wanted > max_tokens:
+            # the max_tokens in the way is none the client gave: say where it comes from
+            if wanted > room:
+                raise APIError(400, f"min_tokens {wanted} is more than the {room} tokens the "
+                                    f"context limit of {max_model_len} leaves after the "
+                                    f"{num_prompt_tokens} prompt tokens; ask for at most "
+                                    f"{room} or shorten the prompt", param="min_tokens")
+            raise APIError(400, f"min_tokens {wanted} is more than {max_tokens_field}, "
+                                f"{max_tokens} when it is left out; send {max_tokens_field} "
+                                f"of at least {wanted}", param="min_tokens")
         values = {name: getattr(self, name) for name in
                   ("temperature", "top_p", "top_k", "min_p", "seed", "stop", *PASSED_FIELDS)
                   if getattr(self, name) is not None}
