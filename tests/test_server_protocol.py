@@ -199,9 +199,6 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert request.prompt_texts(prompts, TokenStrings(tokenizer))[0] == \
         tokenizer.decode(ids[-5:], skip_special_tokens=False)
     whole = parse(CompletionRequest, {"prompt": text, "truncate_prompt_tokens": -1})
-    assert whole.truncated(ids, 30) == ids[-30:]  # the whole context: no room left, a 400
-    assert pytest.raises(APIError, whole.engine_inputs, tokenizer, vocab, 30, {}).value.code \
-        == "context_length_exceeded"
     assert whole.engine_inputs(tokenizer, vocab, 512, {})[0] == [ids]
     messages = [{"role": "user", "content": text}]
     chat = parse(ChatCompletionRequest, {"messages": messages, "truncate_prompt_tokens": 7})
@@ -212,6 +209,45 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     e = pytest.raises(APIError, parse(CompletionRequest, {
         "prompt": "x", "truncate_prompt_tokens": 65}).engine_inputs, tokenizer, vocab, 64, {}).value
     assert e.param == "truncate_prompt_tokens" and "64" in e.message
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_the_output(llm):
+    """vLLM's -1 keeps as much of the prompt as the context holds beside the output asked
+    for (max_model_len - max_tokens; completions' default 16 where it is left out), so
+    the request runs with all it asked for; a chat that asks for nothing gets the whole
+    context, and where that leaves no room the 400 names both fields, not the prompt."""
+    tokenizer, vocab = llm.tokenizer, llm.config.vocab_size
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    ids = tokenizer.encode(text)
+    messages = [{"role": "user", "content": text}]
+    chat_ids = tokenizer.encode_chat(messages)
+    assert len(ids) > 40 and len(chat_ids) > 40
+    for body, whole, kept, max_tokens in (
+            ({"prompt": text}, ids, 30 - 16, 16),
+            ({"prompt": text, "max_tokens": 5}, ids, 25, 5),
+            ({"prompt": text, "max_tokens": 0, "echo": True}, ids, 29, 1),  # scores the prompt
+            ({"messages": messages, "max_tokens": 5}, chat_ids, 25, 5),
+            ({"messages": messages, "max_completion_tokens": 29}, chat_ids, 1, 29)):
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        request = parse(model, {**body, "truncate_prompt_tokens": -1})
+        [prompt], [params] = request.engine_inputs(tokenizer, vocab, 30, {})
+        assert prompt == whole[-kept:] and params.max_tokens == max_tokens, body
+    chat = parse(ChatCompletionRequest, {"messages": messages, "truncate_prompt_tokens": -1})
+    [prompt], [params] = chat.engine_inputs(tokenizer, vocab, len(chat_ids) + 3, {})
+    assert prompt == chat_ids and params.max_tokens == 3  # it fits: nothing is cut
+    e = pytest.raises(APIError, chat.engine_inputs, tokenizer, vocab, 30, {}).value
+    assert (e.status, e.param) == (400, "truncate_prompt_tokens")
+    assert "max_tokens" in e.message and "no room" in e.message and "shorten" not in e.message
+    for body in ({"prompt": text, "max_tokens": 30}, {"messages": messages, "max_tokens": 40}):
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        e = pytest.raises(APIError, parse(model, {**body, "truncate_prompt_tokens": -1})
+                          .engine_inputs, tokenizer, vocab, 30, {}).value
+        assert (e.status, e.param) == (400, "max_tokens") and "at most 29" in e.message, body
+    # a max_tokens below 1 is refused as such, not as a prompt too long
+    e = pytest.raises(APIError, parse(ChatCompletionRequest, {
+        "messages": messages, "max_tokens": 0, "truncate_prompt_tokens": -1}).engine_inputs,
+        tokenizer, vocab, 30, {}).value
+    assert e.param == "max_tokens" and "at least 1" in e.message
 
 
 def test_builders_make_openai_bodies():

@@ -309,13 +309,38 @@ class _SamplingFields(_Unsupported, _Model):
         its last tokens (the body's size limit still holds)."""
         return None if self.truncate_prompt_tokens is not None else max_prompt_bytes
 
+    def output_asked(self) -> tuple[str, int | None, int | None]:
+        """(the field that asks for output tokens, its value, the default where it is left
+        out; None: what the context leaves)."""
+        raise NotImplementedError
+
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's)."""
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens. -1: as many as the
+        context holds beside the output asked for (vLLM's max_model_len - max_tokens), so
+        a max_tokens that fits is never refused for the prompt's length."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt
         if k == -1:
-            k = max_model_len
+            field, requested, default = self.output_asked()
+            asked = default if requested is None else requested
+            if asked is None:  # nothing asked: the whole context, and none left for a reply
+                if len(prompt) >= max_model_len:
+                    raise APIError(400, f"truncate_prompt_tokens -1 keeps {max_model_len} "
+                                        f"prompt tokens (the context limit) when {field} is "
+                                        f"left out, which leaves no room for a reply; send "
+                                        f"{field} (-1 then keeps room for it) or a "
+                                        f"truncate_prompt_tokens below {max_model_len}",
+                                   param="truncate_prompt_tokens",
+                                   code="context_length_exceeded")
+                return prompt
+            if asked >= max_model_len:
+                raise APIError(400, f"{field} {asked} leaves no room for the prompt that "
+                                    f"truncate_prompt_tokens -1 keeps in the context limit of "
+                                    f"{max_model_len}; ask for at most {max_model_len - 1} "
+                                    f"tokens", param=field, code="context_length_exceeded")
+            # (an asked value below 1 is refused by name with the sampling parameters)
+            k = max_model_len - max(asked, 1)
         if k > max_model_len:
             raise APIError(400, f"truncate_prompt_tokens ({k}) is more than the model's context "
                                 f"({max_model_len} tokens); send at most {max_model_len}, or -1",
@@ -609,13 +634,18 @@ class CompletionRequest(_SamplingFields):
                               self.logprobs if self.echo else None) if k is not None]
         return max(wanted) if wanted else None
 
+    def output_asked(self) -> tuple[str, int | None, int | None]:
+        """max_tokens left out: OpenAI's 16 (what the context leaves if less)."""
+        return ("max_tokens", 1 if self.scores_only else self.max_tokens,
+                COMPLETION_DEFAULT_MAX_TOKENS)
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
         """max_tokens left out: OpenAI's 16, or what the context leaves if less."""
-        requested = 1 if self.scores_only else self.max_tokens
-        return self._sampling_params("max_tokens", requested, num_prompt_tokens,
+        field, requested, default = self.output_asked()
+        return self._sampling_params(field, requested, num_prompt_tokens,
                                      max_model_len, model_defaults,
-                                     COMPLETION_DEFAULT_MAX_TOKENS, "prompt", self.logprobs,
+                                     default, "prompt", self.logprobs,
                                      end_token_ids=self._fim_end_ids)
 
     def prompt_texts(self, prompts: list[list[int]], token_strings) -> list[str]:
@@ -1112,13 +1142,19 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
                                 f"({', '.join(PARSER_NAMES)})", param=field)
         return name
 
+    def output_asked(self) -> tuple[str, int | None, int | None]:
+        """max_completion_tokens (or the older max_tokens) left out: what the context
+        leaves."""
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return field, getattr(self, field), None
+
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                         model_defaults: dict) -> SamplingParams:
         """max_completion_tokens (or the older max_tokens) left out: what the context leaves."""
-        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        field, requested, default = self.output_asked()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling_params(field, getattr(self, field), num_prompt_tokens,
-                                       max_model_len, model_defaults, None, "messages",
+        params = self._sampling_params(field, requested, num_prompt_tokens,
+                                       max_model_len, model_defaults, default, "messages",
                                        logprobs, structured=self._tool_grammar)
         if ((self.uses_tools and self._parser in SPECIAL_TAG_PARSERS)
                 or (self._reasoning is not None and self._reasoning.special)):
