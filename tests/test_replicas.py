@@ -317,33 +317,101 @@ def test_nginx_spreads_the_requests_and_outputs_equal_generate(cluster, llm):
     assert too_large.json()["error"]["code"] == "request_too_large"
 
 
+def _engine_pid(server_pid: int) -> int:
+    """The engine process a replica's server started (its child)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid:  # the parent's pid
+                children.append(int(entry))
+    engines = [pid for pid in children
+               if b"engine_process_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(engines) == 1, (server_pid, children)
+    return engines[0]
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value in a /metrics text (its labels: those before model_name)."""
+    prefix = f"cupy_llama:{name}{{{labels}"
+    return float(next(line for line in text.splitlines()
+                      if line.startswith(prefix)).rsplit(" ", 1)[1])
+
+
+async def _settled_finishes(client: httpx.AsyncClient, more_than: int) -> int:
+    """Requests the replica behind client has finished that generated more than
+    more_than tokens, once its engine is stopped: read until a whole round trip of its
+    server brings no change, so that every step the engine sent is taken in and every
+    request it ended is counted (its server reads the engine and wakes the handlers,
+    which count a request before they write its end, on every turn of its event loop)."""
+    def view(text: str) -> tuple:
+        finished = _metric(text, "request_generation_tokens_count") - _metric(
+            text, "request_generation_tokens_bucket", f'le="{float(more_than)}"')
+        return _metric(text, "engine_steps_total"), _metric(
+            text, "generation_tokens_total"), finished
+
+    before = view((await client.get("/metrics")).text)
+    while True:
+        now = view((await client.get("/metrics")).text)
+        if now == before:
+            return int(now[2])
+        before = now
+
+
 @pytest.mark.slow
 def test_a_replica_killed_mid_wave_loses_only_the_streams_it_had_begun(cluster, llm):
     victim, survivor = cluster.names
     expected = _expected(llm, LONG_WAVE)
+    # the streams are the wave's long requests: the victim's count of long ones finished
+    # counts its streams finished
+    assert all(stream == (max_tokens > 100) for _, stream, max_tokens in LONG_WAVE)
+    engine = _engine_pid(cluster.replicas[0].proc.pid)
 
     async def wave():
-        begun = asyncio.Event()  # a stream from the victim has text: it runs there now
+        text_came = asyncio.Event()  # a chunk of a stream from the victim came
+        begun: set[int] = set()  # the victim's streams that have text here
         killed = False
         sent_after_kill = [False] * len(LONG_WAVE)
 
-        def on_chunk(outcome: Outcome) -> None:
-            if outcome.served_by == victim:
-                begun.set()
-
-        async with _client(cluster.url) as client:
+        async with _client(cluster.url) as client, \
+                _client(f"http://127.0.0.1:{victim}") as direct:
             gate = asyncio.Semaphore(16)  # 16 at a time: the rest go once the kill is done
 
             async def one(i: int, request) -> Outcome:
+                def on_chunk(outcome: Outcome) -> None:
+                    if outcome.served_by == victim:
+                        begun.add(i)
+                        text_came.set()
+
                 async with gate:
                     sent_after_kill[i] = killed
                     return await _send(client, request, on_chunk)
 
             tasks = [asyncio.create_task(one(i, request)) for i, request in enumerate(LONG_WAVE)]
-            await asyncio.wait_for(begun.wait(), TIMEOUT_S)
-            os.killpg(cluster.replicas[0].proc.pid, signal.SIGKILL)  # server and engine
-            killed = True
-            return await asyncio.gather(*tasks), sent_after_kill
+            wave_over = asyncio.ensure_future(asyncio.gather(*tasks))
+            # The kill must land while the victim has a stream it has begun and not
+            # finished. What this process has read of a stream may trail what the
+            # victim sent by all of it (a loaded machine), so the victim's engine is
+            # stopped first, and then its own count decides: with more streams begun
+            # here than it has finished, one of them can never finish before the kill.
+            try:
+                while True:
+                    came = asyncio.ensure_future(text_came.wait())
+                    await asyncio.wait([came, wave_over], timeout=TIMEOUT_S,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    assert came.done(), "the wave ended before the victim was caught " \
+                                        "mid-stream"
+                    text_came.clear()
+                    os.kill(engine, signal.SIGSTOP)
+                    if len(begun) > await _settled_finishes(direct, more_than=100):
+                        break
+                    os.kill(engine, signal.SIGCONT)  # those it began have all ended
+                os.killpg(cluster.replicas[0].proc.pid, signal.SIGKILL)  # server and engine
+                killed = True
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(engine, signal.SIGCONT)
+            return await wave_over, sent_after_kill
 
     outcomes, sent_after_kill = asyncio.run(wave())
     assert cluster.replicas[0].proc.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
