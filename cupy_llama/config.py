@@ -165,12 +165,12 @@ class ModelConfig:
 
 # ---------------------------------------------------------------- reading config.json
 
-_GGUF_REFUSED = ("cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face "
-                "model folder (config.json, tokenizer.json and .safetensors weights), such as "
-                "the model's release on the Hugging Face Hub")
+GGUF_REFUSED = ("cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face "
+               "model folder (config.json, tokenizer.json and .safetensors weights), such as "
+               "the model's release on the Hugging Face Hub")
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     """A GGUF file (llama.cpp's format), by its name or its magic bytes."""
     if path.suffix.lower() == ".gguf":
         return True
@@ -187,8 +187,8 @@ def read_model_json(model_dir) -> tuple[dict, dict]:
     folder of them, named as such), or bad JSON."""
     model_dir = Path(model_dir)
     if model_dir.is_file():
-        if _is_gguf(model_dir):
-            raise ConfigError(f"{str(model_dir)!r} is a GGUF file; {_GGUF_REFUSED}")
+        if is_gguf(model_dir):
+            raise ConfigError(f"{str(model_dir)!r} is a GGUF file; {GGUF_REFUSED}")
         raise ConfigError(f"{str(model_dir)!r} is a file, not a model directory; pass the "
                           "folder that holds config.json")
     if not model_dir.is_dir():
@@ -199,7 +199,7 @@ def read_model_json(model_dir) -> tuple[dict, dict]:
         if ggufs:
             raise ConfigError(f"{str(model_dir)!r} holds GGUF files ({', '.join(ggufs[:2])}"
                               f"{', ...' if len(ggufs) > 2 else ''}) and no config.json; "
-                              f"{_GGUF_REFUSED}")
+                              f"{GGUF_REFUSED}")
     raw = _read_json(model_dir / "config.json", required=True)
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")

@@ -401,6 +401,30 @@ def test_a_model_given_as_an_argument_is_told_where_it_goes(model_dir, tmp_path,
         f"error: Invalid value for 'MODE': {str(model_dir)!r} is a path, not a MODE; bench "
         f"takes the model as --model PATH: cupy-llama bench latency --model {model_dir} "
         "(see 'cupy-llama bench --help')")
+    # a model file as chat's PROMPT: GGUF (by its name, even a missing one, or its magic
+    # bytes), which no command loads, or a file of a model folder, which --model takes
+    gguf_refused = ("cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face "
+                    "model folder (config.json, tokenizer.json and .safetensors weights), such "
+                    "as the model's release on the Hugging Face Hub; chat takes it as --model PATH")
+    (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"GGUF\x03\0\0\0")
+    (tmp_path / "renamed.bin").write_bytes(b"GGUF\x03\0\0\0")
+    for prompt in (str(tmp_path / "model.Q4_K_M.gguf"), str(tmp_path / "renamed.bin"),
+                   "missing.gguf"):
+        assert main(["chat", prompt]) == 2, prompt
+        err = capsys.readouterr().err
+        assert one_error_line(err) == (f"error: PROMPT {prompt!r} is a GGUF file, not a "
+                                       f"message; {gguf_refused}")
+        assert "loading" not in err and "demo" not in err
+    for name in ("model.safetensors", "config.json"):
+        prompt = str(model_dir / name)
+        assert main(["chat", prompt]) == 2, prompt
+        assert one_error_line(capsys.readouterr().err) == (
+            f"error: PROMPT {prompt!r} is a file of a model folder, not a message; chat "
+            f"takes the folder as --model PATH: cupy-llama chat --model {model_dir}")
+    # a message that only mentions such a file is a message
+    assert main(["chat", "--model", str(model_dir), *CPU, "--max-tokens", "1",
+                 "What is in a .gguf"]) == 0
+    capsys.readouterr()
     # a message of several words, unquoted
     assert main(["chat", "--model", str(model_dir), "Name", "three", "rivers."]) == 2
     assert one_error_line(capsys.readouterr().err) == (

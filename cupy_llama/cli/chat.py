@@ -68,10 +68,8 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
         if not once:
             raise OptionError("PROMPT is empty; give the message, e.g. cupy-llama chat "
                               "'Hello', or leave it out for an interactive chat")
-        if model_dir is None and os.path.isdir(prompt):  # `chat MODEL`: not a message
-            raise OptionError(f"PROMPT {prompt!r} is a folder, not a message; chat takes the "
-                              "model as --model PATH: cupy-llama chat --model "
-                              f"{shlex.quote(prompt)}")
+        if model_dir is None:  # `chat MODEL`: not a message
+            _refuse_model_as_prompt(prompt)
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     model_dir = model_dir or options.default_model_dir()
@@ -96,6 +94,32 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
     return run_terminal(session, Console(**colour), Console(stderr=True, **colour),
                         history_path=_history_path())
+
+
+# a Hugging Face model folder's files by name (its weights: *.safetensors), which --model takes
+_MODEL_FOLDER_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def _refuse_model_as_prompt(prompt: str) -> None:
+    """OptionError for a PROMPT that names a model rather than a message: a folder, a GGUF
+    file (by its name, existing or not, or its magic bytes) or a file of a model folder.
+    A message of several words that mentions such a name is a message."""
+    from ..config import GGUF_REFUSED, is_gguf
+
+    if os.path.isdir(prompt):
+        raise OptionError(f"PROMPT {prompt!r} is a folder, not a message; chat takes the "
+                          f"model as --model PATH: cupy-llama chat --model {shlex.quote(prompt)}")
+    path = Path(prompt)
+    one_word = len(prompt.split()) == 1
+    if (one_word and path.suffix.lower() == ".gguf") or (os.path.isfile(prompt) and is_gguf(path)):
+        raise OptionError(f"PROMPT {prompt!r} is a GGUF file, not a message; {GGUF_REFUSED}; "
+                          "chat takes it as --model PATH")
+    if os.path.isfile(prompt) and (path.name in _MODEL_FOLDER_FILES
+                                   or path.suffix == ".safetensors"):
+        folder = os.path.dirname(prompt) or "."
+        raise OptionError(f"PROMPT {prompt!r} is a file of a model folder, not a message; chat "
+                          "takes the folder as --model PATH: cupy-llama chat --model "
+                          f"{shlex.quote(folder)}")
 
 
 def _template_kwargs(text: str | None) -> dict | None:
