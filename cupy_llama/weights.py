@@ -263,14 +263,10 @@ def open_checkpoint(model_dir, model, log: Callable[[str], None] | None = None) 
     (a models/ Decoder) reads: its tensor_shapes(), and its config."""
     config = model.config
     model_dir = Path(model_dir)
-    if (model_dir / SINGLE_FILE).is_file():
-        tensors = read_safetensors_header(model_dir / SINGLE_FILE)
-        where = str(model_dir / SINGLE_FILE)
-    elif (model_dir / INDEX_FILE).is_file():
-        tensors = _read_sharded(model_dir)
-        where = str(model_dir / INDEX_FILE)
-    else:
-        raise CheckpointError(_no_weights_message(model_dir))
+    found = find_weights(model_dir)
+    tensors = read_safetensors_header(found) if found.name == SINGLE_FILE else \
+        _read_sharded(model_dir)
+    where = str(found)
 
     tensors = model.checkpoint_names(tensors)
     tensors = {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIX)}
@@ -310,6 +306,17 @@ def open_checkpoint(model_dir, model, log: Callable[[str], None] | None = None) 
     if converted and log is not None:
         log(f"converting {', '.join(converted)} weights to bf16 at load")
     return Checkpoint(model_dir, tensors)
+
+
+def find_weights(model_dir) -> Path:
+    """The file that says where a model folder's weights are: model.safetensors, else the
+    shards' index. A CheckpointError naming what the folder holds instead, found before
+    anything is read (the CLI checks it with config.json, before the model loads)."""
+    model_dir = Path(model_dir)
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise CheckpointError(_no_weights_message(model_dir))
 
 
 def _scale_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

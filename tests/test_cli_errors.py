@@ -217,6 +217,32 @@ def test_every_model_path_mistake_is_a_one_line_exit_1(command, good_model, tmp_
     assert "'--model': is empty; name a model folder" in one_error_line(capsys.readouterr().err)
 
 
+def test_a_folder_without_weights_is_found_before_loading(good_model, tmp_path, capsys):
+    """config.json and the tokenizer, but GGUF weights in place of safetensors: every
+    command names the folder and what it lacks before the load (and the tokenizer's load)
+    starts, and generate writes no file."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(good_model, model_dir)
+    (model_dir / "model.safetensors").rename(model_dir / "model-Q4_K_M.gguf")
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out"
+    prompts.write_text("hi\n")
+    out.mkdir()
+    commands = [["chat", "hi"], ["info"],
+                ["generate", "--input", str(prompts), "--output", str(out / "r.jsonl")]]
+    if all(importlib.util.find_spec(p) for p in ("fastapi", "uvicorn", "pydantic")):
+        commands.append(["serve", "--port", "0"])  # before it listens
+    for command in commands:
+        assert main([*command, "--model", str(model_dir), "--device", "cpu"]) == 1, command
+        err = capsys.readouterr().err
+        assert one_error_line(err) == (
+            f"error: no weights in {str(model_dir)!r}: looked for model.safetensors and "
+            "model.safetensors.index.json; found model-Q4_K_M.gguf, GGUF (llama.cpp's "
+            "format), which cupy-llama does not load: use the model's Hugging Face release "
+            "(.safetensors weights)"), command
+        assert "loading" not in err, command
+    assert list(out.iterdir()) == []
+
+
 def test_a_context_beyond_the_model_names_the_flag_and_the_limit(good_model, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")

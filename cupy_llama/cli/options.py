@@ -161,14 +161,16 @@ def check_options(sampling: dict, engine: dict) -> None:
 
 
 def check_model_options(model_dir, engine: dict, sampling: dict | None = None):
-    """The model's config.json (a bad folder is a one-line error, exit 1), then the options
-    the model must take, as usage errors: --max-model-len beyond its context, a --logit-bias
-    token id outside its vocabulary. Returns the ModelConfig as the engine will run it
-    (--quantization applied)."""
+    """The model's config.json and that it has weights (a bad folder is a one-line error,
+    exit 1), then the options the model must take, as usage errors: --max-model-len beyond
+    its context, a --logit-bias token id outside its vocabulary. Returns the ModelConfig as
+    the engine will run it (--quantization applied)."""
     from ..config import EngineConfig
     from ..models import read_config
+    from ..weights import find_weights
 
     config = read_config(model_dir)  # generation defaults checked too
+    find_weights(model_dir)  # a folder of GGUF files and a config.json, say
     try:
         engine_config = EngineConfig(**engine)
         engine_config.resolved_max_model_len(config)
