@@ -313,12 +313,25 @@ def test_a_logit_bias_outside_the_vocabulary_is_a_usage_error_before_loading(
 
 
 def test_a_refused_generate_leaves_no_files_behind(model_dir, tmp_path):
-    """The model's checks come before generate writes anything: a refused run leaves
-    neither the output nor its options file (OUTPUT.run.json) for --resume to find."""
+    """The model's checks and its load come before generate writes anything: a refused
+    run leaves neither the output nor its options file (OUTPUT.run.json) for --resume to
+    find."""
     out = tmp_path / "out.jsonl"
     for extra in (["--logit-bias", "512=1"], ["--max-tokens", "4096"]):
         assert main([*_generate_args(model_dir, tmp_path), "--output", str(out), *extra]) == 2
         assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+    # weights that fail only in the load (a tensor missing): nothing written either
+    from cupy_llama.checkpoint import write_safetensors
+    from cupy_llama.models import model_for, read_config
+    from cupy_llama.weights import open_checkpoint
+    broken = make_random_model(tmp_path / "models" / "broken", "tiny", seed=0,
+                               num_hidden_layers=1)
+    with open_checkpoint(broken, model_for(read_config(broken))) as checkpoint:
+        tensors = {name: checkpoint.read(name).copy() for name in checkpoint.tensors
+                   if name != "model.norm.weight"}
+    write_safetensors(broken / "model.safetensors", tensors)
+    assert main([*_generate_args(broken, tmp_path), "--output", str(out)]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "p.txt"]
 
 
 def test_a_max_tokens_that_fills_the_context_is_a_usage_error_before_loading(

@@ -173,9 +173,11 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         from ..tokenizer import Tokenizer
         reasoning = options.reasoning_parser(reasoning_parser,
                                              Tokenizer.from_dir(model_dir, config))
-    if output_path != "-" and earlier is None:  # the options of a run that starts
-        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
     llm = options.load(model_dir, device, engine)
+    # the options of a run that starts: once the model has loaded, so that a run that
+    # never started leaves no file for a --resume to compare with
+    if output_path != "-" and earlier is None:
+        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
              "(--raw: as plain text)")
