@@ -336,18 +336,23 @@ def test_a_refused_generate_leaves_no_files_behind(model_dir, tmp_path):
 
 def test_a_max_tokens_that_fills_the_context_is_a_usage_error_before_loading(
         model_dir, tmp_path, capsys):
-    """--max-tokens stands for every line: one that leaves no room for a prompt in the
-    context (the model's 4096 positions, or --max-model-len) can run no line."""
+    """--max-tokens stands for every line of generate and every reply of chat: one that
+    leaves no room for a prompt in the context (the model's 4096 positions, or
+    --max-model-len) can run no line, and no reply (chat would cap it unsaid)."""
     generate = _generate_args(model_dir, tmp_path)[:-2]  # without its --max-tokens
+    chat = ["chat", "--model", str(model_dir), *CPU, "hi"]
     for extra, message in (
             (["--max-tokens", "4096"], "--max-tokens 4096 leaves no room for a prompt: the "
              "context holds 4096 tokens, prompt and reply together; ask for fewer than 4096"),
             (["--max-tokens", "2000", "--max-model-len", "1024"], "--max-tokens 2000 leaves "
              "no room for a prompt: the context holds 1024 tokens, prompt and reply together; "
              "ask for fewer than 1024, or raise --max-model-len (the model takes up to 4096)")):
-        assert main([*generate, *extra]) == 2, extra
-        err = capsys.readouterr().err
-        assert one_error_line(err) == "error: " + message and "loading" not in err
+        for command in (generate, chat):
+            assert main([*command, *extra]) == 2, (command[0], extra)
+            err = capsys.readouterr().err
+            assert one_error_line(err) == "error: " + message and "loading" not in err
+    # chat's own default (1024 tokens) beyond a smaller context is no mistake of the user's
+    assert main([*chat, "--max-model-len", "512"]) == 0
 
 
 def test_a_line_past_the_context_fails_alike_in_both_kinds_of_file(model_dir, tmp_path):

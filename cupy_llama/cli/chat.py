@@ -73,7 +73,8 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
     model_dir = model_dir or options.default_model_dir()
-    options.check_model_options(model_dir, engine, values)  # before the weights are read
+    config = options.check_model_options(model_dir, engine, values)  # before the weights
+    options.check_max_tokens(given(flags, SAMPLING_NAMES).get("max_tokens"), config, engine)
     llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
         from ..errors import TokenizerError

@@ -167,7 +167,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     if model_dir is None:
         model_dir = options.default_model_dir()
     config = options.check_model_options(model_dir, engine, defaults)  # before the weights
-    _check_max_tokens(defaults.get("max_tokens"), config, engine)
+    options.check_max_tokens(defaults.get("max_tokens"), config, engine)
     reasoning = None
     if reasoning_parser is not None:  # checked before the model loads
         from ..tokenizer import Tokenizer
@@ -201,26 +201,6 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
-
-
-def _check_max_tokens(max_tokens: int | None, config, engine: dict) -> None:
-    """--max-tokens stands for every line that leaves max_tokens out, each line's prompt
-    beside it in the context: one that fills the context alone leaves no line room for
-    its prompt, a usage error before the model loads (a line whose prompt and max_tokens
-    together pass the context fails on its own, as the server refuses it)."""
-    from ..config import EngineConfig
-
-    if max_tokens is None:
-        return
-    context = EngineConfig(**engine).resolved_max_model_len(config)
-    if max_tokens < context:
-        return
-    model_limit = config.max_position_embeddings
-    more = (f", or raise --max-model-len (the model takes up to {model_limit})"
-            if max_tokens < model_limit else "")
-    raise OptionError(f"--max-tokens {max_tokens} leaves no room for a prompt: the context "
-                      f"holds {context} tokens, prompt and reply together; ask for fewer "
-                      f"than {context}{more}")
 
 
 def _plural(count: int, noun: str) -> str:

@@ -185,6 +185,27 @@ def check_model_options(model_dir, engine: dict, sampling: dict | None = None):
     return engine_config.model_config(config)
 
 
+def check_max_tokens(max_tokens: int | None, config, engine: dict) -> None:
+    """--max-tokens stands for every request of the command (each of generate's lines that
+    leaves max_tokens out, each of chat's replies), its prompt beside it in the context:
+    one that fills the context alone leaves no request room for a prompt, a usage error
+    before the model loads (a generate line whose prompt and max_tokens together pass the
+    context fails on its own, as the server refuses it). config: check_model_options'."""
+    from ..config import EngineConfig
+
+    if max_tokens is None:
+        return
+    context = EngineConfig(**engine).resolved_max_model_len(config)
+    if max_tokens < context:
+        return
+    model_limit = config.max_position_embeddings
+    more = (f", or raise --max-model-len (the model takes up to {model_limit})"
+            if max_tokens < model_limit else "")
+    raise OptionError(f"--max-tokens {max_tokens} leaves no room for a prompt: the context "
+                      f"holds {context} tokens, prompt and reply together; ask for fewer "
+                      f"than {context}{more}")
+
+
 def resolve_device(device: str, engine: dict) -> tuple[str, dict]:
     """The device `auto` means here (with the reason when it is the CPU), and the engine
     options without those the device does not have, each named in a warning."""
