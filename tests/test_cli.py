@@ -773,6 +773,25 @@ def test_resume_runs_a_cut_last_line_again_and_checks_the_file(model_dir, llm, t
     assert "--resume needs --output FILE" in one_error_line(capsys.readouterr().err)
 
 
+def test_resume_before_any_output_runs_everything(model_dir, tmp_path, capsys):
+    """A run stopped before it wrote its output (Ctrl-C while the model loaded) leaves no
+    file: the same command with --resume runs every request, and keeps its options for
+    the next --resume, as a run without it does."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\ntwo\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(path), "--output", str(out),
+            *CPU, "--temperature", "0", "--max-tokens", "3"]
+    assert main(args + ["--resume"]) == 0
+    assert f"resuming: {str(out)!r} does not exist yet; running all 2 requests" in \
+        capsys.readouterr().err
+    assert [row["id"] for row in read_jsonl(out)] == [1, 2]
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    assert main(args[:-1] + ["4", "--resume"]) == 2
+    assert "--max-tokens 4 (the first run: --max-tokens 3)" in one_error_line(
+        capsys.readouterr().err)
+
+
 def test_resume_counts_the_failures_an_earlier_run_wrote(model_dir, tmp_path, capsys):
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "a", "prompt": "x", "top_p": 9}\n{"id": "b", "prompt": "y"}\n')

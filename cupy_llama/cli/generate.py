@@ -148,6 +148,9 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     if reasoning_parser is not None:
         run_options["--reasoning-parser"] = reasoning_parser
     earlier = _read_earlier_output(output_path) if resume else None
+    if resume and earlier is None:  # stopped before it wrote anything: a run that starts
+        log(f"resuming: {output_path!r} does not exist yet; running all "
+            f"{_plural(len(requests), 'request')}")
     num_skipped = 0
     if earlier is not None:
         _check_same_options(output_path, run_options)
@@ -266,12 +269,13 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _read_earlier_output(output_path: str):
-    """What an earlier run left in --output (nothing when the file does not exist)."""
-    from .batch_io import Resume, read_resume
+    """What an earlier run left in --output; None when the file does not exist (a run
+    stopped before it opened its output: the run starts over)."""
+    from .batch_io import read_resume
 
     path = Path(output_path)  # expanded by generate
     if not path.exists():
-        return Resume(set(), 0)
+        return None
     return read_resume(path.read_bytes(), repr(output_path))
 
 
