@@ -246,6 +246,15 @@ def test_set_checks_names_and_values(llm):
         with pytest.raises(RequestError, match=message):
             session.set(name, value)
     assert session.params.temperature == 0.5  # unchanged by the bad values
+    # a max_tokens that fills the context alone, refused as chat's --max-tokens is
+    limit = session.context_limit
+    with pytest.raises(RequestError) as refused:
+        session.set("max_tokens", str(limit))
+    assert str(refused.value) == (f"max_tokens {limit} leaves no room for a message: the "
+                                  f"context holds {limit} tokens, the conversation and the "
+                                  f"reply together; ask for fewer than {limit}")
+    assert session.params.max_tokens == GREEDY.max_tokens
+    assert session.set("max_tokens", str(limit - 1)) == f"max_tokens = {limit - 1}"
 
 
 def test_multi_line_input():

@@ -179,6 +179,11 @@ class ChatSession:
         except ValueError:
             kind_name = "an integer" if kind is int else "a number"
             raise RequestError(f"{name} must be {kind_name}, got {value!r}") from None
+        limit = self.context_limit
+        if name == "max_tokens" and parsed >= limit:  # as chat's --max-tokens is checked
+            raise RequestError(f"max_tokens {parsed} leaves no room for a message: the context "
+                               f"holds {limit} tokens, the conversation and the reply "
+                               f"together; ask for fewer than {limit}")
         self.params = replace(self.params, **{name: parsed})  # validates
         return f"{name} = {parsed}"
 
