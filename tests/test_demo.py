@@ -131,6 +131,21 @@ def test_bad_gguf_leaves_no_half_model(tmp_path):
     assert not (tmp_path / "models").exists() or not list((tmp_path / "models").iterdir())
 
 
+def test_a_file_that_is_not_gguf_is_named_as_such(tmp_path, capsys):
+    """fetch-demo --gguf with another file (the prompts, a safetensors file): one line that
+    says it is not GGUF, rather than what the GGUF reader trips over inside it."""
+    from cupy_llama.cli import main
+    for name, data in (("prompts.txt", b"hello\n"), ("model.safetensors", b"\x08" + b"\0" * 15)):
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert main(["fetch-demo", "--gguf", str(path), "--out", str(tmp_path / "demo"),
+                     "--no-check"]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: {str(path)!r} is not a GGUF file (a GGUF file starts with the bytes "
+            "GGUF); pass the SmolLM2-135M-Instruct GGUF file")
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_failed_write_leaves_no_half_model(tmp_path, monkeypatch):
     out = tmp_path / "demo"

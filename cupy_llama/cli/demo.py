@@ -166,11 +166,15 @@ def _open_gguf(gguf_path, log):
                              "`pip install gguf` (or install cupy-llama[demo])") from None
     path = find_demo_gguf(gguf_path, log)
     log(f"reading {path} ({path.stat().st_size / 1e6:.0f} MB)")
+    fix = ("pass the SmolLM2-135M-Instruct GGUF file" if gguf_path is not None else
+           "delete it and run fetch-demo again, or pass --gguf PATH")
+    with open(path, "rb") as f:  # another file trips the reader somewhere inside it
+        if f.read(4) != b"GGUF":
+            raise DemoModelError(f"{str(path)!r} is not a GGUF file (a GGUF file starts with "
+                                 f"the bytes GGUF); {fix}")
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # a truncated or foreign file fails deep inside the reader
-        fix = ("pass the SmolLM2-135M-Instruct GGUF file" if gguf_path is not None else
-               "delete it and run fetch-demo again, or pass --gguf PATH")
+    except Exception as e:  # a truncated file fails deep inside the reader
         raise DemoModelError(f"cannot read GGUF file {str(path)!r} ({e}); {fix}") from None
     architecture = _field(reader, "general.architecture")
     if architecture != "llama":
