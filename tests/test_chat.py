@@ -845,6 +845,7 @@ def test_an_enforced_schema_that_does_not_compile_names_its_file_and_tool(tool_m
 
 
 def test_tools_need_a_template_with_a_tool_format(model_dir, tmp_path):
+    """A usage error found in the tokenizer's files, before the weights load."""
     from conftest import TOOLS
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
@@ -852,7 +853,7 @@ def test_tools_need_a_template_with_a_tool_format(model_dir, tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines()[-1].startswith(
         "error: --tools: the model's chat template shows no tool-call format")
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "loading" not in result.stderr
 
 
 def test_tool_calls_at_the_terminal(tool_model_dir, tool_llm, tmp_path):

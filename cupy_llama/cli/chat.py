@@ -75,26 +75,42 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     model_dir = model_dir or options.default_model_dir()
     config = options.check_model_options(model_dir, engine, values)  # before the weights
     options.check_max_tokens(given(flags, SAMPLING_NAMES).get("max_tokens"), config, engine)
+    if tools is not None and tools.parser is None and tools.tool_choice != "none":
+        _check_tool_format(model_dir, config)  # the tokenizer's files, before the weights
     llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
-        from ..errors import TokenizerError
-        raise TokenizerError("this model has no chat template (no chat_template.jinja and no "
-                             "chat_template in tokenizer_config.json), which chat needs; add "
-                             "one to the model folder, or send plain prompts with "
-                             "`cupy-llama generate --raw`")
+        raise _no_chat_template()
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
-    if tools is not None and tools.parser is None and tools.tool_choice != "none":
-        from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
-        if tool_parser_for_template(llm.tokenizer.template_for_tools) is None:
-            raise OptionError("--tools: the model's chat template shows no tool-call format "
-                              "this engine knows; use a model whose template calls tools, or "
-                              f"name the format with --tool-call-parser ({', '.join(PARSER_NAMES)})")
     session = ChatSession(llm, params, system, template_kwargs, tools)
     if once is not None:
         return run_once(session, once)
     colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
     return run_terminal(session, Console(**colour), Console(stderr=True, **colour),
                         history_path=_history_path())
+
+
+def _no_chat_template():
+    from ..errors import TokenizerError
+    return TokenizerError("this model has no chat template (no chat_template.jinja and no "
+                          "chat_template in tokenizer_config.json), which chat needs; add "
+                          "one to the model folder, or send plain prompts with "
+                          "`cupy-llama generate --raw`")
+
+
+def _check_tool_format(model_dir, config) -> None:
+    """--tools without --tool-call-parser: the chat template must show a tool-call format
+    this engine knows. The tokenizer's files say, so this is found before the weights load
+    (the engine reads them again: a fraction of a second, paid with --tools only)."""
+    from ..tokenizer import Tokenizer
+    from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
+
+    tokenizer = Tokenizer.from_dir(model_dir, config)
+    if tokenizer.chat_template is None:
+        raise _no_chat_template()
+    if tool_parser_for_template(tokenizer.template_for_tools) is None:
+        raise OptionError("--tools: the model's chat template shows no tool-call format this "
+                          "engine knows; use a model whose template calls tools, or name the "
+                          f"format with --tool-call-parser ({', '.join(PARSER_NAMES)})")
 
 
 # a Hugging Face model folder's files by name (its weights: *.safetensors), which --model takes
