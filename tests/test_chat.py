@@ -340,6 +340,15 @@ def test_a_prompt_argument_is_answered_once(model_dir, llm):
     assert "loading" not in empty.stderr  # refused before the model loads
 
 
+def test_a_dash_prompt_reads_the_message_from_stdin(model_dir, llm):
+    """PROMPT -, as generate's --input - takes it: the message is stdin, not "-"."""
+    result = chat_cli(model_dir, "-", stdin="What is two plus two?\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == reply_text(llm, [user("What is two plus two?")]) + "\n"
+    empty = chat_cli(model_dir, "-", stdin="")
+    assert empty.returncode == 2 and "stdin is empty" in empty.stderr
+
+
 # ---- the interactive terminal ----------------------------------------------------------------
 #
 # Every step waits for what the chat shows (a prompt, a reply's first words, a note), never

@@ -48,9 +48,9 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
 
     Replies stream as they are generated; type /help for the commands. Input history is
     kept in the cache folder. When stdin is not a terminal (and no PROMPT is given), reads
-    all of it as one message, prints only the reply and exits. PROMPT and a piped message
-    print the reply alone on stdout (statistics go to stderr); stdin is not read when
-    PROMPT is given.
+    all of it as one message, prints only the reply and exits; PROMPT - does the same
+    whatever stdin is. PROMPT and a piped message print the reply alone on stdout
+    (statistics go to stderr); stdin is not read when another PROMPT is given.
     """
     from rich.console import Console
 
@@ -63,7 +63,9 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     template_kwargs = _template_kwargs(template_json)
     tools = _chat_tools(tools_path, tool_choice, tool_call_parser, parallel_tool_calls)
     # the one message is read (and an empty one refused) before the model loads
-    if prompt is not None:
+    if prompt == "-":  # stdin, as generate's --input - reads it
+        once = piped_prompt(sys.stdin.read())
+    elif prompt is not None:
         once = prompt.strip()
         if not once:
             raise OptionError("PROMPT is empty; give the message, e.g. cupy-llama chat "
