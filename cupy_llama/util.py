@@ -14,3 +14,11 @@ def as_flag(value) -> bool | None:
     if (isinstance(value, numbers.Integral) or is_numpy_bool) and value in (0, 1):
         return bool(value)
     return None
+
+
+def json_type(value) -> str:
+    """What a JSON value is, in JSON's words ("an object", "null"), for messages about
+    JSON input that is of the wrong kind."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

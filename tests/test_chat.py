@@ -193,7 +193,7 @@ def test_save_and_load_a_conversation(llm, tmp_path):
 
 
 @pytest.mark.parametrize("data, fragment", [
-    ({"role": "user", "content": "hi"}, "must hold a JSON list of messages, got dict"),
+    ({"role": "user", "content": "hi"}, "must hold a JSON list of messages, got an object"),
     (["hi"], "message 1 must be an object"),
     ([{"content": "hi"}], "message 1 has no 'role'"),
     ([{"role": "user", "content": ["a"]}], "message 1 needs a string as its 'content'"),

@@ -85,7 +85,7 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     assert "duplicate id 'a'" in rows[5]["error"] and "line 1" in rows[5]["error"]
     assert "colour" in rows[6]["error"]
     assert "prompt" in rows[7]["error"]
-    assert "JSON object" in rows[8]["error"]
+    assert rows[8]["error"] == "line 9 must be a JSON object, got an array"  # JSON's words
     assert "context limit" in rows[9]["error"]
     assert all(set(r) == {"id", "error"} for i, r in enumerate(rows) if i not in ok)
 

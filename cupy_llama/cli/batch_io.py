@@ -45,6 +45,7 @@ from ..errors import CupyLlamaError, OptionError, RequestError
 from ..outputs import TokenStrings, json_logprob
 from ..sampling import SamplingParams, model_sampling_defaults
 from ..structured import StructuredSpec
+from ..util import json_type
 
 FORMATS = ("txt", "jsonl")
 BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
@@ -139,7 +140,7 @@ def _json_object(number: int, text: str) -> tuple[dict | None, str | None]:
         return None, (f"line {number} holds an integer of more than "
                       f"{sys.get_int_max_str_digits()} digits; write smaller numbers")
     if not isinstance(obj, dict):
-        return None, f"line {number} must be a JSON object, got {type(obj).__name__}"
+        return None, f"line {number} must be a JSON object, got {json_type(obj)}"
     return obj, None
 
 
@@ -215,7 +216,7 @@ def _read_prompt(request: BatchRequest, fields: dict) -> None:
         prompt = fields.pop("prompt")
         if not isinstance(prompt, (str, list)):
             raise RequestError(f"'prompt' must be a string or a list of token ids, got "
-                               f"{type(prompt).__name__}")
+                               f"{json_type(prompt)}")
         request.prompt = prompt
     else:
         request.messages = fields.pop("messages")

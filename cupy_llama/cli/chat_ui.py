@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
 from ..reasoning import FORMATS, ReasoningParser, ReasoningSplitter
+from ..util import json_type
 
 HELP = """\
 /help                 this text
@@ -438,7 +439,7 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
 
     if not isinstance(data, list):
         raise RequestError(f"{name} must hold a JSON list of messages, got "
-                           f"{type(data).__name__}")
+                           f"{json_type(data)}")
     messages = []
     for number, message in enumerate(data, start=1):
         where = f"{name}: message {number}"

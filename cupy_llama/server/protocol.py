@@ -40,6 +40,7 @@ from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
                            tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import (PARSER_NAMES, SPECIAL_TAG_PARSERS, make_tool_parser,
                             parse_tool_calls, tool_parser_for_template)
+from ..util import json_type
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -114,7 +115,7 @@ def parse(model: type[_Model], body) -> _Model:
     """Validate a decoded JSON body; APIError(400) naming the first field at fault."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got "
-                            f"{_json_type(body)}")
+                            f"{json_type(body)}")
     try:
         request = model.model_validate(body)
     except ValidationError as e:
@@ -193,14 +194,8 @@ def _preview(value, limit: int = 60) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
-        text = _json_type(value)
+        text = json_type(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _json_type(value) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
 
 
 # ---- known fields this server does not do ---------------------------------------------
@@ -1249,7 +1244,7 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
             here = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                got = _preview(kind) if isinstance(part, dict) else _json_type(part)
+                got = _preview(kind) if isinstance(part, dict) else json_type(part)
                 raise APIError(400, f"{here}.type must be 'text' (got {got}): only text "
                                     "content is supported", param=f"{here}.type")
             if not isinstance(part.get("text"), str):
@@ -1257,7 +1252,7 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise APIError(400, f"{where}.content must be a string or a list of "
-                        f"{{\"type\": \"text\", \"text\": ...}} parts (got {_json_type(content)})",
+                        f"{{\"type\": \"text\", \"text\": ...}} parts (got {json_type(content)})",
                    param=f"{where}.content")
 
 
