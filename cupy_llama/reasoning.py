@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import RequestError
+from .errors import CupyLlamaError, RequestError
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ class ReasoningParser:
     end_token: int
     start_token: int | None
     special: bool
-    turn_tokens: frozenset  # the special tokens other than the markers: where turns begin
+    # where turns begin: the special tokens other than the markers, and the token the
+    # template's generation prompt begins with where it is an added token (_turn_opener)
+    turn_tokens: frozenset
     # token ids -> their text, special tokens kept (where a marker token's text falls)
     decode: Callable[[list], str] = field(compare=False, repr=False)
 
@@ -78,8 +80,9 @@ class ReasoningParser:
             return tokenizer.decode_unchecked([t for t in token_ids if t < vocab_size],
                                               skip_special_tokens=False)
 
+        turns = specials | {_turn_opener(tokenizer)} - {None}
         return cls(fmt, token_id, start_id, token_id in specials or start_id in specials,
-                   frozenset(specials - {token_id, start_id}), decode)
+                   frozenset(turns - {token_id, start_id}), decode)
 
     def thinks(self, prompt_ids, template_kwargs: dict | None) -> bool:
         """Whether the reply to this prompt starts by thinking: the prompt's last turn
@@ -94,7 +97,10 @@ class ReasoningParser:
 
     def last_marker(self, prompt_ids) -> int | None:
         """The last marker token (start_token or end_token) of the prompt's last turn (the
-        tokens after its last special token), or None where it has none."""
+        tokens after its last turn token: a special token, or the role marker that begins
+        the template's generation prompt), or None where it has none. Where the role
+        markers are no special tokens (DeepSeek-R1's <｜Assistant｜>), the last special
+        token may come before the last user message, whose text must not decide."""
         for token in reversed(prompt_ids):
             if token == self.end_token or token == self.start_token:
                 return token
@@ -188,6 +194,23 @@ def split_reasoning(parser: ReasoningParser, text: str, token_ids, thinking: boo
     reasoning, content = reasoning + last_reasoning, content + last_content
     return (reasoning if splitter.thought else None,
             content if content or not splitter.thought else None)
+
+
+def _turn_opener(tokenizer) -> int | None:
+    """The token the chat template's generation prompt begins with (the assistant turn's
+    role marker) where it is an added token, or None: where it is ordinary text (which a
+    message could hold), or the template renders no generation prompt. Found by rendering
+    one user message with and without it."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        bare = tokenizer.encode_chat(probe, add_generation_prompt=False)
+        asked = tokenizer.encode_chat(probe, add_generation_prompt=True)
+    except CupyLlamaError:  # no chat template, or one that refuses the probe
+        return None
+    if len(asked) <= len(bare) or asked[:len(bare)] != bare:
+        return None
+    opener = asked[len(bare)]
+    return opener if opener in tokenizer.added_token_ids else None
 
 
 def _first(text: str, markers) -> tuple[int, str | None]:

@@ -146,7 +146,7 @@ class Tokenizer:
         eos = {eos_token, *extra_eos}
         eos |= {t for t in END_OF_TURN_TOKENS if chat_template and t in chat_template}
         self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
-        self._added_ids: set | None = None    # token_bytes: worked out on first use
+        self._added_ids: frozenset | None = None  # added_token_ids: worked out on first use
         self._byte_level: bool | None = None
         self._strips_first_space: bool | None = None  # text_context: on first use
 
@@ -210,6 +210,14 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return sorted(i for i, _ in self._special.values())
 
+    @property
+    def added_token_ids(self) -> frozenset:
+        """The ids of tokenizer.json's added tokens, special or not."""
+        added = self._added_ids
+        if added is None:
+            added = self._added_ids = frozenset(self._backend.get_added_tokens_decoder())
+        return added
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -228,10 +236,7 @@ class Tokenizer:
         token = self._backend.id_to_token(token_id)
         if token is None:
             return b""
-        added = self._added_ids
-        if added is None:
-            added = self._added_ids = set(self._backend.get_added_tokens_decoder())
-        if token_id in added:
+        if token_id in self.added_token_ids:
             return token.encode()
         if self._byte_level is None:
             self._byte_level = _decoder_kinds(self._backend) & {"ByteLevel"} != set()

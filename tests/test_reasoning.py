@@ -8,7 +8,8 @@ tokens, as Qwen3's does) with dimensions of the residual stream taken over to sc
 reply, as test_family_chat.py does: the generation prompt's last token "\\n" makes <think>
 the likeliest next token, then "a", then </think>, then "b", then <|im_end|>. A second one
 (`quoting`) writes "</think>" in ordinary tokens before the </think> token: only the token
-ends the thinking."""
+ends the thinking. A third (`r1`) has DeepSeek-R1-Distill's turns, whose role markers are no
+special tokens: a user message quoting a marker does not say where the reply starts."""
 import itertools
 import json
 from dataclasses import replace
@@ -559,3 +560,81 @@ def test_piped_chat_splits_where_the_markers_are_special_tokens(tmp_path):
     result = piped_chat(model_dir, 20)
     assert result.stdout == "b\n"
     assert "\na\n" in result.stderr
+
+
+# ---- a template whose role markers are no special tokens ----------------------------------
+
+# DeepSeek-R1-Distill's turns: <｜User｜> and <｜Assistant｜> are added tokens but not special
+# ones, so the prompt's last special token may come before the last user message; the
+# generation prompt opens the thinking ("<｜Assistant｜><think>\n"). R1_BARE's does not: the
+# model writes <think> itself.
+R1_TURNS = ("{{ bos_token }}{%- for m in messages %}"
+            "{%- if m.role == 'system' %}{{ m.content }}"
+            "{%- elif m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+            "{%- elif m.role == 'assistant' %}{{ '<｜Assistant｜>' + m.content + eos_token }}"
+            "{%- endif %}{%- endfor %}")
+R1_TEMPLATE = (R1_TURNS + "{%- if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}"
+               "{%- endif %}")
+R1_BARE = R1_TURNS + "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
+QUOTING_USER = [{"role": "user", "content": "Why does </think> end it?"}]
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory):
+    """(model dir, LLM on the CPU) of a tiny Qwen3 with R1_TEMPLATE and R1's role tokens,
+    scripted to go from <｜Assistant｜> to <think>, "\\n", "a", </think>, "b" and the end of
+    its turn: after R1_BARE's generation prompt it writes "<think>\\na</think>b", after
+    R1_TEMPLATE's (which ends in "<think>\\n") "a</think>b"."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+    model_dir = make_random_model(tmp_path_factory.mktemp("r1") / "model", "tiny", seed=0,
+                                  architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    path = model_dir / "tokenizer.json"
+    backend = Backend.from_file(str(path))
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t in ("<｜User｜>", "<｜Assistant｜>")])
+    backend.save(str(path))
+    (model_dir / "chat_template.jinja").write_text(R1_TEMPLATE)
+    script_chain(model_dir, ["<｜Assistant｜>", "<think>", "\n", "a", "</think>", "b",
+                             "<|im_end|>"])
+    llm = LLM(model_dir, device="cpu", log=None)
+    yield model_dir, llm
+    llm.close()
+
+
+def test_a_quoted_marker_does_not_say_where_the_reply_starts(r1):
+    """The last turn ends where the template's generation prompt begins, at its role
+    marker, special token or not: a user's message quoting a marker is an earlier turn's."""
+    _, llm = r1
+    tokenizer = llm.tokenizer
+    parser = ReasoningParser.for_tokenizer("deepseek_r1", tokenizer)
+    opened = tokenizer.encode_chat(QUOTING_USER)
+    assert parser.end_token in opened  # the quote is the </think> token in the prompt
+    assert parser.last_marker(opened) == parser.start_token  # the template's <think>
+    bare = tokenizer.encode_chat(QUOTING_USER, chat_template=R1_BARE)
+    assert parser.end_token in bare and tokenizer.decode(bare[-1:], False) == "<｜Assistant｜>"
+    assert parser.last_marker(bare) is None and parser.thinks(bare, None)
+    asking = tokenizer.encode_chat([{"role": "user", "content": "Is <think> a tag?"}],
+                                   chat_template=R1_BARE)
+    assert parser.start_token in asking and parser.last_marker(asking) is None
+
+    def continued(content):  # the reply goes on from an assistant message's start
+        return tokenizer.encode_chat(QUOTING_USER + [{"role": "assistant", "content": content}],
+                                     add_generation_prompt=False, continue_final_message=True)
+
+    assert parser.last_marker(continued("Sure")) is None
+    assert parser.last_marker(continued("<think>\nLet me")) == parser.start_token
+    assert not parser.thinks(continued("<think>\nhm</think>\n\nIt"), None)
+
+
+def test_the_server_splits_a_reply_after_a_quoted_marker(r1):
+    """Over HTTP: the quoted </think> leaves the reply's thinking to the reply."""
+    pytest.importorskip("fastapi")
+    from inprocess_server import make_state
+    model_dir, llm = r1
+    state = make_state(model_dir, llm, reasoning_parser="deepseek_r1",
+                       trust_request_chat_template=True)
+    for template, reasoning in ((None, "a"), (R1_BARE, "\na")):
+        fields = {} if template is None else {"chat_template": template}
+        message = chat(state, messages=QUOTING_USER, **fields).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (reasoning, "b"), template
