@@ -11,6 +11,7 @@ from typing import Iterator
 from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, are_token_ids
+from .reasoning import thinking_markers
 from .sampling import SamplingParams, model_sampling_defaults
 from .tokenizer import Tokenizer
 
@@ -49,6 +50,8 @@ class LLM:
         self.config, self.tokenizer, self.device = engine.config, engine.tokenizer, engine.device
         self.engine_config, self.load_seconds = engine.engine_config, engine.load_seconds
         self.max_model_len = engine.max_model_len  # the configured context limit
+        # <think> and </think> where the model may think (constrain_after_thinking)
+        self._thinking = thinking_markers(self.tokenizer)
 
     @property
     def backend(self):
@@ -144,7 +147,9 @@ class LLM:
         parser): each output's `delta` is new content only, never a call's text, its
         `tool_call_deltas` the calls' new pieces; `text` stays the model's raw text, and
         the last output carries tool_calls, content and finish_reason as a reply that was
-        not streamed would (README: except a reply broken off inside a call)."""
+        not streamed would (README: except a reply broken off inside a call). Where the
+        prompt opened a reasoning model's thinking, a constraint (tool_choice's grammar, or
+        params') starts after its </think> token."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -162,6 +167,11 @@ class LLM:
                                               continue_final_message=continue_final_message,
                                               chat_template=chat_template)
                    for c in conversations]
+        if parser is not None:  # a grammar of tool_choice after the thinking a prompt opened
+            each = self._param_list(params, len(prompts))
+            gated = [self.constrain_after_thinking(p, one) for p, one in zip(prompts, each)]
+            if any(g is not one for g, one in zip(gated, each)):
+                params = gated
         result = self.generate(prompts, params, stream=stream)
         max_calls = None if parallel_tool_calls else 1  # as vLLM: the first call only
         if parser is not None and stream:
@@ -212,6 +222,22 @@ class LLM:
             each = [replace(p, **changes) for p in each]
             params = each[0] if single else each
         return tools, parser_name, params
+
+    def constrain_after_thinking(self, prompt: list[int],
+                                 params: SamplingParams) -> SamplingParams:
+        """The params of a chat prompt offered tools: where the prompt opened the thinking
+        (DeepSeek-R1's template writes <think>), their constraint (tool_choice's grammar,
+        or the params' own) starts after the </think> token, as serve's does with a
+        reasoning parser: from the first token it would leave the model no thinking, and
+        write the answer, calls and all, inside the thinking. chat() and generate's plain
+        lines use it."""
+        markers = self._thinking
+        if (markers is None or params.structured is None
+                or params.structured.starts_after is not None
+                or not markers.reply_thinks(prompt, [])):
+            return params
+        return replace(params, structured=replace(params.structured,
+                                                  starts_after=markers.end_token))
 
     def parse_tool_calls(self, output: RequestOutput, parser_name: str,
                          max_calls: int | None = None) -> None:

@@ -15,6 +15,9 @@ reasoning. Only the </think> token ends the thinking, in the text as in the engi
 constraint (structured.ReasoningGate): the same text spelled in ordinary tokens ("</",
 "think", ">") is part of the thinking. The markers' tokens are in neither part; the answer
 is as written; whitespace around the markers is kept, as vLLM keeps it.
+
+Where no parser is named (LLM.chat's tool calls, cupy-llama chat), `thinking_markers` are
+the vocabulary's, and `ReasoningParser.reply_thinks` says which replies think.
 """
 from __future__ import annotations
 
@@ -94,6 +97,16 @@ class ReasoningParser:
             return marker == self.start_token
         return not (self.format.follows_enable_thinking
                     and (template_kwargs or {}).get("enable_thinking") is False)
+
+    def reply_thinks(self, prompt_ids, token_ids) -> bool:
+        """Whether a reply thinks where no parser says how the model thinks (LLM.chat's
+        tool calls; cli/chat_ui.ThinkingView shows a reply by the same rule): where the
+        prompt's last turn opened the thinking, or the reply's first token is <think>. A
+        vocabulary with the markers does not make a model think (Qwen3's Instruct-2507
+        models never do), so only the prompt and the reply can say."""
+        return self.start_token is not None and (
+            self.last_marker(prompt_ids) == self.start_token
+            or (len(token_ids) > 0 and token_ids[0] == self.start_token))
 
     def last_marker(self, prompt_ids) -> int | None:
         """The last marker token (start_token or end_token) of the prompt's last turn (the
@@ -181,6 +194,16 @@ class ReasoningSplitter:
         """What waited at the end of the reply: it was no marker."""
         held, self._held = self._held, ""
         return (held, "") if self.thinking else ("", held)
+
+
+def thinking_markers(tokenizer) -> ReasoningParser | None:
+    """The vocabulary's <think> and </think>, for a model that may think where no parser
+    was named (reply_thinks says which replies do), or None where it has no </think>
+    token."""
+    try:
+        return ReasoningParser.for_tokenizer("deepseek_r1", tokenizer)
+    except RequestError:
+        return None
 
 
 def split_reasoning(parser: ReasoningParser, text: str, token_ids, thinking: bool

@@ -638,3 +638,43 @@ def test_the_server_splits_a_reply_after_a_quoted_marker(r1):
         fields = {} if template is None else {"chat_template": template}
         message = chat(state, messages=QUOTING_USER, **fields).json()["choices"][0]["message"]
         assert (message["reasoning"], message["content"]) == (reasoning, "b"), template
+
+
+# ---- tool calls in LLM.chat and generate's plain lines ----------------------------------
+
+def chat_outputs(llm, messages, params, **tools):
+    """LLM.chat's whole reply, and the streamed one: (its last output, its deltas joined,
+    its calls' names from tool_call_deltas)."""
+    whole = llm.chat(messages, params, **tools)
+    outputs = list(llm.chat(messages, params, stream=True, **tools))
+    names = [d.name for o in outputs for d in o.tool_call_deltas or [] if d.name]
+    return whole, (outputs[-1], "".join(o.delta for o in outputs), names)
+
+
+def test_an_enforced_call_follows_the_thinking_a_template_opens(r1, tmp_path):
+    """R1_TEMPLATE opens the thinking in the prompt: tool_choice's grammar starts after
+    </think>, as serve's does, so the model thinks first (as scripted) and then calls;
+    from the first token, the grammar would leave it no thinking. In LLM.chat and in
+    generate's plain lines."""
+    pytest.importorskip("llguidance")
+    from cupy_llama.cli import main
+    from conftest import TOOLS, read_jsonl
+    model_dir, llm = r1
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, (last, deltas, names) = chat_outputs(
+        llm, QUOTING_USER, SamplingParams(temperature=0, max_tokens=400), tools=TOOLS,
+        tool_choice=named, tool_call_parser="hermes", parallel_tool_calls=False)
+    for output in (whole, last):
+        assert output.text.startswith("a</think><tool_call>"), output.text
+        assert [c.name for c in output.tool_calls] == ["get_weather"]
+        assert output.content == "a</think>" and output.finish_reason == "tool_calls"
+    assert deltas == "a</think>" and names == ["get_weather"]
+    line = {"messages": QUOTING_USER, "tools": TOOLS, "tool_choice": named, "temperature": 0,
+            "max_tokens": 400, "tool_call_parser": "hermes", "parallel_tool_calls": False}
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
+                 str(path), "--output", str(out)]) == 0
+    [row] = read_jsonl(out)
+    assert row["text"] == whole.text and row["content"] == "a</think>"
+    assert [c["function"]["name"] for c in row["tool_calls"]] == ["get_weather"]

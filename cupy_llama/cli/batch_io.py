@@ -495,6 +495,8 @@ class _Runner:
                                                         chat_template=template)
             else:
                 prompt = engine.encode_prompt(request.prompt)
+            if parser is not None:  # a call enforced after the thinking the prompt opened
+                params = self.llm.constrain_after_thinking(prompt, params)
             if len(prompt) >= engine.context_limit:
                 return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
                         f"context limit is {engine.context_limit} (prompt plus at least one "
