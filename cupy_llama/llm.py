@@ -11,7 +11,7 @@ from typing import Iterator
 from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, are_token_ids
-from .reasoning import thinking_markers
+from .reasoning import ReasoningSplitter, split_reasoning, thinking_markers
 from .sampling import SamplingParams, model_sampling_defaults
 from .tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ class LLM:
         self.config, self.tokenizer, self.device = engine.config, engine.tokenizer, engine.device
         self.engine_config, self.load_seconds = engine.engine_config, engine.load_seconds
         self.max_model_len = engine.max_model_len  # the configured context limit
-        # <think> and </think> where the model may think (constrain_after_thinking)
+        # <think> and </think> where the model may think: tool calls are its answer's
         self._thinking = thinking_markers(self.tokenizer)
 
     @property
@@ -147,9 +147,11 @@ class LLM:
         parser): each output's `delta` is new content only, never a call's text, its
         `tool_call_deltas` the calls' new pieces; `text` stays the model's raw text, and
         the last output carries tool_calls, content and finish_reason as a reply that was
-        not streamed would (README: except a reply broken off inside a call). Where the
-        prompt opened a reasoning model's thinking, a constraint (tool_choice's grammar, or
-        params') starts after its </think> token."""
+        not streamed would (README: except a reply broken off inside a call). A reasoning
+        model's thinking (up to the </think> token, where the prompt opened it or the reply
+        begins with <think>) is content as written, never calls: only the answer after it
+        is parsed, and where the prompt opened the thinking a constraint (tool_choice's
+        grammar, or params') starts after it."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -210,7 +212,10 @@ class LLM:
         changes = {}
         if grammar is not None:
             changes["structured"] = grammar
-        if parser_name in SPECIAL_TAG_PARSERS:  # the text keeps the tag the calls start at
+        if parser_name in SPECIAL_TAG_PARSERS or (
+                self._thinking is not None and self._thinking.special):
+            # the text keeps the tag the calls start at, or the thinking's markers, which
+            # say where the answer (whose calls are read) starts
             changes["skip_special_tokens"] = False
         if changes:
             single = params is None or isinstance(params, SamplingParams)
@@ -242,11 +247,14 @@ class LLM:
     def parse_tool_calls(self, output: RequestOutput, parser_name: str,
                          max_calls: int | None = None) -> None:
         """A finished reply's calls into output.tool_calls and .content (tool_setup's
-        parser); max_calls: the calls kept (1 for parallel_tool_calls false)."""
+        parser); max_calls: the calls kept (1 for parallel_tool_calls false). Where the
+        reply thinks (reasoning.ReasoningParser.reply_thinks), only its answer is parsed:
+        the thinking is content as written."""
         from .tool_parsers import parse_tool_calls
 
-        parsed = parse_tool_calls(output.text, parser_name, max_calls=max_calls)
-        output.content = parsed.content
+        thought, answer = self._thought_and_answer(output)
+        parsed = parse_tool_calls(answer, parser_name, max_calls=max_calls)
+        output.content = (thought + (parsed.content or "")) or None
         if parsed.tool_calls:
             output.tool_calls = parsed.tool_calls
             if output.finish_reason == "stop":
@@ -257,20 +265,22 @@ class LLM:
         """The streamed outputs with each sample's text fed to its own tool-call parser."""
         from .tool_parsers import make_tool_parser
 
-        samples = {}  # (request_id, index) -> its parser
+        samples = {}  # (request_id, index) -> its _AnswerCalls
         with closing(outputs):  # a caller that stops early aborts the requests at once
             for output in outputs:
                 key = (output.request_id, output.index)
                 if key not in samples:
-                    samples[key] = make_tool_parser(parser_name, max_calls=max_calls)
-                parser = samples[key]
-                delta = parser.feed(output.delta)
+                    samples[key] = _AnswerCalls(
+                        make_tool_parser(parser_name, max_calls=max_calls), self._thinking)
+                reader = samples[key]
+                parser = reader.parser
+                delta = reader.feed(output)
                 if output.finished:
                     last = parser.finish()
                     delta.extend(last)
                     del samples[key]
                     parsed = parser.result()
-                    output.content = parsed.content
+                    output.content = (reader.thought + (parsed.content or "")) or None
                     if parsed.tool_calls:
                         output.tool_calls = parsed.tool_calls
                         if output.finish_reason == "stop":
@@ -278,6 +288,17 @@ class LLM:
                 output.delta = delta.content
                 output.tool_call_deltas = delta.tool_calls or None
                 yield output
+
+    def _thought_and_answer(self, output: RequestOutput) -> tuple[str, str]:
+        """A finished reply's text as (its thinking as written, up to and with the </think>
+        token's text, its answer); ("", text) where it does not think."""
+        markers, text = self._thinking, output.text
+        if markers is None or not markers.reply_thinks(output.prompt_token_ids,
+                                                       output.token_ids):
+            return "", text
+        _, answer = split_reasoning(markers, text, output.token_ids, True)
+        answer = answer or ""  # None: the thinking never ended
+        return text[:len(text) - len(answer)], answer
 
     def _param_list(self, params, count: int) -> list[SamplingParams]:
         if params is None:
@@ -297,6 +318,34 @@ class LLM:
             raise RequestError(f"params: every element must be a SamplingParams, got "
                                f"{type(wrong).__name__}")
         return [replace(p) for p in params]
+
+
+class _AnswerCalls:
+    """One streamed sample's text for LLM.chat with tools: where it thinks, its thinking
+    passes as written and only the answer after the </think> token goes to the tool-call
+    parser, as the server's chat stream feeds the reasoning splitter's answer to it."""
+
+    def __init__(self, parser, markers):
+        self.parser = parser
+        self.thought = ""  # the thinking so far, as written
+        self._markers = markers
+        self._splitter: ReasoningSplitter | None = None
+        self._decided = markers is None  # whether it thinks: known at its first token
+
+    def feed(self, output: RequestOutput):
+        """The output's new text as the parser's delta, the thinking first as content."""
+        if not self._decided and output.token_ids:
+            self._decided = True
+            if self._markers.reply_thinks(output.prompt_token_ids, output.token_ids):
+                self._splitter = ReasoningSplitter(self._markers, True)
+        text = answer = output.delta
+        if self._splitter is not None:  # the answer's text is the end of the piece's
+            _, answer = self._splitter.feed(text, output.delta_token_ids)
+        thinking = text[:len(text) - len(answer)]
+        self.thought += thinking
+        delta = self.parser.feed(answer)
+        delta.content = thinking + delta.content
+        return delta
 
 
 def _as_prompt_list(prompts) -> tuple[bool, list]:

@@ -86,7 +86,8 @@ class RequestOutput:
     tool_call_deltas: list | None = None
     # LLM.chat with tools: the calls parsed from the reply (tool_parsers.ToolCall: id,
     # name, arguments as JSON text), finish_reason then "tool_calls"; `content` is the
-    # reply's text besides them (None when there is none)
+    # reply's text besides them (None when there is none). A reasoning model's calls are
+    # its answer's: its thinking is never parsed, and stays in `content` as written
     tool_calls: list | None = None
     content: str | None = None
     # where the request asked (SamplingParams.prompt_logprobs), on every output once the

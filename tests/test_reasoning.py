@@ -640,7 +640,28 @@ def test_the_server_splits_a_reply_after_a_quoted_marker(r1):
         assert (message["reasoning"], message["content"]) == (reasoning, "b"), template
 
 
-# ---- tool calls in LLM.chat and generate's plain lines ----------------------------------
+# ---- tool calls in LLM.chat, the chat and generate's plain lines ------------------------
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def written(llm, *parts, max_tokens=200) -> SamplingParams:
+    """Greedy params whose grammar writes exactly the parts, "<think>" and "</think>" as
+    their tokens and any other part in ordinary ones (a whole reply, whatever the model)."""
+    tokenizer = llm.tokenizer
+    lark = "start: " + " ".join(f"<[{tokenizer.token_to_id(p)}]>" if p in MARKERS
+                                else json.dumps(p) for p in parts)
+    return SamplingParams(structured=StructuredSpec.grammar(lark), temperature=0,
+                          max_tokens=max_tokens)
+
+
+# (reply, the name of its one call or None); "<think>" and "</think>" alone are the tokens
+THOUGHT_CALLS = [
+    (("<think>", "I could call " + CALL, "</think>", "No call."), None),
+    (("<think>", "hm", "</think>", CALL), "get_weather"),
+    ((CALL,), "get_weather"),  # no thinking
+]
+
 
 def chat_outputs(llm, messages, params, **tools):
     """LLM.chat's whole reply, and the streamed one: (its last output, its deltas joined,
@@ -649,6 +670,99 @@ def chat_outputs(llm, messages, params, **tools):
     outputs = list(llm.chat(messages, params, stream=True, **tools))
     names = [d.name for o in outputs for d in o.tool_call_deltas or [] if d.name]
     return whole, (outputs[-1], "".join(o.delta for o in outputs), names)
+
+
+def assert_calls_read_from_the_answer(llm, parts, name):
+    from conftest import TOOLS
+    text = "".join(parts)
+    content = text.replace(CALL, "") if name else text
+    whole, (last, deltas, names) = chat_outputs(llm, CHAT, written(llm, *parts), tools=TOOLS,
+                                                tool_call_parser="hermes")
+    for output in (whole, last):
+        assert output.text == text
+        assert [c.name for c in output.tool_calls or []] == ([name] if name else [])
+        assert (output.content or "") == content
+        assert output.finish_reason == ("tool_calls" if name else "stop")
+    assert deltas == content and names == ([name] if name else [])
+
+
+@pytest.mark.parametrize("parts, name", THOUGHT_CALLS)
+def test_llm_chat_reads_tool_calls_from_the_answer_only(qwen3, parts, name):
+    """A call written in the thinking is thinking, as serve's reasoning split has it: only
+    the answer after the </think> token is parsed. The content is the rest of the reply's
+    text, the thinking included as written."""
+    pytest.importorskip("llguidance")
+    assert_calls_read_from_the_answer(qwen3[1], parts, name)
+
+
+def test_a_call_after_a_spelled_tag_is_thinking(qwen3):
+    """The tag in ordinary tokens does not end the thinking: only the </think> token does
+    (a reply whose tokens are written out, since a grammar's text would take the token)."""
+    from cupy_llama.outputs import RequestOutput
+    _, llm = qwen3
+    parser = ReasoningParser.for_tokenizer("qwen3", llm.tokenizer)
+    for parts, name in ((("<think>", "a</think>" + CALL), None),
+                        (("<think>", "a</think>", "</think>", CALL), "get_weather")):
+        ids = reply_tokens(parser, parts)
+        output = RequestOutput("0", llm.tokenizer.encode_chat(CHAT), ids, "".join(parts),
+                               finish_reason="stop")
+        llm.parse_tool_calls(output, "hermes")
+        assert [c.name for c in output.tool_calls or []] == ([name] if name else [])
+        assert output.content == ("".join(parts).replace(CALL, "") if name else output.text)
+
+
+def test_calls_follow_special_markers(tmp_path):
+    """Where <think> and </think> are special tokens, a reply offered tools keeps them in
+    its text, as serve's does, or its thinking would never end and no call be read."""
+    pytest.importorskip("llguidance")
+    model_dir = make_random_model(tmp_path / "model", "tiny", seed=0,
+                                  architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    path = model_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in MARKERS:
+            token["special"] = True
+    path.write_text(json.dumps(tokenizer))
+    with LLM(model_dir, device="cpu", log=None) as llm:
+        assert_calls_read_from_the_answer(llm, THOUGHT_CALLS[1][0], "get_weather")
+
+
+def test_the_chat_shows_no_call_a_thinking_writes(qwen3):
+    """`chat --tools`: a call in the reply's thinking is neither shown nor kept as a call."""
+    pytest.importorskip("llguidance")
+    from conftest import TOOLS
+    from cupy_llama.cli.chat_ui import ChatSession, ChatTools
+    _, llm = qwen3
+    parts = THOUGHT_CALLS[0][0]
+    session = ChatSession(llm, written(llm, *parts), tools=ChatTools(TOOLS, parser="hermes"))
+    assert "".join(session.reply("Weather in Paris?")) == "".join(parts)
+    assert session.history[-1] == {"role": "assistant", "content": "".join(parts)}
+    assert not session.waiting_calls() and session.turns[-1].finish_reason == "stop"
+
+
+def test_plain_lines_read_tool_calls_from_the_answer_only(qwen3, tmp_path):
+    """`generate`'s plain lines with tools parse as LLM.chat does."""
+    pytest.importorskip("llguidance")
+    from cupy_llama.cli import main
+    from conftest import TOOLS, read_jsonl
+    model_dir, llm = qwen3
+    lines = []
+    for k, (parts, _) in enumerate(THOUGHT_CALLS):
+        lark = written(llm, *parts).structured.text
+        lines.append({"id": str(k), "messages": CHAT, "tools": TOOLS, "temperature": 0,
+                      "max_tokens": 200, "tool_call_parser": "hermes",
+                      "structured": {"grammar": lark}})
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["generate", "--model", str(model_dir), "--device", "cpu", "--input",
+                 str(path), "--output", str(out)]) == 0
+    rows = {row["id"]: row for row in read_jsonl(out)}
+    for k, (parts, name) in enumerate(THOUGHT_CALLS):
+        text, row = "".join(parts), rows[str(k)]
+        assert row["text"] == text
+        assert (row["content"] or "") == (text.replace(CALL, "") if name else text)
+        assert [c["function"]["name"] for c in row.get("tool_calls") or []] == \
+            ([name] if name else [])
 
 
 def test_an_enforced_call_follows_the_thinking_a_template_opens(r1, tmp_path):
