@@ -737,6 +737,25 @@ def test_a_reply_with_calls_shows_the_calls_and_keeps_them_in_the_history(tool_l
     assert system is None and history == session.history
 
 
+def test_a_reply_cut_off_inside_a_call_shows_the_text_it_got_to(tool_llm):
+    """The stream has sent the call's name and arguments as tool-call deltas, but with no
+    closed call there is no call line to show: the chat shows the reply's text."""
+    from conftest import QUESTION, TOOLS
+    from cupy_llama.cli.chat_ui import ChatTools
+    no_whitespace = {token_id: -100 for token_id in (9, 10, 13, 32)}  # names come sooner
+    params = replace(TOOL_PARAMS, logit_bias=no_whitespace)
+    whole = tool_llm.chat(QUESTION, params, tools=TOOLS, **SINGLE_CALL)
+    assert whole.finish_reason == "tool_calls"
+    params = replace(params, max_tokens=len(whole.token_ids) - 3)  # inside the arguments
+    want = tool_llm.chat(QUESTION, params, tools=TOOLS, **SINGLE_CALL)
+    assert want.finish_reason == "length" and want.tool_calls is None
+    assert want.content.startswith('<tool_call>\n{"name":') and '"arguments":' in want.content
+    session = ChatSession(tool_llm, params, tools=ChatTools(TOOLS, **SINGLE_CALL))
+    assert "".join(session.reply(QUESTION[0]["content"])) == want.content
+    assert session.history[1] == {"role": "assistant", "content": want.content}
+    assert session.waiting_calls() == []
+
+
 def test_a_reply_with_two_calls_waits_for_both_results(tool_llm):
     from conftest import QUESTION, TOOLS
     session = tool_session(tool_llm)

@@ -343,6 +343,12 @@ class ChatSession:
         finally:
             stream.close()  # aborts the request if it is still running
         finished = output is not None and output.finished
+        if finished and not output.tool_calls and output.content \
+                and output.content.startswith(text) and output.content != text:
+            # a reply cut off inside a call streamed that call's pieces as tool-call deltas;
+            # with no call to show, the text it got to is the reply (the parse's content)
+            yield output.content[len(text):]
+            text = output.content
         answer = {"role": "assistant", "content": text}
         if finished and output.tool_calls:
             answer = {"role": "assistant", "content": output.content,
