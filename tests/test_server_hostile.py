@@ -353,6 +353,30 @@ def test_http_errors_outside_the_app_are_openai_errors_and_headers_time_out():
             assert answer.startswith(b"HTTP/1.1 200") and b"\r\nok\r\n" in answer
 
 
+def test_headers_past_16_kib_are_refused_also_when_sent_at_once():
+    """h11 bounds a head that is still arriving; one that comes in a single read must be
+    refused too."""
+    import socket
+    from cupy_llama.server.app import MAX_HEADER_BYTES
+
+    def answer_to(header_bytes: int) -> bytes:
+        head = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        filler = MAX_HEADER_BYTES + header_bytes - len(head) - len(b"X-Big: \r\n\r\n")
+        with socket.create_connection(address, timeout=30) as sock:
+            sock.sendall(head + b"X-Big: " + b"a" * filler + b"\r\n\r\n")
+            answer = b""
+            while data := sock.recv(65536):
+                answer += data
+        return answer
+
+    with _http_server(header_timeout=10.0) as address:
+        assert answer_to(0).startswith(b"HTTP/1.1 200")  # exactly at the bound
+        for past in (1, 100_000):
+            head, _, body = answer_to(past).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), (past, head)
+            assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
 def test_a_body_that_stops_arriving_is_a_408(model_dir, llm):
     """A client that sends part of a body and then nothing (Content-Length or chunked)
     gets a 408 once the body has paused for --header-timeout (0.5 s here), with the

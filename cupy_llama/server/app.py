@@ -894,6 +894,17 @@ class _HTTP(H11Protocol):
         super().connection_made(transport)
         self._header_timer = None
         self._arm_header_timer()
+        # h11 bounds only headers that are still arriving: a whole head that came in one
+        # read is parsed whatever its size, so the bound is checked on the parsed request
+        next_event = self.conn.next_event
+
+        def next_event_within_bound():
+            event = next_event()
+            if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEADER_BYTES:
+                raise h11.RemoteProtocolError("request headers too large")
+            return event
+
+        self.conn.next_event = next_event_within_bound
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -928,11 +939,19 @@ class _HTTP(H11Protocol):
                                         "a header or Content-Length is malformed, or the "
                                         f"headers are larger than {MAX_HEADER_BYTES // 1024} "
                                         "KiB)", code="invalid_http_request").body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+def _head_bytes(request: h11.Request) -> int:
+    """The size of a request's line and headers as sent (up to optional whitespace)."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + len(b": \r\n")
+                      for name, value in request.headers) + len(b"\r\n")
 
 
 class _Server(uvicorn.Server):
