@@ -204,12 +204,15 @@ def test_the_server_process_names_the_stop_string_it_finds():
 def test_a_stop_string_before_the_engine_s_end_wins():
     """The engine sends token ids only and goes on past a stop string until it is told:
     its final delta (a stop token's, or length's) may already hold tokens after the stop
-    string. The server's reason is the string, and the tokens after it are dropped."""
+    string. The server's reason is the string, and the tokens after it are dropped; the
+    engine, which has ended the sample, is not told to stop it, and its times stand."""
     for finish, reason in (("stop", 9), ("length", None)):
         sample = detokenized(["cd"], stream=False, stop_token_ids=[9])
+        times = (1.0, 2.0, 3.0, 4.0)
         delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 2, 3, 4, 9], finish,
-                                                    stop_reason=reason))
-        assert stopped and delta.token_ids == [0, 2, 3] and delta.text == "a"
+                                                    None, 0, times, stop_reason=reason))
+        assert not stopped and delta.times == times
+        assert delta.token_ids == [0, 2, 3] and delta.text == "a"
         assert (delta.finish_reason, delta.stop_reason) == ("stop", "cd")
 
 
@@ -238,22 +241,27 @@ def test_the_engine_s_stop_reason_passes_through_the_server_process():
                 assert delta.stop_reason == reason and type(delta.stop_reason) is type(reason)
 
 
-def test_a_stop_token_that_completes_a_stop_string_is_the_stop_reason():
-    """vLLM's check_stop checks EOS, then stop tokens, then stop strings: a token that
-    both ends the sample in the engine (stop_status) and completes a stop string in the
-    server process leaves the engine's reason (its id, or none for EOS), with the text
-    the engine's own would be (the token's kept only with include_stop_str_in_output)."""
-    for include, text in ((False, "ab"), (True, "abc")):
+def test_a_kept_stop_token_is_matched_for_stop_strings():
+    """A token that ends the sample in the engine (EOS, a stop token) and would complete
+    a stop string: its text is dropped, and the engine's reason stands (its id, or none
+    for EOS); with include_stop_str_in_output its text is kept and matched as vLLM's
+    detokenizer matches it, so the stop string is the reason and the text ends with it."""
+    for include, text, string in ((False, "ab", False), (True, "abc", True)):
         for params, reason in ((dict(stop_token_ids=[2]), 2), (dict(), None)):  # c; EOS
             for stream in (False, True):
                 sample = detokenized(["bc"], stream, eos=(2,), include_stop_str_in_output=include,
                                      **params)
                 delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2], "stop",
                                                             stop_reason=reason))
-                assert not stopped and delta.token_ids == [0, 1, 2]
+                assert not stopped and delta.token_ids == [0, 1, 2]  # the engine has ended it
                 assert (delta.finish_reason, delta.stop_reason, delta.text) == \
-                    ("stop", reason, text), (include, params, stream)
-    # a token the engine did not stop at (ignore_eos) is matched as any
+                    ("stop", "bc" if string else reason, text), (include, params, stream)
+    # a kept stop token whose text completes no stop string leaves the engine's reason
+    sample = detokenized(["cx"], stop_token_ids=[2], include_stop_str_in_output=True)
+    delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2], "stop", stop_reason=2))
+    assert not stopped and (delta.stop_reason, delta.text) == (2, "abc")
+    # a token the engine did not stop at (ignore_eos) is matched as any, and the engine
+    # that goes on is to be told
     sample = detokenized(["bc"], eos=(2,), ignore_eos=True, include_stop_str_in_output=True)
     delta, stopped = sample.process(EngineDelta("r", 0, "", [0, 1, 2], None))
     assert stopped and (delta.stop_reason, delta.text) == ("bc", "abc")

@@ -245,8 +245,9 @@ def test_stop_reason_beside_finish_reason(http, llm):
     choice's last chunk (beside its finish_reason; the chunks before have none): the stop
     string (found in the server process, after the engine process went on past it) or the
     stop token id (the engine process's) that ended the choice, null for length; what
-    LLM.generate says. A token that is a stop token and completes a stop string is the
-    stop token's (vLLM checks stop tokens before stop strings), kept in the text or not."""
+    LLM.generate says. A stop token that completes a stop string is the reason where its
+    text is dropped, and the stop string where include_stop_str_in_output keeps the
+    text (vLLM's detokenizer matches only the text it keeps)."""
     chat = [{"role": "user", "content": "Hi there"}]
     chat_prompt = http.post("/tokenize", json={"messages": chat}).json()["tokens"]
     for path, prompt, field in (("/v1/completions", "abc", {"prompt": "abc"}),
@@ -263,7 +264,7 @@ def test_stop_reason_beside_finish_reason(http, llm):
                 ({"stop_token_ids": [token], "stop": ["\u2603\u2603"]}, "stop", token),
                 ({"stop_token_ids": [both], "stop": [piece]}, "stop", both),
                 ({"stop_token_ids": [both], "stop": [piece], "include_stop_str_in_output": True},
-                 "stop", both),
+                 "stop", piece),
                 ({}, "length", None)):
             want = greedy(llm, prompt, 24, ignore_eos=True, **fields)
             assert (want.finish_reason, want.stop_reason) == (finish, reason), fields

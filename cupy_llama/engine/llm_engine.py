@@ -856,9 +856,12 @@ class LLMEngine:
             if grammar_status is SequenceStatus.FINISHED_ABORTED:
                 return self._reject_token(sample, index)
         text, stop = sample.text, None
-        if status is not SequenceStatus.FINISHED_STOPPED and text is not None \
-                and text.detokenizer is not None:
-            stop = text.add(token_id)  # the stop string the token completes, if any
+        # the stop string the token completes, if any; a stop token or EOS is matched only
+        # where its text is kept (include_stop_str_in_output), and a stop string it
+        # completes is then the stop reason, as vLLM's detokenizer decides
+        if (status is not SequenceStatus.FINISHED_STOPPED or params.include_stop_str_in_output) \
+                and text is not None and text.detokenizer is not None:
+            stop = text.add(token_id)
         if stop is not None:
             status, stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         elif grammar_status is not None:

@@ -212,8 +212,8 @@ class SampleText:
 
     def add_unmatched(self, token_ids) -> None:
         """Adds the tokens' text (incremental only) without matching it for stop strings:
-        the stop token or EOS that stop_status ended the sample at decided first (vLLM's
-        check_stop order), and its text is kept only with include_stop_str_in_output."""
+        the stop token or EOS that ended the sample, whose text is kept (and matched, by
+        add) only with include_stop_str_in_output."""
         for token_id in token_ids:
             if token_id < self.vocab_size:
                 self.unsent.append(self.detokenizer.add(token_id))
@@ -235,28 +235,26 @@ class DetokenizedSample:
     the server process sees it: process() adds the text to each delta and ends the sample
     at a stop string, keeping the tokens up to the one that completed it (the engine is
     told to stop it, and what it made meanwhile is dropped here)."""
-    __slots__ = ("text", "finished", "first_token_at", "stop_tokens", "keep_stop_token",
-                 "num_cached_tokens")
+    __slots__ = ("text", "finished", "first_token_at", "stop_tokens", "num_cached_tokens")
 
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=(), prompt_ids=()):
         self.text = SampleText(tokenizer, params, stream or bool(params.stop), prompt_ids)
         self.finished = False
-        # the tokens stop_status ends a sample at (EOS unless ignore_eos, stop_token_ids):
-        # the engine's "stop" at one of them was decided before any stop string, as the
-        # engine's own text decides it (LLMEngine._append_token); its text is kept only
-        # with include_stop_str_in_output. A sample may also stop at another token (a
-        # grammar complete: structured outputs), whose text is matched as any
-        self.stop_tokens = frozenset(
+        # the tokens stop_status ends a sample at (EOS unless ignore_eos, stop_token_ids)
+        # whose text is dropped: none where include_stop_str_in_output keeps it, and then
+        # a stop string it completes is the stop reason, as the engine's own text decides
+        # it (LLMEngine._append_token). A sample may also stop at another token (a grammar
+        # complete: structured outputs), whose text is matched as any
+        self.stop_tokens = frozenset() if params.include_stop_str_in_output else frozenset(
             () if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
-        self.keep_stop_token = params.include_stop_str_in_output
         self.first_token_at: float | None = None  # when its first token reached this process
         self.num_cached_tokens = 0  # as the sample's latest delta said
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
         """(the delta with its text, or None once the sample has ended here; True when a
-        stop string ended it here). A stop string found here is the delta's stop_reason,
-        in place of the engine's (its stop token, or none) when the engine had gone on
-        past it."""
+        stop string ended it here while the engine goes on, which must be told). A stop
+        string found here is the delta's stop_reason, in place of the engine's (its stop
+        token, or none)."""
         if self.finished:
             return None, False
         (request_id, index, _, token_ids, finish_reason, logprobs, cached, times, prompt,
@@ -265,8 +263,8 @@ class DetokenizedSample:
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
             self.first_token_at = time.monotonic()
-        # the engine's "stop" at EOS or a stop token (stop_status): that token is not
-        # matched for stop strings, and the stop reason stays the engine's
+        # the engine's "stop" at EOS or a stop token whose text is dropped: that token is
+        # not matched for stop strings, and the stop reason stays the engine's
         num_matched = len(token_ids) - (finish_reason == "stop" and bool(token_ids)
                                         and token_ids[-1] in self.stop_tokens)
         if text.incremental:
@@ -276,19 +274,19 @@ class DetokenizedSample:
                     token_ids = token_ids[:i + 1]
                     if logprobs is not None:
                         logprobs = logprobs[:i + 1]
-                    # the engine's times come with its final delta, which is dropped: the
-                    # times seen here stand in (RequestTimes' fields; taken in and first
-                    # scheduled unknown)
-                    times = (None, None, self.first_token_at, time.monotonic())
-                    finish_reason, stop_reason, stopped = "stop", stop, True
+                    if finish_reason is None:  # the engine goes on: it is told to stop
+                        # the engine's times come with its final delta, which is dropped:
+                        # the times seen here stand in (RequestTimes' fields; taken in and
+                        # first scheduled unknown)
+                        times = (None, None, self.first_token_at, time.monotonic())
+                        stopped = True
+                    finish_reason, stop_reason = "stop", stop
                     break
             else:
                 if finish_reason is not None:
-                    if self.keep_stop_token:
-                        text.add_unmatched(token_ids[num_matched:])
                     text.finish(())
         elif finish_reason is not None:  # its one delta carries all of its tokens
-            text.finish(token_ids if self.keep_stop_token else token_ids[:num_matched])
+            text.finish(token_ids[:num_matched])
         self.finished = finish_reason is not None
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
