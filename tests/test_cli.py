@@ -420,17 +420,18 @@ def test_a_model_given_as_an_argument_is_told_where_it_goes(model_dir, tmp_path,
         f"takes the model as --model PATH: cupy-llama bench latency --model {model_dir} "
         "(see 'cupy-llama bench --help')")
     # a model file as chat's PROMPT: GGUF (by its name, even a missing one, or its magic
-    # bytes), which no command loads, or a file of a model folder, which --model takes
+    # bytes), which no command loads (so --model is not offered), or a file of a model
+    # folder, which --model takes
     gguf_refused = ("cupy-llama does not load GGUF (llama.cpp's format): pass a Hugging Face "
                     "model folder (config.json, tokenizer.json and .safetensors weights), such "
-                    "as the model's release on the Hugging Face Hub; chat takes it as --model PATH")
+                    "as the model's release on the Hugging Face Hub")
     (tmp_path / "model.Q4_K_M.gguf").write_bytes(b"GGUF\x03\0\0\0")
     (tmp_path / "renamed.bin").write_bytes(b"GGUF\x03\0\0\0")
     for prompt in (str(tmp_path / "model.Q4_K_M.gguf"), str(tmp_path / "renamed.bin"),
                    "missing.gguf"):
         assert main(["chat", prompt]) == 2, prompt
         err = capsys.readouterr().err
-        assert one_error_line(err) == (f"error: PROMPT {prompt!r} is a GGUF file, not a "
+        assert one_error_line(err) == (f"error: PROMPT {prompt!r} names a GGUF file, not a "
                                        f"message; {gguf_refused}")
         assert "loading" not in err and "demo" not in err
     for name in ("model.safetensors", "config.json"):

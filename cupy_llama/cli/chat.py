@@ -131,8 +131,8 @@ def _refuse_model_as_prompt(prompt: str) -> None:
     path = Path(prompt)
     one_word = len(prompt.split()) == 1
     if (one_word and path.suffix.lower() == ".gguf") or (os.path.isfile(prompt) and is_gguf(path)):
-        raise OptionError(f"PROMPT {prompt!r} is a GGUF file, not a message; {GGUF_REFUSED}; "
-                          "chat takes it as --model PATH")
+        # no command loads it: the fix is a model folder, not moving the file to --model
+        raise OptionError(f"PROMPT {prompt!r} names a GGUF file, not a message; {GGUF_REFUSED}")
     if os.path.isfile(prompt) and (path.name in _MODEL_FOLDER_FILES
                                    or path.suffix == ".safetensors"):
         folder = os.path.dirname(prompt) or "."
