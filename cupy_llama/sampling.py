@@ -197,7 +197,7 @@ class SamplingParams:
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_tokens:
             # max_tokens None has no number to show: the context limit ends the output
-            rule = ">= 0" if self.max_tokens == NO_MAX_TOKENS else \
+            rule = "from 0 to 2**63 - 1" if self.max_tokens == NO_MAX_TOKENS else \
                 f"from 0 to max_tokens ({self.max_tokens})"
             raise RequestError(f"min_tokens must be an integer {rule}, got "
                                f"{_preview(self.min_tokens)}")

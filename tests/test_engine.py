@@ -537,11 +537,12 @@ def test_none_takes_the_default_where_vllm_declares_a_field_optional(llm):
 def test_min_tokens_error_names_only_a_max_tokens_that_was_given():
     """max_tokens None has no number: a bad min_tokens says what it must be without the
     stand-in for "none"; a max_tokens that was given is named with its value."""
-    for value in (-1, 1.5, True):
+    for value in (-1, 1.5, True, 2**63):
         message = str(pytest.raises(RequestError, SamplingParams, max_tokens=None,
                                     min_tokens=value).value)
-        assert message.startswith("min_tokens must be an integer") and str(value) in message
-        assert "max_tokens" not in message and str(2**63 - 1) not in message, message
+        assert message.startswith("min_tokens must be an integer from 0 to 2**63 - 1, got ")
+        assert str(value) in message and "max_tokens" not in message, message
+        assert str(2**63 - 1) not in message, message
     message = str(pytest.raises(RequestError, SamplingParams, max_tokens=5, min_tokens=6).value)
     assert "max_tokens (5)" in message and "got 6" in message
 
