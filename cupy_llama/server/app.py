@@ -895,12 +895,18 @@ class _HTTP(H11Protocol):
         self._header_timer = None
         self._arm_header_timer()
         # h11 bounds only headers that are still arriving: a whole head that came in one
-        # read is parsed whatever its size, so the bound is checked on the parsed request
-        next_event = self.conn.next_event
+        # read is parsed whatever its size. So where a request is next (the client idle),
+        # the bytes its parse takes from the receive buffer are the head's as sent (the
+        # parsed request has lost the headers' optional whitespace)
+        conn, next_event = self.conn, self.conn.next_event
 
         def next_event_within_bound():
+            if conn.their_state is not h11.IDLE:
+                return next_event()
+            before = len(conn.trailing_data[0])
             event = next_event()
-            if isinstance(event, h11.Request) and _head_bytes(event) > MAX_HEADER_BYTES:
+            if isinstance(event, h11.Request) and \
+                    before - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
                 raise h11.RemoteProtocolError("request headers too large")
             return event
 
@@ -945,13 +951,6 @@ class _HTTP(H11Protocol):
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
-
-
-def _head_bytes(request: h11.Request) -> int:
-    """The size of a request's line and headers as sent (up to optional whitespace)."""
-    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
-    return line + sum(len(name) + len(value) + len(b": \r\n")
-                      for name, value in request.headers) + len(b"\r\n")
 
 
 class _Server(uvicorn.Server):
