@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
-from ..reasoning import FORMATS, ReasoningParser, ReasoningSplitter
+from ..reasoning import ReasoningParser, ReasoningSplitter, thinking_markers
 from ..util import json_type
 
 HELP = """\
@@ -139,10 +139,8 @@ class ChatSession:
         self.turns: list[TurnStats] = []
         self.prompt_opens_thinking = False  # the last prompt ends inside <think> (ThinkingView)
         self.reply_token_ids: list[int] = []  # the reply's tokens so far, as reply() yields
-        try:  # <think> ... </think> in the model's vocabulary: where a prompt opens it
-            self._markers = ReasoningParser.for_tokenizer(THINKING.name, llm.tokenizer)
-        except RequestError:
-            self._markers = None
+        # <think> ... </think> in the model's vocabulary: where a prompt opens it
+        self._markers = thinking_markers(llm.tokenizer)
 
     def messages(self, user_text: str) -> list[dict]:
         return self.conversation() + [{"role": "user", "content": user_text}]
@@ -519,8 +517,6 @@ def _a(role: str) -> str:
 
 
 # ---- a reply's thinking -------------------------------------------------------------------
-
-THINKING = FORMATS["deepseek_r1"]  # <think> ... </think>, nothing else ends it
 
 
 class ThinkingView:
