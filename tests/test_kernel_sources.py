@@ -120,3 +120,18 @@ def test_kernel_families_come_from_the_define_lines():
     simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
     assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
     assert gemm.SKINNY_MAX_ROWS == 16
+
+
+def test_wide_blocks_for_rows_past_one_group_of_k_steps(monkeypatch):
+    """Plain products of few tiles take the 16-warp block once an 8-warp block's one group
+    of k steps (2,048) does not hold their rows: Qwen3-0.6B's down (3,072) and every longer
+    one, not the o_proj products of 1,024 to 2,048; never past the SMs' count of tiles, nor
+    for the fused products."""
+    monkeypatch.setattr(gemm, "device_limits", lambda: {"sms": 132})
+    plain = (gemm.PRO_PLAIN, gemm.EPI_STORE)
+    assert gemm._skinny_warps(*plain, 1024, 3072) == gemm.MMA_WIDE_WARPS
+    assert gemm._skinny_warps(*plain, 2048, 8192) == gemm.MMA_WIDE_WARPS
+    assert gemm._skinny_warps(*plain, 1024, 2048) == gemm.MMA_WARPS
+    assert gemm._skinny_warps(*plain, 1536, 1536) == gemm.MMA_WARPS
+    assert gemm._skinny_warps(*plain, 4096, 3072) == gemm.MMA_WARPS  # 256 tiles
+    assert gemm._skinny_warps(gemm.PRO_NORM, gemm.EPI_GLU, 1024, 3072) == gemm.MMA_WARPS

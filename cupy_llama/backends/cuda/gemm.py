@@ -91,7 +91,11 @@ MMA_PARTIAL_BYTES = _C["SKINNY_PARTIAL_BYTES"]  # per warp and x tile
 SKINNY_MAX_ROWS = 8 * max(key[4] for key in SKINNY_KERNELS)
 assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels' row limits differ"
 # the launcher's own choices
-WIDE_MIN_K = 4096  # plain products of rows at least this long may take the wide variant
+# Plain products of rows longer than one group of an 8-warp block's k steps (2,048) may
+# take the wide variant, which loads a tile of up to 4,096 in one group before waiting
+# for the kernel before: Qwen3-0.6B's down (K = 3,072, 64 tiles) took 3.5 against 4.2 us
+# at 1 row (benchmarks/NOTES.md, "Tried, dropped: split tiles"); 4,096 before.
+WIDE_MIN_K = MMA_WARPS * _C["SKINNY_UNROLL"] * MMA_STEP + 1
 FALLBACK_MMA_MAX_ROWS = 4
 KERNELS = ("cublas", "gemv", "mma")
 CHOICE_DIR = Path(__file__).resolve().parent
