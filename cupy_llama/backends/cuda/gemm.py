@@ -94,7 +94,7 @@ assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels
 # Plain products of rows longer than one group of an 8-warp block's k steps (2,048) may
 # take the wide variant, which loads a tile of up to 4,096 in one group before waiting
 # for the kernel before: Qwen3-0.6B's down (K = 3,072, 64 tiles) took 3.5 against 4.2 us
-# at 1 row (benchmarks/NOTES.md, "Tried, dropped: split tiles"); 4,096 before.
+# at 1 row (benchmarks/NOTES.md, change 47); 4,096 before.
 WIDE_MIN_K = MMA_WARPS * _C["SKINNY_UNROLL"] * MMA_STEP + 1
 FALLBACK_MMA_MAX_ROWS = 4
 KERNELS = ("cublas", "gemv", "mma")
