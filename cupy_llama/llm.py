@@ -11,7 +11,8 @@ from typing import Iterator
 from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
 from .outputs import RequestOutput, are_token_ids
-from .reasoning import ReasoningSplitter, split_reasoning, thinking_markers
+from .reasoning import (ReasoningParser, ReasoningSplitter, reasoning_format, split_reasoning,
+                        thinking_markers)
 from .sampling import SamplingParams, model_sampling_defaults
 from .tokenizer import Tokenizer
 
@@ -28,11 +29,14 @@ class LLM:
     """
 
     def __init__(self, model_dir=None, device: str = "auto", *, model=None, log=_stderr,
-                 **engine_options):
+                 reasoning_parser: str | None = None, **engine_options):
         """device: "auto" (the GPU when usable), "cuda" or "cpu"; model: the folder, by
         vLLM's keyword (LLM(model=...)), in place of model_dir; engine_options: the fields
         of EngineConfig (max_num_seqs, max_model_len, ...); log: where load messages go
-        (None: nowhere)."""
+        (None: nowhere). reasoning_parser: "qwen3" or "deepseek_r1" (vLLM's engine
+        option and serve's flag): chat() then takes a reply to start thinking as serve
+        does (docs/ARCHITECTURE.md, "Reasoning models"), and a constraint (tool_choice's
+        grammar, or params.structured) starts after its </think>."""
         if model is not None:
             if model_dir is not None:
                 raise ConfigError("give the model folder once: model_dir or model, not both")
@@ -43,6 +47,14 @@ class LLM:
         if not isinstance(model_dir, (str, os.PathLike)):
             raise ConfigError(f"model_dir must be the path of a model folder, got "
                               f"{type(model_dir).__name__}")
+        if reasoning_parser is not None:  # a wrong name, before the load
+            if not isinstance(reasoning_parser, str):
+                raise ConfigError(f"reasoning_parser must be a parser's name such as 'qwen3', "
+                                  f"got {type(reasoning_parser).__name__}")
+            try:
+                reasoning_format(reasoning_parser, "reasoning_parser")
+            except RequestError as e:
+                raise ConfigError(str(e)) from None
         self.model_dir = Path(model_dir)
         self.engine: LLMEngine | None = LLMEngine.load(self.model_dir, device, log=log,
                                                        **engine_options)
@@ -52,6 +64,15 @@ class LLM:
         self.max_model_len = engine.max_model_len  # the configured context limit
         # <think> and </think> where the model may think: tool calls are its answer's
         self._thinking = thinking_markers(self.tokenizer)
+        self.reasoning: ReasoningParser | None = None  # reasoning_parser bound to the model
+        if reasoning_parser is not None:
+            try:
+                self.reasoning = ReasoningParser.for_tokenizer(
+                    reasoning_parser, self.tokenizer, "reasoning_parser")
+            except RequestError as e:
+                self.close()
+                raise ConfigError(str(e)) from None
+            self._thinking = self.reasoning
 
     @property
     def backend(self):
@@ -151,7 +172,9 @@ class LLM:
         model's thinking (up to the </think> token, where the prompt opened it or the reply
         begins with <think>) is content as written, never calls: only the answer after it
         is parsed, and where the prompt opened the thinking a constraint (tool_choice's
-        grammar, or params') starts after it."""
+        grammar, or params') starts after it. With LLM(reasoning_parser=...), a reply
+        thinks as serve's parser says (Qwen3's: unless enable_thinking is false), and the
+        constraint of every such reply starts after its thinking."""
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -169,18 +192,20 @@ class LLM:
                                               continue_final_message=continue_final_message,
                                               chat_template=chat_template)
                    for c in conversations]
-        if parser is not None:  # a grammar of tool_choice after the thinking a prompt opened
+        if parser is not None or self.reasoning is not None:
+            # a constraint (tool_choice's grammar, or params') after the reply's thinking
             each = self._param_list(params, len(prompts))
-            gated = [self.constrain_after_thinking(p, one) for p, one in zip(prompts, each)]
+            gated = [self.constrain_after_thinking(p, one, chat_template_kwargs)
+                     for p, one in zip(prompts, each)]
             if any(g is not one for g, one in zip(gated, each)):
                 params = gated
         result = self.generate(prompts, params, stream=stream)
         max_calls = None if parallel_tool_calls else 1  # as vLLM: the first call only
         if parser is not None and stream:
-            return self._stream_tool_calls(result, parser, max_calls)
+            return self._stream_tool_calls(result, parser, max_calls, chat_template_kwargs)
         if parser is not None:
             for output in result if isinstance(result, list) else [result]:
-                self.parse_tool_calls(output, parser, max_calls)
+                self.parse_tool_calls(output, parser, max_calls, chat_template_kwargs)
         if stream or batch or len(result) > 1:  # len > 1: one conversation, n replies
             return result
         return result[0]
@@ -228,31 +253,41 @@ class LLM:
             params = each[0] if single else each
         return tools, parser_name, params
 
-    def constrain_after_thinking(self, prompt: list[int],
-                                 params: SamplingParams) -> SamplingParams:
-        """The params of a chat prompt offered tools: where the prompt opened the thinking
-        (DeepSeek-R1's template writes <think>), their constraint (tool_choice's grammar,
-        or the params' own) starts after the </think> token, as serve's does with a
-        reasoning parser: from the first token it would leave the model no thinking, and
-        write the answer, calls and all, inside the thinking. chat() and generate's plain
-        lines use it."""
+    def constrain_after_thinking(self, prompt: list[int], params: SamplingParams,
+                                 template_kwargs: dict | None = None) -> SamplingParams:
+        """The params of a chat prompt offered tools, or of any chat prompt with a
+        reasoning_parser: where its reply starts thinking (reply_thinks), their constraint (tool_choice's grammar, or the params' own) starts after the
+        </think> token, as serve's does with a reasoning parser: from the first token it
+        would leave the model no thinking, and write the answer, calls and all, inside the
+        thinking. chat() and generate's plain lines use it."""
         markers = self._thinking
         if (markers is None or params.structured is None
                 or params.structured.starts_after is not None
-                or not markers.reply_thinks(prompt, [])):
+                or not self.reply_thinks(prompt, [], template_kwargs)):
             return params
         return replace(params, structured=replace(params.structured,
                                                   starts_after=markers.end_token))
 
+    def reply_thinks(self, prompt: list[int], token_ids: list[int],
+                     template_kwargs: dict | None = None) -> bool:
+        """Whether a chat reply (its tokens so far) starts by thinking: with a
+        reasoning_parser, as serve's parser decides from the prompt and the template's
+        keywords (ReasoningParser.thinks); without one, where the prompt opened the
+        thinking or the reply's first token is <think> (ReasoningParser.reply_thinks)."""
+        if self.reasoning is not None:
+            return self.reasoning.thinks(prompt, template_kwargs)
+        return self._thinking is not None and self._thinking.reply_thinks(prompt, token_ids)
+
     def parse_tool_calls(self, output: RequestOutput, parser_name: str,
-                         max_calls: int | None = None) -> None:
+                         max_calls: int | None = None, template_kwargs: dict | None = None
+                         ) -> None:
         """A finished reply's calls into output.tool_calls and .content (tool_setup's
         parser); max_calls: the calls kept (1 for parallel_tool_calls false). Where the
-        reply thinks (reasoning.ReasoningParser.reply_thinks), only its answer is parsed:
-        the thinking is content as written."""
+        reply thinks (reply_thinks; template_kwargs: the chat template's keywords), only
+        its answer is parsed: the thinking is content as written."""
         from .tool_parsers import parse_tool_calls
 
-        thought, answer = self._thought_and_answer(output)
+        thought, answer = self._thought_and_answer(output, template_kwargs)
         parsed = parse_tool_calls(answer, parser_name, max_calls=max_calls)
         output.content = (thought + (parsed.content or "")) or None
         if parsed.tool_calls:
@@ -260,8 +295,8 @@ class LLM:
             if output.finish_reason == "stop":
                 output.finish_reason = "tool_calls"
 
-    def _stream_tool_calls(self, outputs, parser_name: str,
-                           max_calls: int | None = None) -> Iterator[RequestOutput]:
+    def _stream_tool_calls(self, outputs, parser_name: str, max_calls: int | None = None,
+                           template_kwargs: dict | None = None) -> Iterator[RequestOutput]:
         """The streamed outputs with each sample's text fed to its own tool-call parser."""
         from .tool_parsers import make_tool_parser
 
@@ -271,7 +306,8 @@ class LLM:
                 key = (output.request_id, output.index)
                 if key not in samples:
                     samples[key] = _AnswerCalls(
-                        make_tool_parser(parser_name, max_calls=max_calls), self._thinking)
+                        make_tool_parser(parser_name, max_calls=max_calls), self._thinking,
+                        lambda prompt, ids: self.reply_thinks(prompt, ids, template_kwargs))
                 reader = samples[key]
                 parser = reader.parser
                 delta = reader.feed(output)
@@ -289,12 +325,13 @@ class LLM:
                 output.tool_call_deltas = delta.tool_calls or None
                 yield output
 
-    def _thought_and_answer(self, output: RequestOutput) -> tuple[str, str]:
+    def _thought_and_answer(self, output: RequestOutput, template_kwargs: dict | None = None
+                            ) -> tuple[str, str]:
         """A finished reply's text as (its thinking as written, up to and with the </think>
         token's text, its answer); ("", text) where it does not think."""
         markers, text = self._thinking, output.text
-        if markers is None or not markers.reply_thinks(output.prompt_token_ids,
-                                                       output.token_ids):
+        if markers is None or not self.reply_thinks(output.prompt_token_ids, output.token_ids,
+                                                    template_kwargs):
             return "", text
         _, answer = split_reasoning(markers, text, output.token_ids, True)
         answer = answer or ""  # None: the thinking never ended
@@ -325,10 +362,11 @@ class _AnswerCalls:
     passes as written and only the answer after the </think> token goes to the tool-call
     parser, as the server's chat stream feeds the reasoning splitter's answer to it."""
 
-    def __init__(self, parser, markers):
+    def __init__(self, parser, markers, thinks):
+        """thinks(prompt ids, reply ids so far): whether the reply thinks (LLM.reply_thinks)."""
         self.parser = parser
         self.thought = ""  # the thinking so far, as written
-        self._markers = markers
+        self._markers, self._thinks = markers, thinks
         self._splitter: ReasoningSplitter | None = None
         self._decided = markers is None  # whether it thinks: known at its first token
 
@@ -336,7 +374,7 @@ class _AnswerCalls:
         """The output's new text as the parser's delta, the thinking first as content."""
         if not self._decided and output.token_ids:
             self._decided = True
-            if self._markers.reply_thinks(output.prompt_token_ids, output.token_ids):
+            if self._thinks(output.prompt_token_ids, output.token_ids):
                 self._splitter = ReasoningSplitter(self._markers, True)
         text = answer = output.delta
         if self._splitter is not None:  # the answer's text is the end of the piece's

@@ -73,7 +73,7 @@ class ReasoningParser:
         token_id = tokenizer.token_to_id(fmt.end)
         if token_id is None:
             raise RequestError(f"{flag} {name}: this model's vocabulary has no {fmt.end} "
-                               "token, so it does not think in that format; leave the flag "
+                               f"token, so it does not think in that format; leave {flag} "
                                "out")
         specials = set(tokenizer.all_special_ids)
         start_id = tokenizer.token_to_id(fmt.start)

@@ -792,3 +792,65 @@ def test_an_enforced_call_follows_the_thinking_a_template_opens(r1, tmp_path):
     [row] = read_jsonl(out)
     assert row["text"] == whole.text and row["content"] == "a</think>"
     assert [c["function"]["name"] for c in row["tool_calls"]] == ["get_weather"]
+
+
+# ChatML with no thinking of its own: enable_thinking changes nothing it writes
+PLAIN_CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_llm_reasoning_parser_constrains_after_the_thinking(qwen3):
+    """LLM(reasoning_parser="qwen3") takes a Qwen3 reply to think as serve's parser does,
+    though its prompt opens no thinking: tool_choice's grammar and params.structured start
+    after </think>, so the model thinks as scripted and then keeps to them; where
+    enable_thinking is false (the template writes an empty thinking) they hold from the
+    first token. Without the option the reply is constrained from its first token."""
+    pytest.importorskip("llguidance")
+    from conftest import TOOLS
+    model_dir, plain = qwen3
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tools = dict(tools=TOOLS, tool_choice=named, tool_call_parser="hermes",
+                 parallel_tool_calls=False)
+    greedy = SamplingParams(temperature=0, max_tokens=400)
+    unguarded = plain.chat(CHAT, greedy, **tools)
+    assert unguarded.text.startswith("<tool_call>"), unguarded.text
+    with LLM(model_dir, device="cpu", log=None, reasoning_parser="qwen3") as llm:
+        whole, (last, deltas, names) = chat_outputs(llm, CHAT, greedy, **tools)
+        for output in (whole, last):
+            assert output.text.startswith("<think>a</think><tool_call>"), output.text
+            assert [c.name for c in output.tool_calls] == ["get_weather"]
+            assert output.content == "<think>a</think>"
+            assert output.finish_reason == "tool_calls"
+        assert deltas == "<think>a</think>" and names == ["get_weather"]
+        answer = llm.chat(CHAT, SamplingParams(structured=YES_NO, temperature=0, max_tokens=10))
+        assert answer.text in ("<think>a</think>yes", "<think>a</think>no"), answer.text
+        off = {"enable_thinking": False}
+        closed = llm.chat(CHAT, greedy, chat_template_kwargs=off, **tools)
+        assert closed.text.startswith("<tool_call>") and closed.content is None, closed.text
+        assert [c.name for c in closed.tool_calls] == ["get_weather"]
+        # a template that writes no empty thinking for enable_thinking false: only the
+        # keyword says the reply does not think, whole and streamed
+        whole, (last, deltas, names) = chat_outputs(
+            llm, CHAT, greedy, chat_template=PLAIN_CHATML, chat_template_kwargs=off, **tools)
+        for output in (whole, last):
+            assert output.text.startswith("<tool_call>"), output.text
+            assert [c.name for c in output.tool_calls] == ["get_weather"]
+            assert output.content is None and output.finish_reason == "tool_calls"
+        assert deltas == "" and names == ["get_weather"]
+        thinking = llm.chat(CHAT, greedy, chat_template=PLAIN_CHATML, **tools)
+        assert thinking.text.startswith("<think>a</think><tool_call>"), thinking.text
+
+
+def test_llm_reasoning_parser_is_checked(qwen3, tmp_path):
+    from cupy_llama.errors import ConfigError
+    model_dir, _ = qwen3
+    with pytest.raises(ConfigError, match="reasoning_parser: unknown parser 'nope'; use one "
+                                          "of qwen3, deepseek_r1"):
+        LLM(model_dir, device="cpu", log=None, reasoning_parser="nope")
+    with pytest.raises(ConfigError, match="reasoning_parser must be a parser's name such as "
+                                          "'qwen3', got list"):
+        LLM(model_dir, device="cpu", log=None, reasoning_parser=["qwen3"])
+    llama_dir = make_random_model(tmp_path / "llama", "tiny")
+    with pytest.raises(ConfigError, match="reasoning_parser qwen3: this model's vocabulary "
+                                          "has no </think> token.*leave reasoning_parser out"):
+        LLM(llama_dir, device="cpu", log=None, reasoning_parser="qwen3")
