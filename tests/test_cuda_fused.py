@@ -44,7 +44,7 @@ def _residual(rng, m, k):
 
 
 @pytest.mark.parametrize("m", ROWS + (40,))
-@pytest.mark.parametrize("k,n", [(2048, 2048), (8192, 2048), (200, 1001)])
+@pytest.mark.parametrize("k,n", [(2048, 2048), (8192, 2048), (3072, 1024), (200, 1001)])
 def test_linear_accumulates_into_float32(cp, rng, m, k, n):
     """out += x @ w.T: the skinny kernel up to 16 rows (cuBLAS where shared memory is too
     small, and past 16 rows), cuBLAS with beta = 1 beyond."""

@@ -124,14 +124,18 @@ def test_kernel_families_come_from_the_define_lines():
 
 def test_wide_blocks_for_rows_past_one_group_of_k_steps(monkeypatch):
     """Plain products of few tiles take the 16-warp block once an 8-warp block's one group
-    of k steps (2,048) does not hold their rows: Qwen3-0.6B's down (3,072) and every longer
-    one, not the o_proj products of 1,024 to 2,048; never past the SMs' count of tiles, nor
-    for the fused products."""
+    of k steps (2,048 of bf16 rows, 4,096 of FP8 ones) does not hold their rows: Qwen3-0.6B's
+    down (3,072) and every longer one, not the o_proj products of 1,024 to 2,048; never
+    past the SMs' count of tiles, nor for the fused products."""
     monkeypatch.setattr(gemm, "device_limits", lambda: {"sms": 132})
-    plain = (gemm.PRO_PLAIN, gemm.EPI_STORE)
+    plain = (gemm.W_BF16, gemm.PRO_PLAIN, gemm.EPI_STORE)
     assert gemm._skinny_warps(*plain, 1024, 3072) == gemm.MMA_WIDE_WARPS
     assert gemm._skinny_warps(*plain, 2048, 8192) == gemm.MMA_WIDE_WARPS
     assert gemm._skinny_warps(*plain, 1024, 2048) == gemm.MMA_WARPS
     assert gemm._skinny_warps(*plain, 1536, 1536) == gemm.MMA_WARPS
     assert gemm._skinny_warps(*plain, 4096, 3072) == gemm.MMA_WARPS  # 256 tiles
-    assert gemm._skinny_warps(gemm.PRO_NORM, gemm.EPI_GLU, 1024, 3072) == gemm.MMA_WARPS
+    assert gemm._skinny_warps(gemm.W_BF16, gemm.PRO_NORM, gemm.EPI_GLU, 1024, 3072) == \
+        gemm.MMA_WARPS
+    fp8 = (gemm.W_FP8, gemm.PRO_PLAIN, gemm.EPI_STORE)
+    assert gemm._skinny_warps(*fp8, 1024, 3072) == gemm.MMA_WARPS
+    assert gemm._skinny_warps(*fp8, 1024, 4096) == gemm.MMA_WIDE_WARPS

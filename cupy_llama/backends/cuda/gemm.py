@@ -91,11 +91,13 @@ MMA_PARTIAL_BYTES = _C["SKINNY_PARTIAL_BYTES"]  # per warp and x tile
 SKINNY_MAX_ROWS = 8 * max(key[4] for key in SKINNY_KERNELS)
 assert SKINNY_MAX_ROWS == max(GEMV_VARIANTS), "gemv.cu: the SIMT and mma kernels' row limits differ"
 # the launcher's own choices
-# Plain products of rows longer than one group of an 8-warp block's k steps (2,048) may
-# take the wide variant, which loads a tile of up to 4,096 in one group before waiting
-# for the kernel before: Qwen3-0.6B's down (K = 3,072, 64 tiles) took 3.5 against 4.2 us
-# at 1 row (benchmarks/NOTES.md, change 47); 4,096 before.
-WIDE_MIN_K = MMA_WARPS * _C["SKINNY_UNROLL"] * MMA_STEP + 1
+# Plain products of bf16 rows longer than one group of an 8-warp block's k steps (2,048)
+# may take the wide variant, which loads a tile of up to 4,096 in one group before
+# waiting for the kernel before: Qwen3-0.6B's down (K = 3,072, 64 tiles) took 3.5 against
+# 4.2 us at 1 row (benchmarks/NOTES.md, change 47); 4,096 before. FP8 blocks keep twice
+# the steps in flight, so an 8-warp group holds 4,096 of their rows: they keep 4,096 (not
+# measured again).
+WIDE_MIN_K = {W_BF16: MMA_WARPS * _C["SKINNY_UNROLL"] * MMA_STEP + 1, W_FP8: 4096}
 FALLBACK_MMA_MAX_ROWS = 4
 KERNELS = ("cublas", "gemv", "mma")
 CHOICE_DIR = Path(__file__).resolve().parent
@@ -456,7 +458,7 @@ def mma_unsupported(x, weight, pro: int = PRO_PLAIN, epi: int = EPI_STORE) -> st
     """Why the skinny kernels of that prologue and epilogue cannot take this product, or
     None when they can."""
     m_rows, k = x.shape
-    warps = _skinny_warps(pro, epi, weight.shape[0], k)
+    warps = _skinny_warps(weight_format(weight), pro, epi, weight.shape[0], k)
     if m_rows > SKINNY_MAX_ROWS:
         return f"at most {SKINNY_MAX_ROWS} rows (got {m_rows})"
     if k % 8:
@@ -579,7 +581,7 @@ def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int,
     if key not in _mma_shapes:
         limits = device_limits()
         tiles = cdiv(n, MMA_TILE_ROWS)
-        warps = _skinny_warps(pro, epi, n, k)
+        warps = _skinny_warps(w, pro, epi, n, k)
         kernel = skinny_kernel(w, pro, epi, warps, m_rows,
                                STAGE_SHARED if cluster > 1 else STAGE_ALONE)
         shared = mma_shared_bytes(m_rows, k, warps)
@@ -593,10 +595,10 @@ def _mma_launch_shape(w: int, pro: int, epi: int, n: int, k: int, m_rows: int,
     return _mma_shapes[key]
 
 
-def _skinny_warps(pro: int, epi: int, n: int, k: int) -> int:
-    """Warps per block: plain products of rows of at least WIDE_MIN_K in no more tiles than
+def _skinny_warps(w: int, pro: int, epi: int, n: int, k: int) -> int:
+    """Warps per block: plain products of rows of at least WIDE_MIN_K[w] in no more tiles than
     SMs take the wide variant."""
-    if ((pro, epi) == (PRO_PLAIN, EPI_STORE) and k >= WIDE_MIN_K
+    if ((pro, epi) == (PRO_PLAIN, EPI_STORE) and k >= WIDE_MIN_K[w]
             and cdiv(n, MMA_TILE_ROWS) <= device_limits()["sms"]):
         return MMA_WIDE_WARPS
     return MMA_WARPS
