@@ -256,10 +256,11 @@ class LLM:
     def constrain_after_thinking(self, prompt: list[int], params: SamplingParams,
                                  template_kwargs: dict | None = None) -> SamplingParams:
         """The params of a chat prompt offered tools, or of any chat prompt with a
-        reasoning_parser: where its reply starts thinking (reply_thinks), their constraint (tool_choice's grammar, or the params' own) starts after the
-        </think> token, as serve's does with a reasoning parser: from the first token it
-        would leave the model no thinking, and write the answer, calls and all, inside the
-        thinking. chat() and generate's plain lines use it."""
+        reasoning_parser: where its reply starts thinking (reply_thinks), their constraint
+        (tool_choice's grammar, or the params' own) starts after the </think> token, as
+        serve's does with a reasoning parser: from the first token it would leave the model
+        no thinking, and write the answer, calls and all, inside the thinking. chat() and
+        generate's plain lines use it."""
         markers = self._thinking
         if (markers is None or params.structured is None
                 or params.structured.starts_after is not None

@@ -42,8 +42,8 @@ for name, (n, k) in SHAPES.items():
                                              accumulate=True), weights)
                 row.setdefault(rule, []).append(us)
         results.append(row)
-        print(f"{name:13s} m={m:2d} " + " ".join(f"{rule} {min(row[rule]):6.2f}" for rule in RULES),
-              flush=True)
+        timings = " ".join(f"{rule} {min(row[rule]):6.2f}" for rule in RULES)
+        print(f"{name:13s} m={m:2d} {timings}", flush=True)
     del weights
 with open(sys.argv[1], "w") as f:
     json.dump({"gpu": gemm.device_name(), "rules": RULES, "us_per_call": results}, f, indent=1)
