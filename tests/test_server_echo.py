@@ -72,6 +72,24 @@ def test_max_tokens_0_with_echo_scores_only(state, llm, model_dir):
     assert refused.status == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_max_tokens_0_with_echo_ends_on_length(state, llm):
+    """The token made to score the prompt is no stop the client asked for: where it is an
+    EOS (logit_bias forces it here), the choice still ends on "length", whole and
+    streamed, as any other token leaves it."""
+    eos = min(llm.engine.eos_token_ids)
+    body = {"prompt": "one two", "max_tokens": 0, "echo": True, "logit_bias": {str(eos): 100}}
+    whole, streamed = ask(state, [
+        ("POST", "/v1/completions", {"json": body}),
+        ("POST", "/v1/completions", {"json": {**body, "stream": True}})])
+    assert whole.status == 200 and streamed.status == 200, (whole.body, streamed.body)
+    [choice] = whole.json()["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+    events = streamed.events()
+    [last] = [c for e in events for c in e["choices"] if c["finish_reason"] is not None]
+    assert (last["finish_reason"], last["stop_reason"]) == ("length", None)
+    assert reassembled(events)[0][0]["text"] == choice["text"] == "one two"
+
+
 def reassembled(events) -> tuple[dict, dict | None]:
     """A streamed completion's chunks put back together: {choice index: {"text",
     "logprobs", "finish_reason"}} (each logprobs list concatenated), and the usage chunk's

@@ -731,9 +731,11 @@ def completion_response(request: CompletionRequest, response_id: str, created: i
     token_strings = request.token_names(token_strings)
     usage = usage_of(outputs)  # every sample best_of made counts
     outputs = [request.best_outputs(group) for group in outputs]
-    if request.scores_only:  # the one token made to score the prompt is not shown
+    if request.scores_only:  # the one token made to score the prompt is not shown, nor
+        # what it would have ended on (an EOS drawn there is no stop the client asked for)
         outputs = [[replace(o, token_ids=[], text="", logprobs=[] if o.logprobs is not None
-                            else None) for o in group] for group in outputs]
+                            else None, finish_reason="length", stop_reason=None)
+                    for o in group] for group in outputs]
     prompt_texts = request.prompt_texts([g[0].prompt_token_ids for g in outputs if g],
                                         token_strings) if echo else []
     for i, prompt_outputs in enumerate(outputs):
@@ -896,6 +898,8 @@ class CompletionStream(_Stream):
                stop_reason: str | int | None = None) -> list[dict]:
         if self._request.scores_only:  # the one token made to score the prompt is not shown
             text, logprobs = "", None if logprobs is None else []
+            if finish_reason is not None:  # max_tokens 0 ended it, whatever that token was
+                finish_reason, stop_reason = "length", None
         if finish_reason is not None and self._request.echo and self._request.suffix:
             text += self._request.suffix  # echo ends with the suffix, as completion_response
         return [self.chunk(index, text, logprobs, finish_reason,
