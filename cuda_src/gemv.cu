@@ -233,6 +233,7 @@ __device__ __forceinline__ void prefetch_rows(const SkinnyArgs& a, TileRows rows
 // the plain staging, ending in __syncthreads.
 #define STAGE_BATCH 8  // x chunks (PRO_PLAIN) or float4 (PRO_NORM's sums) a thread asks at once
 #define NORM_BATCH 2   // chunks a thread scales at once (each two float4 and a weight chunk)
+#define NORM_ONCE_BATCH 4  // float4 a thread holds where x is normalized in one pass
 #define SKINNY_MAX_CLUSTER 4  // blocks sharing x's staging at most (gemm.STAGING_CLUSTER)
 
 // Where a staged chunk goes: this block's xs and the same offset in every other block of
@@ -301,6 +302,59 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     const int row_warps = max(1, WARPS / a.m_rows), groups = WARPS / row_warps;
     const int group = warp / row_warps, part = warp - group * row_warps;
     const int group_lane = part * WARP_SIZE + lane, group_threads = row_warps * WARP_SIZE;
+    if (size == 1 && a.m_rows <= groups && quads <= NORM_ONCE_BATCH * group_threads) {
+        // A row a group at most, held whole in one batch of loads: x and the norm weights
+        // are loaded once, together, and scaled from registers (no second trip to L2 for
+        // x). The same sums in the same order and the same products as below: the same bits.
+        const int m = group;  // this group's row, if it has one
+        const bool has_row = m < a.m_rows;
+        float4 v[NORM_ONCE_BATCH];
+        uint2 weight[NORM_ONCE_BATCH];
+        const uint2* weight4 = reinterpret_cast<const uint2*>(a.norm_weight);
+#pragma unroll
+        for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
+            const int q = group_lane + b * group_threads;
+            const bool present = has_row && q < quads;
+            v[b] = present ? __ldcg(x4 + (long long)m * quads + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            weight[b] = present ? __ldg(weight4 + q) : make_uint2(0u, 0u);
+        }
+        if (has_row) {
+            float sum_sq = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NORM_ONCE_BATCH; ++b)
+                sum_sq += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+            sum_sq = warp_sum(sum_sq);
+            if (lane == 0) row_sums[m][part] = sum_sq;
+        }
+        __syncthreads();
+        if (threadIdx.x < a.m_rows) {
+            float sum_sq = 0.0f;
+            for (int r = 0; r < row_warps; ++r) sum_sq += row_sums[threadIdx.x][r];
+            inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
+        }
+        __syncthreads();
+        if (has_row) {
+            uint2* staged_row = reinterpret_cast<uint2*>(xs + m * x_stride);  // 4 bf16 a quad
+            const float scale = inv_rms[m];
+#pragma unroll
+            for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
+                const int q = group_lane + b * group_threads;
+                if (q >= quads) continue;
+                float w4[4];
+                unpack_bf16x4(weight[b], w4);
+                staged_row[q] = make_uint2(
+                    pack_bf16x2(rms_scaled(v[b].x, scale, w4[0], a.norm_offset),
+                                rms_scaled(v[b].y, scale, w4[1], a.norm_offset)),
+                    pack_bf16x2(rms_scaled(v[b].z, scale, w4[2], a.norm_offset),
+                                rms_scaled(v[b].w, scale, w4[3], a.norm_offset)));
+            }
+        }
+        const int pad = x_chunks - chunks;  // zero chunks up to the last k step's end
+        for (int i = threadIdx.x; i < a.m_rows * pad; i += blockDim.x)
+            xs[(i / pad) * x_stride + chunks + i % pad] = zero;
+        __syncthreads();
+        return;
+    }
     if (group < groups) {
         for (int m = group; m < a.m_rows; m += groups) {
             const float4* row = x4 + (long long)m * quads;
