@@ -80,6 +80,25 @@ def test_norm_linear(cp, rng, k, n, out_dtype, skinny_mma):
         assert rel < 1e-2, f"norm_linear m={m} [{k}]x[{n}]: relative error {rel:.3g}"
 
 
+# (x rows, K) on both sides of where the norm prologue loads x once (a row a group of
+# warps, 4 float4 a thread: 1 row of up to 4,096, 2 of 2,048, 3 or 4 of 1,024, 5 to 8 of
+# 512), with K past the last 64-wide step (zero chunks staged after the row)
+ONE_LOAD_EDGES = [(1, 4096), (1, 4104), (1, 200), (2, 2048), (2, 2056), (3, 1000), (4, 1024),
+                  (4, 1032), (5, 512), (8, 512), (8, 520), (9, 512)]
+
+
+@pytest.mark.parametrize("m,k", ONE_LOAD_EDGES)
+def test_norm_prologue_at_the_edges_of_one_load(cp, rng, m, k, skinny_mma):
+    norm_bits, norm_w = random_bf16(rng, (k,))
+    w_bits, w = random_bf16(rng, (48, k), scale=0.02)
+    x = _residual(rng, m, k)
+    expected = _normed(x, norm_w).astype(np.float64) @ w.T.astype(np.float64)
+    out = poisoned(cp, (m, 48), np.float32)
+    assert skinny_mma.norm_linear(cp.asarray(x), cp.asarray(norm_bits), EPS, cp.asarray(w_bits), out)
+    rel = _relative_error(to_float(cp, out), expected)
+    assert rel < 1e-2, f"norm_linear m={m} [{k}]x[48]: relative error {rel:.3g}"
+
+
 @pytest.mark.parametrize("k,inter", [(2048, 8192), (576, 1536), (64, 8)])
 def test_norm_gate_up_act(cp, rng, k, inter, skinny_mma):
     norm_bits, norm_w = random_bf16(rng, (k,))
