@@ -16,6 +16,7 @@ from cupy_llama.outputs import TokenStrings
 from cupy_llama.models import read_config
 from cupy_llama.engine.async_engine import ENGINE_STOPPED, Rejected
 from cupy_llama.outputs import RequestOutput
+from cupy_llama.reasoning import ReasoningParser, reasoning_format
 from cupy_llama.sampling import model_sampling_defaults
 from cupy_llama.server import protocol
 from cupy_llama.server.app import ServerSettings, ServerState, create_app, _Job
@@ -457,3 +458,71 @@ def test_a_chats_thinking_and_tool_calls_count_toward_its_bytes(llm):
         e = pytest.raises(APIError, request.prompt_token_ids, tokenizer, 4000).value
         assert (e.status, e.param, e.code) == (400, "messages", "context_length_exceeded"), assistant
         assert request.prompt_token_ids(tokenizer, 40_000)  # rendered where it fits
+
+
+def test_a_plain_text_chunk_is_encoded_as_the_chunk_would_be():
+    """CompletionStream.text_event: the event of a chunk that carries text alone, made from
+    the choice's head and tail, is the event of the chunk chunks() builds, byte for byte,
+    for any text (quotes, escapes, control characters, non-ASCII) and choice; chunks that
+    carry anything else (log-probabilities, a finish, usage so far, echo's scores) are
+    left to chunks()."""
+    texts = ["", " hello", 'say "hi"\n', "\\ back\tslash", "\x00\x01\x1f", "é中🎉", "\ud7ff"]
+    bodies = [{"prompt": "x"}, {"prompt": "x", "stream_options": {"include_usage": True}},
+              {"prompt": "x", "echo": True, "n": 3}]
+    for body in bodies:
+        request = parse(CompletionRequest, {**body, "stream": True})
+        fast = protocol.CompletionStream(request, "cmpl-1", 7, "model", None, "fp_1")
+        built = protocol.CompletionStream(request, "cmpl-1", 7, "model", None, "fp_1")
+        for index in (0, 2):
+            for text in texts:
+                event = fast.text_event(index, text, None, None, None)
+                chunks = built.chunks(index, text, [5], None, None)
+                assert event == b"".join(protocol.sse_event(c) for c in chunks), (body, text)
+    request = parse(CompletionRequest, {"prompt": "x", "stream": True})
+    stream = protocol.CompletionStream(request, "cmpl-1", 7, "model")
+    assert stream.text_event(0, "a", None, "stop", None) is None
+    assert stream.text_event(0, "a", None, None, protocol.usage(1, 1)) is None
+    with_logprobs = parse(CompletionRequest, {"prompt": "x", "stream": True, "logprobs": 1})
+    assert protocol.CompletionStream(with_logprobs, "c", 7, "m").text_event(
+        0, "a", [(5, -0.5, [])], None, None) is None
+    scores_only = parse(CompletionRequest, {"prompt": "x", "stream": True, "echo": True,
+                                            "max_tokens": 0})
+    assert protocol.CompletionStream(scores_only, "c", 7, "m").text_event(
+        0, "a", None, None, None) is None
+    # a model name holding the mark's JSON: the chunk is built
+    odd = protocol.CompletionStream(request, "c", 7, protocol._TEXT_MARK)
+    assert odd.text_event(0, "a", None, None, None) is None
+
+
+def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
+    """ChatCompletionStream.text_event likewise after a choice's opening chunk: the same
+    bytes as chunks() for any text (none for an empty piece, which chunks() drops), and
+    None for the opening chunk, log-probabilities, a finish, usage so far, tools and a
+    reasoning split."""
+    texts = [" hello", 'say "hi"\n', "\x00\x1f", "é中🎉", ""]
+    messages = [{"role": "user", "content": "x"}]
+    for body in [{}, {"stream_options": {"include_usage": True}}, {"n": 2}]:
+        request = parse(ChatCompletionRequest, {"messages": messages, "stream": True, **body})
+        fast = protocol.ChatCompletionStream(request, "chatcmpl-1", 7, "model", None, "fp_1")
+        built = protocol.ChatCompletionStream(request, "chatcmpl-1", 7, "model", None, "fp_1")
+        for index in (0, 1):
+            assert fast.text_event(index, "a", None, None, None) is None  # not opened yet
+            fast.chunks(index, "", [], None, None)
+            built.chunks(index, "", [], None, None)
+            for text in texts:
+                event = fast.text_event(index, text, None, None, None)
+                chunks = built.chunks(index, text, [5], None, None)
+                assert event == b"".join(protocol.sse_event(c) for c in chunks), (body, text)
+        assert fast.text_event(0, "a", None, "stop", None) is None
+        assert fast.text_event(0, "a", None, None, protocol.usage(1, 1)) is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    reasoning = ReasoningParser(reasoning_format("qwen3"), 2, 1, False, frozenset(),
+                                lambda ids: "")
+    for body in [{"logprobs": True}, {"tools": tools}, "reasoning"]:
+        request = parse(ChatCompletionRequest, {"messages": messages, "stream": True,
+                                                **(body if body != "reasoning" else {})})
+        if body == "reasoning":
+            request.set_reasoning_parser(reasoning)
+        stream = protocol.ChatCompletionStream(request, "c", 7, "m")
+        stream._started.add(0)  # as if opened (a tool-call stream's needs the server's parser)
+        assert stream.text_event(0, "a", None, None, None) is None, body

@@ -477,10 +477,15 @@ class _Job:
                 opening_usage = None if usage is None else protocol.usage(len(self.prompts[i]), 0)
                 for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
                                                     self._prompt_scores[i], opening_usage):
-                    parts.append(_sse(chunk))
+                    parts.append(protocol.sse_event(chunk))
+            event = stream_builder.text_event(i * self.n + j, text, logprobs, finish_reason,
+                                              usage)
+            if event is not None:
+                parts.append(event)
+                continue
             for chunk in stream_builder.chunks(i * self.n + j, text, token_ids, logprobs,
                                                finish_reason, usage, stop_reason):
-                parts.append(_sse(chunk))
+                parts.append(protocol.sse_event(chunk))
         return b"".join(parts)
 
     def usage(self) -> dict:
@@ -507,11 +512,6 @@ class _Job:
         if self.state.settings.log_requests:
             texts = ["".join(c.texts) for choices in self.choices for c in choices]
             log.info("response %s: %s", self.response_id, json.dumps(texts, ensure_ascii=False))
-
-
-def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
 
 
 class _ErrorResponse(JSONResponse):
@@ -592,7 +592,7 @@ async def _events(job: _Job, stream_builder, updates: dict):
                 break
             updates = await job.next_updates()
         if stream_builder.include_usage:
-            yield _sse(stream_builder.usage_chunk(job.usage()))
+            yield protocol.sse_event(stream_builder.usage_chunk(job.usage()))
         yield SSE_DONE
     except _ClientGone:
         return

@@ -818,6 +818,18 @@ def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | No
     return result
 
 
+def sse_event(body: dict) -> bytes:
+    """One server-sent event of a JSON body (compact, UTF-8)."""
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
+        + b"\n\n"
+
+
+# a text whose JSON form no chunk's other fields hold: it marks where a chunk's text goes
+# (CompletionStream.text_event)
+_TEXT_MARK = "\x00\x01text"
+_TEXT_MARK_JSON = json.dumps(_TEXT_MARK).encode()
+
+
 class _Stream:
     """What the streams of both endpoints share: each chunk's head (id, object, created,
     model, system_fingerprint) and one choice; "usage" on every chunk when the request
@@ -833,6 +845,8 @@ class _Stream:
         self._token_strings = request.token_names(token_strings)
         self._head = {"id": response_id, "object": self.OBJECT, "created": created,
                       "model": model, "system_fingerprint": fingerprint}
+        # per choice: a plain text chunk's event before and after its text (_text_in_event)
+        self._text_events: dict[int, tuple[bytes, bytes] | None] = {}
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
                finish_reason: str | None, usage: dict | None = None,
@@ -847,6 +861,29 @@ class _Stream:
         """The chunks that come before a choice's first text (prompts: every prompt's
         token ids; scored: prompt prompt_index's log-probabilities, where computed)."""
         return []
+
+    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+                   usage: dict | None) -> bytes | None:
+        """The events of chunks(...) where they are one plain text chunk, encoded without
+        building it, or None where chunks() must build them."""
+        return None
+
+    def _text_chunk(self, index: int, text: str) -> dict:
+        """The chunk of a piece of text alone (text_event's kind)."""
+        raise NotImplementedError
+
+    def _text_in_event(self, index: int, text: str) -> bytes | None:
+        """Most chunks of a stream carry a piece of text and nothing else that changes.
+        Their event is the choice's head and tail around the text's JSON, made once from
+        the _text_chunk of a mark: per token, one string to encode instead of a dict. None
+        where the mark's JSON is in another field (the model's name, say)."""
+        parts = self._text_events.get(index, False)
+        if parts is False:
+            pieces = sse_event(self._text_chunk(index, _TEXT_MARK)).split(_TEXT_MARK_JSON)
+            parts = self._text_events[index] = tuple(pieces) if len(pieces) == 2 else None
+        if parts is None:
+            return None
+        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
                stop_reason: str | int | None = None, **fields) -> dict:
@@ -875,6 +912,8 @@ class CompletionStream(_Stream):
         self._wants_logprobs = request.logprobs is not None
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
         self._prompt_texts: list[str] | None = None  # echo's, made at the first opening
+        # text chunks without log-probabilities or echo's scores may be text_events
+        self._plain_text = not (self._wants_logprobs or request.scores_only)
 
     def opening(self, index: int, prompt_index: int, prompts: list[list[int]], scored,
                 usage: dict | None = None) -> list[dict]:
@@ -904,6 +943,17 @@ class CompletionStream(_Stream):
             text += self._request.suffix  # echo ends with the suffix, as completion_response
         return [self.chunk(index, text, logprobs, finish_reason,
                            self._scores_only_usage(usage), stop_reason)]
+
+    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+                   usage: dict | None) -> bytes | None:
+        """A chunk of text alone: no log-probabilities asked, not the last, no usage so
+        far, not echo's scores."""
+        if finish_reason is not None or usage is not None or not self._plain_text:
+            return None
+        return self._text_in_event(index, text)
+
+    def _text_chunk(self, index: int, text: str) -> dict:
+        return self.chunk(index, text, None, None)
 
     def usage_chunk(self, usage: dict) -> dict:
         return super().usage_chunk(self._scores_only_usage(usage))
@@ -1351,6 +1401,11 @@ class ChatCompletionStream(_Stream):
         self._request = request
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
         self._splitters: dict = {}  # choice index -> its ReasoningSplitter, where split
+        # content chunks without log-probabilities, a reasoning split or tool calls may be
+        # text_events (the server sets the request's parsers before it makes the stream;
+        # pydantic's private attributes are slow to read per token)
+        self._plain_text = not (self._wants_logprobs or request._reasoning is not None
+                                or request.uses_tools)
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
                finish_reason: str | None, usage: dict | None = None,
@@ -1368,6 +1423,19 @@ class ChatCompletionStream(_Stream):
         if choice["delta"] or choice["logprobs"] is not None or finish_reason is not None:
             chunks.append(chunk)  # not one that carries nothing (a marker's token, say)
         return chunks
+
+    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+                   usage: dict | None) -> bytes | None:
+        """A chunk of content alone after the choice's opening one: no log-probabilities
+        asked, not the last, no usage so far, no reasoning split or tool calls to parse
+        (a piece of no text is no chunk)."""
+        if (finish_reason is not None or usage is not None or not self._plain_text
+                or index not in self._started):
+            return None
+        return self._text_in_event(index, text) if text else b""
+
+    def _text_chunk(self, index: int, text: str) -> dict:
+        return self._chunk(index, None, None, delta={"content": text}, logprobs=None)
 
     def chunk(self, index: int, text: str, token_ids: list[int], logprobs,
               finish_reason: str | None, usage: dict | None = None,
