@@ -475,23 +475,23 @@ def test_a_plain_text_chunk_is_encoded_as_the_chunk_would_be():
         built = protocol.CompletionStream(request, "cmpl-1", 7, "model", None, "fp_1")
         for index in (0, 2):
             for text in texts:
-                event = fast.text_event(index, text, None, None, None)
+                event = fast.text_event(index, text, None, None)
                 chunks = built.chunks(index, text, [5], None, None)
                 assert event == b"".join(protocol.sse_event(c) for c in chunks), (body, text)
     request = parse(CompletionRequest, {"prompt": "x", "stream": True})
     stream = protocol.CompletionStream(request, "cmpl-1", 7, "model")
-    assert stream.text_event(0, "a", None, "stop", None) is None
-    assert stream.text_event(0, "a", None, None, protocol.usage(1, 1)) is None
+    assert stream.text_event(0, "a", "stop", None) is None
+    assert stream.text_event(0, "a", None, protocol.usage(1, 1)) is None
     with_logprobs = parse(CompletionRequest, {"prompt": "x", "stream": True, "logprobs": 1})
     assert protocol.CompletionStream(with_logprobs, "c", 7, "m").text_event(
-        0, "a", [(5, -0.5, [])], None, None) is None
+        0, "a", None, None) is None
     scores_only = parse(CompletionRequest, {"prompt": "x", "stream": True, "echo": True,
                                             "max_tokens": 0})
     assert protocol.CompletionStream(scores_only, "c", 7, "m").text_event(
-        0, "a", None, None, None) is None
+        0, "a", None, None) is None
     # a model name holding the mark's JSON: the chunk is built
     odd = protocol.CompletionStream(request, "c", 7, protocol._TEXT_MARK)
-    assert odd.text_event(0, "a", None, None, None) is None
+    assert odd.text_event(0, "a", None, None) is None
 
 
 def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
@@ -506,15 +506,15 @@ def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
         fast = protocol.ChatCompletionStream(request, "chatcmpl-1", 7, "model", None, "fp_1")
         built = protocol.ChatCompletionStream(request, "chatcmpl-1", 7, "model", None, "fp_1")
         for index in (0, 1):
-            assert fast.text_event(index, "a", None, None, None) is None  # not opened yet
+            assert fast.text_event(index, "a", None, None) is None  # not opened yet
             fast.chunks(index, "", [], None, None)
             built.chunks(index, "", [], None, None)
             for text in texts:
-                event = fast.text_event(index, text, None, None, None)
+                event = fast.text_event(index, text, None, None)
                 chunks = built.chunks(index, text, [5], None, None)
                 assert event == b"".join(protocol.sse_event(c) for c in chunks), (body, text)
-        assert fast.text_event(0, "a", None, "stop", None) is None
-        assert fast.text_event(0, "a", None, None, protocol.usage(1, 1)) is None
+        assert fast.text_event(0, "a", "stop", None) is None
+        assert fast.text_event(0, "a", None, protocol.usage(1, 1)) is None
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     reasoning = ReasoningParser(reasoning_format("qwen3"), 2, 1, False, frozenset(),
                                 lambda ids: "")
@@ -525,4 +525,4 @@ def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
             request.set_reasoning_parser(reasoning)
         stream = protocol.ChatCompletionStream(request, "c", 7, "m")
         stream._started.add(0)  # as if opened (a tool-call stream's needs the server's parser)
-        assert stream.text_event(0, "a", None, None, None) is None, body
+        assert stream.text_event(0, "a", None, None) is None, body

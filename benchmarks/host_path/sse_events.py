@@ -21,7 +21,7 @@ def step_built(stream) -> bytes:
 
 
 def step_events(stream) -> bytes:
-    return b"".join(stream.text_event(i, PIECES[i % len(PIECES)], None, None, None)
+    return b"".join(stream.text_event(i, PIECES[i % len(PIECES)], None, None)
                     for i in range(CHOICES))
 
 

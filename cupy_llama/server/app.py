@@ -478,8 +478,7 @@ class _Job:
                 for chunk in stream_builder.opening(i * self.n + j, i, self.prompts,
                                                     self._prompt_scores[i], opening_usage):
                     parts.append(protocol.sse_event(chunk))
-            event = stream_builder.text_event(i * self.n + j, text, logprobs, finish_reason,
-                                              usage)
+            event = stream_builder.text_event(i * self.n + j, text, finish_reason, usage)
             if event is not None:
                 parts.append(event)
                 continue

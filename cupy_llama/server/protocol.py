@@ -862,10 +862,11 @@ class _Stream:
         token ids; scored: prompt prompt_index's log-probabilities, where computed)."""
         return []
 
-    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+    def text_event(self, index: int, text: str, finish_reason: str | None,
                    usage: dict | None) -> bytes | None:
-        """The events of chunks(...) where they are one plain text chunk, encoded without
-        building it, or None where chunks() must build them."""
+        """The events of chunks(index, text, ..., finish_reason, usage) where they are one
+        plain text chunk, encoded without building it, or None where chunks() must build
+        them (log-probabilities, when asked, make every chunk a built one)."""
         return None
 
     def _text_chunk(self, index: int, text: str) -> dict:
@@ -944,7 +945,7 @@ class CompletionStream(_Stream):
         return [self.chunk(index, text, logprobs, finish_reason,
                            self._scores_only_usage(usage), stop_reason)]
 
-    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+    def text_event(self, index: int, text: str, finish_reason: str | None,
                    usage: dict | None) -> bytes | None:
         """A chunk of text alone: no log-probabilities asked, not the last, no usage so
         far, not echo's scores."""
@@ -1424,7 +1425,7 @@ class ChatCompletionStream(_Stream):
             chunks.append(chunk)  # not one that carries nothing (a marker's token, say)
         return chunks
 
-    def text_event(self, index: int, text: str, logprobs, finish_reason: str | None,
+    def text_event(self, index: int, text: str, finish_reason: str | None,
                    usage: dict | None) -> bytes | None:
         """A chunk of content alone after the choice's opening one: no log-probabilities
         asked, not the last, no usage so far, no reasoning split or tool calls to parse
