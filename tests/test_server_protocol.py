@@ -466,7 +466,7 @@ def test_a_plain_text_chunk_is_encoded_as_the_chunk_would_be():
     for any text (quotes, escapes, control characters, non-ASCII) and choice; chunks that
     carry anything else (log-probabilities, a finish, usage so far, echo's scores) are
     left to chunks()."""
-    texts = ["", " hello", 'say "hi"\n', "\\ back\tslash", "\x00\x01\x1f", "é中🎉", "\ud7ff"]
+    texts = ["", " hello", 'say "hi"\n', "\\ back\tslash", "\x00\x01\x1f", "é中🎉", "\u2028\ufeff"]
     bodies = [{"prompt": "x"}, {"prompt": "x", "stream_options": {"include_usage": True}},
               {"prompt": "x", "echo": True, "n": 3}]
     for body in bodies:

@@ -825,9 +825,12 @@ def sse_event(body: dict) -> bytes:
 
 
 # a text whose JSON form no chunk's other fields hold: it marks where a chunk's text goes
-# (CompletionStream.text_event)
+# (_Stream._text_in_event)
 _TEXT_MARK = "\x00\x01text"
 _TEXT_MARK_JSON = json.dumps(_TEXT_MARK).encode()
+# a str as JSON, as json.dumps(ensure_ascii=False) writes it inside a body (the encoder's
+# own function, without making an encoder a call)
+_json_string = json.encoder.encode_basestring
 
 
 class _Stream:
@@ -884,7 +887,7 @@ class _Stream:
             parts = self._text_events[index] = tuple(pieces) if len(pieces) == 2 else None
         if parts is None:
             return None
-        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
+        return parts[0] + _json_string(text).encode() + parts[1]
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
                stop_reason: str | int | None = None, **fields) -> dict:
