@@ -363,6 +363,29 @@ def test_a_handler_behind_gets_one_merged_update_per_choice(state):
     assert [(c["text"], c["stop_reason"]) for c in choices] == [("abcd", "cd"), ("x", None)]
 
 
+
+def test_a_job_streams_plain_text_as_the_built_chunks(state):
+    """_Job.sse of unfinished updates of two prompts with two samples each: the events
+    (text_event's, where it takes a chunk) are the bytes chunks() builds, one a choice, at
+    choice index prompt * n + sample."""
+    async def go():
+        job = _Job(state, "cmpl-p", [[1, 2], [3]], 2, True)
+        for request_id, sample, text, ids in (("cmpl-p-0", 0, "a", [10]), ("cmpl-p-0", 1, "b", [11]),
+                                              ("cmpl-p-1", 0, "c", [12]), ("cmpl-p-1", 1, "d", [13])):
+            job.sink.put((request_id, sample, text, ids, None, None, 0, None, None, None))
+        return job, await job.next_updates()
+
+    job, updates = asyncio.run(go())
+    assert len(updates) == 4
+    request = parse(CompletionRequest, {"prompt": ["x", "y"], "n": 2, "stream": True})
+    events = job.sse(protocol.CompletionStream(request, "cmpl-p", 1, "m"), updates)
+    built = protocol.CompletionStream(request, "cmpl-p", 1, "m")
+    assert events == b"".join(
+        protocol.sse_event(chunk) for (i, j), (text, ids, logprobs, finish, stop) in updates.items()
+        for chunk in built.chunks(i * 2 + j, text, ids, logprobs, finish, None, stop))
+    choices = [json.loads(e[len("data: "):])["choices"][0] for e in events.decode().split("\n\n") if e]
+    assert sorted((c["index"], c["text"]) for c in choices) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+
 def test_logprobs_in_both_shapes(llm):
     strings = TokenStrings(llm.tokenizer)
     beyond = llm.tokenizer.vocab_size  # a padded model vocabulary's id: no text
