@@ -1,9 +1,10 @@
 """The server process's SSE events of one decode step of 256 streamed completions and of
 256 streamed chat completions (one token's text each), built as chunks() dicts and
 encoded, against text_event; median us a step of 200 steps, each way in turn, five rounds
-(NOTES, "Streamed text chunks encoded around their text").
+(NOTES, "Streamed text chunks encoded around their text"). From the checkout's root, so
+that it times this checkout's server code:
 
-    python3 benchmarks/host_path/sse_events.py
+    PYTHONPATH=. python3 benchmarks/host_path/sse_events.py
 """
 import statistics
 import time
