@@ -1405,11 +1405,15 @@ class ChatCompletionStream(_Stream):
         self._request = request
         self._tool_parsers: dict = {}  # choice index -> its ToolCallParser, with tools
         self._splitters: dict = {}  # choice index -> its ReasoningSplitter, where split
+        # the request's settings that every chunk asks, read once: the server sets the
+        # request's parsers before it makes the stream, and pydantic's private attributes
+        # are slow to read per token
+        self._splits_reasoning = request._reasoning is not None
+        self._uses_tools = request.uses_tools
         # content chunks without log-probabilities, a reasoning split or tool calls may be
-        # text_events (the server sets the request's parsers before it makes the stream;
-        # pydantic's private attributes are slow to read per token)
-        self._plain_text = not (self._wants_logprobs or request._reasoning is not None
-                                or request.uses_tools)
+        # text_events
+        self._plain_text = not (self._wants_logprobs or self._splits_reasoning
+                                or self._uses_tools)
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
                finish_reason: str | None, usage: dict | None = None,
@@ -1449,7 +1453,7 @@ class ChatCompletionStream(_Stream):
         choice_logprobs = chat_logprobs(logprob_entries(logprobs), self._token_strings) \
             if self._wants_logprobs else None
         reasoning = ""
-        if self._request._reasoning is not None:
+        if self._splits_reasoning:
             splitter = self._splitters.get(index)
             if splitter is None:
                 splitter = self._splitters[index] = self._request.new_reasoning_splitter()
@@ -1458,7 +1462,7 @@ class ChatCompletionStream(_Stream):
                 last_reasoning, last_text = splitter.finish()
                 reasoning, text = reasoning + last_reasoning, text + last_text
         delta = {"content": text} if text else {}
-        if self._request.uses_tools:  # calls go out as delta.tool_calls, never as text
+        if self._uses_tools:  # calls go out as delta.tool_calls, never as text
             parser = self._tool_parsers.get(index)
             if parser is None:
                 parser = self._tool_parsers[index] = self._request.new_stream_parser()
