@@ -1,7 +1,8 @@
 """The server process's SSE events of one decode step of 256 streamed completions and of
 256 streamed chat completions (one token's text each), built as chunks() dicts and
 encoded, against text_event; median us a step of 200 steps, each way in turn, five rounds
-(NOTES, "Streamed text chunks encoded around their text"). From the checkout's root, so
+(NOTES, "Streamed text chunks encoded around their text"). Then chat completions under a
+reasoning parser (Qwen3's markers), whose chunks are always built. From the checkout's root, so
 that it times this checkout's server code:
 
     PYTHONPATH=. python3 benchmarks/host_path/sse_events.py
@@ -9,6 +10,7 @@ that it times this checkout's server code:
 import statistics
 import time
 
+from cupy_llama.reasoning import ReasoningParser, reasoning_format
 from cupy_llama.server import protocol
 from cupy_llama.server.protocol import ChatCompletionRequest, CompletionRequest, parse
 
@@ -51,6 +53,18 @@ def main() -> None:
             built, events = median_us(step_built, stream), median_us(step_events, stream)
             print(f"{name} round {round_ + 1}: chunks() and encoded {built:.0f} us a step, "
                   f"text_event {events:.0f} us")
+    thinking = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                             "stream": True})
+    # end and start token ids that no step's token (5) is
+    thinking.set_reasoning_parser(ReasoningParser(reasoning_format("qwen3"), 2, 1, False,
+                                                  frozenset(), lambda ids: "t" * len(ids)))
+    split = protocol.ChatCompletionStream(thinking, "chatcmpl-" + "0" * 32, 1733400000,
+                                          "qwen3-0.6b", None, "fp_0123456789")
+    for i in range(CHOICES):
+        split.chunks(i, "", [], None, None)
+    for round_ in range(5):
+        print(f"chat, reasoning parser round {round_ + 1}: chunks() and encoded "
+              f"{median_us(step_built, split):.0f} us a step")
 
 
 if __name__ == "__main__":
