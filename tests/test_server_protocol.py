@@ -58,6 +58,27 @@ def test_validation_errors_speak_json_not_python():
         assert (e.param, e.message) == (param, message)
 
 
+def test_null_is_a_field_left_out():
+    """OpenAI's API marks n, stream, logprobs and include_usage nullable, and clients that
+    write every unset field send null: it takes the default. A field with no default stays
+    required."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "ignore_eos", "add_generation_prompt",
+                           "include_reasoning", "add_special_tokens",
+                           "return_tokens_as_token_ids", "continue_final_message"))
+    request, plain = parse(ChatCompletionRequest, {**chat, **nulls}), parse(ChatCompletionRequest, chat)
+    for name in nulls:
+        assert getattr(request, name) == getattr(plain, name), name
+    request = parse(CompletionRequest, {"prompt": "x", "n": None, "stream": True,
+                                        "stream_options": {"include_usage": None,
+                                                           "continuous_usage_stats": None}})
+    assert (request.n, request.include_usage) == (1, False)
+    assert parse(CompletionRequest, {"prompt": "x", "add_special_tokens": None}).add_special_tokens
+    e = error_of(ChatCompletionRequest, {"messages": None})
+    assert (e.param, e.message) == ("messages", "messages must be an array (got null)")
+    assert error_of(CompletionRequest, {"prompt": "x", "n": 0}).param == "n"
+
+
 def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     harmless = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},

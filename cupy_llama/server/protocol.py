@@ -15,20 +15,23 @@ through parse_batch_request, and its answer into batch_output / batch_error_outp
 
 Fields a client sends that this module does not know are ignored (clients send many);
 known fields that would change what is generated and are not done here are a 400 naming
-the field (UNSUPPORTED). Omitted sampling fields take the model's generation_config.json
-defaults, greedy unless it says do_sample, as everywhere in cupy-llama.
+the field (UNSUPPORTED). A null is the field left out. Omitted sampling fields take the
+model's generation_config.json defaults, greedy unless it says do_sample, as everywhere in
+cupy-llama.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 import secrets
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      model_validator)
 
 from ..errors import CupyLlamaError, RequestError
 from ..outputs import is_token_id, json_logprob
@@ -96,6 +99,27 @@ CONSTRAINT_FIELDS = frozenset({"response_format", "structured_outputs", "guided_
 class _Model(BaseModel):
     # unknown fields are ignored; known ones have exactly their JSON types (no "5" for 5)
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        """A null for a field with a default that is no null (n, stream, logprobs, ...) is
+        the field left out: OpenAI's API marks those fields nullable, and clients that
+        write every unset field send null for them."""
+        if isinstance(data, dict):
+            defaulted = _null_defaults(cls)
+            if any(value is None and key in defaulted for key, value in data.items()):
+                data = {key: value for key, value in data.items()
+                        if value is not None or key not in defaulted}
+        return data
+
+
+@functools.cache
+def _null_defaults(model: type[BaseModel]) -> frozenset:
+    """The fields of a request model that have a default and do not take null."""
+    return frozenset(name for name, field in model.model_fields.items()
+                     if not field.is_required() and field.annotation is not Any
+                     and type(None) not in get_args(field.annotation))
 
 
 def _integral(value):
