@@ -79,6 +79,17 @@ def test_null_is_a_field_left_out():
     assert error_of(CompletionRequest, {"prompt": "x", "n": 0}).param == "n"
 
 
+def test_prompt_logprobs_are_not_streamed():
+    """As vLLM: a streamed request cannot ask for them (no chunk would carry them)."""
+    for model, body in ((CompletionRequest, {"prompt": "x"}),
+                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})):
+        e = error_of(model, {**body, "prompt_logprobs": 1, "stream": True})
+        assert (e.status, e.param) == (400, "prompt_logprobs") and "stream" in e.message
+        assert parse(model, {**body, "prompt_logprobs": 1, "stream": False}).prompt_logprobs == 1
+    # echo's prompt logprobs, the legacy completions form, stream in the first chunk
+    assert parse(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+
+
 def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     harmless = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},

@@ -312,6 +312,9 @@ class _SamplingFields(_Unsupported, _Model):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM refuses it
+            raise APIError(400, "prompt_logprobs is not available with stream: true; ask "
+                                "for it without streaming", param="prompt_logprobs")
         k = self.truncate_prompt_tokens
         if k is not None and not (k == -1 or k >= 1):
             raise APIError(400, f"truncate_prompt_tokens must be -1 (the model's context) or "
