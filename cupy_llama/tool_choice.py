@@ -106,7 +106,9 @@ def tool_choice_of_function_call(function_call, tools: list[dict],
 
 def check_tool_choice(tool_choice, tools: list[dict], field: str = "tool_choice"):
     """"none", "auto", "required", or {"type": "function", "function": {"name": N}} for a
-    tool in tools. Left out: "auto" with tools, "none" without (as OpenAI does)."""
+    tool in tools. Left out: "auto" with tools, "none" without (as OpenAI does). "auto"
+    without tools is "none": no function can be called, so the reply is plain (clients
+    that always send tool_choice send it with no tools too)."""
     if tool_choice is None:
         return "auto" if tools else "none"
     if isinstance(tool_choice, str):
@@ -116,7 +118,7 @@ def check_tool_choice(tool_choice, tools: list[dict], field: str = "tool_choice"
                                f"got {tool_choice!r}")
         if tool_choice == "required" and not tools:
             raise RequestError(f"{field} is \"required\" but no tools are given")
-        return tool_choice
+        return tool_choice if tools else "none"
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function"
             or not isinstance(function, dict) or not isinstance(function.get("name"), str)):

@@ -90,6 +90,17 @@ def test_prompt_logprobs_are_not_streamed():
     assert parse(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
 
 
+def test_tool_choice_auto_without_tools_is_a_plain_chat():
+    """Clients that always send tool_choice send "auto" with no tools too: nothing can be
+    called, so the reply is not parsed for calls (and no tool-call format is needed)."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert not parse(ChatCompletionRequest, {**chat, "tool_choice": "auto"}).uses_tools
+    assert not parse(ChatCompletionRequest, {**chat, "tool_choice": "auto", "tools": []}).uses_tools
+    assert error_of(ChatCompletionRequest, {**chat, "tool_choice": "required"}).param == "tool_choice"
+    named = {"type": "function", "function": {"name": "f"}}
+    assert error_of(ChatCompletionRequest, {**chat, "tool_choice": named}).param == "tool_choice"
+
+
 def test_each_unsupported_field_is_refused_by_name_and_its_harmless_values_pass():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     harmless = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},

@@ -92,6 +92,10 @@ def test_tool_choice_checks():
         check_tool_choice({"type": "function", "function": {"name": "pong"}}, tools)
     with pytest.raises(RequestError, match='tool_choice is "required" but no tools are given'):
         check_tool_choice("required", [])
+    # "auto" with nothing to call is a plain reply, never one parsed for calls
+    assert check_tool_choice("auto", []) == "none" and check_tool_choice("auto", tools) == "auto"
+    with pytest.raises(RequestError, match="'ping' is not one of the tools \\(none are given\\)"):
+        check_tool_choice(named, [])
     for bad in ("any", {"type": "function"}, {"type": "allowed_tools"}, 3):
         with pytest.raises(RequestError, match="tool_choice must be one of none, auto, required"):
             check_tool_choice(bad, tools)
