@@ -10,7 +10,7 @@ from typing import Iterator
 
 from .engine.llm_engine import CLOSED, EngineStats, LLMEngine
 from .errors import ConfigError, RequestError
-from .outputs import RequestOutput, are_token_ids
+from .outputs import RequestOutput, are_token_ids, is_token_id
 from .reasoning import (ReasoningParser, ReasoningSplitter, reasoning_format, split_reasoning,
                         thinking_markers)
 from .sampling import SamplingParams, model_sampling_defaults
@@ -403,9 +403,24 @@ def _prompt_of(prompt):
     {"prompt_token_ids": ids}, as the text or ids they hold; any other prompt as it is."""
     if not isinstance(prompt, dict):
         return prompt
-    for key in ("prompt", "prompt_token_ids"):
-        if set(prompt) == {key}:
-            return prompt[key]
+    if set(prompt) == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise RequestError(f"a prompt dict's 'prompt' must be text, got "
+                               f"{type(prompt['prompt']).__name__} (token ids go in "
+                               f"{{'prompt_token_ids': ids}})")
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise RequestError(f"a prompt dict's 'prompt_token_ids' must be a list of token "
+                               f"ids, got {type(ids).__name__} (text goes in {{'prompt': "
+                               f"text}}; Tokenizer.apply_chat_template gives ids with "
+                               f"tokenize=True)")
+        if not are_token_ids(ids):
+            bad = next(value for value in ids if not is_token_id(value))
+            raise RequestError(f"a prompt dict's 'prompt_token_ids' must be a list of token "
+                               f"ids (integers >= 0), got the element {bad!r}")
+        return list(ids)
     raise RequestError(f"a prompt dict must be {{'prompt': text}} or {{'prompt_token_ids': "
                        f"[ids]}} (vLLM's TextPrompt and TokensPrompt), got the keys "
                        f"{sorted(map(str, prompt))}")

@@ -585,6 +585,18 @@ def test_vllm_prompt_dicts_are_taken(llm):
     with pytest.raises(RequestError, match=r"a prompt dict must be .*got the keys "
                                            r"\['multi_modal_data', 'prompt'\]"):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, params)
+    # each key holds its own kind: a chat template's text under prompt_token_ids (a
+    # tokenizer's apply_chat_template without tokenize=True) would be encoded again, BOS
+    # and all
+    text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi"}])
+    with pytest.raises(RequestError, match="'prompt_token_ids' must be a list of token ids, "
+                                           "got str .*tokenize=True"):
+        llm.generate({"prompt_token_ids": text}, params)
+    with pytest.raises(RequestError, match="'prompt' must be text, got list"):
+        llm.generate([{"prompt": ids}], params)
+    with pytest.raises(RequestError, match="token ids \\(integers >= 0\\), got the element True"):
+        llm.generate({"prompt_token_ids": [1, True]}, params)
+    assert llm.generate({"prompt_token_ids": tuple(ids)}, params).token_ids == by_ids.token_ids
 
 
 def test_a_vllm_script_s_chat_prompt(llm):
