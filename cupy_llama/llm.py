@@ -121,14 +121,16 @@ class LLM:
         return SamplingParams(**model_sampling_defaults(self.config.generation_config))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 *, stream: bool = False):
+                 *, stream: bool = False, sampling_params=None, use_tqdm=True):
         """prompts: a string, a list of token ids, or a list of either (also as vLLM's
         {"prompt": text} and {"prompt_token_ids": ids} dicts). Returns one
         RequestOutput per prompt in order (a single one for a single prompt); with
         SamplingParams(n=k), k per prompt, as one flat list ordered by prompt and then by
         sample (RequestOutput.index), a list of k for a single prompt. With stream=True,
         an iterator of RequestOutputs carrying text deltas, each with its request_id and
-        index."""
+        index. sampling_params: params by vLLM's name for it; use_tqdm (vLLM's progress
+        bar) is taken and shows nothing."""
+        params = _vllm_params(params, sampling_params)
         single, prompts = _as_prompt_list(prompts)
         param_list = self._param_list(params, len(prompts))
         engine = self._live_engine()
@@ -137,10 +139,11 @@ class LLM:
         outputs = engine.generate(prompts, param_list)
         return outputs[0] if single and param_list[0].n == 1 else outputs
 
-    def stream(self, prompts, params=None) -> Iterator[RequestOutput]:
-        return self.generate(prompts, params, stream=True)
+    def stream(self, prompts, params=None, *, sampling_params=None) -> Iterator[RequestOutput]:
+        return self.generate(prompts, _vllm_params(params, sampling_params), stream=True)
 
     def chat(self, messages, params: SamplingParams | None = None, *, stream: bool = False,
+             sampling_params=None, use_tqdm=True,
              date_string: str | None = None, chat_template_kwargs: dict | None = None,
              tools: list | None = None, tool_choice=None, parallel_tool_calls: bool = True,
              tool_call_parser: str | None = None, chat_template: str | None = None,
@@ -175,6 +178,7 @@ class LLM:
         grammar, or params') starts after it. With LLM(reasoning_parser=...), a reply
         thinks as serve's parser says (Qwen3's: unless enable_thinking is false), and the
         constraint of every such reply starts after its thinking."""
+        params = _vllm_params(params, sampling_params)
         if date_string is not None and not isinstance(date_string, str):
             raise RequestError(f"date_string must be a string such as '26 Jul 2024', got "
                                f"{type(date_string).__name__}")
@@ -385,6 +389,16 @@ class _AnswerCalls:
         delta = self.parser.feed(answer)
         delta.content = thinking + delta.content
         return delta
+
+
+def _vllm_params(params, sampling_params):
+    """The SamplingParams given as params or by vLLM's keyword, sampling_params."""
+    if sampling_params is None:
+        return params
+    if params is not None:
+        raise RequestError("give the SamplingParams once: as params or as sampling_params "
+                           "(vLLM's name for it), not both")
+    return sampling_params
 
 
 def _as_prompt_list(prompts) -> tuple[bool, list]:

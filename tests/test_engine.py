@@ -599,6 +599,21 @@ def test_vllm_prompt_dicts_are_taken(llm):
     assert llm.generate({"prompt_token_ids": tuple(ids)}, params).token_ids == by_ids.token_ids
 
 
+def test_sampling_params_by_vllm_s_keyword(llm):
+    """generate, stream and chat take the SamplingParams as sampling_params=, vLLM's name,
+    and use_tqdm (which shows nothing here)."""
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    expected = llm.generate("a b c", params).token_ids
+    assert llm.generate("a b c", sampling_params=params, use_tqdm=False).token_ids == expected
+    assert llm.generate(["a b c"], sampling_params=[params])[0].token_ids == expected
+    assert [o.token_ids for o in llm.stream("a b c", sampling_params=params)][-1] == expected
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (llm.chat(chat, sampling_params=params, use_tqdm=False).token_ids
+            == llm.chat(chat, params).token_ids)
+    with pytest.raises(RequestError, match="give the SamplingParams once"):
+        llm.generate("a b c", params, sampling_params=params)
+
+
 def test_a_vllm_script_s_chat_prompt(llm):
     """The pattern of vLLM scripts: the tokenizer by get_tokenizer(), the prompt text by
     transformers' apply_chat_template(..., tokenize=False, add_generation_prompt=True),
