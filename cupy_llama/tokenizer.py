@@ -207,6 +207,12 @@ class Tokenizer:
         return self._id_of(self.bos_token)
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's EOS token, by transformers' name (eos_token_ids holds every token
+        that ends a reply: the end of turn too)."""
+        return self._id_of(self.eos_token)
+
+    @property
     def all_special_ids(self) -> list[int]:
         return sorted(i for i, _ in self._special.values())
 
@@ -223,6 +229,14 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
+
+    def convert_tokens_to_ids(self, tokens):
+        """transformers' name: a token's id (None where the vocabulary has no such token), or
+        a list of them for a list of tokens, as in `stop_token_ids=[tok.eos_token_id,
+        tok.convert_tokens_to_ids("<|eot_id|>")]`."""
+        if isinstance(tokens, str):
+            return self.token_to_id(tokens)
+        return [self.token_to_id(token) for token in tokens]
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

@@ -629,6 +629,11 @@ def test_a_vllm_script_s_chat_prompt(llm):
     flavoured = tokenizer.apply_chat_template(chat, chat_template="{{ flavour }}", flavour="x")
     assert flavoured == "x" == tokenizer.apply_chat_template(
         chat, chat_template="{{ flavour }}", template_kwargs={"flavour": "x"})
+    # the stop tokens of vLLM's Llama 3 examples, by transformers' names
+    assert tokenizer.eos_token_id == tokenizer.token_to_id(tokenizer.eos_token) is not None
+    eos = tokenizer.eos_token
+    assert tokenizer.convert_tokens_to_ids(eos) == tokenizer.eos_token_id
+    assert tokenizer.convert_tokens_to_ids([eos, "no such token"]) == [tokenizer.eos_token_id, None]
 
 
 def test_chat_continues_the_final_message(llm):
