@@ -185,7 +185,7 @@ def read_model_json(model_dir) -> tuple[dict, dict]:
     """config.json and generation_config.json ({} when absent) of a model folder, as JSON
     objects; one-line ConfigErrors for a folder that is missing, a file (a GGUF file, or a
     folder of them, named as such), or bad JSON."""
-    model_dir = Path(model_dir)
+    model_dir = Path(model_dir).expanduser()
     if model_dir.is_file():
         if is_gguf(model_dir):
             raise ConfigError(f"{str(model_dir)!r} is a GGUF file; {GGUF_REFUSED}")

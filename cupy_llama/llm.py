@@ -55,7 +55,7 @@ class LLM:
                 reasoning_format(reasoning_parser, "reasoning_parser")
             except RequestError as e:
                 raise ConfigError(str(e)) from None
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(model_dir).expanduser()
         self.engine: LLMEngine | None = LLMEngine.load(self.model_dir, device, log=log,
                                                        **engine_options)
         engine = self.engine

@@ -7,6 +7,7 @@ import pytest
 from conftest import assert_all_blocks_free
 
 from cupy_llama import LLM, SamplingParams
+from cupy_llama.engine.llm_engine import LLMEngine
 from cupy_llama.errors import ConfigError, RequestError
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -687,6 +688,13 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
     llm = LLM(model=str(model_dir), device="cpu", log=None)  # vLLM's keyword
     assert llm.model_dir == model_dir
     llm.close()
+    home = model_dir.parent  # "~/..." is the home folder's, as in a shell
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        llm = LLM(f"~/{model_dir.name}", device="cpu", log=None)
+        assert llm.model_dir == model_dir
+        llm.close()
+        LLMEngine.load(f"~/{model_dir.name}", "cpu").close()  # the tokenizer and weights too
     with pytest.raises(ConfigError, match="unknown LLM option 'dtype'; the options are .*max_num_seqs"):
         LLM(model_dir, device="cpu", log=None, dtype="float16")
     with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number"):

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from itertools import compress
 from operator import setitem
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -288,6 +289,7 @@ class LLMEngine:
         EngineConfig(**engine_options)  # every value is checked, those the device ignores too
         started = time.perf_counter()
         log = log or (lambda message: None)
+        model_dir = Path(model_dir).expanduser()  # "~/..." as a shell would take it
         config = read_config(model_dir)  # generation defaults checked too
         device = resolve_device(device, log)
         engine_options, ignored = device_options(device, engine_options)
