@@ -93,6 +93,8 @@ class SamplingParams:
             self.max_tokens = NO_MAX_TOKENS
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         if isinstance(self.structured, dict):
             self.structured = StructuredSpec.from_structured_outputs(self.structured,
                                                                      "structured")
@@ -103,6 +105,8 @@ class SamplingParams:
                 setattr(self, name, as_flag(getattr(self, name)))
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         if isinstance(self.logit_bias, dict):  # JSON keys are strings: "50256": -100
             self.logit_bias = {_token_key(k): _as_float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.stop_token_ids, (list, tuple)):

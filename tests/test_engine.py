@@ -283,6 +283,12 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
     assert_all_blocks_free(llm)
 
 
+def test_sampling_params_take_vllm_s_forms():
+    """Tuples for stop and bad_words, as for stop_token_ids."""
+    params = SamplingParams(stop=("a", "b"), bad_words=("c",), stop_token_ids=(1, 2))
+    assert (params.stop, params.bad_words, params.stop_token_ids) == (["a", "b"], ["c"], [1, 2])
+
+
 def test_bad_requests_name_the_value(llm):
     with pytest.raises(RequestError, match="-0.5"):
         SamplingParams(temperature=-0.5)
