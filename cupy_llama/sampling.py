@@ -34,11 +34,14 @@ MAX_BAD_WORD_SEQUENCES = 128
 MAX_BAD_WORD_TOKENS = 1024
 # max_tokens=None (vLLM's "no limit"): the output ends at the context limit, as any does there
 NO_MAX_TOKENS = 2**63 - 1
+# a temperature below this decodes greedily, as vLLM's do: logits divided by less would leave
+# float32's range on the device
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0   # 0 means greedy
+    temperature: float = 1.0   # 0 means greedy (so does anything below GREEDY_BELOW)
     top_p: float = 1.0         # 1.0 means off
     top_k: int = 0             # 0 means off (-1 too, vLLM's way: taken as 0)
     min_p: float = 0.0         # 0.0 means off
@@ -135,6 +138,8 @@ class SamplingParams:
             if isinstance(value, numbers.Real) and type(value) not in (bool, int, float):
                 setattr(self, name, float(value))
         self.validate()
+        if 0 < self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     def validate(self) -> None:
         def number(name, value, ok, rule):

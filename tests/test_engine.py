@@ -284,9 +284,13 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
 
 
 def test_sampling_params_take_vllm_s_forms():
-    """Tuples for stop and bad_words, as for stop_token_ids."""
+    """Tuples for stop and bad_words as for stop_token_ids; a temperature below 1e-5
+    decodes greedily, as vLLM's does (dividing logits by less leaves float32's range)."""
     params = SamplingParams(stop=("a", "b"), bad_words=("c",), stop_token_ids=(1, 2))
     assert (params.stop, params.bad_words, params.stop_token_ids) == (["a", "b"], ["c"], [1, 2])
+    for tiny in (1e-6, 1e-30, 1e-40):
+        assert SamplingParams(temperature=tiny).is_greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
 
 
 def test_bad_requests_name_the_value(llm):
