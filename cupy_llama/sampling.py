@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops."""
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import struct
@@ -300,8 +301,16 @@ def _preview(value, limit: int = 60) -> str:
 
 def model_samples(generation_config: dict) -> bool:
     """Whether generation_config.json asks to sample: as in transformers, only when it says
-    `do_sample: true`; otherwise (no file, or no do_sample) the model decodes greedily."""
-    return bool(generation_config.get("do_sample", False))
+    `do_sample: true`; otherwise (no file, or no do_sample) the model decodes greedily.
+    ConfigError for a do_sample that is no boolean (the string "false" would be true)."""
+    value = generation_config.get("do_sample")
+    if value is None:  # null: left out, as for every other field
+        return False
+    if as_flag(value) is None:
+        shown = json.dumps(value) if isinstance(value, (str, int, float)) else _preview(value)
+        raise ConfigError(f"generation_config.json: do_sample must be true or false, got "
+                          f"{shown}; fix the file")
+    return as_flag(value)
 
 
 def generation_defaults(generation_config: dict) -> dict:
@@ -310,13 +319,14 @@ def generation_defaults(generation_config: dict) -> dict:
     takes them. Without do_sample: true they only matter to a request that asks to sample;
     as in transformers, one that is invalid is then left out instead of refusing the model
     (ConfigError when the model samples)."""
+    samples = model_samples(generation_config)
     defaults = {k: generation_config[k] for k in GENERATION_DEFAULT_FIELDS
                 if generation_config.get(k) is not None}
     for name in list(defaults):
         try:
             SamplingParams(**{name: defaults[name]})
         except RequestError as e:
-            if model_samples(generation_config):
+            if samples:
                 raise ConfigError(f"generation_config.json: {e}; fix or remove the file") from None
             del defaults[name]
     return defaults

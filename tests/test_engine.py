@@ -720,7 +720,10 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
                          # do_sample 1 samples (model_samples): its bad value is an error too
                          ({**gen, "do_sample": 1, "temperature": -1},
                           "generation_config.json: temperature"),
-                         ([1, 2], "generation_config.json must hold a JSON object")):
+                         ([1, 2], "generation_config.json must hold a JSON object"),
+                         # as a string, "false" would be true
+                         ({**gen, "do_sample": "false"},
+                          "generation_config.json: do_sample must be true or false, got \"false\"")):
         gen_path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=message):
             LLM(copy, device="cpu", log=None)
@@ -750,6 +753,9 @@ def test_invalid_generation_fields_without_do_sample_are_ignored(model_dir, tmp_
         {**gen, "do_sample": False, "top_p": 0.0, "top_k": 5}))
     params = LLM(copy, device="cpu", log=None).default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.0, 1.0, 5)
+    # do_sample null is left out: greedy
+    (copy / "generation_config.json").write_text(json.dumps({**gen, "do_sample": None}))
+    assert LLM(copy, device="cpu", log=None).default_sampling_params().temperature == 0.0
 
 
 def test_llama3_rope_scaling_takes_an_integral_float_length():
