@@ -1009,6 +1009,29 @@ def test_generate_expands_a_quoted_tilde_in_its_output(model_dir, tmp_path, monk
     assert (tmp_path / "out.jsonl.run.json").is_file()
 
 
+def test_generate_writes_to_an_output_that_is_no_file(model_dir, tmp_path, monkeypatch, capsys):
+    """--output /dev/null runs (no options file beside a device), and an output whose folder
+    takes no options file runs with a warning instead of failing after the model loaded."""
+    from cupy_llama.cli import generate as generate_command
+    (tmp_path / "in.txt").write_text("hi\n")
+    args = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.txt"), *CPU,
+            "--max-tokens", "2"]
+    asked = []
+
+    def spy(output):  # where the options would go: never into /dev, whatever the code does
+        asked.append(output)
+        return tmp_path / "kept.run.json"
+    monkeypatch.setattr(generate_command, "_options_path", spy)
+    assert main(args + ["--output", "/dev/null"]) == 0
+    assert asked == []  # no options file beside a device
+    monkeypatch.setattr(generate_command, "_options_path",
+                        lambda output: tmp_path / "no such folder" / "x.run.json")
+    assert main(args + ["--output", str(tmp_path / "out.jsonl")]) == 0
+    assert [row["id"] for row in read_jsonl(tmp_path / "out.jsonl")] == [1]
+    err = capsys.readouterr().err
+    assert "warning: cannot keep this run's options in" in err and "will not check them" in err
+
+
 def test_a_missing_choice_argument_is_one_readable_line(capsys):
     """click spreads the choices over indented lines; the one line keeps them a list."""
     assert main(["bench"]) == 2

@@ -180,7 +180,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     # the options of a run that starts: once the model has loaded, so that a run that
     # never started leaves no file for a --resume to compare with
     if output_path != "-" and earlier is None:
-        _options_path(output_path).write_text(json.dumps(run_options) + "\n")
+        _keep_run_options(output_path, run_options, log)
     if format == "txt" and not raw and llm.tokenizer.chat_template is not None and requests:
         log("each line goes to the model as a user message through its chat template "
              "(--raw: as plain text)")
@@ -219,6 +219,21 @@ def _options_path(output_path: str) -> Path:
     """Where a run keeps the options that shape its results: beside the output."""
     path = Path(output_path)  # expanded by generate
     return path.with_name(path.name + ".run.json")
+
+
+def _keep_run_options(output_path: str, run_options: dict, log) -> None:
+    """The run's options beside a file output, for a --resume to compare with. An output
+    that is no file (/dev/null, a terminal, a pipe) keeps none, and where its folder takes
+    no new file the run goes on without (a --resume then cannot check its options)."""
+    path = Path(output_path)  # expanded by generate
+    if path.exists() and not path.is_file():
+        return
+    kept = _options_path(output_path)
+    try:
+        kept.write_text(json.dumps(run_options) + "\n")
+    except OSError as e:
+        log(f"warning: cannot keep this run's options in {str(kept)!r} ({e.strerror or e}); "
+            "a --resume of it will not check them")
 
 
 def _run_options(model_dir, format: str, raw: bool, defaults: dict) -> dict:
