@@ -10,6 +10,7 @@ the likeliest next token, then "a", then </think>, then "b", then <|im_end|>. A 
 (`quoting`) writes "</think>" in ordinary tokens before the </think> token: only the token
 ends the thinking. A third (`r1`) has DeepSeek-R1-Distill's turns, whose role markers are no
 special tokens: a user message quoting a marker does not say where the reply starts."""
+import io
 import itertools
 import json
 from dataclasses import replace
@@ -539,9 +540,48 @@ def test_the_terminal_chat_dims_the_thinking(qwen3, tmp_path):
     from test_chat import ask, finish, spawn
     model_dir, _ = qwen3
     child = spawn(model_dir, "--temperature", "0", "--max-tokens", "10", cache=tmp_path)
-    assert ask(child, "Yes or no?") == "\x1b[2ma\x1b[0mb"
+    assert ask(child, "Yes or no?") == "\x1b[2ma\x1b[0m\nb"  # the answer on a line of its own
     child.sendeof()
     finish(child, 0)
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("out_tty, err_tty, colour, err_text, out_text", [
+    # both the terminal: the thinking dimmed, the answer on a line of its own
+    (True, True, True, "\x1b[2ma\x1b[0m\n", "b"),
+    (True, True, False, "a\n", "b"),
+    # the answer piped: stdout holds it alone; the thinking's line stays open (run_once
+    # ends it before the statistics)
+    (False, True, True, "\x1b[2ma\x1b[0m", "b"),
+    (False, False, True, "a", "b"),
+])
+def test_one_prompt_in_a_terminal_shows_the_thinking_apart(monkeypatch, out_tty, err_tty,
+                                                            colour, err_text, out_text):
+    from cupy_llama.cli.chat_ui import _PieceWriter
+    monkeypatch.setenv("TERM", "xterm-256color")
+    if colour:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", "1")
+    out, err = _Stream(out_tty), _Stream(err_tty)
+    write = _PieceWriter(out, err, lambda text: text)
+    write([("thinking", "a")])
+    write([("answer", "b")])
+    assert (err.getvalue(), out.getvalue()) == (err_text, out_text)
+    assert write.thought == ("" if out_tty and err_tty else "a")
+    monkeypatch.setenv("TERM", "dumb")  # a terminal that shows no styles gets none
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    err = _Stream(err_tty)
+    _PieceWriter(_Stream(out_tty), err, lambda text: text)([("thinking", "a")])
+    assert err.getvalue() == "a"
 
 
 def test_piped_chat_splits_where_the_markers_are_special_tokens(tmp_path):

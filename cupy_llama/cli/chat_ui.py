@@ -571,22 +571,23 @@ def piped_prompt(text: str) -> str:
 
 
 def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
-    """Answer one prompt: the answer alone to stdout, notes and statistics to stderr."""
+    """Answer one prompt: the answer alone to stdout, the thinking (dimmed in a terminal),
+    notes and statistics to stderr."""
     out = out or sys.stdout
     err = err or sys.stderr
     shown = printable if _isatty(out) else (lambda text: text)
+    write = _PieceWriter(out, err, shown)
 
     def dropped(count: int) -> None:
         err.write(_dropped_note(session, count) + "\n")
 
-    view, last_thought = None, ""
+    view = None
     for delta in session.reply(prompt, on_drop=dropped):
         view = view or session.thinking_view()
-        last_thought = _write_pieces(view.feed(delta, session.reply_token_ids), out, err,
-                                     shown) or last_thought
+        write(view.feed(delta, session.reply_token_ids))
     if view is not None:
-        last_thought = _write_pieces(view.finish(), out, err, shown) or last_thought
-    if last_thought and not last_thought.endswith("\n"):
+        write(view.finish())
+    if write.thought and not write.thought.endswith("\n"):
         err.write("\n")  # the statistics line goes on a line of its own
     out.write("\n")
     out.flush()
@@ -594,16 +595,34 @@ def run_once(session: ChatSession, prompt: str, out=None, err=None) -> int:
     return 0
 
 
-def _write_pieces(pieces, out, err, shown) -> str:
-    """The answer to out; the thinking to err (stdout holds the answer alone). Returns
-    the last thinking written ("" for none)."""
-    thought = ""
-    for kind, text in pieces:
-        stream = out if kind == "answer" else err
-        stream.write(shown(text))
-        stream.flush()
-        thought = text if kind == "thinking" else thought
-    return thought
+class _PieceWriter:
+    """A one-prompt reply's pieces: the answer to out, the thinking to err (stdout holds
+    the answer alone), dimmed where err is a terminal that shows it and colour is on. Where both are the
+    terminal, the answer starts on a line of its own after the thinking (err gets the line
+    break). thought: the last thinking written whose line is still open ("" for none)."""
+
+    def __init__(self, out, err, shown):
+        self.out, self.err, self.shown = out, err, shown
+        self.dim, self.normal = ("\x1b[2m", "\x1b[0m") if (
+            _isatty(err) and not os.environ.get("NO_COLOR")
+            and os.environ.get("TERM") != "dumb") else ("", "")
+        self.shared_screen = _isatty(out) and _isatty(err)
+        self.thought = ""
+
+    def __call__(self, pieces) -> None:
+        for kind, text in pieces:
+            if kind == "thinking":
+                self.err.write(f"{self.dim}{self.shown(text)}{self.normal}")
+                self.err.flush()
+                self.thought = text
+                continue
+            if self.thought and self.shared_screen:
+                if not self.thought.endswith("\n"):
+                    self.err.write("\n")
+                    self.err.flush()
+                self.thought = ""
+            self.out.write(self.shown(text))
+            self.out.flush()
 
 
 def _waiting_note(waiting: list[dict]) -> str:
@@ -770,9 +789,17 @@ def _show_reply(session: ChatSession, console, err_console, interrupts, deltas) 
     dim, normal = ("\x1b[2m", "\x1b[0m") if use_colour(console) else ("", "")
     view = None
 
+    last = [None, ""]  # the kind and text of the last piece shown
+
     def show(pieces) -> None:
         for kind, text in pieces:
-            out.write(f"{dim}{printable(text)}{normal}" if kind == "thinking" else printable(text))
+            if kind == "thinking":
+                out.write(f"{dim}{printable(text)}{normal}")
+            else:
+                if last[0] == "thinking" and not last[1].endswith("\n"):
+                    out.write("\n")  # the answer on a line of its own
+                out.write(printable(text))
+            last[:] = kind, text
         out.flush()
 
     with interrupts.during_reply():
