@@ -192,6 +192,26 @@ def test_save_and_load_a_conversation(llm, tmp_path):
         session.save(str(tmp_path / "no-folder" / "chat.json"))
 
 
+def test_context_in_use_is_the_conversation_s(llm, tmp_path):
+    """/stats' context is the conversation's as it is now: a loaded one's as its template
+    renders it, not the replaced one's last reply; the last reply's prompt and reply while
+    the conversation is the one they made."""
+    session = ChatSession(llm, GREEDY)
+    "".join(session.reply("a long first message " * 8))
+    turn = session.turns[-1]
+    assert session.context_tokens == turn.prompt_tokens + turn.completion_tokens
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps([user("hi"), {"role": "assistant", "content": "ok"}]))
+    session.load(str(path))
+    rendered = llm.tokenizer.encode_chat(session.conversation(), add_generation_prompt=False)
+    assert session.context_tokens == len(rendered) < turn.prompt_tokens
+    session.system = "Be brief."
+    assert session.context_tokens == len(llm.tokenizer.encode_chat(
+        session.conversation(), add_generation_prompt=False))
+    session.clear()
+    assert session.context_tokens == 0
+
+
 @pytest.mark.parametrize("data, fragment", [
     ({"role": "user", "content": "hi"}, "must hold a JSON list of messages, got an object"),
     (["hi"], "message 1 must be an object"),

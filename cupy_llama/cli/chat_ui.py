@@ -137,6 +137,9 @@ class ChatSession:
         # tool_calls is followed by a tool message per call and the assistant's next reply
         self.history: list[dict] = []
         self.turns: list[TurnStats] = []
+        # the conversation the last turn's counts are of (context_tokens): its length and
+        # system prompt, None once it is replaced
+        self._counted: tuple | None = None
         self.prompt_opens_thinking = False  # the last prompt ends inside <think> (ThinkingView)
         self.reply_token_ids: list[int] = []  # the reply's tokens so far, as reply() yields
         # <think> ... </think> in the model's vocabulary: where a prompt opens it
@@ -160,13 +163,20 @@ class ChatSession:
 
     @property
     def context_tokens(self) -> int:
-        """The conversation's tokens after the last reply (0 once cleared)."""
-        if not self.history or not self.turns:
+        """The conversation's tokens (0 once cleared): the last reply's prompt and reply
+        where the conversation is still the one they made, else (loaded, a new system
+        prompt, tool results since) as the chat template renders it."""
+        if not self.history:
             return 0
-        return self.turns[-1].prompt_tokens + self.turns[-1].completion_tokens
+        if self.turns and self._counted == (len(self.history), self.system):
+            return self.turns[-1].prompt_tokens + self.turns[-1].completion_tokens
+        return len(self.llm.tokenizer.encode_chat(
+            self.conversation(), add_generation_prompt=False, tools=self.template_tools,
+            template_kwargs=self.template_kwargs))
 
     def clear(self) -> None:
         self.history = []
+        self._counted = None
 
     def set(self, name: str, value: str) -> str:
         """Change one sampling setting; RequestError (one line) for a bad name or value."""
@@ -363,6 +373,7 @@ class ChatSession:
             decode_seconds=(last_token_at or first_token_at) - first_token_at,
             finish_reason=output.finish_reason if finished else None,
             context_limit=self.context_limit if cut_by_context else None))
+        self._counted = (len(self.history), self.system)
         if answer.get("tool_calls"):  # shown as calls, never as the text the model wrote
             yield ("\n" if text else "") + "\n".join(map(call_line, answer["tool_calls"]))
 
@@ -427,7 +438,7 @@ class ChatSession:
             raise RequestError(f"{path} is not a JSON file ({e}); /load reads what /save "
                                "writes") from None
         system, history = parse_conversation(data, path)
-        self.system, self.history = system, history
+        self.system, self.history, self._counted = system, history, None
         count = len(self.conversation())  # as /save counts them: the system prompt too
         prompt = "a system prompt among them" if system else "no system prompt"
         return f"loaded {count} message{'' if count == 1 else 's'} from {path} ({prompt})"
