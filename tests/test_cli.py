@@ -13,7 +13,7 @@ import pytest
 
 from conftest import one_error_line, read_jsonl
 
-from cupy_llama import SamplingParams
+from cupy_llama import LLM, SamplingParams
 from cupy_llama.cli import main
 from cupy_llama.bench.random_model import make_random_model
 
@@ -88,6 +88,62 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     assert rows[8]["error"] == "line 9 must be a JSON object, got an array"  # JSON's words
     assert "context limit" in rows[9]["error"]
     assert all(set(r) == {"id", "error"} for i, r in enumerate(rows) if i not in ok)
+
+
+def test_chat_template_kwargs_reach_every_kind_of_chat_line(model_dir, tmp_path):
+    """--chat-template-kwargs reaches .txt lines, plain chat lines and OpenAI chat lines; a
+    line's own chat_template_kwargs go over it; a prompt line cannot take them."""
+    import shutil
+    flavoured = tmp_path / "model"
+    shutil.copytree(model_dir, flavoured)
+    (flavoured / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ flavour | default('') }}")
+    llm = LLM(flavoured, device="cpu", log=None)
+    chat = [{"role": "user", "content": "hi"}]
+
+    def tokens(flavour):
+        return len(llm.tokenizer.encode_chat(chat, template_kwargs={"flavour": flavour}))
+    assert len({tokens(""), tokens("q"), tokens("x y z w")}) == 3
+    flag = ["--chat-template-kwargs", '{"flavour": "q"}']
+    lines = [{"id": "flag", "messages": chat},
+             {"id": "own", "messages": chat, "chat_template_kwargs": {"flavour": "x y z w"}},
+             {"id": "prompt", "prompt": "hi", "chat_template_kwargs": {"flavour": "x"}},
+             {"id": "bad", "messages": chat, "chat_template_kwargs": {"messages": 1}}]
+    code, rows = run_generate(flavoured, tmp_path, "\n".join(map(json.dumps, lines)).encode(),
+                              "in.jsonl", *flag)
+    assert code == 1
+    assert [row["usage"]["prompt_tokens"] for row in rows[:2]] == [tokens("q"), tokens("x y z w")]
+    assert "chat_template_kwargs needs 'messages'" in rows[2]["error"]
+    assert "may not set 'messages'" in rows[3]["error"]
+    code, rows = run_generate(flavoured, tmp_path, b"hi\n", "in.txt", *flag)
+    assert code == 0 and rows[0]["usage"]["prompt_tokens"] == tokens("q")
+    batch = [{"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": chat, **more}}
+             for name, more in (("flag", {}), ("own", {"chat_template_kwargs": {"flavour": "x y z w"}}))]
+    code, rows = run_generate(flavoured, tmp_path, "\n".join(map(json.dumps, batch)).encode(),
+                              "in.jsonl", *flag)
+    assert code == 0
+    assert [row["response"]["body"]["usage"]["prompt_tokens"] for row in rows] == \
+        [tokens("q"), tokens("x y z w")]
+    llm.close()
+
+
+def test_chat_template_kwargs_are_an_option_of_the_run(model_dir, tmp_path, capsys):
+    """They shape the results, so a --resume with others is refused; with --raw a .txt
+    file has no chat lines for them."""
+    (tmp_path / "in.txt").write_text("hi\nthere\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "in.txt"), *CPU,
+            "--max-tokens", "2", "--output", str(out)]
+    assert main(args + ["--chat-template-kwargs", '{"flavour": "q"}']) == 0
+    out.write_text(out.read_text().splitlines()[0] + "\n")  # as if stopped after one line
+    capsys.readouterr()
+    assert main(args + ["--resume", "--chat-template-kwargs", '{"flavour": "r"}']) == 2
+    line = capsys.readouterr().err.strip()
+    assert "--resume with other options" in line and "--chat-template-kwargs" in line, line
+    assert main(args + ["--resume", "--chat-template-kwargs", '{"flavour": "q"}']) == 0
+    assert main(args + ["--raw", "--chat-template-kwargs", "{}", "--overwrite"]) == 2
+    assert "which --raw leaves out" in capsys.readouterr().err
 
 
 def test_plain_lines_say_what_stopped_them(model_dir, llm, tmp_path):

@@ -314,7 +314,13 @@ def test_a_broken_chat_template_fails_the_load(template, fragment, good_model, t
     ("[1]", "--chat-template-kwargs: must be an object"),
 ])
 def test_chat_template_kwargs_are_checked_before_loading(value, fragment, tmp_path, capsys):
-    """A bad --chat-template-kwargs is a usage error, found before any model is read."""
+    """A bad --chat-template-kwargs is a usage error, found before any model is read, by
+    chat and by generate."""
     code = main(["chat", "--model", str(tmp_path / "nowhere"), "--chat-template-kwargs", value, "hi"])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and fragment in line, line
+    (tmp_path / "in.txt").write_text("hi\n")
+    code = main(["generate", "--model", str(tmp_path / "nowhere"), "--input",
+                 str(tmp_path / "in.txt"), "--chat-template-kwargs", value])
     line = one_error_line(capsys.readouterr().err)
     assert code == 2 and fragment in line, line

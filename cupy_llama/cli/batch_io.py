@@ -45,6 +45,7 @@ from ..errors import CupyLlamaError, OptionError, RequestError
 from ..outputs import TokenStrings, json_logprob
 from ..sampling import SamplingParams, model_sampling_defaults
 from ..structured import StructuredSpec
+from ..tokenizer import check_template_kwargs
 from ..util import json_type
 
 FORMATS = ("txt", "jsonl")
@@ -372,7 +373,8 @@ def _requests(count: int) -> str:
 
 
 def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=None,
-              model_name: str | None = None, reasoning=None) -> BatchSummary:
+              model_name: str | None = None, reasoning=None,
+              template_kwargs: dict | None = None) -> BatchSummary:
     """Add every runnable request to the engine at once, step until all finish, and write
     one JSON line per request to `out` in input order (as soon as its turn comes).
     Ctrl-C (KeyboardInterrupt) stops the run: the lines written so far stay, the rest of
@@ -383,9 +385,12 @@ def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=N
     progress: called as progress(num_done, completion_tokens) after every step.
     model_name: the "model" of OpenAI response bodies (default: the model folder).
     reasoning: a ReasoningParser that splits OpenAI chat lines' replies, as serve's
-    --reasoning-parser does (None: no split)."""
+    --reasoning-parser does (None: no split).
+    template_kwargs: more chat-template variables for every chat line (a line's own
+    chat_template_kwargs go over them)."""
     engine = llm.engine
-    runner = _Runner(llm, defaults, model_name or str(llm.model_dir), reasoning)
+    runner = _Runner(llm, defaults, model_name or str(llm.model_dir), reasoning,
+                     template_kwargs)
     results: list[dict | None] = [None] * len(requests)
     failed = [False] * len(requests)
     summary = BatchSummary(num_requests=len(requests))
@@ -445,9 +450,11 @@ class _Line:
 class _Runner:
     """Adds each request to the engine and builds its output line once it is finished."""
 
-    def __init__(self, llm, defaults: dict, model_name: str, reasoning=None):
+    def __init__(self, llm, defaults: dict, model_name: str, reasoning=None,
+                 template_kwargs: dict | None = None):
         self.llm = llm
         self.reasoning = reasoning
+        self.template_kwargs = template_kwargs or {}
         self.engine = llm.engine
         self.defaults = defaults
         self.model_name = model_name
@@ -478,8 +485,13 @@ class _Runner:
             fields = dict(request.sampling)
             tool_fields = {name: fields.pop(name) for name in TOOL_FIELDS if name in fields}
             template = fields.pop("chat_template", None)
-            if template is not None and request.messages is None:
-                raise RequestError("chat_template needs 'messages' (a chat), not 'prompt'")
+            template_kwargs = fields.pop("chat_template_kwargs", None)
+            for name, value in (("chat_template", template),
+                                ("chat_template_kwargs", template_kwargs)):
+                if value is not None and request.messages is None:
+                    raise RequestError(f"{name} needs 'messages' (a chat), not 'prompt'")
+            template_kwargs = {**self.template_kwargs,
+                               **check_template_kwargs(template_kwargs)}
             params = SamplingParams.from_dict({**self.defaults, **plain_structured(fields)},
                                               self.model_defaults)
             if params.n != 1:  # one output line per request
@@ -492,11 +504,13 @@ class _Runner:
             if request.messages is not None:
                 prompt = self.llm.tokenizer.encode_chat(request.messages,
                                                         add_generation_prompt=True, tools=tools,
+                                                        template_kwargs=template_kwargs or None,
                                                         chat_template=template)
             else:
                 prompt = engine.encode_prompt(request.prompt)
             if parser is not None:  # a call enforced after the thinking the prompt opened
-                params = self.llm.constrain_after_thinking(prompt, params)
+                params = self.llm.constrain_after_thinking(prompt, params,
+                                                           template_kwargs or None)
             if len(prompt) >= engine.context_limit:
                 return (f"line {request.line}: the prompt has {len(prompt)} tokens but the "
                         f"context limit is {engine.context_limit} (prompt plus at least one "
@@ -547,8 +561,10 @@ class _Runner:
                                                                 self.llm.device)
         protocol, line = self.protocol, request.batch_line
         try:
-            api = protocol.parse_batch_request(line["method"], line["url"],
-                                               _with_defaults(line["body"], self.defaults))
+            body = _with_defaults(line["body"], self.defaults)
+            if self.template_kwargs and line["url"] == "/v1/chat/completions":
+                body = _with_template_kwargs(body, self.template_kwargs)
+            api = protocol.parse_batch_request(line["method"], line["url"], body)
             if isinstance(api, protocol.ChatCompletionRequest):
                 api.set_reasoning_parser(self.reasoning)
             prompts, params = api.engine_inputs(self.llm.tokenizer, self.llm.config.vocab_size,
@@ -619,6 +635,19 @@ def _with_defaults(body, defaults: dict):
         return body
     return {**body, **{name: value for name, value in defaults.items()
                        if body.get(name) is None}}
+
+
+def _with_template_kwargs(body, template_kwargs: dict):
+    """A chat body with --chat-template-kwargs under its own chat_template_kwargs (a body
+    whose field is no object keeps it, for the request model to refuse)."""
+    if not isinstance(body, dict):
+        return body
+    own = body.get("chat_template_kwargs")
+    if own is None:
+        return {**body, "chat_template_kwargs": template_kwargs}
+    if isinstance(own, dict):
+        return {**body, "chat_template_kwargs": {**template_kwargs, **own}}
+    return body
 
 
 def result_object(request_id, output, with_tools: bool = False, token_text=None) -> dict:

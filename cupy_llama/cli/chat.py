@@ -60,7 +60,7 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     values = {"max_tokens": CHAT_MAX_TOKENS, **given(flags, SAMPLING_NAMES)}
     engine = given(flags, ENGINE_NAMES)
     check_options(values, engine)
-    template_kwargs = _template_kwargs(template_json)
+    template_kwargs = options.template_kwargs(template_json)
     tools = _chat_tools(tools_path, tool_choice, tool_call_parser, parallel_tool_calls)
     # the one message is read (and an empty one refused) before the model loads
     if prompt == "-":  # stdin, as generate's --input - reads it
@@ -139,22 +139,6 @@ def _refuse_model_as_prompt(prompt: str) -> None:
         raise OptionError(f"PROMPT {prompt!r} is a file of a model folder, not a message; chat "
                           "takes the folder as --model PATH: cupy-llama chat --model "
                           f"{shlex.quote(folder)}")
-
-
-def _template_kwargs(text: str | None) -> dict | None:
-    """--chat-template-kwargs as a dict, checked before the model loads."""
-    if text is None:
-        return None
-    from ..tokenizer import check_template_kwargs
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise OptionError(f"--chat-template-kwargs is not valid JSON ({e.msg} at column "
-                          f"{e.colno}); give an object such as '{{\"enable_thinking\": false}}'") from None
-    try:
-        return check_template_kwargs(value)
-    except RequestError as e:
-        raise OptionError(f"--chat-template-kwargs: {str(e).removeprefix('chat_template_kwargs ')}") from None
 
 
 def _chat_tools(path: str | None, choice: str | None, parser: str | None,

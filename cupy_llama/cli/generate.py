@@ -43,6 +43,10 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
               "of that run (--raw among them) again: other ones are refused.")
 @click.option("--overwrite", is_flag=True, help="Replace an --output file that holds results "
               "(without --resume or --overwrite such a file is refused).")
+@click.option("--chat-template-kwargs", "template_json", metavar="JSON",
+              help='More variables for the chat template of every chat line, as a JSON '
+                   'object (e.g. \'{"enable_thinking": false}\' for Qwen3); a line\'s own '
+                   '"chat_template_kwargs" goes over it.')
 @click.option("--reasoning-parser", metavar="NAME",
               help="OpenAI batch lines of chat completions: split a reasoning model's "
                    "thinking from its answer, as serve's option does (qwen3, deepseek_r1).")
@@ -51,7 +55,7 @@ from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL
                    "after every step); a terminal gets a progress bar.")
 @engine_options
 def generate(model_dir, input_path, output_path, input_format, raw, device, resume,
-             overwrite, reasoning_parser, progress_interval, **flags):
+             overwrite, template_json, reasoning_parser, progress_interval, **flags):
     """Run a batch of prompts together and write one JSON line per request.
 
     \b
@@ -63,7 +67,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
     top_k, min_p, max_tokens, seed, stop, ignore_eos, repetition_penalty,
     frequency_penalty, presence_penalty, logit_bias, min_tokens, stop_token_ids, ...: any
-    of SamplingParams') overriding the command line's. With "messages", also "tools",
+    of SamplingParams') overriding the command line's. With "messages", also
+    "chat_template_kwargs" (more variables for the chat template), and "tools",
     "tool_choice", "parallel_tool_calls" and "tool_call_parser", as chat completions take
     them: the output line then holds "content" and "tool_calls" (OpenAI's) beside "text".
     Files may start with a UTF-8 BOM and use CRLF line ends.
@@ -133,6 +138,10 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         del defaults["stop"]
     engine = given(flags, ENGINE_NAMES)
     check_options(defaults, engine)
+    template_kwargs = options.template_kwargs(template_json)
+    if template_kwargs is not None and format == "txt" and raw:
+        raise OptionError("--chat-template-kwargs goes to the chat template, which --raw "
+                          "leaves out of a .txt file's lines; give one of them")
     if reasoning_parser is not None:
         from ..reasoning import reasoning_format
         try:
@@ -145,6 +154,8 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
                           "(/v1/chat/completions); this file has plain lines: leave it out, "
                           "or write the requests as OpenAI batch lines")
     run_options = _run_options(model_dir, format, raw, defaults)
+    if template_kwargs is not None:
+        run_options["--chat-template-kwargs"] = template_kwargs
     if reasoning_parser is not None:
         run_options["--reasoning-parser"] = reasoning_parser
     earlier = _read_earlier_output(output_path) if resume else None
@@ -190,7 +201,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
                 request.prompt = None
     run = dict(defaults=defaults, interval=progress_interval, num_skipped=num_skipped,
                earlier_errors=earlier.num_errors if earlier is not None else 0,
-               model_name=model_name, reasoning=reasoning)
+               model_name=model_name, reasoning=reasoning, template_kwargs=template_kwargs)
     if output_path == "-":
         return _run_generate(llm, requests, _Output(sys.stdout, "stdout"), where="stdout",
                              **run)
@@ -397,7 +408,7 @@ def _duration(seconds: float) -> str:
 
 def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
                   num_skipped: int = 0, earlier_errors: int = 0, model_name: str,
-                  reasoning=None) -> int:
+                  reasoning=None, template_kwargs=None) -> int:
     """Runs the batch with progress on stderr; the exit code (0, 1 when a request failed,
     130 when interrupted), after a summary."""
     from rich.console import Console
@@ -423,11 +434,13 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
             if where == "stdout" and _same_terminal(sys.stdout, sys.stderr):
                 out = _ConsoleLines(progress.console)
             summary = run_batch(llm, requests, out, defaults, progress=update,
-                                model_name=model_name, reasoning=reasoning)
+                                model_name=model_name, reasoning=reasoning,
+                                template_kwargs=template_kwargs)
     else:
         summary = run_batch(llm, requests, out, defaults,
                             progress=_ProgressLines(len(requests), interval),
-                            model_name=model_name, reasoning=reasoning)
+                            model_name=model_name, reasoning=reasoning,
+                            template_kwargs=template_kwargs)
     summary.num_skipped = num_skipped
     log(summary.line())
     total = num_skipped + summary.num_requests

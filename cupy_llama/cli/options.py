@@ -133,6 +133,24 @@ ENGINE_NAMES = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_
                 "gpu_memory_utilization", "enable_prefix_caching", "quantization")
 
 
+def template_kwargs(text: str | None) -> dict | None:
+    """--chat-template-kwargs as a dict, checked before the model loads."""
+    if text is None:
+        return None
+    import json
+
+    from ..tokenizer import check_template_kwargs
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"--chat-template-kwargs is not valid JSON ({e.msg} at column "
+                          f"{e.colno}); give an object such as '{{\"enable_thinking\": false}}'") from None
+    try:
+        return check_template_kwargs(value)
+    except RequestError as e:
+        raise OptionError(f"--chat-template-kwargs: {str(e).removeprefix('chat_template_kwargs ')}") from None
+
+
 def given(options: dict, names) -> dict:
     """The options among names that the user set: an option not given is None (flags too,
     so --no-prefix-caching can say False), or () when it repeats."""
