@@ -83,7 +83,8 @@ def test_jsonl_forms_errors_and_duplicates(model_dir, llm, tmp_path):
     assert "-1" in rows[1]["error"] and "temperature" in rows[1]["error"]
     assert "not valid JSON" in rows[2]["error"]
     assert "duplicate id 'a'" in rows[5]["error"] and "line 1" in rows[5]["error"]
-    assert "colour" in rows[6]["error"]
+    assert "unknown field 'colour'; a line holds 'prompt' or 'messages'" in rows[6]["error"]
+    assert "chat_template_kwargs" in rows[6]["error"] and "response_format" in rows[6]["error"]
     assert "prompt" in rows[7]["error"]
     assert rows[8]["error"] == "line 9 must be a JSON object, got an array"  # JSON's words
     assert "context limit" in rows[9]["error"]

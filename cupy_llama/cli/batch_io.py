@@ -250,6 +250,22 @@ def plain_structured(fields: dict) -> dict:
     return fields
 
 
+# what a plain line may hold besides SamplingParams' fields and its constraint's names
+_PLAIN_EXTRA_FIELDS = TOOL_FIELDS + ("chat_template", "chat_template_kwargs")
+
+
+def _check_plain_fields(fields: dict) -> None:
+    """RequestError naming a plain line's first unknown field, with the fields it takes."""
+    from dataclasses import fields as dataclass_fields
+
+    known = ({f.name for f in dataclass_fields(SamplingParams)} | set(_PLAIN_EXTRA_FIELDS)
+             | {name for name, _ in _STRUCTURED_FIELDS})
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r}; a line holds 'prompt' or "
+                           f"'messages', an optional 'id', and any of {', '.join(sorted(known))}")
+
+
 def _check_id(value, name: str):
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RequestError(f"{name!r} must be a string or an integer, got {json.dumps(value)}")
@@ -483,6 +499,7 @@ class _Runner:
         engine = self.engine
         try:
             fields = dict(request.sampling)
+            _check_plain_fields(fields)
             tool_fields = {name: fields.pop(name) for name in TOOL_FIELDS if name in fields}
             template = fields.pop("chat_template", None)
             template_kwargs = fields.pop("chat_template_kwargs", None)
