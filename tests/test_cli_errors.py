@@ -2,6 +2,7 @@
 line on stderr that names the problem, never a traceback. (tests/test_weights.py checks
 the same cases through the API, with their exception types.)"""
 import importlib.util
+import io
 import json
 import shutil
 import subprocess
@@ -306,6 +307,22 @@ def test_a_broken_chat_template_fails_the_load(template, fragment, good_model, t
         line = one_error_line(result.stderr)
         assert "chat template" in line and fragment in line, line
         assert "loaded on" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("args, stdin, name", [
+    (["caf\udce9"], None, "PROMPT"),
+    (["--system", "caf\udce9", "hi"], None, "--system"),
+    ([], "caf\udce9\n", "stdin"),
+])
+def test_chat_text_that_is_no_utf8_is_refused_before_loading(args, stdin, name, tmp_path,
+                                                            monkeypatch, capsys):
+    """Bytes that are no UTF-8 (a lone surrogate once decoded) in the message or the system
+    prompt: a usage error naming where they came from, before any model is read."""
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    code = main(["chat", "--model", str(tmp_path / "nowhere"), *args])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and line.startswith(f"error: {name} is not valid text"), line
 
 
 @pytest.mark.parametrize("value, fragment", [

@@ -74,6 +74,9 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
             _refuse_model_as_prompt(prompt)
     else:
         once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
+    source = "stdin" if prompt in (None, "-") else "PROMPT"
+    for text, what in ((once, source), (system, "--system")):
+        _check_text(text, what)
     model_dir = model_dir or options.default_model_dir()
     config = options.check_model_options(model_dir, engine, values)  # before the weights
     options.check_max_tokens(given(flags, SAMPLING_NAMES).get("max_tokens"), config, engine)
@@ -89,6 +92,18 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
     return run_terminal(session, Console(**colour), Console(stderr=True, **colour),
                         history_path=_history_path())
+
+
+def _check_text(text: str | None, what: str) -> None:
+    """OptionError, before the model loads, for text that is no valid Unicode (bytes that
+    were no UTF-8 reach us as lone surrogates)."""
+    from ..tokenizer import check_unicode
+    if text is None:
+        return
+    try:
+        check_unicode(text, what)
+    except RequestError as e:
+        raise OptionError(str(e)) from None
 
 
 def _no_chat_template():
