@@ -129,6 +129,12 @@ def test_chat_template_kwargs_reach_every_kind_of_chat_line(model_dir, tmp_path)
     llm.close()
 
 
+def test_the_summary_counts_in_words():
+    from cupy_llama.cli.batch_io import BatchSummary
+    assert BatchSummary(num_requests=1, num_preemptions=1).line().endswith(", 1 preemption")
+    assert BatchSummary(num_requests=2, num_preemptions=0).line().endswith(", 0 preemptions")
+
+
 def test_chat_template_kwargs_are_an_option_of_the_run(model_dir, tmp_path, capsys):
     """They shape the results, so a --resume with others is refused; with --raw a .txt
     file has no chat lines for them."""

@@ -381,7 +381,7 @@ class BatchSummary:
                 f"{self.prompt_tokens} prompt ({self.cached_prompt_tokens} cached, "
                 f"{hit_rate:.0f}%) + {self.completion_tokens} completion tokens "
                 f"in {self.seconds:.2f} s, {rate:.1f} completion tok/s, "
-                f"{self.num_preemptions} preemptions")
+                f"{self.num_preemptions} preemption{'' if self.num_preemptions == 1 else 's'}")
 
 
 def _requests(count: int) -> str:
