@@ -12,7 +12,7 @@ import pytest
 
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.cli.chat_ui import ChatSession, parse_conversation, printable, read_message
-from cupy_llama.errors import RequestError
+from cupy_llama.errors import RequestError, TokenizerError
 from cupy_llama.bench.random_model import make_random_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -190,6 +190,40 @@ def test_save_and_load_a_conversation(llm, tmp_path):
     assert "no system prompt" in other.load(str(path)) and other.system is None
     with pytest.raises(RequestError, match="cannot write"):
         session.save(str(tmp_path / "no-folder" / "chat.json"))
+
+
+def test_a_template_that_refuses_a_system_prompt_says_how_to_go_on(model_dir, tmp_path):
+    """Gemma 2's template raises on a system message: the error says to leave it out."""
+    import shutil
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    (copy / "chat_template.jinja").write_text(
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    llm = LLM(copy, device="cpu", log=None)
+    session = ChatSession(llm, GREEDY, system="Be brief.")
+    with pytest.raises(TokenizerError, match="System role not supported; this model's chat "
+                                           "template takes no system prompt: leave out "
+                                           "--system"):
+        "".join(session.reply("hi"))
+    session.interactive = True
+    with pytest.raises(TokenizerError, match="clear it with /system"):
+        "".join(session.reply("hi"))
+    session.system = None
+    assert "".join(session.reply("hi")) == session.history[-1]["content"]
+    llm.close()
+    # a template that fails whatever the system prompt gets no such hint, though its
+    # message names the system role
+    (copy / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.content == 'twice' %}{{ raise_exception("
+        "'After the optional system message, roles must alternate') }}{% endif %}"
+        "{{ m.content }}{% endfor %}")
+    llm = LLM(copy, device="cpu", log=None)
+    session = ChatSession(llm, GREEDY, system="Be brief.")
+    with pytest.raises(TokenizerError) as caught:
+        "".join(session.reply("twice"))
+    assert str(caught.value).endswith("roles must alternate")
+    llm.close()
 
 
 def test_context_in_use_is_the_conversation_s(llm, tmp_path):

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import CupyLlamaError, OptionError, RequestError
+from ..errors import CupyLlamaError, OptionError, RequestError, TokenizerError
 from ..reasoning import ReasoningParser, ReasoningSplitter, thinking_markers
 from ..util import json_type
 
@@ -214,10 +214,22 @@ class ChatSession:
         return system + turns + new
 
     def _prompt(self, turns: list[dict], new: list[dict]) -> list[int]:
-        return self.llm.tokenizer.encode_chat(self._messages(turns, new),
-                                              add_generation_prompt=True,
-                                              tools=self.template_tools,
-                                              template_kwargs=self.template_kwargs)
+        def encode(messages):
+            return self.llm.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                                  tools=self.template_tools,
+                                                  template_kwargs=self.template_kwargs)
+        try:
+            return encode(self._messages(turns, new))
+        except (RequestError, TokenizerError) as e:
+            if not self.system:
+                raise
+            try:  # Gemma 2's template, for one, refuses a system message outright
+                encode(turns + new)
+            except CupyLlamaError:
+                raise e from None  # it fails for a reason of its own
+            fix = "clear it with /system" if self.interactive else "leave out --system"
+            raise type(e)(f"{e}; this model's chat template takes no system prompt: "
+                          f"{fix}") from None
 
     def fit(self, new: list[dict]) -> tuple[list[int], int]:
         """The prompt ids for the new messages (a user message, or the tool results that
