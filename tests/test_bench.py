@@ -182,6 +182,18 @@ def test_the_gpu_table_shows_the_floor_and_never_above_it():
     assert ours["fraction_of_floor"] < 1 and ours["floor_tok_s"] > ours["tok_s"]
 
 
+def test_ttft_rows_past_the_context_are_not_repeated(model_dir):
+    """A context shorter than the longer nominal prompts clips them to its length once:
+    one row for it, not one per nominal length."""
+    from cupy_llama import LLM
+    from cupy_llama.bench.offline import run_ttft
+    from cupy_llama.bench.workloads import BenchSettings
+    llm = LLM(model_dir, device="cpu", max_model_len=64, log=None)
+    rows = run_ttft(llm, BenchSettings(mode="ttft", scale=0.5), "cpu", lambda message: None)
+    llm.close()
+    assert [(r["nominal_tokens"], r["prompt_tokens"]) for r in rows["prompts"]] == [(128, 63)]
+
+
 def test_ttft_and_decode_sweep(report_all):
     results = report_all[1]["results"]
     rows = results["ttft"]["cupy_llama"]["prompts"]
