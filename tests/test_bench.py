@@ -316,12 +316,15 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
     (["bench", "ttft", "--model", "/nonexistent-model"], 1, "does not exist"),
     (["bench", "prefix", "--hf"], 2, "bench prefix has no transformers baseline"),
     (["bench", "prefix", "--no-prefix-caching"], 2, "drop --no-prefix-caching"),
+    (["bench", "latency", "--model", "/nonexistent-model", "--preset", "qwen3-0.6b"], 2,
+     "--preset names the shape of a random model, and --model gives the model itself"),
 ])
 def test_usage_errors(args, code, message, capsys, tmp_path, monkeypatch):
     """Bad option values are usage errors (2), one line; a missing model is a runtime one.
     (A tiny model in a cache of the test's own, should a check let a row through.)"""
     monkeypatch.setenv("CUPY_LLAMA_CACHE", str(tmp_path / "cache"))
-    assert main([*args, "--device", "cpu", "--preset", "tiny"]) == code
+    preset = [] if "--model" in args else ["--preset", "tiny"]
+    assert main([*args, "--device", "cpu", *preset]) == code
     err = capsys.readouterr().err
     assert message in one_error_line(err) and len(err.strip().splitlines()) == 1, err
 

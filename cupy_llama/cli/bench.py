@@ -87,6 +87,9 @@ def bench(mode, **flags):
     engine = given(flags, names)
     check_options({}, engine)
     rest = {name: value for name, value in flags.items() if name not in names}
+    if rest["preset"] is not None and rest["model_dir"] is not None:
+        raise OptionError("--preset names the shape of a random model, and --model gives the "
+                          "model itself; give one of them")
     serve_only = {name: rest.pop(name) for name in BENCH_SERVE_NAMES}
     if mode == "serve":
         return _bench_serve(engine, serve_only, rest)
