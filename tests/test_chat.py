@@ -316,10 +316,14 @@ def test_multi_line_input():
         it = iter(lines)
         return lambda prompt: next(it)
 
-    assert read_message(reader(["plain"]), ">", "...") == "plain"
-    assert read_message(reader(['"""one', "two", 'three"""']), ">", "...") == "one\ntwo\nthree"
-    assert read_message(reader(['"""', "a", "", "b", '"""']), ">", "...") == "a\n\nb"
-    assert read_message(reader(['"""inline"""']), ">", "...") == "inline"
+    assert read_message(reader(["plain"]), ">", "...") == ("plain", False)
+    assert read_message(reader(["/stats"]), ">", "...") == ("/stats", False)
+    assert read_message(reader(['"""one', "two", 'three"""']), ">", "...") == ("one\ntwo\nthree", True)
+    assert read_message(reader(['"""', "a", "", "b", '"""']), ">", "...") == ("a\n\nb", True)
+    assert read_message(reader(['"""inline"""']), ">", "...") == ("inline", True)
+    # a block is a message whatever it starts with: run_terminal runs no command for it
+    assert read_message(reader(['"""/usr/bin is', 'a folder"""']), ">", "...") == \
+        ("/usr/bin is\na folder", True)
 
     def ends_with_ctrl_d(lines):
         it = iter(lines)
@@ -332,10 +336,32 @@ def test_multi_line_input():
         return read
 
     # Ctrl-D inside a block sends what was typed; at the first prompt it is EOF
-    assert read_message(ends_with_ctrl_d(['"""one', "two"]), ">", "...") == "one\ntwo"
-    assert read_message(ends_with_ctrl_d(['"""']), ">", "...") == ""
+    assert read_message(ends_with_ctrl_d(['"""one', "two"]), ">", "...") == ("one\ntwo", True)
+    assert read_message(ends_with_ctrl_d(['"""']), ">", "...") == ("", True)
     with pytest.raises(EOFError):
         read_message(ends_with_ctrl_d([]), ">", "...")
+
+
+def test_a_block_that_starts_with_a_slash_is_a_message(llm):
+    """At the terminal, /stats is a command but a triple-quoted block starting with a slash
+    (a pasted path) goes to the model."""
+    import io
+
+    from rich.console import Console
+
+    from cupy_llama.cli.chat_ui import run_terminal
+    lines = iter(['"""/stats"""', "/stats"])
+
+    def read_line(prompt):
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+    session = ChatSession(llm, GREEDY)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_terminal(session, Console(file=out), Console(file=err), read_line=read_line) == 0
+    assert [m["content"] for m in session.history if m["role"] == "user"] == ["/stats"]
+    assert "1 replies" in out.getvalue() + err.getvalue()  # the second /stats, a command
 
 
 def test_printable_hides_terminal_controls():

@@ -37,7 +37,8 @@ HELP = """\
 /tool CALL RESULT     with --tools: answer the model's tool call CALL (its id, or its
                       function's name when no other waiting call has it) with RESULT; once
                       every call of the reply has its result, the model answers
-\"\"\"                   start and end multi-line input (Ctrl-D also ends it, and sends it)
+\"\"\"                   start and end multi-line input (Ctrl-D also ends it, and sends it);
+                      it is a message even where it starts with a slash
 Up, Down              earlier input, also from earlier sessions
 Ctrl-C                stop the current reply; twice at the prompt exits
 When a message would not fit the context, the oldest turns are dropped to make room
@@ -730,24 +731,26 @@ def line_editing(history_path: Path | None, colour: bool):
                 pass
 
 
-def read_message(read_line, first_prompt: str, more_prompt: str) -> str:
-    """One message: a line, or a multi-line block opened and closed by triple quotes
-    (Ctrl-D inside the block ends it too: what was typed is the message)."""
+def read_message(read_line, first_prompt: str, more_prompt: str) -> tuple[str, bool]:
+    """One message and whether it came as a block: a line, or a multi-line block opened
+    and closed by triple quotes (Ctrl-D inside the block ends it too: what was typed is the
+    message). A block is always a message, never a /command, so pasted text that starts
+    with a path can be sent."""
     line = read_line(first_prompt)
     if not line.lstrip().startswith(MULTILINE):
-        return line
+        return line, False
     body = line.lstrip()[len(MULTILINE):]
     if body.rstrip().endswith(MULTILINE):   # """text""" on one line
-        return body.rstrip()[:-len(MULTILINE)]
+        return body.rstrip()[:-len(MULTILINE)], True
     lines = [body] if body else []
     while True:
         try:
             line = read_line(more_prompt)
         except EOFError:
-            return "\n".join(lines).strip("\n")
+            return "\n".join(lines).strip("\n"), True
         if line.rstrip().endswith(MULTILINE):
             lines.append(line.rstrip()[:-len(MULTILINE)])
-            return "\n".join(lines).strip("\n")
+            return "\n".join(lines).strip("\n"), True
         lines.append(line)
 
 
@@ -777,11 +780,11 @@ def run_terminal(session: ChatSession, console, err_console, read_line=input,
         interrupted_once = False
         while True:
             try:
-                text = read_message(read, first_prompt, more_prompt)
+                text, block = read_message(read, first_prompt, more_prompt)
                 interrupted_once = False
                 if not text.strip():
                     continue
-                if text.startswith("/"):
+                if text.startswith("/") and not block:
                     if _command(session, text.strip(), console, err_console,
                                 interrupts) == "exit":
                         return 0
