@@ -313,12 +313,15 @@ def test_a_broken_chat_template_fails_the_load(template, fragment, good_model, t
     (["caf\udce9"], None, "PROMPT"),
     (["--system", "caf\udce9", "hi"], None, "--system"),
     ([], "caf\udce9\n", "stdin"),
+    (["-"], b"caf\xe9\n", "stdin"),  # bytes under a locale that decodes strictly
 ])
 def test_chat_text_that_is_no_utf8_is_refused_before_loading(args, stdin, name, tmp_path,
                                                             monkeypatch, capsys):
     """Bytes that are no UTF-8 (a lone surrogate once decoded) in the message or the system
     prompt: a usage error naming where they came from, before any model is read."""
-    if stdin is not None:
+    if isinstance(stdin, bytes):
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin), "utf-8", "strict"))
+    elif stdin is not None:
         monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
     code = main(["chat", "--model", str(tmp_path / "nowhere"), *args])
     line = one_error_line(capsys.readouterr().err)

@@ -64,7 +64,7 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     tools = _chat_tools(tools_path, tool_choice, tool_call_parser, parallel_tool_calls)
     # the one message is read (and an empty one refused) before the model loads
     if prompt == "-":  # stdin, as generate's --input - reads it
-        once = piped_prompt(sys.stdin.read())
+        once = piped_prompt(_stdin_text())
     elif prompt is not None:
         once = prompt.strip()
         if not once:
@@ -73,7 +73,7 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
         if model_dir is None:  # `chat MODEL`: not a message
             _refuse_model_as_prompt(prompt)
     else:
-        once = None if sys.stdin.isatty() else piped_prompt(sys.stdin.read())
+        once = None if sys.stdin.isatty() else piped_prompt(_stdin_text())
     source = "stdin" if prompt in (None, "-") else "PROMPT"
     for text, what in ((once, source), (system, "--system")):
         _check_text(text, what)
@@ -92,6 +92,13 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     colour = {"color_system": None} if os.environ.get("NO_COLOR") else {}
     return run_terminal(session, Console(**colour), Console(stderr=True, **colour),
                         history_path=_history_path())
+
+
+def _stdin_text() -> str:
+    """What was piped in, as text whatever the locale's error handling: bytes that are no
+    UTF-8 stay as lone surrogates, for _check_text to name."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    return data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
 
 
 def _check_text(text: str | None, what: str) -> None:
