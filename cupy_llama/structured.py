@@ -35,6 +35,10 @@ from .errors import RequestError
 from .util import cdiv
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's other structured_outputs fields, and the values of each that change nothing here
+# (one backend, so no fallback to choose)
+HARMLESS_OPTIONS = {"disable_fallback": (False, True), "disable_any_whitespace": (False,),
+                    "disable_additional_properties": (False,)}
 EXTRA_HINT = "pip install 'cupy-llama[structured]'"
 # JSON output may hold at most this much whitespace at any one place: enough for
 # pretty-printed JSON, and a bound on a model that would otherwise pad with newlines until
@@ -168,9 +172,18 @@ class StructuredSpec:
             raise RequestError(f"{source} must be an object with one of {', '.join(KINDS)}, "
                                f"got {_type_name(value)}")
         given = [key for key in KINDS if value.get(key) is not None]
-        unknown = sorted(key for key, v in value.items() if key not in KINDS and v is not None)
+        unknown = sorted(key for key, v in value.items() if key not in KINDS and v is not None
+                         and not _harmless(key, v))
         if unknown:
-            raise RequestError(f"{source}.{unknown[0]} is not supported; use one of "
+            name = unknown[0]
+            if name in HARMLESS_OPTIONS:
+                taken = HARMLESS_OPTIONS[name]
+                raise RequestError(f"{source}.{name} is not supported as "
+                                   f"{json.dumps(value[name])} (only "
+                                   f"{' or '.join(map(json.dumps, taken))}, which "
+                                   f"{'changes' if len(taken) == 1 else 'change'} nothing "
+                                   f"here); leave it out")
+            raise RequestError(f"{source}.{name} is not supported; use one of "
                                f"{', '.join(KINDS)}")
         if len(given) > 1:
             raise RequestError(f"{source} sets {given[0]} and {given[1]}; set only one")
@@ -769,6 +782,11 @@ def compiler_message(message: str, kind: str | None = None) -> str:
     if len(text) > MAX_QUOTED_ERROR:
         text = text[:MAX_QUOTED_ERROR - 3] + "..."
     return text
+
+
+def _harmless(name: str, value) -> bool:
+    """Whether a vLLM structured_outputs option has a value that changes nothing here."""
+    return isinstance(value, bool) and value in HARMLESS_OPTIONS.get(name, ())
 
 
 def _type_name(value) -> str:

@@ -114,6 +114,17 @@ def test_structured_outputs_object():
         spec({"json": {}, "regex": "a"})
     with pytest.raises(RequestError, match="structured_outputs.structural_tag is not supported"):
         spec({"structural_tag": "x"})
+    # vLLM's options that change nothing here pass; those that would change the output
+    # are refused by name
+    harmless = {"disable_fallback": True, "disable_any_whitespace": False,
+                "disable_additional_properties": False}
+    assert spec({"choice": ["a", "b"], **harmless}) == spec({"choice": ["a", "b"]})
+    with pytest.raises(RequestError, match="structured_outputs.disable_any_whitespace is not "
+                                           "supported as true \\(only false, which changes "
+                                           "nothing here\\)"):
+        spec({"choice": ["a"], "disable_any_whitespace": True})
+    with pytest.raises(RequestError, match="disable_additional_properties is not supported as 1"):
+        spec({"choice": ["a"], "disable_additional_properties": 1})
     with pytest.raises(RequestError, match="structured_outputs.json_object must be true"):
         spec({"json_object": "yes"})
     with pytest.raises(RequestError, match="structured_outputs.regex must be a non-empty"):
