@@ -67,6 +67,10 @@ def _check_function(function, where: str, names: set) -> None:
             json.dumps(parameters, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise RequestError(f"{where}.parameters cannot be written as JSON ({e})") from None
+        kind = parameters.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise RequestError(f"{where}.parameters must describe an object (a call's "
+                               f"arguments are a JSON object), got \"type\": {json.dumps(kind)}")
 
 
 def tools_of_functions(functions, field: str = "functions") -> list[dict]:
@@ -197,7 +201,7 @@ def _calls_schema(functions: list[dict], arguments_key: str) -> dict:
     root here (pydantic writes such references)."""
     calls, defs = [], {}
     for i, function in enumerate(functions):
-        parameters = function.get("parameters") or _NO_PARAMETERS
+        parameters = _arguments_schema(function)
         own = f"tool_{i}"
         moved = {key: value for key, value in parameters.items()
                  if key not in ("$defs", "definitions")}
@@ -210,6 +214,14 @@ def _calls_schema(functions: list[dict], arguments_key: str) -> dict:
                                      arguments_key: {"$ref": f"#/$defs/{own}"}},
                       "required": ["name", arguments_key], "additionalProperties": False})
     return {"anyOf": calls, "$defs": defs}
+
+
+def _arguments_schema(function: dict) -> dict:
+    """The schema a call's arguments follow: the function's parameters, always an object
+    (a schema without "type", or of several types among them object, would also let the
+    grammar write a number or a string, which no call's arguments are)."""
+    parameters = function.get("parameters") or _NO_PARAMETERS
+    return {**parameters, "type": "object"}
 
 
 def _rebased(schema, own: str):
@@ -284,7 +296,7 @@ def _mistral(functions, many, token_id) -> str:
         rules = [f"start: {'call+' if many else 'call'}",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
         rules += [f"call_{i}: {opener} {json.dumps(f['name'])} {arguments} "
-                  f"{_json(f.get('parameters') or _NO_PARAMETERS)}"
+                  f"{_json(_arguments_schema(f))}"
                   for i, f in enumerate(functions)]
         return "\n".join(rules)
     calls = _calls_schema(functions, "arguments")

@@ -939,7 +939,8 @@ def test_an_enforced_schema_that_does_not_compile_names_its_file_and_tool(tool_m
     pytest.importorskip("llguidance")
     from conftest import TOOLS
     tools = tmp_path / "tools.json"
-    bogus = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+    bogus = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "bogus"}}}}}
     tools.write_text(json.dumps(TOOLS + [bogus]))
     result = chat_cli(tool_model_dir, "--tools", str(tools), "--tool-choice", "required",
                       "hi", stdin="")

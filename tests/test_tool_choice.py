@@ -178,6 +178,30 @@ def test_the_families_own_form_passes(families, style):
     assert not passes(named, WRITTEN[style])
 
 
+def test_arguments_are_an_object_whatever_the_schema_leaves_out(families):
+    """parameters without "type" (hand-written and MCP schemas leave it out) still make
+    the call's arguments an object, which the parsers read; a schema of another type is
+    refused with the tool."""
+    tok, compiler, token_id = families["hermes"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "integer"}}}}}
+    spec = tool_call_grammar("hermes", [tool], "required", False, token_id)
+    for arguments, holds in (('{"a": 1}', True), ("1", False), ("true", False), ('"x"', False)):
+        matcher = compiler.matcher(spec)
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        ids = tok.encode(text, add_special_tokens=False)
+        assert (all(matcher.advance(t) for t in ids) and matcher.eos_allowed) == holds, arguments
+    for seed in range(3):
+        text = tok.decode(walk(compiler, spec, seed), skip_special_tokens=False)
+        assert parse_tool_calls(text, "hermes").tool_calls, text
+    string_tool = {"type": "function", "function": {"name": "g", "parameters": {"type": "string"}}}
+    with pytest.raises(RequestError, match='tools\\[0\\].function.parameters must describe an '
+                                           'object .*got "type": "string"'):
+        check_tools([string_tool])
+    assert check_tools([{"type": "function", "function": {"name": "h", "parameters": {
+        "type": ["object", "null"], "properties": {}}}}])
+
+
 def test_a_schema_with_its_own_id_compiles_and_holds(families):
     """parameters that name themselves with $id (as JSON Schema generators may write)
     and refer to their own $defs: the moved copy resolves its references from the
