@@ -141,7 +141,7 @@ def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice,
                       token_id=None) -> StructuredSpec | None:
     """The constraint that enforces tool_choice (checked by check_tool_choice) in the
     format of parser_name; None where nothing is enforced ("auto" or "none").
-    parallel_tool_calls false: exactly one call, else one or more.
+    parallel_tool_calls false, or a named function: exactly one call, else one or more.
     token_id: text -> the id of the tokenizer's token spelled so, or None (a
     Tokenizer's token_to_id): a format's tags are written as those tokens where the
     tokenizer has them, as the model writes them."""
@@ -150,7 +150,8 @@ def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice,
         return None
     functions = enforced_functions(tools, tool_choice)
     token_id = token_id or (lambda text: None)
-    many = parallel_tool_calls is not False
+    # a named function is called once, as OpenAI's forced function is
+    many = parallel_tool_calls is not False and not isinstance(tool_choice, dict)
     lark = _GRAMMARS[parser_name](functions, many, token_id)
     # what can fail to compile here is a tool's parameters schema: the source names them
     return StructuredSpec.grammar(lark, "tools (the parameters schemas tool_choice enforces)")

@@ -34,7 +34,8 @@ from .options import (CHAT_MAX_TOKENS, ENGINE_NAMES, MODEL_PATH, SAMPLING_NAMES,
                    "/tool CALL RESULT.")
 @click.option("--tool-choice", metavar="auto|required|none|NAME",
               help="With --tools: may the model call (auto, the default), must it (required, "
-                   "enforced by a grammar), no tools (none), or must it call the tool NAME.")
+                   "enforced by a grammar), no tools (none), or must it call the tool NAME "
+                   "(once).")
 @click.option("--tool-call-parser", metavar="NAME",
               help="With --tools: the tool-call format (llama3_json, hermes or mistral) where "
                    "the chat template does not show one.")
