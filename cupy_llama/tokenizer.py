@@ -545,6 +545,17 @@ class Tokenizer:
             raise RequestError(f"chat_template: {str(e).removeprefix('chat template: ')}") \
                 from None
         except Exception as e:  # the template is the model's code: any failure is its own
+            if isinstance(e, (TypeError, jinja2.UndefinedError)) and any(
+                    _no_call_text(m) for m in messages):
+                # a template that knows no tool calls (one a tool-call parser serves) joins
+                # every content as text: the calls' messages as "", as vLLM hands them over
+                # (templates that know calls may test for None, so it goes first)
+                variables["messages"] = [{**m, "content": ""} if _no_call_text(m) else m
+                                         for m in messages]
+                try:
+                    return compiled.render(**variables)
+                except Exception:  # noqa: BLE001 (the first failure is the one to name)
+                    pass
             reason = _first_line(e)
             if not isinstance(e, jinja2.TemplateError):
                 reason = f"{type(e).__name__}: {reason}"
@@ -728,6 +739,11 @@ def validate_messages(messages) -> list[dict]:
                 message["tool_calls"] = tool_calls
         checked.append(message)
     return checked
+
+
+def _no_call_text(message: dict) -> bool:
+    """An assistant message of tool calls whose content is null or left out."""
+    return bool(message.get("tool_calls")) and message.get("content") is None
 
 
 def _text_parts(parts, where: str) -> str:

@@ -103,6 +103,27 @@ def test_bad_tool_messages_are_refused(tokenizers, message, error):
         tokenizers["hermes"].encode_chat([message])
 
 
+def test_a_template_that_knows_no_tool_calls_renders_the_exchange(tokenizers):
+    """A template that only joins contents, one that a --tool-call-parser serves, fails on
+    a call's message of no content: it is rendered again with "" there, as vLLM hands it
+    over. A template that tests the content for None (DeepSeek's) gets None."""
+    joined = "{% for m in messages %}{{ m.role + ': ' + m.content }}\n{% endfor %}"
+    text = tokenizers["hermes"].apply_chat_template(EXCHANGE, chat_template=joined)
+    assert text == "user: Weather in Paris?\nassistant: \ntool: 22C and sunny\n"
+    left_out = [EXCHANGE[0], {k: v for k, v in EXCHANGE[1].items() if k != "content"}]
+    assert tokenizers["hermes"].apply_chat_template(left_out, chat_template=joined).endswith(
+        "assistant: \n")
+    tests_none = ("{% for m in messages %}{% if m.content is none %}<call>"
+                  "{{ m.tool_calls[0].function.name }}{% else %}{{ m.content }}{% endif %}"
+                  "{% endfor %}")
+    assert tokenizers["hermes"].apply_chat_template(EXCHANGE, chat_template=tests_none) == \
+        "Weather in Paris?<call>get_weather22C and sunny"
+    # a template that fails for another reason names its own failure
+    broken = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
+    with pytest.raises(RequestError, match="chat_template failed to render: TypeError"):
+        tokenizers["hermes"].apply_chat_template(EXCHANGE, chat_template=broken)
+
+
 @pytest.mark.parametrize("style", ["llama3_json", "hermes"])
 def test_tool_text_cannot_forge_special_tokens(tokenizers, style):
     """Special-token spellings in a tool's description, a call's arguments and a tool
