@@ -1,4 +1,5 @@
-"""cupy-llama: a small, fast, readable LLM inference engine for Llama-architecture models.
+"""cupy-llama: a small, fast, readable LLM inference engine for the Llama, Mistral, Qwen
+and Gemma families.
 
     from cupy_llama import LLM, SamplingParams
     llm = LLM("path/to/model")            # device="auto": the GPU when usable, else the CPU

@@ -21,7 +21,8 @@ from .options import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 @click.version_option(package_name="cupy-llama")
 @click.pass_context
 def cli(ctx):
-    """A small, fast, readable LLM inference engine for Llama-architecture models."""
+    """A small, fast, readable LLM inference engine for the Llama, Mistral, Qwen and Gemma
+    families."""
     if ctx.invoked_subcommand is None:  # bare `cupy-llama`: the help, as --help gives it
         click.echo(ctx.get_help())
 

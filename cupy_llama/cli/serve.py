@@ -76,7 +76,8 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
           allowed_origins, allowed_methods, allowed_headers, tool_call_parser,
           reasoning_parser, trust_request_chat_template, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
-    /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).
+    /v1/chat/completions, /v1/models, also without /v1; /health, /metrics, /tokenize,
+    /detokenize, /tokenizer_info).
 
     Prints one line with the URL once the model is loaded; Ctrl-C stops it, SIGTERM too
     after --drain-delay. For more than one GPU, run one per GPU (CUDA_VISIBLE_DEVICES)
