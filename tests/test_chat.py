@@ -361,7 +361,7 @@ def test_a_block_that_starts_with_a_slash_is_a_message(llm):
     out, err = io.StringIO(), io.StringIO()
     assert run_terminal(session, Console(file=out), Console(file=err), read_line=read_line) == 0
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["/stats"]
-    assert "1 replies" in out.getvalue() + err.getvalue()  # the second /stats, a command
+    assert "1 reply," in out.getvalue() + err.getvalue()  # the second /stats, a command
 
 
 def test_printable_hides_terminal_controls():

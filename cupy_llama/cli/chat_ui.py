@@ -420,7 +420,8 @@ class ChatSession:
         rate = decoded / decode if decode > 0 else 0.0
         ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
         engine = self.llm.stats()
-        return (f"{len(self.turns)} replies, {completion} tokens generated, {rate:.1f} tok/s "
+        replies = f"{len(self.turns)} repl{'y' if len(self.turns) == 1 else 'ies'}"
+        return (f"{replies}, {completion} tokens generated, {rate:.1f} tok/s "
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
                 f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
                 f"prefix cache: {engine.prefix_cache_hits} of {engine.prefix_cache_queries} "
