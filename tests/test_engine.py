@@ -283,6 +283,35 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
     assert_all_blocks_free(llm)
 
 
+def test_calls_from_several_threads_take_turns(llm):
+    """generate and stream from several threads at once share the engine step by step:
+    each gets its own greedy text, nothing fails, and nothing is left behind."""
+    import threading
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    prompts_ = prompts(3, seed=21)
+    want = [llm.generate(p, params).token_ids for p in prompts_]
+    got, errors = [], []
+
+    def work(k):
+        try:
+            for _ in range(4):
+                prompt = prompts_[k % 3]
+                if k % 2:
+                    tokens = [o for o in llm.stream(prompt, params)][-1].token_ids
+                else:
+                    tokens = llm.generate(prompt, params).token_ids
+                got.append(tokens == want[k % 3])
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            errors.append(repr(e))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and got == [True] * 16
+    assert_all_blocks_free(llm)
+
+
 def test_sampling_params_take_vllm_s_forms():
     """Tuples for stop and bad_words as for stop_token_ids; a temperature below 1e-5
     decodes greedily, as vLLM's does (dividing logits by less leaves float32's range)."""

@@ -256,6 +256,10 @@ class LLMEngine:
         self.outputs: OutputAccumulator | None = OutputAccumulator()
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
+        # generate() and stream() from several threads take turns at the engine: each adds
+        # its requests, runs a step or closes under this lock (re-entrant: a stream
+        # collected in a step's own thread closes in it)
+        self._lock = threading.RLock()
         self.closed = False
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -532,6 +536,10 @@ class LLMEngine:
     def close(self) -> None:
         """Abort every request, forget the steps in flight (their tokens are dropped) and
         close the backend, which hands its memory back; closing twice does nothing."""
+        with self._lock:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
         self.closed = True
         for request_id in list(self.requests):
             self.abort_deltas(request_id)
@@ -914,8 +922,9 @@ class LLMEngine:
 
     # ---- whole requests -------------------------------------------------------------
     # stream() and generate() may run interleaved on one engine (a stream left half-read
-    # while generate() runs): each takes the outputs of its own requests and leaves the
-    # others' in self._undelivered for their owner.
+    # while generate() runs, or calls from several threads, which take turns under
+    # self._lock): each takes the outputs of its own requests and leaves the others' in
+    # self._undelivered for their owner.
     def _add_all(self, prompts: list, params: list[SamplingParams], stream: bool,
                  ids: list[str]) -> None:
         for prompt, sampling in zip(prompts, params):
@@ -950,18 +959,22 @@ class LLMEngine:
         steps produce them (stream=False: only the final ones, one per sample). Requests
         still running when the caller stops iterating are aborted."""
         try:
-            self._check_open()
-            self._add_all(prompts, params, stream, ids)
+            with self._lock:
+                self._check_open()
+                self._add_all(prompts, params, stream, ids)
             unfinished = set(ids)
             while unfinished:
-                self._check_open()  # a stream read on after close(): its requests are gone
-                for output in self._outputs_for(unfinished):
-                    # the request's last output: its accumulator forgot it
-                    if output.finished and output.request_id not in self.outputs:
-                        unfinished.discard(output.request_id)
-                    yield output
+                with self._lock:
+                    self._check_open()  # a stream read on after close(): its requests are gone
+                    outputs = self._outputs_for(unfinished)
+                    # the requests' last outputs: their accumulator forgot them
+                    ended = [output.request_id for output in outputs if output.finished
+                             and output.request_id not in self.outputs]
+                unfinished.difference_update(ended)
+                yield from outputs
         finally:
-            self._close(ids)
+            with self._lock:
+                self._close(ids)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -975,7 +988,8 @@ class LLMEngine:
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         for ids in prompt_ids:
             self.scheduler.check_fits(len(ids))
-        self._compile_all(params)
+        with self._lock:
+            self._compile_all(params)
         return self._run(prompt_ids, params, True, [])
 
     def _compile_all(self, params: list[SamplingParams]) -> None:
@@ -989,7 +1003,8 @@ class LLMEngine:
         """The final outputs, by prompt and then by sample index: n of them for a prompt
         whose params say n."""
         ids: list[str] = []
-        self._compile_all(params)
+        with self._lock:
+            self._compile_all(params)
         final = {(output.request_id, output.index): output
                  for output in self._run(prompts, params, False, ids)}
         return [final[request_id, index] for request_id, p in zip(ids, params)
