@@ -27,6 +27,13 @@ def test_close_ends_the_engine_and_says_so(model_dir):
     with pytest.raises(RequestError, match="closed; make a new one"):
         next(stream)
     llm.close()  # twice: nothing happens
+    # a stream of several prompts closed between the outputs of one step: no stale one
+    llm = LLM(model_dir, device="cpu", log=None)
+    several = llm.stream([[4, 5], [6, 7], [8, 9]], GREEDY)
+    next(several)
+    llm.close()
+    with pytest.raises(RequestError, match="closed; make a new one"):
+        next(several)
     with LLM(model_dir, device="cpu", log=None) as again:
         unread = again.stream([[4, 5]], GREEDY)
     with pytest.raises(RequestError, match="closed; make a new one"):

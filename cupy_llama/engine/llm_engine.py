@@ -971,7 +971,9 @@ class LLMEngine:
                     ended = [output.request_id for output in outputs if output.finished
                              and output.request_id not in self.outputs]
                 unfinished.difference_update(ended)
-                yield from outputs
+                for output in outputs:
+                    self._check_open()  # closed while the caller read the step's outputs
+                    yield output
         finally:
             with self._lock:
                 self._close(ids)
