@@ -283,6 +283,16 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
     assert_all_blocks_free(llm)
 
 
+def test_a_stream_refuses_out_of_vocabulary_ids_at_the_call(llm):
+    """As a bad prompt is, and as generate refuses them: before any request is added."""
+    vocab = llm.config.vocab_size
+    for field, value in (("logit_bias", {vocab: 1.0}), ("stop_token_ids", [vocab]),
+                         ("allowed_token_ids", [1, vocab])):
+        with pytest.raises(RequestError, match=f"{field} holds token id {vocab}, outside"):
+            llm.stream("a b c", SamplingParams(max_tokens=2, **{field: value}))
+    assert_all_blocks_free(llm)
+
+
 def test_calls_from_several_threads_take_turns(llm):
     """generate and stream from several threads at once share the engine step by step:
     each gets its own greedy text, nothing fails, and nothing is left behind."""

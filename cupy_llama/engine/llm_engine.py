@@ -990,6 +990,10 @@ class LLMEngine:
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         for ids in prompt_ids:
             self.scheduler.check_fits(len(ids))
+        for p in params:  # the token ids a request names, as add_request checks them
+            self.check_in_vocabulary("logit_bias", p.logit_bias)
+            self.check_in_vocabulary("stop_token_ids", p.stop_token_ids)
+            self.allowed_tokens_matcher(p.allowed_token_ids)
         with self._lock:
             self._compile_all(params)
         return self._run(prompt_ids, params, True, [])
