@@ -7,6 +7,7 @@ scaling), Gemma 3's and Mistral Small 3's image-text checkpoints run on text (th
 language model under text_config, a vision tower left on disk) and Gemma 2 (soft-capped
 scores and logits).
 Prompts are several windows long."""
+import json
 import shutil
 from pathlib import Path
 
@@ -110,6 +111,24 @@ def test_qwen_sliding_window_is_off_unless_asked():
     config = config_from_dicts(config_json({**QWEN2_5_1_5B, "use_sliding_window": True}))
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     assert sliding == list(range(21, 28)) and config.sliding_window == 32768
+
+
+def test_mistral_takes_the_layer_types_a_config_lists():
+    """A Mistral config's sliding_window covers every layer, unless the config lists each
+    layer's kind (Ministral's full and sliding layers, as transformers reads them)."""
+    from cupy_llama.models import config_from_dicts
+    raw = json.loads((fixture("mistral")[0] / "config.json").read_text())
+    layers = raw["num_hidden_layers"]
+    assert raw.get("sliding_window") and "layer_types" not in raw
+    config = config_from_dicts(raw)
+    assert config.layer_types == ("sliding_attention",) * layers
+    listed = ["full_attention"] + ["sliding_attention"] * (layers - 1)
+    config = config_from_dicts({**raw, "layer_types": listed})
+    assert config.layer_types == tuple(listed) and config.sliding_window == raw["sliding_window"]
+    config = config_from_dicts({**raw, "layer_types": ["full_attention"] * layers})
+    assert config.sliding_window is None
+    with pytest.raises(ConfigError, match="sliding_attention layers need sliding_window"):
+        config_from_dicts({**raw, "sliding_window": None, "layer_types": listed})
 
 
 @pytest.mark.parametrize("name", ["gemma3_vision", "mistral3"])

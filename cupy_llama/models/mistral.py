@@ -1,6 +1,8 @@
 """Mistral (MistralForCausalLM): Llama with an optional sliding window over every layer
-(`sliding_window`, null in most recent checkpoints); and Mistral Small 3.x's image-text
-checkpoints (Mistral3ForConditionalGeneration), their language model run on text."""
+(`sliding_window`, null in most recent checkpoints), or over the layers `layer_types`
+names sliding where the config lists them (Ministral's full and sliding layers); and
+Mistral Small 3.x's image-text checkpoints (Mistral3ForConditionalGeneration), their
+language model run on text."""
 from __future__ import annotations
 
 from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig
@@ -17,9 +19,12 @@ class Mistral(Decoder):
         fields = reader.shared_fields(cls.architectures[0])
         window = reader.raw.get("sliding_window")
         kind = FULL_ATTENTION if window is None else SLIDING_ATTENTION
-        layer_types = (kind,) * fields["num_hidden_layers"]
+        # a listed layer_types decides (transformers reads such a config as Ministral's)
+        layer_types = reader.layer_types(fields["num_hidden_layers"],
+                                         (kind,) * fields["num_hidden_layers"])
         return ModelConfig(**fields, hidden_act=reader.hidden_act(), layer_types=layer_types,
-                           rope=reader.rope(layer_types), sliding_window=window)
+                           rope=reader.rope(layer_types),
+                           sliding_window=window if SLIDING_ATTENTION in layer_types else None)
 
 
 # transformers' MistralConfig defaults: what an image-text checkpoint's text_config leaves out
