@@ -345,6 +345,19 @@ def test_review_fixes_bad_text_and_values_and_closed_pipes(tmp_path):
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1
 
 
+def test_the_served_name_is_the_folder_s_as_given(tmp_path, monkeypatch):
+    """A link to a model (a Hub snapshot, named by its hash) is served by the link's own
+    name; "." by the current folder's."""
+    from cupy_llama.cli.options import served_name
+    target = tmp_path / "7ae5576f3c" / "snapshot"
+    target.mkdir(parents=True)
+    (tmp_path / "qwen-0.5b").symlink_to(target)
+    assert served_name(str(tmp_path / "qwen-0.5b")) == "qwen-0.5b"
+    assert served_name(str(tmp_path / "qwen-0.5b") + "/") == "qwen-0.5b"
+    monkeypatch.chdir(target)
+    assert served_name(".") == "snapshot"
+
+
 def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_path, capsys):
     generate = _generate_args(model_dir, tmp_path)
     for extra, flag in ((["--max-tokens", "-1"], "--max-tokens"), (["--top-p", "1.5"], "--top-p"),

@@ -4,6 +4,7 @@ model loads, choosing the device, loading a model and the demo model default.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -264,12 +265,13 @@ def reasoning_parser(name: str | None, tokenizer):
 
 
 def served_name(model_dir) -> str:
-    """The model's name in the API when none is given: its folder's name (never its path,
-    which would tell clients and metrics where it lives); the demo model's name."""
+    """The model's name in the API when none is given: its folder's name as given (never
+    its path, which would tell clients and metrics where it lives; a link keeps its own
+    name, not its target's, such as a Hub snapshot's hash); the demo model's name."""
     if model_dir is None:
         from .demo import DEMO_NAME
         return DEMO_NAME
-    return Path(model_dir).expanduser().resolve().name
+    return Path(os.path.abspath(Path(model_dir).expanduser())).name
 
 
 def default_model_dir() -> Path:
