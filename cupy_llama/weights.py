@@ -337,14 +337,18 @@ def _no_weights_message(model_dir: Path) -> str:
         return (f"no weights in {str(model_dir)!r}: looked for {SINGLE_FILE} and {INDEX_FILE}; "
                 f"found {', '.join(ggufs[:4])}, GGUF (llama.cpp's format), which cupy-llama "
                 "does not load: use the model's Hugging Face release (.safetensors weights)")
-    found = ""
-    if pickles:
-        found = f"; found {', '.join(pickles[:4])}"
-    elif loose:
-        found = f"; found {', '.join(loose[:4])} but no {INDEX_FILE} to say which tensors they hold"
-    return (f"no weights in {str(model_dir)!r}: looked for {SINGLE_FILE} and {INDEX_FILE}{found}; "
-            "pickle checkpoints (.bin/.pth) are refused because loading them can run code: "
-            "convert the model to safetensors")
+    looked = f"no weights in {str(model_dir)!r}: looked for {SINGLE_FILE} and {INDEX_FILE}"
+    if loose and not pickles:
+        if "consolidated.safetensors" in loose:  # with params.json: Mistral's own layout
+            return (f"{looked}; found consolidated.safetensors, Mistral's own layout, whose "
+                    "tensor names are not Hugging Face's: download the model's Hugging Face "
+                    "files (its model*.safetensors and config.json)")
+        return (f"{looked}; found {', '.join(loose[:4])} but no {INDEX_FILE} to say which "
+                f"tensors they hold; name a single file {SINGLE_FILE}, or add the index "
+                "that names each shard's tensors")
+    found = f"; found {', '.join(pickles[:4])}" if pickles else ""
+    return (f"{looked}{found}; pickle checkpoints (.bin/.pth) are refused because loading "
+            "them can run code: convert the model to safetensors")
 
 
 def _read_sharded(model_dir: Path) -> dict[str, TensorInfo]:

@@ -353,8 +353,19 @@ def test_pickle_only_directory_is_refused(tmp_path):
 def test_shards_without_index(tmp_path):
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
                       {"model.norm.weight": np.zeros(8, np.float32)})
-    expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
-                 "model-00001-of-00002.safetensors", "model.safetensors.index.json")
+    message = expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
+                           "model-00001-of-00002.safetensors", "model.safetensors.index.json")
+    assert "pickle" not in message and "name a single file model.safetensors" in message
+
+
+def test_mistral_s_own_layout_is_named(tmp_path):
+    """consolidated.safetensors (with params.json) is Mistral's release layout, not a
+    Hugging Face folder: the message says so, not that pickles are refused."""
+    write_safetensors(tmp_path / "consolidated.safetensors",
+                      {"norm.weight": np.zeros(8, np.float32)})
+    message = expect_error(lambda: open_checkpoint(tmp_path, model_for(tiny_config())),
+                           "consolidated.safetensors, Mistral's own layout")
+    assert "pickle" not in message and "to say which tensors" not in message
 
 def test_model_dir_does_not_exist(tmp_path):
     expect_error(lambda: open_checkpoint(tmp_path / "nowhere", model_for(tiny_config())), "nowhere")
