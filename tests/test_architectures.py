@@ -111,6 +111,9 @@ def test_qwen_sliding_window_is_off_unless_asked():
     config = config_from_dicts(config_json({**QWEN2_5_1_5B, "use_sliding_window": True}))
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     assert sliding == list(range(21, 28)) and config.sliding_window == 32768
+    with pytest.raises(ConfigError, match="max_window_layers must be an integer .*got None"):
+        config_from_dicts(config_json({**QWEN2_5_1_5B, "use_sliding_window": True,
+                                       "max_window_layers": None}))
 
 
 def test_mistral_takes_the_layer_types_a_config_lists():

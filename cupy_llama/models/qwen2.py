@@ -4,6 +4,7 @@ attend within sliding_window (every released checkpoint has it off)."""
 from __future__ import annotations
 
 from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ConfigReader, ModelConfig
+from ..errors import ConfigError
 from .decoder import Decoder
 
 
@@ -12,6 +13,10 @@ def qwen_layer_types(reader: ConfigReader, num_layers: int) -> tuple[tuple[str, 
     (transformers 5), else sliding from max_window_layers on when use_sliding_window."""
     window = reader.raw.get("sliding_window") if reader.flag("use_sliding_window") else None
     first_sliding = reader.raw.get("max_window_layers", num_layers)
+    if window is not None and "layer_types" not in reader.raw and (
+            isinstance(first_sliding, bool) or not isinstance(first_sliding, int)):
+        raise ConfigError(f"config.json: max_window_layers must be an integer (the first "
+                          f"layer of use_sliding_window's window), got {first_sliding!r}")
     default = tuple(SLIDING_ATTENTION if window is not None and i >= first_sliding
                     else FULL_ATTENTION for i in range(num_layers))
     layer_types = reader.layer_types(num_layers, default)
