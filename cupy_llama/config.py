@@ -85,6 +85,18 @@ class ModelConfig:
     # generation_config.json as it is ({} without one); sampling.py reads its defaults
     generation_config: dict = field(default_factory=dict)
 
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model takes: max_position_embeddings, or, where a yarn
+        RoPE stretches an original context by its factor (Qwen's long-context setting,
+        whose model cards leave max_position_embeddings at the original), that stretched
+        length when it is longer (the length vLLM derives from the yarn settings)."""
+        longest = self.max_position_embeddings
+        for rope in self.rope.values():
+            if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
+                longest = max(longest, int(rope.original_max_position_embeddings * rope.factor))
+        return longest
+
     def __post_init__(self):
         positive = ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -534,10 +546,13 @@ class EngineConfig:
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:
-            return min(model.max_position_embeddings, 8192)
-        if self.max_model_len > model.max_position_embeddings:
-            limit = model.max_position_embeddings
+            return min(model.context_limit, 8192)
+        limit = model.context_limit
+        if self.max_model_len > limit:
+            source = ("max_position_embeddings in config.json" if limit ==
+                      model.max_position_embeddings else "config.json's yarn rope_scaling: "
+                      "its original context times its factor")
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's limit "
-                              f"of {limit} tokens (max_position_embeddings in config.json); "
-                              f"ask for at most {limit}, or leave it out")
+                              f"of {limit} tokens ({source}); ask for at most {limit}, or "
+                              f"leave it out")
         return self.max_model_len

@@ -116,6 +116,40 @@ def test_qwen_sliding_window_is_off_unless_asked():
                                        "max_window_layers": None}))
 
 
+def test_a_yarn_rope_stretches_the_context(capsys, tmp_path):
+    """Qwen2.5's model cards add yarn rope_scaling (factor 4 over an original 32,768) and
+    leave max_position_embeddings at 32,768: the model then takes 131,072 positions, as
+    vLLM takes it; past that, the limit names the yarn settings."""
+    from cupy_llama.bench.random_model import QWEN2_5_1_5B, config_json
+    from cupy_llama.config import EngineConfig
+    from cupy_llama.models import config_from_dicts
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    plain = config_from_dicts(config_json({**QWEN2_5_1_5B, "max_position_embeddings": 32768}))
+    config = config_from_dicts(config_json({**QWEN2_5_1_5B, "max_position_embeddings": 32768,
+                                            "rope_scaling": yarn}))
+    assert plain.context_limit == 32768 and config.context_limit == 131072
+    assert EngineConfig(max_model_len=65536).resolved_max_model_len(config) == 65536
+    assert EngineConfig().resolved_max_model_len(config) == 8192  # the default stays
+    with pytest.raises(ConfigError, match="limit of 131072 tokens \\(config.json's yarn "
+                                          "rope_scaling"):
+        EngineConfig(max_model_len=200000).resolved_max_model_len(config)
+    with pytest.raises(ConfigError, match="limit of 32768 tokens \\(max_position_embeddings"):
+        EngineConfig(max_model_len=65536).resolved_max_model_len(plain)
+    # a tiny Qwen2 stretched past its max_position_embeddings runs there and says so
+    from cupy_llama.cli import main
+    folder = tmp_path / "qwen2"
+    shutil.copytree(fixture("qwen2")[0], folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rope_parameters"]["original_max_position_embeddings"] = 256  # x 4: 1,024 positions
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert main(["info", "--model", str(folder), "--device", "cpu"]) == 0
+    assert "512 positions, 1024 with the yarn rope_scaling" in capsys.readouterr().out
+    llm = LLM(folder, device="cpu", max_model_len=1024, log=None)
+    out = llm.generate([3 + i % 250 for i in range(700)], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out.token_ids) == 2 and llm.context_limit == 1024
+    llm.close()
+
+
 def test_mistral_takes_the_layer_types_a_config_lists():
     """A Mistral config's sliding_window covers every layer, unless the config lists each
     layer's kind (Ministral's full and sliding layers, as transformers reads them)."""

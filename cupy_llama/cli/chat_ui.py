@@ -115,7 +115,7 @@ def context_hint(llm) -> str:
     command line's flags: ' or ...' to follow 'shorten it', or '' when the context is
     already the model's own maximum."""
     engine_limit = llm.context_limit
-    model_limit = llm.config.max_position_embeddings
+    model_limit = llm.config.context_limit
     if engine_limit < llm.max_model_len:  # the KV cache is smaller than the context
         flags = "--num-kv-blocks" if llm.device == "cpu" else \
             "--num-kv-blocks or --gpu-memory-utilization"

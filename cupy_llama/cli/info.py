@@ -53,7 +53,7 @@ def _describe(config, device: str, eos_ids: list[int]) -> list[tuple[str, str]]:
         ("attention", f"scale {config.attn_scale:.4g}; {_layers(config)}"),
         ("vocabulary", f"{config.vocab_size} tokens, embeddings "
                        f"{'tied' if config.tie_word_embeddings else 'untied'}"),
-        ("context", f"{config.max_position_embeddings} positions; rope "
+        ("context", f"{_positions(config)}; rope "
                     + "; ".join(f"{kind.split('_')[0]}: {_rope(rope)}"
                                 for kind, rope in config.rope.items())),
         ("parameters", f"{config.num_parameters:,} ({_count(config.num_parameters)})"),
@@ -120,6 +120,13 @@ def _ranges(indices: list[int]) -> str:
             runs.append(f"{start}" if start == index else f"{start}-{index}")
             start = None
     return ", ".join(runs)
+
+
+def _positions(config) -> str:
+    if config.context_limit == config.max_position_embeddings:
+        return f"{config.max_position_embeddings} positions"
+    return (f"{config.max_position_embeddings} positions, {config.context_limit} with the "
+            f"yarn rope_scaling")
 
 
 def _rope(rope) -> str:

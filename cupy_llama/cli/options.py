@@ -217,7 +217,7 @@ def check_max_tokens(max_tokens: int | None, config, engine: dict) -> None:
     context = EngineConfig(**engine).resolved_max_model_len(config)
     if max_tokens < context:
         return
-    model_limit = config.max_position_embeddings
+    model_limit = config.context_limit
     more = (f", or raise --max-model-len (the model takes up to {model_limit})"
             if max_tokens < model_limit else "")
     raise OptionError(f"--max-tokens {max_tokens} leaves no room for a prompt: the context "
