@@ -509,6 +509,47 @@ def test_admission_counts_free_slots_and_refuses_what_could_never_run(state):
     assert sent == ["cmpl-0-0", "cmpl-1-0"]  # the two admitted requests alone reached the engine
 
 
+def test_a_sample_ended_here_frees_its_slot_for_admission(llm):
+    """A sample the server ends at a stop string (or a client's abort) still runs in the
+    engine's last stats until the engine reports its end: admission counts its slot free
+    meanwhile, or back-to-back requests that stop at a stop string get 503s with slots
+    free."""
+    from cupy_llama.engine.async_engine import AsyncEngine, EngineInfo, RequestStream
+    engine = AsyncEngine("unused", "cpu", {}, tokenizer=llm.tokenizer)
+    engine.info = EngineInfo(device="cpu", context_limit=64, num_blocks=8, block_size=16,
+                             max_num_seqs=1, load_seconds=0.0, pid=0)
+    sent = []
+    engine._transport = type("Transport", (), {"write": lambda self, frame: sent.append(frame)})()
+    ids = llm.tokenizer.encode("one two three", add_special_tokens=False)
+    stop = llm.tokenizer.decode(ids[1:])  # the text of the tokens after the first
+    for request_id in ("r1", "r2"):
+        engine.add(request_id, [1, 2], SamplingParams(max_tokens=8, stop=[stop]), True,
+                   RequestStream())
+
+    def out(running, *deltas):
+        stats = {"num_running": running, "num_waiting": 0, "num_added_seqs": 2}
+        engine._on_message(("out", [tuple(d) for d in deltas], [], stats))
+
+    def delta(request_id, tokens, finish=None):
+        return (request_id, 0, None, tokens, finish, None, 0, None, None, None)
+
+    out(1, delta("r1", ids[:1]))
+    assert engine.num_would_wait(1) == 1  # r1 runs: a new sequence would wait
+    out(1, delta("r1", ids[1:]))  # r1's text reaches the stop string: it ends here
+    assert engine.num_would_wait(1) == 0  # its slot counts free before the engine says so
+    engine.abort("r2")  # a client gone: its sample counts as ending too
+    out(0, delta("r1", [], "abort"), delta("r2", [], "abort"))  # the engine's own ends
+    assert engine._num_ending == 0 and engine._ending == {}
+    assert engine.num_would_wait(1) == 0
+    # without a tokenizer which samples still run is not known here: an abort marks none
+    # (they count as running until the engine says), so nothing can be marked for ever
+    bare = AsyncEngine("unused", "cpu", {})
+    bare.info, bare._transport = engine.info, engine._transport
+    bare.add("r3", [1, 2], SamplingParams(max_tokens=8, n=2), True, RequestStream())
+    bare.abort("r3")
+    assert bare._num_ending == 0
+
+
 def test_a_chats_thinking_and_tool_calls_count_toward_its_bytes(llm):
     """An assistant message's reasoning and tool calls are rendered by templates that show
     them, so the size check before rendering counts them with the content: a chat too long

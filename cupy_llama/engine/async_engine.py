@@ -457,6 +457,10 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self._texts: dict[str, list[DetokenizedSample]] = {}  # with a tokenizer: per request
         self._num_seqs_sent = 0  # sequences of the requests sent (n per request)
+        # samples told to stop (a stop string found here, a client gone) whose end the
+        # engine has not reported yet: its last stats still count them running
+        self._ending: dict[str, set[int]] = {}
+        self._num_ending = 0
         self._stopping = False
         self._stopped = False
         # the last sign of the engine's progress: an output frame (one a step with output,
@@ -551,7 +555,30 @@ class AsyncEngine:
         """Stop a request; its blocks are freed before the engine's next step. Its final
         delta (finish_reason "abort") still goes to its stream."""
         if request_id in self._streams and not self._stopped:
+            # where the text is made here, which samples still run is known (without a
+            # tokenizer it is not: those count as running until the engine says)
+            for index, sample in enumerate(self._texts.get(request_id, ())):
+                if not sample.finished:
+                    self._end_here(request_id, index)
             self._send(("abort", request_id))
+
+    def _end_here(self, request_id: str, index: int) -> None:
+        """A sample told to stop: it runs on in the engine's stats until its end comes."""
+        ending = self._ending.setdefault(request_id, set())
+        if index not in ending:
+            ending.add(index)
+            self._num_ending += 1
+
+    def _ended(self, request_id: str, index: int | None = None) -> None:
+        """The engine reported a sample's end (index None: the whole request's)."""
+        ending = self._ending.get(request_id)
+        if ending is None:
+            return
+        gone = set(ending) if index is None else ending & {index}
+        ending -= gone
+        self._num_ending -= len(gone)
+        if not ending:
+            del self._ending[request_id]
 
     @property
     def num_waiting(self) -> int:
@@ -564,7 +591,8 @@ class AsyncEngine:
         """Sequences that would wait for a slot with new_seqs more sent: the queue and the
         new ones, less the sequence slots that are free. A free slot counts even when the KV
         cache is too full to fill it now: the estimate errs towards admitting."""
-        free_slots = max(0, self.info.max_num_seqs - self.stats.get("num_running", 0))
+        running = max(0, self.stats.get("num_running", 0) - self._num_ending)
+        free_slots = max(0, self.info.max_num_seqs - running)
         return max(0, self.num_waiting + new_seqs - free_slots)
 
     def _send(self, message) -> None:
@@ -580,6 +608,8 @@ class AsyncEngine:
             for fields in deltas:
                 delta = EngineDelta.of(fields)
                 request_id = delta.request_id
+                if delta.finish_reason is not None and self._ending:
+                    self._ended(request_id, delta.index)  # these stats no longer run it
                 sink = streams.get(request_id)
                 if sink is None:
                     continue
@@ -589,6 +619,7 @@ class AsyncEngine:
                     if delta is None:
                         continue  # the sample ended here at a stop string already
                     if stopped:  # the engine stops it: nothing more of it is shown
+                        self._end_here(request_id, delta.index)
                         self._send(("abort", request_id, delta.index))
                 sink.put(delta)
                 if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
@@ -603,6 +634,7 @@ class AsyncEngine:
                     if delta is None:
                         continue  # the sample ended here at a stop string already
                     if stopped:
+                        self._end_here(request_id, index)
                         self._send(("abort", request_id, index))
                     sink.put(delta)
                     if stopped:
@@ -611,6 +643,7 @@ class AsyncEngine:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)
                 texts.pop(request_id, None)
+                self._ended(request_id)
                 if sink is not None:
                     sink.put(Rejected(request_id, reason))
         elif kind == "ready":
