@@ -368,6 +368,10 @@ def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_p
         assert line.startswith(f"error: {flag} must be"), line
     assert main(["chat", "--model", str(model_dir), *CPU, "--temperature", "-1"]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("error: --temperature must be")
+    # a watchdog shorter than the engine's progress messages allow (a quarter of it)
+    assert main(["serve", "--model", str(model_dir), *CPU, "--engine-timeout", "0.8"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--engine-timeout" in line and "0.8" in line, line
     # click's own usage errors are one line too, with where to look
     assert main([*generate, "--no-such-option"]) == 2
     line = one_error_line(capsys.readouterr().err)

@@ -42,11 +42,11 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
               help="Seconds between SIGTERM and closing the listener, while /health answers "
                    "503 and requests are still served: time for a load balancer to take this "
                    "replica out.")
-@click.option("--engine-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--engine-timeout", type=click.FloatRange(min=1.0),
               help="Seconds the engine may take for a step while requests wait for it; past "
                    "that it counts as stuck: /health answers 503, its requests end with an "
                    "error and the server exits 1, for a supervisor to restart it (default: "
-                   "30 on a GPU, 300 on the CPU).")
+                   "30 on a GPU, 300 on the CPU; at least 1).")
 @click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds a connection has to send a request's headers "
               "before it is closed, and the most a request's body may pause (then a 408).")

@@ -64,8 +64,9 @@ from .output_processor import DetokenizedSample, EngineDelta, TokenColumns
 # the upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total)
 COMPILE_POLL_S = 0.005  # an idle loop's wait for a grammar compiling, between messages
 # the longest a stepping engine goes without a message to the server (its stall watch,
-# --engine-timeout, counts from the last one); steps with output send one anyway
-PROGRESS_EVERY_S = 1.0
+# --engine-timeout, counts from the last one: a quarter of the shortest timeout serve
+# takes, 1 s); steps with output send one anyway
+PROGRESS_EVERY_S = 0.25
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 _HEADER = struct.Struct("<I")
