@@ -293,6 +293,31 @@ def test_a_stream_refuses_out_of_vocabulary_ids_at_the_call(llm):
     assert_all_blocks_free(llm)
 
 
+def test_a_stream_collected_in_the_middle_of_a_step_closes_after_it(llm, monkeypatch):
+    """A half-read stream dropped in a reference cycle is finalized whenever the garbage
+    collector runs, which may be in the middle of a step (here: between scheduling and
+    launching it); its requests close at the engine's next turn, never inside that step."""
+    import gc
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    first, second = prompts(2, seed=23)
+    want = llm.generate(second, params).token_ids
+    stream = llm.stream(first, params)
+    next(stream)
+    cycle = [stream]
+    cycle.append(cycle)
+    del stream, cycle
+    schedule = llm.engine.scheduler.schedule
+
+    def schedule_then_collect(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        gc.collect()
+        return batch
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", schedule_then_collect)
+    assert llm.generate(second, params).token_ids == want
+    monkeypatch.undo()
+    assert_all_blocks_free(llm)  # closed by the end of that call's turns
+
+
 def test_calls_from_several_threads_take_turns(llm):
     """generate and stream from several threads at once share the engine step by step:
     each gets its own greedy text, nothing fails, and nothing is left behind."""

@@ -7,6 +7,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import compress
 from operator import setitem
@@ -257,9 +258,12 @@ class LLMEngine:
         self._undelivered: dict[str, list[RequestOutput]] = {}
         self._owned: set[str] = set()  # requests some stream() or generate() is waiting on
         # generate() and stream() from several threads take turns at the engine: each adds
-        # its requests, runs a step or closes under this lock (re-entrant: a stream
-        # collected in a step's own thread closes in it)
-        self._lock = threading.RLock()
+        # its requests or runs a step under this lock (_turn). A stream that ends while
+        # the engine is busy (another thread's turn, or its own thread's, where the garbage
+        # collector finalizes it in the middle of a step) leaves its requests in
+        # _to_close, for the next turn to close first
+        self._lock = threading.Lock()
+        self._to_close: deque[list[str]] = deque()
         self.closed = False
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -537,6 +541,7 @@ class LLMEngine:
         """Abort every request, forget the steps in flight (their tokens are dropped) and
         close the backend, which hands its memory back; closing twice does nothing."""
         with self._lock:
+            self._to_close.clear()
             self._close_engine()
 
     def _close_engine(self) -> None:
@@ -959,12 +964,12 @@ class LLMEngine:
         steps produce them (stream=False: only the final ones, one per sample). Requests
         still running when the caller stops iterating are aborted."""
         try:
-            with self._lock:
+            with self._turn():
                 self._check_open()
                 self._add_all(prompts, params, stream, ids)
             unfinished = set(ids)
             while unfinished:
-                with self._lock:
+                with self._turn():
                     self._check_open()  # a stream read on after close(): its requests are gone
                     outputs = self._outputs_for(unfinished)
                     # the requests' last outputs: their accumulator forgot them
@@ -975,8 +980,38 @@ class LLMEngine:
                     self._check_open()  # closed while the caller read the step's outputs
                     yield output
         finally:
-            with self._lock:
+            self._close_when_free(ids)
+
+    @contextmanager
+    def _turn(self):
+        """This call's turn at the engine: the lock, with the requests of streams that
+        ended while the engine was busy closed before and after it (and once more where a
+        stream ended as the lock was let go)."""
+        with self._lock:
+            self._close_queued()
+            yield
+            self._close_queued()
+        if self._to_close and self._lock.acquire(blocking=False):
+            try:
+                self._close_queued()
+            finally:
+                self._lock.release()
+
+    def _close_queued(self) -> None:
+        while self._to_close:
+            self._close(self._to_close.popleft())
+
+    def _close_when_free(self, ids: list[str]) -> None:
+        """Close the requests now where the engine is free, else at the next turn: a
+        stream's end never waits for the lock, and never closes requests in the middle of
+        a step."""
+        if self._lock.acquire(blocking=False):
+            try:
                 self._close(ids)
+            finally:
+                self._lock.release()
+        else:
+            self._to_close.append(ids)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -994,8 +1029,7 @@ class LLMEngine:
             self.check_in_vocabulary("logit_bias", p.logit_bias)
             self.check_in_vocabulary("stop_token_ids", p.stop_token_ids)
             self.allowed_tokens_matcher(p.allowed_token_ids)
-        with self._lock:
-            self._compile_all(params)
+        self._compile_all(params)
         return self._run(prompt_ids, params, True, [])
 
     def _compile_all(self, params: list[SamplingParams]) -> None:
@@ -1009,8 +1043,7 @@ class LLMEngine:
         """The final outputs, by prompt and then by sample index: n of them for a prompt
         whose params say n."""
         ids: list[str] = []
-        with self._lock:
-            self._compile_all(params)
+        self._compile_all(params)
         final = {(output.request_id, output.index): output
                  for output in self._run(prompts, params, False, ids)}
         return [final[request_id, index] for request_id, p in zip(ids, params)
