@@ -285,11 +285,22 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
 
 def test_a_stream_refuses_out_of_vocabulary_ids_at_the_call(llm):
     """As a bad prompt is, and as generate refuses them: before any request is added."""
+    from dataclasses import replace
+
+    from cupy_llama.structured import StructuredSpec
     vocab = llm.config.vocab_size
     for field, value in (("logit_bias", {vocab: 1.0}), ("stop_token_ids", [vocab]),
                          ("allowed_token_ids", [1, vocab])):
         with pytest.raises(RequestError, match=f"{field} holds token id {vocab}, outside"):
             llm.stream("a b c", SamplingParams(max_tokens=2, **{field: value}))
+    gated = replace(StructuredSpec.regex("[ab]+"), starts_after=vocab)
+    with pytest.raises(RequestError, match=f"structured.starts_after holds token id {vocab}"):
+        llm.stream("a b c", SamplingParams(max_tokens=2, structured=gated))
+    # generate checks the ids first too, before a constraint compiles (this one would not)
+    broken = replace(StructuredSpec.regex("("), starts_after=vocab)
+    for call in (llm.stream, llm.generate):
+        with pytest.raises(RequestError, match="structured.starts_after holds token id"):
+            call("a b c", SamplingParams(max_tokens=2, structured=broken))
     assert_all_blocks_free(llm)
 
 

@@ -376,12 +376,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        # the bias and ban tables index the logits by these ids
-        self.check_in_vocabulary("logit_bias", params.logit_bias)
-        self.check_in_vocabulary("stop_token_ids", params.stop_token_ids)
+        self.check_token_ids(params)
         grammar = None if params.structured is None else self.compile_structured(params.structured)
-        if grammar is not None and params.structured.starts_after is not None:
-            self.check_in_vocabulary("structured.starts_after", [params.structured.starts_after])
         allowed = self.allowed_tokens_matcher(params.allowed_token_ids)
         banned, word_bans = self.bad_word_bans(params.bad_words)
         samples, parent = [], None
@@ -418,16 +414,27 @@ class LLMEngine:
                                                      self._bitmask_words())
         return ReasoningGate(grammar.matcher(), after, self._every_token)
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request names, against the model's vocabulary (the bias and ban
+        tables and the masks index the logits by them): add_request checks them first, and
+        stream() at its call."""
+        self.check_in_vocabulary("logit_bias", params.logit_bias)
+        self.check_in_vocabulary("stop_token_ids", params.stop_token_ids)
+        if params.structured is not None and params.structured.starts_after is not None:
+            self.check_in_vocabulary("structured.starts_after", [params.structured.starts_after])
+        token_ids = params.allowed_token_ids
+        if token_ids is not None:
+            vocab = self.config.vocab_size
+            if len(token_ids) > vocab:
+                raise RequestError(f"allowed_token_ids holds {len(token_ids)} ids; the "
+                                   f"vocabulary has only {vocab}")
+            self.check_in_vocabulary("allowed_token_ids", token_ids)
+
     def allowed_tokens_matcher(self, token_ids: list[int] | None):
-        """The fixed-mask matcher of allowed_token_ids (None for none): the ids checked
-        against the model's vocabulary, at most as many as it has."""
+        """The fixed-mask matcher of allowed_token_ids (None for none), whose ids
+        check_token_ids has checked."""
         if token_ids is None:
             return None
-        vocab = self.config.vocab_size
-        if len(token_ids) > vocab:
-            raise RequestError(f"allowed_token_ids holds {len(token_ids)} ids; the vocabulary "
-                               f"has only {vocab}")
-        self.check_in_vocabulary("allowed_token_ids", token_ids)
         from ..structured import AllowedTokensMatcher
         return AllowedTokensMatcher(token_ids, self._bitmask_words())
 
@@ -1025,10 +1032,8 @@ class LLMEngine:
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         for ids in prompt_ids:
             self.scheduler.check_fits(len(ids))
-        for p in params:  # the token ids a request names, as add_request checks them
-            self.check_in_vocabulary("logit_bias", p.logit_bias)
-            self.check_in_vocabulary("stop_token_ids", p.stop_token_ids)
-            self.allowed_tokens_matcher(p.allowed_token_ids)
+        for p in params:
+            self.check_token_ids(p)
         self._compile_all(params)
         return self._run(prompt_ids, params, True, [])
 
@@ -1043,6 +1048,8 @@ class LLMEngine:
         """The final outputs, by prompt and then by sample index: n of them for a prompt
         whose params say n."""
         ids: list[str] = []
+        for p in params:  # as stream() checks them: before any constraint compiles
+            self.check_token_ids(p)
         self._compile_all(params)
         final = {(output.request_id, output.index): output
                  for output in self._run(prompts, params, False, ids)}
