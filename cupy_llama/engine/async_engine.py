@@ -461,7 +461,6 @@ class AsyncEngine:
         # samples told to stop (a stop string found here, a client gone) whose end the
         # engine has not reported yet: its last stats still count them running
         self._ending: dict[str, set[int]] = {}
-        self._num_ending = 0
         self._stopping = False
         self._stopped = False
         # the last sign of the engine's progress: an output frame (one a step with output,
@@ -565,21 +564,20 @@ class AsyncEngine:
 
     def _end_here(self, request_id: str, index: int) -> None:
         """A sample told to stop: it runs on in the engine's stats until its end comes."""
-        ending = self._ending.setdefault(request_id, set())
-        if index not in ending:
-            ending.add(index)
-            self._num_ending += 1
+        self._ending.setdefault(request_id, set()).add(index)
 
     def _ended(self, request_id: str, index: int | None = None) -> None:
         """The engine reported a sample's end (index None: the whole request's)."""
         ending = self._ending.get(request_id)
-        if ending is None:
-            return
-        gone = set(ending) if index is None else ending & {index}
-        ending -= gone
-        self._num_ending -= len(gone)
-        if not ending:
-            del self._ending[request_id]
+        if ending is not None:
+            ending.discard(index)
+            if index is None or not ending:
+                del self._ending[request_id]
+
+    @property
+    def _num_ending(self) -> int:
+        """Samples told to stop whose end the engine has not reported (a few at most)."""
+        return sum(map(len, self._ending.values()))
 
     @property
     def num_waiting(self) -> int:
