@@ -39,6 +39,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError
@@ -250,20 +251,20 @@ def plain_structured(fields: dict) -> dict:
     return fields
 
 
-# what a plain line may hold besides SamplingParams' fields and its constraint's names
-_PLAIN_EXTRA_FIELDS = TOOL_FIELDS + ("chat_template", "chat_template_kwargs")
+# what a plain line may hold besides 'prompt' or 'messages' and 'id': SamplingParams'
+# fields, the names of a constraint, tools and the chat template's
+_PLAIN_FIELDS = frozenset(
+    {f.name for f in dataclass_fields(SamplingParams)} | {name for name, _ in _STRUCTURED_FIELDS}
+    | set(TOOL_FIELDS) | {"chat_template", "chat_template_kwargs"})
 
 
 def _check_plain_fields(fields: dict) -> None:
     """RequestError naming a plain line's first unknown field, with the fields it takes."""
-    from dataclasses import fields as dataclass_fields
-
-    known = ({f.name for f in dataclass_fields(SamplingParams)} | set(_PLAIN_EXTRA_FIELDS)
-             | {name for name, _ in _STRUCTURED_FIELDS})
-    unknown = sorted(set(fields) - known)
+    unknown = sorted(set(fields) - _PLAIN_FIELDS)
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}; a line holds 'prompt' or "
-                           f"'messages', an optional 'id', and any of {', '.join(sorted(known))}")
+                           f"'messages', an optional 'id', and any of "
+                           f"{', '.join(sorted(_PLAIN_FIELDS))}")
 
 
 def _check_id(value, name: str):
