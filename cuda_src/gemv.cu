@@ -253,6 +253,22 @@ struct StagedX {
     }
 };
 
+// sum += the squares of v's elements, element by element in order
+template <int N>
+__device__ __forceinline__ void add_squares(float& sum, const float4 (&v)[N]) {
+#pragma unroll
+    for (int b = 0; b < N; ++b)
+        sum += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+}
+
+// x row m's sum of squares: its group's warps' sums (row_sums[m]), added in warp order
+template <int WARPS>
+__device__ __forceinline__ float row_sum(const float (&row_sums)[16][WARPS], int m, int row_warps) {
+    float sum_sq = 0.0f;
+    for (int v = 0; v < row_warps; ++v) sum_sq += row_sums[m][v];
+    return sum_sq;
+}
+
 // SHARED: whether the kernel stages in clusters at all (STAGE_SHARED kernels; the others
 // carry no cluster code, which would lengthen their start)
 template <int PRO, int WARPS, bool SHARED>
@@ -320,18 +336,13 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
         }
         if (has_row) {
             float sum_sq = 0.0f;
-#pragma unroll
-            for (int b = 0; b < NORM_ONCE_BATCH; ++b)
-                sum_sq += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+            add_squares(sum_sq, v);
             sum_sq = warp_sum(sum_sq);
             if (lane == 0) row_sums[m][part] = sum_sq;
         }
         __syncthreads();
-        if (threadIdx.x < a.m_rows) {
-            float sum_sq = 0.0f;
-            for (int r = 0; r < row_warps; ++r) sum_sq += row_sums[threadIdx.x][r];
-            inv_rms[threadIdx.x] = rms_inv(sum_sq, a.k, a.eps);
-        }
+        if (threadIdx.x < a.m_rows)
+            inv_rms[threadIdx.x] = rms_inv(row_sum(row_sums, threadIdx.x, row_warps), a.k, a.eps);
         __syncthreads();
         if (has_row) {
             uint2* staged_row = reinterpret_cast<uint2*>(xs + m * x_stride);  // 4 bf16 a quad
@@ -367,9 +378,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
                     const int q = base + b * group_threads;
                     v[b] = q < quad_last ? __ldcg(row + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
-#pragma unroll
-                for (int b = 0; b < STAGE_BATCH; ++b)
-                    sum_sq += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+                add_squares(sum_sq, v);
             }
             sum_sq = warp_sum(sum_sq);
             if (lane == 0) row_sums[m][part] = sum_sq;
@@ -377,8 +386,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     }
     __syncthreads();
     if (threadIdx.x < a.m_rows) {
-        float sum_sq = 0.0f;
-        for (int v = 0; v < row_warps; ++v) sum_sq += row_sums[threadIdx.x][v];
+        const float sum_sq = row_sum(row_sums, threadIdx.x, row_warps);
         if (size > 1) {  // to every block of the cluster, as this rank's part
             cluster_sums[rank][threadIdx.x] = sum_sq;
             for (int q = 0; q < size - 1; ++q)
