@@ -417,8 +417,10 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
             assert len(mine) == 1  # not streamed: one delta at the end
         assert mine[-1].finish_reason == output.finish_reason
         assert [d.stop_reason for d in mine] == [None] * (len(mine) - 1) + [output.stop_reason]
-        first, last = mine[-1].times[2:]  # the engine's, or those seen by the server
-        assert first is not None and last >= first
+        # the engine's, or for a sample a stop string ended in the server process, those
+        # that came with its first tokens and the time it ended there
+        added, scheduled, first, last = mine[-1].times
+        assert added is not None and scheduled >= added and last >= first >= scheduled
         assert "".join(d.text for d in mine) == output.text, (request_id, index)
         assert [t for d in mine for t in d.token_ids] == output.token_ids
         if output.logprobs is not None:

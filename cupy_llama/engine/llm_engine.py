@@ -147,13 +147,17 @@ class _Sample:
         """What is new since the previous delta."""
         seq = self.seq
         text = "" if self.text is None else self.text.take(self.finish_reason is not None)
-        token_ids = seq.output_token_ids[self.num_sent_tokens:self.num_resolved]
+        sent = self.num_sent_tokens
+        token_ids = seq.output_token_ids[sent:self.num_resolved]
         self.num_sent_tokens = self.num_resolved
         logprobs = self.logprobs
         if logprobs is not None:
             self.logprobs = []
-        times = None if self.finish_reason is None else (
-            self.added_at, self.scheduled_at, self.first_token_at, self.last_token_at)
+        times = None
+        # at the end, and with the first tokens: a stop string that the server process
+        # finds ends the sample there, before this end, and its metrics need these times
+        if self.finish_reason is not None or (not sent and token_ids):
+            times = (self.added_at, self.scheduled_at, self.first_token_at, self.last_token_at)
         prompt = None
         if not self.prompt_logprobs_sent:
             prompt = self.complete_prompt_logprobs()

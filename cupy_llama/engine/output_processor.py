@@ -31,8 +31,8 @@ class EngineDelta(tuple):
     # (token id, logprob, top) for each of token_ids where the request asked, else None
     logprobs: list | None = property(itemgetter(5))
     num_cached_tokens: int = property(itemgetter(6))   # prompt tokens the prefix cache served
-    # on the last delta: RequestTimes' fields as a tuple (taken in, first scheduled, first
-    # token, last token); else None
+    # RequestTimes' fields as a tuple (taken in, first scheduled, first token, last token)
+    # on the last delta, and so far on the delta with a sample's first tokens; else None
     times: tuple | None = property(itemgetter(7))
     # once, on the first delta after the whole prompt is scored, where the request asked
     # (SamplingParams.prompt_logprobs): PromptScores' (values, ids) arrays; else None
@@ -235,7 +235,8 @@ class DetokenizedSample:
     the server process sees it: process() adds the text to each delta and ends the sample
     at a stop string, keeping the tokens up to the one that completed it (the engine is
     told to stop it, and what it made meanwhile is dropped here)."""
-    __slots__ = ("text", "finished", "first_token_at", "stop_tokens", "num_cached_tokens")
+    __slots__ = ("text", "finished", "first_token_at", "stop_tokens", "num_cached_tokens",
+                 "engine_times")
 
     def __init__(self, tokenizer, params, stream: bool, eos_token_ids=(), prompt_ids=()):
         self.text = SampleText(tokenizer, params, stream or bool(params.stop), prompt_ids)
@@ -249,6 +250,9 @@ class DetokenizedSample:
             () if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
         self.first_token_at: float | None = None  # when its first token reached this process
         self.num_cached_tokens = 0  # as the sample's latest delta said
+        # the engine's times with the sample's first tokens (RequestTimes' fields), for a
+        # sample that a stop string ends here: the engine's own final delta is dropped
+        self.engine_times: tuple | None = None
 
     def process(self, delta: EngineDelta) -> tuple[EngineDelta | None, bool]:
         """(the delta with its text, or None once the sample has ended here; True when a
@@ -263,6 +267,7 @@ class DetokenizedSample:
         text, stopped = self.text, False
         if self.first_token_at is None and token_ids:
             self.first_token_at = time.monotonic()
+            self.engine_times = times
         # the engine's "stop" at EOS or a stop token whose text is dropped: that token is
         # not matched for stop strings, and the stop reason stays the engine's
         num_matched = len(token_ids) - (finish_reason == "stop" and bool(token_ids)
@@ -275,10 +280,7 @@ class DetokenizedSample:
                     if logprobs is not None:
                         logprobs = logprobs[:i + 1]
                     if finish_reason is None:  # the engine goes on: it is told to stop
-                        # the engine's times come with its final delta, which is dropped:
-                        # the times seen here stand in (RequestTimes' fields; taken in and
-                        # first scheduled unknown)
-                        times = (None, None, self.first_token_at, time.monotonic())
+                        times = self.stop_times(time.monotonic())
                         stopped = True
                     finish_reason, stop_reason = "stop", stop
                     break
@@ -291,6 +293,16 @@ class DetokenizedSample:
         return _new_tuple(EngineDelta, (
             request_id, index, text.take(self.finished), token_ids, finish_reason, logprobs,
             cached, times, prompt, stop_reason)), stopped
+
+    def stop_times(self, now: float) -> tuple:
+        """The times (RequestTimes' fields) of a sample a stop string ends here at `now`:
+        the engine's final delta, which carries them, is dropped, so those that came with
+        its first tokens stand in (taken in, first scheduled and first token; the first
+        token's time seen here only where no delta brought times)."""
+        times = self.engine_times
+        if times is None:
+            return None, None, self.first_token_at, now
+        return times[0], times[1], times[2], now
 
     def process_token(self, request_id: str, index: int,
                       token_id: int) -> tuple[EngineDelta | None, bool]:
@@ -306,8 +318,7 @@ class DetokenizedSample:
             self.finished = True
             return _new_tuple(EngineDelta, (
                 request_id, index, text.take(True), [token_id], "stop", None,
-                self.num_cached_tokens, (None, None, self.first_token_at, now), None,
-                stop)), True
+                self.num_cached_tokens, self.stop_times(now), None, stop)), True
         return _new_tuple(EngineDelta, (request_id, index, text.take(False), [token_id], None,
                                         None, self.num_cached_tokens, None, None, None)), False
 
