@@ -106,6 +106,40 @@ def test_sigint_stops_cleanly_too(model_dir):
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_dir):
+    """Ctrl-C twice while streams run: uvicorn's forced exit cuts them off (none ends with
+    [DONE], as every one does after a single Ctrl-C), the process exits 0, and the log
+    holds no traceback (of the cancelled requests, or of the lifespan's wait)."""
+    server = ServerProcess(model_dir, "--max-num-seqs", "2")
+    try:
+        async def scenario():
+            streams = asyncio.ensure_future(_streams(server.url, 3, 1))
+
+            def in_engine() -> float:
+                text = httpx.get(server.url + "/metrics").text
+                return metric(text, "num_requests_running") + metric(text, "num_requests_waiting")
+
+            await asyncio.get_running_loop().run_in_executor(
+                None, _wait_for, lambda: in_engine() == 3, 30, "3 requests in the engine")
+            server.proc.send_signal(signal.SIGINT)
+            await asyncio.get_running_loop().run_in_executor(
+                None, _wait_for, lambda: "shutting down" in server.log_text(), 10,
+                "the first Ctrl-C's shutdown")
+            server.proc.send_signal(signal.SIGINT)
+            return await asyncio.gather(streams, return_exceptions=True)
+
+        results = asyncio.run(scenario())
+        assert server.proc.wait(timeout=10) == 0, server.log_text()
+        # each stream cut off: an error (a connection closed mid-stream, or a request not
+        # yet answered refused), or its events without [DONE]
+        assert not any(isinstance(r, tuple) and r[1] for r in results), results
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "shutting down" in server.log_text()
+    assert "Traceback" not in server.log_text() and "CancelledError" not in server.log_text()
+
+
+@pytest.mark.slow
 def test_a_bad_model_is_one_line_exit_1(model_dir, tmp_path):
     result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "serve", "--model",
                              str(tmp_path / "nope"), "--device", "cpu", "--port", "0"],

@@ -707,6 +707,11 @@ def create_app(state: ServerState):
         loading = asyncio.create_task(state.load())
         try:
             yield
+        except asyncio.CancelledError:
+            # a second Ctrl-C: uvicorn leaves without the shutdown event, and the loop's
+            # end cancels the wait for it here; the engine still closes, and nothing is
+            # left for starlette to report as a failed shutdown (a traceback)
+            pass
         finally:
             state.phase = state.DRAINING
             loading.cancel()
@@ -988,7 +993,7 @@ class _Server(uvicorn.Server):
             state.loop.call_soon_threadsafe(state.begin_shutdown)
 
 
-def _setup_logging() -> None:
+def _setup_logging() -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s",
                                            "%m-%d %H:%M:%S"))
@@ -997,6 +1002,7 @@ def _setup_logging() -> None:
         logger.handlers[:] = [handler]
         logger.propagate = False
     log.setLevel(logging.INFO)
+    return handler
 
 
 def url_of(sock) -> str:
@@ -1017,7 +1023,7 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
     """Serve on the bound socket until a signal (or the engine's failure) ends it. Raises
     EngineStartError when the model could not be loaded, RuntimeError when the engine
     process died or got stuck."""
-    _setup_logging()
+    handler = _setup_logging()
     if settings.replica_name is None:
         settings = replace(settings, replica_name=str(sock.getsockname()[1]))
     state = ServerState(settings, tokenizer, model_config)
@@ -1030,6 +1036,11 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5)
     server = _Server(config, state)
+    # a second Ctrl-C (uvicorn's forced exit) cancels the requests still running, and
+    # uvicorn would log each one's CancelledError as a traceback: they were asked to stop
+    handler.addFilter(lambda record: not (
+        server.force_exit and record.exc_info is not None
+        and isinstance(record.exc_info[1], asyncio.CancelledError)))
     state.request_exit = lambda: setattr(server, "should_exit", True)
     log.info("listening on %s as %s; loading %s", url, settings.replica_name, settings.model_dir)
     server.run(sockets=[sock])
