@@ -381,6 +381,25 @@ def test_headers_past_16_kib_are_refused_also_when_sent_at_once():
                 assert json.loads(body)["error"]["code"] == "invalid_http_request"
 
 
+def test_a_refused_head_still_arriving_gets_its_answer():
+    """A head that is refused while megabytes of it are still on their way: the server
+    answers, then drops the rest until the client has sent it (closing at once, with
+    unread bytes, would reset the connection and could lose the answer)."""
+    import socket
+    head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 << 20) + b"\r\n\r\n"
+    with _http_server(header_timeout=10.0) as address:
+        for _ in range(3):
+            with socket.create_connection(address, timeout=30) as sock:
+                sock.sendall(head)  # the server reads it all, though it answered long before
+                sock.shutdown(socket.SHUT_WR)
+                answer = b""
+                while data := sock.recv(65536):
+                    answer += data
+            status, _, body = answer.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 400"), status
+            assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
 def test_a_body_that_stops_arriving_is_a_408(model_dir, llm):
     """A client that sends part of a body and then nothing (Content-Length or chunked)
     gets a 408 once the body has paused for --header-timeout (0.5 s here), with the

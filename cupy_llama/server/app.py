@@ -60,6 +60,7 @@ DRAIN_DELAY_S = 1.0              # SIGTERM: /health 503 for this long before the
 HEADER_TIMEOUT_S = 10.0          # a connection must send a request's headers within this
 KEEP_ALIVE_S = 5                 # an idle kept-alive connection is closed after this
 MAX_HEADER_BYTES = 16 << 10      # a request line and headers larger than this get 400
+LINGER_S = 2.0                   # a refused request's connection drains this long at most
 # --engine-timeout's default: far above any legitimate step (a GPU step takes milliseconds,
 # its first kernels compile while the model loads); a CPU step of a long prompt on a large
 # model can take a minute
@@ -897,6 +898,7 @@ class _HTTP(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_timer = None
+        self._lingering = False
         self._arm_header_timer()
         # h11 bounds only headers that are still arriving: a whole head that came in one
         # read is parsed whatever its size. So where a request is next (the client idle),
@@ -928,6 +930,8 @@ class _HTTP(H11Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a refused request: read and dropped
+            return
         super().data_received(data)
         if self._header_timer is not None and self.cycle is not self._waiting_cycle:
             self._header_timer.cancel()
@@ -954,7 +958,32 @@ class _HTTP(H11Protocol):
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close after a refusal without losing it: a socket closed with unread bytes (the
+        rest of a large head still arriving) resets the connection, and the client may
+        lose the answer with it. So send the answer and our end of the stream, drop what
+        still comes, and close once the client has closed its end, or after LINGER_S.
+        A refusal inside a request whose head was taken (a malformed body) closes at
+        once, as uvicorn does: its application may still answer, and must find the
+        connection gone rather than write past the refusal."""
+        cycle = self.cycle
+        if not self.transport.can_write_eof() or (
+                cycle is not None and not cycle.response_complete):
+            self.transport.close()
+            return
+        self._lingering = True
+        if self._header_timer is not None:  # its close would reset the connection too
+            self._header_timer.cancel()
+            self._header_timer = None
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+    def eof_received(self):
+        if self._lingering:
+            self.transport.close()
+        return super().eof_received()
 
 
 class _Server(uvicorn.Server):
