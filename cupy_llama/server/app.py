@@ -1071,7 +1071,8 @@ def run_server(settings: ServerSettings, sock, tokenizer, model_config) -> None:
         server.force_exit and record.exc_info is not None
         and isinstance(record.exc_info[1], asyncio.CancelledError)))
     state.request_exit = lambda: setattr(server, "should_exit", True)
-    log.info("listening on %s as %s; loading %s", url, settings.replica_name, settings.model_dir)
+    log.info("listening on %s as replica %s; loading %s", url, settings.replica_name,
+             settings.model_dir)
     server.run(sockets=[sock])
     if state.failure is not None:
         raise state.failure
