@@ -52,18 +52,21 @@ def _wait_for(condition, timeout: float, what: str):
         time.sleep(0.02)
 
 
+def _in_engine(server: ServerProcess) -> float:
+    """The samples the server's engine holds, running or waiting (its /metrics)."""
+    text = httpx.get(server.url + "/metrics").text
+    return metric(text, "num_requests_running") + metric(text, "num_requests_waiting")
+
+
 def _stop_during_streams(server: ServerProcess, sig, count: int, check_queue_limit: bool,
                          n: int = 1):
     async def scenario():
         streams = asyncio.ensure_future(_streams(server.url, count, n))
         # all of them in the engine, running or waiting (each of the n samples counts;
         # with a few sequences at a time most have no first chunk yet)
-        def in_engine() -> float:
-            text = httpx.get(server.url + "/metrics").text
-            return metric(text, "num_requests_running") + metric(text, "num_requests_waiting")
-
         await asyncio.get_running_loop().run_in_executor(
-            None, _wait_for, lambda: in_engine() == count * n, 30, f"{count} requests in the engine")
+            None, _wait_for, lambda: _in_engine(server) == count * n, 30,
+            f"{count} requests in the engine")
         if check_queue_limit:
             refused = await asyncio.get_running_loop().run_in_executor(None, lambda: httpx.post(
                 server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}))
@@ -114,13 +117,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_dir):
     try:
         async def scenario():
             streams = asyncio.ensure_future(_streams(server.url, 3, 1))
-
-            def in_engine() -> float:
-                text = httpx.get(server.url + "/metrics").text
-                return metric(text, "num_requests_running") + metric(text, "num_requests_waiting")
-
             await asyncio.get_running_loop().run_in_executor(
-                None, _wait_for, lambda: in_engine() == 3, 30, "3 requests in the engine")
+                None, _wait_for, lambda: _in_engine(server) == 3, 30, "3 requests in the engine")
             server.proc.send_signal(signal.SIGINT)
             await asyncio.get_running_loop().run_in_executor(
                 None, _wait_for, lambda: "shutting down" in server.log_text(), 10,
