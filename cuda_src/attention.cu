@@ -31,6 +31,7 @@
 // and only write lse = -inf.
 
 #include "common.cuh"
+#include "head_norm.cuh"
 
 // ======================================================================== scalar fallback
 // Launch (paged_attention_dpl*): grid (num_row_tiles * num_splits, nkv, B), block (128),
@@ -371,10 +372,28 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 #define DECODE_UNROLL 4
 #define DECODE_UNROLL_G8 2
 
+// The head norms fused into decode (the _norm kernels, Qwen3 and Gemma 3): q is not read.
+// A CTA norms and rotates its query heads from the qkv product's output row, a warp a
+// head, with rope.cu's own code (head_norm.cuh: the same bits as the head-norm kernel),
+// into shared memory; a CTA whose key range ends at the new token does the same for that
+// token's key, takes the token's key and value from there instead of the cache, and the
+// first CTA of the kv head's head parts writes them into the cache. So no kernel between
+// the qkv product and attention. qkv [T, (nh + 2 nkv) D] (no bias); q_norm, k_norm [D];
+// cos_sin, positions, slot_mapping as rope.cu reads them.
+struct DecodeHeadNorm {
+    const bf16* qkv;  // written by the kernel before: not __restrict__ (see below)
+    const bf16* q_norm;
+    const bf16* k_norm;
+    const float* cos_sin;
+    const int* positions;
+    const int* slot_mapping;
+    float eps, offset;
+};
+
 // q and the caches are not __restrict__: with it the compiler may read them through the
 // read-only path and hoist those loads above wait_for_previous_kernel (their addresses are
 // known before it), reading q and K/V the kernel before has not written yet.
-template <int D, int MAXG, int CLUSTER, int WARPS>
+template <int D, int MAXG, int CLUSTER, int WARPS, bool NORM>
 __device__ __forceinline__ void decode_attention_body(
         const bf16* q, const bf16* k_cache, const bf16* v_cache,
         const int* __restrict__ block_tables,
@@ -382,7 +401,7 @@ __device__ __forceinline__ void decode_attention_body(
         bf16* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_lse, int num_heads, int num_kv_heads, int block_shift,
         int max_blocks_per_seq, float scale_log2, int num_splits, int split_len, int window,
-        int head_parts_log2) {
+        int head_parts_log2, const DecodeHeadNorm hn) {
     constexpr int LANES_PER_KEY = D / 8;
     constexpr int SLOTS_PER_WARP = WARP_SIZE / LANES_PER_KEY;
     constexpr int NUM_WARPS = WARPS;
@@ -395,7 +414,8 @@ __device__ __forceinline__ void decode_attention_body(
     static_assert(NUM_WARPS == MERGE_WARPS || NUM_WARPS == 2 * MERGE_WARPS, "one fold at most");
     __shared__ float merge_m[MERGE_WARPS][MAXG];
     __shared__ float merge_l[MERGE_WARPS][MAXG];
-    __shared__ float merge_acc[MERGE_WARPS][MAXG][D];
+    // NORM reads its q heads from here in 16-byte words (the plain kernels keep their layout)
+    __shared__ alignas(NORM ? 16 : 4) float merge_acc[MERGE_WARPS][MAXG][D];
     // CLUSTER: this CTA's result for its key range (running max, sum, unnormalized
     // output), read by the other CTAs of its cluster
     constexpr int CTA_G = CLUSTER > 0 ? MAXG : 1, CTA_D = CLUSTER > 0 ? D : 1;
@@ -458,14 +478,61 @@ __device__ __forceinline__ void decode_attention_body(
             first_slot[u][slot] = pos < key_end ? (int)cache_slot(table, pos, block_shift) : -1;
         }
     }
+    // NORM: the token's rope row and cache slot, from the metadata (there before the wait)
+    const float* rope_row = nullptr;
+    long long new_slot = -1;
+    if constexpr (NORM) {
+        rope_row = hn.cos_sin + (long long)hn.positions[q_row] * D;
+        new_slot = hn.slot_mapping[q_row];
+    }
     __syncwarp();  // a slot's lanes are in one warp
     wait_for_previous_kernel();
+
+    // NORM (see DecodeHeadNorm): the new q heads [heads][D] in merge_acc's memory, which
+    // the merges use only after every warp has read them (the barrier below); the new
+    // token's rotated key and its value in new_kv
+    constexpr int NEW_KV = NORM ? D / 8 : 1;
+    __shared__ uint4 new_kv[2][NEW_KV];
+    bf16* new_q = reinterpret_cast<bf16*>(&merge_acc[0][0][0]);
+    static_assert(sizeof(merge_acc) >= MAXG * D * sizeof(bf16), "the new q heads fit");
+    int new_pos = -1;  // the new token's key position, where this CTA's range ends at it
+    if constexpr (NORM) {
+        const bf16* qkv_row = hn.qkv + (long long)q_row * (num_heads + 2 * num_kv_heads) * D;
+        const bool has_new = key_begin < key_end && key_end == seq_len;
+        const int jobs = heads + (has_new ? 1 : 0);  // the query heads, then the new key
+        for (int j = warp; j < jobs; j += NUM_WARPS) {  // warp-uniform: the warp sums a head
+            const bool is_key = j == heads;
+            const HeadNormPairs pairs = load_head_norm_pairs(is_key ? hn.k_norm : hn.q_norm,
+                                                             rope_row, D / 2);
+            norm_rotate_head(qkv_row + (is_key ? num_heads + kv_head : head0 + j) * D, nullptr,
+                             pairs, is_key ? reinterpret_cast<bf16*>(new_kv[0]) : new_q + j * D,
+                             D, hn.eps, hn.offset);
+        }
+        if (has_new) {
+            new_pos = seq_len - 1;
+            for (int i = threadIdx.x; i < D / 8; i += THREADS)
+                new_kv[1][i] = load16(qkv_row + (num_heads + num_kv_heads + kv_head) * D + i * 8);
+        }
+        __syncthreads();
+        // one CTA of the kv head writes the token's key and value (the others of its head
+        // parts read them from new_kv, never from the cache)
+        if (has_new && new_slot >= 0 && (blockIdx.y & ((1 << head_parts_log2) - 1)) == 0) {
+            const long long at = new_slot * row_stride + kv_head * D;
+            for (int i = threadIdx.x; i < 2 * (D / 8); i += THREADS) {
+                const int kv = i / (D / 8), c = i % (D / 8);
+                bf16* cache = const_cast<bf16*>(kv == 0 ? k_cache : v_cache);
+                *reinterpret_cast<uint4*>(cache + at + c * 8) = new_kv[kv][c];
+            }
+        }
+    }
 
     float q_reg[MAXG][8];  // this lane's 8 dims of each query head, times scale * log2(e)
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) {
         if (g < heads) {
-            unpack_bf16x8(load16(q + ((long long)q_row * num_heads + head0 + g) * D + sub * 8), q_reg[g]);
+            const uint4 raw = NORM ? *reinterpret_cast<const uint4*>(new_q + g * D + sub * 8)
+                                   : load16(q + ((long long)q_row * num_heads + head0 + g) * D + sub * 8);
+            unpack_bf16x8(raw, q_reg[g]);
 #pragma unroll
             for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale_log2;
         } else {
@@ -473,6 +540,7 @@ __device__ __forceinline__ void decode_attention_body(
             for (int i = 0; i < 8; ++i) q_reg[g][i] = 0.0f;
         }
     }
+    if constexpr (NORM) __syncthreads();  // every warp has its q: merge_acc is free again
     float m[MAXG], l[MAXG], acc[MAXG][8];  // per slot: running max (base 2), sum, output
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) {
@@ -491,7 +559,10 @@ __device__ __forceinline__ void decode_attention_body(
                                      : pos < key_end ? cache_slot(table, pos, block_shift) : -1;
             k_raw[u] = make_uint4(0u, 0u, 0u, 0u);  // keys past the range: zeros, masked below
             v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (cached >= 0) {
+            if (NORM && pos == new_pos) {  // the new token's, not in the cache yet
+                k_raw[u] = new_kv[0][sub];
+                v_raw[u] = new_kv[1][sub];
+            } else if (cached >= 0) {
                 const long long offset = cached * row_stride + head_offset;
                 k_raw[u] = load16(k_cache + offset);
                 v_raw[u] = load16(v_cache + offset);
@@ -657,21 +728,40 @@ __device__ __forceinline__ void decode_attention_body(
     }
 }
 
+#define DECODE_ATTENTION_PARAMS                                                           \
+    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int *block_tables,    \
+        const int *seq_lens, const int *query_start_loc, bf16 *out, float *partial_out,   \
+        float *partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
+        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
+        int window, int head_parts_log2
+#define DECODE_ATTENTION_ARGS                                                             \
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,       \
+        partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
+        scale_log2, num_splits, split_len, window, head_parts_log2
+
 #define DEFINE_DECODE_ATTENTION(NAME, D, MAXG, CLUSTER, WARPS)                             \
     extern "C" __global__ void                                                            \
     __launch_bounds__((WARPS) * WARP_SIZE, DECODE_MIN_CTAS(MAXG, WARPS))                  \
-    NAME(                                                                                 \
-        const bf16* q, const bf16* k_cache, const bf16* v_cache, const int* block_tables, \
-        const int* seq_lens, const int* query_start_loc, bf16* out, float* partial_out,   \
-        float* partial_lse, int num_heads, int num_kv_heads, int block_shift,             \
-        int max_blocks_per_seq, float scale_log2, int num_splits, int split_len,          \
-        int window, int head_parts_log2) {                                                \
+    NAME(DECODE_ATTENTION_PARAMS) {                                                       \
         let_next_kernel_start(); /* the next product may load its weights meanwhile */    \
         /* launched programmatically: the body waits before it reads q or writes */       \
-        decode_attention_body<D, MAXG, CLUSTER, WARPS>(                                   \
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, partial_out,   \
-            partial_lse, num_heads, num_kv_heads, block_shift, max_blocks_per_seq,            \
-            scale_log2, num_splits, split_len, window, head_parts_log2);                      \
+        decode_attention_body<D, MAXG, CLUSTER, WARPS, false>(DECODE_ATTENTION_ARGS,      \
+                                                              DecodeHeadNorm{});          \
+    }
+
+// The same with the head norms, RoPE and the new token's cache write fused in
+// (DecodeHeadNorm): q is not read
+#define DEFINE_DECODE_ATTENTION_NORM(NAME, D, MAXG, CLUSTER, WARPS)                        \
+    extern "C" __global__ void                                                            \
+    __launch_bounds__((WARPS) * WARP_SIZE, DECODE_MIN_CTAS(MAXG, WARPS))                  \
+    NAME(DECODE_ATTENTION_PARAMS, const bf16* qkv, const bf16* __restrict__ q_norm,      \
+         const bf16* __restrict__ k_norm, const float* __restrict__ cos_sin,              \
+         const int* __restrict__ positions, const int* __restrict__ slot_mapping,         \
+         float norm_eps, float norm_offset) {                                             \
+        let_next_kernel_start();                                                          \
+        decode_attention_body<D, MAXG, CLUSTER, WARPS, true>(                             \
+            DECODE_ATTENTION_ARGS, DecodeHeadNorm{qkv, q_norm, k_norm, cos_sin, positions, \
+                                                  slot_mapping, norm_eps, norm_offset});  \
     }
 
 // a CTA's heads <= MAXG (decode_head_parts); WARPS: the CTA's width (see above). The split
@@ -707,6 +797,23 @@ DEFINE_DECODE_ATTENTION(decode_attention_d128_g8_cluster, 128, 8, DECODE_CLUSTER
 DEFINE_DECODE_ATTENTION(decode_attention_d256_g1_cluster, 256, 1, DECODE_CLUSTER, 16)
 DEFINE_DECODE_ATTENTION(decode_attention_d256_g2_cluster, 256, 2, DECODE_CLUSTER, 16)
 DEFINE_DECODE_ATTENTION(decode_attention_d256_g4_cluster, 256, 4, DECODE_CLUSTER, 16)
+// The head-norm forms (DEFINE_DECODE_ATTENTION_NORM) of the head dims of the models with
+// q/k head norms (Qwen3: 128, Gemma 3: 256)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g1_norm, 128, 1, 0, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g2_norm, 128, 2, 0, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g4_norm, 128, 4, 0, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g8_norm, 128, 8, 0, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g1_norm, 256, 1, 0, 4)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g2_norm, 256, 2, 0, 4)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g4_norm, 256, 4, 0, 4)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g8_norm, 256, 8, 0, 4)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g1_cluster_norm, 128, 1, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g2_cluster_norm, 128, 2, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g4_cluster_norm, 128, 4, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d128_g8_cluster_norm, 128, 8, DECODE_CLUSTER, 8)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g1_cluster_norm, 256, 1, DECODE_CLUSTER, 16)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g2_cluster_norm, 256, 2, DECODE_CLUSTER, 16)
+DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g4_cluster_norm, 256, 4, DECODE_CLUSTER, 16)
 
 // ================================================================== prefill (tensor cores)
 // Launch: grid (num_row_tiles, nkv, B), block (PREFILL_THREADS), dynamic shared memory

@@ -307,10 +307,22 @@ def test_kernel_names_and_variants_come_from_the_define_lines():
     source = (kernel_dir() / "attention.cu").read_text()
     lines = re.findall(r"^DEFINE_DECODE_ATTENTION\((\w+), (\d+), (\d+), (\w+), (\d+)\)$",
                        source, re.M)
-    assert len(lines) == len(attention.DECODE_KERNELS) == len(attention.DECODE_WARPS) == 23
+    assert len(lines) == len(attention.DECODE_KERNELS) == 23
     for name, d, g, cluster, warps in lines:
         assert attention.DECODE_KERNELS[int(d), int(g), cluster != "0"] == name
         assert attention.DECODE_WARPS[name] == int(warps)
+    # the head-norm forms: one for each CUDA-core decode kernel of head_dim 128 and 256,
+    # of the same shape and width, so that the plain kernel's launch plan serves both
+    norm_lines = re.findall(r"^DEFINE_DECODE_ATTENTION_NORM\((\w+), (\d+), (\d+), (\w+), (\d+)\)$",
+                            source, re.M)
+    plain = {(d, g, cluster): (name, warps) for name, d, g, cluster, warps in lines}
+    assert sorted((d, g, c) for _, d, g, c, _ in norm_lines) == sorted(
+        key for key in plain if key[0] in ("128", "256"))
+    for name, d, g, cluster, warps in norm_lines:
+        plain_name, plain_warps = plain[d, g, cluster]
+        assert attention.DECODE_NORM_KERNELS[plain_name] == name and warps == plain_warps
+        assert attention.DECODE_WARPS[name] == int(warps)
+    assert len(attention.DECODE_WARPS) == 23 + len(norm_lines) == 38
     assert attention.DECODE_GROUPS == (1, 2, 4, 8) and attention.DECODE_HEAD_DIMS == (64, 128, 256)
     prefill = re.findall(r"^DEFINE_PREFILL_ATTENTION\((\w+), (\d+), (\d+), (\d+)\)$", source,
                          re.M)
@@ -340,8 +352,8 @@ def test_fast_kernels_build_without_spills(tmp_path, arch):
         registers = int(re.search(r"Used (\d+) registers", body).group(1))
         report[name] = (registers, spills)
     symbols = cubin.read_bytes()
-    wanted = [*attention.DECODE_KERNELS.values(), *attention.PREFILL_KERNELS.values(),
-              *attention.DECODE_MMA_KERNELS.values()]
+    wanted = [*attention.DECODE_KERNELS.values(), *attention.DECODE_NORM_KERNELS.values(),
+              *attention.PREFILL_KERNELS.values(), *attention.DECODE_MMA_KERNELS.values()]
     for kernel in wanted:
         assert kernel.encode() + b"\0" in symbols, f"{kernel} missing from the {arch} build"
         assert kernel in report, f"no ptxas report for {kernel}: {result.stderr[-2000:]}"

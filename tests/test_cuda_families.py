@@ -25,7 +25,7 @@ from test_cuda_ops import (DECODE, MIXED_PREFILL, PREFILL_VARIANTS, REF, TILE_ED
                            to_float)
 
 from cupy_llama.backends.numpy_ops import normed
-from cupy_llama.bf16 import round_to_bf16
+from cupy_llama.bf16 import bf16_bits_to_float32, round_to_bf16
 from cupy_llama.interface import HeadNorm
 from cupy_llama.util import cdiv
 
@@ -332,6 +332,67 @@ def test_decode_attention_with_a_window(cp, rng, head_dim, window):
                          f"clusters d={head_dim} window={window} {max_seq_len}")
     assert_close(run_ops_attention(cp, case, head_dim), case["expected"], 1.5e-2, 1e-2,
                  f"CudaOps d={head_dim} window={window}")
+
+
+# (head_dim, kv heads, group): Qwen3-0.6B and 4B, Gemma 3 1B and 4B, and a group of 8
+# that two CTAs share out (head parts)
+HEAD_NORM_DECODE_SHAPES = [(128, 2, 2), (128, 2, 4), (256, 1, 4), (256, 2, 2), (128, 1, 8)]
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim, num_kv_heads, group", HEAD_NORM_DECODE_SHAPES)
+def test_decode_attention_norms_and_rotates_as_the_rope_kernel_does(cp, rng, head_dim,
+                                                                  num_kv_heads, group, window):
+    """The decode kernels' head-norm forms (attention.DecodeRope) against the rope kernel
+    followed by the plain decode kernel, on the same inputs: the same bits in the output
+    and in both caches (the new token's key and value written once, every other slot left
+    as it was), for one range, host and device split lengths, and clusters; a sequence
+    whose only key is the new one, and splits that end before it, among them."""
+    from cupy_llama.backends.cuda import attention, elementwise, launch
+    seqs = [(0, 1), (16, 1), (127, 1), (1327, 1), (255, 1), (2047, 1)]
+    case = build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, window=window)
+    batch = case["gpu_batch"]
+    num_heads, num_tokens = case["num_heads"], batch.num_tokens
+    positions = batch.positions  # the new token's, seq_len - 1
+    slots = np.array([batch.block_tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                      for b, p in enumerate(positions)], np.int32)
+    qkv = cp.asarray(random_bf16(rng, (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim),
+                                 scale=2.0)[0])
+    norm = HeadNorm(cp.asarray(random_bf16(rng, (head_dim,), 0.3)[0]),
+                    cp.asarray(random_bf16(rng, (head_dim,), 0.3)[0]), 1e-6, 1.0)
+    rope = attention.DecodeRope(qkv, norm, cp.asarray(rope_table(4096, head_dim)),
+                                cp.asarray(positions), cp.asarray(slots))
+    runs = [dict(num_splits=1), dict(num_splits=3), dict(num_splits=3, max_seq_len=None),
+            dict(num_splits=32, max_seq_len=None)]
+    if launch.launch_attributes_usable():
+        runs += [dict(num_splits=32, clusters=True),
+                 dict(num_splits=32, clusters=True, max_seq_len=None)]
+
+    def attend(fused, num_splits, max_seq_len=batch.max_seq_len, clusters=False):
+        k_cache, v_cache = case["k_gpu"].copy(), case["v_gpu"].copy()
+        q = poisoned(cp, (num_tokens, num_heads, head_dim))
+        if not fused:
+            elementwise.rope_and_cache(qkv, rope.positions, rope.slot_mapping, rope.cos_sin,
+                                       k_cache, v_cache, q, None, norm)
+        out = poisoned(cp, case["expected"].shape)
+        parts = batch.num_seqs * num_heads * num_splits
+        ran_fused = attention.paged_attention(
+            q, k_cache, v_cache, cp.asarray(batch.block_tables), cp.asarray(batch.seq_lens),
+            cp.asarray(batch.query_start_loc), out, scale=head_dim ** -0.5, max_query_len=1,
+            max_seq_len=max_seq_len, num_splits=num_splits,
+            partial_out=poisoned(cp, parts * head_dim, np.float32),
+            partial_lse=poisoned(cp, parts, np.float32), clusters=clusters, window=window,
+            kernel="decode", rope=rope if fused else None)
+        assert ran_fused == fused
+        return [cp.asnumpy(a) for a in (out, k_cache, v_cache)]
+
+    for run in runs:
+        expected = attend(False, **run)
+        assert np.isfinite(bf16_bits_to_float32(expected[0])).all()
+        for name, got, want in zip(("output", "k cache", "v cache"), attend(True, **run), expected):
+            np.testing.assert_array_equal(got, want, err_msg=(
+                f"{name} of the head-norm decode d={head_dim} kv={num_kv_heads} group={group} "
+                f"window={window} {run} differs from the rope kernel then decode"))
 
 
 @pytest.mark.parametrize("seqs", [MIXED_PREFILL, DECODE], ids=["prefill", "decode"])

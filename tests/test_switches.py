@@ -10,9 +10,10 @@ from cupy_llama.errors import ConfigError
 def test_defaults_without_the_variables():
     assert KernelSwitches.from_environment({}) == KernelSwitches()
     assert KernelSwitches().programmatic and KernelSwitches().clusters
+    assert KernelSwitches().head_norm_attention
 
 
-@pytest.mark.parametrize("name", ["programmatic", "clusters"])
+@pytest.mark.parametrize("name", ["programmatic", "clusters", "head_norm_attention"])
 def test_on_off_switches(name):
     variable = ENVIRONMENT[name]
     assert getattr(KernelSwitches.from_environment({variable: "0"}), name) is False

@@ -10,6 +10,10 @@ Which kernel runs (`attention_plan`):
   split and the GPU launches thread-block clusters (sm_90+), and decode_clusters_pay says
   so, decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
   sequence and kv head splits the keys and merges on chip, with no combine kernel after it;
+  given the qkv product's output and its head norms (`DecodeRope`: Qwen3, Gemma 3), the
+  head-norm form of either (decode_attention_d{D}_g{G}[_cluster]_norm), which norms and
+  rotates q and the new key itself and writes the new key and value into the cache, so
+  that no rope kernel runs between the product and attention;
 - larger decode batches, head_dim 64/128, at most 16 query heads per kv head:
   decode_attention_mma_d{D} on the tensor cores, split and combined; clustered likewise
   (decode_attention_mma_d{D}_c{C}, C = mma_cluster_size(splits)) where clusters launch;
@@ -23,10 +27,10 @@ A sliding window reaches every kernel: a decode sequence's keys (and their split
 at its window's first, and prefill masks per row."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ...util import cdiv
-from . import launch
+from . import elementwise, launch
 from .device import device_limits
 from .kernels import (BF16, F32, I32, aligned16, check, constants, f32, get_kernel, i32, instances,
                       opt_in_shared)
@@ -47,8 +51,12 @@ MAX_SPLITS = _C["COMBINE_MAX_SPLITS"]  # the combine kernel merges at most this 
 SCALAR_KERNELS = {dpl: name for name, dpl in instances("attention", "DEFINE_PAGED_ATTENTION")}
 DECODE_KERNELS = {(d, g, cluster > 0): name
                   for name, d, g, cluster, _ in instances("attention", "DEFINE_DECODE_ATTENTION")}
+# a CUDA-core decode kernel's head-norm form, by the kernel's name (head_dim 128 and 256)
+DECODE_NORM_KERNELS = {DECODE_KERNELS[d, g, cluster > 0]: name for name, d, g, cluster, _
+                       in instances("attention", "DEFINE_DECODE_ATTENTION_NORM")}
 DECODE_WARPS = {name: warps  # a CUDA-core decode kernel's CTA width
-                for name, _, _, _, warps in instances("attention", "DEFINE_DECODE_ATTENTION")}
+                for macro in ("DEFINE_DECODE_ATTENTION", "DEFINE_DECODE_ATTENTION_NORM")
+                for name, _, _, _, warps in instances("attention", macro)}
 # (head_dim, tiles) -> name; tiles: 16-row mma tiles per warp
 PREFILL_KERNELS = {(d, tiles): name
                    for name, d, tiles, _ in instances("attention", "DEFINE_PREFILL_ATTENTION")}
@@ -227,6 +235,18 @@ def split_length(max_seq_len: int, num_splits: int) -> tuple[int, int]:
     return split_len, max(1, cdiv(max_seq_len, split_len))
 
 
+class DecodeRope(NamedTuple):
+    """What rope_and_cache would do before a decode step's attention, handed to attention
+    instead (paged_attention's `rope`): qkv [T, (nh + 2 nkv) d] bf16, the qkv product's
+    output (no bias); head_norm (interface.HeadNorm); cos_sin [P, d] float32; positions
+    and slot_mapping [T] int32, as elementwise.rope_and_cache takes them."""
+    qkv: Any
+    head_norm: Any
+    cos_sin: Any
+    positions: Any
+    slot_mapping: Any
+
+
 class AttentionPlan(NamedTuple):
     kernel: str      # kernel name in attention.cu (SCALAR_, DECODE_ or PREFILL_KERNELS)
     grid: tuple
@@ -307,7 +327,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                     num_splits: int = 1, partial_out=None, partial_lse=None,
                     kernel: str = "auto", clusters: bool = False, programmatic: bool = False,
                     window: int | None = None, softcap: float | None = None,
-                    num_sms: int | None = None, prefill_tiles: int | None = None):
+                    num_sms: int | None = None, prefill_tiles: int | None = None,
+                    rope: DecodeRope | None = None) -> bool:
     """out [T, nh*d] = causal attention of q [T, nh, d] over the paged caches.
 
     num_splits > 1 (decode batches only, max_query_len == 1) splits each sequence's keys
@@ -323,7 +344,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     sequence's splits then cover its window). softcap: scores become
     softcap * tanh(score / softcap) (the scalar kernel). num_sms: the GPU's (None: asked
     of the device). prefill_tiles: the tensor-core prefill kernel's 16-row tiles per warp
-    (None: choose_prefill_tiles)."""
+    (None: choose_prefill_tiles).
+    rope: q is not computed yet, nor the new tokens' keys and values written: the decode
+    kernel's head-norm form does that where the plan runs a CUDA-core decode kernel that has
+    one (returns True: q is left as it was), else elementwise.rope_and_cache runs first,
+    into q and the caches (returns False)."""
     num_tokens, num_heads, head_dim = check("q", q, BF16, ndim=3).shape
     _, block_size, num_kv_heads, _ = check("k_cache", k_cache, BF16,
                                            shape=(None, None, None, head_dim)).shape
@@ -335,8 +360,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if num_heads % num_kv_heads:
         raise ValueError(f"q: {num_heads} heads is not a multiple of {num_kv_heads} kv heads")
     dims_per_lane(head_dim)  # rejects head_dim > 256
+    if rope is not None:
+        check("qkv", rope.qkv, BF16, shape=(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim))
+        check("q_norm", rope.head_norm.q_weight, BF16, shape=(head_dim,))
+        check("k_norm", rope.head_norm.k_weight, BF16, shape=(head_dim,))
+        check("cos_sin", rope.cos_sin, F32, shape=(None, head_dim))
+        check("positions", rope.positions, I32, shape=(num_tokens,))
+        check("slot_mapping", rope.slot_mapping, I32, shape=(num_tokens,))
     if num_tokens == 0 or num_seqs == 0:
-        return
+        return False
     split_len = 0
     if num_splits > 1:
         if max_query_len != 1 or num_tokens != num_seqs:
@@ -355,6 +387,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                           num_sms=device_limits()["sms"] if num_sms is None else num_sms,
                           prefill_tiles=prefill_tiles)
     clustered = plan.cluster > 1
+    norm_kernel = None if rope is None else DECODE_NORM_KERNELS.get(plan.kernel)
+    if rope is not None and (norm_kernel is None or not aligned16(rope.qkv)):
+        elementwise.rope_and_cache(rope.qkv, rope.positions, rope.slot_mapping, rope.cos_sin,
+                                   k_cache, v_cache, q, head_norm=rope.head_norm,
+                                   programmatic=programmatic)
+        norm_kernel, rope = None, None
     if num_splits > 1 and not clustered:
         parts = num_seqs * num_heads * num_splits
         check("partial_out", partial_out, F32, ndim=1)
@@ -364,7 +402,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                              f"sequences x {num_heads} heads x {num_splits} splits")
     else:
         partial_out = partial_lse = out  # not read by the kernels
-    function = get_kernel("attention", plan.kernel)
+    function = get_kernel("attention", norm_kernel or plan.kernel)
     opt_in_shared(function, plan.shared_mem)
     tables = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     is_decode = plan.kernel in DECODE_KERNELS.values() or plan.kernel in DECODE_MMA_KERNELS.values()
@@ -375,6 +413,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                          f32(scale * LOG2_E), i32(num_splits), i32(split_len), window)
         if plan.kernel in DECODE_KERNELS.values():  # the CUDA-core kernel's head parts
             args += (i32((plan.grid[1] // num_kv_heads).bit_length() - 1),)
+        if norm_kernel is not None:
+            norm = rope.head_norm
+            args += (rope.qkv, norm.q_weight, norm.k_weight, rope.cos_sin, rope.positions,
+                     rope.slot_mapping, f32(norm.eps), f32(norm.offset))
     elif plan.kernel in PREFILL_KERNELS.values():
         args = tables + (i32(num_heads), i32(num_kv_heads), i32(block_size.bit_length() - 1),
                          i32(max_blocks), f32(scale * LOG2_E), i32(plan.grid[0]), window)
@@ -399,3 +441,4 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                                      i32(num_heads), i32(head_dim),
                                                      i32(num_splits)),
                               programmatic=programmatic)
+    return norm_kernel is not None

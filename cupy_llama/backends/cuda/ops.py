@@ -74,6 +74,10 @@ class CudaOps(SublayerOps):
         # what the switches ask for, where the GPU can
         self.programmatic = switches.programmatic and launch.launch_attributes_usable()
         self.clusters = switches.clusters and launch.launch_attributes_usable()
+        # a decode step's q/k head norms, RoPE and cache write in the attention kernel
+        # (norm_qkv_rope hands them to the next attention call)
+        self.head_norm_attention = switches.head_norm_attention
+        self._rope: tuple | None = None  # (meta, k_cache, DecodeRope) until attention
         self.products = Products(switches.skinny_gemm, self.programmatic, clusters=self.clusters,
                                  dequantized=dequantized, fp8_activations=fp8_activations,
                                  fp8_gemm=switches.fp8_gemm)
@@ -177,8 +181,15 @@ class CudaOps(SublayerOps):
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
                       q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
-        # head norms need a whole head in one place, which the fused kernel's tiles never
-        # hold: the norm and product fuse, then the rope kernel norms and rotates
+        # head norms need a whole head in one place, which the fused product's tiles never
+        # hold: the norm and product fuse, then in a decode step the attention kernel
+        # norms, rotates and writes the cache (attention.DecodeRope), else the rope kernel
+        if (head_norm is not None and bias is None and meta.is_decode_only
+                and self.head_norm_attention):
+            self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset)
+            self._rope = (meta, k_cache, attention_kernels.DecodeRope(
+                qkv, head_norm, cos_sin, meta.positions, meta.slot_mapping))
+            return
         if head_norm is not None or not self.products.norm_qkv_rope(
                 x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
                 k_cache, v_cache, q_out, offset, bias):
@@ -192,6 +203,13 @@ class CudaOps(SublayerOps):
                                    k_cache, v_cache, q_out, bias, head_norm, self.programmatic)
 
     def attention(self, q, k_cache, v_cache, meta, scale, out, *, window=None, softcap=None):
+        rope = None
+        if self._rope is not None:  # this layer's, from norm_qkv_rope just before
+            rope_meta, rope_k_cache, rope = self._rope
+            self._rope = None
+            if rope_meta is not meta or rope_k_cache is not k_cache:
+                raise RuntimeError("attention: the step's last norm_qkv_rope was another "
+                                   "layer's or step's; each layer's attention must follow it")
         num_splits, clusters = 1, False
         if meta.is_decode_only:  # a windowed layer's keys are its window at most
             seen = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
@@ -203,7 +221,7 @@ class CudaOps(SublayerOps):
             max_seq_len=None if meta.lengths_on_device else meta.max_seq_len,
             num_splits=num_splits, partial_out=self._partial_out, partial_lse=self._partial_lse,
             clusters=clusters, programmatic=self.programmatic, window=window, softcap=softcap,
-            num_sms=self.num_sms)
+            num_sms=self.num_sms, rope=rope)
 
     def decode_split(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                      max_seq_len: int) -> tuple[int, bool]:

@@ -15,7 +15,8 @@ from ...errors import ConfigError
 SKINNY_CHOICES = ("auto", "mma", "cublas")
 FP8_CHOICES = ("cublaslt", "dequantize")
 ENVIRONMENT = {"programmatic": "CUPY_LLAMA_PDL", "clusters": "CUPY_LLAMA_CLUSTERS",
-               "skinny_gemm": "CUPY_LLAMA_SKINNY_GEMM", "fp8_gemm": "CUPY_LLAMA_FP8_GEMM"}
+               "skinny_gemm": "CUPY_LLAMA_SKINNY_GEMM", "fp8_gemm": "CUPY_LLAMA_FP8_GEMM",
+               "head_norm_attention": "CUPY_LLAMA_HEAD_NORM_ATTENTION"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class KernelSwitches:
     # quantized per row, FP8 tensor cores; the dequantized weight where cuBLASLt cannot)
     # or "dequantize" (the weight dequantized to bf16, then cuBLAS)
     fp8_gemm: str = "cublaslt"
+    # a decode step's q/k head norms (Qwen3, Gemma 3), RoPE and cache write done by the
+    # attention kernel instead of a kernel of their own (attention.py, DecodeRope);
+    # CUPY_LLAMA_HEAD_NORM_ATTENTION=0 turns it off
+    head_norm_attention: bool = True
 
     def __post_init__(self):
         for name, choices in (("skinny_gemm", SKINNY_CHOICES), ("fp8_gemm", FP8_CHOICES)):
@@ -45,7 +50,7 @@ class KernelSwitches:
         """The defaults, changed where the CUPY_LLAMA_* variables say so."""
         environ = os.environ if environ is None else environ
         values = {}
-        for name in ("programmatic", "clusters"):
+        for name in ("programmatic", "clusters", "head_norm_attention"):
             text = environ.get(ENVIRONMENT[name])
             if text is not None:
                 if text not in ("0", "1"):
