@@ -85,17 +85,18 @@ extern "C" __global__ void rms_norm_f32_kernel(const float* x, const bf16* __res
     rms_norm_row(x, weight, out, hidden, eps, offset, vector);
 }
 
-// residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight), x [T, H] bf16:
-// a sublayer's output, normed in float32 and added unrounded. Where every thread holds at
+// out [T, H] float32 = residual + x / sqrt(mean(x^2) + eps) * (offset + weight), x [T, H]
+// bf16: a sublayer's output, normed in float32 and added unrounded; out is residual (in
+// place) or another buffer (the model's second residual buffer, models/decoder.py). Where every thread holds at
 // most one vector group (hidden <= NORM_VECTOR * blockDim.x: the launcher's thread count
 // gives that up to 4,096), x, the weight and the residual are loaded once, together, before
 // the sum (one round trip to memory, not two); the sums and roundings are the loops'.
 // It may be launched programmatically (common.cuh): the weight loads before it waits for
 // the kernel before (the product whose output x is), x and the residual after; so neither
-// is __restrict__.
+// is __restrict__ (nor residual and out, which may be one).
 extern "C" __global__ void add_rms_norm_kernel(const bf16* x, const bf16* __restrict__ weight,
-                                               float* residual, int hidden, float eps,
-                                               float offset, int vector) {
+                                               const float* residual, float* out, int hidden,
+                                               float eps, float offset, int vector) {
     let_next_kernel_start();  // the next product may load its weights meanwhile
     const long long row = (long long)blockIdx.x * hidden;
     if (vector && hidden <= NORM_VECTOR * (int)blockDim.x) {
@@ -118,7 +119,7 @@ extern "C" __global__ void add_rms_norm_kernel(const bf16* x, const bf16* __rest
             r.y += rms_scaled(v[1], inv_rms, w[1], offset);
             r.z += rms_scaled(v[2], inv_rms, w[2], offset);
             r.w += rms_scaled(v[3], inv_rms, w[3], offset);
-            *reinterpret_cast<float4*>(residual + row + i) = r;
+            *reinterpret_cast<float4*>(out + row + i) = r;
         }
         return;
     }
@@ -134,11 +135,11 @@ extern "C" __global__ void add_rms_norm_kernel(const bf16* x, const bf16* __rest
             r.y += rms_scaled(v[1], inv_rms, w[1], offset);
             r.z += rms_scaled(v[2], inv_rms, w[2], offset);
             r.w += rms_scaled(v[3], inv_rms, w[3], offset);
-            *reinterpret_cast<float4*>(residual + row + i) = r;
+            *reinterpret_cast<float4*>(out + row + i) = r;
         }
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-            residual[row + i] += rms_scaled(to_float(x[row + i]), inv_rms, to_float(weight[i]),
-                                            offset);
+            out[row + i] = residual[row + i] + rms_scaled(to_float(x[row + i]), inv_rms,
+                                                          to_float(weight[i]), offset);
     }
 }

@@ -373,9 +373,10 @@ class Ops(Protocol):
         picked for row r."""
     def rms_norm(self, x, weight, eps: float, out, *, offset: float = 0.0) -> None:
         """out = x / sqrt(mean(x^2) + eps) * (offset + weight); x, out [T, H]."""
-    def add_rms_norm(self, x, weight, eps: float, residual, *, offset: float = 0.0) -> None:
-        """residual (float32) += rms_norm(x): a sublayer's output normed before it joins the
-        residual stream (Gemma)."""
+    def add_rms_norm(self, x, weight, eps: float, residual, *, offset: float = 0.0,
+                     out=None) -> None:
+        """out (float32) = residual + rms_norm(x): a sublayer's output normed before it
+        joins the residual stream (Gemma); out None: residual, in place."""
     def linear(self, x, weight, out, accumulate: bool = False) -> None:
         """out = x @ weight.T; x [M, K], weight [N, K] (or an Fp8Weight), out [M, N]. out
         may be float32; accumulate: out (float32) += x @ weight.T."""

@@ -66,6 +66,11 @@ def test_rms_norm_offset_and_the_norm_that_adds(cp, rng, hidden, offset):
     got = cp.asarray(residual)
     elementwise.add_rms_norm(cp.asarray(x_bits), cp.asarray(w_bits), 1e-6, got, offset)
     assert_close(cp.asnumpy(got), expected, 1e-4, 1e-4, f"add_rms_norm offset {offset}")
+    # into another buffer: the same bits there, the residual as it was
+    kept, out = cp.asarray(residual), poisoned(cp, residual.shape, np.float32)
+    elementwise.add_rms_norm(cp.asarray(x_bits), cp.asarray(w_bits), 1e-6, kept, offset, out=out)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(got))
+    np.testing.assert_array_equal(cp.asnumpy(kept), residual)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (17, 6912), (5, 100)])

@@ -37,8 +37,11 @@ class NumpyOps(SublayerOps):
     def rms_norm(self, x, weight, eps, out, *, offset=0.0):
         out[...] = normed(x, weight, eps, offset)
 
-    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0):
-        residual += normed(x, weight, eps, offset)
+    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0, out=None):
+        if out is None:
+            residual += normed(x, weight, eps, offset)
+        else:
+            np.add(residual, normed(x, weight, eps, offset), out=out)
 
     def linear(self, x, weight, out, accumulate=False):
         if isinstance(weight, Fp8Weight):  # the codes' values, then each row's scale

@@ -79,16 +79,19 @@ def rms_norm(x, weight, eps, out, offset: float = 0.0):
             (x, weight, out, i32(hidden), f32(eps), f32(offset), i32(vector)))
 
 
-def add_rms_norm(x, weight, eps, residual, offset: float = 0.0, programmatic: bool = False):
-    """residual [T, H] float32 += x / sqrt(mean(x^2) + eps) * (offset + weight); x [T, H]
-    bf16. programmatic: launch programmatically (the caller has checked that the GPU can)."""
+def add_rms_norm(x, weight, eps, residual, offset: float = 0.0, programmatic: bool = False,
+                 out=None):
+    """out [T, H] float32 = residual + x / sqrt(mean(x^2) + eps) * (offset + weight); x [T,
+    H] bf16; out None: residual itself. programmatic: launch programmatically (the caller
+    has checked that the GPU can)."""
     rows, hidden = check("x", x, BF16, ndim=2).shape
     check("weight", weight, BF16, shape=(hidden,))
     check("residual", residual, F32, shape=(rows, hidden))
-    vector = hidden % NORM_VECTOR == 0 and aligned16(x, weight, residual)
+    out = residual if out is None else check("out", out, F32, shape=(rows, hidden))
+    vector = hidden % NORM_VECTOR == 0 and aligned16(x, weight, residual, out)
     if rows:
         _launch(get_kernel("norm", "add_rms_norm_kernel"), (rows,), _norm_threads(hidden),
-                (x, weight, residual, i32(hidden), f32(eps), f32(offset), i32(vector)),
+                (x, weight, residual, out, i32(hidden), f32(eps), f32(offset), i32(vector)),
                 programmatic)
 
 

@@ -161,8 +161,8 @@ class CudaOps(SublayerOps):
     def rms_norm(self, x, weight, eps, out, *, offset=0.0):
         elementwise.rms_norm(x, weight, eps, out, offset)
 
-    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0):
-        elementwise.add_rms_norm(x, weight, eps, residual, offset, self.programmatic)
+    def add_rms_norm(self, x, weight, eps, residual, *, offset=0.0, out=None):
+        elementwise.add_rms_norm(x, weight, eps, residual, offset, self.programmatic, out)
 
     def linear(self, x, weight, out, accumulate=False):
         self.products.linear(x, weight, out, accumulate)
