@@ -8,6 +8,13 @@
 //                       bf16(x / rms(x) * (norm_offset + norm_weight)),
 //                       rms_norm_f32_kernel's formula (its sum of squares in another
 //                       order: the last bit may differ);
+//            PRO_ADD_NORM as PRO_NORM, of x' = x + h / rms(h) * (norm_offset + weight)
+//                       (AddedRows h and weight; add_rms_norm_kernel's formula, Gemma's
+//                       sandwich norms: the output of the sublayer before joins the
+//                       stream), and block 0 writes x' to AddedRows out: the add costs no
+//                       kernel of its own. Every block reads x, so x' cannot go back into x; the model
+//                       keeps the stream in two buffers (models/decoder.py). Only where
+//                       one batch of loads holds a row (stage_x; gemm.py, fuses_added);
 //   epilogue EPI_STORE  out [M, N]: bf16 (out_mode OUT_BF16), float32 (OUT_F32) or added
 //                       to a float32 out (OUT_F32_ADD: the residual stream);
 //            EPI_GLU    w is gate_up [2I, K] (gate rows, then up rows); out [M, I] =
@@ -57,7 +64,7 @@
 // (d / 2) % 8 == 0; any N for EPI_STORE (rows of the last tile past N re-read row N - 1 and
 // are never stored); shared memory m_rows * x_stride * 16 + partials (gemm.py computes it).
 // Launch: grid (min(tiles, resident blocks)), block (WARPS * 32), dynamic shared
-// memory as above, one SkinnyArgs by value.
+// memory as above, a SkinnyArgs and an AddedRows by value.
 
 #include "common.cuh"
 
@@ -75,6 +82,7 @@
 #define W_FP8 1    // weights e4m3 [N, K] (uint8) times w_scale [N] (cupy_llama/fp8.py)
 #define PRO_PLAIN 0
 #define PRO_NORM 1
+#define PRO_ADD_NORM 2
 #define EPI_STORE 0
 #define EPI_GLU 1
 #define EPI_ROPE 2
@@ -86,8 +94,8 @@
 
 // keep in step with gemm.SkinnyArgs (pointers first, then 4-byte fields: no padding inside)
 struct SkinnyArgs {
-    const void* x;            // bf16 [M, K] (PRO_PLAIN) or float32 [M, K] (PRO_NORM)
-    const bf16* norm_weight;  // [K] (PRO_NORM)
+    const void* x;            // bf16 [M, K] (PRO_PLAIN) or float32 [M, K] (PRO_*NORM)
+    const bf16* norm_weight;  // [K] (PRO_*NORM)
     const void* w;            // [N, K]: bf16 (W_BF16) or e4m3 codes (W_FP8)
     void* out;                // see the epilogues
     const int* positions;     // [M] (EPI_ROPE, as the rest of this block)
@@ -103,6 +111,15 @@ struct SkinnyArgs {
     float eps;                // PRO_NORM
     float norm_offset;        // PRO_NORM: weights scale by (norm_offset + w)
     int act;                  // EPI_GLU: ACT_SILU or ACT_GELU_TANH (common.cuh)
+};
+
+// PRO_ADD_NORM's operands, every skinny kernel's second parameter (null for the other
+// prologues). Not fields of SkinnyArgs: past 128 bytes, the compiler reads every kernel's
+// parameters another way, with more registers. Keep in step with gemm.AddedRows.
+struct AddedRows {
+    const bf16* h;       // [M, K]: a sublayer's output, joining x through its own norm
+    const bf16* weight;  // [K]: that norm's weights
+    float* out;          // [M, K] float32: the joined rows, a buffer other than x
 };
 
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
@@ -269,11 +286,29 @@ __device__ __forceinline__ float row_sum(const float (&row_sums)[16][WARPS], int
     return sum_sq;
 }
 
+// inv_rms[m] of every x row m (norm-once staging, a row a group at most): each group's
+// warps leave their lanes' sums of squares (sum_sq, of a row where has_row, the same
+// across a warp) in row_sums, then the first m_rows threads add them in warp order. Ends
+// in a barrier.
+template <int WARPS>
+__device__ __forceinline__ void group_inv_rms(const SkinnyArgs& a, float sum_sq, bool has_row,
+                                              int m, int part, int row_warps,
+                                              float (&row_sums)[16][WARPS], float (&inv_rms)[16]) {
+    if (has_row) {
+        sum_sq = warp_sum(sum_sq);
+        if (threadIdx.x % WARP_SIZE == 0) row_sums[m][part] = sum_sq;
+    }
+    __syncthreads();
+    if (threadIdx.x < a.m_rows)
+        inv_rms[threadIdx.x] = rms_inv(row_sum(row_sums, threadIdx.x, row_warps), a.k, a.eps);
+    __syncthreads();
+}
+
 // SHARED: whether the kernel stages in clusters at all (STAGE_SHARED kernels; the others
 // carry no cluster code, which would lengthen their start)
 template <int PRO, int WARPS, bool SHARED>
-__device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_chunks,
-                                        int x_stride) {
+__device__ __forceinline__ void stage_x(const SkinnyArgs& a, const AddedRows& add, uint4* xs,
+                                        int x_chunks, int x_stride) {
     const int chunks = a.k / 8;
     const int total = a.m_rows * x_chunks;  // staged chunks, row by row
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -318,32 +353,68 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint4* xs, int x_ch
     const int row_warps = max(1, WARPS / a.m_rows), groups = WARPS / row_warps;
     const int group = warp / row_warps, part = warp - group * row_warps;
     const int group_lane = part * WARP_SIZE + lane, group_threads = row_warps * WARP_SIZE;
-    if (size == 1 && a.m_rows <= groups && quads <= NORM_ONCE_BATCH * group_threads) {
+    if (PRO == PRO_ADD_NORM || (size == 1 && a.m_rows <= groups
+                                 && quads <= NORM_ONCE_BATCH * group_threads)) {
         // A row a group at most, held whole in one batch of loads: x and the norm weights
         // are loaded once, together, and scaled from registers (no second trip to L2 for
         // x). The same sums in the same order and the same products as below: the same bits.
+        // (PRO_ADD_NORM launches only where this holds: gemm.py, fuses_added.)
         const int m = group;  // this group's row, if it has one
         const bool has_row = m < a.m_rows;
         float4 v[NORM_ONCE_BATCH];
         uint2 weight[NORM_ONCE_BATCH];
         const uint2* weight4 = reinterpret_cast<const uint2*>(a.norm_weight);
+        uint2 added[PRO == PRO_ADD_NORM ? NORM_ONCE_BATCH : 1];
 #pragma unroll
         for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
             const int q = group_lane + b * group_threads;
             const bool present = has_row && q < quads;
             v[b] = present ? __ldcg(x4 + (long long)m * quads + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            weight[b] = present ? __ldg(weight4 + q) : make_uint2(0u, 0u);
+            // (PRO_ADD_NORM: loaded once the add is done, so they and the added rows are
+            // never held at once; the RoPE epilogue's registers would spill)
+            weight[b] = present && PRO != PRO_ADD_NORM ? __ldg(weight4 + q) : make_uint2(0u, 0u);
+            if constexpr (PRO == PRO_ADD_NORM)
+                added[b] = present ? __ldcg(reinterpret_cast<const uint2*>(add.h) + (long long)m * quads + q)
+                                   : make_uint2(0u, 0u);
         }
-        if (has_row) {
-            float sum_sq = 0.0f;
-            add_squares(sum_sq, v);
-            sum_sq = warp_sum(sum_sq);
-            if (lane == 0) row_sums[m][part] = sum_sq;
+        if constexpr (PRO == PRO_ADD_NORM) {
+            // x' = x + the added rows normed by their own weights, as add_rms_norm_kernel
+            // adds them (its sum of squares in another order: the last bit may differ)
+            float added_sq = 0.0f;
+#pragma unroll
+            for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
+                float h[4];
+                unpack_bf16x4(added[b], h);
+                added_sq += h[0] * h[0] + h[1] * h[1] + h[2] * h[2] + h[3] * h[3];
+            }
+            group_inv_rms(a, added_sq, has_row, m, part, row_warps, row_sums, inv_rms);
+            if (has_row) {
+                const float added_scale = inv_rms[m];
+                const uint2* added_weight4 = reinterpret_cast<const uint2*>(add.weight);
+                float4* out4 = reinterpret_cast<float4*>(add.out) + (long long)m * quads;
+#pragma unroll
+                for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
+                    const int q = group_lane + b * group_threads;
+                    if (q >= quads) continue;
+                    float h[4], w4[4];
+                    unpack_bf16x4(added[b], h);
+                    unpack_bf16x4(__ldg(added_weight4 + q), w4);
+                    v[b].x += rms_scaled(h[0], added_scale, w4[0], a.norm_offset);
+                    v[b].y += rms_scaled(h[1], added_scale, w4[1], a.norm_offset);
+                    v[b].z += rms_scaled(h[2], added_scale, w4[2], a.norm_offset);
+                    v[b].w += rms_scaled(h[3], added_scale, w4[3], a.norm_offset);
+                    if (blockIdx.x == 0) out4[q] = v[b];  // no block reads add.out
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < NORM_ONCE_BATCH; ++b) {
+                const int q = group_lane + b * group_threads;
+                weight[b] = has_row && q < quads ? __ldg(weight4 + q) : make_uint2(0u, 0u);
+            }
         }
-        __syncthreads();
-        if (threadIdx.x < a.m_rows)
-            inv_rms[threadIdx.x] = rms_inv(row_sum(row_sums, threadIdx.x, row_warps), a.k, a.eps);
-        __syncthreads();
+        float sum_sq = 0.0f;
+        if (has_row) add_squares(sum_sq, v);
+        group_inv_rms(a, sum_sq, has_row, m, part, row_warps, row_sums, inv_rms);
         if (has_row) {
             uint2* staged_row = reinterpret_cast<uint2*>(xs + m * x_stride);  // 4 bf16 a quad
             const float scale = inv_rms[m];
@@ -547,7 +618,7 @@ __device__ __forceinline__ void finish(const SkinnyArgs& a, int m, TileRows rows
 // NT: 8-column x tiles (1 for m_rows <= 8, 2 for m_rows <= 16); WARPS per block; W: the
 // weights' format
 template <int NT, int PRO, int EPI, int WARPS, int W, int STAGE>
-__device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
+__device__ __forceinline__ void skinny_body(const SkinnyArgs& a, const AddedRows& add) {
     typedef typename Weights<W>::Chunk Chunk;
     constexpr int UNROLL = Weights<W>::UNROLL;
     extern __shared__ uint4 skinny_smem[];
@@ -601,7 +672,7 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
     if (SHARED && cluster_size() > 1) cluster_arrive_relaxed();
     wait_for_previous_kernel();
     if (preloaded && finisher) load_residual_inputs<EPI>(a, e_m, rows, inputs);
-    stage_x<PRO, WARPS, SHARED>(a, xs, x_chunks, x_stride);  // ends in a barrier
+    stage_x<PRO, WARPS, SHARED>(a, add, xs, x_chunks, x_stride);  // ends in a barrier
 
     int buffer = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -679,8 +750,8 @@ __device__ __forceinline__ void skinny_body(const SkinnyArgs& a) {
 
 #define DEFINE_SKINNY(NAME, NT, PRO, EPI, WARPS, MIN_BLOCKS, W, STAGE)                     \
     extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE, MIN_BLOCKS)               \
-        NAME(const SkinnyArgs args) {                                                        \
-        skinny_body<NT, PRO, EPI, WARPS, W, STAGE>(args);                                    \
+        NAME(const SkinnyArgs args, const AddedRows add) {                                   \
+        skinny_body<NT, PRO, EPI, WARPS, W, STAGE>(args, add);                               \
     }
 
 // NT: 8-column x tiles. The wide variant gives a
@@ -703,6 +774,10 @@ DEFINE_SKINNY(skinny_norm_glu_n1_shared, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, 
 DEFINE_SKINNY(skinny_norm_glu_n2_shared, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
 DEFINE_SKINNY(skinny_norm_rope_n1_shared, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
 DEFINE_SKINNY(skinny_norm_rope_n2_shared, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_SHARED)
+// the normed products that first add the sublayer before (PRO_ADD_NORM), up to 8 rows
+DEFINE_SKINNY(skinny_add_norm_n1, 1, PRO_ADD_NORM, EPI_STORE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_add_norm_glu_n1, 1, PRO_ADD_NORM, EPI_GLU, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
+DEFINE_SKINNY(skinny_add_norm_rope_n1, 1, PRO_ADD_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_BF16, STAGE_ALONE)
 DEFINE_SKINNY(skinny_fp8_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 DEFINE_SKINNY(skinny_fp8_n2, 2, PRO_PLAIN, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 DEFINE_SKINNY(skinny_fp8_wide_n1, 1, PRO_PLAIN, EPI_STORE, SKINNY_WIDE_WARPS, 1, W_FP8, STAGE_ALONE)
@@ -713,6 +788,9 @@ DEFINE_SKINNY(skinny_fp8_norm_glu_n1, 1, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_F
 DEFINE_SKINNY(skinny_fp8_norm_glu_n2, 2, PRO_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 DEFINE_SKINNY(skinny_fp8_norm_rope_n1, 1, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 DEFINE_SKINNY(skinny_fp8_norm_rope_n2, 2, PRO_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_add_norm_n1, 1, PRO_ADD_NORM, EPI_STORE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_add_norm_glu_n1, 1, PRO_ADD_NORM, EPI_GLU, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
+DEFINE_SKINNY(skinny_fp8_add_norm_rope_n1, 1, PRO_ADD_NORM, EPI_ROPE, SKINNY_WARPS, 2, W_FP8, STAGE_ALONE)
 
 // ------------------------------------------------------------------------------------------
 // SIMT products, the same out[M, N] = x[M, K] w[N, K]^T for M <= 16 on the CUDA cores: each

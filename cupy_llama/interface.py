@@ -330,6 +330,17 @@ class HeadNorm(NamedTuple):
     offset: float = 0.0
 
 
+class AddedNorm(NamedTuple):
+    """A sublayer's output that joins the residual stream through a norm of its own as the
+    next sublayer opens (Gemma's sandwich norms): out = x + rms_norm(h) * (offset +
+    weight), with the opening op's eps and offset, and the op then norms out, not x. out is
+    a float32 buffer other than x: a GPU kernel that does both reads x in every block
+    (docs/ARCHITECTURE.md, "Sandwich norms")."""
+    h: Any       # [T, H], the sublayer's output
+    weight: Any  # [H]
+    out: Any     # [T, H] float32
+
+
 class Fp8Weight(NamedTuple):
     """A product's weight [N, K] in FP8 (docs/ARCHITECTURE.md, "FP8 weights"): row n is
     value(codes[n]) * scale[n], e4m3 codes and float32 scales (cupy_llama/fp8.py). On the
@@ -401,15 +412,18 @@ class Ops(Protocol):
     def gather_rows(self, x, indices, out) -> None:
         """out[b] = x[indices[b]]; picks each sequence's last hidden state."""
     def norm_linear(self, x, norm_weight, eps: float, weight, out, h, *,
-                    offset: float = 0.0) -> None:
-        """out = rms_norm(x) @ weight.T (SublayerOps)."""
+                    offset: float = 0.0, added: AddedNorm | None = None) -> None:
+        """out = rms_norm(x) @ weight.T (SublayerOps); with added, of added.out = x +
+        rms_norm(added.h)."""
     def norm_gate_up_act(self, x, norm_weight, eps: float, weight, out, h, gate_up, *,
-                         offset: float = 0.0, act: str = "silu") -> None:
-        """out = act_and_mul(rms_norm(x) @ weight.T) (SublayerOps)."""
+                         offset: float = 0.0, act: str = "silu",
+                         added: AddedNorm | None = None) -> None:
+        """out = act_and_mul(rms_norm(x) @ weight.T) (SublayerOps); added as above."""
     def norm_qkv_rope(self, x, norm_weight, eps: float, weight, meta, cos_sin, k_cache,
                       v_cache, q_out, h, qkv, *, offset: float = 0.0, bias=None,
-                      head_norm: HeadNorm | None = None) -> None:
-        """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps)."""
+                      head_norm: HeadNorm | None = None,
+                      added: AddedNorm | None = None) -> None:
+        """rope_and_cache(rms_norm(x) @ weight.T) (SublayerOps); added as above."""
     def device_array(self, host: np.ndarray) -> Any:
         """A copy of a host array in backend memory (the NumPy backend: the array itself)."""
     def token_logprobs(self, logits, targets, k: int, values, ids, ranks) -> None:
@@ -438,23 +452,32 @@ class SublayerOps:
     """The ops that open a sublayer (a norm, a product, and what follows the product),
     composed of the primitive ops. A backend may run any of them as one kernel: CudaOps
     does for steps of at most 16 tokens. `h` (the normalized x) and `qkv` / `gate_up` (the
-    raw product) are scratch buffers only the composed form writes."""
+    raw product) are scratch buffers only the composed form writes. With `added`
+    (AddedNorm), the sublayer before joins first and the op norms added.out."""
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
+    def join(self, x, added: AddedNorm | None, eps, offset):
+        """x, or where a sublayer's output joins first, added.out = x + rms_norm(added.h)."""
+        if added is None:
+            return x
+        self.add_rms_norm(added.h, added.weight, eps, x, offset=offset, out=added.out)
+        return added.out
+
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0, added=None):
         """out = rms_norm(x) @ weight.T; x [T, H], out [T, N]."""
+        x = self.join(x, added, eps, offset)
         self.rms_norm(x, norm_weight, eps, h, offset=offset)
         self.linear(h, weight, out)
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
-                         act="silu"):
+                         act="silu", added=None):
         """out [T, I] = act(gate) * up of rms_norm(x) @ weight.T (gate rows first)."""
-        self.norm_linear(x, norm_weight, eps, weight, gate_up, h, offset=offset)
+        self.norm_linear(x, norm_weight, eps, weight, gate_up, h, offset=offset, added=added)
         self.act_and_mul(gate_up, out, act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None, added=None):
         """rms_norm(x) @ weight.T, then rope_and_cache (with bias and head_norm): rotated q
         -> q_out [T, nh, d], rotated k and plain v -> the caches."""
-        self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset)
+        self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset, added=added)
         self.rope_and_cache(qkv, meta, cos_sin, k_cache, v_cache, q_out, bias=bias,
                             head_norm=head_norm)

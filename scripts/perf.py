@@ -104,26 +104,38 @@ class RecordingOps:
         self.calls.append((f"{name} {weight.shape[0]}x{weight.shape[1]}", run))
         return True
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0, added=None):
         products = self._ops.products
-        if not self._fused("norm_linear", weight,
-                           lambda: products.norm_linear(x, norm_weight, eps, weight, out, offset)):
+        if self._fused("norm_linear", weight, lambda: products.norm_linear(
+                x, norm_weight, eps, weight, out, offset, added)):
+            return
+        x = SublayerOps.join(self, x, added, eps, offset)
+        if added is None or not self._fused("norm_linear", weight, lambda: products.norm_linear(
+                x, norm_weight, eps, weight, out, offset)):
             SublayerOps.norm_linear(self, x, norm_weight, eps, weight, out, h, offset=offset)
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
-                         act="silu"):
+                         act="silu", added=None):
         products = self._ops.products
-        if not self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
+        if self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
+                x, norm_weight, eps, weight, out, offset, act, added)):
+            return
+        x = SublayerOps.join(self, x, added, eps, offset)
+        if added is None or not self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
                 x, norm_weight, eps, weight, out, offset, act)):
             SublayerOps.norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up,
                                          offset=offset, act=act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None, added=None):
         products = self._ops.products
-        if head_norm is not None or not self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
-                x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
-                k_cache, v_cache, q_out, offset, bias)):
+        rope = (meta.positions, meta.slot_mapping, cos_sin, k_cache, v_cache, q_out, offset, bias)
+        if head_norm is None and self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
+                x, norm_weight, eps, weight, *rope, added=added)):
+            return
+        x = SublayerOps.join(self, x, added, eps, offset)
+        if head_norm is not None or added is None or not self._fused(
+                "norm_qkv_rope", weight, lambda: products.norm_qkv_rope(x, norm_weight, eps, weight, *rope)):
             SublayerOps.norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin,
                                       k_cache, v_cache, q_out, h, qkv, offset=offset,
                                       bias=bias, head_norm=head_norm)

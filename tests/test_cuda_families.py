@@ -4,7 +4,8 @@ family's whole model on the GPU against the CPU: eagerly, from the decode and st
 graphs, and with the fused skinny products.
 
 - norms scaling by (1 + w) (Gemma), the norm that adds a sublayer's output into the
-  residual stream, GeGLU's tanh GELU, soft-capped logits, scaled embeddings;
+  residual stream (in place, into another buffer, and inside the normed skinny products
+  that open the next sublayer), GeGLU's tanh GELU, soft-capped logits, scaled embeddings;
 - the q/k/v biases (Qwen2) and per-head q/k norms (Qwen3, Gemma 3) in the rope kernel and
   the biases in the fused qkv product;
 - sliding windows in every attention kernel: prefill (a window edge inside a tile, chunks
@@ -290,6 +291,135 @@ def test_fused_products_take_offsets_gelu_and_biases(cp, rng, m):
     assert_close(np.nan_to_num(got_k), np.nan_to_num(k_ref), 3e-2, 3e-2, f"fused k cache m={m}")
     assert_close(np.nan_to_num(to_float(cp, v_cache)), np.nan_to_num(v_ref), 3e-2, 3e-2,
                  f"fused v cache m={m}")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("m, k", [(1, 1152), (2, 1152), (1, 2304), (5, 512)])
+def test_fused_products_add_the_sublayer_before(cp, rng, m, k, fp8):
+    """Gemma's sandwich norms inside the normed skinny products (PRO_ADD_NORM): the output of
+    the sublayer before joins x through its own norm (interface.AddedNorm), the kernel
+    writes the sum and norms it for its product; each epilogue, bf16 and FP8 weights,
+    against the NumPy ops. x stays as it was, and a second launch gives the same bits."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.interface import AddedNorm
+    from test_cuda_fp8 import fp8_weight, reference_product
+    assert gemm.fuses_added(m, k)
+    products = gemm.Products("mma", programmatic=False)
+    eps, offset, inter = 1e-6, 1.0, 256
+    x = rng.standard_normal((m, k), dtype=np.float32) * 2
+    h_bits, h = random_bf16(rng, (m, k), scale=3.0)
+    added_bits, added_w = random_bf16(rng, (k,), scale=0.3)
+    norm_bits, norm_w = random_bf16(rng, (k,), scale=0.3)
+    joined = x.copy()
+    REF.add_rms_norm(h, added_w, eps, joined, offset=offset)
+    normed_joined = round_to_bf16(normed(joined, norm_w, eps, offset))
+
+    def weight_of(n):
+        if fp8:
+            weight, values, scale = fp8_weight(cp, rng, n, k)
+            return weight, lambda a: reference_product(a, values, scale).astype(np.float32)
+        bits, values = random_bf16(rng, (n, k), scale=0.03)
+        return cp.asarray(bits), lambda a: a @ values.T
+
+    x_gpu, h_gpu = cp.asarray(x), cp.asarray(h_bits)
+    added_w_gpu, norm_gpu = cp.asarray(added_bits), cp.asarray(norm_bits)
+
+    def launch(product, *args):
+        """The sum and the product's outputs of two launches, which must agree bit for bit."""
+        runs = []
+        for _ in range(2):
+            out = poisoned(cp, (m, k), np.float32)
+            outputs = product(AddedNorm(h_gpu, added_w_gpu, out), *args)
+            runs.append([cp.asnumpy(a) for a in (out, *outputs)])
+        for first, second in zip(*runs):
+            np.testing.assert_array_equal(first, second, err_msg="two launches differ")
+        np.testing.assert_array_equal(cp.asnumpy(x_gpu), x, err_msg="the kernel wrote x")
+        assert_close(runs[0][0], joined, 1e-5, 1e-5, f"the joined stream, {m} x {k}")
+        return runs[0][1:]
+
+    weight, reference = weight_of(2 * inter)
+
+    def linear(added):
+        out = poisoned(cp, (m, 2 * inter), np.float32)
+        assert products.norm_linear(x_gpu, norm_gpu, eps, weight, out, offset, added), "not fused"
+        return [out]
+
+    (got,) = launch(linear)
+    assert_close(got, reference(normed_joined), 2e-2, 2e-2, f"norm_linear, {m} x {k}")
+
+    def gate_up_act(added):
+        out = poisoned(cp, (m, inter))
+        assert products.norm_gate_up_act(x_gpu, norm_gpu, eps, weight, out, offset,
+                                         "gelu_tanh", added), "not fused"
+        return [out]
+
+    (got,) = launch(gate_up_act)
+    expected = np.empty((m, inter), np.float32)
+    REF.act_and_mul(round_to_bf16(reference(normed_joined)), expected, "gelu_tanh")
+    rel = np.linalg.norm(bf16_bits_to_float32(got) - expected) / np.linalg.norm(expected)
+    assert rel < 2e-2, f"norm_gate_up_act, {m} x {k}: relative error {rel:.3g}"
+
+    head_dim, num_heads, num_kv_heads, num_blocks = 128, 4, 1, 4
+    weight, reference = weight_of((num_heads + 2 * num_kv_heads) * head_dim)
+    positions = rng.integers(0, 2048, m).astype(np.int32)
+    slots = rng.choice(num_blocks * BLOCK_SIZE, m, replace=False).astype(np.int32)
+    cos_sin = rope_table(2048, head_dim)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    def qkv_rope(added):
+        q_out = poisoned(cp, (m, num_heads, head_dim))
+        k_cache, v_cache = poisoned(cp, cache_shape), poisoned(cp, cache_shape)
+        assert products.norm_qkv_rope(x_gpu, norm_gpu, eps, weight, cp.asarray(positions),
+                                      cp.asarray(slots), cp.asarray(cos_sin), k_cache, v_cache,
+                                      q_out, offset, None, added), "not fused"
+        return [q_out, k_cache, v_cache]
+
+    q_out, k_cache, v_cache = launch(qkv_rope)
+
+    class Meta:
+        pass
+
+    meta = Meta()
+    meta.positions, meta.slot_mapping = positions, slots
+    q_ref = np.empty((m, num_heads, head_dim), np.float32)
+    k_ref, v_ref = np.full(cache_shape, np.nan, np.float32), np.full(cache_shape, np.nan, np.float32)
+    REF.rope_and_cache(reference(normed_joined), meta, cos_sin, k_ref, v_ref, q_ref)
+    assert_close(bf16_bits_to_float32(q_out), q_ref, 3e-2, 3e-2, f"q, {m} x {k}")
+    for name, got, expected in (("k", k_cache, k_ref), ("v", v_cache, v_ref)):
+        got = bf16_bits_to_float32(got)
+        assert (np.isnan(got) == np.isnan(expected)).all(), f"{name} cache: slots written"
+        assert_close(np.nan_to_num(got), np.nan_to_num(expected), 3e-2, 3e-2, f"{name} cache")
+
+
+def test_the_ops_add_the_sublayer_before_where_no_kernel_can(cp, rng):
+    """Where the skinny kernels cannot take the add (rows too long for one batch of loads,
+    or a prefill step), the CUDA ops add it with add_rms_norm first: the same sum, and the
+    product of its norm."""
+    from cupy_llama.backends.cuda import gemm
+    from cupy_llama.backends.cuda.ops import CudaOps
+    from cupy_llama.backends.cuda.switches import KernelSwitches
+    from cupy_llama.interface import AddedNorm
+    eps, offset, n = 1e-6, 1.0, 256
+    for m, k in ((3, 1152), (9, 1152), (16, 1152), (17, 1152), (2, 2304)):
+        assert not gemm.fuses_added(m, k)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        h_bits, h = random_bf16(rng, (m, k), scale=3.0)
+        added_bits, added_w = random_bf16(rng, (k,), scale=0.3)
+        norm_bits, norm_w = random_bf16(rng, (k,), scale=0.3)
+        w_bits, w = random_bf16(rng, (n, k), scale=0.03)
+        joined = x.copy()
+        REF.add_rms_norm(h, added_w, eps, joined, offset=offset)
+        out, summed = poisoned(cp, (m, n), np.float32), poisoned(cp, (m, k), np.float32)
+        scratch = cp.empty((m, k), np.uint16)
+        ops = CudaOps(max_num_tokens=32, max_num_seqs=4, max_blocks_per_seq=1, num_heads=1,
+                      head_dim=64, max_model_len=16,
+                      switches=KernelSwitches(skinny_gemm="mma", programmatic=False))
+        ops.norm_linear(cp.asarray(x), cp.asarray(norm_bits), eps, cp.asarray(w_bits), out,
+                        scratch, offset=offset,
+                        added=AddedNorm(cp.asarray(h_bits), cp.asarray(added_bits), summed))
+        assert_close(cp.asnumpy(summed), joined, 1e-5, 1e-5, f"the joined stream, {m} x {k}")
+        expected = round_to_bf16(normed(joined, norm_w, eps, offset)) @ w.T
+        assert_close(cp.asnumpy(out), expected, 2e-2, 2e-2, f"norm_linear, {m} x {k}")
 
 
 # ---------------------------------------------------------------- sliding windows

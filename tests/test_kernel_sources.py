@@ -99,7 +99,7 @@ def test_kernel_families_come_from_the_define_lines():
     source = (kernel_dir() / "gemv.cu").read_text()
     skinny = re.findall(r"^DEFINE_SKINNY\((\w+), (\d), (PRO_\w+), (EPI_\w+), (\w+), \d, (W_\w+), "
                         r"(STAGE_\w+)\)$", source, re.M)
-    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 26
+    assert len(skinny) == len(gemm.SKINNY_KERNELS) == 32
     for name, nt, pro, epi, warps, w, stage in skinny:
         key = (getattr(gemm, w), getattr(gemm, pro), getattr(gemm, epi),
                kernels.constants("gemv")[warps], int(nt), getattr(gemm, stage))
@@ -117,6 +117,11 @@ def test_kernel_families_come_from_the_define_lines():
     assert bf16_norm(8, 1152) == bf16_norm(4, 2048) == bf16_norm(1, 8192) == 1
     assert gemm.staging_cluster(gemm.W_FP8, gemm.PRO_NORM, 16, 2048) == 1
     assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_PLAIN, 16, 2048) == 1
+    # the adding norm's kernels (PRO_ADD_NORM): one x tile, every epilogue, never clustered
+    added = {key for key in alone if key[1] == gemm.PRO_ADD_NORM}
+    assert {(key[2], key[4]) for key in added} == {
+        (epi, 1) for epi in (gemm.EPI_STORE, gemm.EPI_GLU, gemm.EPI_ROPE)}
+    assert gemm.staging_cluster(gemm.W_BF16, gemm.PRO_ADD_NORM, 8, 2048) == 1
     simt = re.findall(r"^DEFINE_GEMV\((\w+), (\d+), (\d+), \d+\)$", source, re.M)
     assert {int(m): (name, int(rows)) for name, m, rows in simt} == gemm.GEMV_VARIANTS
     assert gemm.SKINNY_MAX_ROWS == 16

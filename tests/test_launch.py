@@ -11,17 +11,23 @@ from cupy_llama.backends.cuda import gemm, launch
 from cupy_llama.backends.cuda.kernels import kernel_dir
 
 
-def test_skinny_args_mirror_the_struct_in_gemv_cu():
-    """Same fields in the same order, pointers before 4-byte fields (no padding inside)."""
+@pytest.mark.parametrize("name", ["SkinnyArgs", "AddedRows"])
+def test_skinny_parameters_mirror_the_structs_in_gemv_cu(name):
+    """Same fields in the same order, pointers before 4-byte fields (no padding inside);
+    SkinnyArgs within the 128 bytes past which the kernels read it another way."""
     source = (kernel_dir() / "gemv.cu").read_text()
-    body = re.search(r"struct SkinnyArgs \{(.*?)\};", source, re.S).group(1)
+    body = re.search(rf"struct {name} \{{(.*?)\}};", source, re.S).group(1)
     fields = []
     for declaration in re.sub(r"//[^\n]*", "", body).split(";"):
         names = re.findall(r"\*?\s*(\w+)\s*(?=,|$)", declaration.strip())
         fields += [n for n in names if n not in ("int", "float", "bf16", "void", "const")]
-    assert [name for name, _ in gemm.SkinnyArgs._fields_] == fields
-    pointers = sum(1 for _, kind in gemm.SkinnyArgs._fields_ if kind is ctypes.c_void_p)
-    assert ctypes.sizeof(gemm.SkinnyArgs) == 8 * pointers + 4 * (len(fields) - pointers)
+    struct = getattr(gemm, name)
+    assert [field for field, _ in struct._fields_] == fields
+    pointers = sum(1 for _, kind in struct._fields_ if kind is ctypes.c_void_p)
+    assert ctypes.sizeof(struct) == 8 * pointers + 4 * (len(fields) - pointers)
+    assert ctypes.sizeof(gemm.SkinnyArgs) <= 128
+    # every skinny kernel takes both, in that order
+    assert len(re.findall(r"NAME\(const SkinnyArgs args, const AddedRows add\)", source)) == 1
 
 
 def test_launch_structs_have_the_driver_layout():

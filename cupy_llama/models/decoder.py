@@ -25,7 +25,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from ..config import ConfigReader, ModelConfig
-from ..interface import Backend, ForwardBatch, HeadNorm
+from ..interface import AddedNorm, Backend, ForwardBatch, HeadNorm
 from ..weights import SCALE_SUFFIX, BlobEntry, LayoutItem, layout_blob, scale_key
 from .rope import rope_table
 
@@ -163,10 +163,12 @@ class Decoder:
         and max_num_seqs; `qkv`/`gate_up` and `q`/`act` never live at the same time, so
         each pair may share memory. `h`, `qkv`, `gate_up` and `last_h` are scratch of the
         composed sublayer ops (interface.py SublayerOps); `h` also takes a sublayer's
-        output before its norm where the family has sandwich norms."""
+        output before its norm where the family has sandwich norms, and `residual_mid`
+        the stream between a layer's two sublayers (attention_out_and_mlp)."""
         c = self.config
         T, B, H = num_tokens, num_seqs, c.hidden_size
-        return {
+        mid = {"residual_mid": (T, H)} if c.sandwich_norms else {}  # float32
+        return mid | {
             "residual": (T, H),               # the residual stream (float32 on every backend)
             "h": (T, H),                      # normalized input (or raw output) of a sublayer
             "qkv": (T, c.q_size + 2 * c.kv_size),  # fused projection output
@@ -272,16 +274,21 @@ class Decoder:
 
     def attention_in(self, backend: Backend, meta, buf, i: int) -> None:
         """Layer i's norm, qkv product (and bias), q/k norms, RoPE and cache write: q
-        [T, nh, d]."""
+        [T, nh, d]. With sandwich norms, layer i - 1's MLP output joins the stream first."""
         c, w, layer = self.config, backend.weights, f"layers.{i}"
         k_cache, v_cache = backend.kv_caches[i]
         head_norm = (HeadNorm(w[f"{layer}.q_norm"], w[f"{layer}.k_norm"], c.rms_norm_eps,
                               c.norm_offset) if c.qk_norm else None)
+        x, added = buf["residual"], None
+        if c.sandwich_norms and i > 0:
+            x, added = buf["residual_mid"], AddedNorm(
+                buf["h"], w[f"layers.{i - 1}.mlp_out_norm"], buf["residual"])
         backend.ops.norm_qkv_rope(
-            buf["residual"], w[f"{layer}.input_norm"], c.rms_norm_eps, w[f"{layer}.qkv"], meta,
+            x, w[f"{layer}.input_norm"], c.rms_norm_eps, w[f"{layer}.qkv"], meta,
             backend.rope_tables[c.layer_types[i]], k_cache, v_cache, buf["q"], buf["h"],
             buf["qkv"], offset=c.norm_offset,
-            bias=w[f"{layer}.qkv_bias"] if c.qkv_bias else None, head_norm=head_norm)
+            bias=w[f"{layer}.qkv_bias"] if c.qkv_bias else None, head_norm=head_norm,
+            added=added)
 
     def attention(self, backend: Backend, meta, buf, i: int) -> None:
         """Layer i's attention over the paged cache: attn [T, nh * d]."""
@@ -293,22 +300,31 @@ class Decoder:
     def attention_out_and_mlp(self, backend: Backend, buf, i: int) -> None:
         """Layer i's output product into the residual stream, then the MLP: norm, gate/up
         product and gated activation (act: [T, I]), and the down product likewise. Added
-        straight into the float32 residual stream; with sandwich norms each product goes
-        to `h` first and its norm adds it."""
+        straight into the float32 residual stream.
+
+        With sandwich norms each product goes to `h` first, and its norm adds it as the next
+        sublayer opens (interface.AddedNorm), so that a GPU kernel may do both: the
+        attention output joins in norm_gate_up_act, into `residual_mid`; the MLP output
+        joins in the next layer's attention_in, back into `residual` (after the last
+        layer, here). The stream goes between two buffers because that kernel reads it in
+        every block while one block writes the sum (docs/ARCHITECTURE.md, "Sandwich
+        norms")."""
         c, ops, w, layer = self.config, backend.ops, backend.weights, f"layers.{i}"
         eps, offset = c.rms_norm_eps, c.norm_offset
+        added = None
         if c.sandwich_norms:
             ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["h"])
-            ops.add_rms_norm(buf["h"], w[f"{layer}.attn_out_norm"], eps, buf["residual"],
-                             offset=offset)
+            added = AddedNorm(buf["h"], w[f"{layer}.attn_out_norm"], buf["residual_mid"])
         else:
             ops.linear(buf["attn"], w[f"{layer}.o_proj"], buf["residual"], accumulate=True)
         ops.norm_gate_up_act(buf["residual"], w[f"{layer}.mlp_norm"], eps, w[f"{layer}.gate_up"],
-                             buf["act"], buf["h"], buf["gate_up"], offset=offset, act=c.hidden_act)
+                             buf["act"], buf["h"], buf["gate_up"], offset=offset,
+                             act=c.hidden_act, added=added)
         if c.sandwich_norms:
             ops.linear(buf["act"], w[f"{layer}.down"], buf["h"])
-            ops.add_rms_norm(buf["h"], w[f"{layer}.mlp_out_norm"], eps, buf["residual"],
-                             offset=offset)
+            if i == c.num_hidden_layers - 1:
+                ops.add_rms_norm(buf["h"], w[f"{layer}.mlp_out_norm"], eps,
+                                 buf["residual_mid"], offset=offset, out=buf["residual"])
         else:
             ops.linear(buf["act"], w[f"{layer}.down"], buf["residual"], accumulate=True)
 

@@ -51,7 +51,7 @@ def _align(n: int) -> int:
     return cdiv(n, ALIGNMENT) * ALIGNMENT
 
 
-FLOAT32_BUFFERS = ("residual", "last_residual", "logits")
+FLOAT32_BUFFERS = ("residual", "residual_mid", "last_residual", "logits")
 # A prompt's scored rows go through the LM head in pieces of as many rows as the logits
 # buffer holds: max_num_seqs, or more, up to this many bytes of float32 logits, so that a
 # prompt of about a thousand tokens is one product (docs/ARCHITECTURE.md, "Prompt

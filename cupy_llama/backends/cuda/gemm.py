@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...interface import Fp8Weight
+from ...interface import AddedNorm, Fp8Weight
 from ...util import cdiv
 from . import launch
 from .device import device_limits
@@ -78,7 +78,7 @@ GEMV_WARPS = _C["GEMV_WARPS"]
 SKINNY_KERNELS = {(w, pro, epi, warps, nt, stage): name
                   for name, nt, pro, epi, warps, _, w, stage in instances("gemv", "DEFINE_SKINNY")}
 W_BF16, W_FP8 = _C["W_BF16"], _C["W_FP8"]
-PRO_PLAIN, PRO_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"]
+PRO_PLAIN, PRO_NORM, PRO_ADD_NORM = _C["PRO_PLAIN"], _C["PRO_NORM"], _C["PRO_ADD_NORM"]
 EPI_STORE, EPI_GLU, EPI_ROPE = _C["EPI_STORE"], _C["EPI_GLU"], _C["EPI_ROPE"]
 OUT_BF16, OUT_F32, OUT_F32_ADD = _C["OUT_BF16"], _C["OUT_F32"], _C["OUT_F32_ADD"]
 STAGE_ALONE, STAGE_SHARED = _C["STAGE_ALONE"], _C["STAGE_SHARED"]
@@ -323,63 +323,67 @@ class Products:
         else:
             cublas_linear(x, self.bf16_weight(weight), out, accumulate)
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, offset: float = 0.0) -> bool:
+    def norm_linear(self, x, norm_weight, eps, weight, out, offset: float = 0.0,
+                    added: AddedNorm | None = None) -> bool:
         """out = rms_norm(x) @ weight.T in one kernel: x [M, K] float32, norm_weight [K]
-        (scaling by offset + weight), weight [N, K], out [M, N] bf16 or float32. False
-        (nothing launched) where the fused kernel cannot take it, or where the switch (or
-        under "auto" the choice table) names another kernel for the product: the caller
-        then composes the two ops."""
+        (scaling by offset + weight), weight [N, K], out [M, N] bf16 or float32; with added
+        (interface.AddedNorm), of added.out = x + rms_norm(added.h), which the kernel
+        writes too. False (nothing launched) where the fused kernel cannot take it (with
+        added: where it cannot take the add, fuses_added), or where the switch (or under
+        "auto" the choice table) names another kernel for the product: the caller then
+        composes the ops."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
-        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        m_rows, k = _check_norm_product(x, norm_weight, weight, added)
         n = weight.shape[0]
         _check_out(out, m_rows, n)
         if self.kernel_for(n, k, m_rows, fp8=isinstance(weight, Fp8Weight)) != "mma":
             return False  # only the norm is at stake: the faster product wins
-        if fused_unsupported(x, weight, norm_weight) is not None:
+        if fused_unsupported(x, weight, norm_weight, added) is not None:
             return False
         args = _norm_args(x, norm_weight, eps, weight, out, offset)
         args.out_mode = OUT_F32 if out.dtype == F32 else OUT_BF16
         if m_rows:
-            _launch_skinny(weight_format(weight), PRO_NORM, EPI_STORE, m_rows, n, k, args,
-                           self.programmatic, self.clusters)
+            _launch_skinny(weight_format(weight), _prologue(added), EPI_STORE, m_rows, n, k,
+                           args, self.programmatic, self.clusters, _added_rows(added))
         return True
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, offset: float = 0.0,
-                         act: str = "silu") -> bool:
+                         act: str = "silu", added: AddedNorm | None = None) -> bool:
         """out = act(gate) * up of rms_norm(x) @ weight.T (weight: I gate rows, then I up
-        rows) in one kernel; out [M, I] bf16. False where it cannot (see norm_linear)."""
+        rows) in one kernel; out [M, I] bf16. added, and False, as in norm_linear."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
-        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        m_rows, k = _check_norm_product(x, norm_weight, weight, added)
         n = weight.shape[0]
         check("out", out, BF16, shape=(m_rows, n // 2))
         if (not self.fuses_norm(m_rows, k, weight) or n % MMA_TILE_ROWS
-                or fused_unsupported(x, weight, norm_weight) is not None):
+                or fused_unsupported(x, weight, norm_weight, added) is not None):
             return False
         args = _norm_args(x, norm_weight, eps, weight, out, offset)
         args.act = ACTS[act]
         if m_rows:
-            _launch_skinny(weight_format(weight), PRO_NORM, EPI_GLU, m_rows, n, k, args,
-                           self.programmatic, self.clusters)
+            _launch_skinny(weight_format(weight), _prologue(added), EPI_GLU, m_rows, n, k, args,
+                           self.programmatic, self.clusters, _added_rows(added))
         return True
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, positions, slot_mapping, cos_sin,
-                      k_cache, v_cache, q_out, offset: float = 0.0, bias=None) -> bool:
+                      k_cache, v_cache, q_out, offset: float = 0.0, bias=None,
+                      added: AddedNorm | None = None) -> bool:
         """rms_norm(x) @ weight.T (+ bias [N] bf16), then what rope_and_cache does with it
         (elementwise.py), in one kernel: q_out [M, nh, d] bf16, caches [num_blocks,
-        block_size, nkv, d]. False where it cannot (see norm_linear; also d / 2 must be a
+        block_size, nkv, d]. added, and False, as in norm_linear (also where d / 2 is no
         multiple of 8)."""
         if x.shape[0] > SKINNY_MAX_ROWS:
             return False  # a prefill step: composed, without checking twice
-        m_rows, k = _check_norm_product(x, norm_weight, weight)
+        m_rows, k = _check_norm_product(x, norm_weight, weight, added)
         _, num_heads, num_kv_heads, head_dim = check_rope_operands(
             q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, num_tokens=m_rows)
         check_weight(weight, k, rows=(num_heads + 2 * num_kv_heads) * head_dim)
         if bias is not None:
             check("bias", bias, BF16, shape=(weight.shape[0],))
         if (not self.fuses_norm(m_rows, k, weight) or head_dim % 16
-                or fused_unsupported(x, weight, norm_weight) is not None):
+                or fused_unsupported(x, weight, norm_weight, added) is not None):
             return False
         args = _norm_args(x, norm_weight, eps, weight, q_out, offset)
         args.bias = None if bias is None else bias.data.ptr
@@ -387,8 +391,9 @@ class Products:
         args.cos_sin, args.k_cache, args.v_cache = cos_sin.data.ptr, k_cache.data.ptr, v_cache.data.ptr
         args.num_heads, args.num_kv_heads, args.head_dim = num_heads, num_kv_heads, head_dim
         if m_rows:
-            _launch_skinny(weight_format(weight), PRO_NORM, EPI_ROPE, m_rows, weight.shape[0],
-                           k, args, self.programmatic, self.clusters)
+            _launch_skinny(weight_format(weight), _prologue(added), EPI_ROPE, m_rows,
+                           weight.shape[0], k, args, self.programmatic, self.clusters,
+                           _added_rows(added))
         return True
 
 
@@ -436,6 +441,12 @@ class SkinnyArgs(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("eps", ctypes.c_float), ("norm_offset", ctypes.c_float),
                 ("act", ctypes.c_int)]
+
+
+class AddedRows(ctypes.Structure):
+    """Every skinny kernel's second by-value parameter (gemv.cu struct AddedRows): the
+    adding norm's operands for PRO_ADD_NORM, null otherwise."""
+    _fields_ = [("h", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("out", ctypes.c_void_p)]
 
 
 def mma_shared_bytes(m_rows: int, k: int, warps: int = MMA_WARPS) -> int:
@@ -501,16 +512,37 @@ def _scale_pointer(weight):
 
 
 # fused variants (gemv.cu): the x rows are the float32 residual stream, normalized by the
-# kernel on the way into shared memory; the epilogue stores, applies SiLU-and-mul, or RoPE
-# and the KV-cache write
+# kernel on the way into shared memory (after adding the sublayer before, PRO_ADD_NORM);
+# the epilogue stores, applies SiLU-and-mul, or RoPE and the KV-cache write
 
-def fused_unsupported(x, weight, norm_weight) -> str | None:
-    """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T (the callers have
-    checked the operands: _check_norm_product), or None."""
-    reason = mma_unsupported(x, weight, PRO_NORM)
+def fused_unsupported(x, weight, norm_weight, added: AddedNorm | None = None) -> str | None:
+    """Why the fused skinny kernels cannot take rms_norm(x) @ weight.T (with added: and the
+    add before it; the callers have checked the operands: _check_norm_product), or None."""
+    if added is not None:  # first: PRO_ADD_NORM has kernels for fuses_added's rows only
+        if not fuses_added(*x.shape):
+            return f"{x.shape[0]} x rows of {x.shape[1]} held in one batch of loads (fuses_added)"
+        if not aligned16(added.h, added.weight, added.out):
+            return "16-byte aligned added operands"
+    reason = mma_unsupported(x, weight, _prologue(added))
     if reason is None and norm_weight.data.ptr % 16:
         reason = "16-byte aligned norm weights"
     return reason
+
+
+def fuses_added(m_rows: int, k: int) -> bool:
+    """Whether a normed skinny kernel can add the sublayer before (PRO_ADD_NORM) to m_rows x
+    rows of length k: where the warps of an MMA_WARPS block hold each row in one batch
+    of loads (gemv.cu, stage_x): rows of up to 4,096 at 1 row, 2,048 at 2 (Gemma-3-1B's
+    1,152 at 1 and 2 rows), 1,024 at 3 and 4, 512 at 5 to 8; never in a cluster."""
+    if m_rows < 1 or m_rows > MMA_WARPS:
+        return m_rows == 0
+    row_warps = max(1, MMA_WARPS // m_rows)
+    return (m_rows <= MMA_WARPS // row_warps
+            and k // 4 <= _C["NORM_ONCE_BATCH"] * row_warps * 32)
+
+
+def _prologue(added: AddedNorm | None) -> int:
+    return PRO_NORM if added is None else PRO_ADD_NORM
 
 
 def _norm_args(x, norm_weight, eps, weight, out, offset: float = 0.0) -> SkinnyArgs:
@@ -519,21 +551,43 @@ def _norm_args(x, norm_weight, eps, weight, out, offset: float = 0.0) -> SkinnyA
                       w_scale=_scale_pointer(weight))
 
 
-def _check_norm_product(x, norm_weight, weight):
+def _added_rows(added: AddedNorm | None) -> AddedRows | None:
+    if added is None:
+        return None
+    return AddedRows(h=added.h.data.ptr, weight=added.weight.data.ptr, out=added.out.data.ptr)
+
+
+def _check_norm_product(x, norm_weight, weight, added: AddedNorm | None = None):
     m_rows, k = check("x", x, F32, ndim=2).shape
     check("norm_weight", norm_weight, BF16, shape=(k,))
     check_weight(weight, k)
+    if added is not None:
+        check("added.h", added.h, BF16, shape=(m_rows, k))
+        check("added.weight", added.weight, BF16, shape=(k,))
+        check("added.out", added.out, F32, shape=(m_rows, k))
+        if _overlap(added.out, x) or _overlap(added.out, added.h):
+            raise ValueError("added.out: must be a buffer of its own (the kernel reads x "
+                             "in every block while one block writes added.out)")
     return m_rows, k
 
 
+def _overlap(a, b) -> bool:
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
+
+
+_NO_ADDED_ROWS = AddedRows()
+
+
 def _launch_skinny(w: int, pro: int, epi: int, m_rows: int, n: int, k: int, args: SkinnyArgs,
-                   programmatic: bool, clusters: bool = False) -> None:
+                   programmatic: bool, clusters: bool = False,
+                   added: AddedRows | None = None) -> None:
     import cupy
     cluster = staging_cluster(w, pro, m_rows, k) if clusters else 1
     kernel, grid, warps, shared = _mma_launch_shape(w, pro, epi, n, k, m_rows, cluster)
     args.m_rows, args.n, args.k = m_rows, n, k
     launch.launch(kernel, grid, warps * 32, shared, cupy.cuda.get_current_stream().ptr,
-                  args, programmatic, cluster if grid % cluster == 0 else 1)
+                  [args, _NO_ADDED_ROWS if added is None else added], programmatic,
+                  cluster if grid % cluster == 0 else 1)
 
 
 # Blocks of a normed skinny product of bf16 weights that share the staging of x (gemv.cu,

@@ -168,31 +168,46 @@ class CudaOps(SublayerOps):
         self.products.linear(x, weight, out, accumulate)
 
     # the sublayer openers: one fused kernel for steps of at most 16 tokens (gemm.py),
-    # else composed (SublayerOps)
-    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0):
-        if not self.products.norm_linear(x, norm_weight, eps, weight, out, offset):
+    # else composed (SublayerOps). A sublayer that joins first (added) joins inside that
+    # kernel where it can take the add too (gemm.fuses_added), else through add_rms_norm
+    # before it
+    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0, added=None):
+        if self.products.norm_linear(x, norm_weight, eps, weight, out, offset, added):
+            return
+        x = self.join(x, added, eps, offset)
+        if added is None or not self.products.norm_linear(x, norm_weight, eps, weight, out,
+                                                          offset):
             super().norm_linear(x, norm_weight, eps, weight, out, h, offset=offset)
 
     def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
-                         act="silu"):
-        if not self.products.norm_gate_up_act(x, norm_weight, eps, weight, out, offset, act):
+                         act="silu", added=None):
+        if self.products.norm_gate_up_act(x, norm_weight, eps, weight, out, offset, act, added):
+            return
+        x = self.join(x, added, eps, offset)
+        if added is None or not self.products.norm_gate_up_act(x, norm_weight, eps, weight,
+                                                               out, offset, act):
             super().norm_gate_up_act(x, norm_weight, eps, weight, out, h, gate_up,
                                      offset=offset, act=act)
 
     def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None):
+                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None, added=None):
         # head norms need a whole head in one place, which the fused product's tiles never
         # hold: the norm and product fuse, then in a decode step the attention kernel
         # norms, rotates and writes the cache (attention.DecodeRope), else the rope kernel
         if (head_norm is not None and bias is None and meta.is_decode_only
                 and self.head_norm_attention):
-            self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset)
+            self.norm_linear(x, norm_weight, eps, weight, qkv, h, offset=offset, added=added)
             self._rope = (meta, k_cache, attention_kernels.DecodeRope(
                 qkv, head_norm, cos_sin, meta.positions, meta.slot_mapping))
             return
-        if head_norm is not None or not self.products.norm_qkv_rope(
-                x, norm_weight, eps, weight, meta.positions, meta.slot_mapping, cos_sin,
-                k_cache, v_cache, q_out, offset, bias):
+        rope = (meta.positions, meta.slot_mapping, cos_sin, k_cache, v_cache, q_out, offset,
+                bias)
+        if head_norm is None and self.products.norm_qkv_rope(x, norm_weight, eps, weight,
+                                                             *rope, added=added):
+            return
+        x = self.join(x, added, eps, offset)
+        if (head_norm is not None or added is None
+                or not self.products.norm_qkv_rope(x, norm_weight, eps, weight, *rope)):
             super().norm_qkv_rope(x, norm_weight, eps, weight, meta, cos_sin, k_cache,
                                   v_cache, q_out, h, qkv, offset=offset, bias=bias,
                                   head_norm=head_norm)
