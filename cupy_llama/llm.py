@@ -154,7 +154,8 @@ class LLM:
         them; with stream=True, an iterator of RequestOutputs carrying text deltas.
         chat_template_kwargs: more variables for the chat template, such as
         {"enable_thinking": False} for Qwen3's. chat_template: a Jinja template to render
-        instead of the model's (vLLM's), in the same sandbox; RequestError quoting the
+        instead of the model's (vLLM's), in the same sandbox, or the name of one of the
+        model's named templates (tokenizer_config.json's list); RequestError quoting the
         problem when it does not compile or render. continue_final_message=True: the reply
         continues the last message (an assistant's start, say) instead of answering it;
         add_generation_prompt (default: true unless continuing) as vLLM's.
@@ -187,7 +188,7 @@ class LLM:
         conversations = list(messages) if batch else [messages]
         self._live_engine()
         tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
-                                                 tool_call_parser, params)
+                                                 tool_call_parser, params, chat_template)
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
@@ -214,10 +215,13 @@ class LLM:
             return result
         return result[0]
 
-    def tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params):
+    def tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params,
+                   chat_template: str | None = None):
         """chat()'s tool arguments checked: (the tools the template shows or None, the
         parser of the replies or None, the params with the grammar that enforces
-        tool_choice). `generate`'s batch lines use it as chat() does."""
+        tool_choice); without parser_name, the parser of the template the chat renders
+        with (chat_template's where given). `generate`'s batch lines use it as chat()
+        does."""
         from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
         from .tool_parsers import SPECIAL_TAG_PARSERS, check_parser_name, tool_parser_for_template
 
@@ -231,7 +235,7 @@ class LLM:
         if parser_name is not None:
             parser_name = check_parser_name(parser_name, "tool_call_parser")
         else:
-            parser_name = tool_parser_for_template(self.tokenizer.template_for_tools)
+            parser_name = tool_parser_for_template(self.tokenizer.tools_template(chat_template))
             if parser_name is None:
                 raise RequestError("the model's chat template shows no tool-call format "
                                    "this engine knows; pass tool_call_parser= "

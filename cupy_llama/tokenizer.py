@@ -118,9 +118,11 @@ class Tokenizer:
     def __init__(self, backend: BackendTokenizer, chat_template: str | None,
                  bos_token: str | None, eos_token: str | None, extra_eos: tuple[str, ...] = (),
                  add_bos: bool = False, template_tokens: dict | None = None,
-                 tool_chat_template: str | None = None):
+                 tool_chat_template: str | None = None, named_templates: dict | None = None):
         """tool_chat_template: the template for chats that offer tools, where the model
-        has one of its own (a "tool_use" template beside the default), else None."""
+        has one of its own (a "tool_use" template beside the default), else None.
+        named_templates: tokenizer_config.json's list of {name, template} as a dict ({} for
+        one template); a request may name one as its chat_template, as in transformers."""
         self._backend = backend
         # A copy that never matches special tokens in text: message content goes through it.
         self._plain = BackendTokenizer.from_str(backend.to_str())
@@ -137,6 +139,7 @@ class Tokenizer:
         self._compiled_template = None
         self.tool_chat_template = tool_chat_template
         self._compiled_tool_template = None
+        self.named_templates = dict(named_templates or {})
         self._request_templates: dict = {}  # requests' own templates (_request_template)
         self._request_templates_lock = threading.Lock()
         self.bos_token = bos_token if self._id_of(bos_token) is not None else None
@@ -144,7 +147,9 @@ class Tokenizer:
         self._add_bos = add_bos and self.bos_token is not None
         self._template_tokens = {k: v for k, v in (template_tokens or {}).items() if v}
         eos = {eos_token, *extra_eos}
-        eos |= {t for t in END_OF_TURN_TOKENS if chat_template and t in chat_template}
+        # the end-of-turn tokens of its template (or of its named ones, where none is default)
+        templates = chat_template or "".join(self.named_templates.values())
+        eos |= {t for t in END_OF_TURN_TOKENS if t in templates}
         self.eos_token_ids = tuple(sorted(i for i in map(self._id_of, eos) if i is not None))
         self._added_ids: frozenset | None = None  # added_token_ids: worked out on first use
         self._byte_level: bool | None = None
@@ -170,7 +175,7 @@ class Tokenizer:
         template = _find_chat_template(model_dir, tok_config)
         is_llama3 = all(backend.token_to_id(t) is not None for t in LLAMA3_FORMAT_TOKENS)
         uses_llama3_defaults = is_llama3 and not tok_config
-        if template is None and is_llama3:
+        if template is None and is_llama3 and not _named_templates(tok_config):
             template = LLAMA3_CHAT_TEMPLATE
 
         def config_token(token_id):
@@ -194,7 +199,7 @@ class Tokenizer:
         template_tokens = {name: _token_text(tok_config.get(name))
                            for name in ("unk_token", "pad_token")}
         return cls(backend, template, bos, eos, extra_eos, add_bos, template_tokens,
-                   _find_tool_template(model_dir, tok_config))
+                   _find_tool_template(model_dir, tok_config), _named_templates(tok_config))
 
     # ---- vocabulary ------------------------------------------------------------------
 
@@ -489,11 +494,21 @@ class Tokenizer:
         one replies are parsed in)."""
         return self.tool_chat_template or self.chat_template
 
+    def tools_template(self, chat_template: str | None = None) -> str | None:
+        """The text of the template a chat that offers tools renders with: chat_template
+        (the name of one of the model's named templates, or a template's text) where given,
+        else template_for_tools."""
+        if chat_template is None:
+            return self.template_for_tools
+        return self.named_templates.get(chat_template, chat_template)
+
     def check_chat_template(self) -> None:
         """Compile the chat template and render it once on a short conversation, so that a
         broken template (bad syntax, an error when it runs, a reach out of the sandbox) is
         an error when the model loads, not at its first chat message. No template is fine
         here: plain prompts need none."""
+        for template in self.named_templates.values():  # a chat may name any of them
+            _compile_template(template)  # names the syntax error
         if self.chat_template is None:
             return
         if self._compiled_template is None:
@@ -515,9 +530,7 @@ class Tokenizer:
         if chat_template is not None:
             compiled = self._request_template(chat_template)
         elif self.chat_template is None:
-            raise TokenizerError("this model has no chat template (no chat_template.jinja and "
-                                 "no chat_template in tokenizer_config.json); add one, or "
-                                 "send plain prompts instead of chat messages")
+            raise TokenizerError(self.no_template_reason())
         elif tools is not None and self.tool_chat_template is not None:
             if self._compiled_tool_template is None:
                 self._compiled_tool_template = _compile_template(self.tool_chat_template)
@@ -565,15 +578,29 @@ class Tokenizer:
             raise TokenizerError(f"chat template failed to render: {reason}; "
                                  "check the messages or the model's chat template") from None
 
+    def no_template_reason(self) -> str:
+        """Why a chat that names no template cannot render, and the ways out."""
+        if self.named_templates:
+            names = ", ".join(repr(name) for name in self.named_templates)
+            return (f"this model's tokenizer_config.json lists chat templates ({names}) but "
+                    f"none named 'default'; pass one of those names as chat_template, add "
+                    f"chat_template.jinja to the model folder, or send plain prompts")
+        return ("this model has no chat template (no chat_template.jinja and no "
+                "chat_template in tokenizer_config.json); add one, or send plain prompts "
+                "instead of chat messages")
+
     def _request_template(self, source) -> "jinja2.Template":
-        """A request's own chat template, compiled (the last few are kept)."""
+        """A request's own chat template, or the name of one of the model's
+        (named_templates), compiled (the last few are kept)."""
         if not isinstance(source, str):
             raise RequestError(f"chat_template must be a string (a Jinja template), got "
                                f"{type(source).__name__}")
         cache = self._request_templates
         with self._request_templates_lock:  # the server renders in worker threads
             compiled = cache.pop(source, None)
-        if compiled is None:
+        if compiled is None and source in self.named_templates:
+            compiled = _compile_template(self.named_templates[source])
+        elif compiled is None:
             compiled = _compile_template(source, from_request=True)
         with self._request_templates_lock:
             cache[source] = compiled  # most recently used last
@@ -994,11 +1021,8 @@ def _find_chat_template(model_dir: Path, tok_config: dict) -> str | None:
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        default = _named_template(template, "default")
-        if default is not None:
-            return default
-        raise TokenizerError("tokenizer_config.json lists chat templates but none named "
-                             "'default'; add chat_template.jinja to the model directory")
+        # none named "default": chats name one (Tokenizer.named_templates), as in transformers
+        return _named_templates(tok_config).get("default")
     raise TokenizerError("tokenizer_config.json: chat_template must be a string or a list "
                          "of {name, template}")
 
@@ -1010,8 +1034,7 @@ def _find_tool_template(model_dir: Path, tok_config: dict) -> str | None:
     jinja = _read_jinja(model_dir / "additional_chat_templates" / "tool_use.jinja")
     if jinja is not None:
         return jinja
-    template = tok_config.get("chat_template")
-    return _named_template(template, "tool_use") if isinstance(template, list) else None
+    return _named_templates(tok_config).get("tool_use")
 
 
 def _read_jinja(path: Path) -> str | None:
@@ -1024,10 +1047,14 @@ def _read_jinja(path: Path) -> str | None:
         raise TokenizerError(f"{str(path)!r} is not UTF-8 text; fix or remove it") from None
 
 
-def _named_template(templates: list, name: str) -> str | None:
-    """The template of that name in tokenizer_config.json's list of {name, template}."""
-    named = {t.get("name"): t.get("template") for t in templates if isinstance(t, dict)}
-    return named[name] if isinstance(named.get(name), str) else None
+def _named_templates(tok_config: dict) -> dict:
+    """tokenizer_config.json's list of {name, template} as {name: template} ({} where
+    chat_template is no list)."""
+    templates = tok_config.get("chat_template")
+    if not isinstance(templates, list):
+        return {}
+    return {t["name"]: t["template"] for t in templates if isinstance(t, dict)
+            and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
 
 
 def _token_text(value) -> str | None:

@@ -406,6 +406,23 @@ def test_a_model_without_a_chat_template_is_refused_with_the_way_out(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_model_with_named_templates_and_no_default_is_refused_naming_them(tmp_path):
+    """A tokenizer_config.json list of templates without "default" loads, but chat needs
+    one: the refusal names them and says how to pick one."""
+    import json
+    from cupy_llama.bench.random_model import make_random_model
+    folder = make_random_model(tmp_path / "model", "tiny", architectures=["Qwen2ForCausalLM"])
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": template}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    result = chat_cli(folder, "Hi", stdin="")
+    assert result.returncode == 1, result.stderr
+    assert "lists chat templates ('tool_use') but none named 'default'" in result.stderr
+    assert "chat_template.jinja" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_prompt_argument_is_answered_once(model_dir, llm):
     # stdin is not read when PROMPT is given (a script's loop over its own stdin keeps it)
     result = chat_cli(model_dir, "--system", "Be brief.", "What is two plus two?",

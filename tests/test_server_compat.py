@@ -386,6 +386,43 @@ def test_a_request_chat_template_renders_as_llm_chat_does(model_dir, llm):
     assert wrong_type.status == 400 and wrong_type.json()["error"]["param"] == "chat_template"
 
 
+def test_a_request_names_one_of_the_models_templates(model_dir, llm, tmp_path):
+    """A model whose tokenizer_config.json lists named templates and none called "default"
+    (transformers loads it and fails only a chat that names none): a chat that names one
+    renders it without --trust-request-chat-template, as LLM.chat does; one that names none
+    is a 400 that lists them (the built-in Llama 3 format, which this model's vocabulary
+    would get without a template, does not stand in for the model's own)."""
+    import json
+    import shutil
+    folder = tmp_path / "named"
+    shutil.copytree(model_dir, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config["chat_template"] = [{"name": "marked", "template": MARKED}]
+    config_path.write_text(json.dumps(config))
+    state = make_state(folder, llm)
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                    chat_template=MARKED)
+    named, tokens, other, unnamed = ask(state, [
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": "marked"}}),
+        ("POST", "/tokenize", {"json": {"messages": CHAT, "chat_template": "marked"}}),
+        ("POST", "/v1/chat/completions", {"json": {**body, "chat_template": "marks"}}),
+        ("POST", "/v1/chat/completions", {"json": body})])
+    assert named.status == 200, named.body
+    assert named.json()["choices"][0]["message"]["content"] == want.text
+    assert named.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert tokens.json()["tokens"] == want.prompt_token_ids
+    # any other text is a template of the request's own, which still needs the flag
+    message = other.json()["error"]["message"]
+    assert other.status == 400 and "(send one's name: 'marked')" in message
+    assert "--trust-request-chat-template" in message
+    assert unnamed.status == 400, unnamed.body
+    assert "lists chat templates ('marked') but none named 'default'" in \
+        unnamed.json()["error"]["message"]
+
+
 def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
     """serve's --trust-request-chat-template (vLLM's flag) reaches the server's settings;
     off by default."""

@@ -217,6 +217,26 @@ def test_template_from_tokenizer_config_list_uses_default(tmp_path, demo_dir):
     assert tok.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey!"
 
 
+def test_a_list_without_default_loads_and_chats_name_a_template(tmp_path, demo_dir):
+    """Named templates and none called "default": the tokenizer loads (plain prompts need no
+    template), a chat without a template is refused naming them, and a chat that names one
+    renders it, as in transformers; tools take "tool_use" as they would beside a default."""
+    config = {"chat_template": [
+        {"name": "tool_use", "template": "T{{ messages[0].content }}<|im_end|>"},
+        {"name": "rag", "template": "R{{ messages[0].content }}"}]}
+    tok = _dir_with(tmp_path, demo_dir, tokenizer_config=config)
+    assert tok.chat_template is None and tok.named_templates.keys() == {"tool_use", "rag"}
+    assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids  # the templates' end of turn
+    hey = [{"role": "user", "content": "hey"}]
+    with pytest.raises(TokenizerError, match=r"lists chat templates \('tool_use', 'rag'\) but "
+                                             r"none named 'default'; pass one of those names"):
+        tok.apply_chat_template(hey)
+    assert tok.apply_chat_template(hey, chat_template="rag") == "Rhey"
+    assert tok.template_for_tools == "T{{ messages[0].content }}<|im_end|>"
+    # a text that is no name stays a template of its own
+    assert tok.apply_chat_template(hey, chat_template="rag!") == "rag!"
+
+
 def test_template_from_an_image_text_models_chat_template_json(tmp_path, demo_dir):
     """Image-text repositories (Gemma 3 4B and up) keep the template in chat_template.json,
     their processor's file; tokenizer_config.json's own template comes first."""

@@ -269,3 +269,24 @@ def test_a_tool_use_template_beside_the_default_calls_tools(tmp_path):
         assert len(output.tool_calls) == 1
     finally:
         llm.close()
+
+
+def test_a_named_template_without_a_default_calls_tools(tmp_path):
+    """Named templates and no "default": a chat that names the one with the tool format
+    renders and parses in it (LLM.chat and a batch line as the server does); naming
+    none is refused with the names."""
+    from cupy_llama.errors import TokenizerError
+    model_dir = make_tool_model(tmp_path / "hermes", "hermes")
+    hermes = (model_dir / "chat_template.jinja").read_text()
+    (model_dir / "chat_template.jinja").unlink()
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "hermes", "template": hermes}], "eos_token": "<|im_end|>"}))
+    llm = LLM(model_dir, device="cpu", log=None)
+    try:
+        output = llm.chat(QUESTION, params(0), tools=TOOLS, tool_choice="required",
+                          parallel_tool_calls=False, chat_template="hermes")
+        assert_valid_calls(output, {"get_weather", "get_time"})
+        with pytest.raises(TokenizerError, match=r"lists chat templates \('hermes'\)"):
+            llm.chat(QUESTION, params(0))
+    finally:
+        llm.close()

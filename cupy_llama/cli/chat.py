@@ -85,7 +85,7 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
         _check_tool_format(model_dir, config)  # the tokenizer's files, before the weights
     llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
-        raise _no_chat_template()
+        raise _no_chat_template(llm.tokenizer)
     params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
     session = ChatSession(llm, params, system, template_kwargs, tools)
     if once is not None:
@@ -114,8 +114,15 @@ def _check_text(text: str | None, what: str) -> None:
         raise OptionError(str(e)) from None
 
 
-def _no_chat_template():
+def _no_chat_template(tokenizer):
     from ..errors import TokenizerError
+    if tokenizer.named_templates:
+        names = ", ".join(repr(name) for name in tokenizer.named_templates)
+        return TokenizerError(f"this model's tokenizer_config.json lists chat templates "
+                              f"({names}) but none named 'default', which chat needs; copy "
+                              f"the one to chat with into the model folder as "
+                              f"chat_template.jinja, or send plain prompts with "
+                              f"`cupy-llama generate --raw`")
     return TokenizerError("this model has no chat template (no chat_template.jinja and no "
                           "chat_template in tokenizer_config.json), which chat needs; add "
                           "one to the model folder, or send plain prompts with "
@@ -131,7 +138,7 @@ def _check_tool_format(model_dir, config) -> None:
 
     tokenizer = Tokenizer.from_dir(model_dir, config)
     if tokenizer.chat_template is None:
-        raise _no_chat_template()
+        raise _no_chat_template(tokenizer)
     if tool_parser_for_template(tokenizer.template_for_tools) is None:
         raise OptionError("--tools: the model's chat template shows no tool-call format this "
                           "engine knows; use a model whose template calls tools, or name the "

@@ -777,12 +777,15 @@ def create_app(state: ServerState):
 
         parsed, decoded = await asyncio.to_thread(parse)
         state.check_model(parsed.model)
-        if getattr(parsed, "chat_template", None) is not None \
-                and not settings.trust_request_chat_template:
+        template = getattr(parsed, "chat_template", None)
+        named = getattr(state.tokenizer, "named_templates", {})
+        if (template is not None and not settings.trust_request_chat_template
+                and template not in named):
+            names = f" (send one's name: {', '.join(map(repr, named))})" if named else ""
             raise APIError(
-                400, "chat_template: this server renders only the model's chat template; "
-                     "start it with --trust-request-chat-template to take a request's own",
-                param="chat_template", code="unsupported_parameter")
+                400, f"chat_template: this server renders only the model's chat templates"
+                     f"{names}; start it with --trust-request-chat-template to take a "
+                     f"request's own", param="chat_template", code="unsupported_parameter")
         return parsed, decoded
 
     def log_request(response_id: str, body: dict) -> None:

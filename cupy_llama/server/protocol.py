@@ -1214,7 +1214,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         """The name of the parser of this model's tool calls: 400 where the server has none
         and the chat template shows no format."""
         name = self._tool_parser_name or tool_parser_for_template(
-            self.chat_template or tokenizer.template_for_tools)
+            tokenizer.tools_template(self.chat_template))
         if name is None:
             field = "functions" if self.legacy_functions else "tools"
             raise APIError(400, f"{field}: the model's chat template shows no tool-call format "
