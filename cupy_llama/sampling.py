@@ -20,8 +20,10 @@ def as_float32(value: float) -> float:
 
 
 # Fields a request may set; a request that leaves one out takes the model's default
-# (generation_config.json) or, failing that, the dataclass default.
+# (generation_config.json) or, failing that, the dataclass default. max_tokens too, from
+# the file's max_new_tokens (vLLM's rule; a server's default where a request leaves it out)
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MODEL_DEFAULT_FIELDS = GENERATION_DEFAULT_FIELDS + ("max_tokens",)
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (as OpenAI's API allows)
 MAX_N = 128  # samples per request
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (as OpenAI's API allows)
@@ -265,7 +267,7 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"unknown sampling field {unknown[0]!r}; known fields: "
                                f"{', '.join(sorted(known))}")
-        merged = {k: v for k, v in (defaults or {}).items() if k in GENERATION_DEFAULT_FIELDS}
+        merged = {k: v for k, v in (defaults or {}).items() if k in MODEL_DEFAULT_FIELDS}
         merged.update(values)
         return cls(**merged)
 
@@ -332,10 +334,27 @@ def generation_defaults(generation_config: dict) -> dict:
     return defaults
 
 
+def model_max_tokens(generation_config: dict) -> int | None:
+    """generation_config.json's max_new_tokens: the output length of a request that names
+    none (vLLM reads it so; transformers' max_length, a total, is left out as vLLM does).
+    ConfigError for one that is no integer >= 1."""
+    value = generation_config.get("max_new_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"generation_config.json: max_new_tokens must be an integer >= 1, "
+                          f"got {_preview(value)}; fix or remove it")
+    return value
+
+
 def model_sampling_defaults(generation_config: dict) -> dict:
     """generation_config.json's sampling fields as SamplingParams values, temperature 0
-    (greedy) unless the model samples (model_samples)."""
+    (greedy) unless the model samples (model_samples), and max_tokens where it sets
+    max_new_tokens."""
     defaults = generation_defaults(generation_config)
     if not model_samples(generation_config):
         defaults["temperature"] = 0.0
+    max_tokens = model_max_tokens(generation_config)
+    if max_tokens is not None:
+        defaults["max_tokens"] = max_tokens
     return defaults

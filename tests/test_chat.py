@@ -423,6 +423,25 @@ def test_a_model_with_named_templates_and_no_default_is_refused_naming_them(tmp_
     assert "chat_template.jinja" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_reply_is_as_long_as_max_new_tokens_says_unless_max_tokens_is_given(model_dir, tmp_path):
+    """generation_config.json's max_new_tokens is chat's reply length where --max-tokens is
+    left out (in place of chat's own 1,024)."""
+    import json
+    import shutil
+    folder = tmp_path / "short"
+    shutil.copytree(model_dir, folder)
+    gen_path = folder / "generation_config.json"
+    gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), "max_new_tokens": 3}))
+    for flags, length in (([], 3), (["--max-tokens", "5"], 5)):
+        # (min tokens as many: end-of-sequence held off)
+        result = subprocess.run([sys.executable, "-m", "cupy_llama.cli", "chat", "--model",
+                                 str(folder), "--device", "cpu", "--temperature", "0",
+                                 "--min-tokens", str(length), *flags, "Hi"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert f"tok/s, {length} tokens (stopped at the token limit)" in result.stderr, result.stderr
+
+
 def test_a_prompt_argument_is_answered_once(model_dir, llm):
     # stdin is not read when PROMPT is given (a script's loop over its own stdin keeps it)
     result = chat_cli(model_dir, "--system", "Be brief.", "What is two plus two?",

@@ -9,6 +9,7 @@ from conftest import assert_all_blocks_free
 from cupy_llama import LLM, SamplingParams
 from cupy_llama.engine.llm_engine import LLMEngine
 from cupy_llama.errors import ConfigError, RequestError
+from cupy_llama.sampling import model_sampling_defaults
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -453,6 +454,30 @@ def test_model_defaults_sample_only_when_generation_config_says_do_sample(model_
     assert LLM(quiet, device="cpu", log=None).default_sampling_params().temperature == 0
 
 
+def test_max_new_tokens_is_the_default_output_length(model_dir, llm, tmp_path):
+    """generation_config.json's max_new_tokens (vLLM reads it so) is the output length of a
+    request that names none: LLM's default params and their copies; one that names its
+    own max_tokens keeps it."""
+    assert llm.default_sampling_params().max_tokens == SamplingParams().max_tokens  # none set
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    gen = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 5}))
+    short = LLM(copy, device="cpu", log=None)
+    try:
+        assert short.default_sampling_params().max_tokens == 5
+        out = short.generate("Hello", SamplingParams.from_dict(
+            {"temperature": 0, "ignore_eos": True}, model_sampling_defaults(
+                short.config.generation_config)))
+        assert len(out.token_ids) == 5
+        out = short.generate("Hello", SamplingParams(temperature=0, ignore_eos=True,
+                                                     max_tokens=7))
+        assert len(out.token_ids) == 7
+        assert len(short.generate("Hello").token_ids) <= 5
+    finally:
+        short.close()
+
+
 def test_steps_are_pipelined(llm):
     """Step k is launched before step k-1's tokens are read, so the device never waits for
     the host; the outputs are those of a plain greedy run all the same."""
@@ -798,7 +823,9 @@ def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):
                          ([1, 2], "generation_config.json must hold a JSON object"),
                          # as a string, "false" would be true
                          ({**gen, "do_sample": "false"},
-                          "generation_config.json: do_sample must be true or false, got \"false\"")):
+                          "generation_config.json: do_sample must be true or false, got \"false\""),
+                         ({**gen, "max_new_tokens": 0},
+                          "generation_config.json: max_new_tokens must be an integer >= 1, got 0")):
         gen_path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=message):
             LLM(copy, device="cpu", log=None)

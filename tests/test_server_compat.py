@@ -423,6 +423,29 @@ def test_a_request_names_one_of_the_models_templates(model_dir, llm, tmp_path):
         unnamed.json()["error"]["message"]
 
 
+def test_max_new_tokens_is_a_requests_default_length(model_dir, llm, tmp_path):
+    """generation_config.json's max_new_tokens is the length of a request that leaves
+    max_tokens out, as vLLM takes it: a chat's (in place of the context's room) and a
+    completion's below OpenAI's 16; a request's own max_tokens stands."""
+    import json
+    import shutil
+    folder = tmp_path / "short"
+    shutil.copytree(model_dir, folder)
+    gen_path = folder / "generation_config.json"
+    gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), "max_new_tokens": 5}))
+    state = make_state(folder, llm)
+    plain = {"temperature": 0, "ignore_eos": True}
+    chat, completion, own = ask(state, [
+        ("POST", "/v1/chat/completions", {"json": {"messages": CHAT, **plain}}),
+        ("POST", "/v1/completions", {"json": {"prompt": "Hi", **plain}}),
+        ("POST", "/v1/chat/completions", {"json": {"messages": CHAT, "max_tokens": 8,
+                                                   **plain}})])
+    for answer, length in ((chat, 5), (completion, 5), (own, 8)):
+        assert answer.status == 200, answer.body
+        assert answer.json()["usage"]["completion_tokens"] == length
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
     """serve's --trust-request-chat-template (vLLM's flag) reaches the server's settings;
     off by default."""

@@ -86,7 +86,10 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
         raise _no_chat_template(llm.tokenizer)
-    params = SamplingParams.from_dict(values, model_sampling_defaults(llm.config.generation_config))
+    model_defaults = model_sampling_defaults(llm.config.generation_config)
+    if "max_tokens" not in given(flags, SAMPLING_NAMES):  # the model's max_new_tokens first
+        values["max_tokens"] = model_defaults.get("max_tokens", CHAT_MAX_TOKENS)
+    params = SamplingParams.from_dict(values, model_defaults)
     session = ChatSession(llm, params, system, template_kwargs, tools)
     if once is not None:
         return run_once(session, once)

@@ -97,8 +97,8 @@ sampling_options = _options(
     click.option("--top-p", type=float, help="Nucleus sampling mass in (0, 1]."),
     click.option("--top-k", type=int, help="Keep the k most likely tokens (0: off)."),
     click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
-    click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: "
-                 f"{CHAT_MAX_TOKENS} in chat, 256 in generate)."),
+    click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: the "
+                 f"model's max_new_tokens, else {CHAT_MAX_TOKENS} in chat, 256 in generate)."),
     click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."),
     click.option("--repetition-penalty", type=float, help="Divide the logits of tokens seen "
                  "in the prompt or the reply ([0.01, 100]; 1: off; vLLM's)."),

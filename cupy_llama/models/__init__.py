@@ -58,9 +58,9 @@ def config_from_dicts(raw: dict, gen: dict | None = None) -> ModelConfig:
 def read_config(model_dir) -> ModelConfig:
     """The ModelConfig of a model folder, its generation defaults checked (a bad one fails
     here, with the model, rather than with the first request that takes it)."""
-    from ..sampling import generation_defaults
+    from ..sampling import model_sampling_defaults
     config = config_from_dicts(*read_model_json(model_dir))
-    generation_defaults(config.generation_config)
+    model_sampling_defaults(config.generation_config)
     return config
 
 

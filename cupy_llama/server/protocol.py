@@ -438,6 +438,12 @@ class _SamplingFields(_Unsupported, _Model):
                                 f"token); shorten the prompt", param=prompt_field,
                            code="context_length_exceeded")
         if requested is None:
+            # the model's own default (max_new_tokens) where it has one, as vLLM takes it:
+            # below OpenAI's 16 of a completion, in place of a chat's whole room
+            model_default = model_defaults.get("max_tokens")
+            if model_default is not None:
+                default_max_tokens = model_default if default_max_tokens is None else \
+                    min(default_max_tokens, model_default)
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         elif requested < 1:
             raise APIError(400, f"{max_tokens_field} must be at least 1, got {_preview(requested)}",
