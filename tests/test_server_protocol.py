@@ -287,6 +287,28 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_the_output(llm):
         e = pytest.raises(APIError, parse(model, {**body, "truncate_prompt_tokens": -1})
                           .engine_inputs, tokenizer, vocab, 30, {}).value
         assert (e.status, e.param) == (400, "max_tokens") and "at most 29" in e.message, body
+    # the model's own default length (generation_config.json's max_new_tokens) is the
+    # output a request that names none gets, so -1 leaves room for that much
+    for body, kept, max_tokens in (({"prompt": text}, 30 - 10, 10),
+                                   ({"messages": messages}, 30 - 10, 10)):
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        request = parse(model, {**body, "truncate_prompt_tokens": -1})
+        whole = chat_ids if "messages" in body else ids
+        [prompt], [params] = request.engine_inputs(tokenizer, vocab, 30, {"max_tokens": 10})
+        assert prompt == whole[-kept:] and params.max_tokens == max_tokens, body
+    [prompt], [params] = parse(CompletionRequest, {"prompt": text, "truncate_prompt_tokens": -1}
+                               ).engine_inputs(tokenizer, vocab, 30, {"max_tokens": 100})
+    assert prompt == ids[-(30 - 16):] and params.max_tokens == 16  # OpenAI's 16 is lower
+    # a default is not an ask: a prompt that fits stays whole, its reply gets the room left
+    chat = parse(ChatCompletionRequest, {"messages": messages, "truncate_prompt_tokens": -1})
+    [prompt], [params] = chat.engine_inputs(tokenizer, vocab, len(chat_ids) + 3,
+                                            {"max_tokens": 10})
+    assert prompt == chat_ids and params.max_tokens == 3
+    # and a model default past the context leaves no room: the 400 names the truncation,
+    # not a max_tokens the client never sent
+    e = pytest.raises(APIError, chat.engine_inputs, tokenizer, vocab, 30,
+                      {"max_tokens": 4096}).value
+    assert (e.status, e.param) == (400, "truncate_prompt_tokens") and "no room" in e.message
     # a max_tokens below 1 is refused as such, not as a prompt too long
     e = pytest.raises(APIError, parse(ChatCompletionRequest, {
         "messages": messages, "max_tokens": 0, "truncate_prompt_tokens": -1}).engine_inputs,

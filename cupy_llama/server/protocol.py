@@ -222,6 +222,17 @@ def _preview(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _default_output(default: int | None, model_defaults: dict) -> int | None:
+    """The output length of a request that names none: the endpoint's default (None: what
+    the context leaves) lowered to the model's own (generation_config.json's
+    max_new_tokens) where it has one, as vLLM takes it: below OpenAI's 16 of a completion,
+    in place of a chat's whole room."""
+    model_default = model_defaults.get("max_tokens")
+    if model_default is None:
+        return default
+    return model_default if default is None else min(default, model_default)
+
+
 # ---- known fields this server does not do ---------------------------------------------
 
 def _off(*harmless):
@@ -336,18 +347,24 @@ class _SamplingFields(_Unsupported, _Model):
         out; None: what the context leaves)."""
         raise NotImplementedError
 
-    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+    def truncated(self, prompt: list[int], max_model_len: int,
+                  model_defaults: dict) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last k tokens. -1: as many as the
         context holds beside the output asked for (vLLM's max_model_len - max_tokens), so
-        a max_tokens that fits is never refused for the prompt's length."""
+        a max_tokens that fits is never refused for the prompt's length. Where it is left
+        out, a prompt that fits stays whole (the reply gets the room left, up to its
+        default length, as without truncation), and a longer one keeps room for that
+        default (the endpoint's, lowered to the model's own)."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt
         if k == -1:
             field, requested, default = self.output_asked()
-            asked = default if requested is None else requested
-            if asked is None:  # nothing asked: the whole context, and none left for a reply
-                if len(prompt) >= max_model_len:
+            if requested is None:
+                if len(prompt) < max_model_len:
+                    return prompt
+                asked = _default_output(default, model_defaults)
+                if asked is None or asked >= max_model_len:  # no room for a reply
                     raise APIError(400, f"truncate_prompt_tokens -1 keeps {max_model_len} "
                                         f"prompt tokens (the context limit) when {field} is "
                                         f"left out, which leaves no room for a reply; send "
@@ -355,14 +372,14 @@ class _SamplingFields(_Unsupported, _Model):
                                         f"truncate_prompt_tokens below {max_model_len}",
                                    param="truncate_prompt_tokens",
                                    code="context_length_exceeded")
-                return prompt
-            if asked >= max_model_len:
-                raise APIError(400, f"{field} {asked} leaves no room for the prompt that "
+                return prompt[-(max_model_len - asked):]
+            if requested >= max_model_len:
+                raise APIError(400, f"{field} {requested} leaves no room for the prompt that "
                                     f"truncate_prompt_tokens -1 keeps in the context limit of "
                                     f"{max_model_len}; ask for at most {max_model_len - 1} "
                                     f"tokens", param=field, code="context_length_exceeded")
-            # (an asked value below 1 is refused by name with the sampling parameters)
-            k = max_model_len - max(asked, 1)
+            # (a requested value below 1 is refused by name with the sampling parameters)
+            k = max_model_len - max(requested, 1)
         if k > max_model_len:
             raise APIError(400, f"truncate_prompt_tokens ({k}) is more than the model's context "
                                 f"({max_model_len} tokens); send at most {max_model_len}, or -1",
@@ -438,12 +455,7 @@ class _SamplingFields(_Unsupported, _Model):
                                 f"token); shorten the prompt", param=prompt_field,
                            code="context_length_exceeded")
         if requested is None:
-            # the model's own default (max_new_tokens) where it has one, as vLLM takes it:
-            # below OpenAI's 16 of a completion, in place of a chat's whole room
-            model_default = model_defaults.get("max_tokens")
-            if model_default is not None:
-                default_max_tokens = model_default if default_max_tokens is None else \
-                    min(default_max_tokens, model_default)
+            default_max_tokens = _default_output(default_max_tokens, model_defaults)
             max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         elif requested < 1:
             raise APIError(400, f"{max_tokens_field} must be at least 1, got {_preview(requested)}",
@@ -693,7 +705,7 @@ class CompletionRequest(_SamplingFields):
         """Each prompt's token ids and SamplingParams: one engine request per prompt."""
         whole = self.prompt_token_ids(tokenizer, vocab_size,
                                       self.prompt_byte_limit(max_prompt_bytes))
-        prompts = [self.truncated(p, max_model_len) for p in whole]
+        prompts = [self.truncated(p, max_model_len, model_defaults) for p in whole]
         self._cut = any(len(p) < len(w) for p, w in zip(prompts, whole))
         return prompts, [self.sampling_params(len(p), max_model_len, model_defaults)
                          for p in prompts]
@@ -1272,7 +1284,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
                 raise APIError(400, f"{what} sets the answer's grammar; leave out "
                                     "response_format and structured_outputs", param=choice)
         prompt = self.truncated(self.prompt_token_ids(
-            tokenizer, self.prompt_byte_limit(max_prompt_bytes)), max_model_len)
+            tokenizer, self.prompt_byte_limit(max_prompt_bytes)), max_model_len, model_defaults)
         if not prompt and self.chat_template is not None:
             raise APIError(400, "chat_template renders these messages as no text; a prompt "
                                 "needs at least one token", param="chat_template")
