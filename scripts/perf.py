@@ -6,11 +6,13 @@
 For MODEL_DIR (for example the Llama-3.2-1B-shaped random model of
 `python3 scripts/make_random_model.py DIR --preset llama-3.2-1b`) it reports
   1. kernel by kernel, one decode step at batch 1, 8, 64 and 256 and contexts 512 and
-     2,048: every op the model runs (each product by its weight, attention, the norms,
-     RoPE, SiLU, the LM head, sampling), each timed as a CUDA graph of all of its calls
-     of one step back to back (the 16 layers' own weights and caches, so each call reads
-     them from HBM as the step does), against its own bound: its bytes over 4.5 TB/s or
-     its FLOPs over 790 TFLOP/s, whichever is larger; beside the graph-replayed step;
+     2,048: every kernel the engine's step launches (each product by its weight, with
+     what the skinny kernels fuse into it, attention, and where they run on their own the
+     norms, RoPE, SiLU, the LM head; sampling), each timed as a CUDA graph of all of
+     its calls of one step back to back (the 16 layers' own weights and caches, so each
+     call reads them from HBM as the step does), against its own bound: its bytes over
+     4.5 TB/s or its FLOPs over 790 TFLOP/s, whichever is larger; beside the
+     graph-replayed step;
   2. each op of a decode layer at 1 to 16 rows (sublayer_comparison), composed of cuBLAS
      and the small kernels against the fused skinny kernels with plain and programmatic
      launches and against what "auto" chooses, graph-timed with weights from HBM, and the
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout's package
-from cupy_llama.interface import ForwardBatch, SamplingTensors, SublayerOps
+from cupy_llama.interface import ForwardBatch, SamplingTensors
 from cupy_llama.models import model_for, read_config
 from cupy_llama.weights import open_checkpoint
 from cupy_llama.backends.cuda import gemm
@@ -79,66 +81,67 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
-class RecordingOps:
-    """The backend's ops, run as usual, with every call of one eager step kept as (label,
-    call): the kernel table replays each label's calls of the step in a CUDA graph. A
-    sublayer op that the backend composes (a step of more than 16 rows) is recorded as its
-    parts: the norm, the product and what follows it."""
+# the ops a step runs as kernels of their own (beside the products the sublayer openers
+# fuse, recorded through _RecordingProducts, and attention)
+RECORDED_OPS = ("embedding", "rms_norm", "add_rms_norm", "linear", "rope_and_cache",
+                "act_and_mul", "softcap", "gather_rows")
 
-    def __init__(self, ops):
-        self._ops, self.calls = ops, []
+
+class _RecordingProducts:
+    """gemm.Products whose fused sublayer products are recorded where they run."""
+
+    def __init__(self, products, calls):
+        self._products, self._calls = products, calls
 
     def __getattr__(self, name):
-        target = getattr(self._ops, name)
-        if not callable(target) or name in ("empty", "upload", "sample", "sample_async"):
+        target = getattr(self._products, name)
+        if name not in ("norm_linear", "norm_gate_up_act", "norm_qkv_rope"):
             return target
 
-        def recorded(*args, **kwargs):
-            self.calls.append((op_label(name, args), lambda: target(*args, **kwargs)))
-            return target(*args, **kwargs)
+        def recorded(x, norm_weight, eps, weight, *args, **kwargs):
+            def run():
+                return target(x, norm_weight, eps, weight, *args, **kwargs)
+            if not run():
+                return False
+            self._calls.append((f"{name} {weight.shape[0]}x{weight.shape[1]}", run))
+            return True
         return recorded
 
-    def _fused(self, name: str, weight, run) -> bool:
-        if not run():
-            return False
-        self.calls.append((f"{name} {weight.shape[0]}x{weight.shape[1]}", run))
-        return True
 
-    def norm_linear(self, x, norm_weight, eps, weight, out, h, *, offset=0.0, added=None):
-        products = self._ops.products
-        if self._fused("norm_linear", weight, lambda: products.norm_linear(
-                x, norm_weight, eps, weight, out, offset, added)):
-            return
-        x = SublayerOps.join(self, x, added, eps, offset)
-        if added is None or not self._fused("norm_linear", weight, lambda: products.norm_linear(
-                x, norm_weight, eps, weight, out, offset)):
-            SublayerOps.norm_linear(self, x, norm_weight, eps, weight, out, h, offset=offset)
+def recording_ops(ops):
+    """The backend's ops, run as usual, with every kernel call of one eager step kept in
+    .calls as (label, call): the kernel table replays each label's calls of the step in a
+    CUDA graph. The ops' own sublayer openers run, so a step records what the engine
+    launches: the fused products, or the parts a composed sublayer runs; the head norms
+    that a decode step hands to attention (CudaOps.norm_qkv_rope) replay with it."""
+    base = type(ops)
 
-    def norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up, *, offset=0.0,
-                         act="silu", added=None):
-        products = self._ops.products
-        if self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
-                x, norm_weight, eps, weight, out, offset, act, added)):
-            return
-        x = SublayerOps.join(self, x, added, eps, offset)
-        if added is None or not self._fused("norm_gate_up_act", weight, lambda: products.norm_gate_up_act(
-                x, norm_weight, eps, weight, out, offset, act)):
-            SublayerOps.norm_gate_up_act(self, x, norm_weight, eps, weight, out, h, gate_up,
-                                         offset=offset, act=act)
+    def recorded(name):
+        def call(self, *args, **kwargs):
+            def run():
+                getattr(base, name)(self, *args, **kwargs)
+            self.calls.append((op_label(name, args), run))
+            run()
+        return call
 
-    def norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin, k_cache, v_cache,
-                      q_out, h, qkv, *, offset=0.0, bias=None, head_norm=None, added=None):
-        products = self._ops.products
-        rope = (meta.positions, meta.slot_mapping, cos_sin, k_cache, v_cache, q_out, offset, bias)
-        if head_norm is None and self._fused("norm_qkv_rope", weight, lambda: products.norm_qkv_rope(
-                x, norm_weight, eps, weight, *rope, added=added)):
-            return
-        x = SublayerOps.join(self, x, added, eps, offset)
-        if head_norm is not None or added is None or not self._fused(
-                "norm_qkv_rope", weight, lambda: products.norm_qkv_rope(x, norm_weight, eps, weight, *rope)):
-            SublayerOps.norm_qkv_rope(self, x, norm_weight, eps, weight, meta, cos_sin,
-                                      k_cache, v_cache, q_out, h, qkv, offset=offset,
-                                      bias=bias, head_norm=head_norm)
+    def attention(self, *args, **kwargs):
+        handed = getattr(self, "_rope", None)  # norm_qkv_rope's, consumed by the call
+
+        def run():
+            if handed is not None:
+                self._rope = handed
+            base.attention(self, *args, **kwargs)
+        self.calls.append(("attention", run))
+        run()
+
+    members = {name: recorded(name) for name in RECORDED_OPS if hasattr(base, name)}
+    recording = object.__new__(type("Recording" + base.__name__, (base,),
+                                    {**members, "attention": attention}))
+    recording.__dict__.update(vars(ops))  # the same buffers, streams and kernels
+    recording.calls = []
+    if hasattr(ops, "products"):
+        recording.products = _RecordingProducts(ops.products, recording.calls)
+    return recording
 
 
 def op_label(name: str, args) -> str:
@@ -245,16 +248,23 @@ def op_bound_us(label: str, calls: int, config, num_seqs: int, context: int) -> 
     return calls * max(bytes_ / HBM_BYTES_S, flops / TENSOR_FLOP_S) * 1e6
 
 
+def record_step(backend, batch: ForwardBatch):
+    """(logits, calls): one eager forward pass of `batch`, with its kernel calls recorded
+    in order (recording_ops)."""
+    recording = recording_ops(backend.ops)
+    logits = backend.model.forward(_RecordingBackend(backend, recording), batch)
+    return logits, recording.calls
+
+
 def kernel_table(cupy, backend, config, num_seqs: int, context: int, blocks_per_seq: int,
                  rng) -> dict:
     """Every op of one decode step (see the module doc, item 1): {label: {"calls",
     "us_per_step", "bound_us"}} and the graph-replayed step itself ("step")."""
     batch = decode_batch(num_seqs, context, backend.block_size, blocks_per_seq, rng)
-    recording = RecordingOps(backend.ops)
-    logits = backend.model.forward(_RecordingBackend(backend, recording), batch)
+    logits, calls = record_step(backend, batch)
     cupy.cuda.get_current_stream().synchronize()
     by_label = {}
-    for label, call in recording.calls:
+    for label, call in calls:
         by_label.setdefault(label, []).append(call)
     staged = np.zeros(sampling_kernels.settings_bytes(num_seqs), np.uint8)
     for name, view in sampling_kernels.settings_views(staged, num_seqs).items():
