@@ -26,6 +26,7 @@ class LocalEngine:
         self.info = None
         self.stats: dict = {}
         self.num_waiting = 0
+        self.generated_tokens = 0
         self.sinks: dict = {}
         self.killed = False
         self.stalled = 0.0  # what stalled_for() says
@@ -64,6 +65,7 @@ class LocalEngine:
             logprobs = None if params.logprobs is None else [(1, -0.5, top), (2, -1.5, top)]
             for index in range(params.n):
                 sink.put(EngineDelta(request_id, index, "ab", [1, 2], "length", logprobs))
+            self.generated_tokens += 2 * params.n
             return
         try:
             self.llm.engine.add_request(prompt, params, request_id=request_id, stream=stream)
@@ -79,6 +81,7 @@ class LocalEngine:
             self._deliver(output)
 
     def _deliver(self, output) -> None:
+        self.generated_tokens += len(output.delta_token_ids)
         sink = self.sinks.get(output.request_id)
         if sink is not None:
             sink.put(_as_delta(output))

@@ -572,6 +572,39 @@ def test_a_sample_ended_here_frees_its_slot_for_admission(llm):
     assert bare._num_ending == 0
 
 
+def test_metrics_count_every_token_the_engine_sent(llm):
+    """generation_tokens counts the tokens in the engine's output as it arrives, whether a
+    handler reads them or not: those of a request whose client went away while they were
+    in flight, and those past a stop string found here, beside the deltas and the token
+    columns of requests still read."""
+    from cupy_llama.engine.async_engine import AsyncEngine, EngineInfo, RequestStream
+    from cupy_llama.server.metrics import Metrics
+    engine = AsyncEngine("unused", "cpu", {}, tokenizer=llm.tokenizer)
+    engine.info = EngineInfo(device="cpu", context_limit=64, num_blocks=8, block_size=16,
+                             max_num_seqs=4, load_seconds=0.0, pid=0)
+    engine._transport = type("Transport", (), {"write": lambda self, frame: None})()
+    metrics = Metrics(lambda: ({}, 0, engine.generated_tokens), "m")
+    sinks = {request_id: RequestStream() for request_id in ("r1", "r2", "r3")}
+    ids = llm.tokenizer.encode("one two three four", add_special_tokens=False)
+    for request_id, sink in sinks.items():
+        stop = [llm.tokenizer.decode(ids[1:2])] if request_id == "r3" else None
+        engine.add(request_id, [1, 2], SamplingParams(max_tokens=8, stop=stop), True, sink)
+
+    def out(*deltas, columns=None):
+        message = ("out", [(request_id, 0, None, tokens, finish, None, 0, None, None, None)
+                           for request_id, tokens, finish in deltas], [], {})
+        engine._on_message(message if columns is None else message + (columns,))
+
+    out(("r1", ids[:2], None), ("r2", ids[:1], None), columns=(["r1", "r2"], [0, 0], ids[2:4]))
+    engine.abort("r2")  # the client went away with tokens still coming
+    out(("r2", ids[:3], "abort"), ("r3", ids[:3], None))  # r3 stops at its second token here
+    out(("r3", ids[3:], "abort"))
+    assert engine.generated_tokens == 2 + 1 + 2 + 3 + 3 + len(ids[3:])
+    rendered = metrics.render().decode()
+    assert f'cupy_llama:generation_tokens_total{{model_name="m"}} {engine.generated_tokens}.0' \
+        in rendered
+
+
 def test_a_chats_thinking_and_tool_calls_count_toward_its_bytes(llm):
     """An assistant message's reasoning and tool calls are rendered by templates that show
     them, so the size check before rendering counts them with the content: a chat too long

@@ -450,6 +450,9 @@ class AsyncEngine:
         self.on_stopped = on_stopped  # called once if the engine process goes away by itself
         self.info: EngineInfo | None = None
         self.stats: dict = {}
+        # tokens the engine sent, those of samples no one reads any more included (a client
+        # gone, a stop string found here): what it generated, for /metrics
+        self.generated_tokens = 0
         self.process: subprocess.Popen | None = None
         self._transport = None
         self._ready: asyncio.Future | None = None
@@ -604,9 +607,11 @@ class AsyncEngine:
             _, deltas, rejected, self.stats = message[:4]
             self._progress_at = time.monotonic()
             streams, unfinished, texts = self._streams, self._num_unfinished, self._texts
+            generated = 0
             for fields in deltas:
                 delta = EngineDelta.of(fields)
                 request_id = delta.request_id
+                generated += len(delta.token_ids)
                 if delta.finish_reason is not None and self._ending:
                     self._ended(request_id, delta.index)  # these stats no longer run it
                 sink = streams.get(request_id)
@@ -624,7 +629,9 @@ class AsyncEngine:
                 if delta.finish_reason is not None:  # a sample ended (an abort ends each running)
                     self._sample_ended(request_id)
             if len(message) > 4:  # TokenColumns: one-token deltas of samples texted here
-                for request_id, index, token_id in zip(*TokenColumns.of(message[4])):
+                columns = TokenColumns.of(message[4])
+                generated += len(columns.token_ids)
+                for request_id, index, token_id in zip(*columns):
                     sink = streams.get(request_id)
                     if sink is None:
                         continue
@@ -638,6 +645,7 @@ class AsyncEngine:
                     sink.put(delta)
                     if stopped:
                         self._sample_ended(request_id)
+            self.generated_tokens += generated
             for request_id, reason in rejected:
                 sink = streams.pop(request_id, None)
                 unfinished.pop(request_id, None)

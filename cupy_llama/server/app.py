@@ -134,7 +134,8 @@ class ServerState:
             getattr(tokenizer, "eos_token_ids", ()))
         self.engine = AsyncEngine(settings.model_dir, settings.device, settings.engine_options,
                                   on_stopped=self._engine_stopped, tokenizer=tokenizer)
-        self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting)),
+        self.metrics = Metrics(lambda: (self.engine.stats, max(0, self.engine.num_waiting),
+                                        self.engine.generated_tokens),
                                settings.served_model_name)
         self.phase = self.LOADING
         self.info = None
@@ -435,7 +436,6 @@ class _Job:
             choice.token_ids += token_ids
             if logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + logprobs
-            metrics.generation_tokens.inc(len(token_ids))
         if finish_reason is not None:
             choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
             self.num_unfinished -= 1

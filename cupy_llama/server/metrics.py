@@ -39,11 +39,12 @@ class _EngineCollector:
     histogram at scrape time."""
 
     def __init__(self, engine_state, model_name: str):
-        self.engine_state = engine_state  # () -> (stats dict, requests waiting)
+        # () -> (stats dict, requests waiting, tokens generated)
+        self.engine_state = engine_state
         self.model_name = model_name
 
     def collect(self):
-        stats, num_waiting = self.engine_state()
+        stats, num_waiting, generated = self.engine_state()
         label = [self.model_name]
 
         def family(kind, name, documentation, value):
@@ -72,6 +73,8 @@ class _EngineCollector:
         yield family(GaugeMetricFamily, "prefix_cache_hit_rate",
                      "prefix_cache_hits / prefix_cache_queries since the server started.",
                      hits / queries if queries else 0.0)
+        yield family(CounterMetricFamily, "generation_tokens", "Tokens generated (of requests "
+                     "whose client went away too).", generated)
         yield family(CounterMetricFamily, "engine_steps", "Engine steps taken.",
                      stats.get("num_steps", 0))
         yield family(CounterMetricFamily, "engine_step_seconds",
@@ -109,7 +112,6 @@ class Metrics:
                              **labels).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         success = Counter("cupy_llama:request_success", "Requests finished, by finish reason "
                           "(abort: the client went away, or the server stopped it).",
                           labelnames=["model_name", "finished_reason"], registry=self.registry)
