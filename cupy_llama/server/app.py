@@ -673,7 +673,10 @@ class _ServedBy:
 class _AccessLog:
     """One log line per request: method, path, status, milliseconds (to the end of a
     stream). No bodies: those are logged by the routes, and only with --log-requests.
-    Successful /health probes (a balancer's, every few seconds) log at DEBUG."""
+    Successful /health probes (a balancer's, every few seconds) log at DEBUG. A request
+    cancelled before its answer started (a second Ctrl-C ends the event loop, which cancels
+    every request still running) is answered 503 shutting_down, as one that arrives while
+    the server drains, not with the web server's plain-text 500."""
 
     def __init__(self, app):
         self.app = app
@@ -691,6 +694,16 @@ class _AccessLog:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except asyncio.CancelledError:
+            if not status:
+                error = APIError(503, "the server stopped before answering; send the request "
+                                      "again once it is back", code="shutting_down")
+                await send_and_note({"type": "http.response.start", "status": 503,
+                                     "headers": [(b"content-type", b"application/json"),
+                                                 (b"connection", b"close")]})
+                await send_and_note({"type": "http.response.body",
+                                     "body": json.dumps(error.body()).encode()})
+            raise
         finally:
             code = status[0] if status else 500
             level = logging.DEBUG if scope["path"] == "/health" and code == 200 else logging.INFO
