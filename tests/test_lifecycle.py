@@ -80,3 +80,71 @@ def test_gpu_memory_comes_back_after_close_and_after_a_drop(model_dir):
     assert third.engine.blocks.num_blocks >= 0.95 * blocks
     assert third.generate([1, 2, 3], GREEDY).token_ids == want
     third.close()
+
+
+def test_ctrl_c_inside_the_engines_bookkeeping_leaves_nothing_behind(model_dir, monkeypatch):
+    """Ctrl-C while a request is half registered (its first sample in the scheduler, the
+    request not yet known) or in the middle of a step raises KeyboardInterrupt from
+    generate() once the bookkeeping is whole: nothing is left running and every block is
+    free, and the engine answers the next call as before."""
+    import signal
+    llm = LLM(model_dir, device="cpu", log=None)
+    engine = llm.engine
+    want = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2)
+    for target in ("scheduler.add", "runner.run"):
+        owner_name, name = target.split(".")
+        owner = getattr(engine, owner_name)
+        original = getattr(owner, name)
+
+        def interrupted(*args, **kwargs):
+            monkeypatch.setattr(owner, name, original)  # once
+            result = original(*args, **kwargs)
+            signal.raise_signal(signal.SIGINT)  # Python's handler runs right after this line
+            return result
+        monkeypatch.setattr(owner, name, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[4, 5, 6], [7, 8]], params)
+        assert getattr(owner, name) is original, f"{target} was not reached"
+        assert not engine.has_unfinished_requests(), target
+        assert engine.stats().num_free_blocks == engine.stats().num_blocks, target
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == want
+    llm.close()
+
+
+def test_ctrl_c_with_an_error_raises_the_error_and_a_second_ctrl_c_raises_at_once(model_dir,
+                                                                                  monkeypatch):
+    """A turn that gets Ctrl-C and then fails raises its error alone, and the interrupt
+    does not outlive the call (the next call runs to its end); a second Ctrl-C in one turn
+    raises at once, a way out of a turn that would not end."""
+    import signal
+    from cupy_llama.errors import RequestError
+    llm = LLM(model_dir, device="cpu", log=None)
+    engine = llm.engine
+    want = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+    def refused(prompt):
+        signal.raise_signal(signal.SIGINT)
+        raise RequestError("refused")
+    monkeypatch.setattr(engine, "encode_prompt", refused)
+    with pytest.raises(RequestError, match="refused"):
+        llm.generate([[4, 5, 6]], GREEDY)
+    monkeypatch.undo()
+    assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == want  # no stale Ctrl-C
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    reached = []
+    run = engine.runner.run
+
+    def stuck(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # deferred
+        signal.raise_signal(signal.SIGINT)  # raises here
+        reached.append(True)
+        return run(*args, **kwargs)
+    monkeypatch.setattr(engine.runner, "run", stuck)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[4, 5, 6]], GREEDY)
+    assert not reached
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import secrets
+import signal
 import threading
 import time
 from collections import deque
@@ -223,6 +224,69 @@ class EngineStats:
 
 
 CLOSED = "this LLM is closed; make a new one to generate"  # after LLMEngine.close()
+
+
+class _Interrupts:
+    """SIGINT as Python's own handler takes it (KeyboardInterrupt), except while an engine
+    turn runs in the main thread: there it waits for the turn's end, so that Ctrl-C never
+    leaves the engine's bookkeeping half done (a sample in the scheduler whose request is
+    not registered yet would run for ever, owned by no one). generate() and stream()
+    install it for their lifetime where Python's own handler is in place (a program with
+    a handler of its own, such as the terminal chat, decides for itself); a turn then only
+    marks itself busy. A second Ctrl-C during the same turn raises at once: a way out of
+    a turn that does not end (a hung device)."""
+
+    def __init__(self):
+        self.users = 0       # calls that installed it and have not ended
+        self.busy = 0        # turns running in the main thread
+        self.pending = False  # a Ctrl-C came during one
+        self.previous = None
+
+    def __call__(self, signum, frame):
+        if self.busy and not self.pending:
+            self.pending = True
+            return
+        self.pending = False
+        raise KeyboardInterrupt
+
+    def install(self) -> bool:
+        """Take SIGINT for a call (main thread only); True where it did."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        handler = signal.getsignal(signal.SIGINT)
+        if handler is not self:
+            if handler is not signal.default_int_handler:
+                return False
+            self.previous = signal.signal(signal.SIGINT, self)
+        self.users += 1
+        return True
+
+    def uninstall(self) -> None:
+        self.users -= 1
+        if not self.users:
+            self.pending = False  # none outlives the calls it came in
+            if (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGINT) is self):
+                signal.signal(signal.SIGINT, self.previous)
+
+    @contextmanager
+    def deferred(self):
+        """Ctrl-C in the block raises KeyboardInterrupt at its end; a block that ends with
+        an error of its own raises that error only (the call fails either way)."""
+        marks = self.users > 0 and threading.get_ident() == threading.main_thread().ident
+        self.busy += marks
+        try:
+            yield
+        finally:
+            self.busy -= marks
+            interrupted = marks and self.pending and not self.busy
+            if interrupted:
+                self.pending = False
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+_INTERRUPTS = _Interrupts()
 
 
 class LLMEngine:
@@ -974,7 +1038,9 @@ class LLMEngine:
         """Add all prompts (their request ids go to `ids`), then yield their outputs as
         steps produce them (stream=False: only the final ones, one per sample). Requests
         still running when the caller stops iterating are aborted."""
+        interrupts = False
         try:
+            interrupts = _INTERRUPTS.install()
             with self._turn():
                 self._check_open()
                 self._add_all(prompts, params, stream, ids)
@@ -991,20 +1057,26 @@ class LLMEngine:
                     self._check_open()  # closed while the caller read the step's outputs
                     yield output
         finally:
-            self._close_when_free(ids)
+            try:
+                self._close_when_free(ids)
+            finally:
+                if interrupts:
+                    _INTERRUPTS.uninstall()
 
     @contextmanager
     def _turn(self):
         """This call's turn at the engine: the lock, with the requests of streams that
         ended while the engine was busy closed before and after it (and once more where a
-        stream ended as the lock was let go)."""
-        with self._lock:
+        stream ended as the lock was let go). Ctrl-C during it takes effect at its end
+        (_Interrupts)."""
+        with self._lock, _INTERRUPTS.deferred():
             self._close_queued()
             yield
             self._close_queued()
         if self._to_close and self._lock.acquire(blocking=False):
             try:
-                self._close_queued()
+                with _INTERRUPTS.deferred():
+                    self._close_queued()
             finally:
                 self._lock.release()
 
@@ -1018,7 +1090,8 @@ class LLMEngine:
         a step."""
         if self._lock.acquire(blocking=False):
             try:
-                self._close(ids)
+                with _INTERRUPTS.deferred():
+                    self._close(ids)
             finally:
                 self._lock.release()
         else:
