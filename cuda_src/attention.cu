@@ -298,9 +298,11 @@ __device__ __forceinline__ void merge_parts(M m, L l, Acc acc, float& m_max, flo
     }
 }
 
-// The end of a clustered decode kernel: every CTA of the cluster has left its merged
-// result for the group's heads in its shared memory (running max m, sum l, unnormalized
-// output acc per head and dim), at byte offsets from `local` that offsets(head, dim,
+// The end of a clustered tensor-core decode kernel (the clustered CUDA-core kernels, which
+// run below 8 sequences, attention.py's DECODE_MMA_MIN_SEQS, merge through inboxes
+// instead: decode_attention_body): every CTA of the cluster has left its merged result
+// for the group's heads in its shared memory (running max m, sum l, unnormalized output
+// acc per head and dim), at byte offsets from `local` that offsets(head, dim,
 // m_at, l_at, acc_at) gives; CTA `rank` writes outputs [rank * per, (rank + 1) * per) of
 // the group's heads to out_row, reading every CTA's result in rank order (the same sums
 // whichever CTA computes them). Every thread of the CTA calls it.
@@ -416,12 +418,13 @@ __device__ __forceinline__ void decode_attention_body(
     __shared__ float merge_l[MERGE_WARPS][MAXG];
     // NORM reads its q heads from here in 16-byte words (the plain kernels keep their layout)
     __shared__ alignas(NORM ? 16 : 4) float merge_acc[MERGE_WARPS][MAXG][D];
-    // CLUSTER: this CTA's result for its key range (running max, sum, unnormalized
-    // output), read by the other CTAs of its cluster
-    constexpr int CTA_G = CLUSTER > 0 ? MAXG : 1, CTA_D = CLUSTER > 0 ? D : 1;
+    // CLUSTER: the results of the cluster's CTAs for the outputs this CTA writes, by the
+    // sender's rank (see the merge at the end)
+    constexpr int INBOX = CLUSTER > 0 ? CLUSTER : 1;
+    constexpr int INBOX_PER = CLUSTER > 0 ? (MAXG * D + CLUSTER - 1) / CLUSTER : 1;
     __shared__ struct {
-        float m[CTA_G], l[CTA_G], acc[CTA_G][CTA_D];
-    } cta;
+        float m[INBOX][MAXG], l[INBOX][MAXG], acc[INBOX][INBOX_PER];
+    } inbox;
 
     const int b = blockIdx.z, split = blockIdx.x;
     // the query heads this CTA serves: 2^head_parts_log2 CTAs share out each kv head's
@@ -432,6 +435,8 @@ __device__ __forceinline__ void decode_attention_body(
     const int head0 = blockIdx.y * heads;  // the first
     const int q_row = query_start_loc[b];
     if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
+    // CLUSTER: this CTA has started (its inbox may be written once every CTA has)
+    if constexpr (CLUSTER > 0) cluster_arrive_relaxed();
     const int seq_len = seq_lens[b];
     // the keys the token sees: from lo (a window's first) to seq_len. CTA `split` takes the
     // split-th range of them; a cluster's CTAs and graph decode (split_len 0) derive the
@@ -686,6 +691,15 @@ __device__ __forceinline__ void decode_attention_body(
         }
     }
     __syncthreads();
+    // CLUSTER: CTA r of the cluster writes outputs [r * per, (r + 1) * per) of the heads.
+    // Each CTA sends its result for its key range to where it is read: each output's sum
+    // to the CTA that writes that output, every head's running max and sum to every CTA,
+    // into their inboxes at its own rank. After one barrier each CTA merges its inbox in
+    // rank order and writes. No CTA reads another's shared memory, so after the barrier
+    // none waits for the others before it leaves (two barriers and a round trip of loads,
+    // as cluster_merge_out does, take longer; benchmarks/NOTES.md)
+    const int per = CLUSTER > 0 ? (heads * D + CLUSTER - 1) / CLUSTER : 0;
+    if constexpr (CLUSTER > 0) cluster_wait();  // every CTA has started
     // merge the warps: thread i writes dim i % D of head i / D
     for (int i = threadIdx.x; i < heads * D; i += THREADS) {
         const int g = i / D, c = i % D;
@@ -695,11 +709,12 @@ __device__ __forceinline__ void decode_attention_body(
         merge_parts<MERGE_WARPS>([&](int w) { return merge_m[w][g]; },
                                [&](int w) { return merge_l[w][g]; },
                                [&](int w) { return merge_acc[w][g][c]; }, m_max, sum_l, sum_acc);
-        if (CLUSTER > 0) {
-            cta.acc[g][c] = sum_acc;
-            if (c == 0) {
-                cta.m[g] = m_max;
-                cta.l[g] = sum_l;
+        if constexpr (CLUSTER > 0) {
+            const int owner = i / per;
+            cluster_store(cluster_address(&inbox.acc[split][i - owner * per], owner), sum_acc);
+            if (c < CLUSTER) {  // the head's max and sum to CTA c (D >= CLUSTER)
+                cluster_store(cluster_address(&inbox.m[split][g], c), m_max);
+                cluster_store(cluster_address(&inbox.l[split][g], c), sum_l);
             }
             continue;
         }
@@ -713,18 +728,19 @@ __device__ __forceinline__ void decode_attention_body(
         }
     }
     if constexpr (CLUSTER > 0) {
-        // merge the cluster's CTAs through distributed shared memory, one output per
-        // thread at most
-        static_assert(MAXG * D <= CLUSTER * THREADS, "a CTA's outputs fit its threads");
-        const unsigned base = shared_address(&cta);
-        cluster_merge_out<CLUSTER, D, THREADS>(
-            &cta, split, heads,
-            [&](int g, int c, unsigned& m_at, unsigned& l_at, unsigned& acc_at) {
-                m_at = shared_address(&cta.m[g]) - base;
-                l_at = shared_address(&cta.l[g]) - base;
-                acc_at = shared_address(&cta.acc[g][c]) - base;
-            },
-            out + ((long long)q_row * num_heads + head0) * D);
+        static_assert(D >= CLUSTER, "a head's max and sum go out from its first CLUSTER dims");
+        cluster_barrier();  // every CTA's result is in the inboxes
+        bf16* out_row = out + ((long long)q_row * num_heads + head0) * D;
+        const int end = min(heads * D, (split + 1) * per);
+        for (int i = split * per + threadIdx.x; i < end; i += THREADS) {
+            const int g = i / D, at = i - split * per;
+            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
+            float m_max, sum_l, sum_acc;
+            merge_parts<CLUSTER>([&](int r) { return inbox.m[r][g]; },
+                                 [&](int r) { return inbox.l[r][g]; },
+                                 [&](int r) { return inbox.acc[r][at]; }, m_max, sum_l, sum_acc);
+            out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+        }
     }
 }
 
