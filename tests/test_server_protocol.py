@@ -656,6 +656,29 @@ def test_a_plain_text_chunk_is_encoded_as_the_chunk_would_be():
     assert odd.text_event(0, "a", None, None) is None
 
 
+def test_every_event_is_one_line_for_clients_that_split_lines_as_python_does():
+    """JSON lets U+0085, U+2028 and U+2029 stand inside a string, but httpx's and requests'
+    iter_lines end a line at each (str.splitlines): an event whose text held one reached
+    such a client in two pieces, neither of them JSON. Escaped, every event is one line
+    there too and reads back as the same text, whether built or made by text_event."""
+    text = "a\x85b\u2028c\u2029d é"
+    completion = parse(CompletionRequest, {"prompt": "x", "stream": True})
+    chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                         "stream": True})
+    for stream, read in ((protocol.CompletionStream(completion, "c", 7, "m\u2028"),
+                          lambda choice: choice["text"]),
+                         (protocol.ChatCompletionStream(chat, "c", 7, "m\u2028"),
+                          lambda choice: choice["delta"].get("content", ""))):
+        stream.chunks(0, "", [], None, None)  # a chat choice's opening
+        events = [stream.text_event(0, text, None, None)]
+        events += [protocol.sse_event(c) for c in stream.chunks(0, text, [5], None, "length")]
+        for event in events:
+            lines = event.decode().splitlines()
+            assert lines[0].startswith("data: ") and lines[1:] == [""], event
+            body = json.loads(lines[0][len("data: "):])
+            assert read(body["choices"][0]) == text and body["model"] == "m\u2028"
+
+
 def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
     """ChatCompletionStream.text_event likewise after a choice's opening chunk: the same
     bytes as chunks() for any text (none for an empty piece, which chunks() drops), and

@@ -863,10 +863,22 @@ def vllm_prompt_logprobs(prompt_ids, scored, k: int, token_strings) -> list | No
     return result
 
 
+# Characters that JSON and server-sent events let stand inside a string but that end a
+# line for a client that splits lines as Python's str.splitlines does (httpx's and
+# requests' iter_lines): escaped, so that such a client reads every event whole. (The other
+# breaks of str.splitlines are control characters, which JSON escapes anyway.)
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _one_line(json_text: str) -> str:
+    """JSON text written with ensure_ascii=False, with _LINE_BREAKS escaped."""
+    return json_text if json_text.isascii() else json_text.translate(_LINE_BREAKS)
+
+
 def sse_event(body: dict) -> bytes:
-    """One server-sent event of a JSON body (compact, UTF-8)."""
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    """One server-sent event of a JSON body (compact, UTF-8, one line for any client)."""
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + _one_line(text).encode() + b"\n\n"
 
 
 # a text whose JSON form no chunk's other fields hold: it marks where a chunk's text goes
@@ -932,7 +944,7 @@ class _Stream:
             parts = self._text_events[index] = tuple(pieces) if len(pieces) == 2 else None
         if parts is None:
             return None
-        return parts[0] + _json_string(text).encode() + parts[1]
+        return parts[0] + _one_line(_json_string(text)).encode() + parts[1]
 
     def _chunk(self, index: int, finish_reason: str | None, usage: dict | None,
                stop_reason: str | int | None = None, **fields) -> dict:
