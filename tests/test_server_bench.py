@@ -12,7 +12,8 @@ import json
 from conftest import one_error_line
 
 from cupy_llama.bench.workloads import offline_workload
-from cupy_llama.bench.serve import ServeBenchSettings, serve_numbers, serve_workload
+from cupy_llama.bench.serve import (ServeBenchSettings, _event_lines, serve_numbers,
+                                    serve_workload)
 from cupy_llama.cli import main
 from test_server import ServerProcess
 
@@ -94,6 +95,29 @@ def test_serve_numbers_follow_their_definitions():
     assert numbers["ttft"]["mean_ms"] == pytest.approx(200)
     assert numbers["tpot"]["mean_ms"] == pytest.approx((100 + 425) / 2)  # 1.0/10, 1.7/4
     assert numbers["itl"]["p50_ms"] == pytest.approx(100)
+
+
+@pytest.mark.parametrize("pieces, lines", [
+    # a CR LF split between two pieces ends one line; a blank line (an event's end) is one
+    (['data: {"t": "a\u2028', 'b\x85c"}\r', '\n\r\ndata: [DO', 'NE]\n\nlast'],
+     ['data: {"t": "a\u2028b\x85c"}', "", "data: [DONE]", "", "last"]),
+    (["a\rb", "\r"], ["a", "b"]),  # a lone CR ends a line, also at the very end
+    (["a\r\n", "", "b\n"], ["a", "b"]),
+])
+def test_the_client_splits_event_lines_where_the_format_does(pieces, lines):
+    """At CR LF, LF or CR only, wherever the pieces of the body end, and not at U+2028 or
+    U+0085 inside an event's JSON (which httpx's own aiter_lines splits at)."""
+    import asyncio
+
+    class Body:
+        async def aiter_text(self):
+            for piece in pieces:
+                yield piece
+
+    async def read():
+        return [line async for line in _event_lines(Body())]
+
+    assert asyncio.run(read()) == lines
 
 
 @pytest.mark.parametrize("args, flag", [

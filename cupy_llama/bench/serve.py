@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import select
 import shlex
 import signal
@@ -176,6 +177,27 @@ def request_bodies(work: Workload, settings: ServeBenchSettings, model: str) -> 
 
 # ---- the clients --------------------------------------------------------------------------
 
+_LINE_END = re.compile(r"\r\n|\n|\r")
+
+
+async def _event_lines(response):
+    """A server-sent event stream's lines, split where the format ends a line: CR LF, LF
+    or CR (httpx's aiter_lines also splits at U+2028 and the like, which a server may write
+    unescaped inside an event's JSON)."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        # a CR at the end may be the first half of a CR LF: it waits for the next piece
+        cut = len(pending) - pending.endswith("\r")
+        *lines, rest = _LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:
+            yield line
+    *lines, rest = _LINE_END.split(pending)
+    for line in lines + ([rest] if rest else []):
+        yield line
+
+
 async def _one_request(client, body: dict, semaphore: asyncio.Semaphore) -> dict:
     async with semaphore:
         result = {"start": time.perf_counter(), "ttft": None, "itl": [], "end": None,
@@ -187,7 +209,7 @@ async def _one_request(client, body: dict, semaphore: asyncio.Semaphore) -> dict
                     text = (await response.aread()).decode("utf-8", "replace")
                     result["error"] = f"HTTP {response.status_code}: {text[:300]}"
                     return result
-                async for line in response.aiter_lines():
+                async for line in _event_lines(response):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
