@@ -150,6 +150,12 @@ def test_throughput_counts_every_requested_token(report_all):
     assert result["total_tok_s"] == pytest.approx(
         (result["output_tokens"] + result["prompt_tokens"]) / result["wall_s"])
     assert result["requests_s"] == pytest.approx(5 / result["wall_s"])
+    # a step gives a request at most one token: at least the longest output's count of
+    # steps, and no more than one a token plus a prefill a request
+    engine = result["engine"]
+    assert max(work.output_lens) <= engine["steps"] <= sum(work.output_lens) + 5
+    assert engine["preemptions"] == 0
+    assert engine["ms_per_step"] == pytest.approx(1e3 * result["wall_s"] / engine["steps"])
 
 
 def test_latency_on_the_cpu_has_no_bandwidth_floor(report_all):

@@ -12,8 +12,8 @@ import json
 from conftest import one_error_line
 
 from cupy_llama.bench.workloads import offline_workload
-from cupy_llama.bench.serve import (ServeBenchSettings, _event_lines, serve_numbers,
-                                    serve_workload)
+from cupy_llama.bench.serve import (ENGINE_COUNTERS, ServeBenchSettings, _event_lines,
+                                    engine_numbers, serve_numbers, serve_workload)
 from cupy_llama.cli import main
 from test_server import ServerProcess
 
@@ -32,6 +32,16 @@ def check_report(report: dict, num_requests: int) -> dict:
         assert 0 < stats["p50_ms"] <= stats["p90_ms"] <= stats["p99_ms"], key
     assert r["ttft"]["p99_ms"] <= r["e2e_latency"]["p99_ms"]
     assert r["chunks"] <= r["output_tokens"]
+    # the engine's counters over the run: every request's tokens, and a step computes the
+    # prompt tokens the cache did not hold, then one token a request for each output
+    # token after the first
+    e = r["engine"]
+    assert (e["prompt_tokens"], e["generation_tokens"]) == (r["input_tokens"], r["output_tokens"])
+    assert e["preemptions"] == 0
+    assert e["tokens"] == r["input_tokens"] - e["prefix_hits"] + r["output_tokens"] - num_requests
+    assert 0 < e["step_s"] <= e["loop_s"] < r["duration_s"]
+    assert e["idle_s"] == pytest.approx(r["duration_s"] - e["loop_s"])
+    assert e["tokens_per_step"] == pytest.approx(e["tokens"] / e["steps"])
     return r
 
 
@@ -95,6 +105,23 @@ def test_serve_numbers_follow_their_definitions():
     assert numbers["ttft"]["mean_ms"] == pytest.approx(200)
     assert numbers["tpot"]["mean_ms"] == pytest.approx((100 + 425) / 2)  # 1.0/10, 1.7/4
     assert numbers["itl"]["p50_ms"] == pytest.approx(100)
+
+
+def test_engine_numbers_come_from_one_server_or_none():
+    """The engine's counters over a run are the growth between two reads of /metrics, and
+    only where one server answered both reads and every request: behind a balancer the
+    reads may come from two replicas, or the run may have gone to several."""
+    def counters(server, steps):
+        return {**{key: 1.0 for key in ENGINE_COUNTERS}, "steps": steps, "loop_s": steps / 100,
+                "server": server}
+
+    numbers = engine_numbers(counters("a", 10), counters("a", 110), 1.5, {"a"})
+    assert numbers["steps"] == 100 and numbers["server"] == "a"
+    assert numbers["loop_s"] == pytest.approx(1.0) and numbers["idle_s"] == pytest.approx(0.5)
+    assert numbers["loop_ms"] == pytest.approx(10.0)
+    assert engine_numbers(counters("a", 10), counters("b", 110), 1.5, {"a", "b"}) is None
+    assert engine_numbers(counters("a", 10), counters("a", 110), 1.5, {"a", "b"}) is None
+    assert engine_numbers(None, counters("a", 110), 1.5, {"a"}) is None
 
 
 @pytest.mark.parametrize("pieces, lines", [

@@ -171,10 +171,17 @@ def run_throughput(llm, settings: BenchSettings, device, log) -> dict:
     work = throughput_workload(settings, max_token_id(llm))
     params = [SamplingParams(temperature=THROUGHPUT_TEMPERATURE, max_tokens=n, ignore_eos=True,
                              seed=settings.seed + i) for i, n in enumerate(work.output_lens)]
+    before = llm.engine.stats()
     started = time.perf_counter()
     outputs = llm.generate(work.prompts, params)
     wall_s = time.perf_counter() - started
+    after = llm.engine.stats()
     result = throughput_numbers(work, sum(len(o.token_ids) for o in outputs), wall_s)
+    # the engine's side, as bench serve reports it from the server's counters
+    steps = after.num_steps - before.num_steps
+    result["engine"] = {"steps": steps,
+                        "preemptions": after.num_preemptions - before.num_preemptions,
+                        "ms_per_step": 1e3 * wall_s / steps if steps else None}
     log(f"throughput: {result['num_requests']} requests, {result['output_tokens']:,} output "
         f"tokens in {wall_s:.2f} s: {result['output_tok_s']:,.0f} output tok/s, "
         f"{result['total_tok_s']:,.0f} total tok/s, {result['requests_s']:.1f} req/s")

@@ -52,6 +52,18 @@ STREAMS_PER_CLIENT = 64
 MAX_CLIENT_PROCESSES = 8
 SERVER_START_TIMEOUT_S = 900     # load, kernel compilation, CUDA graphs of a large model
 PERCENTILES = (50, 90, 99)
+# the engine's counters that a cupy-llama server's /metrics exposes (server/metrics.py), by
+# the key bench serve reports their growth over the timed run under
+ENGINE_COUNTERS = {"steps": "cupy_llama:engine_steps_total",
+                   "step_s": "cupy_llama:engine_step_seconds_total",
+                   "loop_s": "cupy_llama:engine_loop_seconds_total",
+                   "tokens": "cupy_llama:iteration_tokens_total_sum",
+                   "prompt_tokens": "cupy_llama:prompt_tokens_total",
+                   "generation_tokens": "cupy_llama:generation_tokens_total",
+                   "prefix_hits": "cupy_llama:prefix_cache_hits_total",
+                   "preemptions": "cupy_llama:num_preemptions_total",
+                   "queue_s": "cupy_llama:request_queue_time_seconds_sum",
+                   "prefill_s": "cupy_llama:request_prefill_time_seconds_sum"}
 
 
 def _stderr(message: str) -> None:
@@ -201,10 +213,11 @@ async def _event_lines(response):
 async def _one_request(client, body: dict, semaphore: asyncio.Semaphore) -> dict:
     async with semaphore:
         result = {"start": time.perf_counter(), "ttft": None, "itl": [], "end": None,
-                  "output_tokens": None, "chunks": 0, "error": None}
+                  "output_tokens": None, "chunks": 0, "error": None, "served_by": None}
         last = result["start"]
         try:
             async with client.stream("POST", "completions", json=body) as response:
+                result["served_by"] = response.headers.get("x-served-by")
                 if response.status_code != 200:
                     text = (await response.aread()).decode("utf-8", "replace")
                     result["error"] = f"HTTP {response.status_code}: {text[:300]}"
@@ -342,6 +355,60 @@ def serve_numbers(results: list[dict]) -> dict:
     }
 
 
+def engine_counters(base_url: str, api_key: str | None) -> dict | None:
+    """ENGINE_COUNTERS as the server's /metrics gives them now, summed over their labels,
+    and under "server" the x-served-by header of the answer (the replica behind a
+    balancer); None for a server that lacks any of them (not a cupy-llama server, or an
+    older one)."""
+    import httpx
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    root = base_url[:-len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        response = httpx.get(root + "/metrics", headers=headers, timeout=30)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    wanted = {name: key for key, name in ENGINE_COUNTERS.items()}
+    found = {}
+    for line in response.text.splitlines():
+        series, _, value = line.rpartition(" ")  # name{labels} value; comments start "#"
+        name = series.partition("{")[0]
+        if name in wanted:
+            try:
+                found[wanted[name]] = found.get(wanted[name], 0.0) + float(value)
+            except ValueError:
+                return None
+    if len(found) < len(ENGINE_COUNTERS):
+        return None
+    return {**found, "server": response.headers.get("x-served-by")}
+
+
+def engine_numbers(before: dict | None, after: dict | None, duration_s: float,
+                   served_by: set) -> dict | None:
+    """What the engine did during the timed run, from its counters before and after it:
+    steps, seconds inside its steps (step_s) and in the loop turns that stepped (loop_s:
+    the steps plus taking requests and sending outputs), and the run's time it stepped
+    in no turn (idle_s: waiting for requests, or the run's edges as clients see them).
+    The engine reports its counters with each step's output, so the last turn's loop time
+    is not in them. None unless one server answered both reads and every request that
+    got an answer (served_by: their x-served-by headers): behind a balancer the reads
+    may come from different replicas, and one replica's counters are not the run's."""
+    if (before is None or after is None or before["server"] != after["server"]
+            or not served_by <= {after["server"]}):
+        return None
+    grown = {"server": after["server"],
+             **{key: after[key] - before[key] for key in ENGINE_COUNTERS}}
+    for key in ("steps", "tokens", "prompt_tokens", "generation_tokens", "prefix_hits",
+                "preemptions"):
+        grown[key] = round(grown[key])
+    steps = grown["steps"]
+    grown.update({"idle_s": duration_s - grown["loop_s"],
+                  "tokens_per_step": grown["tokens"] / steps if steps else None,
+                  "step_ms": 1e3 * grown["step_s"] / steps if steps else None,
+                  "loop_ms": 1e3 * grown["loop_s"] / steps if steps else None})
+    return grown
+
+
 def format_serve_table(report: dict) -> str:
     r = report["results"]
     settings = report["settings"]
@@ -372,6 +439,15 @@ def format_serve_table(report: dict) -> str:
         for p in PERCENTILES:
             label = "Median" if p == 50 else f"P{p}"
             lines.append(f"{f'{label} {short} (ms):':<40}{num(r[key][f'p{p}_ms'])}")
+    engine = r.get("engine")
+    if engine is not None:
+        title = "Engine (the server's /metrics)"
+        lines += [f"{title:-^50}",
+                  f"{'Engine steps:':<40}{engine['steps']:,}",
+                  f"{'Tokens per step:':<40}{num(engine['tokens_per_step'], 1)}",
+                  f"{'Mean loop turn of a step (ms):':<40}{num(engine['loop_ms'])}",
+                  f"{'Engine idle during the run (s):':<40}{num(engine['idle_s'])}",
+                  f"{'Preemptions:':<40}{engine['preemptions']:,}"]
     lines.append("=" * 50)
     if r["errors"]:
         lines.append("errors: " + "; ".join(r["errors"]))
@@ -515,10 +591,14 @@ def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
         log(f"bench serve: {len(bodies)} requests, concurrency {settings.concurrency}, rate "
             f"{settings.request_rate:g}/s, {num_processes} client process"
             f"{'es' if num_processes > 1 else ''}")
+        before = engine_counters(base_url, settings.api_key)
         results = run_clients(base_url, bodies, concurrency=settings.concurrency,
                               rate=settings.request_rate, api_key=settings.api_key,
                               seed=settings.seed, num_processes=num_processes)
         report["results"] = serve_numbers(results)
+        report["results"]["engine"] = engine_numbers(
+            before, engine_counters(base_url, settings.api_key), report["results"]["duration_s"],
+            {r["served_by"] for r in results if r["served_by"] is not None})
 
     if settings.url is not None:
         base_url = settings.url.rstrip("/")
