@@ -101,6 +101,12 @@ def test_serve_numbers_follow_their_definitions():
                              {**result(1.0, None, 1.2, None, []), "error": "HTTP 503"}])
     assert numbers["completed"] == 2 and numbers["failed"] == 1 and numbers["errors"] == ["HTTP 503"]
     assert numbers["duration_s"] == pytest.approx(2.5)
+    # the last request went out at 1.0 (the failed one too); the first token came at 0.1
+    assert numbers["last_start_s"] == pytest.approx(1.0)
+    assert numbers["first_token_s"] == pytest.approx(0.1)
+    # no request answered: no first token (null in the JSON, not NaN)
+    assert serve_numbers([{**result(1.0, None, 1.2, None, []), "error": "HTTP 503"}])[
+        "first_token_s"] is None
     assert numbers["output_tok_s"] == pytest.approx(16 / 2.5)
     assert numbers["ttft"]["mean_ms"] == pytest.approx(200)
     assert numbers["tpot"]["mean_ms"] == pytest.approx((100 + 425) / 2)  # 1.0/10, 1.7/4

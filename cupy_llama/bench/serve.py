@@ -331,7 +331,8 @@ def _stats_ms(values: list[float]) -> dict:
 def serve_numbers(results: list[dict]) -> dict:
     ok = [r for r in results if r["error"] is None]
     failed = [r for r in results if r["error"] is not None]
-    duration = max(r["end"] for r in results) - min(r["start"] for r in results)
+    first_start = min(r["start"] for r in results)
+    duration = max(r["end"] for r in results) - first_start
     counted_by_usage = all(r["output_tokens"] is not None for r in ok)
     for r in ok:
         if r["output_tokens"] is None:
@@ -343,7 +344,12 @@ def serve_numbers(results: list[dict]) -> dict:
     return {
         "num_requests": len(results), "completed": len(ok), "failed": len(failed),
         "errors": sorted({r["error"] for r in failed})[:10],
-        "duration_s": duration, "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "duration_s": duration,
+        # the run's edges as the clients saw them: when the last request went out, and when
+        # the first token came back, from the first request's start
+        "last_start_s": max(r["start"] for r in results) - first_start,
+        "first_token_s": (min(r["start"] + r["ttft"] for r in ok) - first_start) if ok else None,
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
         "requested_output_tokens": sum(r["max_tokens"] for r in ok),
         "output_tokens_from_usage": counted_by_usage,
         "requests_s": len(ok) / duration, "output_tok_s": output_tokens / duration,
