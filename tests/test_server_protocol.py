@@ -656,6 +656,27 @@ def test_a_plain_text_chunk_is_encoded_as_the_chunk_would_be():
     assert odd.text_event(0, "a", None, None) is None
 
 
+def test_constraints_tools_and_own_templates_are_prepared_off_the_event_loop():
+    """A small body is parsed on the server's event loop, but a prompt whose preparation
+    converts a grammar, checks schemas or renders the request's own template (each may
+    take a while) is prepared in a worker thread."""
+    from cupy_llama.server.app import prepared_in_thread
+
+    def decide(model, body):
+        return prepared_in_thread(parse(model, body), body)
+
+    messages = [{"role": "user", "content": "x"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert not decide(CompletionRequest, {"prompt": "x"})
+    assert not decide(CompletionRequest, {"prompt": "x", "grammar": None})
+    assert decide(CompletionRequest, {"prompt": "x", "grammar": 'root ::= "a"'})
+    assert decide(CompletionRequest, {"prompt": "x", "response_format": {"type": "json_object"}})
+    assert not decide(ChatCompletionRequest, {"messages": messages})
+    assert decide(ChatCompletionRequest, {"messages": messages, "tools": tools})
+    assert decide(ChatCompletionRequest, {"messages": messages, "guided_choice": ["a", "b"]})
+    assert decide(ChatCompletionRequest, {"messages": messages, "chat_template": "{{ 1 }}"})
+
+
 def test_every_event_is_one_line_for_clients_that_split_lines_as_python_does():
     """JSON lets U+0085, U+2028 and U+2029 stand inside a string, but httpx's and requests'
     iter_lines end a line at each (str.splitlines): an event whose text held one reached

@@ -55,6 +55,12 @@ from .protocol import APIError
 
 DEFAULT_MAX_WAITING = 1024
 MAX_BODY_BYTES = 16 << 20        # larger bodies get 413 (a 100k-token prompt is about 1 MB)
+# a body up to this size is parsed (and its prompt tokenized) on the event loop, a larger one
+# in a worker thread: a 4k-token prompt takes a few milliseconds, while with the work in
+# threads the engine got none of a burst of requests until all of it had arrived (a request
+# with a constraint, tools or its own chat template is prepared in a thread whatever its
+# size: prepared_in_thread)
+INLINE_BODY_BYTES = 16 << 10
 SHUTDOWN_GRACE_S = 2.0           # how long running requests may go on once a shutdown begins
 DRAIN_DELAY_S = 1.0              # SIGTERM: /health 503 for this long before the listener closes
 HEADER_TIMEOUT_S = 10.0          # a connection must send a request's headers within this
@@ -711,6 +717,17 @@ class _AccessLog:
                     1e3 * (time.perf_counter() - started))
 
 
+def prepared_in_thread(parsed, decoded) -> bool:
+    """Whether a request small enough to parse on the event loop still has its prompt
+    prepared in a worker thread: where it brings its own chat template (a template may
+    loop a while) or names a constraint or tools (their grammars and schemas are
+    converted and checked then: GBNF's conversion takes a quarter of a second at 16 KiB)."""
+    if getattr(parsed, "chat_template", None) is not None:
+        return True
+    return isinstance(decoded, dict) and any(decoded.get(name) is not None
+                                             for name in protocol.CONSTRAINT_FIELDS)
+
+
 def create_app(state: ServerState):
     """The ASGI application: FastAPI's routes inside _ServedBy."""
     settings = state.settings
@@ -771,9 +788,14 @@ def create_app(state: ServerState):
                   request.url.path, type(e).__name__, frames, type(e).__name__)
         return _ErrorResponse(APIError(500, "internal server error; see the server log"))
 
-    async def body_of(request: Request, model):
-        """The body parsed by the endpoint's request model (in a worker thread: a large
-        body takes a while), its model checked."""
+    async def body_of(request: Request, model, then=None):
+        """(the body parsed by the endpoint's request model, its JSON, then(parsed) or None):
+        the parse, the checks of its model and chat template, and `then`, at once for a
+        body of up to INLINE_BODY_BYTES, else in one hop to a worker thread (a large body
+        takes a while); `then` in a thread too where prepared_in_thread says. So a burst of
+        requests reaches the engine as each is read: with the work in threads, the engine
+        got none of a burst until all of it had arrived (benchmarks/NOTES.md, "The served
+        run's first step")."""
         state.check_key(request)
         state.check_ready()
         try:
@@ -786,20 +808,32 @@ def create_app(state: ServerState):
             decoded = _decode_json(body)
             if model in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
                 state.check_sizes(decoded)  # before the request model reads every entry
-            return protocol.parse(model, decoded), decoded
+            parsed = protocol.parse(model, decoded)
+            state.check_model(parsed.model)
+            template = getattr(parsed, "chat_template", None)
+            named = getattr(state.tokenizer, "named_templates", {})
+            if (template is not None and not settings.trust_request_chat_template
+                    and template not in named):
+                names = f" (send one's name: {', '.join(map(repr, named))})" if named else ""
+                raise APIError(
+                    400, f"chat_template: this server renders only the model's chat "
+                         f"templates{names}; start it with --trust-request-chat-template to "
+                         f"take a request's own", param="chat_template",
+                    code="unsupported_parameter")
+            return parsed, decoded
 
-        parsed, decoded = await asyncio.to_thread(parse)
-        state.check_model(parsed.model)
-        template = getattr(parsed, "chat_template", None)
-        named = getattr(state.tokenizer, "named_templates", {})
-        if (template is not None and not settings.trust_request_chat_template
-                and template not in named):
-            names = f" (send one's name: {', '.join(map(repr, named))})" if named else ""
-            raise APIError(
-                400, f"chat_template: this server renders only the model's chat templates"
-                     f"{names}; start it with --trust-request-chat-template to take a "
-                     f"request's own", param="chat_template", code="unsupported_parameter")
-        return parsed, decoded
+        def parse_then():
+            parsed, decoded = parse()
+            return parsed, decoded, None if then is None else then(parsed)
+
+        if len(body) > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(parse_then)
+        parsed, decoded = parse()
+        if then is None:
+            return parsed, decoded, None
+        if prepared_in_thread(parsed, decoded):
+            return parsed, decoded, await asyncio.to_thread(then, parsed)
+        return parsed, decoded, then(parsed)
 
     def log_request(response_id: str, body: dict) -> None:
         if settings.log_requests:
@@ -844,15 +878,17 @@ def create_app(state: ServerState):
 
     async def generate(request: Request, request_model, stream_class):
         """/v1/completions and /v1/chat/completions: the body parsed by the endpoint's
-        request model, its prompts tokenized (both in a worker thread), its engine requests
-        started, and the answer streamed or whole."""
-        parsed, body = await body_of(request, request_model)
-        if isinstance(parsed, protocol.ChatCompletionRequest):
-            parsed.set_tool_parser(settings.tool_call_parser)
-            parsed.set_reasoning_parser(state.reasoning)
-        prompts, params = await asyncio.to_thread(
-            parsed.engine_inputs, state.tokenizer, state.vocab_size, state.info.context_limit,
-            state.model_defaults, state.max_prompt_bytes)
+        request model and its prompts tokenized (body_of), its engine requests started, and
+        the answer streamed or whole."""
+        def engine_inputs(parsed):
+            if isinstance(parsed, protocol.ChatCompletionRequest):
+                parsed.set_tool_parser(settings.tool_call_parser)
+                parsed.set_reasoning_parser(state.reasoning)
+            return parsed.engine_inputs(state.tokenizer, state.vocab_size,
+                                        state.info.context_limit, state.model_defaults,
+                                        state.max_prompt_bytes)
+
+        parsed, body, (prompts, params) = await body_of(request, request_model, engine_inputs)
         if params and params[0].structured is not None:
             await asyncio.to_thread(state.compile_structured, params)
         state.check_ready()  # it may have begun to stop meanwhile
@@ -877,9 +913,9 @@ def create_app(state: ServerState):
 
     @route("POST", "/tokenize")
     async def tokenize(request: Request):
-        parsed, _ = await body_of(request, protocol.TokenizeRequest)
-        token_ids = await asyncio.to_thread(parsed.token_ids, state.tokenizer,
-                                            state.max_prompt_bytes)
+        parsed, _, token_ids = await body_of(
+            request, protocol.TokenizeRequest,
+            lambda parsed: parsed.token_ids(state.tokenizer, state.max_prompt_bytes))
         return JSONResponse(parsed.response(state.tokenizer, token_ids,
                                             state.info.context_limit))
 
@@ -893,7 +929,7 @@ def create_app(state: ServerState):
 
     @route("POST", "/detokenize")
     async def detokenize(request: Request):
-        parsed, _ = await body_of(request, protocol.DetokenizeRequest)
+        parsed, _, _ = await body_of(request, protocol.DetokenizeRequest)
         return JSONResponse(protocol.detokenize_response(parsed.text(state.tokenizer)))
 
     return _ServedBy(app, settings.replica_name or "cupy-llama")
