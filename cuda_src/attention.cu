@@ -344,7 +344,9 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // one (sequence, kv head, split) and the query heads of that kv head: all of them where
 // head_parts_log2 is 0, so each K/V row is read once; a larger group may be shared out
 // evenly among 2^head_parts_log2 CTAs, each reading the kv head's keys (the repeats mostly
-// from L2), so that a CTA's registers go to keys in flight (attention.py, decode_head_parts).
+// from L2), so that a CTA's registers go to keys in flight (attention.py, decode_head_parts);
+// a clustered step of one sequence shares it out further, down to a head a CTA, where the
+// GPU holds the clusters, since each CTA's own work is then shorter (cluster_head_parts).
 // A key row of D bf16 is read by a "slot" of D/8 lanes with one 16-byte load each (lane
 // `sub` holds dims sub*8 .. sub*8+7); a warp holds 32/(D/8) slots. Slot s
 // takes keys base + u * SLOTS + s (u < UNROLL: that many loads in flight per lane), scores

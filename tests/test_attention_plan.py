@@ -36,8 +36,8 @@ def test_the_cuda_core_decode_kernel_takes_the_smallest_group_bound():
         assert got.kernel == f"decode_attention_d128_g{bound}", (group, got)
         assert got.grid == (5, 2 * parts, 4), (group, got)
         clustered = plan(num_heads=2 * group, num_kv_heads=2, head_dim=128, num_splits=5,
-                         clusters=True, num_seqs=1)
-        assert clustered.grid == (attention.DECODE_CLUSTER, 2 * parts, 1), (group, clustered)
+                         clusters=True, num_seqs=7)  # 7 x 2 kv heads x 8: no room for more
+        assert clustered.grid == (attention.DECODE_CLUSTER, 2 * parts, 7), (group, clustered)
 
 
 def test_a_kv_heads_ctas_share_out_its_heads_evenly():
@@ -58,6 +58,43 @@ def test_a_kv_heads_ctas_share_out_its_heads_evenly():
         for y in range(3 * parts):  # three kv heads
             first = y * heads
             assert y >> shift == first // group == (first + heads - 1) // group, (group, y)
+
+
+def test_clustered_batches_share_a_kv_heads_query_heads_out_as_far_as_the_gpu_holds():
+    """A clustered batch of one sequence gives each share of a kv head's query heads a
+    cluster of its own, halving the shares down to one head a CTA while the clusters fit
+    one CTA per SM; larger batches keep the fewest parts."""
+    def clustered(num_seqs, num_heads, num_kv_heads, head_dim):
+        return plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, num_splits=8, clusters=True)
+    cluster = attention.DECODE_CLUSTER
+    # Gemma-3-1B: one kv head of 4 query heads, a CTA each
+    assert clustered(1, 4, 1, 256)[:2] == ("decode_attention_d256_g1_cluster", (cluster, 4, 1))
+    assert clustered(2, 4, 1, 256)[:2] == ("decode_attention_d256_g4_cluster", (cluster, 1, 2))
+    # Llama-3.2-1B: 8 kv heads of 4; two CTAs of 2 take 128 CTAs, four would take 256
+    assert clustered(1, 32, 8, 64)[:2] == ("decode_attention_d64_g2_cluster", (cluster, 16, 1))
+    assert clustered(2, 32, 8, 64)[:2] == ("decode_attention_d64_g4_cluster", (cluster, 8, 2))
+    # Qwen3-0.6B: 8 kv heads of 2
+    assert clustered(1, 16, 8, 128)[:2] == ("decode_attention_d128_g1_cluster", (cluster, 16, 1))
+    assert clustered(2, 16, 8, 128)[:2] == ("decode_attention_d128_g2_cluster", (cluster, 8, 2))
+    # Qwen2.5-1.5B: 6 heads halve once (two CTAs of 3), never into 4
+    assert clustered(1, 12, 2, 128)[:2] == ("decode_attention_d128_g4_cluster", (cluster, 4, 1))
+    # an unclustered batch keeps the fewest parts
+    assert plan(num_seqs=1, num_splits=5)[:2] == ("decode_attention_d64_g4", (5, 8, 1))
+    for group in range(1, 33):
+        for num_seqs in (1, 2, 3, 4):
+            p = clustered(num_seqs, 2 * group, 2, 128)
+            if p.kernel not in attention.DECODE_KERNELS.values():
+                continue  # the tensor-core kernel: no CUDA-core kernel takes the group
+            parts = p.grid[1] // 2
+            least = attention.decode_head_parts(group)
+            assert parts & (parts - 1) == 0 and group % parts == 0 and parts >= least
+            assert parts == least or (num_seqs == 1 and 2 * parts * cluster <= H200_SMS)
+            bound = int(p.kernel.split("_g")[1].split("_")[0])
+            assert group // parts <= bound, (group, num_seqs, p)
+            # not one halving more that would have fitted
+            if num_seqs == 1 and parts < group and group % (2 * parts) == 0:
+                assert num_seqs * 2 * 2 * parts * cluster > H200_SMS, (group, num_seqs, p)
 
 
 def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():
@@ -216,7 +253,7 @@ def test_decode_batches_of_many_sequences_take_the_tensor_core_kernel():
     assert p.kernel == "decode_attention_mma_d64" and p.grid == (3, 8, small + 1)
     assert p.block == 128 and p.shared_mem == 2 * 4 * 64 * (64 + 8)
     assert plan(num_seqs=256, head_dim=128).shared_mem == 2 * 4 * 64 * (128 + 8)
-    assert plan(num_seqs=1, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
+    assert plan(num_seqs=2, num_splits=3, clusters=True).kernel == "decode_attention_d64_g4_cluster"
     assert plan(num_seqs=64, num_splits=3, clusters=True).kernel == "decode_attention_mma_d64_c2"
     # either kernel on demand, where it can run
     assert plan(num_seqs=1, num_splits=3, clusters=True, kernel="decode_mma").kernel == \
@@ -249,10 +286,10 @@ def test_wider_head_dims_decode_in_wider_ctas():
         p = plan(head_dim=256, num_heads=4, num_kv_heads=1, num_seqs=num_seqs, num_splits=3)
         assert p.kernel == "decode_attention_d256_g4" and p.block == 128
         assert p.grid == (3, 1, num_seqs) and p.shared_mem == 0
-    p = plan(head_dim=256, num_heads=4, num_kv_heads=1, num_splits=3, clusters=True)
+    p = plan(head_dim=256, num_heads=4, num_kv_heads=1, num_seqs=16, num_splits=3, clusters=True)
     assert p.kernel == "decode_attention_d256_g4_cluster" and p.block == 512
-    assert p.grid == (attention.DECODE_CLUSTER, 1, 4) and p.cluster == attention.DECODE_CLUSTER
-    p = plan(head_dim=128, num_heads=16, num_kv_heads=8, num_seqs=1, num_splits=8, clusters=True)
+    assert p.grid == (attention.DECODE_CLUSTER, 1, 16) and p.cluster == attention.DECODE_CLUSTER
+    p = plan(head_dim=128, num_heads=16, num_kv_heads=8, num_seqs=2, num_splits=8, clusters=True)
     assert p.kernel == "decode_attention_d128_g2_cluster" and p.block == 256
     assert plan(head_dim=128, num_seqs=3, num_splits=5).block == 256
     # 7 query heads per kv head at head_dim 256: one CTA of 4 warps, no cluster variant

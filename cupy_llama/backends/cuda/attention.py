@@ -9,7 +9,9 @@ Which kernel runs (`attention_plan`):
   fp32 online softmax). Where the keys are
   split and the GPU launches thread-block clusters (sm_90+), and decode_clusters_pay says
   so, decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
-  sequence and kv head splits the keys and merges on chip, with no combine kernel after it;
+  sequence and kv head (and, for one sequence, share of its query heads:
+  cluster_head_parts, down to one a CTA where the GPU holds the clusters) splits the keys
+  and merges on chip, with no combine kernel after it;
   given the qkv product's output and its head norms (`DecodeRope`: Qwen3, Gemma 3), the
   head-norm form of either (decode_attention_d{D}_g{G}[_cluster]_norm), which norms and
   rotates q and the new key itself and writes the new key and value into the cache, so
@@ -170,12 +172,38 @@ def decode_head_parts(group: int) -> int:
     return 1
 
 
+def cluster_head_parts(num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
+                       num_sms: int) -> int:
+    """CTAs that share out a kv head's `group` query heads where a decode batch runs
+    clustered: for one sequence, twice as many as decode_head_parts, and twice again, down
+    to one head a CTA, while the parts divide the group, the GPU holds every cluster at one
+    CTA per SM, and a clustered kernel serves the share. A cluster's path is the step's,
+    and fewer heads a CTA shorten each CTA's own work (its dot products, folds and merges);
+    the extra CTAs read the kv head's keys again, mostly from L2. At batch 1 on an H100,
+    Gemma-3-1B decodes 8% more tokens a second at one head a CTA than at four,
+    Llama-3.2-1B 2% at two than at four, Qwen3-0.6B 1.3% at one than at two
+    (benchmarks/NOTES.md, change 51). Larger batches keep decode_head_parts: there the
+    clusters of CTAs that take a whole SM each (head_dim 256) may not all fit the GPU's
+    processing clusters at once, and that was not measured."""
+    parts = decode_head_parts(group)
+    while (num_seqs == 1 and group % (2 * parts) == 0
+           and num_seqs * num_kv_heads * 2 * parts * DECODE_CLUSTER <= num_sms
+           and (head_dim, decode_heads_bound(group // (2 * parts)), True) in DECODE_KERNELS):
+        parts *= 2
+    return parts
+
+
+def decode_heads_bound(heads: int) -> int | None:
+    """The smallest instantiated bound on a CTA's query heads (DECODE_GROUPS) that holds
+    `heads`, None past the largest."""
+    return next((g for g in DECODE_GROUPS if g >= heads), None)
+
+
 def decode_group_bound(group: int) -> int | None:
     """The CUDA-core decode kernel variant for `group` query heads per kv head: the
-    smallest instantiated bound (DECODE_GROUPS) that holds one CTA's share of them, None
-    past the largest."""
-    heads = group // decode_head_parts(group)
-    return next((g for g in DECODE_GROUPS if g >= heads), None)
+    bound (decode_heads_bound) of one CTA's share of them where decode_head_parts share
+    them out (a clustered batch may share them further: cluster_head_parts)."""
+    return decode_heads_bound(group // decode_head_parts(group))
 
 
 def decode_step_keys(head_dim: int, group: int, cluster: bool = False) -> int:
@@ -300,9 +328,11 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
             return AttentionPlan(DECODE_MMA_KERNELS[head_dim, 0],
                                  (num_splits, num_kv_heads, num_seqs), DECODE_MMA_THREADS, shared)
         if cuda_core_can and kernel != "decode_mma":
-            name = DECODE_KERNELS[head_dim, bound, clustered]
+            parts = (cluster_head_parts(num_seqs, num_kv_heads, group, head_dim, num_sms)
+                     if clustered else decode_head_parts(group))
+            name = DECODE_KERNELS[head_dim, decode_heads_bound(group // parts), clustered]
             threads = DECODE_WARPS[name] * _C["WARP_SIZE"]
-            ctas_y = num_kv_heads * decode_head_parts(group)  # the kernel reads the parts here
+            ctas_y = num_kv_heads * parts  # the kernel reads the parts here
             if clustered:
                 return AttentionPlan(name, (DECODE_CLUSTER, ctas_y, num_seqs), threads, 0,
                                      DECODE_CLUSTER)
