@@ -17,7 +17,7 @@ output tokens come from the usage the server reports at the end of each stream.
 
 The clients must not be what limits the run: at 32,000 output tokens/s one Python
 process cannot parse every event, so the requests are spread over --client-processes
-processes (default: one per 64 concurrent streams, at most 8, at least 1), each with its
+processes (default: one per 32 concurrent streams, at most 8, at least 1), each with its
 own share of the concurrency or of the arrival rate, and their timings are merged.
 """
 from __future__ import annotations
@@ -48,7 +48,13 @@ from .workloads import (THROUGHPUT_LENGTHS, THROUGHPUT_MAX_TOKEN_ID,
                               prepare_model, random_ids)
 from ..errors import CupyLlamaError, OptionError, check_output_path
 
-STREAMS_PER_CLIENT = 64
+# a client process builds all its requests before its first one is sent (httpx: about 2 ms
+# each on a 2-core machine, its connection pool's bookkeeping growing with them), so
+# fewer streams a process bring a burst's first token sooner: at 256 streams on an H100,
+# 32 a process gave 97.6, 98.2 and 97.2% of the offline figure where 64 a process gave
+# 96.5, 97.0 and 97.0% in the same calls (benchmarks/NOTES.md, "The served run's first
+# step")
+STREAMS_PER_CLIENT = 32
 MAX_CLIENT_PROCESSES = 8
 SERVER_START_TIMEOUT_S = 900     # load, kernel compilation, CUDA graphs of a large model
 PERCENTILES = (50, 90, 99)

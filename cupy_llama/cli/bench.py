@@ -70,7 +70,7 @@ class _Mode(click.Choice):
 @click.option("--temperature", type=float, help="serve: sampling temperature (default 0.6, "
               "as throughput).")
 @click.option("--client-processes", type=int, help="serve: processes the clients are spread "
-              "over (default: one per 64 concurrent streams).")
+              "over (default: one per 32 concurrent streams).")
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="serve: the server's API key "
               "(default: $OPENAI_API_KEY).")
 def bench(mode, **flags):
