@@ -429,15 +429,37 @@ def test_text_made_in_the_server_process_is_the_engines(llm, columns):
     assert_all_blocks_free(llm)
 
 
+def test_an_engine_going_idle_reports_its_last_turn(llm):
+    """The counters go out with each step's output, before that turn's loop time is
+    added; as the engine goes idle it sends them once more, so /metrics ends with every
+    turn's time (a one-step request's loop time covering its step)."""
+    from conftest import ScriptedChannel
+
+    from cupy_llama.engine import async_engine
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    channel = ScriptedChannel([[("add", "one", [5, 6, 7], params, False, True)]])
+    loop = async_engine._EngineLoop(llm.engine, channel)
+    try:
+        loop.run()
+    finally:
+        llm.engine.outputs = None
+    last = channel.sent[-1]
+    assert last[0] == "out" and last[1] == [] and last[2] == []
+    assert last[3]["loop_seconds"] == loop.loop_seconds > 0
+    assert 0 < last[3]["step_seconds"] <= last[3]["loop_seconds"]
+    assert [d for message in channel.sent for d in message[1]][0][4] == "length"
+
+
 def test_a_stepping_engine_says_so_without_output(llm, monkeypatch):
     """A request that is not streamed has no output until it ends; the engine loop still
     sends a message at least every PROGRESS_EVERY_S while it steps, since the server's
-    stall watch (--engine-timeout) counts from the last one. Here every step's."""
+    stall watch (--engine-timeout) counts from the last one. Here every step's, and one
+    more as it goes idle."""
     from conftest import ScriptedChannel
 
     from cupy_llama.engine import async_engine
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for every, least, most in ((0.0, 12, 13), (3600.0, 1, 2)):
+    for every, least, most in ((0.0, 13, 14), (3600.0, 2, 3)):
         monkeypatch.setattr(async_engine, "PROGRESS_EVERY_S", every)
         channel = ScriptedChannel([[("add", "quiet", [5, 6, 7], params, False, True)]])
         try:

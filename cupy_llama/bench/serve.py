@@ -401,8 +401,7 @@ def engine_numbers(before: dict | None, after: dict | None, duration_s: float,
     steps, seconds inside its steps (step_s) and in the loop turns that stepped (loop_s:
     the steps plus taking requests and sending outputs), and the run's time it stepped
     in no turn (idle_s: waiting for requests, or the run's edges as clients see them).
-    The engine reports its counters with each step's output, so the last turn's loop time
-    is not in them. None unless one server answered both reads and every request that
+    None unless one server answered both reads and every request that
     got an answer (served_by: their x-served-by headers): behind a balancer the reads
     may come from different replicas, and one replica's counters are not the run's."""
     if (before is None or after is None or before["server"] != after["server"]

@@ -34,7 +34,8 @@ sends token ids only: the server process detokenizes and matches stop strings
 message) once, then ("out", deltas, rejected, stats) after every step that has output
 (and after any message handled while idle), at least every PROGRESS_EVERY_S while it
 steps (the server's sign that a step finished: requests that are not streamed have no
-output until they end), and ("crashed", traceback) if the loop dies. The deltas are
+output until they end), once more as it goes idle (the counters with its last turn's
+time in them, for /metrics), and ("crashed", traceback) if the loop dies. The deltas are
 the engine's EngineDeltas (engine/output_processor.py) sent as plain tuples, which pickle
 about 6x faster than a tuple subclass, and named again on arrival. An "out" message may
 carry a fifth field, the step's TokenColumns as a plain tuple of three lists: the one-token
@@ -228,6 +229,8 @@ class _EngineLoop:
                 sent_at = time.monotonic()
             if stepped:
                 self.loop_seconds += time.perf_counter() - turn_started
+                if not engine.has_unfinished_requests():  # idle from here: the counters
+                    channel.send(self.step_message([], []))  # with this turn's time in them
 
     def _drop_compiling(self, compiling: list, request_id: str) -> tuple[list, list]:
         """(compiling without the request, the final "abort" delta of each of its samples):
