@@ -764,7 +764,9 @@ def test_a_client_that_disconnects_frees_its_request(server, http):
 def test_load_with_disconnects_leaves_nothing_behind(server, http, llm):
     """64 clients x 4 streamed requests, 10% of the clients hang up mid-stream; every other
     request gets LLM.generate's text; afterwards nothing runs, no block is used, and the
-    server's memory is what it was after a first (warm-up) round."""
+    server's memory is what it was after two warm-up rounds (one left the engine process
+    9 MB short of its high-water mark about once in three runs of this test alone: a
+    round's largest batch depends on its timing)."""
     rng = random.Random(11)
     pool = [[rng.randint(0, 255) for _ in range(rng.randint(2, 24))] for _ in range(24)]
     lengths = [rng.randint(4, 24) for _ in pool]
@@ -814,6 +816,7 @@ def test_load_with_disconnects_leaves_nothing_behind(server, http, llm):
 
     pids = [server.proc.pid, server.engine_pid()]
     warm = asyncio.run(round_(1))
+    asyncio.run(round_(3))
     wait_until_idle(http, timeout=5)
     before = [rss(pid) for pid in pids]
     pairs = asyncio.run(round_(2))
