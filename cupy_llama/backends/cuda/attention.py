@@ -187,7 +187,7 @@ def cluster_head_parts(num_seqs: int, num_kv_heads: int, group: int, head_dim: i
     processing clusters at once, and that was not measured."""
     parts = decode_head_parts(group)
     while (num_seqs == 1 and group % (2 * parts) == 0
-           and num_seqs * num_kv_heads * 2 * parts * DECODE_CLUSTER <= num_sms
+           and num_kv_heads * 2 * parts * DECODE_CLUSTER <= num_sms
            and (head_dim, decode_heads_bound(group // (2 * parts)), True) in DECODE_KERNELS):
         parts *= 2
     return parts
