@@ -298,40 +298,6 @@ __device__ __forceinline__ void merge_parts(M m, L l, Acc acc, float& m_max, flo
     }
 }
 
-// The end of a clustered tensor-core decode kernel (the clustered CUDA-core kernels, which
-// run below 8 sequences, attention.py's DECODE_MMA_MIN_SEQS, merge through inboxes
-// instead: decode_attention_body): every CTA of the cluster has left its merged result
-// for the group's heads in its shared memory (running max m, sum l, unnormalized output
-// acc per head and dim), at byte offsets from `local` that offsets(head, dim,
-// m_at, l_at, acc_at) gives; CTA `rank` writes outputs [rank * per, (rank + 1) * per) of
-// the group's heads to out_row, reading every CTA's result in rank order (the same sums
-// whichever CTA computes them). Every thread of the CTA calls it.
-template <int CLUSTER, int D, int THREADS, typename Offsets>
-__device__ __forceinline__ void cluster_merge_out(const void* local, int rank, int group,
-                                                  Offsets offsets, bf16* out_row) {
-    cluster_barrier();  // every CTA's result is in its shared memory
-    const int total = group * D, per = (total + CLUSTER - 1) / CLUSTER;
-    const int end = min(total, (rank + 1) * per);
-    for (int i = rank * per + threadIdx.x; i < end; i += THREADS) {
-        unsigned m_at, l_at, acc_at;
-        offsets(i / D, i % D, m_at, l_at, acc_at);
-        float m_r[CLUSTER], l_r[CLUSTER], acc_r[CLUSTER];
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) {  // every load issued before any is used
-            const unsigned remote = cluster_address(local, r);
-            m_r[r] = cluster_load(remote + m_at);
-            l_r[r] = cluster_load(remote + l_at);
-            acc_r[r] = cluster_load(remote + acc_at);
-        }
-        // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
-        float m_max, sum_l, sum_acc;
-        merge_parts<CLUSTER>([&](int r) { return m_r[r]; }, [&](int r) { return l_r[r]; },
-                             [&](int r) { return acc_r[r]; }, m_max, sum_l, sum_acc);
-        out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
-    }
-    cluster_barrier();  // no CTA leaves while another still reads its shared memory
-}
-
 // cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
 __device__ __forceinline__ long long cache_slot(const int* table, int pos, int block_shift) {
     return ((long long)table[pos >> block_shift] << block_shift) + (pos & ((1 << block_shift) - 1));
@@ -698,8 +664,8 @@ __device__ __forceinline__ void decode_attention_body(
     // to the CTA that writes that output, every head's running max and sum to every CTA,
     // into their inboxes at its own rank. After one barrier each CTA merges its inbox in
     // rank order and writes. No CTA reads another's shared memory, so after the barrier
-    // none waits for the others before it leaves (two barriers and a round trip of loads,
-    // as cluster_merge_out does, take longer; benchmarks/NOTES.md)
+    // none waits for the others before it leaves (two barriers around a round trip of
+    // distributed shared-memory loads took longer; benchmarks/NOTES.md, change 50)
     const int per = CLUSTER > 0 ? (heads * D + CLUSTER - 1) / CLUSTER : 0;
     if constexpr (CLUSTER > 0) cluster_wait();  // every CTA has started
     // merge the warps: thread i writes dim i % D of head i / D
@@ -1162,7 +1128,7 @@ DEFINE_PREFILL_ATTENTION(prefill_attention_d256_t1, 256, 1, 32)
 
 // ====================================================== decode on tensor cores (batches)
 // Launch: grid (num_splits, nkv, B), block (DECODE_MMA_THREADS), dynamic shared memory
-// decode_mma_smem_bytes(D) = 4 * DECODE_MMA_KEYS * (D + PREFILL_ROW_PAD) * 2. The same
+// attention.py's decode_mma_smem_bytes: the tile buffers, DECODE_MMA_TILE_BYTES(D). The same
 // work as decode_attention (one new token per sequence; a CTA serves one sequence, kv head
 // and split, the same key ranges, the same partials), with both products on mma.sync: the
 // group's query heads are the rows of one 16-row A tile (group <= 16; rows past the group
@@ -1176,12 +1142,14 @@ DEFINE_PREFILL_ATTENTION(prefill_attention_d256_t1, 256, 1, 32)
 //
 // Clustered (CLUSTER > 0, sm_90+): grid (CLUSTER, nkv, B) launched as clusters of CLUSTER
 // CTAs along x. The CTAs of a cluster split one (sequence, kv head)'s keys as num_splits
-// ranges would (each derives its range from seq_len), keep their merged result (running
-// max, sum, unnormalized output per head) in shared memory after the warps' merge
-// buffers, and merge through distributed shared memory, as the clustered CUDA-core kernel
-// does: no partials in memory and no combine kernel after it.
+// ranges would (each derives its range from seq_len) and merge their results through
+// inboxes, as the clustered CUDA-core kernel does: no partials in memory and no combine
+// kernel after it. The inboxes follow the tile buffers in dynamic shared memory
+// (decode_mma_smem_bytes gives both): another CTA may send while this one still streams.
 #define DECODE_MMA_THREADS 128
 #define DECODE_MMA_KEYS 64  // keys per tile: 16 per warp
+// bytes of the double-buffered K and V tiles (rows padded like prefill's)
+#define DECODE_MMA_TILE_BYTES(D) (2 * 2 * DECODE_MMA_KEYS * ((D) + PREFILL_ROW_PAD) * 2)
 
 template <int D, int CLUSTER>
 __device__ __forceinline__ void decode_attention_mma_body(
@@ -1204,7 +1172,9 @@ __device__ __forceinline__ void decode_attention_mma_body(
     const int group = num_heads / num_kv_heads;  // <= 16 (the launcher checks)
     const int head0 = kv_head * group;
     const int q_row = query_start_loc[b];
-    if (query_start_loc[b + 1] == q_row) return;  // no new token
+    if (query_start_loc[b + 1] == q_row) return;  // no new token (the whole cluster: same b)
+    // CLUSTER: this CTA has started (its inbox may be written once every CTA has)
+    if constexpr (CLUSTER > 0) cluster_arrive_relaxed();
     const int seq_len = seq_lens[b];
     const int lo = window > 0 ? max(0, seq_len - window) : 0;  // the first key the token sees
     const int parts = CLUSTER > 0 ? CLUSTER : num_splits;
@@ -1337,11 +1307,7 @@ __device__ __forceinline__ void decode_attention_mma_body(
     float* merge_acc = reinterpret_cast<float*>(decode_mma_smem);  // [NUM_WARPS][16][D]
     float* merge_m = merge_acc + NUM_WARPS * 16 * D;                // [NUM_WARPS][16]
     float* merge_l = merge_m + NUM_WARPS * 16;                      // [NUM_WARPS][16]
-    // CLUSTER: the CTA's merged result, which the cluster's CTAs read
-    float* cta_acc = merge_l + NUM_WARPS * 16;  // [16][D]
-    float* cta_m = cta_acc + 16 * D;            // [16]
-    float* cta_l = cta_m + 16;                  // [16]
-    static_assert((NUM_WARPS * (D + 2) + D + 2) * 16 * 4 <= 4 * DECODE_MMA_KEYS * (D + PREFILL_ROW_PAD) * 2,
+    static_assert(NUM_WARPS * (D + 2) * 16 * 4 <= DECODE_MMA_TILE_BYTES(D),
                   "the merge buffers fit the tile buffers");
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1362,19 +1328,30 @@ __device__ __forceinline__ void decode_attention_mma_body(
         }
     }
     __syncthreads();
+    // CLUSTER: CTA r writes outputs [r * per, (r + 1) * per) of the group's heads. Each CTA
+    // sends its result for its key range where it is read, as the CUDA-core kernel does:
+    // each output's sum to the CTA that writes it, every head's running max and sum to
+    // every CTA, into their inboxes at its own rank (inbox_m, inbox_l [CLUSTER][16],
+    // inbox_acc [CLUSTER][per], after the tile buffers)
+    const int per = CLUSTER > 0 ? (group * D + CLUSTER - 1) / CLUSTER : 0;
+    float* inbox_m = reinterpret_cast<float*>(decode_mma_smem + DECODE_MMA_TILE_BYTES(D));
+    float* inbox_l = inbox_m + (CLUSTER > 0 ? CLUSTER : 1) * 16;
+    float* inbox_acc = inbox_l + (CLUSTER > 0 ? CLUSTER : 1) * 16;
+    if constexpr (CLUSTER > 0) cluster_wait();  // every CTA has started
     for (int i = tid; i < group * D; i += DECODE_MMA_THREADS) {
         const int head = i / D, c = i % D;
-        // m_max is finite: the range holds a key, so some warp saw one
+        // m_max is -inf only for an empty range of a cluster CTA, whose sums then stay 0
         float m_max, sum_l, sum_acc;
         merge_parts<NUM_WARPS>([&](int w) { return merge_m[w * 16 + head]; },
                                [&](int w) { return merge_l[w * 16 + head]; },
                                [&](int w) { return merge_acc[(w * 16 + head) * D + c]; },
                                m_max, sum_l, sum_acc);
-        if (CLUSTER > 0) {
-            cta_acc[head * D + c] = sum_acc;
-            if (c == 0) {
-                cta_m[head] = m_max;
-                cta_l[head] = sum_l;
+        if constexpr (CLUSTER > 0) {
+            const int owner = i / per;
+            cluster_store(cluster_address(inbox_acc + split * per + i - owner * per, owner), sum_acc);
+            if (c < CLUSTER) {  // the head's max and sum to CTA c (D >= CLUSTER)
+                cluster_store(cluster_address(inbox_m + split * 16 + head, c), m_max);
+                cluster_store(cluster_address(inbox_l + split * 16 + head, c), sum_l);
             }
             continue;
         }
@@ -1388,15 +1365,20 @@ __device__ __forceinline__ void decode_attention_mma_body(
         }
     }
     if constexpr (CLUSTER > 0) {
-        const unsigned base = shared_address(decode_mma_smem);
-        cluster_merge_out<CLUSTER, D, DECODE_MMA_THREADS>(
-            decode_mma_smem, split, group,
-            [&](int head, int c, unsigned& m_at, unsigned& l_at, unsigned& acc_at) {
-                m_at = shared_address(cta_m + head) - base;
-                l_at = shared_address(cta_l + head) - base;
-                acc_at = shared_address(cta_acc + head * D + c) - base;
-            },
-            out + ((long long)q_row * num_heads + head0) * D);
+        static_assert(D >= CLUSTER, "a head's max and sum go out from its first CLUSTER dims");
+        cluster_barrier();  // every CTA's result is in the inboxes
+        bf16* out_row = out + ((long long)q_row * num_heads + head0) * D;
+        const int end = min(group * D, (split + 1) * per);
+        for (int i = split * per + tid; i < end; i += DECODE_MMA_THREADS) {
+            const int head = i / D, at = i - split * per;
+            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
+            float m_max, sum_l, sum_acc;
+            merge_parts<CLUSTER>([&](int r) { return inbox_m[r * 16 + head]; },
+                                 [&](int r) { return inbox_l[r * 16 + head]; },
+                                 [&](int r) { return inbox_acc[r * per + at]; },
+                                 m_max, sum_l, sum_acc);
+            out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+        }
     }
 }
 

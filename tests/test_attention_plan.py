@@ -163,9 +163,13 @@ def test_tensor_core_clusters_launch_no_more_ctas_than_the_splits():
     assert sizes == {1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 7: 4, 8: 8, 9: 8, 32: 8}
     p = plan(num_seqs=16, num_splits=5, clusters=True)
     assert p.kernel == "decode_attention_mma_d64_c4" and p.cluster == 4
-    assert p.grid == (4, 8, 16) and p.shared_mem == 2 * 4 * 64 * (64 + 8)
+    # the K and V tiles, then the inboxes: 4 CTAs' max and sum of up to 16 heads, and
+    # their sums for a quarter of the 4 heads x 64 dims
+    assert p.grid == (4, 8, 16)
+    assert p.shared_mem == 2 * 4 * 64 * (64 + 8) + 4 * 4 * (2 * 16 + 4 * 64 // 4)
     p = plan(num_seqs=16, num_splits=9, head_dim=128, num_heads=16, clusters=True)
     assert p.kernel == "decode_attention_mma_d128_c8" and p.grid == (8, 8, 16)
+    assert p.shared_mem == 2 * 4 * 64 * (128 + 8) + 4 * 8 * (2 * 16 + 2 * 128 // 8)
     assert plan(num_seqs=16, num_splits=1, clusters=True).kernel == "decode_attention_mma_d64"
 
 

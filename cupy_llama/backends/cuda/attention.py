@@ -117,9 +117,15 @@ def prefill_smem_bytes(head_dim: int, tiles: int) -> int:
     return 2 * (prefill_rows(tiles) + 4 * keys) * (head_dim + PREFILL_ROW_PAD)
 
 
-def decode_mma_smem_bytes(head_dim: int) -> int:
-    """Tensor-core decode: double-buffered K and V tiles, rows padded like prefill's."""
-    return 2 * 4 * DECODE_MMA_KEYS * (head_dim + PREFILL_ROW_PAD)
+def decode_mma_smem_bytes(head_dim: int, group: int = 1, cluster: int = 1) -> int:
+    """Tensor-core decode: double-buffered K and V tiles, rows padded like prefill's, and
+    in a cluster of `cluster` CTAs the inboxes after them (attention.cu): every CTA's
+    running max and sum of up to 16 heads, and its sums for this CTA's share of the
+    `group` heads' outputs."""
+    tiles = 2 * 4 * DECODE_MMA_KEYS * (head_dim + PREFILL_ROW_PAD)
+    if cluster <= 1:
+        return tiles
+    return tiles + 4 * cluster * (2 * DECODE_MMA_MAX_GROUP + cdiv(group * head_dim, cluster))
 
 
 def max_decode_splits(max_model_len: int) -> int:
@@ -320,7 +326,7 @@ def attention_plan(*, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
             kernel == "auto" and (num_seqs >= DECODE_MMA_MIN_SEQS or not cuda_core_can))
         if mma_can and mma_wanted:
             cluster = mma_cluster_size(num_splits) if clusters else 1
-            shared = decode_mma_smem_bytes(head_dim)
+            shared = decode_mma_smem_bytes(head_dim, group, cluster)
             if cluster > 1:
                 return AttentionPlan(DECODE_MMA_KERNELS[head_dim, cluster],
                                      (cluster, num_kv_heads, num_seqs), DECODE_MMA_THREADS,
