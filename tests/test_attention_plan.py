@@ -1,6 +1,7 @@
 """Attention kernel selection, split arithmetic and the build of attention.cu (registers,
 spills), without a GPU. The kernels' numbers are tested against the reference in
 test_cuda_ops.py on a GPU machine."""
+import itertools
 import re
 import shutil
 import subprocess
@@ -61,40 +62,56 @@ def test_a_kv_heads_ctas_share_out_its_heads_evenly():
 
 
 def test_clustered_batches_share_a_kv_heads_query_heads_out_as_far_as_the_gpu_holds():
-    """A clustered batch of one sequence gives each share of a kv head's query heads a
-    cluster of its own, halving the shares down to one head a CTA while the clusters fit
-    one CTA per SM; larger batches keep the fewest parts."""
+    """A clustered batch gives each share of a kv head's query heads a cluster of its own,
+    halving the shares down to one head a CTA while the batch's CTAs fit the GPU at one
+    an SM and CLUSTER_WARPS_PER_SM warps an SM."""
     def clustered(num_seqs, num_heads, num_kv_heads, head_dim):
         return plan(num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                     head_dim=head_dim, num_splits=8, clusters=True)
     cluster = attention.DECODE_CLUSTER
+    most_warps = attention.CLUSTER_WARPS_PER_SM * H200_SMS
     # Gemma-3-1B: one kv head of 4 query heads, a CTA each
     assert clustered(1, 4, 1, 256)[:2] == ("decode_attention_d256_g1_cluster", (cluster, 4, 1))
-    assert clustered(2, 4, 1, 256)[:2] == ("decode_attention_d256_g4_cluster", (cluster, 1, 2))
+    # ... at batch 2 too (64 CTAs of 16 warps); two a CTA at 3 and 4 (one a CTA would take
+    # 96 and 128 CTAs of 16 warps, past 8 warps an SM); none shared out at 5 (two a CTA
+    # would take 80 CTAs of 16 warps)
+    assert clustered(2, 4, 1, 256)[:2] == ("decode_attention_d256_g1_cluster", (cluster, 4, 2))
+    assert clustered(3, 4, 1, 256)[:2] == ("decode_attention_d256_g2_cluster", (cluster, 2, 3))
+    assert clustered(4, 4, 1, 256)[:2] == ("decode_attention_d256_g2_cluster", (cluster, 2, 4))
+    assert clustered(5, 4, 1, 256)[:2] == ("decode_attention_d256_g4_cluster", (cluster, 1, 5))
     # Llama-3.2-1B: 8 kv heads of 4; two CTAs of 2 take 128 CTAs, four would take 256
     assert clustered(1, 32, 8, 64)[:2] == ("decode_attention_d64_g2_cluster", (cluster, 16, 1))
     assert clustered(2, 32, 8, 64)[:2] == ("decode_attention_d64_g4_cluster", (cluster, 8, 2))
-    # Qwen3-0.6B: 8 kv heads of 2
+    # Qwen3-0.6B: 8 kv heads of 2, one a CTA: 128 CTAs of 8 warps
     assert clustered(1, 16, 8, 128)[:2] == ("decode_attention_d128_g1_cluster", (cluster, 16, 1))
     assert clustered(2, 16, 8, 128)[:2] == ("decode_attention_d128_g2_cluster", (cluster, 8, 2))
     # Qwen2.5-1.5B: 6 heads halve once (two CTAs of 3), never into 4
     assert clustered(1, 12, 2, 128)[:2] == ("decode_attention_d128_g4_cluster", (cluster, 4, 1))
     # an unclustered batch keeps the fewest parts
     assert plan(num_seqs=1, num_splits=5)[:2] == ("decode_attention_d64_g4", (5, 8, 1))
-    for group in range(1, 33):
-        for num_seqs in (1, 2, 3, 4):
-            p = clustered(num_seqs, 2 * group, 2, 128)
-            if p.kernel not in attention.DECODE_KERNELS.values():
-                continue  # the tensor-core kernel: no CUDA-core kernel takes the group
-            parts = p.grid[1] // 2
-            least = attention.decode_head_parts(group)
-            assert parts & (parts - 1) == 0 and group % parts == 0 and parts >= least
-            assert parts == least or (num_seqs == 1 and 2 * parts * cluster <= H200_SMS)
-            bound = int(p.kernel.split("_g")[1].split("_")[0])
-            assert group // parts <= bound, (group, num_seqs, p)
-            # not one halving more that would have fitted
-            if num_seqs == 1 and parts < group and group % (2 * parts) == 0:
-                assert num_seqs * 2 * 2 * parts * cluster > H200_SMS, (group, num_seqs, p)
+    capped_by_warps = 0  # cases where only the warps stop one halving more
+    for head_dim, kv_heads, group, num_seqs in itertools.product(
+            (128, 256), (1, 2), range(1, 33), (1, 2, 3, 4)):
+        p = clustered(num_seqs, kv_heads * group, kv_heads, head_dim)
+        if p.kernel not in attention.DECODE_KERNELS.values():
+            continue  # the tensor-core kernel: no CUDA-core kernel takes the group
+        case = (head_dim, kv_heads, group, num_seqs, p)
+        parts = p.grid[1] // kv_heads
+        least = attention.decode_head_parts(group)
+        assert parts & (parts - 1) == 0 and group % parts == 0 and parts >= least, case
+        ctas = num_seqs * kv_heads * parts * cluster
+        fits = ctas <= H200_SMS and ctas * attention.DECODE_WARPS[p.kernel] <= most_warps
+        assert parts == least or fits, case
+        bound = int(p.kernel.split("_g")[1].split("_")[0])
+        assert group // parts <= bound, case
+        # not one halving more that would have fitted
+        if parts < group and group % (2 * parts) == 0:
+            more = attention.DECODE_KERNELS.get((head_dim, attention.decode_heads_bound(
+                group // (2 * parts)), True))
+            warps_past = more is not None and 2 * ctas * attention.DECODE_WARPS[more] > most_warps
+            assert more is None or 2 * ctas > H200_SMS or warps_past, case
+            capped_by_warps += warps_past and 2 * ctas <= H200_SMS
+    assert capped_by_warps > 0
 
 
 def test_split_decode_batches_take_the_cluster_kernel_where_clusters_launch():

@@ -9,8 +9,8 @@ Which kernel runs (`attention_plan`):
   fp32 online softmax). Where the keys are
   split and the GPU launches thread-block clusters (sm_90+), and decode_clusters_pay says
   so, decode_attention_d{D}_g{G}_cluster instead: a cluster of DECODE_CLUSTER CTAs per
-  sequence and kv head (and, for one sequence, share of its query heads:
-  cluster_head_parts, down to one a CTA where the GPU holds the clusters) splits the keys
+  sequence and kv head (and share of its query heads: cluster_head_parts, down to one a
+  CTA where the GPU holds the batch's CTAs) splits the keys
   and merges on chip, with no combine kernel after it;
   given the qkv product's output and its head norms (`DecodeRope`: Qwen3, Gemma 3), the
   head-norm form of either (decode_attention_d{D}_g{G}[_cluster]_norm), which norms and
@@ -85,6 +85,12 @@ MIN_SPLIT_LEN = 64   # a decode split covers at least this many keys
 # the wider tensor-core prefill kernel from a grid of this many CTAs per SM (NOTES change 41)
 PREFILL_WIDE_CTAS_PER_SM = 1
 CTAS_PER_SM = 4      # decode splits aim at this many CTAs per SM
+# Clustered decode CTAs shared out by cluster_head_parts hold at most this many warps an SM
+# over the GPU: half of a decode CTA's register budget (attention.cu, DECODE_MIN_CTAS: 16
+# warps of up to 128 registers), so that the next product's CTAs, launched
+# programmatically, start beside them. Gemma-3-1B's batches of 4 and 8 lost 3 and 6% at
+# 16 warps an SM (benchmarks/NOTES.md, change 53).
+CLUSTER_WARPS_PER_SM = 8
 # decode batches of at least this many sequences take the tensor-core decode kernel: it is
 # the faster kernel alone at every batch size, but inside a batch-1 step (graph replay,
 # programmatic launches) the CUDA-core kernel is (benchmarks/NOTES.md, change 27)
@@ -181,20 +187,23 @@ def decode_head_parts(group: int) -> int:
 def cluster_head_parts(num_seqs: int, num_kv_heads: int, group: int, head_dim: int,
                        num_sms: int) -> int:
     """CTAs that share out a kv head's `group` query heads where a decode batch runs
-    clustered: for one sequence, twice as many as decode_head_parts, and twice again, down
-    to one head a CTA, while the parts divide the group, the GPU holds every cluster at one
-    CTA per SM, and a clustered kernel serves the share. A cluster's path is the step's,
-    and fewer heads a CTA shorten each CTA's own work (its dot products, folds and merges);
-    the extra CTAs read the kv head's keys again, mostly from L2. At batch 1 on an H100,
-    Gemma-3-1B decodes 8% more tokens a second at one head a CTA than at four,
-    Llama-3.2-1B 2% at two than at four, Qwen3-0.6B 1.3% at one than at two
-    (benchmarks/NOTES.md, change 51). Larger batches keep decode_head_parts: there the
-    clusters of CTAs that take a whole SM each (head_dim 256) may not all fit the GPU's
-    processing clusters at once, and that was not measured."""
+    clustered: twice as many as decode_head_parts, and twice again, down to one head a
+    CTA, while the parts divide the group, a clustered kernel serves the share, and the
+    batch's CTAs fit the GPU at one CTA an SM and CLUSTER_WARPS_PER_SM warps an SM.
+    A cluster's path is the step's, and fewer heads a CTA shorten each CTA's own work (its
+    dot products, folds and merges); the extra CTAs read the kv head's keys again, mostly
+    from L2. On an H100, Gemma-3-1B decodes 8% more tokens a second at batch 1 with one
+    head a CTA than with four, and 6 to 9% more at batches 2 to 4 with one or two;
+    Llama-3.2-1B 2% at batch 1 with two than with four; Qwen3-0.6B 1.3% with one than with
+    two (benchmarks/NOTES.md, changes 51 and 53)."""
     parts = decode_head_parts(group)
-    while (num_seqs == 1 and group % (2 * parts) == 0
-           and num_kv_heads * 2 * parts * DECODE_CLUSTER <= num_sms
-           and (head_dim, decode_heads_bound(group // (2 * parts)), True) in DECODE_KERNELS):
+    while group % (2 * parts) == 0:
+        bound = decode_heads_bound(group // (2 * parts))
+        name = DECODE_KERNELS.get((head_dim, bound, True))
+        ctas = num_seqs * num_kv_heads * 2 * parts * DECODE_CLUSTER
+        if (name is None or ctas > num_sms
+                or ctas * DECODE_WARPS[name] > CLUSTER_WARPS_PER_SM * num_sms):
+            break
         parts *= 2
     return parts
 
