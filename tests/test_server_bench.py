@@ -83,6 +83,34 @@ def test_bench_serve_at_a_url_with_two_client_processes(model_dir, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
+def test_bench_serve_at_a_url_says_what_the_server_refused(model_dir, monkeypatch, capsys):
+    """Against a given server, bench serve asks for the key it wants, refuses a workload
+    past the server's context before sending it, and names --model where prompts' token
+    ids fall outside the server's vocabulary: one line each."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    server = ServerProcess(model_dir, "--api-key", "sekret", "--max-model-len", "256")
+    try:
+        run = ["bench", "serve", "--url", server.url, *QUICK, "--num-requests", "2"]
+        assert main(run) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "HTTP 401" in line and "--api-key" in line, line
+        assert main([*run, "--api-key", "wrong"]) == 2
+        assert "is not the server's" in one_error_line(capsys.readouterr().err)
+        keyed = [*run, "--api-key", "sekret"]
+        assert main([*keyed, "--model", str(model_dir), "--input-len", "250",
+                     "--output-len", "7"]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert "257 tokens" in line and "context of 256" in line and "--input-len" in line, line
+        # no --model: the prompts' ids reach past the tiny model's 512-token vocabulary
+        assert main([*keyed, "--input-len", "64", "--output-len", "2"]) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert "HTTP 400" in line and "vocabulary" in line and "--model DIR" in line, line
+        assert "{" not in line  # the server's message, not its JSON
+    finally:
+        server.stop()
+
+
 def test_fixed_lengths_replace_the_drawn_ones():
     settings = ServeBenchSettings(url="http://x", num_requests=5, input_len=7, output_len=3)
     work = serve_workload(settings, 100)

@@ -226,7 +226,7 @@ async def _one_request(client, body: dict, semaphore: asyncio.Semaphore) -> dict
                 result["served_by"] = response.headers.get("x-served-by")
                 if response.status_code != 200:
                     text = (await response.aread()).decode("utf-8", "replace")
-                    result["error"] = f"HTTP {response.status_code}: {text[:300]}"
+                    result["error"] = f"HTTP {response.status_code}: {_error_text(text)}"
                     return result
                 async for line in _event_lines(response):
                     if not line.startswith("data:"):
@@ -529,16 +529,50 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def _model_name(base_url: str, api_key: str | None) -> str:
+def _error_text(body: str) -> str:
+    """One line from an error response's body: its OpenAI error message where it has one."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:300]
+    return " ".join(str(message).split())
+
+
+def _server_model(base_url: str, api_key: str | None) -> tuple[str, int | None]:
+    """The served model's name, and its context length where /models gives one (vLLM's
+    and cupy-llama's max_model_len)."""
     import httpx
+    url = base_url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise CupyLlamaError(f"cannot read the model's name from {base_url}/models ({e}); is "
-                             "it an OpenAI-compatible server?") from None
+        response = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise CupyLlamaError(f"cannot reach {url} ({' '.join(str(e).split())}); is the "
+                             "server up at that address?") from None
+    if response.status_code == 401:
+        fix = ("the key given (--api-key or $OPENAI_API_KEY) is not the server's" if api_key
+               else "pass the server's key with --api-key or set $OPENAI_API_KEY")
+        raise OptionError(f"{url} refused bench serve (HTTP 401): {fix}")
+    if response.status_code != 200:
+        raise CupyLlamaError(f"{url} answered HTTP {response.status_code}: "
+                             f"{_error_text(response.text)}; is it an OpenAI-compatible server?")
+    try:
+        card = response.json()["data"][0]
+        context = card.get("max_model_len")
+        return card["id"], context if isinstance(context, int) else None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        raise CupyLlamaError(f"{url} lists no model; is it an OpenAI-compatible "
+                             "server?") from None
+
+
+def check_context(work: Workload, context: int | None) -> None:
+    """Refuse a workload whose longest request (prompt and output) the server's context
+    cannot hold, before any request is sent."""
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+    if context is not None and longest > context:
+        raise OptionError(f"the workload's longest request takes {longest} tokens (prompt "
+                          f"and output), past the server's context of {context}: lower "
+                          "--input-len, --output-len or --scale")
 
 
 def warm_up(base_url: str, model: str, settings: ServeBenchSettings, top_id: int,
@@ -559,7 +593,11 @@ def warm_up(base_url: str, model: str, settings: ServeBenchSettings, top_id: int
     results += run_clients(base_url, bodies[-1:], concurrency=1, api_key=settings.api_key)
     failed = [r["error"] for r in results if r["error"] is not None]
     if failed:
-        raise CupyLlamaError(f"warm-up requests failed: {failed[0]}")
+        hint = ""
+        if settings.model_dir is None and "vocab" in failed[0].lower():
+            hint = (f"; prompts draw token ids below {top_id + 1} without --model: pass "
+                    "--model DIR, the server's model directory, to draw them from its vocabulary")
+        raise CupyLlamaError(f"warm-up requests failed: {failed[0]}{hint}")
     seconds = time.perf_counter() - started
     log(f"warm-up: {len(bodies)} requests in {seconds:.1f} s")
     return seconds
@@ -594,7 +632,8 @@ def run_bench_serve(settings: ServeBenchSettings, log=_stderr) -> dict:
                            and settings.output_len is None else "fixed lengths"}}
 
     def run(base_url: str) -> None:
-        model = _model_name(base_url, settings.api_key)
+        model, context = _server_model(base_url, settings.api_key)
+        check_context(work, context)
         report["server"]["model"] = model
         report["timings"] = {"warmup_s": warm_up(base_url, model, settings, top_id,
                                                  max(len(p) for p in work.prompts), log)}
