@@ -257,9 +257,12 @@ class ServerState:
         key = self.settings.api_key
         if key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise APIError(401, "missing API key; send the header 'Authorization: Bearer KEY'",
+            what = ("missing API key" if not header.strip() else
+                    "the Authorization header holds no bearer key")
+            raise APIError(401, f"{what}; send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
         if not hmac.compare_digest(token.strip().encode("latin-1"), key.encode("utf-8")):
             raise APIError(401, "wrong API key; send the server's --api-key as "
