@@ -316,6 +316,8 @@ def test_hf_without_torch_is_a_one_line_error_before_any_work(tmp_path, monkeypa
     (["bench", "ttft", "--num-requests", "0"], 2, "--num-requests must be at least 1"),
     (["bench", "decode-sweep", "--batch-sizes", "1,x"], 2, "--batch-sizes must be"),
     (["bench", "decode-sweep", "--batch-sizes", "0"], 2, "positive integers, got 0"),
+    (["bench", "decode-sweep", "--batch-sizes", ""], 2, "comma-separated integers, got ''"),
+    (["bench", "decode-sweep", "--batch-sizes", "1,,2"], 2, "integers, got '1,,2'"),
     (["bench", "ttft", "--json", "/nonexistent-folder/out.json"], 2, "does not exist"),
     (["bench", "ttft", "--json", __file__ + "/out.json"], 2, "is a file, not a folder"),
     (["bench", "ttft", "--json", "/proc/out.json"], 2, "cannot write '/proc/out.json'"),

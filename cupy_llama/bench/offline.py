@@ -558,7 +558,7 @@ def bench_command(mode: str, *, model_dir, device, preset, json_path, hf, seed, 
     resolve_device(device, engine) -> (cuda or cpu, the engine options that device
     takes), called once the settings are checked; needed for device "auto"."""
     try:
-        sizes = tuple(int(part) for part in batch_sizes.split(",") if part.strip())
+        sizes = tuple(int(part) for part in batch_sizes.split(","))  # "" and "1,,2" refused
     except ValueError:
         raise OptionError(f"--batch-sizes must be comma-separated integers, "
                            f"got {batch_sizes!r}") from None
