@@ -141,6 +141,10 @@ def test_the_ready_line_says_whether_a_key_is_needed_and_an_empty_key_is_refused
     monkeypatch.setenv("CUPY_LLAMA_API_KEY", "")
     assert main(["serve", "--model", str(model_dir)]) == 2
     assert "--api-key is empty" in capsys.readouterr().err
+    monkeypatch.delenv("CUPY_LLAMA_API_KEY")
+    # an empty name is refused too, rather than replaced by the directory's unasked
+    assert main(["serve", "--model", str(model_dir), "--served-model-name", " "]) == 2
+    assert "--served-model-name is empty" in capsys.readouterr().err
 
 
 # ---- a stuck engine -------------------------------------------------------------------------

@@ -87,6 +87,9 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
     check_options({}, engine)
     if api_key is None and os.environ.get("CUPY_LLAMA_API_KEY") == "":
         api_key = ""  # click reads an empty variable as unset: it is a mistake all the same
+    if served_model_name is not None and not served_model_name.strip():
+        raise OptionError("--served-model-name is empty; give the name clients send, or leave "
+                          "it out to use the model directory's")
     if api_key is not None and not api_key.strip():
         raise OptionError("--api-key is empty (or $CUPY_LLAMA_API_KEY is set to nothing), which "
                           "would turn the key off; give a key, or unset it to serve without one")
