@@ -170,8 +170,8 @@ def validation_error(e: ValidationError) -> APIError:
         if "input" in whole:
             message += f" (got {_preview(whole['input'])})"
     else:
-        words = _TYPE_WORDS.get(first["type"])
-        message = f"{path} must be {words}" if words else f"{path}: {first['msg']}"
+        words = _TYPE_WORDS.get(first["type"]) or _bound_words(first)
+        message = f"{path} must {words}" if words else f"{path}: {first['msg']}"
         if "input" in first:
             message += f" (got {_preview(first['input'])})"
     others = len(errors) - len(counted)
@@ -181,12 +181,30 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 # the type errors of pydantic, and the tags it gives a union's forms, in the client's words
-_TYPE_WORDS = {"string_type": "a string", "int_type": "an integer", "int_from_float": "an integer",
-               "int_parsing": "an integer", "float_type": "a number", "bool_type": "true or false",
-               "list_type": "an array", "dict_type": "an object", "model_type": "an object",
-               "model_attributes_type": "an object"}
+_TYPE_WORDS = {kind: f"be {words}" for kind, words in (
+    ("string_type", "a string"), ("int_type", "an integer"), ("int_from_float", "an integer"),
+    ("int_parsing", "an integer"), ("float_type", "a number"), ("bool_type", "true or false"),
+    ("list_type", "an array"), ("dict_type", "an object"), ("model_type", "an object"),
+    ("model_attributes_type", "an object"))}
 _FORM_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
                "none": "null"}
+# pydantic's bound errors: (the context's key, the client's words for the bound)
+_BOUND_WORDS = {"less_than_equal": ("le", "be at most"), "less_than": ("lt", "be below"),
+                "greater_than_equal": ("ge", "be at least"), "greater_than": ("gt", "be above"),
+                "too_short": ("min_length", "hold at least"),
+                "too_long": ("max_length", "hold at most")}
+
+
+def _bound_words(error: dict) -> str | None:
+    """A bound's error in the client's words ("be at most 20", "hold at least 1 item"), or
+    None for another kind of error."""
+    key, words = _BOUND_WORDS.get(error["type"], (None, None))
+    bound = (error.get("ctx") or {}).get(key)
+    if bound is None:
+        return None
+    if error["type"] in ("too_short", "too_long"):
+        return f"{words} {bound} item{'s' if bound != 1 else ''}"
+    return f"{words} {bound}"
 
 
 def _is_form_tag(part) -> bool:
