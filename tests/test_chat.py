@@ -990,15 +990,32 @@ def test_an_enforced_schema_that_does_not_compile_names_its_file_and_tool(tool_m
 
 
 def test_tools_need_a_template_with_a_tool_format(model_dir, tmp_path):
-    """A usage error found in the tokenizer's files, before the weights load."""
+    """Usage errors found in the tokenizer's files, before the weights load: a template
+    that cannot take tools (the built-in Llama 3 one), with a tool-call format named or
+    not, and one that takes them but shows no format this engine knows, unless one is
+    named."""
+    import shutil
+
     from conftest import TOOLS
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
-    result = chat_cli(model_dir, "--tools", str(tools), "hi", stdin="")
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines()[-1].startswith(
-        "error: --tools: the model's chat template shows no tool-call format")
-    assert "Traceback" not in result.stderr and "loading" not in result.stderr
+    for named in ([], ["--tool-call-parser", "hermes"]):
+        result = chat_cli(model_dir, "--tools", str(tools), *named, "hi", stdin="")
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith("error: --tools: chat template: the built-in Llama 3 "
+                                        "chat format does not support tools"), result.stderr
+    plain = tmp_path / "plain"
+    shutil.copytree(model_dir, plain)
+    (plain / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if tools %}{{ tools | tojson }}{% endif %}")
+    result = chat_cli(plain, "--tools", str(tools), "hi", stdin="")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(
+        "error: --tools: the model's chat template shows no tool-call format"), result.stderr
+    named = chat_cli(plain, "--tools", str(tools), "--tool-call-parser", "hermes",
+                     "--max-tokens", "2", "hi", stdin="")
+    assert named.returncode == 0, named.stderr
 
 
 def test_tool_calls_at_the_terminal(tool_model_dir, tool_llm, tmp_path):

@@ -81,8 +81,8 @@ def chat(prompt, model_dir, device, system, template_json, tools_path, tool_choi
     model_dir = model_dir or options.default_model_dir()
     config = options.check_model_options(model_dir, engine, values)  # before the weights
     options.check_max_tokens(given(flags, SAMPLING_NAMES).get("max_tokens"), config, engine)
-    if tools is not None and tools.parser is None and tools.tool_choice != "none":
-        _check_tool_format(model_dir, config)  # the tokenizer's files, before the weights
+    if tools is not None and tools.tool_choice != "none":
+        _check_tools_template(model_dir, config, tools, template_kwargs)  # before the weights
     llm = options.load(model_dir, device, engine)
     if llm.tokenizer.chat_template is None:
         raise _no_chat_template(llm.tokenizer)
@@ -132,17 +132,29 @@ def _no_chat_template(tokenizer):
                           "`cupy-llama generate --raw`")
 
 
-def _check_tool_format(model_dir, config) -> None:
-    """--tools without --tool-call-parser: the chat template must show a tool-call format
-    this engine knows. The tokenizer's files say, so this is found before the weights load
-    (the engine reads them again: a fraction of a second, paid with --tools only)."""
+def _check_tools_template(model_dir, config, tools, template_kwargs) -> None:
+    """--tools: the chat template must render the tools, and without --tool-call-parser
+    show a tool-call format this engine knows. The tokenizer's files say, so this is found
+    before the weights load (the engine reads them again: a fraction of a second, paid with
+    --tools only). A template that fails without the tools as well is left for the chat
+    to report, as it is without --tools."""
+    from ..errors import TokenizerError
     from ..tokenizer import Tokenizer
     from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
 
     tokenizer = Tokenizer.from_dir(model_dir, config)
     if tokenizer.chat_template is None:
         raise _no_chat_template(tokenizer)
-    if tool_parser_for_template(tokenizer.template_for_tools) is None:
+    hello = [{"role": "user", "content": "hello"}]
+    try:
+        tokenizer.apply_chat_template(hello, tools=tools.tools, template_kwargs=template_kwargs)
+    except TokenizerError as e:
+        try:
+            tokenizer.apply_chat_template(hello, template_kwargs=template_kwargs)
+        except TokenizerError:
+            return
+        raise OptionError(f"--tools: {e}") from None
+    if tools.parser is None and tool_parser_for_template(tokenizer.template_for_tools) is None:
         raise OptionError("--tools: the model's chat template shows no tool-call format this "
                           "engine knows; use a model whose template calls tools, or name the "
                           f"format with --tool-call-parser ({', '.join(PARSER_NAMES)})")
