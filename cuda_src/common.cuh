@@ -232,17 +232,6 @@ __device__ __forceinline__ unsigned cluster_address(const void* local, int rank)
     return remote;
 }
 
-// the float at a cluster_address
-__device__ __forceinline__ float cluster_load(unsigned remote) {
-    float value = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
-#else
-    __trap();
-#endif
-    return value;
-}
-
 // stores to a cluster_address: 16 bytes (16-byte aligned) and a float
 __device__ __forceinline__ void cluster_store(unsigned remote, uint4 value) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
