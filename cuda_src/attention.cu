@@ -298,6 +298,52 @@ __device__ __forceinline__ void merge_parts(M m, L l, Acc acc, float& m_max, flo
     }
 }
 
+// A decode cluster's inboxes (both clustered decode kernels; benchmarks/NOTES.md, changes
+// 50 and 52): CTA r of the cluster writes outputs [r * per, (r + 1) * per) of its heads
+// (head g, dim c is output g * D + c). Every CTA sends its result for its key range where
+// it is read, at its own rank: each output's sum into the inbox of the CTA that writes it
+// (acc, [CLUSTER][acc_stride]), every head's running max and sum into every CTA's (m, l,
+// [CLUSTER][head_stride]). After one cluster barrier each CTA merges its inbox in rank
+// order and writes its outputs.
+struct ClusterInboxes {
+    float* m;
+    float* l;
+    float* acc;
+    int head_stride, acc_stride, per;
+};
+
+// this CTA's (rank `rank`) result for output i = g * D + c: its sum, m_max and sum_l ->
+// the inboxes (the head's max and sum go out from its first CLUSTER dims, to CTA c)
+template <int CLUSTER>
+__device__ __forceinline__ void cluster_send(const ClusterInboxes& box, int rank, int i, int g,
+                                             int c, float m_max, float sum_l, float sum_acc) {
+    const int owner = i / box.per;
+    cluster_store(cluster_address(box.acc + rank * box.acc_stride + i - owner * box.per, owner),
+                  sum_acc);
+    if (c < CLUSTER) {
+        cluster_store(cluster_address(box.m + rank * box.head_stride + g, c), m_max);
+        cluster_store(cluster_address(box.l + rank * box.head_stride + g, c), sum_l);
+    }
+}
+
+// after the barrier: this CTA's outputs of the `outputs` (heads x D) merged over the
+// senders in rank order -> out_row (0 for a head without any key: seq_len 0, a padding row
+// of a CUDA graph)
+template <int CLUSTER, int D, int THREADS>
+__device__ __forceinline__ void cluster_merge_inbox(const ClusterInboxes& box, int rank,
+                                                    int outputs, bf16* out_row) {
+    const int first = rank * box.per, end = min(outputs, first + box.per);
+    for (int i = first + threadIdx.x; i < end; i += THREADS) {
+        const int g = i / D, at = i - first;
+        float m_max, sum_l, sum_acc;
+        merge_parts<CLUSTER>([&](int r) { return box.m[r * box.head_stride + g]; },
+                             [&](int r) { return box.l[r * box.head_stride + g]; },
+                             [&](int r) { return box.acc[r * box.acc_stride + at]; },
+                             m_max, sum_l, sum_acc);
+        out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
+    }
+}
+
 // cache slot of key position pos: table[pos / block_size] * block_size + pos % block_size
 __device__ __forceinline__ long long cache_slot(const int* table, int pos, int block_shift) {
     return ((long long)table[pos >> block_shift] << block_shift) + (pos & ((1 << block_shift) - 1));
@@ -386,8 +432,7 @@ __device__ __forceinline__ void decode_attention_body(
     __shared__ float merge_l[MERGE_WARPS][MAXG];
     // NORM reads its q heads from here in 16-byte words (the plain kernels keep their layout)
     __shared__ alignas(NORM ? 16 : 4) float merge_acc[MERGE_WARPS][MAXG][D];
-    // CLUSTER: the results of the cluster's CTAs for the outputs this CTA writes, by the
-    // sender's rank (see the merge at the end)
+    // CLUSTER: the inboxes (ClusterInboxes) of this CTA, by the sender's rank
     constexpr int INBOX = CLUSTER > 0 ? CLUSTER : 1;
     constexpr int INBOX_PER = CLUSTER > 0 ? (MAXG * D + CLUSTER - 1) / CLUSTER : 1;
     __shared__ struct {
@@ -659,14 +704,12 @@ __device__ __forceinline__ void decode_attention_body(
         }
     }
     __syncthreads();
-    // CLUSTER: CTA r of the cluster writes outputs [r * per, (r + 1) * per) of the heads.
-    // Each CTA sends its result for its key range to where it is read: each output's sum
-    // to the CTA that writes that output, every head's running max and sum to every CTA,
-    // into their inboxes at its own rank. After one barrier each CTA merges its inbox in
-    // rank order and writes. No CTA reads another's shared memory, so after the barrier
-    // none waits for the others before it leaves (two barriers around a round trip of
-    // distributed shared-memory loads took longer; benchmarks/NOTES.md, change 50)
-    const int per = CLUSTER > 0 ? (heads * D + CLUSTER - 1) / CLUSTER : 0;
+    // CLUSTER: the key ranges merge through the inboxes (ClusterInboxes). No CTA reads
+    // another's shared memory, so after the barrier none waits for the others before it
+    // leaves (two barriers around a round trip of distributed shared-memory loads took
+    // longer; benchmarks/NOTES.md, change 50)
+    const ClusterInboxes box = {&inbox.m[0][0], &inbox.l[0][0], &inbox.acc[0][0], MAXG, INBOX_PER,
+                                CLUSTER > 0 ? (heads * D + CLUSTER - 1) / CLUSTER : 0};
     if constexpr (CLUSTER > 0) cluster_wait();  // every CTA has started
     // merge the warps: thread i writes dim i % D of head i / D
     for (int i = threadIdx.x; i < heads * D; i += THREADS) {
@@ -678,12 +721,7 @@ __device__ __forceinline__ void decode_attention_body(
                                [&](int w) { return merge_l[w][g]; },
                                [&](int w) { return merge_acc[w][g][c]; }, m_max, sum_l, sum_acc);
         if constexpr (CLUSTER > 0) {
-            const int owner = i / per;
-            cluster_store(cluster_address(&inbox.acc[split][i - owner * per], owner), sum_acc);
-            if (c < CLUSTER) {  // the head's max and sum to CTA c (D >= CLUSTER)
-                cluster_store(cluster_address(&inbox.m[split][g], c), m_max);
-                cluster_store(cluster_address(&inbox.l[split][g], c), sum_l);
-            }
+            cluster_send<CLUSTER>(box, split, i, g, c, m_max, sum_l, sum_acc);
             continue;
         }
         const float value = sum_acc / sum_l;
@@ -698,17 +736,8 @@ __device__ __forceinline__ void decode_attention_body(
     if constexpr (CLUSTER > 0) {
         static_assert(D >= CLUSTER, "a head's max and sum go out from its first CLUSTER dims");
         cluster_barrier();  // every CTA's result is in the inboxes
-        bf16* out_row = out + ((long long)q_row * num_heads + head0) * D;
-        const int end = min(heads * D, (split + 1) * per);
-        for (int i = split * per + threadIdx.x; i < end; i += THREADS) {
-            const int g = i / D, at = i - split * per;
-            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
-            float m_max, sum_l, sum_acc;
-            merge_parts<CLUSTER>([&](int r) { return inbox.m[r][g]; },
-                                 [&](int r) { return inbox.l[r][g]; },
-                                 [&](int r) { return inbox.acc[r][at]; }, m_max, sum_l, sum_acc);
-            out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
-        }
+        cluster_merge_inbox<CLUSTER, D, THREADS>(box, split, heads * D,
+                                                 out + ((long long)q_row * num_heads + head0) * D);
     }
 }
 
@@ -1328,15 +1357,13 @@ __device__ __forceinline__ void decode_attention_mma_body(
         }
     }
     __syncthreads();
-    // CLUSTER: CTA r writes outputs [r * per, (r + 1) * per) of the group's heads. Each CTA
-    // sends its result for its key range where it is read, as the CUDA-core kernel does:
-    // each output's sum to the CTA that writes it, every head's running max and sum to
-    // every CTA, into their inboxes at its own rank (inbox_m, inbox_l [CLUSTER][16],
-    // inbox_acc [CLUSTER][per], after the tile buffers)
+    // CLUSTER: the key ranges merge through the inboxes, as the CUDA-core kernel's do
+    // (ClusterInboxes): m and l [CLUSTER][16], then acc [CLUSTER][per], after the tiles
     const int per = CLUSTER > 0 ? (group * D + CLUSTER - 1) / CLUSTER : 0;
     float* inbox_m = reinterpret_cast<float*>(decode_mma_smem + DECODE_MMA_TILE_BYTES(D));
     float* inbox_l = inbox_m + (CLUSTER > 0 ? CLUSTER : 1) * 16;
-    float* inbox_acc = inbox_l + (CLUSTER > 0 ? CLUSTER : 1) * 16;
+    const ClusterInboxes box = {inbox_m, inbox_l, inbox_l + (CLUSTER > 0 ? CLUSTER : 1) * 16, 16,
+                                per, per};
     if constexpr (CLUSTER > 0) cluster_wait();  // every CTA has started
     for (int i = tid; i < group * D; i += DECODE_MMA_THREADS) {
         const int head = i / D, c = i % D;
@@ -1347,12 +1374,7 @@ __device__ __forceinline__ void decode_attention_mma_body(
                                [&](int w) { return merge_acc[(w * 16 + head) * D + c]; },
                                m_max, sum_l, sum_acc);
         if constexpr (CLUSTER > 0) {
-            const int owner = i / per;
-            cluster_store(cluster_address(inbox_acc + split * per + i - owner * per, owner), sum_acc);
-            if (c < CLUSTER) {  // the head's max and sum to CTA c (D >= CLUSTER)
-                cluster_store(cluster_address(inbox_m + split * 16 + head, c), m_max);
-                cluster_store(cluster_address(inbox_l + split * 16 + head, c), sum_l);
-            }
+            cluster_send<CLUSTER>(box, split, i, head, c, m_max, sum_l, sum_acc);
             continue;
         }
         const float value = sum_acc / sum_l;
@@ -1367,18 +1389,8 @@ __device__ __forceinline__ void decode_attention_mma_body(
     if constexpr (CLUSTER > 0) {
         static_assert(D >= CLUSTER, "a head's max and sum go out from its first CLUSTER dims");
         cluster_barrier();  // every CTA's result is in the inboxes
-        bf16* out_row = out + ((long long)q_row * num_heads + head0) * D;
-        const int end = min(group * D, (split + 1) * per);
-        for (int i = split * per + tid; i < end; i += DECODE_MMA_THREADS) {
-            const int head = i / D, at = i - split * per;
-            // m_max -inf only without any key (seq_len 0: a padding row of a CUDA graph): 0
-            float m_max, sum_l, sum_acc;
-            merge_parts<CLUSTER>([&](int r) { return inbox_m[r * 16 + head]; },
-                                 [&](int r) { return inbox_l[r * 16 + head]; },
-                                 [&](int r) { return inbox_acc[r * per + at]; },
-                                 m_max, sum_l, sum_acc);
-            out_row[i] = to_bf16(sum_l > 0.0f ? sum_acc / sum_l : 0.0f);
-        }
+        cluster_merge_inbox<CLUSTER, D, DECODE_MMA_THREADS>(
+            box, split, group * D, out + ((long long)q_row * num_heads + head0) * D);
     }
 }
 
