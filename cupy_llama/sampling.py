@@ -49,7 +49,7 @@ class SamplingParams:
     top_k: int = 0             # 0 means off (-1 too, vLLM's way: taken as 0)
     min_p: float = 0.0         # 0.0 means off
     max_tokens: int = 256      # None: up to the context limit (NO_MAX_TOKENS)
-    seed: int | None = None    # None: a fresh random seed per request
+    seed: int | None = None    # None (or -1, as in vLLM): a fresh random seed per request
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the text
     ignore_eos: bool = False
     # None: no log-probabilities; k: each generated token's log-probability and those of the
@@ -135,6 +135,8 @@ class SamplingParams:
                 setattr(self, name, int(value))
         if self.top_k == -1 and type(self.top_k) is int:
             self.top_k = 0
+        if self.seed == -1 and type(self.seed) is int:  # vLLM's "no seed"
+            self.seed = None
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             value = getattr(self, name)
@@ -166,7 +168,8 @@ class SamplingParams:
                                f"{_preview(self.max_tokens)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
-            raise RequestError(f"seed must be an integer in [0, 2^64), got {_preview(self.seed)}")
+            raise RequestError(f"seed must be an integer in [0, 2^64) (-1 means none), got "
+                               f"{_preview(self.seed)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError(f"stop must be a non-empty string or a list of them, got "
                                f"{_preview(self.stop)}")

@@ -358,10 +358,21 @@ def test_the_served_name_is_the_folder_s_as_given(tmp_path, monkeypatch):
     assert served_name(".") == "snapshot"
 
 
+def test_seed_minus_one_asks_for_a_fresh_seed_as_the_server_takes_it(model_dir, tmp_path):
+    """--seed -1 and a line's "seed": -1 are no seed (vLLM's), as over HTTP: the run goes
+    through, sampled."""
+    code, rows = run_generate(model_dir, tmp_path,
+                              b'{"prompt": "a", "temperature": 1}\n'
+                              b'{"prompt": "b", "temperature": 1, "seed": -1}\n',
+                              "in.jsonl", "--seed", "-1")
+    assert code == 0 and [sorted(row) for row in rows] == [sorted(rows[0])] * 2, rows
+    assert all("error" not in row for row in rows)
+
+
 def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_path, capsys):
     generate = _generate_args(model_dir, tmp_path)
     for extra, flag in ((["--max-tokens", "-1"], "--max-tokens"), (["--top-p", "1.5"], "--top-p"),
-                        (["--max-model-len", "0"], "--max-model-len"),
+                        (["--max-model-len", "0"], "--max-model-len"), (["--seed", "-2"], "--seed"),
                         (["--gpu-memory-utilization", "7"], "--gpu-memory-utilization")):
         assert main([*generate, *extra]) == 2, extra
         line = one_error_line(capsys.readouterr().err)

@@ -220,6 +220,15 @@ def test_top_k_minus_one_is_off_as_in_vllm():
         SamplingParams(top_k=-2)
 
 
+def test_seed_minus_one_is_none_as_in_vllm():
+    """seed=-1 is no seed (vLLM's), so each request draws a fresh one; other negative seeds
+    are refused with the rule named."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=0).seed == 0
+    with pytest.raises(RequestError, match=r"seed must be an integer in \[0, 2\^64\) \(-1 "
+                                           r"means none\), got -2"):
+        SamplingParams(seed=-2)
+
+
 def test_generation_config_s_repetition_penalty_is_a_default(tmp_path, model_dir):
     """generation_config.json's repetition_penalty is the model's default, as transformers
     and vLLM apply it."""

@@ -467,11 +467,12 @@ def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
 # ---- #3: signed seeds ---------------------------------------------------------------------------
 
 def test_negative_seeds_are_accepted_as_vllm_accepts_them(state):
-    """vLLM's seed: any signed 64-bit integer. A negative seed means the unsigned seed of
-    its 64 bits, deterministically; past the 64-bit range is a 400."""
+    """vLLM's seed: any signed 64-bit integer, -1 meaning none (a fresh seed per request,
+    test_server_protocol.py). Another negative seed means the unsigned seed of its 64 bits,
+    deterministically; past the 64-bit range is a 400."""
     body = {"prompt": "abc", "max_tokens": 8, **SAMPLED}
     answers = ask(state, [("POST", "/v1/completions", {"json": {**body, "seed": seed}})
-                          for seed in (-1, -1, 2**64 - 1, -2**63, -2**63 - 1, 2**64)])
+                          for seed in (-2, -2, 2**64 - 2, -2**63, -2**63 - 1, 2**64)])
     texts = [a.json()["choices"][0]["text"] if a.status == 200 else a.status for a in answers]
     assert texts[0] == texts[1] == texts[2] and isinstance(texts[3], str)
     assert texts[4:] == [400, 400]

@@ -183,6 +183,10 @@ def test_prompts_and_sampling_params(llm):
     assert params == SamplingParams(**{**defaults, "top_k": 0, "stop": ["zz"], "seed": 3,
                                        "ignore_eos": True, "max_tokens": 16})
     assert request.sampling_params(90, 100, defaults).max_tokens == 10  # what is left
+    # seed -1 is none, as vLLM takes it; another negative seed, its 64 bits unsigned
+    for seed, meant in ((-1, None), (-2, 2**64 - 2), (2**64 - 1, 2**64 - 1)):
+        assert parse(CompletionRequest, {"prompt": "a", "seed": seed}) \
+            .sampling_params(5, 100, defaults).seed == meant
     e = pytest.raises(APIError, request.sampling_params, 100, 100, defaults).value
     assert "100 tokens" in e.message and e.code == "context_length_exceeded"
     for prompt in ([], [[]], [1, "a"], [True], 5, [[1, 2], "a"]):

@@ -99,7 +99,8 @@ sampling_options = _options(
     click.option("--min-p", type=float, help="Drop tokens below min_p x the top probability."),
     click.option("--max-tokens", type=int, help=f"Most tokens per reply (default: the "
                  f"model's max_new_tokens, else {CHAT_MAX_TOKENS} in chat, 256 in generate)."),
-    click.option("--seed", type=int, help="Sampling seed (default: a fresh one per request)."),
+    click.option("--seed", type=int,
+                 help="Sampling seed (default, or -1: a fresh one per request)."),
     click.option("--repetition-penalty", type=float, help="Divide the logits of tokens seen "
                  "in the prompt or the reply ([0.01, 100]; 1: off; vLLM's)."),
     click.option("--frequency-penalty", type=float, help="Subtract this times each token's "

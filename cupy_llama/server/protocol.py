@@ -299,7 +299,7 @@ class _SamplingFields(_Unsupported, _Model):
     top_p: float | None = None
     top_k: Int | None = None      # vLLM's extension; -1 means off, as there
     min_p: float | None = None
-    seed: Int | None = None       # any signed or unsigned 64-bit integer
+    seed: Int | None = None       # any signed or unsigned 64-bit integer; -1: none (vLLM's)
     stop: str | list[str] | None = None
     n: Int = 1
     stream: bool = False
@@ -503,7 +503,9 @@ class _SamplingFields(_Unsupported, _Model):
                   if getattr(self, name) is not None}
         if values.get("top_k") == -1:
             values["top_k"] = 0
-        if "seed" in values:  # a negative seed names the unsigned seed of its 64 bits
+        if values.get("seed") == -1:  # no seed, as vLLM takes it: a fresh one per request
+            del values["seed"]
+        if "seed" in values:  # another negative seed names the unsigned seed of its 64 bits
             values["seed"] %= 2**64
         if end_token_ids and isinstance(values.get("stop_token_ids", []), list):
             asked = values.get("stop_token_ids", [])
