@@ -16,6 +16,12 @@ def as_flag(value) -> bool | None:
     return None
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun, the noun plural (noun + "s", or `plural`) unless the count is
+    1: "1 token", "2 tokens", "1 reply", "0 replies"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def json_type(value) -> str:
     """What a JSON value is, in JSON's words ("an object", "null"), for messages about
     JSON input that is of the wrong kind."""

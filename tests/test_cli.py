@@ -133,6 +133,11 @@ def test_the_summary_counts_in_words():
     from cupy_llama.cli.batch_io import BatchSummary
     assert BatchSummary(num_requests=1, num_preemptions=1).line().endswith(", 1 preemption")
     assert BatchSummary(num_requests=2, num_preemptions=0).line().endswith(", 0 preemptions")
+    one = BatchSummary(num_requests=1, prompt_tokens=1, completion_tokens=1).line()
+    assert one.startswith("1 request (0 failed): 1 prompt token (0 cached, 0%) + 1 completion "
+                          "token in "), one
+    two = BatchSummary(num_requests=2, prompt_tokens=2, completion_tokens=0).line()
+    assert "2 requests (0 failed): 2 prompt tokens (" in two and "+ 0 completion tokens" in two
 
 
 def test_chat_template_kwargs_are_an_option_of_the_run(model_dir, tmp_path, capsys):
@@ -466,7 +471,7 @@ def test_a_line_past_the_context_fails_alike_in_both_kinds_of_file(model_dir, tm
                                 {"prompt": "hi", "ignore_eos": True}])
     batch = run("batch.jsonl", [batch_line("a", max_tokens=63)])
     message = batch[0]["error"]["message"]
-    assert re.fullmatch(r"(\d+) prompt tokens \+ max_tokens 63 = \d+ tokens, past the context "
+    assert re.fullmatch(r"(\d+) prompt tokens? \+ max_tokens 63 = \d+ tokens, past the context "
                         r"limit of 64; ask for at most \d+ tokens or shorten the prompt", message)
     assert plain[0] == {"id": 1, "error": f"line 1: {message}"}
     prompt_tokens = int(message.split()[0])

@@ -16,7 +16,7 @@ SHARED = "a shared system prompt that is long enough to fill several KV blocks. 
 
 def summary_figures(err: str) -> tuple[int, int, int]:
     """(prompt tokens, cached ones, the percentage) from the summary line."""
-    match = re.search(r"(\d+) prompt \((\d+) cached, (\d+)%\)", err)
+    match = re.search(r"(\d+) prompt tokens? \((\d+) cached, (\d+)%\)", err)
     assert match, err
     return tuple(int(g) for g in match.groups())
 

@@ -183,6 +183,10 @@ def test_prompts_and_sampling_params(llm):
     assert params == SamplingParams(**{**defaults, "top_k": 0, "stop": ["zz"], "seed": 3,
                                        "ignore_eos": True, "max_tokens": 16})
     assert request.sampling_params(90, 100, defaults).max_tokens == 10  # what is left
+    one = pytest.raises(APIError, parse(CompletionRequest, {"prompt": "a", "max_tokens": 20})
+                        .sampling_params, 1, 10, defaults).value.message
+    assert one.startswith("1 prompt token + max_tokens 20 = 21 tokens, past the context "
+                          "limit of 10"), one
     # seed -1 is none, as vLLM takes it; another negative seed, its 64 bits unsigned
     for seed, meant in ((-1, None), (-2, 2**64 - 2), (2**64 - 1, 2**64 - 1)):
         assert parse(CompletionRequest, {"prompt": "a", "seed": seed}) \

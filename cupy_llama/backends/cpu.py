@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import EngineConfig, ModelConfig
-from ..util import cdiv
+from ..util import cdiv, counted
 from ..weights import Checkpoint, load_host_weights
 from . import CPU_DEFAULTS
 from .memory import MemoryPlan
@@ -39,8 +39,9 @@ def plan(model, engine_config, max_model_len: int) -> MemoryPlan:
     rows = (("weights", weight_bytes, what),
             ("buffers", buffer_bytes, f"one step of {engine_config.max_num_batched_tokens} "
                                       f"tokens, {engine_config.max_num_seqs} sequences"),
-            ("KV cache", num_blocks * per_block, f"{num_blocks} blocks x {block_size} tokens "
-                                                 f"= {num_blocks * block_size} tokens, float32"))
+            ("KV cache", num_blocks * per_block,
+             f"{counted(num_blocks, 'block')} x {block_size} tokens = "
+             f"{num_blocks * block_size} tokens, float32"))
     return MemoryPlan(rows, num_blocks, block_size)
 
 
@@ -73,7 +74,7 @@ class CpuBackend:
         self.nan_filled = np.zeros(self.num_kv_blocks, bool)  # blocks filled with NaN once
         self.kv_cache_bytes = self.num_kv_blocks * kv_bytes_per_block(config, block_size)
         if log:
-            log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
+            log(f"KV cache: {counted(self.num_kv_blocks, 'block')} x {block_size} tokens = "
                 f"{self.memory.num_kv_tokens} tokens ({self.kv_cache_bytes / 2**30:.2f} GiB, float32)")
 
     def memory_plan(self) -> list[tuple[str, int, str]]:

@@ -47,7 +47,7 @@ from ..outputs import TokenStrings, json_logprob
 from ..sampling import SamplingParams, model_sampling_defaults
 from ..structured import StructuredSpec
 from ..tokenizer import check_template_kwargs
-from ..util import json_type
+from ..util import counted, json_type
 
 FORMATS = ("txt", "jsonl")
 BATCH_LINE_FIELDS = ("custom_id", "method", "url", "body")  # any one: an OpenAI batch line
@@ -373,20 +373,16 @@ class BatchSummary:
         hit_rate = (100 * self.cached_prompt_tokens / self.prompt_tokens
                     if self.prompt_tokens else 0.0)
         if self.interrupted:
-            done = f"{self.num_written} of {_requests(self.num_requests)} done"
+            done = f"{self.num_written} of {counted(self.num_requests, 'request')} done"
         else:
-            done = _requests(self.num_requests)
-        skipped = (f"{_requests(self.num_skipped)} done before (--resume); "
+            done = counted(self.num_requests, "request")
+        skipped = (f"{counted(self.num_skipped, 'request')} done before (--resume); "
                    if self.num_skipped else "")
         return (f"{skipped}{done} ({self.num_errors} failed): "
-                f"{self.prompt_tokens} prompt ({self.cached_prompt_tokens} cached, "
-                f"{hit_rate:.0f}%) + {self.completion_tokens} completion tokens "
+                f"{counted(self.prompt_tokens, 'prompt token')} ({self.cached_prompt_tokens} "
+                f"cached, {hit_rate:.0f}%) + {counted(self.completion_tokens, 'completion token')} "
                 f"in {self.seconds:.2f} s, {rate:.1f} completion tok/s, "
-                f"{self.num_preemptions} preemption{'' if self.num_preemptions == 1 else 's'}")
-
-
-def _requests(count: int) -> str:
-    return f"{count} request" + ("" if count == 1 else "s")
+                f"{counted(self.num_preemptions, 'preemption')}")
 
 
 def run_batch(llm, requests: list[BatchRequest], out, defaults: dict, progress=None,
@@ -539,7 +535,7 @@ class _Runner:
             asked = fields.get("max_tokens", self.defaults.get("max_tokens")) is not None
             room = engine.context_limit - len(prompt)
             if asked and params.max_tokens > room:
-                return (f"line {request.line}: {len(prompt)} prompt tokens + max_tokens "
+                return (f"line {request.line}: {counted(len(prompt), 'prompt token')} + max_tokens "
                         f"{params.max_tokens} = {len(prompt) + params.max_tokens} tokens, "
                         f"past the context limit of {engine.context_limit}; ask for at most "
                         f"{room} tokens or shorten the prompt")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import CupyLlamaError, OptionError, RequestError, TokenizerError
 from ..reasoning import ReasoningParser, ReasoningSplitter, thinking_markers
-from ..util import json_type
+from ..util import counted, json_type
 
 HELP = """\
 /help                 this text
@@ -101,7 +101,7 @@ class TurnStats:
 
     def line(self) -> str:
         text = (f"{self.seconds_to_first_token * 1000:.0f} ms to first token, "
-                f"{self.tokens_per_second:.1f} tok/s, {self.completion_tokens} tokens")
+                f"{self.tokens_per_second:.1f} tok/s, {counted(self.completion_tokens, 'token')}")
         if self.context_limit is not None:
             text += (f" (stopped at the context limit of {self.context_limit} tokens; the "
                      "oldest turns make room for the next message)")
@@ -420,8 +420,8 @@ class ChatSession:
         rate = decoded / decode if decode > 0 else 0.0
         ttft = sum(t.seconds_to_first_token for t in self.turns) / len(self.turns)
         engine = self.llm.stats()
-        replies = f"{len(self.turns)} repl{'y' if len(self.turns) == 1 else 'ies'}"
-        return (f"{replies}, {completion} tokens generated, {rate:.1f} tok/s "
+        replies = counted(len(self.turns), "reply", "replies")
+        return (f"{replies}, {counted(completion, 'token')} generated, {rate:.1f} tok/s "
                 f"on average, {ttft * 1000:.0f} ms to first token on average\n"
                 f"context: {self.context_tokens} of {self.context_limit} tokens in use\n"
                 f"prefix cache: {engine.prefix_cache_hits} of {engine.prefix_cache_queries} "
@@ -455,7 +455,7 @@ class ChatSession:
         self.system, self.history, self._counted = system, history, None
         count = len(self.conversation())  # as /save counts them: the system prompt too
         prompt = "a system prompt among them" if system else "no system prompt"
-        return f"loaded {count} message{'' if count == 1 else 's'} from {path} ({prompt})"
+        return f"loaded {counted(count, 'message')} from {path} ({prompt})"
 
 
 def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:

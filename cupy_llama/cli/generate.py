@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from ..errors import OptionError, RequestError, check_output_path
+from ..util import counted
 from . import options
 from .options import (ENGINE_NAMES, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, MODEL_PATH,
                       PROGRESS_INTERVAL_S, SAMPLING_NAMES, check_options, device_option,
@@ -161,7 +162,7 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     earlier = _read_earlier_output(output_path) if resume else None
     if resume and earlier is None:  # stopped before it wrote anything: a run that starts
         log(f"resuming: {output_path!r} does not exist yet; running all "
-            f"{_plural(len(requests), 'request')}")
+            f"{counted(len(requests), 'request')}")
     num_skipped = 0
     if earlier is not None:
         _check_same_options(output_path, run_options)
@@ -169,10 +170,10 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         num_skipped = len(requests) - len(todo)
         if not todo:
             failed = earlier.num_errors
-            log(f"nothing to do: all {_plural(len(requests), 'request')} are already in "
+            log(f"nothing to do: all {counted(len(requests), 'request')} are already in "
                 f"{output_path!r}" + (f", {failed} of them failed" if failed else ""))
             return EXIT_ERROR if failed else EXIT_OK
-        log(f"resuming: {num_skipped} of {_plural(len(requests), 'request')} are already in "
+        log(f"resuming: {num_skipped} of {counted(len(requests), 'request')} are already in "
              f"{output_path!r}; running the other {len(todo)}"
              + (" (its last line was cut short: that request runs again)"
                 if earlier.dropped_partial else ""))
@@ -215,10 +216,6 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _holds_results(output_path: str) -> bool:
@@ -391,7 +388,7 @@ class _ProgressLines:
         elapsed = now - self.started
         rate = completion_tokens / elapsed if elapsed > 0 else 0.0
         eta = _duration((self.total - num_done) * elapsed / num_done) if num_done else "unknown"
-        log(f"progress: {num_done}/{_plural(self.total, 'request')} done, {rate:,.1f} completion "
+        log(f"progress: {num_done}/{counted(self.total, 'request')} done, {rate:,.1f} completion "
              f"tok/s, ETA {eta}")
 
 
@@ -447,16 +444,16 @@ def _run_generate(llm, requests, out, *, defaults, where: str, interval: float,
     if summary.interrupted:
         left = summary.num_requests - summary.num_written
         if where == "stdout":
-            log(f"interrupted: {_plural(summary.num_written, 'result')} went to stdout; "
-                f"the other {_plural(left, 'request')} did not run")
+            log(f"interrupted: {counted(summary.num_written, 'result')} went to stdout; "
+                f"the other {counted(left, 'request')} did not run")
         else:
             log(f"interrupted: {num_skipped + summary.num_written} of "
-                f"{_plural(total, 'result')} are in {where}; the same command with --resume "
+                f"{counted(total, 'result')} are in {where}; the same command with --resume "
                 f"runs the other {left}")
         return EXIT_INTERRUPTED
     failed = summary.num_errors + earlier_errors
     if failed:
-        log(f"error: {failed} of {_plural(total, 'request')} failed; their lines in {where} "
+        log(f"error: {failed} of {counted(total, 'request')} failed; their lines in {where} "
             "hold an \"error\" that says why")
         return EXIT_ERROR
     return EXIT_OK

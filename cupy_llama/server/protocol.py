@@ -43,7 +43,7 @@ from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
                            tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import (PARSER_NAMES, SPECIAL_TAG_PARSERS, make_tool_parser,
                             parse_tool_calls, tool_parser_for_template)
-from ..util import json_type
+from ..util import counted, json_type
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
@@ -480,10 +480,10 @@ class _SamplingFields(_Unsupported, _Model):
                            param=max_tokens_field)
         elif requested > room:
             total = _preview(num_prompt_tokens + requested)
-            raise APIError(400, f"{num_prompt_tokens} prompt tokens + {max_tokens_field} "
-                                f"{_preview(requested)} = {total} tokens, past the context "
-                                f"limit of {max_model_len}; ask for at most {room} tokens or "
-                                f"shorten the prompt",
+            raise APIError(400, f"{counted(num_prompt_tokens, 'prompt token')} + "
+                                f"{max_tokens_field} {_preview(requested)} = {total} tokens, "
+                                f"past the context limit of {max_model_len}; ask for at most "
+                                f"{room} tokens or shorten the prompt",
                            param=max_tokens_field, code="context_length_exceeded")
         else:
             max_tokens = requested
@@ -493,8 +493,8 @@ class _SamplingFields(_Unsupported, _Model):
             if wanted > room:
                 raise APIError(400, f"min_tokens {wanted} is more than the {room} tokens the "
                                     f"context limit of {max_model_len} leaves after the "
-                                    f"{num_prompt_tokens} prompt tokens; ask for at most "
-                                    f"{room} or shorten the prompt", param="min_tokens")
+                                    f"{counted(num_prompt_tokens, 'prompt token')}; ask for "
+                                    f"at most {room} or shorten the prompt", param="min_tokens")
             raise APIError(400, f"min_tokens {wanted} is more than {max_tokens_field}, "
                                 f"{max_tokens} when it is left out; send {max_tokens_field} "
                                 f"of at least {wanted}", param="min_tokens")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import DeviceError
 from ...interface import MAX_BIAS_ENTRIES, Fp8Weight
-from ...util import cdiv
+from ...util import cdiv, counted
 from ...weights import Checkpoint, iter_blob_pieces, quantized_entries, scale_key
 from . import attention as attention_kernels
 from . import fp8 as fp8_kernels
@@ -210,7 +210,7 @@ class CudaBackend:
                   f"weights loaded in {self.load_seconds:.2f} s")
         for name, nbytes, note in self.memory_plan():
             self._log(f"  {name:<24} {nbytes / GiB:9.3f} GiB  {note}")
-        self._log(f"KV cache: {self.num_kv_blocks} blocks x {block_size} tokens = "
+        self._log(f"KV cache: {counted(self.num_kv_blocks, 'block')} x {block_size} tokens = "
                   f"{self.num_kv_blocks * block_size} tokens "
                   f"({self.num_kv_blocks * self.kv_bytes_per_block / GiB:.2f} GiB)")
 
@@ -409,6 +409,6 @@ class CudaBackend:
                          f"token counts and prompt flags [{self.max_num_seqs}, "
                          f"{config.vocab_size}] int32 and uint8, bias entries; for the penalties"))
         rows.append(("KV cache", self.num_kv_blocks * self.kv_bytes_per_block,
-                     f"{self.num_kv_blocks} blocks x {self.block_size} tokens = "
+                     f"{counted(self.num_kv_blocks, 'block')} x {self.block_size} tokens = "
                      f"{self.num_kv_blocks * self.block_size} tokens"))
         return rows
