@@ -282,7 +282,7 @@ def test_a_file_that_is_not_all_batch_requests_is_refused_before_loading(
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text(content)
     assert main(["generate", "--model", str(model_dir), "--input", str(path), "--output",
-                 str(out), *ENGINE]) == 1
+                 str(out), *ENGINE]) == 2  # a usage error, as an empty file is
     err = capsys.readouterr().err
     assert words in one_error_line(err) and "loading" not in err
     assert not out.exists()

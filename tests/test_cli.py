@@ -198,6 +198,27 @@ def test_plain_lines_give_the_logprobs_they_ask_for(model_dir, llm, tmp_path):
     assert "logprobs" not in rows[2] and "prompt_logprobs" not in rows[2]
 
 
+def test_an_input_none_of_whose_lines_can_run_is_a_usage_error_before_loading(
+        model_dir, tmp_path, capsys):
+    """Every line unreadable (not JSON, not an object, a duplicate id), or OpenAI batch
+    lines beside one that is not: nothing would run, so the model is not loaded."""
+    path = tmp_path / "in.jsonl"
+    cases = ((b"Tell me a story\nAnd another\n", "line 1 is not valid JSON (Expecting value "
+              "at column 1) (1 other line cannot run either); for one prompt per line, give "
+              "--format txt or name the file .txt"),
+             (b'[1]\n{"prompt": "a", "id": 1}\n{"prompt": "b", "id": 1}\n',
+              "line 1 must be a JSON object, got an array (2 other lines cannot run either)"),
+             (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+              b'{"prompt": "b"}\n', "line 2 is a plain request"))
+    for content, words in cases:
+        path.write_bytes(content)
+        assert main(["generate", "--model", str(model_dir), "--input", str(path), *CPU]) == 2
+        err = capsys.readouterr().err
+        line = one_error_line(err)
+        assert line.startswith(f"error: --input {str(path)!r}"), line
+        assert words in line and "loading" not in err, line
+
+
 def test_an_input_without_prompts_is_a_usage_error_before_loading(model_dir, tmp_path,
                                                                   capsys, monkeypatch):
     path = tmp_path / "in.jsonl"

@@ -128,11 +128,16 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     if not progress_interval >= 0:
         raise OptionError(f"--progress-interval must be >= 0 seconds, got {progress_interval}")
     data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
-    requests = read_requests(data, format)
+    name = "stdin (--input -)" if input_path == "-" else f"--input {input_path!r}"
+    try:
+        requests = read_requests(data, format)
+    except RequestError as e:  # OpenAI batch lines beside a line that is not one
+        raise OptionError(f"{name}: {e}") from None
     if not requests:  # nothing to run: no reason to load a model
-        name = "stdin (--input -)" if input_path == "-" else f"--input {input_path!r}"
         raise OptionError(f"{name} holds no prompts: it is empty or has only blank lines; "
                           "write one prompt per line (.txt) or one JSON object per line (.jsonl)")
+    if all(request.error is not None for request in requests):  # likewise
+        raise OptionError(_no_line_runs(name, requests, format))
     defaults = given(flags, SAMPLING_NAMES)
     defaults["stop"] = list(defaults.get("stop", ()))
     if not defaults["stop"]:
@@ -216,6 +221,17 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
         if earlier is not None and earlier.add_newline:
             output.write("\n")
         return _run_generate(llm, requests, output, where=repr(output_path), **run)
+
+
+def _no_line_runs(name: str, requests: list, format: str) -> str:
+    """Why a file none of whose lines can run is refused: its first line's error, and for
+    a .jsonl file of text, where prompts one to a line go."""
+    more = len(requests) - 1
+    text = (f"{name} has no line that can run: {requests[0].error}"
+            + (f" ({counted(more, 'other line')} cannot run either)" if more else ""))
+    if format == "jsonl" and all("is not valid JSON" in r.error for r in requests):
+        text += "; for one prompt per line, give --format txt or name the file .txt"
+    return text
 
 
 def _holds_results(output_path: str) -> bool:
