@@ -405,6 +405,13 @@ def test_bad_option_values_are_usage_errors_named_by_their_flag(model_dir, tmp_p
         assert line.startswith(f"error: {flag} must be"), line
     assert main(["chat", "--model", str(model_dir), *CPU, "--temperature", "-1"]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("error: --temperature must be")
+    # the other settings a message names are flags too, and an empty --stop says so
+    assert main([*generate, "--min-tokens", "5", "--max-tokens", "2"]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: --min-tokens must be an integer from 0 to --max-tokens (2), got 5")
+    assert main([*generate, "--stop", "end", "--stop", ""]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "error: --stop must be a non-empty string: the text that ends a reply")
     # a watchdog shorter than the engine's progress messages allow (a quarter of it)
     assert main(["serve", "--model", str(model_dir), *CPU, "--engine-timeout", "0.8"]) == 2
     line = one_error_line(capsys.readouterr().err)

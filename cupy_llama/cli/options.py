@@ -5,6 +5,7 @@ model loads, choosing the device, loading a model and the demo model default.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -161,10 +162,17 @@ def given(options: dict, names) -> dict:
 
 
 def _flagged(message: str) -> str:
-    """A message about a setting, with the setting named by its command-line flag."""
-    for name in (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager", "block_size"):  # serve's too
+    """A message about a setting, with the setting named by its command-line flag, and so
+    every other setting it names whose name holds an underscore (no English word does):
+    "min_tokens ... from 0 to max_tokens (2)" -> "--min-tokens ... to --max-tokens (2)"."""
+    names = (*SAMPLING_NAMES, *ENGINE_NAMES, "enforce_eager", "block_size")  # serve's too
+    for name in names:
         if message.startswith(name + " "):
-            return option_flag(name) + message[len(name):]
+            message = option_flag(name) + message[len(name):]
+            break
+    for name in names:
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-]){name}\b", option_flag(name), message)
     return message
 
 
@@ -173,6 +181,8 @@ def check_options(sampling: dict, engine: dict) -> None:
     errors naming the option."""
     from ..config import EngineConfig
     from ..sampling import SamplingParams
+    if "" in sampling.get("stop", ()):  # a list of the repeated flag's values
+        raise OptionError("--stop must be a non-empty string: the text that ends a reply")
     try:
         SamplingParams.from_dict(sampling)
         EngineConfig(**engine)
