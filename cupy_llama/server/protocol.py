@@ -503,10 +503,8 @@ class _SamplingFields(_Unsupported, _Model):
                   if getattr(self, name) is not None}
         if values.get("top_k") == -1:
             values["top_k"] = 0
-        if values.get("seed") == -1:  # no seed, as vLLM takes it: a fresh one per request
-            del values["seed"]
-        if "seed" in values:  # another negative seed names the unsigned seed of its 64 bits
-            values["seed"] %= 2**64
+        if values.get("seed", -1) != -1:  # -1: no seed, which SamplingParams reads; another
+            values["seed"] %= 2**64        # negative seed names the unsigned one of its bits
         if end_token_ids and isinstance(values.get("stop_token_ids", []), list):
             asked = values.get("stop_token_ids", [])
             values["stop_token_ids"] = asked + [t for t in end_token_ids if t not in asked]
