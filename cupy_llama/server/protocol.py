@@ -297,7 +297,7 @@ class _SamplingFields(_Unsupported, _Model):
     model: str | None = None      # left out: the one model this server serves, as vLLM does
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Int | None = None      # vLLM's extension; -1 means off, as there
+    top_k: Int | None = None      # vLLM's extension; -1 means off (SamplingParams reads it)
     min_p: float | None = None
     seed: Int | None = None       # any signed or unsigned 64-bit integer; -1: none (vLLM's)
     stop: str | list[str] | None = None
@@ -501,8 +501,6 @@ class _SamplingFields(_Unsupported, _Model):
         values = {name: getattr(self, name) for name in
                   ("temperature", "top_p", "top_k", "min_p", "seed", "stop", *PASSED_FIELDS)
                   if getattr(self, name) is not None}
-        if values.get("top_k") == -1:
-            values["top_k"] = 0
         if values.get("seed", -1) != -1:  # -1: no seed, which SamplingParams reads; another
             values["seed"] %= 2**64        # negative seed names the unsigned one of its bits
         if end_token_ids and isinstance(values.get("stop_token_ids", []), list):
