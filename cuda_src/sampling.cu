@@ -1,6 +1,7 @@
-// Token sampling on the device: one CTA per sequence, only the chosen ids leave the GPU.
-// Launch: grid (B), block (SAMPLE_THREADS = 1024), dynamic shared memory slots * 8 *
-// SAMPLE_THREADS bytes (the candidate slots below; slots may be 0).
+// Token sampling on the device: one CTA per sequence (and while the batch leaves SMs idle,
+// more for its argmax pass: "Split argmax" below), only the chosen ids leave the GPU.
+// Launch: grid (B, splits), block (SAMPLE_THREADS = 1024), dynamic shared memory slots * 8
+// * SAMPLE_THREADS bytes (the candidate slots below; slots may be 0).
 //
 // Greedy (temperature <= 0): argmax, lowest index on ties. Otherwise, with
 // w_i = exp((logit_i - max) / temperature) (unnormalized probabilities, max 1; NaN counts
@@ -43,6 +44,7 @@
 // shared memory of one candidate slot of every thread: a uint2 (see Candidates)
 #define SLOT_BYTES (8 * SAMPLE_THREADS)
 #define ARGMAX_UNROLL 8    // 16-byte loads in flight per thread in the argmax pass
+#define ARGMAX_MAX_SPLITS WARP_SIZE  // CTAs sharing a row's argmax pass (merged by one warp)
 #define SELECT_UNROLL 8    // a thread's elements loaded together in the radix passes (2 groups)
 #define ROW_GROUPS 4       // groups of 4 loaded together in the row's mass pass (4 16-byte loads)
 #define CDF_UNROLL 16      // a thread's elements loaded together in the mass and draw passes
@@ -580,50 +582,27 @@ __device__ __forceinline__ void warp_argmax(float& best, int& best_i) {
     }
 }
 
-// one CTA per SM is enough (min blocks 1): ptxas may then use up to 64 registers per
-// thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
-// slots: candidate slots per thread in the dynamic shared memory (0: always the row);
-// used_slots (may be null): [B], 1 where the slots served the draw, else 0.
-// settings: SAMPLING_ROWS of `capacity` (>= B) sequences, row b of each for sequence b.
-// bitmask [rows, mask_words] and mask_rows [B] (both may be null): see "Structured outputs".
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
-        const float* __restrict__ logits, int vocab, const unsigned char* __restrict__ settings,
-        int capacity, int* __restrict__ out_tokens, int slots, int* __restrict__ used_slots,
-        int* __restrict__ counts, const unsigned int* __restrict__ bitmask, int mask_words,
-        const int* __restrict__ mask_rows) {
-    const SamplingRows rows(settings, capacity);
-    // counts (may be null): [slots][vocab] output-token counts; the chosen token of a row
-    // with state_slot >= 0 and count_token set is added to its slot's (see count_chosen)
-    __shared__ int chosen_token;
-    __shared__ SampleShared sh;
-    extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
-    static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
-    const int b = blockIdx.x;
-    const int mask_row = mask_rows != nullptr ? mask_rows[b] : -1;
-    if (mask_row == MASK_SKIP) return;  // the whole CTA: before any barrier
-    const unsigned int* mask =
-        mask_row >= 0 ? bitmask + (long long)mask_row * mask_words : nullptr;
-    const float* row = logits + (long long)b * vocab;
+// the CTA's (value, index) maximum of the row's logits [from, to) (16-byte groups from
+// vectors from4 to to4 and single logits from one_from to one_to), lowest index on ties
+// (NaN never wins), in thread 0. Loads of 16 bytes where the row is aligned, ARGMAX_UNROLL
+// in flight per thread (at batch 1 the latency of this loop is the pass's); each thread
+// visits its logits in increasing index order, so `>` keeps its first maximum
+__device__ __forceinline__ void block_argmax(SampleShared& sh, const float* row,
+                                             const unsigned int* mask, int from4, int to4,
+                                             int one_from, int one_to, float& best, int& best_i) {
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-
-    // argmax, lowest index on ties (NaN never wins). A 16-byte aligned row is read four
-    // floats per load, ARGMAX_UNROLL loads in flight per thread (one CTA reads the whole
-    // row: at batch 1 the latency of this loop is the kernel's); each thread visits its
-    // elements in increasing index order, so `>` keeps its first maximum
-    float best = neg_inf();
-    int best_i = 0x7FFFFFFF;
-    const bool aligned = ((unsigned long long)row & 15u) == 0;
-    const int vectors = aligned ? vocab / 4 : 0;
+    best = neg_inf();
+    best_i = 0x7FFFFFFF;
     const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int first = tid; first < vectors; first += ARGMAX_UNROLL * blockDim.x) {
+    for (int first = from4 + tid; first < to4; first += ARGMAX_UNROLL * blockDim.x) {
         float4 v[ARGMAX_UNROLL];
 #pragma unroll
         for (int u = 0; u < ARGMAX_UNROLL; ++u)  // clamped, not skipped: all loads issue at once
-            v[u] = row4[min(first + u * (int)blockDim.x, vectors - 1)];
+            v[u] = row4[min(first + u * (int)blockDim.x, to4 - 1)];
 #pragma unroll
         for (int u = 0; u < ARGMAX_UNROLL; ++u) {
             const int j = first + u * blockDim.x;
-            const bool in_row = j < vectors;  // a clamped load past the row: ignored
+            const bool in_row = j < to4;  // a clamped load past the share: ignored
             const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
@@ -632,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
                 }
         }
     }
-    for (int i = 4 * vectors + tid; i < vocab; i += blockDim.x) {  // the rest, in order
+    for (int i = one_from + tid; i < one_to; i += blockDim.x) {  // in order
         const float v = row[i];
         if (v > best && token_allowed(mask, i)) { best = v; best_i = i; }
     }
@@ -644,12 +623,79 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
         best = lane < num_warps ? sh.scratch[lane] : neg_inf();
         best_i = lane < num_warps ? sh.best_index[lane] : 0x7FFFFFFF;
         warp_argmax(best, best_i);
-        if (lane == 0) {
-            if (best_i == 0x7FFFFFFF) best_i = 0;  // a row of NaN: token 0
-            sh.scratch[0] = best;
-            out_tokens[b] = best_i;
-            chosen_token = best_i;
+    }
+}
+
+// one CTA per SM is enough (min blocks 1): ptxas may then use up to 64 registers per
+// thread, which the argmax pass's loads in flight need (else it aims at 32 and spills).
+// slots: candidate slots per thread in the dynamic shared memory (0: always the row);
+// used_slots (may be null): [B], 1 where the slots served the draw, else 0.
+// settings: SAMPLING_ROWS of `capacity` (>= B) sequences, row b of each for sequence b.
+// bitmask [rows, mask_words] and mask_rows [B] (both may be null): see "Structured outputs".
+//
+// Split argmax. One CTA reads a row at one SM's bandwidth, so a batch too small to fill
+// the GPU shares each row's argmax pass among gridDim.y CTAs (at most ARGMAX_MAX_SPLITS):
+// CTA s scans share s of the row's 16-byte groups (the last also the logits past them, and
+// an unaligned row is the last's alone), posts its maximum to argmax_parts[b][s], and takes
+// a ticket from arrivals[b]. The CTA with the last ticket merges the posts (larger value,
+// lower index: the same token as one CTA's pass), puts arrivals[b] back to 0 for the next
+// launch, and goes on alone; the others leave. arrivals: [B] zeros before the launch, used
+// by one launch at a time; both may be null when gridDim.y is 1.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(
+        const float* __restrict__ logits, int vocab, const unsigned char* __restrict__ settings,
+        int capacity, int* __restrict__ out_tokens, int slots, int* __restrict__ used_slots,
+        int* __restrict__ counts, const unsigned int* __restrict__ bitmask, int mask_words,
+        const int* __restrict__ mask_rows, int2* __restrict__ argmax_parts,
+        unsigned int* __restrict__ arrivals) {
+    const SamplingRows rows(settings, capacity);
+    // counts (may be null): [slots][vocab] output-token counts; the chosen token of a row
+    // with state_slot >= 0 and count_token set is added to its slot's (see count_chosen)
+    __shared__ int chosen_token;
+    __shared__ bool last_to_arrive;
+    __shared__ SampleShared sh;
+    extern __shared__ uint2 candidate_slots[];  // [slots][blockDim.x]: SLOT_BYTES per slot
+    static_assert(sizeof(uint2) * SAMPLE_THREADS == SLOT_BYTES, "slot layout");
+    const int b = blockIdx.x;
+    const int mask_row = mask_rows != nullptr ? mask_rows[b] : -1;
+    if (mask_row == MASK_SKIP) return;  // the whole CTA: before any barrier
+    const unsigned int* mask =
+        mask_row >= 0 ? bitmask + (long long)mask_row * mask_words : nullptr;
+    const float* row = logits + (long long)b * vocab;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+
+    // argmax, lowest index on ties (NaN never wins), of this CTA's share of the row
+    const bool aligned = ((unsigned long long)row & 15u) == 0;
+    const int vectors = aligned ? vocab / 4 : 0;
+    const int splits = gridDim.y, s = blockIdx.y;
+    const int share = (vectors + splits - 1) / splits;
+    const bool last_share = s == splits - 1;
+    float best;
+    int best_i;
+    block_argmax(sh, row, mask, min(s * share, vectors), min((s + 1) * share, vectors),
+                 last_share ? 4 * vectors : vocab, vocab, best, best_i);
+    if (splits > 1) {
+        if (tid == 0) {
+            argmax_parts[(long long)b * splits + s] = make_int2(__float_as_int(best), best_i);
+            __threadfence();  // the post before the ticket
+            last_to_arrive = atomicAdd(arrivals + b, 1u) == (unsigned int)splits - 1;
         }
+        __syncthreads();
+        if (!last_to_arrive) return;  // the whole CTA
+        if (warp == 0) {
+            __threadfence();  // every post before this CTA's reads of them
+            const int2 part = lane < splits ? __ldcg(argmax_parts + (long long)b * splits + lane)
+                                            : make_int2(__float_as_int(neg_inf()), 0x7FFFFFFF);
+            best = __int_as_float(part.x);
+            best_i = part.y;
+            warp_argmax(best, best_i);
+            if (lane == 0) arrivals[b] = 0u;
+        }
+    }
+    if (tid == 0) {
+        if (best_i == 0x7FFFFFFF) best_i = 0;  // a row of NaN: token 0
+        sh.scratch[0] = best;
+        out_tokens[b] = best_i;
+        chosen_token = best_i;
     }
     __syncthreads();
     const float temp = rows.temperature[b];

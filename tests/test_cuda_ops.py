@@ -712,6 +712,74 @@ def test_greedy_is_argmax(cp, rng):
     assert tokens[0] == vocab - 2 and tokens[4] == 7 and tokens[2] == 3
 
 
+@pytest.mark.parametrize("vocab", [262144, 128256, 128255])
+def test_a_split_argmax_draws_what_one_cta_draws(cp, rng, vocab):
+    """sampling.cu's "Split argmax": rows of 1 to 3 sequences, their argmax pass shared by
+    2 to ARGMAX_MAX_SPLITS CTAs, pick the tokens of the unsplit pass and of NumPy: maxima
+    at share edges and in the unaligned last logits, ties across shares to the lower index,
+    NaN never, a row of NaN token 0, masked rows, MASK_SKIP rows untouched. Sampled rows
+    draw the same tokens and use the same slots, each count is added once, and the tickets
+    are back at 0 after every launch (the same launch again draws the same)."""
+    from cupy_llama.backends.cuda import sampling
+    from cupy_llama.structured import apply_token_bitmask, bitmask_words
+    assert sampling.argmax_splits(1, vocab) > 1  # what the engine's batch-1 steps launch
+    num_seqs = 3
+    logits = rng.standard_normal((num_seqs, vocab), dtype=np.float32) * 4
+    top = np.nanmax(logits) + 1
+    share = cdiv(vocab // 4, 7) * 4  # the first share's end at 7 splits (an aligned row)
+    logits[0, share - 1] = logits[0, share] = top  # a tie across a share edge
+    logits[1, vocab - 1] = top + 1                   # the last logit
+    logits[1, 17] = np.nan
+    logits[2, :] = np.nan
+    want = np.array([share - 1, vocab - 1, 0])
+    words = bitmask_words(vocab)
+    bits = np.zeros((1, words * 32), bool)
+    bits[0, rng.choice(vocab, 50, replace=False)] = True
+    bitmask = np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+    masked = logits[:1].copy()
+    apply_token_bitmask(masked, bitmask, np.zeros(1, np.int32))
+    seeds = rng.integers(0, 2**63, num_seqs)
+    for rows in (1, 2, 3):
+        for splits in (1, 2, 7, sampling.ARGMAX_MAX_SPLITS):
+            for launch in range(2):
+                out = cp.full(rows, -7, np.int32)
+                sampling.sample(cp.asarray(logits[:rows]), *greedy(cp, rows), out, splits=splits)
+                np.testing.assert_array_equal(out.get(), want[:rows], err_msg=f"{splits} {launch}")
+        # masked rows, a skipped row
+        out = cp.full(2, -7, np.int32)
+        sampling.sample(cp.asarray(logits[:2]), *greedy(cp, 2), out, splits=5,
+                        bitmask=cp.asarray(bitmask),
+                        mask_rows=cp.asarray([0, sampling.MASK_SKIP], np.int32))
+        assert out.get().tolist() == [int(np.argmax(masked[0])), -7]
+    # sampled rows: the same draws, slots and counts split or not
+    warm = rng.standard_normal((2, vocab), dtype=np.float32) * 2
+    drawn = {}
+    for splits in (1, 9, sampling.ARGMAX_MAX_SPLITS):
+        state = sampling.SlotState(cp, 2, vocab)
+        tokens, used = cp.full(2, -1, np.int32), cp.full(2, -1, np.int32)
+        packed = sampling.pack_settings(2, temperature=np.float32(0.8), top_p=np.float32(0.9),
+                                        seeds=seeds[:2].astype(np.uint64),
+                                        state_slot=np.array([1, 0], np.int32),
+                                        count_token=np.int32(1))
+        sampling.sample_settings(cp.asarray(warm), packed, 2, tokens, used_slots=used,
+                                 counts=state.counts, splits=splits)
+        drawn[splits] = (tokens.get().tolist(), used.get().tolist(), state.counts.get())
+        assert drawn[splits][2].sum() == 2
+    for splits in drawn:
+        assert drawn[splits][:2] == drawn[1][:2], splits
+        np.testing.assert_array_equal(drawn[splits][2], drawn[1][2])
+    with pytest.raises(ValueError, match=r"splits must be in \[1, "):
+        sampling.sample(cp.asarray(logits[:1]), *greedy(cp, 1), cp.zeros(1, np.int32),
+                        splits=sampling.ARGMAX_MAX_SPLITS + 1)
+
+
+def greedy(cp, n):
+    """sampling.sample's settings of n greedy rows."""
+    zeros = lambda dtype: cp.zeros(n, dtype)
+    return (zeros(np.float32), zeros(np.int32), cp.ones(n, np.float32), zeros(np.float32),
+            zeros(np.uint64), zeros(np.int32))
+
+
 @pytest.mark.parametrize("vocab", [128256, 49152, 1001])
 def test_logprobs_of_the_rows_that_ask(cp, rng, vocab):
     """logprobs.cu against the NumPy backend's log-softmax: only the rows that ask, each

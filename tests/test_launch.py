@@ -169,3 +169,49 @@ def test_sampling_launcher_takes_its_slots_from_the_device_room(monkeypatch):
         with pytest.raises(ValueError, match=rf"\[0, {expected_room}\]"):
             sampling.sample_settings(rows, settings, 1, np.zeros(1, np.int32),
                                      slots=expected_room + 1)
+
+
+def test_the_argmax_pass_splits_only_where_the_rows_leave_sms_idle(monkeypatch):
+    """sampling.argmax_splits: every share holds at least ARGMAX_SHARE logits, a launch
+    asks for no more CTAs than the GPU has SMs, at most ARGMAX_MAX_SPLITS a row, and no
+    larger count would keep all three; 1 where no split keeps them."""
+    from cupy_llama.backends.cuda import sampling
+    monkeypatch.setattr(sampling, "device_limits",
+                        lambda: {"sms": 132, "max_shared_per_block": 227 * 1024})
+    cap = sampling.ARGMAX_MAX_SPLITS
+    assert cap == 32
+
+    def keeps(splits, rows, vocab):
+        return (splits <= cap and vocab // splits >= sampling.ARGMAX_SHARE
+                and rows * splits <= 132)
+
+    seen = set()
+    for vocab in (1001, 16383, 32000, 128256, 151936, 262144, 1 << 20):
+        for rows in (1, 2, 3, 8, 16, 44, 66, 67, 132, 256):
+            splits = sampling.argmax_splits(rows, vocab)
+            seen.add(splits)
+            if splits > 1:
+                assert keeps(splits, rows, vocab), (rows, vocab, splits)
+            assert not keeps(splits + 1, rows, vocab), (rows, vocab, splits)
+    assert sampling.argmax_splits(0, 128256) == 1
+    assert {1, 2, cap} <= seen
+    # a count asked for: launched as given where it is an integer in [1, cap]
+    launched = []
+
+    class Kernel:
+        shared_size_bytes = 7984
+
+        def __call__(self, grid, block, args, shared_mem):
+            launched.append(grid)
+
+    monkeypatch.setattr(sampling, "check", lambda name, array, *a, **k: array)
+    monkeypatch.setattr(sampling, "get_kernel", lambda module, name: Kernel())
+    monkeypatch.setattr(sampling, "opt_in_shared", lambda *a: None)
+    rows = np.zeros((2, 8), np.float32)
+    settings = np.zeros(sampling.settings_bytes(2), np.uint8)
+    sampling.sample_settings(rows, settings, 2, np.zeros(2, np.int32), slots=0, splits=1)
+    assert launched == [(2, 1)]
+    for splits in (0, cap + 1, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=rf"splits must be in \[1, {cap}\] \(an integer\)"):
+            sampling.sample_settings(rows, settings, 2, np.zeros(2, np.int32), slots=0,
+                                     splits=splits)

@@ -1,4 +1,5 @@
-"""Launcher for sampling.cu: one CTA per sequence picks its next token on the device."""
+"""Launcher for sampling.cu: one CTA per sequence picks its next token on the device (more
+share its argmax pass while the batch leaves SMs idle)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,6 +21,11 @@ MASK_SKIP = _C["MASK_SKIP"]  # mask_rows: the launch draws no token for the row
 # sixteen times the mean in any one thread when a row has 1,000 of them. (SmolLM2-135M-
 # Instruct at temperature 0.6: 176 of 184 steps fit 8 slots, 183 fit 16.)
 SLOTS = 16
+# The split argmax pass (sampling.cu, "Split argmax"): a row's CTAs each scan at least this
+# many logits, at most ARGMAX_MAX_SPLITS of them, and a launch splits only while its rows'
+# CTAs fit on the GPU's SMs together
+ARGMAX_SHARE = 8192
+ARGMAX_MAX_SPLITS = _C["ARGMAX_MAX_SPLITS"]
 
 # the C type of each numpy dtype a settings row may have
 C_TYPES = {np.dtype(np.uint64): "unsigned long long", np.dtype(np.int32): "int",
@@ -70,6 +76,31 @@ def default_slots() -> int:
     return min(SLOTS, slot_room())
 
 
+def argmax_splits(num_seqs: int, vocab: int) -> int:
+    """How many CTAs share each row's argmax pass (sampling.cu, "Split argmax")."""
+    most = min(ARGMAX_MAX_SPLITS, vocab // ARGMAX_SHARE)
+    if most < 2 or not num_seqs:
+        return 1
+    return max(1, min(most, device_limits()["sms"] // num_seqs))
+
+
+_argmax_workspace = {}  # device id -> (parts [n] int2 as int32 [n, 2], arrivals [n] uint32)
+
+
+def argmax_workspace(entries: int):
+    """The split argmax pass's posts and tickets for `entries` CTAs at least (the tickets
+    zero between launches: the kernel puts each back), kept per device and grown as asked.
+    Launches that share them must run one after another, as the engine's do on its one
+    stream: two launches at once would mix their tickets."""
+    import cupy
+    device = cupy.cuda.Device().id
+    held = _argmax_workspace.get(device)
+    if held is None or held[1].size < entries:
+        held = _argmax_workspace[device] = (cupy.empty((entries, 2), np.int32),
+                                            cupy.zeros(entries, np.uint32))
+    return held
+
+
 def pack_settings(num_seqs: int, **rows):
     """A device settings buffer for num_seqs sequences: each kernel row of SAMPLING_ROWS
     from `rows` (a cupy or numpy array [num_seqs], or one value for all), the row's
@@ -87,22 +118,23 @@ def pack_settings(num_seqs: int, **rows):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, out_tokens, slots=None,
-           used_slots=None, bitmask=None, mask_rows=None):
+           used_slots=None, bitmask=None, mask_rows=None, splits=None):
     """logits [B, V] float32; per-sequence settings [B] (float32 temperature / top_p /
     min_p, int32 top_k / steps, uint64 seeds) -> out_tokens [B] int32, on the device: the
-    settings packed into a new buffer (pack_settings), then sample_settings. For tests;
-    the engine and the benchmarks stage their buffer once."""
+    settings packed into a new buffer (pack_settings), then sample_settings (as are slots,
+    used_slots, bitmask, mask_rows and splits). For tests; the engine and the benchmarks
+    stage their buffer once."""
     num_seqs = check("logits", logits, F32, ndim=2).shape[0]
     given = {"temperature": (temperature, F32), "top_k": (top_k, I32), "top_p": (top_p, F32),
              "min_p": (min_p, F32), "seeds": (seeds, U64), "steps": (steps, I32)}
     rows = {name: check(name, array, dtype, shape=(num_seqs,))
             for name, (array, dtype) in given.items()}
     sample_settings(logits, pack_settings(num_seqs, **rows), num_seqs, out_tokens, slots,
-                    used_slots, bitmask=bitmask, mask_rows=mask_rows)
+                    used_slots, bitmask=bitmask, mask_rows=mask_rows, splits=splits)
 
 
 def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, used_slots=None,
-                    counts=None, bitmask=None, mask_rows=None):
+                    counts=None, bitmask=None, mask_rows=None, splits=None):
     """logits [B, V] float32; settings: a flat uint8 buffer of the SAMPLING_ROWS kernel rows
     of `capacity` >= B sequences (settings_views) -> out_tokens [B] int32, on the device.
     slots: candidate slots per thread (default_slots(); 0 makes every pass read the whole
@@ -111,7 +143,8 @@ def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, use
     (SlotState.counts), to which each kept token of a row with state is added. Structured
     outputs: mask_rows [B] int32, row b's bitmask row, -1 for none, MASK_SKIP for a row this
     launch leaves alone; bitmask [R, W] uint32 (W * 32 >= V), needed where a mask row is
-    >= 0 (sampling.cu, "Structured outputs")."""
+    >= 0 (sampling.cu, "Structured outputs"). splits: the CTAs of each row's argmax pass
+    (default argmax_splits; any count up to ARGMAX_MAX_SPLITS draws the same tokens)."""
     num_seqs, vocab = check("logits", logits, F32, ndim=2).shape
     check("settings", settings, U8, ndim=1)
     if counts is not None:
@@ -140,17 +173,27 @@ def sample_settings(logits, settings, capacity: int, out_tokens, slots=None, use
         if not 0 <= slots <= slot_room():
             raise ValueError(f"slots must be in [0, {slot_room()}] on this GPU (its shared "
                              f"memory per block), got {slots}")
+    if splits is None:
+        splits = argmax_splits(num_seqs, vocab)
+    elif (isinstance(splits, bool) or not isinstance(splits, int)
+          or not 1 <= splits <= ARGMAX_MAX_SPLITS):
+        raise ValueError(f"splits must be in [1, {ARGMAX_MAX_SPLITS}] (an integer), "
+                         f"got {splits!r}")
     if not num_seqs:
         return
+    parts = arrivals = np.uintp(0)
+    if splits > 1:
+        parts, arrivals = argmax_workspace(num_seqs * splits)
     kernel = get_kernel("sampling", "sample_kernel")
     shared = slots * SLOT_BYTES
     opt_in_shared(kernel, shared)
-    kernel((num_seqs,), (THREADS,),
+    kernel((num_seqs, splits), (THREADS,),
            (logits, i32(vocab), settings, i32(capacity), out_tokens, i32(slots),
             used_slots if used_slots is not None else np.uintp(0),
             counts if counts is not None else np.uintp(0),
             bitmask if bitmask is not None else np.uintp(0), i32(mask_words),
-            mask_rows if mask_rows is not None else np.uintp(0)), shared_mem=shared)
+            mask_rows if mask_rows is not None else np.uintp(0), parts, arrivals),
+           shared_mem=shared)
 
 
 class SlotState:
