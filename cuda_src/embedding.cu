@@ -22,6 +22,7 @@ __device__ __forceinline__ void embedding_row(const int* __restrict__ token_ids,
                                               int num_pending, const bf16* __restrict__ table,
                                               T* __restrict__ out, int hidden, int vocab,
                                               float scale) {
+    let_next_kernel_start();  // a programmatic next kernel loads its weights meanwhile
     const int t = blockIdx.x;
     int id = token_ids[t];
     if (id < 0 && -id <= num_pending) id = pending_tokens[-id - 1];
