@@ -335,7 +335,7 @@ def test_deferred_rows_are_drawn_before_the_token_copy_and_their_buffers_reused_
             assert ordered(log, bitmask_copies[i - 1], writes[i])
 
 
-# ---- DecodeGraphs._stage -------------------------------------------------------------------
+# ---- DecodeGraphs._stage and run -----------------------------------------------------------
 def decode_batch(token_ids, seq_lens, block_tables):
     num_seqs = len(token_ids)
     return ForwardBatch(
@@ -346,18 +346,25 @@ def decode_batch(token_ids, seq_lens, block_tables):
         max_query_len=1, max_seq_len=max(seq_lens))
 
 
-def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fake):
-    width, bucket = 5, 4
-    # the real __init__ on the fake cupy; the backend is only what it reads
+def decode_graphs(fake, width: int, bucket: int) -> graphs.DecodeGraphs:
+    """The real __init__ on the fake cupy (the backend is only what it reads), its events
+    and streams named and its host buffer watched."""
     config = types.SimpleNamespace(head_dim=64, num_attention_heads=4, num_key_value_heads=1)
     backend = types.SimpleNamespace(
         max_num_seqs=bucket, max_model_len=64, config=config,
         ops=types.SimpleNamespace(max_blocks_per_seq=width, decode_clusters=lambda *_: False))
     decode = graphs.DecodeGraphs(backend)
+    decode._copied.name, decode._replayed.name = "copied", "replayed"
+    decode._stage_stream.name, decode._capture_stream.name = "stage", "capture"
+    fake.watch(decode._host, "meta")
+    return decode
+
+
+def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fake):
+    width, bucket = 5, 4
+    decode = decode_graphs(fake, width, bucket)
     fake.name(decode._host, "meta_host")
     fake.name(decode._device, "meta_device")
-    decode._copied.name = "copied"
-    fake.watch(decode._host, "meta")
     tables_at = decode.layout.offsets["block_tables"]
 
     decode._stage(decode_batch([11, 12], [6, 7], [[1, 2, 3], [4, 5, 6]]), bucket)
@@ -387,6 +394,73 @@ def test_stage_writes_a_batch_own_columns_pads_its_rows_and_copies_only_them(fak
     decode._stage(None, 2)  # all padding: no table rows copied
     assert fake.log[-4:] == staged(0)
 
+
+def test_a_replay_copies_its_metadata_beside_the_last_replay_and_waits_for_it(fake):
+    """DecodeGraphs.run: each replay's metadata copy goes on the staging stream once the
+    replay before it is over (it overwrites what that one read), so it overlaps the
+    sampling kernel queued after that replay; the replay waits for its own copy. The host
+    rewrites its buffer only once the copy before has read it."""
+    decode = decode_graphs(fake, width=5, bucket=4)
+
+    class Graph:
+        def launch(self, stream):
+            fake.add(Op(stream.name, "kernel", "replay"))
+
+    for size in decode.buckets:
+        decode._graphs[(size, 64)] = (Graph(), np.zeros((size, 8), np.float32))
+    for step in range(STEPS):
+        decode.run(decode_batch([11 + step, 12], [6 + step, 7], [[1, 2, 3], [4, 5, 6]]))
+        fake.add(Op("step", "kernel", "sample"))  # what the engine queues after a replay
+    log = fake.log
+    copies = [i for i, op in enumerate(log) if op.what == "H2D"]
+    replays = [i for i, op in enumerate(log) if op.detail == "replay"]
+    samples = [i for i, op in enumerate(log) if op.detail == "sample"]
+    writes = [i for i, op in enumerate(log) if op.what == "write"]
+    assert len(copies) == len(replays) == len(writes) == STEPS
+    for step in range(STEPS):
+        assert log[copies[step]].who == "stage" and log[replays[step]].who == "step"
+        assert ordered(log, copies[step], replays[step])
+        assert writes[step] < copies[step]  # written before the copy is queued
+        if step:
+            assert ordered(log, replays[step - 1], copies[step])
+            # not behind the sampling kernel queued after the last replay
+            assert not ordered(log, samples[step - 1], copies[step])
+            assert ordered(log, copies[step - 1], writes[step])
+
+
+
+def test_replays_and_eager_runs_of_any_bucket_never_copy_over_what_one_reads(fake):
+    """run and run_uncaptured in turn, on two streams, for buckets that change: each copy
+    into the one metadata buffer comes after every kernel that read it before (replays and
+    eager forwards), and each of those after its own copy."""
+    decode = decode_graphs(fake, width=5, bucket=4)
+    step, other = fake.current, FakeStream(fake, "other")
+
+    class Graph:
+        def launch(self, stream):
+            fake.add(Op(stream.name, "kernel", "replay"))
+
+    def forward(bucket, limit):
+        fake.add(Op(fake.current.name, "kernel", "forward"))
+        return np.zeros((bucket, 8), np.float32)
+
+    decode._forward = forward
+    for size in decode.buckets:
+        decode._graphs[(size, 64)] = (Graph(), np.zeros((size, 8), np.float32))
+    plan = [(decode.run, step, 2), (decode.run_uncaptured, other, 1), (decode.run, step, 3),
+            (decode.run, step, 1), (decode.run_uncaptured, step, 4), (decode.run, other, 2),
+            (decode.run_uncaptured, other, 3), (decode.run, step, 4)]
+    for run, stream, num_seqs in plan:
+        fake.current = stream
+        run(decode_batch(list(range(1, num_seqs + 1)), [5] * num_seqs, [[1, 2]] * num_seqs))
+    log = fake.log
+    copies = [i for i, op in enumerate(log) if op.what == "H2D"]
+    readers = [i for i, op in enumerate(log) if op.detail in ("replay", "forward")]
+    assert len(copies) == len(readers) == len(plan)
+    for n, (copy, reader) in enumerate(zip(copies, readers)):
+        assert ordered(log, copy, reader)
+        for earlier in readers[:n]:
+            assert ordered(log, earlier, copy), (n, log[earlier], log[copy])
 
 # ---- StepGraphs._stage -------------------------------------------------------------------
 def test_step_graph_stage_pads_the_tokens_and_copies_the_sequences_rows(fake):

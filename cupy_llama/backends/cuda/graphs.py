@@ -100,7 +100,12 @@ class DecodeGraphs:
         # one new token per sequence: these two never change
         self._field("query_start_loc")[:] = np.arange(n + 1, dtype=np.int32)
         self._field("last_token_indices")[:] = np.arange(n, dtype=np.int32)
-        self._copied = sync_event(cupy)  # the last metadata copy has read the host buffer
+        self._copied = sync_event(cupy)  # the last metadata copy is over
+        # a replay's metadata goes up on a stream of its own once the last replay is over,
+        # so the copy runs beside the sampling kernel after it, not between it and the
+        # next replay (docs/ARCHITECTURE.md, Decisions 8)
+        self._stage_stream = cupy.cuda.Stream(non_blocking=True)
+        self._replayed = sync_event(cupy)  # the last replay is over: it read the metadata
         self._capture_stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}  # (bucket, context limit) -> (graph, logits [bucket, V])
 
@@ -115,12 +120,12 @@ class DecodeGraphs:
             num_tokens=bucket, num_seqs=bucket, max_query_len=1, max_seq_len=limit,
             is_decode_only=True, lengths_on_device=True)
 
-    def _stage(self, batch: ForwardBatch | None, bucket: int) -> None:
+    def _stage(self, batch: ForwardBatch | None, bucket: int, stream=None) -> None:
         """Write the batch, padded to `bucket` rows, to the host buffer and copy it to the
-        device on the current stream (batch None: all padding). Of the block tables only
-        the batch's own rows are copied and only its own columns written: the kernels read
-        a row's table up to its sequence length (0 for a padding row), whatever an earlier
-        step left past that."""
+        device on `stream` (default: the current one; batch None: all padding). Of the
+        block tables only the batch's own rows are copied and only its own columns
+        written: the kernels read a row's table up to its sequence length (0 for a padding
+        row), whatever an earlier step left past that."""
         num_seqs = 0 if batch is None else batch.num_seqs
         self._copied.synchronize()  # the previous copy has read the host buffer
         for name, pad in PADDING.items():
@@ -131,7 +136,7 @@ class DecodeGraphs:
         if batch is not None:
             self._field("block_tables", num_seqs)[:, :batch.width] = batch.block_tables
         nbytes = 4 * (self.layout.offsets["block_tables"] + num_seqs * self.width)
-        stream = self._cupy.cuda.get_current_stream()
+        stream = stream or self._cupy.cuda.get_current_stream()
         self._cupy.cuda.runtime.memcpyAsync(self._device.data.ptr, self._host.ctypes.data,
                                             nbytes, H2D, stream.ptr)
         self._copied.record(stream)
@@ -168,16 +173,25 @@ class DecodeGraphs:
         entry = self._graphs.get((bucket, limit)) or self.capture(bucket, limit)
         graph, logits = entry
         stream = self._cupy.cuda.get_current_stream()
-        self._stage(batch, bucket)
+        # the copy overwrites what the last replay read: it waits for that replay, and
+        # this one for the copy
+        self._stage_stream.wait_event(self._replayed)
+        self._stage(batch, bucket, self._stage_stream)
+        stream.wait_event(self._copied)
         graph.launch(stream)
+        self._replayed.record(stream)
         return logits[:batch.num_seqs]
 
     def run_uncaptured(self, batch: ForwardBatch):
         """The same launches as the graph of batch's bucket, run eagerly (tests and timing:
         replay must give exactly these logits)."""
         bucket = self.bucket_for(batch.num_seqs)
+        stream = self._cupy.cuda.get_current_stream()
+        stream.wait_event(self._replayed)  # as run's copy: the last replay has read the buffer
         self._stage(batch, bucket)
-        return self._forward(bucket, self.limit_for(bucket, batch.max_seq_len))[:batch.num_seqs]
+        logits = self._forward(bucket, self.limit_for(bucket, batch.max_seq_len))
+        self._replayed.record(stream)
+        return logits[:batch.num_seqs]
 
     # ---- capture -----------------------------------------------------------------------
     def _forward(self, bucket: int, limit: int):
