@@ -393,9 +393,10 @@ __device__ __forceinline__ long long cache_slot(const int* table, int pos, int b
 // head, with rope.cu's own code (head_norm.cuh: the same bits as the head-norm kernel),
 // into shared memory; a CTA whose key range ends at the new token does the same for that
 // token's key, takes the token's key and value from there instead of the cache, and the
-// first CTA of the kv head's head parts writes them into the cache. So no kernel between
-// the qkv product and attention. qkv [T, (nh + 2 nkv) D] (no bias); q_norm, k_norm [D];
-// cos_sin, positions, slot_mapping as rope.cu reads them.
+// first CTA of the kv head's head parts writes them into the cache (a token without a
+// cache slot reads them from the cache instead, as attention after the rope kernel does).
+// So no kernel between the qkv product and attention. qkv [T, (nh + 2 nkv) D] (no bias);
+// q_norm, k_norm [D]; cos_sin, positions, slot_mapping as rope.cu reads them.
 struct DecodeHeadNorm {
     const bf16* qkv;  // written by the kernel before: not __restrict__ (see below)
     const bf16* q_norm;
@@ -514,9 +515,12 @@ __device__ __forceinline__ void decode_attention_body(
     bf16* new_q = reinterpret_cast<bf16*>(&merge_acc[0][0][0]);
     static_assert(sizeof(merge_acc) >= MAXG * D * sizeof(bf16), "the new q heads fit");
     int new_pos = -1;  // the new token's key position, where this CTA's range ends at it
+                       // and the token has a cache slot
     if constexpr (NORM) {
         const bf16* qkv_row = hn.qkv + (long long)q_row * (num_heads + 2 * num_kv_heads) * D;
-        const bool has_new = key_begin < key_end && key_end == seq_len;
+        // a token without a cache slot (the recomputed last token of a cached prompt) reads
+        // its key and value from the cache, as after the rope kernel
+        const bool has_new = key_begin < key_end && key_end == seq_len && new_slot >= 0;
         const int jobs = heads + (has_new ? 1 : 0);  // the query heads, then the new key
         for (int j = warp; j < jobs; j += NUM_WARPS) {  // warp-uniform: the warp sums a head
             const bool is_key = j == heads;
@@ -534,7 +538,7 @@ __device__ __forceinline__ void decode_attention_body(
         __syncthreads();
         // one CTA of the kv head writes the token's key and value (the others of its head
         // parts read them from new_kv, never from the cache)
-        if (has_new && new_slot >= 0 && (blockIdx.y & ((1 << head_parts_log2) - 1)) == 0) {
+        if (has_new && (blockIdx.y & ((1 << head_parts_log2) - 1)) == 0) {
             const long long at = new_slot * row_stride + kv_head * D;
             for (int i = threadIdx.x; i < 2 * (D / 8); i += THREADS) {
                 const int kv = i / (D / 8), c = i % (D / 8);

@@ -482,15 +482,18 @@ def test_decode_attention_norms_and_rotates_as_the_rope_kernel_does(cp, rng, hea
     followed by the plain decode kernel, on the same inputs: the same bits in the output
     and in both caches (the new token's key and value written once, every other slot left
     as it was), for one range, host and device split lengths, and clusters; a sequence
-    whose only key is the new one, and splits that end before it, among them."""
+    whose only key is the new one, splits that end before it, and a token without a cache
+    slot (the recomputed last token of a cached prompt: its key and value come from the
+    cache, whatever the product gave) among them."""
     from cupy_llama.backends.cuda import attention, elementwise, launch
-    seqs = [(0, 1), (16, 1), (127, 1), (1327, 1), (255, 1), (2047, 1)]
+    seqs = [(0, 1), (16, 1), (127, 1), (1327, 1), (255, 1), (2047, 1), (300, 1)]
     case = build_attention_case(cp, rng, seqs, num_kv_heads, head_dim, group, window=window)
     batch = case["gpu_batch"]
     num_heads, num_tokens = case["num_heads"], batch.num_tokens
     positions = batch.positions  # the new token's, seq_len - 1
     slots = np.array([batch.block_tables[b][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                       for b, p in enumerate(positions)], np.int32)
+    slots[-1] = -1
     qkv = cp.asarray(random_bf16(rng, (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim),
                                  scale=2.0)[0])
     norm = HeadNorm(cp.asarray(random_bf16(rng, (head_dim,), 0.3)[0]),
