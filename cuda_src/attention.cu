@@ -864,9 +864,43 @@ DEFINE_DECODE_ATTENTION_NORM(decode_attention_d256_g4_cluster_norm, 256, 4, DECO
 #define PREFILL_WARPS (PREFILL_THREADS / WARP_SIZE)
 #define PREFILL_ROW_PAD 8   // bf16 after each shared Q/K/V row (16 bytes)
 
-__device__ __forceinline__ void cp_async16(void* shared_dst, const void* global_src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                 :: "r"(shared_address(shared_dst)), "l"(global_src) : "memory");
+// 16 bytes global -> shared, or (copy false) 16 zero bytes and no read
+__device__ __forceinline__ void cp_async16_or_zero(void* shared_dst, const void* global_src,
+                                                   bool copy) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(shared_address(shared_dst)), "l"(global_src), "r"(copy ? 16 : 0)
+                 : "memory");
+}
+
+// One tile of KEYS keys' K and V rows, from position first_pos on, gathered from the paged
+// cache into shared rows of STRIDE bf16 by THREADS threads, each the same 16-byte chunk of
+// every (THREADS / (D / 8))-th key. A thread looks up all its keys' cache slots before it
+// issues a copy, so the block-table reads are in flight together, and keys from key_end
+// on are zero-filled by the copy itself (never-written slots hold NaN, and 0 * NaN would
+// poison P V), with no branch. Shared by the prefill and the tensor-core decode kernels.
+template <int D, int KEYS, int THREADS, int STRIDE>
+__device__ __forceinline__ void gather_kv_tile(
+        bf16* k_dst, bf16* v_dst, const bf16* __restrict__ k_cache,
+        const bf16* __restrict__ v_cache, const int* __restrict__ table, int first_pos,
+        int key_end, int block_shift, int num_kv_heads, int kv_head, int tid) {
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
+    constexpr int STEP = THREADS / CHUNKS;
+    constexpr int PER_THREAD = KEYS / STEP;
+    static_assert(THREADS % CHUNKS == 0 && KEYS % STEP == 0, "whole rows per pass");
+    const int c = tid % CHUNKS, j0 = tid / CHUNKS;
+    long long offset[PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {  // a key past the range reads a slot that exists
+        const int pos = max(0, min(first_pos + j0 + i * STEP, key_end - 1));
+        offset[i] = (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int j = j0 + i * STEP;
+        const bool copy = first_pos + j < key_end;
+        cp_async16_or_zero(k_dst + j * STRIDE + c * 8, k_cache + offset[i], copy);
+        cp_async16_or_zero(v_dst + j * STRIDE + c * 8, v_cache + offset[i], copy);
+    }
 }
 
 __device__ __forceinline__ void cp_async_commit() {
@@ -942,21 +976,9 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 
     auto load_tile = [&](int tile, int buffer) {
-        for (int idx = tid; idx < KEYS * CHUNKS; idx += PREFILL_THREADS) {
-            const int j = idx / CHUNKS, c = idx % CHUNKS;
-            const int pos = tile * KEYS + j;
-            bf16* k_dst = k_s + (buffer * KEYS + j) * STRIDE + c * 8;
-            bf16* v_dst = v_s + (buffer * KEYS + j) * STRIDE + c * 8;
-            if (pos < key_end) {
-                const long long offset =
-                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
-                cp_async16(k_dst, k_cache + offset);
-                cp_async16(v_dst, v_cache + offset);
-            } else {
-                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
-                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
+        gather_kv_tile<D, KEYS, PREFILL_THREADS, STRIDE>(
+            k_s + buffer * KEYS * STRIDE, v_s + buffer * KEYS * STRIDE, k_cache, v_cache, table,
+            tile * KEYS, key_end, block_shift, num_kv_heads, kv_head, tid);
     };
 
     load_tile(first_tile, first_tile & 1);
@@ -1193,7 +1215,6 @@ __device__ __forceinline__ void decode_attention_mma_body(
         int num_kv_heads, int block_shift, int max_blocks_per_seq, float scale_log2,
         int num_splits, int split_len, int window) {
     constexpr int STRIDE = D + PREFILL_ROW_PAD;  // bf16 per shared row
-    constexpr int CHUNKS = D / 8;                // 16-byte pieces per row
     constexpr int DIM_NTILES = D / 8;            // 8-dim column tiles of O
     constexpr int NUM_WARPS = DECODE_MMA_THREADS / WARP_SIZE;
     static_assert(DECODE_MMA_KEYS == 16 * NUM_WARPS, "16 keys per warp and tile");
@@ -1236,23 +1257,12 @@ __device__ __forceinline__ void decode_attention_mma_body(
     const int num_tiles = (key_end - key_begin + DECODE_MMA_KEYS - 1) / DECODE_MMA_KEYS;
 
     auto load_tile = [&](int tile, int buffer) {
-        for (int idx = tid; idx < DECODE_MMA_KEYS * CHUNKS; idx += DECODE_MMA_THREADS) {
-            const int j = idx / CHUNKS, c = idx % CHUNKS;
-            const int pos = key_begin + tile * DECODE_MMA_KEYS + j;
-            bf16* k_dst = k_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
-            bf16* v_dst = v_s + (buffer * DECODE_MMA_KEYS + j) * STRIDE + c * 8;
-            if (pos < key_end) {
-                const long long offset =
-                    (cache_slot(table, pos, block_shift) * num_kv_heads + kv_head) * D + c * 8;
-                cp_async16(k_dst, k_cache + offset);
-                cp_async16(v_dst, v_cache + offset);
-            } else {  // never-written slots hold NaN, and 0 * NaN would poison P V
-                *reinterpret_cast<uint4*>(k_dst) = make_uint4(0u, 0u, 0u, 0u);
-                *reinterpret_cast<uint4*>(v_dst) = make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
+        gather_kv_tile<D, DECODE_MMA_KEYS, DECODE_MMA_THREADS, STRIDE>(
+            k_s + buffer * DECODE_MMA_KEYS * STRIDE, v_s + buffer * DECODE_MMA_KEYS * STRIDE,
+            k_cache, v_cache, table, key_begin + tile * DECODE_MMA_KEYS, key_end, block_shift,
+            num_kv_heads, kv_head, tid);
     };
-    load_tile(0, 0);
+    if (num_tiles > 0) load_tile(0, 0);  // a cluster's CTA of no keys reads no block table
     cp_async_commit();
 
     // A fragments of the query heads (rows g and g + 8 of this lane), straight from memory
