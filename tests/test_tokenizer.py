@@ -536,6 +536,46 @@ def test_a_text_context_is_the_prompt_after_its_last_special_token(demo):
     assert demo.text_context(demo.encode("The capital of France is")) == []  # byte-level
 
 
+class _NoWholeJson:
+    """A tokenizers.Tokenizer that refuses to write its whole tokenizer.json (to_str):
+    anything else goes to the real one."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def to_str(self, *args, **kwargs):
+        raise AssertionError("the whole tokenizer.json was written on a request's path")
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+@pytest.mark.parametrize("name", ["llama3", "sentencepiece", "no decoder"])
+def test_a_first_request_reads_the_decoder_alone(name, llama3):
+    """The decoder's kind (whether a text drops its first space; whether tokens are
+    byte-level) comes from the decoder's own JSON, the same as the whole tokenizer.json
+    says: writing and parsing all of Llama 3's takes a quarter of a second, which a
+    first request would wait for."""
+    from cupy_llama.tokenizer import _decoder_kinds
+    if name == "llama3":
+        tok = Tokenizer(llama3._backend, None, None, None)  # nothing worked out yet
+    elif name == "sentencepiece":
+        tok = _sentencepiece_tokenizer()
+    else:
+        from tokenizers import Tokenizer as Backend, models
+        tok = Tokenizer(Backend(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>")),
+                        None, None, None)
+    decoder = json.loads(tok._backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type"), *(d["type"] for d in decoder.get("decoders") or [])}
+    assert _decoder_kinds(tok._backend) == kinds
+    tok._backend = _NoWholeJson(tok._backend)
+    assert (tok.text_context([1, 259, 260, 261]) == [259, 260, 261]) == (name == "sentencepiece")
+    assert tok.token_bytes(1) == tok._backend.id_to_token(1).encode()
+    if name == "llama3":
+        assert tok.token_bytes(128000) == b"<|begin_of_text|>"
+        assert tok.token_bytes(tok.encode("\u00e9", add_special_tokens=False)[0]) == b"\xc3\xa9"
+
+
 @pytest.mark.parametrize("checked", [True, False])
 def test_an_output_after_its_prompt_keeps_its_first_space(checked):
     """Streamed or decoded once, a completion's text is what it adds to its prompt's:
