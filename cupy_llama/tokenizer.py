@@ -882,22 +882,31 @@ _LONG_TEXT = 4096
 def _never_prepending(backend: BackendTokenizer) -> BackendTokenizer | None:
     """A copy of a tokenizer whose Metaspace pre-tokenizer prepends its space to the first
     text only (prepend_scheme "first") that prepends it nowhere, or None for another
-    tokenizer (its pieces encode the same wherever they are)."""
+    tokenizer (its pieces encode the same wherever they are). Which it is comes from the
+    pre-tokenizer's own JSON: the whole tokenizer.json is written only for such a copy."""
+    pre = backend.pre_tokenizer
+    if pre is None or not _first_only_metaspaces(json.loads(pre.__getstate__())):
+        return None
     config = json.loads(backend.to_str())
-    found, stack = False, [config.get("pre_tokenizer")]
+    for part in _first_only_metaspaces(config.get("pre_tokenizer")):
+        part["prepend_scheme"] = "never"
+    inner = BackendTokenizer.from_str(json.dumps(config))
+    inner.encode_special_tokens = True
+    return inner
+
+
+def _first_only_metaspaces(pre_tokenizer) -> list[dict]:
+    """The Metaspace parts of a pre-tokenizer's JSON (a Sequence's too) that prepend their
+    space to the first text only."""
+    found, stack = [], [pre_tokenizer]
     while stack:
         part = stack.pop()
         if not isinstance(part, dict):
             continue
         if part.get("type") == "Metaspace" and part.get("prepend_scheme") == "first":
-            part["prepend_scheme"] = "never"
-            found = True
+            found.append(part)
         stack += part.get("pretokenizers") or []
-    if not found:
-        return None
-    inner = BackendTokenizer.from_str(json.dumps(config))
-    inner.encode_special_tokens = True
-    return inner
+    return found
 
 
 def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:
