@@ -1075,8 +1075,8 @@ def _token_text(value) -> str | None:
 
 def _decoder_kinds(backend: BackendTokenizer) -> set[str]:
     """The types of tokenizer.json's decoder and of the decoders it chains, read from the
-    decoder's own JSON: the whole tokenizer's, for a vocabulary of 128k tokens, takes a
-    quarter of a second to write and parse, and a first request would wait for it."""
+    decoder's own JSON: the whole tokenizer's, for a vocabulary of 128k tokens, takes
+    about 0.3 s to write and parse, and a first request would wait for it."""
     decoder = backend.decoder
     decoder = {} if decoder is None else json.loads(decoder.__getstate__())
     kinds, stack = set(), [decoder]
