@@ -581,6 +581,28 @@ def test_a_first_request_reads_the_decoder_alone(name, llama3):
         assert tok.token_bytes(2) == "\u0120".encode()  # its text: not byte-level
 
 
+def test_a_first_only_metaspace_inside_a_sequence_is_made_never():
+    """A tokenizer whose Metaspace (inside a Sequence) prepends to the first text only
+    gets a copy that prepends nowhere; the tokenizer itself keeps its own scheme, and
+    one that always prepends gets no copy."""
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from cupy_llama.tokenizer import _never_prepending
+    backend = Backend(models.BPE({"<unk>": 0}, [], unk_token="<unk>"))
+
+    def metaspace(config):
+        return config["pre_tokenizer"]["pretokenizers"][1]
+    for scheme in ("first", "always"):
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(), pre_tokenizers.Metaspace(prepend_scheme=scheme)])
+        copy = _never_prepending(backend)
+        assert metaspace(json.loads(backend.to_str()))["prepend_scheme"] == scheme
+        if scheme == "first":
+            assert metaspace(json.loads(copy.to_str()))["prepend_scheme"] == "never"
+            assert copy.encode_special_tokens
+        else:
+            assert copy is None
+
+
 @pytest.mark.parametrize("checked", [True, False])
 def test_an_output_after_its_prompt_keeps_its_first_space(checked):
     """Streamed or decoded once, a completion's text is what it adds to its prompt's:
