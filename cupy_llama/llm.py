@@ -188,7 +188,8 @@ class LLM:
         conversations = list(messages) if batch else [messages]
         self._live_engine()
         tools, parser, params = self.tool_setup(tools, tool_choice, parallel_tool_calls,
-                                                 tool_call_parser, params, chat_template)
+                                                 tool_call_parser, params, chat_template,
+                                                 chat_template_kwargs)
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt,
@@ -216,12 +217,12 @@ class LLM:
         return result[0]
 
     def tool_setup(self, tools, tool_choice, parallel_tool_calls, parser_name, params,
-                   chat_template: str | None = None):
+                   chat_template: str | None = None, template_kwargs: dict | None = None):
         """chat()'s tool arguments checked: (the tools the template shows or None, the
         parser of the replies or None, the params with the grammar that enforces
         tool_choice); without parser_name, the parser of the template the chat renders
-        with (chat_template's where given). `generate`'s batch lines use it as chat()
-        does."""
+        with (chat_template's where given, rendered with template_kwargs where it refuses
+        tools). `generate`'s batch lines use it as chat() does."""
         from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
         from .tool_parsers import SPECIAL_TAG_PARSERS, check_parser_name, tool_parser_for_template
 
@@ -237,6 +238,9 @@ class LLM:
         else:
             parser_name = tool_parser_for_template(self.tokenizer.tools_template(chat_template))
             if parser_name is None:
+                refusal = self.tokenizer.tools_refusal(tools, chat_template, template_kwargs)
+                if refusal is not None:  # no parser would help
+                    raise RequestError(refusal)
                 raise RequestError("the model's chat template shows no tool-call format "
                                    "this engine knows; pass tool_call_parser= "
                                    "('llama3_json', 'hermes' or 'mistral')")

@@ -502,6 +502,26 @@ class Tokenizer:
             return self.template_for_tools
         return self.named_templates.get(chat_template, chat_template)
 
+    def tools_refusal(self, tools, chat_template: str | None = None,
+                      template_kwargs: dict | None = None) -> str | None:
+        """The chat template's own error where a short chat that offers these tools fails to
+        render and the same chat without them renders (the built-in Llama 3 format refuses
+        tools): it tells a user more than "no tool-call format known" would. None where
+        the tools render, or where the template fails either way."""
+        hello = [{"role": "user", "content": "hello"}]
+        try:
+            self.apply_chat_template(hello, tools=tools, template_kwargs=template_kwargs,
+                                     chat_template=chat_template)
+            return None
+        except (TokenizerError, RequestError) as e:
+            refusal = str(e)
+        try:
+            self.apply_chat_template(hello, template_kwargs=template_kwargs,
+                                     chat_template=chat_template)
+        except (TokenizerError, RequestError):
+            return None
+        return refusal
+
     def check_chat_template(self) -> None:
         """Compile the chat template and render it once on a short conversation, so that a
         broken template (bad syntax, an error when it runs, a reach out of the sandbox) is

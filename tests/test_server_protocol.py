@@ -740,3 +740,28 @@ def test_a_plain_chat_content_chunk_is_encoded_as_the_chunk_would_be():
         stream = protocol.ChatCompletionStream(request, "c", 7, "m")
         stream._started.add(0)  # as if opened (a tool-call stream's needs the server's parser)
         assert stream.text_event(0, "a", None, None) is None, body
+
+
+def test_a_tools_request_hears_what_its_template_lacks(llm):
+    """A template that refuses tools (the built-in Llama 3 format) says so: naming a
+    --tool-call-parser would not help there. One that renders tools in no format the
+    server knows asks for the parser."""
+    defaults = model_sampling_defaults(llm.config.generation_config)
+    body = {"messages": [{"role": "user", "content": "w"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+
+    def refusal(**fields):
+        request = parse(ChatCompletionRequest, {**body, **fields})
+        with pytest.raises(APIError) as caught:
+            request.engine_inputs(llm.tokenizer, llm.config.vocab_size, 256, defaults)
+        return caught.value
+
+    e = refusal()
+    assert (e.status, e.param) == (400, "tools")
+    assert "does not support tools" in e.message and "--tool-call-parser" not in e.message
+    e = refusal(tools=None, functions=[{"name": "f"}])  # the older form names its field
+    assert e.param == "functions" and "does not support tools" in e.message
+    renders_tools = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}"
+    e = refusal(chat_template=renders_tools)
+    assert (e.status, e.param) == (400, "tools")
+    assert "shows no tool-call format" in e.message and "--tool-call-parser" in e.message

@@ -386,14 +386,21 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server):
 
 def test_the_tool_call_parser_option(model_dir, llm, tmp_path, capsys):
     """--tool-call-parser: an unknown name is a usage error before anything loads; without
-    it, tools on a model whose template shows no format are a 400 that names the option;
-    with it, the named format is enforced and parsed, whatever the template shows."""
+    it, tools on a template that renders them in no known format are a 400 that names the
+    option (one that refuses tools, the built-in Llama 3 format, says that instead); with
+    it, the named format is enforced and parsed, whatever the template shows."""
     from cupy_llama.cli import main
     from conftest import one_error_line
     assert main(["serve", "--model", str(model_dir), "--tool-call-parser", "nope"]) == 2
     assert "--tool-call-parser: unknown parser 'nope'" in one_error_line(capsys.readouterr().err)
     body = tool_request(1, tool_choice="required")
-    without = ask_one(make_state(model_dir, llm), "POST", "/v1/chat/completions", json=body)
+    state = make_state(model_dir, llm)
+    refused = ask_one(state, "POST", "/v1/chat/completions", json=body)
+    assert refused.status == 400 and refused.json()["error"]["param"] == "tools"
+    assert "does not support tools" in refused.json()["error"]["message"]
+    renders_tools = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}"
+    without = ask_one(make_state(model_dir, llm, trust_request_chat_template=True), "POST",
+                      "/v1/chat/completions", json={**body, "chat_template": renders_tools})
     assert without.status == 400 and without.json()["error"]["param"] == "tools"
     assert "--tool-call-parser" in without.json()["error"]["message"]
     llama_dir = make_tool_model(tmp_path, "llama3_json")

@@ -116,6 +116,26 @@ def test_bad_tool_requests_name_the_field(tool_llm):
     assert not tool_llm.engine.requests
 
 
+def test_a_template_that_refuses_tools_says_so(llm):
+    """The tiny model's built-in Llama 3 format refuses tools: chat() quotes it, since no
+    tool_call_parser would help. A template that renders tools in no known format asks
+    for the parser."""
+    with pytest.raises(RequestError, match="does not support tools") as caught:
+        llm.chat(QUESTION, tools=TOOLS)
+    assert "tool_call_parser" not in str(caught.value)
+    renders_tools = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}"
+    with pytest.raises(RequestError, match="shows no tool-call format.*tool_call_parser="):
+        llm.chat(QUESTION, tools=TOOLS, chat_template=renders_tools)
+    # the check renders with the chat's template variables, as the chat itself does
+    needs_flavour = ("{% if not flavour %}{{ raise_exception('no flavour') }}{% endif %}"
+                     "{% if tools %}{{ raise_exception('no tools in this one') }}{% endif %}"
+                     "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(RequestError, match="no tools in this one"):
+        llm.chat(QUESTION, tools=TOOLS, chat_template=needs_flavour,
+                 chat_template_kwargs={"flavour": "q"})
+    assert not llm.engine.requests
+
+
 def reassemble(stream):
     """Each sample's streamed content, calls (id, name, arguments) and final output."""
     samples = {}

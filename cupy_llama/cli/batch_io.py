@@ -513,7 +513,8 @@ class _Runner:
                                    f"{params.n}; repeat the line with other ids instead")
             tools, parser, max_calls = None, None, None
             if tool_fields:
-                tools, parser, params = self._tool_setup(request, tool_fields, params, template)
+                tools, parser, params = self._tool_setup(request, tool_fields, params, template,
+                                                         template_kwargs or None)
                 max_calls = 1 if tool_fields.get("parallel_tool_calls") is False else None
             if request.messages is not None:
                 prompt = self.llm.tokenizer.encode_chat(request.messages,
@@ -546,7 +547,7 @@ class _Runner:
         return None
 
     def _tool_setup(self, request: BatchRequest, fields: dict, params: SamplingParams,
-                    chat_template: str | None = None):
+                    chat_template: str | None = None, template_kwargs: dict | None = None):
         """A plain line's tool fields, as LLM.chat takes them: (the tools the template
         shows, the parser of the reply, the params with the grammar of its tool_choice)."""
         if request.messages is None:
@@ -556,7 +557,8 @@ class _Runner:
         tools, parser, tool_params = self.llm.tool_setup(
             fields.get("tools"), fields.get("tool_choice"),
             True if parallel is None else parallel,  # null: the default, as OpenAI takes it
-            fields.get("tool_call_parser"), replace(params, structured=None), chat_template)
+            fields.get("tool_call_parser"), replace(params, structured=None), chat_template,
+            template_kwargs)
         if tool_params.structured is None:
             return tools, parser, params
         if structured is not None:

@@ -138,22 +138,15 @@ def _check_tools_template(model_dir, config, tools, template_kwargs) -> None:
     before the weights load (the engine reads them again: a fraction of a second, paid with
     --tools only). A template that fails without the tools as well is left for the chat
     to report, as it is without --tools."""
-    from ..errors import TokenizerError
     from ..tokenizer import Tokenizer
     from ..tool_parsers import PARSER_NAMES, tool_parser_for_template
 
     tokenizer = Tokenizer.from_dir(model_dir, config)
     if tokenizer.chat_template is None:
         raise _no_chat_template(tokenizer)
-    hello = [{"role": "user", "content": "hello"}]
-    try:
-        tokenizer.apply_chat_template(hello, tools=tools.tools, template_kwargs=template_kwargs)
-    except TokenizerError as e:
-        try:
-            tokenizer.apply_chat_template(hello, template_kwargs=template_kwargs)
-        except TokenizerError:
-            return
-        raise OptionError(f"--tools: {e}") from None
+    refusal = tokenizer.tools_refusal(tools.tools, template_kwargs=template_kwargs)
+    if refusal is not None:
+        raise OptionError(f"--tools: {refusal}")
     if tools.parser is None and tool_parser_for_template(tokenizer.template_for_tools) is None:
         raise OptionError("--tools: the model's chat template shows no tool-call format this "
                           "engine knows; use a model whose template calls tools, or name the "

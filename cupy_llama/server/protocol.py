@@ -1263,6 +1263,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
             tokenizer.tools_template(self.chat_template))
         if name is None:
             field = "functions" if self.legacy_functions else "tools"
+            refusal = tokenizer.tools_refusal(self._checked_tools, self.chat_template,
+                                              self.chat_template_kwargs)
+            if refusal is not None:  # the template refuses tools: no parser would help
+                raise APIError(400, f"{field}: {refusal}", param=field)
             raise APIError(400, f"{field}: the model's chat template shows no tool-call format "
                                 "this server knows; start it with --tool-call-parser "
                                 f"({', '.join(PARSER_NAMES)})", param=field)
