@@ -658,7 +658,7 @@ class Llama3JsonParser(ToolCallParser):
 
 class HermesParser(ToolCallParser):
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call> (the closing tag may be left
-    out at the end of the reply)."""
+    out, or cut off, at the end of the reply)."""
     name = "hermes"
     openers = ("<tool_call>",)
     CLOSER = "</tool_call>"
@@ -673,8 +673,11 @@ class HermesParser(ToolCallParser):
         rest = text[at:at + len(self.CLOSER)]
         if rest == self.CLOSER:
             region.mark = at + len(self.CLOSER)
-        elif self.CLOSER.startswith(rest) and not final:
-            return None  # what is there may be the start of the closing tag
+        elif self.CLOSER.startswith(rest):  # the text ends here (rest is short)
+            if not final:
+                return None  # what is there may be the start of the closing tag
+            if rest:  # a reply cut off inside the closing tag: the start is the call's
+                region.mark = len(text)
         return "done"
 
 

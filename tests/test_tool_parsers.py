@@ -46,6 +46,9 @@ WELL_FORMED = [
     ("hermes", '<tool_call>\n{"arguments": {"expression": "2 * 21"}, "name": "calculate"}\n'
      '</tool_call>\nThat is all.', "That is all.", [("calculate", '{"expression": "2 * 21"}')]),
     ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}', None, [("get_time", "{}")]),
+    # cut off by max_tokens inside the closing tag: the tag's start is the call's
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_cal', "Sure.",
+     [("get_time", "{}")]),
     ("hermes", "Plain text with a < sign and <b>tags</b>.", "Plain text with a < sign and <b>tags</b>.", []),
     ("mistral", '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": '
      '"Paris, France", "format": "celsius"}}]', None,
