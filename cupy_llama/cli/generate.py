@@ -61,9 +61,10 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
 
     \b
     .txt: one prompt per line; blank lines are skipped (a file without any prompt is
-    refused); the id is the line number. When
-    the model has a chat template each line is a user message through it (as chat takes
-    a message), else plain text; --raw sends plain text always.
+    refused); the id is the line number. When the model has a chat template (a Llama 3
+    vocabulary without one gets the built-in Llama 3 chat format) each line is a user
+    message through it (as chat takes a message), else plain text; --raw sends plain
+    text always, as a base model needs.
     .jsonl: one object per line with "prompt" (text) or "messages" (a chat), an optional
     "id" (default: the line number) and optional sampling fields (temperature, top_p,
     top_k, min_p, max_tokens, seed, stop, ignore_eos, repetition_penalty,
