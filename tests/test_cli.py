@@ -310,6 +310,39 @@ def test_an_output_that_cannot_be_written_is_refused_before_loading(tmp_path, ca
     assert "is a file, not a folder" in one_error_line(capsys.readouterr().err)
 
 
+def test_options_that_would_do_nothing_are_refused_before_loading(tmp_path, capsys):
+    """--raw with a .jsonl file (its lines say prompt or messages) and --overwrite with
+    the results going to stdout change nothing: refused, as --resume without --output is.
+    The model folder does not exist: these are found first."""
+    generate = _generate_args(tmp_path / "nope", tmp_path)
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "hi"}\n')
+    jsonl = [*generate[:4], str(lines), *generate[5:]]
+    assert main([*jsonl, "--raw", "--output", str(tmp_path / "o.jsonl")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --raw sends a .txt file's lines") and "leave --raw out" in line
+    assert main([*generate, "--overwrite"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --overwrite replaces an --output file"), line
+    assert main([*generate, "--raw", "--output", str(tmp_path / "o.jsonl")]) == 1  # no model
+    assert "does not exist" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_jsonl_run_that_kept_raw_resumes_without_it(tmp_path):
+    """Runs used to take --raw with a .jsonl file (doing nothing) and kept it among their
+    options; their --resume, which may no longer give --raw, goes on."""
+    from cupy_llama.cli.generate import _check_same_options, _options_path, _run_options
+    from cupy_llama.errors import OptionError
+    out = tmp_path / "out.jsonl"
+    kept = _run_options(None, "jsonl", True, {"max_tokens": 4})
+    _options_path(str(out)).write_text(json.dumps(kept))
+    _check_same_options(str(out), _run_options(None, "jsonl", False, {"max_tokens": 4}))
+    kept = _run_options(None, "txt", True, {"max_tokens": 4})  # a .txt run's --raw counts
+    _options_path(str(out)).write_text(json.dumps(kept))
+    with pytest.raises(OptionError, match=r"no --raw \(the first run: --raw\)"):
+        _check_same_options(str(out), _run_options(None, "txt", False, {"max_tokens": 4}))
+
+
 def test_bad_model_is_one_line_exit_1(model_dir, tmp_path):
     import shutil
     broken = tmp_path / "broken"

@@ -120,6 +120,13 @@ def generate(model_dir, input_path, output_path, input_format, raw, device, resu
     elif resume:
         raise OptionError("--resume needs --output FILE: it skips the requests that file "
                           "already holds")
+    elif overwrite:
+        raise OptionError("--overwrite replaces an --output file, and the results go to "
+                          "stdout here: leave it out, or add --output FILE")
+    if raw and format != "txt":
+        raise OptionError("--raw sends a .txt file's lines as plain text; a .jsonl line says "
+                          "what it is (\"prompt\": plain text, \"messages\": a chat): leave "
+                          "--raw out")
     if resume and overwrite:
         raise OptionError("--resume and --overwrite contradict each other: --resume adds to "
                           "the output, --overwrite replaces it; give one")
@@ -281,6 +288,8 @@ def _check_same_options(output_path: str, run_options: dict) -> None:
         return
     if not isinstance(first, dict):
         return
+    if first.get("--format") != "txt":  # --raw did nothing there (and is refused now)
+        first["--raw"] = False
 
     def shown(flag, value):
         if value is None or value is False:
