@@ -119,6 +119,17 @@ def test_second_build_is_skipped(model_dir):
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
+def test_a_wrong_gguf_is_refused_where_the_model_is_built(model_dir, tmp_path):
+    """--gguf beside a built model is ignored, but a path that is no GGUF file is a mistake
+    that the user hears of, not a success."""
+    not_gguf = tmp_path / "config.json"
+    not_gguf.write_text("{}")
+    for wrong, match in ((tmp_path / "nowhere.gguf", "does not exist"),
+                         (not_gguf, "is not a GGUF file")):
+        with pytest.raises(DemoModelError, match=match):
+            build_demo_model(model_dir, gguf_path=wrong, **QUIET)
+
+
 def test_bad_gguf_leaves_no_half_model(tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 100)

