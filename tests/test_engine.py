@@ -281,7 +281,22 @@ def test_a_sequence_stops_when_it_would_outgrow_the_cache(model_dir):
     assert all(o.finish_reason == "length" for o in outs)
     with pytest.raises(RequestError, match=r"70 tokens and needs 5 KV blocks of 16.*only 4"):
         llm.generate([1] * 70, SamplingParams(max_tokens=1))
+    # past max_model_len too: the cache is what binds, and what the error names
+    limit = llm.engine.max_model_len
+    with pytest.raises(RequestError, match=rf"{limit} tokens and needs \d+ KV blocks"):
+        llm.generate([1] * limit, SamplingParams(max_tokens=1))
     assert_all_blocks_free(llm)
+
+
+def test_a_cache_shorter_than_max_model_len_is_a_warning_at_load(model_dir):
+    lines = []
+    LLM(model_dir, device="cpu", log=lines.append, num_kv_blocks=4, block_size=16).close()
+    warning = [line for line in lines if line.startswith("warning: the KV cache holds")]
+    assert len(warning) == 1 and "holds 64 tokens, fewer than max_model_len" in warning[0]
+    lines.clear()
+    LLM(model_dir, device="cpu", log=lines.append, max_model_len=64, num_kv_blocks=4,
+        block_size=16).close()
+    assert not [line for line in lines if "warning" in line]
 
 
 def test_a_stream_refuses_out_of_vocabulary_ids_at_the_call(llm):

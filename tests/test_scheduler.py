@@ -317,6 +317,25 @@ def test_rejects_what_can_never_fit_with_the_numbers():
         sim.add(make_seq("empty", 0, 1))
 
 
+def test_a_prompt_past_every_limit_hears_of_the_one_that_binds():
+    """Past max_model_len and past a smaller KV cache: the cache's numbers, since raising
+    max_model_len would not help. Past max_model_len alone: raising it is offered only
+    where the model takes more."""
+    sim = Simulation(num_blocks=2, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                     max_model_len=100)
+    with pytest.raises(RequestError, match=r"needs 26 KV blocks of 4 tokens.*only 2"):
+        sim.add(make_seq("long", 100, 1))
+    sim = Simulation(64, 4, 2, 64, 100)
+    for model_limit, fix in ((None, "raise max_model_len$"),
+                             (4096, r"raise max_model_len \(the model takes up to 4096\)$"),
+                             (100, r"use a model with a longer context \(this one takes up "
+                                   r"to 100\)$")):
+        sim.scheduler.model_limit = model_limit
+        with pytest.raises(RequestError, match=r"context limit is 100 .*shorten the prompt or "
+                                               + fix):
+            sim.add(make_seq("long", 100, 1))
+
+
 def test_abort_by_id_frees_blocks_at_once():
     sim = Simulation(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                      max_model_len=64)

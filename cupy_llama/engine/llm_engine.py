@@ -305,7 +305,8 @@ class LLMEngine:
         self.context_limit = min(max_model_len, backend.num_kv_blocks * backend.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=engine_config.max_num_seqs,
                                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len,
+                                   model_limit=model_config.context_limit)
         self.runner = ModelRunner(model_config, backend)
         self.num_steps = 0
         self.num_step_tokens = 0  # tokens the last launched step computes (prefill and decode)
@@ -382,6 +383,11 @@ class LLMEngine:
         with open_checkpoint(model_dir, model, log=log) as checkpoint:
             backend = make_backend(device, model, checkpoint, engine_config, max_model_len, log)
         engine = cls(config, tokenizer, backend, engine_config, max_model_len)
+        if engine.context_limit < max_model_len:  # the cache ends sequences, not the limit
+            log(f"warning: the KV cache holds {engine.context_limit} tokens, fewer than "
+                f"max_model_len {max_model_len}: a sequence stops at {engine.context_limit}; "
+                "give the cache more memory (num_kv_blocks / gpu_memory_utilization) or "
+                "lower max_model_len")
         engine.load_seconds = time.perf_counter() - started
         return engine
 

@@ -64,11 +64,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int,
+                 model_limit: int | None = None):
+        """model_limit: the model's own longest context (ModelConfig.context_limit), which
+        max_model_len may be raised to; None: unknown."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.model_limit = model_limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order, oldest first
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() takes the lowest
@@ -88,12 +92,21 @@ class Scheduler:
         """Reject a prompt that could never run, with the numbers that say why."""
         if num_prompt_tokens < 1:
             raise RequestError("the prompt is empty; give at least one token")
-        if num_prompt_tokens >= self.max_model_len:
+        needed = self.blocks.blocks_needed(num_prompt_tokens + 1)
+        blocks, block_size = self.blocks.num_blocks, self.blocks.block_size
+        # where the KV cache holds fewer tokens than max_model_len, the cache is the limit
+        # to name: raising max_model_len would not help
+        cache_binds = needed > blocks and blocks * block_size < self.max_model_len
+        if num_prompt_tokens >= self.max_model_len and not cache_binds:
+            limit = self.model_limit
+            fix = ("raise max_model_len" if limit is None else
+                   f"raise max_model_len (the model takes up to {limit})"
+                   if self.max_model_len < limit else
+                   f"use a model with a longer context (this one takes up to {limit})")
             raise RequestError(
                 f"the prompt has {num_prompt_tokens} tokens but the context limit is "
                 f"{self.max_model_len} (prompt plus at least one new token); shorten the "
-                f"prompt or raise max_model_len")
-        needed = self.blocks.blocks_needed(num_prompt_tokens + 1)
+                f"prompt or {fix}")
         if needed > self.blocks.num_blocks:
             raise RequestError(
                 f"the prompt has {num_prompt_tokens} tokens and needs {needed} KV blocks of "
