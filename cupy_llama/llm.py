@@ -261,6 +261,9 @@ class LLM:
             if grammar is not None and any(p.structured is not None for p in each):
                 raise RequestError("tool_choice \"required\" or a named function sets the "
                                    "output's grammar; leave params.structured out")
+            if grammar is not None and any(p.allowed_token_ids is not None for p in each):
+                raise RequestError("tool_choice \"required\" or a named function sets the "
+                                   "output's grammar; leave params.allowed_token_ids out")
             each = [replace(p, **changes) for p in each]
             params = each[0] if single else each
         return tools, parser_name, params

@@ -113,6 +113,10 @@ def test_bad_tool_requests_name_the_field(tool_llm):
     with pytest.raises(RequestError, match="leave params.structured out"):
         tool_llm.chat(QUESTION, params(0, structured={"regex": "a"}), tools=TOOLS,
                       tool_choice="required")
+    with pytest.raises(RequestError, match="named function sets the output's grammar; "
+                                           "leave params.allowed_token_ids out"):
+        tool_llm.chat(QUESTION, params(0, allowed_token_ids=[5]), tools=TOOLS,
+                      tool_choice="required")
     assert not tool_llm.engine.requests
 
 
