@@ -482,3 +482,22 @@ def test_measuring_scripts_write_json_where_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     assert output_json_path(None, "probe.json") == str(tmp_path / "probe.json")
     assert output_json_path("mine.json", "probe.json") == "mine.json"
+
+
+def test_the_random_model_script_refuses_bad_values_in_one_line(tmp_path):
+    """scripts/make_random_model.py: a config its values cannot make is one line and exit
+    2, and no folder is left behind."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_random_model.py"
+    out = tmp_path / "model"
+    for args, said in (
+            (["--preset", "llama-3.2-1b", "--set", "vocab_size=512"], "outside the vocabulary"),
+            (["--set", 'architectures=["GPT2LMHeadModel"]'], "random models are written for"),
+            (["--set", "hidden_size"], "give KEY=VALUE"),
+            (["--set", "hidden_size=abc"], "make no valid config")):
+        done = subprocess.run([sys.executable, str(script), str(out), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "Traceback" not in done.stderr and said in done.stderr.strip().splitlines()[-1]
+        assert not out.exists()

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..bf16 import float32_to_bf16_bits
 from ..checkpoint import write_safetensors
+from ..errors import ConfigError
 from ..models import config_from_dicts, model_for
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -242,10 +243,13 @@ def make_random_model(out_dir, shape: dict | str = "tiny", seed: int = 0, std: f
     config.json values (architectures picks the family; Llama without)."""
     shape = dict(PRESETS[shape] if isinstance(shape, str) else shape)
     shape.update(overrides)
+    if architecture_of(shape) not in TOKENIZER_OF:
+        raise ConfigError(f"architectures {shape['architectures']!r}: random models are "
+                          f"written for {', '.join(sorted(TOKENIZER_OF))}")
+    raw = config_json(shape)
+    model = model_for(config_from_dicts(raw))  # a config it refuses leaves no folder
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    raw = config_json(shape)
-    model = model_for(config_from_dicts(raw))
     eos = raw["eos_token_id"]
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps(
