@@ -768,7 +768,7 @@ def validate_messages(messages) -> list[dict]:
             tool_calls = _check_tool_calls(tool_calls, f"{where}['tool_calls']")
         content = message.get("content")
         if isinstance(content, (list, tuple)):  # OpenAI's parts: their texts, one a line
-            content = _text_parts(content, f"{where}['content']")
+            content = text_of_parts(content, f"{where}['content']")
             message = {**message, "content": content}
         if not (tool_calls and content is None):  # a message of tool calls needs no text
             if "content" not in message:
@@ -793,9 +793,9 @@ def _no_call_text(message: dict) -> bool:
     return bool(message.get("tool_calls")) and message.get("content") is None
 
 
-def _text_parts(parts, where: str) -> str:
-    """[{"type": "text", "text": ...}, ...] as one text, the parts joined by newlines (as
-    the server joins them)."""
+def text_of_parts(parts, where: str) -> str:
+    """[{"type": "text", "text": ...}, ...] (OpenAI's content parts) as one text, the parts
+    joined by newlines (as the server joins them); RequestError naming `where` otherwise."""
     texts = []
     for j, part in enumerate(parts):
         if not (isinstance(part, dict) and part.get("type") == "text"):

@@ -188,6 +188,12 @@ def test_save_and_load_a_conversation(llm, tmp_path):
     # without a system message, loading removes the system prompt
     path.write_text(json.dumps([user("a"), {"role": "assistant", "content": "b"}]))
     assert "no system prompt" in other.load(str(path)) and other.system is None
+    # OpenAI's text parts, as LLM.chat and the server take them: one text
+    path.write_text(json.dumps([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                             {"type": "text", "text": "b"}]},
+                                {"role": "assistant", "content": "c"}]))
+    other.load(str(path))
+    assert other.history[0]["content"] == "a\nb"
     with pytest.raises(RequestError, match="cannot write"):
         session.save(str(tmp_path / "no-folder" / "chat.json"))
 
@@ -250,7 +256,9 @@ def test_context_in_use_is_the_conversation_s(llm, tmp_path):
     ({"role": "user", "content": "hi"}, "must hold a JSON list of messages, got an object"),
     (["hi"], "message 1 must be an object"),
     ([{"content": "hi"}], "message 1 has no 'role'"),
-    ([{"role": "user", "content": ["a"]}], "message 1 needs a string as its 'content'"),
+    ([{"role": "user", "content": ["a"]}],
+     "message 1's content[0] must be {'type': 'text', 'text': ...} (got 'str')"),
+    ([{"role": "user", "content": 5}], "message 1 needs a string as its 'content'"),
     ([{"role": "robot", "content": "x"}], "message 1 has role 'robot'"),
     ([{"role": "tool", "tool_call_id": "a", "content": "x"}],
      "message 1 is a tool message where a user message belongs"),

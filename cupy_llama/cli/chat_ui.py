@@ -464,7 +464,7 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
     messages taking turns, the last one the assistant's; an assistant message may carry
     OpenAI "tool_calls" (its content then may be null), answered by a "tool" message
     ("tool_call_id") each before the assistant goes on. RequestError names what is wrong."""
-    from ..tokenizer import check_unicode
+    from ..tokenizer import check_unicode, text_of_parts
 
     if not isinstance(data, list):
         raise RequestError(f"{name} must hold a JSON list of messages, got "
@@ -474,6 +474,9 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
         where = f"{name}: message {number}"
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object with 'role' and 'content'")
+        if isinstance(message.get("content"), list):  # OpenAI's text parts: one text
+            message = {**message, "content": text_of_parts(message["content"],
+                                                           f"{where}'s content")}
         calls = message.get("tool_calls") if message.get("role") == "assistant" else None
         keys = ("role",) if calls is not None and message.get("content") is None else \
             ("role", "content")
