@@ -595,6 +595,17 @@ def test_retry_save_load_and_help_at_the_terminal(model_dir, llm, tmp_path):
     child.sendline(f"/load {tmp_path / 'bad.json'}")
     child.expect_exact("the last message is the user's")
     child.expect_exact(PROMPT)
+    child.sendline("/system")
+    child.expect_exact("there is no system prompt to remove; /system TEXT sets one")
+    child.expect_exact(PROMPT)
+    # a fixed seed repeats the reply too: the chat names that way out
+    for setting in ("/set temperature 1", "/set seed 3"):
+        child.sendline(setting)
+        child.expect_exact(PROMPT)
+    child.sendline("/retry")
+    child.expect_exact("(the fixed seed 3 gives the same reply again; /set seed -1 samples a "
+                       "different one)")
+    child.expect_exact(PROMPT)
     child.sendline("/bye")
     finish(child, 0)
     assert json.loads(saved.read_text()) == [user("hello"),

@@ -880,10 +880,15 @@ def _command(session: ChatSession, line: str, console, err_console, interrupts) 
         if session.history and session.params.is_greedy:
             say("(greedy decoding, temperature 0, gives the same reply again; "
                 "/set temperature 0.7 samples a different one)")
+        elif session.history and session.params.seed is not None:
+            say(f"(the fixed seed {session.params.seed} gives the same reply again; "
+                "/set seed -1 samples a different one)")
         _show_reply(session, console, err_console, interrupts, session.retry)
     elif name == "/system":
+        had = session.system is not None
         session.system = argument or None
-        say("system prompt set" if argument else "system prompt removed")
+        say("system prompt set" if argument else "system prompt removed" if had else
+            "there is no system prompt to remove; /system TEXT sets one")
     elif name == "/set":
         parts = argument.split()
         if not parts:
