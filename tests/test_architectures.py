@@ -150,6 +150,12 @@ def test_a_yarn_rope_stretches_the_context(capsys, tmp_path):
     llm.close()
 
 
+def test_info_names_one_layer_as_a_layer():
+    from cupy_llama.cli.info import _ranges
+    assert _ranges([1]) == "layer 1"
+    assert _ranges([0, 1, 2, 4]) == "layers 0-2, 4"
+
+
 def test_mistral_takes_the_layer_types_a_config_lists():
     """A Mistral config's sliding_window covers every layer, unless the config lists each
     layer's kind (Ministral's full and sliding layers, as transformers reads them)."""

@@ -107,11 +107,12 @@ def _layers(config) -> str:
         return "every layer full"
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
-    text = f"window {config.sliding_window} on layers {_ranges(sliding)}"
+    text = f"window {config.sliding_window} on {_ranges(sliding)}"
     return text + (f", full on {_ranges(full)}" if full else "")
 
 
 def _ranges(indices: list[int]) -> str:
+    """"layer 3" for one, else "layers 0-4, 6": runs of adjacent indices joined."""
     runs, start = [], None
     for i, index in enumerate(indices):
         if start is None:
@@ -119,7 +120,7 @@ def _ranges(indices: list[int]) -> str:
         if i + 1 == len(indices) or indices[i + 1] != index + 1:
             runs.append(f"{start}" if start == index else f"{start}-{index}")
             start = None
-    return ", ".join(runs)
+    return ("layer " if len(indices) == 1 else "layers ") + ", ".join(runs)
 
 
 def _positions(config) -> str:
