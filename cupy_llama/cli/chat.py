@@ -35,7 +35,8 @@ from .options import (CHAT_MAX_TOKENS, ENGINE_NAMES, MODEL_PATH, SAMPLING_NAMES,
 @click.option("--tool-choice", metavar="auto|required|none|NAME",
               help="With --tools: may the model call (auto, the default), must it (required, "
                    "enforced by a grammar), no tools (none), or must it call the tool NAME "
-                   "(once).")
+                   "(once). required and NAME hold for every reply, the one after the "
+                   "results too: a reply in words needs auto.")
 @click.option("--tool-call-parser", metavar="NAME",
               help="With --tools: the tool-call format (llama3_json, hermes or mistral) where "
                    "the chat template does not show one.")
