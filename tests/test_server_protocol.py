@@ -193,6 +193,18 @@ def test_prompts_and_sampling_params(llm):
             .sampling_params(5, 100, defaults).seed == meant
     e = pytest.raises(APIError, request.sampling_params, 100, 100, defaults).value
     assert "100 tokens" in e.message and e.code == "context_length_exceeded"
+    # an empty text that the tokenizer gives no token (no BOS): the field, not the engine
+    for prompt, param in (("", "prompt"), (["a", ""], "prompt[1]")):
+        e = pytest.raises(APIError, parse(CompletionRequest, {
+            "prompt": prompt, "add_special_tokens": False}).prompt_token_ids,
+            tokenizer, vocab).value
+        assert (e.status, e.param) == (400, param) and "empty" in e.message, e.message
+    assert parse(CompletionRequest, {"prompt": ""}).prompt_token_ids(tokenizer, vocab) == [
+        tokenizer.encode("")]  # BOS alone is a prompt
+    # a chat template that renders nothing: the messages, not the engine
+    e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "x"}]}).sampling_params, 0, 100, defaults).value
+    assert (e.status, e.param) == (400, "messages") and "empty" in e.message
     for prompt in ([], [[]], [1, "a"], [True], 5, [[1, 2], "a"]):
         assert pytest.raises(APIError, parse(CompletionRequest, {"prompt": prompt})
                              .prompt_token_ids, tokenizer, vocab).value.param.startswith("prompt")

@@ -466,6 +466,9 @@ class _SamplingFields(_Unsupported, _Model):
         """structured: the constraint, where it is not the request's own (structured_spec),
         such as the grammar of a tool_choice; end_token_ids: tokens that end the output
         beside the request's stop_token_ids (those closing a fill-in-the-middle)."""
+        if num_prompt_tokens < 1:  # a chat template that renders nothing (texts: _encode)
+            raise APIError(400, f"{prompt_field}: the prompt is empty (no tokens); give at "
+                                f"least one token of text", param=prompt_field)
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but the context "
@@ -756,9 +759,13 @@ def _encode(tokenizer, text: str, param: str, max_prompt_bytes: int | None = Non
     if max_prompt_bytes is not None and len(text) * 4 > max_prompt_bytes:  # else it fits
         check_prompt_bytes(len(text.encode("utf-8", "surrogatepass")), max_prompt_bytes, param)
     try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except RequestError as e:
         raise APIError(400, f"{param}: {e}", param=param) from None
+    if not ids:  # an empty text, and no BOS (this tokenizer's, or add_special_tokens false)
+        raise APIError(400, f"{param} is empty: the text makes no tokens; give at least one "
+                            f"character", param=param)
+    return ids
 
 
 def _is_token_id(value) -> bool:
