@@ -768,7 +768,7 @@ def validate_messages(messages) -> list[dict]:
             tool_calls = _check_tool_calls(tool_calls, f"{where}['tool_calls']")
         content = message.get("content")
         if isinstance(content, (list, tuple)):  # OpenAI's parts: their texts, one a line
-            content = text_of_parts(content, f"{where}['content']")
+            content = text_of_parts(content, f"{where}['content']", message["role"])
             message = {**message, "content": content}
         if not (tool_calls and content is None):  # a message of tool calls needs no text
             if "content" not in message:
@@ -793,18 +793,22 @@ def _no_call_text(message: dict) -> bool:
     return bool(message.get("tool_calls")) and message.get("content") is None
 
 
-def text_of_parts(parts, where: str) -> str:
+def text_of_parts(parts, where: str, role: str | None = None) -> str:
     """[{"type": "text", "text": ...}, ...] (OpenAI's content parts) as one text, the parts
-    joined by newlines (as the server joins them); RequestError naming `where` otherwise."""
+    joined by newlines (as the server joins them), an assistant's {"type": "refusal",
+    "refusal": ...} parts among them; RequestError naming `where` otherwise."""
     texts = []
     for j, part in enumerate(parts):
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"{where}[{j}] must be {{'type': 'text', 'text': ...}} (got "
-                               f"{kind!r}): only text content is supported")
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}]['text'] must be a string")
-        texts.append(part["text"])
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if not (isinstance(part, dict) and kind == key):
+            shape = ("{'type': 'text', 'text': ...} or {'type': 'refusal', 'refusal': ...}"
+                     if role == "assistant" else "{'type': 'text', 'text': ...}")
+            raise RequestError(f"{where}[{j}] must be {shape} (got {kind!r}): only text "
+                               f"content is supported")
+        if not isinstance(part.get(key), str):
+            raise RequestError(f"{where}[{j}]['{key}'] must be a string")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

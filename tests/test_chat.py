@@ -191,9 +191,10 @@ def test_save_and_load_a_conversation(llm, tmp_path):
     # OpenAI's text parts, as LLM.chat and the server take them: one text
     path.write_text(json.dumps([{"role": "user", "content": [{"type": "text", "text": "a"},
                                                              {"type": "text", "text": "b"}]},
-                                {"role": "assistant", "content": "c"}]))
+                                {"role": "assistant", "content": [
+                                    {"type": "refusal", "refusal": "c"}]}]))
     other.load(str(path))
-    assert other.history[0]["content"] == "a\nb"
+    assert [m["content"] for m in other.history] == ["a\nb", "c"]
     with pytest.raises(RequestError, match="cannot write"):
         session.save(str(tmp_path / "no-folder" / "chat.json"))
 

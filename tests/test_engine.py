@@ -799,6 +799,14 @@ def test_chat_takes_content_as_text_parts(llm):
         llm.chat(image, params)
     with pytest.raises(RequestError, match=r"\['content'\]\[0\]\['text'\] must be a string"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], params)
+    # an assistant's refusal part is its text (OpenAI's, as vLLM reads it); a user's is not
+    refused = [*joined, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "Why?"}]
+    said = [*joined, {"role": "assistant", "content": "No."}, {"role": "user", "content": "Why?"}]
+    assert llm.chat(refused, params).prompt_token_ids == llm.chat(said, params).prompt_token_ids
+    with pytest.raises(RequestError, match=r"\['content'\]\[0\] must be \{'type': 'text'.*"
+                                           r"'refusal'"):
+        llm.chat([{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}], params)
 
 
 def test_bad_model_folders_and_options_are_config_errors(model_dir, tmp_path):

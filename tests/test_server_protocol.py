@@ -221,6 +221,18 @@ def test_prompts_and_sampling_params(llm):
     e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
         {"role": "user", "content": None}]}).conversation).value
     assert e.param == "messages[0].content"
+    # an assistant's refusal part is its text (OpenAI sends them, vLLM reads them); a
+    # user's is refused by its place
+    refused = parse(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"},
+                                          {"type": "text", "text": "sorry"}]}]})
+    assert refused.conversation()[1] == {"role": "assistant", "content": "no\nsorry"}
+    for role, part, param in (("user", {"type": "refusal", "refusal": "no"}, "type"),
+                              ("assistant", {"type": "refusal", "refusal": 5}, "refusal")):
+        e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
+            {"role": role, "content": [part]}]}).conversation).value
+        assert (e.status, e.param) == (400, f"messages[0].content[0].{param}"), e.message
 
 
 def test_add_special_tokens_as_vllm_takes_it(llm):

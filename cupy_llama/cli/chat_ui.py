@@ -475,8 +475,8 @@ def parse_conversation(data, name: str) -> tuple[str | None, list[dict]]:
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object with 'role' and 'content'")
         if isinstance(message.get("content"), list):  # OpenAI's text parts: one text
-            message = {**message, "content": text_of_parts(message["content"],
-                                                           f"{where}'s content")}
+            message = {**message, "content": text_of_parts(
+                message["content"], f"{where}'s content", message.get("role"))}
         calls = message.get("tool_calls") if message.get("role") == "assistant" else None
         keys = ("role",) if calls is not None and message.get("content") is None else \
             ("role", "content")

@@ -1385,13 +1385,16 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
         for j, part in enumerate(content):
             here = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
+            # an assistant's refusal part (OpenAI's) is its text, as vLLM reads it
+            key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+            if kind != key:
                 got = _preview(kind) if isinstance(part, dict) else json_type(part)
-                raise APIError(400, f"{here}.type must be 'text' (got {got}): only text "
+                allowed = "'text' or 'refusal'" if role == "assistant" else "'text'"
+                raise APIError(400, f"{here}.type must be {allowed} (got {got}): only text "
                                     "content is supported", param=f"{here}.type")
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, f"{here}.text must be a string", param=f"{here}.text")
-            texts.append(part["text"])
+            if not isinstance(part.get(key), str):
+                raise APIError(400, f"{here}.{key} must be a string", param=f"{here}.{key}")
+            texts.append(part[key])
         return "\n".join(texts)
     raise APIError(400, f"{where}.content must be a string or a list of "
                         f"{{\"type\": \"text\", \"text\": ...}} parts (got {json_type(content)})",
