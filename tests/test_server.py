@@ -540,6 +540,16 @@ def test_tokenize_and_detokenize(http, llm):
     text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == llm.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.endswith("Hello there")
+    # ids of the model's padded vocabulary past the tokenizer's (ids a completion may
+    # take and make) have no text, as in a completion; ids past the model's are refused
+    known, vocab = llm.tokenizer.vocab_size, llm.config.vocab_size
+    assert known < vocab  # the tiny model's table is padded, as Qwen's is
+    padded = http.post("/detokenize", json={"tokens": [*ids, known, vocab - 1]})
+    assert padded.status_code == 200 and padded.json()["prompt"] == text, padded.text
+    assert http.post("/detokenize", json={"tokens": []}).json()["prompt"] == ""
+    past = http.post("/detokenize", json={"tokens": [1, vocab]})
+    assert past.status_code == 400 and past.json()["error"]["param"] == "tokens"
+    assert f"outside the vocabulary [0, {vocab})" in past.json()["error"]["message"]
 
 
 # ---- bad input ----------------------------------------------------------------------------

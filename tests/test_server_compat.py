@@ -134,7 +134,7 @@ def _effect(tokenizer, vocab, defaults, model, body):
     from cupy_llama.outputs import RequestOutput, TokenLogprob
     request = parse(model, body)
     if model is DetokenizeRequest:
-        return request.text(tokenizer)
+        return request.text(tokenizer, vocab)
     if model is TokenizeRequest:
         return request.response(tokenizer, request.token_ids(tokenizer), 64)
     prompts, params = request.engine_inputs(tokenizer, vocab, 64, defaults)

@@ -21,7 +21,7 @@ from cupy_llama.sampling import model_sampling_defaults
 from cupy_llama.server import protocol
 from cupy_llama.server.app import ServerSettings, ServerState, create_app, _Job
 from cupy_llama.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                        TokenizeRequest, parse)
+                                        DetokenizeRequest, TokenizeRequest, parse)
 
 
 def error_of(model, body) -> APIError:
@@ -233,6 +233,22 @@ def test_prompts_and_sampling_params(llm):
         e = pytest.raises(APIError, parse(ChatCompletionRequest, {"messages": [
             {"role": role, "content": [part]}]}).conversation).value
         assert (e.status, e.param) == (400, f"messages[0].content[0].{param}"), e.message
+
+
+def test_detokenize_takes_the_ids_of_the_tokenizer_and_of_the_model(llm):
+    """/detokenize takes what /tokenize may give (a tokenizer's added tokens past a smaller
+    model table) and what a completion may make (a model table padded past the
+    tokenizer's, whose extra ids have no text)."""
+    tokenizer = llm.tokenizer
+    last = tokenizer.vocab_size - 1
+    request = parse(DetokenizeRequest, {"tokens": [65, last]})
+    whole = tokenizer.decode([65, last], skip_special_tokens=False)
+    assert request.text(tokenizer, last) == whole  # the tokenizer's id past the model's
+    assert request.text(tokenizer, last + 5) == whole
+    padded = parse(DetokenizeRequest, {"tokens": [65, last + 3]})
+    assert padded.text(tokenizer, last + 5) == tokenizer.decode([65])
+    e = pytest.raises(APIError, padded.text, tokenizer, last + 1).value
+    assert (e.status, e.param) == (400, "tokens") and f"[0, {last + 1})" in e.message
 
 
 def test_add_special_tokens_as_vllm_takes_it(llm):

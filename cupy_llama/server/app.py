@@ -933,7 +933,8 @@ def create_app(state: ServerState):
     @route("POST", "/detokenize")
     async def detokenize(request: Request):
         parsed, _, _ = await body_of(request, protocol.DetokenizeRequest)
-        return JSONResponse(protocol.detokenize_response(parsed.text(state.tokenizer)))
+        return JSONResponse(protocol.detokenize_response(parsed.text(state.tokenizer,
+                                                                         state.vocab_size)))
 
     return _ServedBy(app, settings.replica_name or "cupy-llama")
 

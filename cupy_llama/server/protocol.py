@@ -1697,12 +1697,16 @@ class DetokenizeRequest(_Unsupported, _Model):
     model: str | None = None
     tokens: list[Int]
 
-    def text(self, tokenizer) -> str:
-        """The ids' text, special tokens included (the inverse of /tokenize)."""
-        try:
-            return tokenizer.decode(self.tokens, skip_special_tokens=False)
-        except RequestError as e:
-            raise APIError(400, f"tokens: {e}", param="tokens") from None
+    def text(self, tokenizer, vocab_size: int) -> str:
+        """The ids' text, special tokens included (the inverse of /tokenize). Any id of the
+        model's vocabulary or the tokenizer's is taken: those past the tokenizer's (a
+        padded embedding table, as Qwen's) have no text, as in a completion's."""
+        if not self.tokens:
+            return ""
+        ids = _check_ids(self.tokens, max(vocab_size, tokenizer.vocab_size), "tokens")
+        known = tokenizer.vocab_size
+        return tokenizer.decode_unchecked([t for t in ids if t < known],
+                                          skip_special_tokens=False)
 
 
 def detokenize_response(text: str) -> dict:
