@@ -162,7 +162,8 @@ class LLM:
 
         tools: OpenAI's [{"type": "function", "function": {"name", "description",
         "parameters"}}], shown to the chat template; tool_choice "auto" (the default with
-        tools), "none" (no tools shown), "required" or {"type": "function", "function":
+        tools; the template sees the tools with every choice), "none" (no call: the reply
+        is neither constrained nor parsed), "required" or {"type": "function", "function":
         {"name": ...}} (a call enforced by a grammar); parallel_tool_calls=False: at most
         one call (with "required" or a named function the grammar writes one; with "auto"
         the calls after the first are dropped, as vLLM drops them). Each finished reply is
@@ -223,7 +224,7 @@ class LLM:
         tool_choice); without parser_name, the parser of the template the chat renders
         with (chat_template's where given, rendered with template_kwargs where it refuses
         tools). `generate`'s batch lines use it as chat() does."""
-        from .tool_choice import check_tool_choice, check_tools, tool_call_grammar
+        from .tool_choice import check_tool_choice, check_tools, template_tools, tool_call_grammar
         from .tool_parsers import SPECIAL_TAG_PARSERS, check_parser_name, tool_parser_for_template
 
         tools = check_tools(tools)
@@ -232,7 +233,8 @@ class LLM:
             raise RequestError(f"parallel_tool_calls must be true or false, got "
                                f"{parallel_tool_calls!r}")
         if choice == "none":
-            return None, None, params
+            return template_tools(self.tokenizer, tools, choice, chat_template,
+                                  template_kwargs), None, params
         if parser_name is not None:
             parser_name = check_parser_name(parser_name, "tool_call_parser")
         else:

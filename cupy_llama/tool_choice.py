@@ -1,7 +1,9 @@
 """OpenAI `tools` and `tool_choice`, checked, and the grammars that enforce a choice.
 
-`tool_choice` "none" offers no tools to the chat template; "auto" lets the model answer or
-call, and its reply is parsed (tool_parsers.py). "required", a named function, and
+The chat template is shown the tools whatever `tool_choice` says (`template_tools`), as
+OpenAI's model and vLLM's prompt see them: "none" only leaves the reply unparsed and
+unconstrained; "auto" lets the model answer or call, and its reply is parsed
+(tool_parsers.py). "required", a named function, and
 `parallel_tool_calls: false` are enforced while the model writes: `tool_call_grammar`
 gives a Lark grammar (llguidance's dialect, with the functions' parameter schemas inline
 as %json) that admits only calls in the model's own format, to listed functions, with
@@ -23,6 +25,21 @@ TOOL_CHOICES = ("none", "auto", "required")
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # what a tool without parameters takes
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def template_tools(tokenizer, tools, tool_choice, chat_template: str | None = None,
+                   template_kwargs: dict | None = None) -> list | None:
+    """The tools a chat template is shown: the checked tools with every tool_choice, so a
+    conversation keeps one prompt prefix (and its prefix-cache blocks) from a turn that
+    may call to one that must answer. None without tools, and with "none" where the
+    template refuses tools (the built-in Llama 3 format): a reply that calls nothing
+    needs none shown, and the request stays a plain chat."""
+    if not tools:
+        return None
+    if tool_choice == "none" and tokenizer.tools_refusal(tools, chat_template,
+                                                         template_kwargs) is not None:
+        return None
+    return tools
 
 
 def check_tools(tools, field: str = "tools") -> list[dict]:

@@ -824,6 +824,20 @@ def tool_session(tool_llm, **choice):
     return ChatSession(tool_llm, TOOL_PARAMS, tools=ChatTools(TOOLS, **choice))
 
 
+def test_tool_choice_none_shows_the_tools_and_answers_as_llm_chat(tool_llm):
+    """--tool-choice none: the template sees the tools (one prompt prefix whatever the
+    choice, as OpenAI's model and vLLM's prompt see them); the reply is never a call."""
+    from conftest import QUESTION, TOOLS
+    session = tool_session(tool_llm, tool_choice="none")
+    shown = "".join(session.reply(QUESTION[0]["content"]))
+    want = tool_llm.chat(QUESTION, TOOL_PARAMS, tools=TOOLS, tool_choice="none")
+    assert want.tool_calls is None and shown == want.text
+    assert session.history[1] == {"role": "assistant", "content": want.text}
+    assert session.turns[-1].prompt_tokens == len(want.prompt_token_ids)
+    assert want.prompt_token_ids == tool_llm.chat(QUESTION, replace(TOOL_PARAMS, max_tokens=1),
+                                                  tools=TOOLS).prompt_token_ids
+
+
 def test_a_reply_with_calls_shows_the_calls_and_keeps_them_in_the_history(tool_llm):
     from conftest import QUESTION, TOOLS
     session = tool_session(tool_llm, **SINGLE_CALL)

@@ -6,6 +6,7 @@ finish_reason "function_call", streamed as delta.function_call), on the Llama 3.
 Hermes and Mistral templates, through the openai client too; and its malformed or
 conflicting fields as 400s naming the field."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -65,7 +66,14 @@ def test_functions_are_the_tools_they_stand_for(tool_server):
     plain = engine_inputs(model_dir, llm, {"messages": QUESTION})
     none = engine_inputs(model_dir, llm, {"messages": QUESTION, "functions": FUNCTIONS,
                                           "function_call": "none"})
-    assert none == plain  # "none" shows the template no functions, as tool_choice "none"
+    tools_none = engine_inputs(model_dir, llm, {"messages": QUESTION, "tools": TOOLS,
+                                                "tool_choice": "none"})
+    auto = engine_inputs(model_dir, llm, {"messages": QUESTION, "tools": TOOLS})
+    # "none" shows the template the functions, as tool_choice "none" does (OpenAI's model
+    # and vLLM's prompt see them): only the reply is left as it comes
+    assert none == tools_none and none[0] == auto[0]
+    # nothing constrained, nothing kept for a parser (max_tokens: what the context leaves)
+    assert replace(none[1], max_tokens=1) == replace(plain[1], max_tokens=1)
     assert older[0] != plain[0], "the functions changed no prompt: the test proves nothing"
 
 

@@ -805,3 +805,16 @@ def test_a_tools_request_hears_what_its_template_lacks(llm):
     e = refusal(chat_template=renders_tools)
     assert (e.status, e.param) == (400, "tools")
     assert "shows no tool-call format" in e.message and "--tool-call-parser" in e.message
+    # tool_choice "none" shows the template the tools where it takes them (OpenAI's model
+    # and vLLM's prompt see them), and makes a plain chat of one that refuses them
+    def prompt(**fields):
+        request = parse(ChatCompletionRequest, {**body, **fields})
+        return request.engine_inputs(llm.tokenizer, llm.config.vocab_size, 256, defaults)[0]
+
+    plain = prompt(tools=None)
+    assert prompt(tool_choice="none") == plain
+    maybe_tools = "{% for m in messages %}{{ m.content }}{% endfor %}" \
+                  "{% if tools %}{{ tools | tojson }}{% endif %}"
+    shown = prompt(tool_choice="none", chat_template=maybe_tools)
+    assert shown != prompt(tools=None, chat_template=maybe_tools)
+    assert '"name": "f"' in llm.tokenizer.decode(shown[0])

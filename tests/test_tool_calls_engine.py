@@ -86,9 +86,15 @@ def test_without_parallel_calls_auto_keeps_the_first(tool_llm):
 
 
 def test_none_never_calls(tool_llm):
-    for output in tool_llm.chat([QUESTION] * 4, params(1, max_tokens=60), tools=TOOLS,
-                                tool_choice="none"):
+    outputs = tool_llm.chat([QUESTION] * 4, params(1, max_tokens=60), tools=TOOLS,
+                            tool_choice="none")
+    for output in outputs:
         assert output.tool_calls is None and output.finish_reason != "tool_calls"
+    # the template is shown the tools all the same (OpenAI's model and vLLM's prompt see
+    # them): a conversation keeps one prompt prefix whatever each turn's tool_choice
+    auto = tool_llm.chat(QUESTION, params(1, max_tokens=1), tools=TOOLS)
+    plain = tool_llm.chat(QUESTION, params(1, max_tokens=1))
+    assert outputs[0].prompt_token_ids == auto.prompt_token_ids != plain.prompt_token_ids
 
 
 def test_a_two_turn_exchange_runs(tool_llm):
@@ -137,6 +143,10 @@ def test_a_template_that_refuses_tools_says_so(llm):
     with pytest.raises(RequestError, match="no tools in this one"):
         llm.chat(QUESTION, tools=TOOLS, chat_template=needs_flavour,
                  chat_template_kwargs={"flavour": "q"})
+    # tool_choice "none" asks for no call: a template that refuses tools gets none
+    quiet = SamplingParams(max_tokens=1, temperature=0)
+    assert llm.chat(QUESTION, quiet, tools=TOOLS, tool_choice="none").prompt_token_ids \
+        == llm.chat(QUESTION, quiet).prompt_token_ids
     assert not llm.engine.requests
 
 

@@ -34,7 +34,8 @@ from .options import (CHAT_MAX_TOKENS, ENGINE_NAMES, MODEL_PATH, SAMPLING_NAMES,
                    "/tool CALL RESULT.")
 @click.option("--tool-choice", metavar="auto|required|none|NAME",
               help="With --tools: may the model call (auto, the default), must it (required, "
-                   "enforced by a grammar), no tools (none), or must it call the tool NAME "
+                   "enforced by a grammar), no call (none: the template still sees the tools), "
+                   "or must it call the tool NAME "
                    "(once). required and NAME hold for every reply, the one after the "
                    "results too: a reply in words needs auto.")
 @click.option("--tool-call-parser", metavar="NAME",

@@ -133,6 +133,7 @@ class ChatSession:
         self.system = system or None
         self.template_kwargs = template_kwargs  # more chat-template variables (--chat-template-kwargs)
         self.tools = tools
+        self._shown_tools: tuple | None = None  # (ChatTools, the tools the template shows)
         self.interactive = False  # run_terminal's: its hints name the /commands
         # turns: a user message, then the assistant's reply; with tools, a reply with
         # tool_calls is followed by a tool message per call and the assistant's next reply
@@ -206,9 +207,16 @@ class ChatSession:
 
     @property
     def template_tools(self) -> list | None:
-        """The tools the chat template is shown (None without tools or with "none")."""
+        """The tools the chat template is shown, "none" or not (None without tools:
+        tool_choice.template_tools), worked out once for each ChatTools."""
+        from ..tool_choice import template_tools
         tools = self.tools
-        return tools.tools if tools is not None and tools.tool_choice != "none" else None
+        if tools is None:
+            return None
+        if self._shown_tools is None or self._shown_tools[0] is not tools:
+            self._shown_tools = (tools, template_tools(
+                self.llm.tokenizer, tools.tools, tools.tool_choice, None, self.template_kwargs))
+        return self._shown_tools[1]
 
     def _messages(self, turns: list[dict], new: list[dict]) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -330,7 +338,7 @@ class ChatSession:
         # the request is added (and checked) before any turn is dropped
         if self.tools is None:
             stream = self.llm.generate(prompt, params, stream=True)
-        else:  # parsed as it comes: calls never show as text
+        else:  # parsed as it comes: calls never show as text ("none": not parsed)
             tools = self.tools
             stream = self.llm.chat(
                 self._messages(self.history[dropped:], new), params, stream=True,

@@ -39,7 +39,7 @@ from ..reasoning import ReasoningParser, ReasoningSplitter, split_reasoning
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
 from ..tokenizer import check_template_kwargs
-from ..tool_choice import (check_tool_choice, check_tools, tool_call_grammar,
+from ..tool_choice import (check_tool_choice, check_tools, template_tools, tool_call_grammar,
                            tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import (PARSER_NAMES, SPECIAL_TAG_PARSERS, make_tool_parser,
                             parse_tool_calls, tool_parser_for_template)
@@ -1132,7 +1132,7 @@ class _ChatPrompt:
             conversation.append(entry)
         return conversation
 
-    def template_tools(self) -> list | None:
+    def template_tools(self, tokenizer) -> list | None:
         """The tools the chat template is shown (None: none)."""
         return None
 
@@ -1152,7 +1152,7 @@ class _ChatPrompt:
             ids = tokenizer.encode_chat(conversation,
                                         add_generation_prompt=self.add_generation_prompt,
                                         continue_final_message=self.continue_final_message,
-                                        tools=self.template_tools(),
+                                        tools=self.template_tools(tokenizer),
                                         template_kwargs=self.chat_template_kwargs,
                                         chat_template=self.chat_template)
         except CupyLlamaError as e:  # the template refused the messages, or there is none
@@ -1257,11 +1257,13 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
 
     @property
     def uses_tools(self) -> bool:
-        """Tools are offered (tool_choice is not "none"): replies are parsed for calls."""
+        """Calls may be made (tool_choice is not "none"): replies are parsed for them."""
         return self._tool_choice != "none"
 
-    def template_tools(self) -> list | None:
-        return self._checked_tools if self.uses_tools else None
+    def template_tools(self, tokenizer) -> list | None:
+        """The tools the chat template is shown, "none" or not (tool_choice.template_tools)."""
+        return template_tools(tokenizer, self._checked_tools, self._tool_choice,
+                              self.chat_template, self.chat_template_kwargs)
 
     def tool_parser(self, tokenizer) -> str:
         """The name of the parser of this model's tool calls: 400 where the server has none
@@ -1650,7 +1652,7 @@ class TokenizeRequest(_ChatPrompt, _Unsupported, _Model):
     tools: Any = None  # shown to the chat template, as chat completions show them
     return_token_strs: bool = False
 
-    def template_tools(self) -> list | None:
+    def template_tools(self, tokenizer) -> list | None:
         return check_tools(self.tools) or None
 
     def check_supported(self) -> None:
