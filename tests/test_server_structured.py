@@ -267,7 +267,11 @@ def test_streamed_calls_reassemble_to_the_whole_answer(tool_server):
         ("POST", "/v1/chat/completions", {"json": {**body, "stream": True}})])
     message = whole.json()["choices"][0]["message"]
     calls, content, finish = {}, "", None
-    for event in streamed.events():
+    events = streamed.events()
+    # a forced reply is all calls: it opens with content null, as its message has it
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert message["content"] is None
+    for event in events:
         for choice in event["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""

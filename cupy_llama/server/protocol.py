@@ -1483,7 +1483,9 @@ def legacy_delta(parsed) -> dict:
 class ChatCompletionStream(_Stream):
     """The chunks of a streamed chat completion: each choice opens with a chunk whose delta
     is {"role": "assistant", "content": ""}, as OpenAI sends it, and its text follows in the
-    next ones; usage_chunk() last when request.include_usage."""
+    next ones; usage_chunk() last when request.include_usage. A reply that tool_choice
+    makes all calls ("required", a named function) opens with "content": null, as its
+    whole message has it and OpenAI streams a forced call."""
     OBJECT = "chat.completion.chunk"
 
     def __init__(self, request: ChatCompletionRequest, response_id: str, created: int,
@@ -1503,6 +1505,8 @@ class ChatCompletionStream(_Stream):
         # text_events
         self._plain_text = not (self._wants_logprobs or self._splits_reasoning
                                 or self._uses_tools)
+        self._opening = {"role": "assistant",
+                         "content": None if request._tool_grammar is not None else ""}
 
     def chunks(self, index: int, text: str, token_ids: list[int], logprobs,
                finish_reason: str | None, usage: dict | None = None,
@@ -1513,8 +1517,7 @@ class ChatCompletionStream(_Stream):
             opening = None if usage is None else \
                 {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
             chunks.append(self._chunk(index, None, opening,
-                                      delta={"role": "assistant", "content": ""},
-                                      logprobs=None))
+                                      delta=dict(self._opening), logprobs=None))
         chunk = self.chunk(index, text, token_ids, logprobs, finish_reason, usage, stop_reason)
         choice = chunk["choices"][0]
         if choice["delta"] or choice["logprobs"] is not None or finish_reason is not None:
