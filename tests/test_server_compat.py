@@ -446,19 +446,21 @@ def test_max_new_tokens_is_a_requests_default_length(model_dir, llm, tmp_path):
         assert answer.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_serve_takes_trust_request_chat_template(model_dir, monkeypatch):
-    """serve's --trust-request-chat-template (vLLM's flag) reaches the server's settings;
-    off by default."""
+@pytest.mark.parametrize("flag, setting", [
+    ("--trust-request-chat-template", "trust_request_chat_template"),
+    ("--exclude-tools-when-tool-choice-none", "exclude_tools_when_tool_choice_none")])
+def test_serve_takes_vllms_flags(model_dir, monkeypatch, flag, setting):
+    """serve's flags named as vLLM's reach the server's settings; off by default."""
     from cupy_llama.cli import main
     from cupy_llama.server import app
     seen = []
 
     def fake_run_server(settings, sock, tokenizer, config):
-        seen.append(settings.trust_request_chat_template)
+        seen.append(getattr(settings, setting))
         sock.close()
 
     monkeypatch.setattr(app, "run_server", fake_run_server)
-    for flags in ([], ["--trust-request-chat-template"]):
+    for flags in ([], [flag]):
         assert main(["serve", "--model", str(model_dir), "--port", "0", "--device", "cpu",
                      *flags]) == 0
     assert seen == [False, True]

@@ -807,8 +807,9 @@ def test_a_tools_request_hears_what_its_template_lacks(llm):
     assert "shows no tool-call format" in e.message and "--tool-call-parser" in e.message
     # tool_choice "none" shows the template the tools where it takes them (OpenAI's model
     # and vLLM's prompt see them), and makes a plain chat of one that refuses them
-    def prompt(**fields):
+    def prompt(exclude_tools_when_none=False, **fields):
         request = parse(ChatCompletionRequest, {**body, **fields})
+        request.set_tool_parser(None, exclude_tools_when_none)
         return request.engine_inputs(llm.tokenizer, llm.config.vocab_size, 256, defaults)[0]
 
     plain = prompt(tools=None)
@@ -816,5 +817,7 @@ def test_a_tools_request_hears_what_its_template_lacks(llm):
     maybe_tools = "{% for m in messages %}{{ m.content }}{% endfor %}" \
                   "{% if tools %}{{ tools | tojson }}{% endif %}"
     shown = prompt(tool_choice="none", chat_template=maybe_tools)
-    assert shown != prompt(tools=None, chat_template=maybe_tools)
-    assert '"name": "f"' in llm.tokenizer.decode(shown[0])
+    unshown = prompt(tools=None, chat_template=maybe_tools)
+    assert shown != unshown and '"name": "f"' in llm.tokenizer.decode(shown[0])
+    # serve's --exclude-tools-when-tool-choice-none (vLLM's): "none" shows none
+    assert prompt(True, tool_choice="none", chat_template=maybe_tools) == unshown

@@ -65,6 +65,10 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
               help="Split a reasoning model's thinking from its answer: qwen3 or "
                    "deepseek_r1. Chat replies then carry it as message.reasoning (and "
                    "reasoning_content), and structured outputs constrain the answer only.")
+@click.option("--exclude-tools-when-tool-choice-none", "exclude_tools_none", is_flag=True,
+              help="Show the chat template no tools when a request's tool_choice is none "
+                   "(vLLM's flag; off: the template sees them, as OpenAI's model does, and "
+                   "a model that writes a call anyway answers with its text).")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Render a request's own chat_template (vLLM's flag; off: such a request "
                    "is refused). The template runs on the server: trust the clients.")
@@ -74,7 +78,7 @@ SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting,
           log_requests, replica_name, drain_delay, engine_timeout, header_timeout,
           allowed_origins, allowed_methods, allowed_headers, tool_call_parser,
-          reasoning_parser, trust_request_chat_template, **flags):
+          reasoning_parser, exclude_tools_none, trust_request_chat_template, **flags):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
     /v1/chat/completions, /v1/models, also without /v1; /health, /metrics, /tokenize,
     /detokenize, /tokenizer_info).
@@ -132,6 +136,7 @@ def serve(model_dir, host, port, api_key, served_model_name, device, max_waiting
                               replica_name=replica_name, drain_delay_s=drain_delay,
                               engine_timeout_s=engine_timeout, header_timeout_s=header_timeout,
                               tool_call_parser=tool_call_parser,
+                              exclude_tools_when_tool_choice_none=exclude_tools_none,
                               reasoning_parser=reasoning_parser,
                               trust_request_chat_template=trust_request_chat_template, **cors)
     try:

@@ -99,6 +99,8 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     tool_call_parser: str | None = None  # None: the format the chat template shows
+    # vLLM's --exclude-tools-when-tool-choice-none: such a request's template sees no tools
+    exclude_tools_when_tool_choice_none: bool = False
     reasoning_parser: str | None = None  # None: a reply is all content (reasoning.py)
     # vLLM's --trust-request-chat-template: a request's own chat_template is rendered (it
     # runs on the server, sandboxed but unbounded in time and memory); off: a 400
@@ -885,7 +887,8 @@ def create_app(state: ServerState):
         the answer streamed or whole."""
         def engine_inputs(parsed):
             if isinstance(parsed, protocol.ChatCompletionRequest):
-                parsed.set_tool_parser(settings.tool_call_parser)
+                parsed.set_tool_parser(settings.tool_call_parser,
+                                       settings.exclude_tools_when_tool_choice_none)
                 parsed.set_reasoning_parser(state.reasoning)
             return parsed.engine_inputs(state.tokenizer, state.vocab_size,
                                         state.info.context_limit, state.model_defaults,

@@ -1200,6 +1200,7 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out
     # the server's --tool-call-parser (set_tool_parser), else the chat template's format
     _tool_parser_name: str | None = PrivateAttr(None)
+    _exclude_tools_none: bool = PrivateAttr(False)  # --exclude-tools-when-tool-choice-none
     _checked_tools: list = PrivateAttr(default_factory=list)
     _tool_choice: Any = PrivateAttr("none")
     _tool_grammar: Any = PrivateAttr(None)
@@ -1239,9 +1240,11 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
             field = str(e).split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0]
             raise APIError(400, str(e), param=field) from None
 
-    def set_tool_parser(self, name: str | None) -> None:
-        """The server's --tool-call-parser (None: the chat template's format)."""
+    def set_tool_parser(self, name: str | None, exclude_tools_when_none: bool = False) -> None:
+        """The server's --tool-call-parser (None: the chat template's format) and its
+        --exclude-tools-when-tool-choice-none."""
         self._tool_parser_name = name
+        self._exclude_tools_none = exclude_tools_when_none
 
     def set_reasoning_parser(self, parser: ReasoningParser | None) -> None:
         """The server's --reasoning-parser: replies are split into reasoning and content
@@ -1261,7 +1264,10 @@ class ChatCompletionRequest(_ChatPrompt, _SamplingFields):
         return self._tool_choice != "none"
 
     def template_tools(self, tokenizer) -> list | None:
-        """The tools the chat template is shown, "none" or not (tool_choice.template_tools)."""
+        """The tools the chat template is shown, "none" or not (tool_choice.template_tools),
+        unless the server excludes them from "none" requests."""
+        if self._exclude_tools_none and self._tool_choice == "none":
+            return None
         return template_tools(tokenizer, self._checked_tools, self._tool_choice,
                               self.chat_template, self.chat_template_kwargs)
 
