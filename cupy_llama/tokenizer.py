@@ -793,6 +793,13 @@ def _no_call_text(message: dict) -> bool:
     return bool(message.get("tool_calls")) and message.get("content") is None
 
 
+def part_text_key(kind, role: str | None) -> str:
+    """The field that holds a content part's text, by the part's type and the message's
+    role: an assistant's "refusal" part (OpenAI's, as vLLM reads it) keeps it under
+    "refusal", every other part is read as {"type": "text", "text": ...}."""
+    return "refusal" if kind == "refusal" and role == "assistant" else "text"
+
+
 def text_of_parts(parts, where: str, role: str | None = None) -> str:
     """[{"type": "text", "text": ...}, ...] (OpenAI's content parts) as one text, the parts
     joined by newlines (as the server joins them), an assistant's {"type": "refusal",
@@ -800,7 +807,7 @@ def text_of_parts(parts, where: str, role: str | None = None) -> str:
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        key = part_text_key(kind, role)
         if not (isinstance(part, dict) and kind == key):
             shape = ("{'type': 'text', 'text': ...} or {'type': 'refusal', 'refusal': ...}"
                      if role == "assistant" else "{'type': 'text', 'text': ...}")

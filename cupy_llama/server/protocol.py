@@ -38,7 +38,7 @@ from ..outputs import is_token_id, json_logprob
 from ..reasoning import ReasoningParser, ReasoningSplitter, split_reasoning
 from ..sampling import MAX_LOGPROBS, MAX_N, SamplingParams
 from ..structured import StructuredSpec
-from ..tokenizer import check_template_kwargs
+from ..tokenizer import check_template_kwargs, part_text_key
 from ..tool_choice import (check_tool_choice, check_tools, template_tools, tool_call_grammar,
                            tool_choice_of_function_call, tools_of_functions)
 from ..tool_parsers import (PARSER_NAMES, SPECIAL_TAG_PARSERS, make_tool_parser,
@@ -1393,8 +1393,7 @@ def _message_text(message: ChatMessage, role: str, where: str) -> str:
         for j, part in enumerate(content):
             here = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
-            # an assistant's refusal part (OpenAI's) is its text, as vLLM reads it
-            key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+            key = part_text_key(kind, role)
             if kind != key:
                 got = _preview(kind) if isinstance(part, dict) else json_type(part)
                 allowed = "'text' or 'refusal'" if role == "assistant" else "'text'"
