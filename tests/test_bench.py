@@ -216,6 +216,34 @@ def test_ttft_and_decode_sweep(report_all):
         assert row["one_batch"] and row["max_num_seqs"] == 4
 
 
+def test_the_timed_decode_steps_make_no_text(model_dir, monkeypatch):
+    """latency and decode-sweep time the engine's steps on token ids: nothing is
+    detokenized while they run, token by token or at a request's end."""
+    from cupy_llama.bench.offline import timed_steps
+    from cupy_llama.llm import LLM
+    from cupy_llama.sampling import SamplingParams
+    from cupy_llama.tokenizer import IncrementalDetokenizer, Tokenizer
+    made = []
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            made.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    for owner, name in ((IncrementalDetokenizer, "add"), (IncrementalDetokenizer, "flush"),
+                        (Tokenizer, "decode_unchecked")):
+        monkeypatch.setattr(owner, name, counted(name, getattr(owner, name)))
+    llm = LLM(model_dir, device="cpu", max_num_seqs=4, log=None)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        _, steps = timed_steps(llm, [[5, 6, 7], [8, 9], [10, 11, 12, 13]], params)
+    finally:
+        llm.close()
+    assert sum(sum(tokens.values()) for _, tokens in steps) == 3 * 5
+    assert made == []
+
+
 def test_prefix_runs_both_workloads_with_caching_on_and_off(model_dir, tmp_path, capsys):
     out = tmp_path / "prefix.json"
     assert main(["bench", "prefix", "--model", str(model_dir), *QUICK, "--json", str(out)]) == 0

@@ -13,6 +13,8 @@ Modes (docs/ARCHITECTURE.md, "Performance model"):
   ttft          time to first token of 128-, 1,024- and 4,096-token prompts (median).
   decode-sweep  greedy decode tok/s at batch 1, 8, 32, 64, 128, 256 (prompt 128, 128 new
                 tokens), counting the tokens after every request has its first one.
+                latency and decode-sweep time the engine's steps on token ids: no text
+                is made while they run (timed_steps says why).
   all           every mode above on one loaded model, one JSON.
   prefix        prefix caching, on and then off, on one loaded model (greedy, EOS ignored):
                 (a) 64 requests share a 2,048-token prefix, each with a 64-token suffix of
@@ -190,12 +192,17 @@ def run_throughput(llm, settings: BenchSettings, device, log) -> dict:
 
 def timed_steps(llm, prompts: list[list[int]], params: SamplingParams):
     """Runs the requests step by step; returns the start time and (time, tokens by
-    request id) per step, each time taken once the step's tokens are on the host."""
+    request id) per step, each time taken once the step's tokens are on the host. The
+    requests make token ids only (add_request's text=False): no text is made while the
+    steps are timed. With text made token by token for 256 streamed requests the host's
+    share of a step is about as long as the GPU's, and a step then becomes the host's
+    in some runs and not in others (benchmarks/NOTES.md, "Where a batch-256 engine step
+    goes")."""
     engine = llm.engine
     ids, steps = [], []
     started = time.perf_counter()
     try:
-        ids = [engine.add_request(p, replace(params)) for p in prompts]
+        ids = [engine.add_request(p, replace(params), text=False) for p in prompts]
         while engine.has_unfinished_requests():
             outputs = engine.step()
             steps.append((time.perf_counter(),
