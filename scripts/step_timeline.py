@@ -1,0 +1,207 @@
+"""Where an engine's decode step goes, on the GPU: the wall time of each step beside what
+the GPU and the host did in it.
+
+    python3 scripts/step_timeline.py MODEL_DIR [--batches 128,256] [--repeats 2]
+        [--num-kv-blocks N] [--repo CHECKOUT] [--label NAME] [--json PATH]
+
+The workload is `bench decode-sweep`'s: each batch size's requests (random prompts of
+--prompt tokens, greedy, --new-tokens each, EOS ignored) added at once and stepped with
+LLMEngine.step() until they finish, after a short warm-up at that batch size. For every
+steady step (each request got a token, the step a replayed decode graph), it records:
+
+  wall          host clock between the ends of this step() and the one before
+  gpu graph     CUDA events on the step's stream around DecodeGraphs.run: from the point
+                the replay was queued (after whatever was queued before it) to the
+                replay's end, its wait for the step's metadata included
+  gpu sample    from the replay's end to the end of what sample_async queued
+  gpu gap       from that end to the next step's replay point: the GPU waiting for the
+                host (0 while the host keeps ahead)
+  host busy     step()'s host time less its wait for the step's tokens
+  host wait     that wait (PendingTokens.get)
+
+and prints the medians per batch size and repeat. A step is the host's when host busy
+exceeds gpu graph + gpu sample: the wait drops to about nothing and the gap grows.
+
+--repo runs another checkout's package (the events wrap the same two methods there).
+--metadata-on-step-stream (this checkout only) copies a replay's metadata on the step's
+stream right before its graph, as before docs/ARCHITECTURE.md's decision 8 moved it
+beside the step before: an ablation."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def repo_from_argv() -> Path:
+    """The checkout whose package runs: --repo, else this script's."""
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg == "--repo" and i + 1 < len(argv):
+            return Path(argv[i + 1]).resolve()
+        if arg.startswith("--repo="):
+            return Path(arg.split("=", 1)[1]).resolve()
+    return Path(__file__).resolve().parent.parent
+
+
+sys.path.insert(0, str(repo_from_argv()))
+
+import cupy  # noqa: E402
+from cupy_llama.llm import LLM  # noqa: E402
+from cupy_llama.sampling import SamplingParams  # noqa: E402
+from cupy_llama.backends.cuda import graphs as graphs_module  # noqa: E402
+from cupy_llama.backends.cuda import ops as ops_module  # noqa: E402
+
+MAX_PROMPT_ID = 120_000  # below every Llama 3 special token
+
+
+class StepMarks:
+    """What the wrapped methods saw during the current step()."""
+
+    def __init__(self):
+        self.current: dict = {}
+
+    def wrap(self) -> None:
+        marks = self.current
+        replay, sample, wait = (graphs_module.DecodeGraphs.run, ops_module.CudaOps.sample_async,
+                                ops_module.PendingTokens.get)
+
+        def timed_replay(graphs, *args, **kwargs):
+            queued, replayed = cupy.cuda.Event(), cupy.cuda.Event()
+            queued.record()
+            logits = replay(graphs, *args, **kwargs)
+            replayed.record()
+            marks["replay"] = (queued, replayed)
+            return logits
+
+        def timed_sample(ops, *args, **kwargs):
+            pending = sample(ops, *args, **kwargs)
+            sampled = cupy.cuda.Event()
+            sampled.record()
+            marks["sampled"] = sampled
+            return pending
+
+        def timed_wait(pending):
+            started = time.perf_counter()
+            try:
+                return wait(pending)
+            finally:
+                marks["wait_s"] = marks.get("wait_s", 0.0) + time.perf_counter() - started
+
+        graphs_module.DecodeGraphs.run = timed_replay
+        ops_module.CudaOps.sample_async = timed_sample
+        ops_module.PendingTokens.get = timed_wait
+
+
+def metadata_on_step_stream() -> None:
+    """DecodeGraphs.run with its metadata copied on the step's stream, right before the
+    replay (the order before the copy moved to a stream of its own)."""
+    def run(graphs, batch):
+        bucket = graphs.bucket_for(batch.num_seqs)
+        limit = graphs.limit_for(bucket, batch.max_seq_len)
+        graph, logits = graphs._graphs.get((bucket, limit)) or graphs.capture(bucket, limit)
+        stream = cupy.cuda.get_current_stream()
+        graphs._stage(batch, bucket)
+        graph.launch(stream)
+        graphs._replayed.record(stream)
+        return logits[:batch.num_seqs]
+    graphs_module.DecodeGraphs.run = run
+
+
+def run_batch(llm, marks: StepMarks, batch: int, args, rng) -> dict:
+    engine = llm.engine
+
+    def prompts(length):
+        return [[rng.randrange(1, MAX_PROMPT_ID) for _ in range(length)] for _ in range(batch)]
+
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    for prompt in prompts(args.prompt):
+        engine.add_request(prompt, replace(params))
+    steps = []
+    while engine.has_unfinished_requests():
+        marks.current.clear()
+        started = time.perf_counter()
+        outputs = engine.step()
+        ended = time.perf_counter()
+        steps.append({"started": started, "ended": ended,
+                      "tokens": sum(len(o.delta_token_ids) for o in outputs), **marks.current})
+    cupy.cuda.Device().synchronize()
+    steady = [s for s in steps if s["tokens"] == batch and "replay" in s and "sampled" in s]
+    series = {name: [] for name in ("wall_ms", "gpu_graph_ms", "gpu_sample_ms", "gpu_gap_ms",
+                                    "host_busy_ms", "host_wait_ms")}
+    for step, after in zip(steady, steady[1:]):
+        queued, replayed = step["replay"]
+        wait_ms = 1e3 * step.get("wait_s", 0.0)
+        series["wall_ms"].append(1e3 * (after["ended"] - step["ended"]))
+        series["gpu_graph_ms"].append(cupy.cuda.get_elapsed_time(queued, replayed))
+        series["gpu_sample_ms"].append(cupy.cuda.get_elapsed_time(replayed, step["sampled"]))
+        series["gpu_gap_ms"].append(cupy.cuda.get_elapsed_time(step["sampled"], after["replay"][0]))
+        series["host_busy_ms"].append(1e3 * (step["ended"] - step["started"]) - wait_ms)
+        series["host_wait_ms"].append(wait_ms)
+    if not series["wall_ms"]:
+        raise SystemExit(f"batch {batch}: no two steady steps in a row (is max_num_seqs below it?)")
+    row = {"batch": batch, "steady_steps": len(steady)}
+    row.update({name: statistics.median(values) for name, values in series.items()})
+    gaps = sorted(series["gpu_gap_ms"])
+    row["gpu_gap_p90_ms"] = gaps[int(0.9 * (len(gaps) - 1))]
+    row["host_bound_steps"] = sum(busy > graph + sample for busy, graph, sample in zip(
+        series["host_busy_ms"], series["gpu_graph_ms"], series["gpu_sample_ms"]))
+    return row
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--batches", type=int_list, default=[128, 256])
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch size")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--num-kv-blocks", type=int, help="the engine's KV cache blocks")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repo", help="the checkout whose package runs (default: this one)")
+    parser.add_argument("--metadata-on-step-stream", action="store_true",
+                        help="ablation: the replay's metadata copied on the step's stream")
+    parser.add_argument("--label", default="", help="a name for this run in the output")
+    parser.add_argument("--json", help="write the rows here (default: $OUT/step_timeline.json "
+                                       "where $OUT is set, else nowhere)")
+    args = parser.parse_args()
+    if args.metadata_on_step_stream:
+        if args.repo:
+            parser.error("--metadata-on-step-stream patches this checkout's graphs.py only")
+        metadata_on_step_stream()
+    marks = StepMarks()
+    marks.wrap()
+    options = {} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}
+    llm = LLM(args.model_dir, device="cuda", log=None, max_num_seqs=max(args.batches), **options)
+    rng = random.Random(args.seed)
+    warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    rows = []
+    for batch in args.batches:
+        llm.generate([[rng.randrange(1, MAX_PROMPT_ID) for _ in range(8)] for _ in range(batch)], warm)
+        for repeat in range(args.repeats):
+            row = {"label": args.label, "repeat": repeat, **run_batch(llm, marks, batch, args, rng)}
+            rows.append(row)
+            print(" ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                           for key, value in row.items()), flush=True)
+    # (this checkout's bench.report.output_json_path, which --repo's package may lack)
+    out = args.json or (os.path.join(os.environ["OUT"], "step_timeline.json")
+                        if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps({
+            "argv": sys.argv[1:], "repo": str(repo_from_argv()),
+            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "kv_blocks": llm.engine.runner.backend.num_kv_blocks, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
