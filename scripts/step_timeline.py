@@ -7,20 +7,25 @@ the GPU and the host did in it.
 The workload is `bench decode-sweep`'s: each batch size's requests (random prompts of
 --prompt tokens, greedy, --new-tokens each, EOS ignored) added at once and stepped with
 LLMEngine.step() until they finish, after a short warm-up at that batch size. For every
-steady step (each request got a token, the step a replayed decode graph), it records:
+steady step (each request got a token, the step a replayed decode graph) followed by
+another, it records:
 
-  wall          host clock between the ends of this step() and the one before
+  wall          host clock from the end of this step() to the end of the next
   gpu graph     CUDA events on the step's stream around DecodeGraphs.run: from the point
                 the replay was queued (after whatever was queued before it) to the
                 replay's end, its wait for the step's metadata included
   gpu sample    from the replay's end to the end of what sample_async queued
   gpu gap       from that end to the next step's replay point: the GPU waiting for the
                 host (0 while the host keeps ahead)
-  host busy     step()'s host time less its wait for the step's tokens
+  host busy     step()'s host time less its wait for the step's tokens: scheduling,
+                staging, the launches and the step's outputs
   host wait     that wait (PendingTokens.get)
 
 and prints the medians per batch size and repeat. A step is the host's when host busy
-exceeds gpu graph + gpu sample: the wait drops to about nothing and the gap grows.
+exceeds gpu graph + gpu sample: the wait drops to about nothing and the gap grows. In
+such a step the replay's clock also holds the host's staging (its start is recorded
+before the host stages the metadata), so host_bound_steps, which counts them, is a
+lower bound.
 
 --repo runs another checkout's package (the events wrap the same two methods there).
 --metadata-on-step-stream (this checkout only) copies a replay's metadata on the step's
@@ -129,13 +134,15 @@ def run_batch(llm, marks: StepMarks, batch: int, args, rng) -> dict:
         started = time.perf_counter()
         outputs = engine.step()
         ended = time.perf_counter()
-        steps.append({"started": started, "ended": ended,
-                      "tokens": sum(len(o.delta_token_ids) for o in outputs), **marks.current})
+        tokens = sum(len(o.delta_token_ids) for o in outputs)
+        steady = tokens == batch and "replay" in marks.current and "sampled" in marks.current
+        steps.append({"started": started, "ended": ended, "steady": steady, **marks.current})
     cupy.cuda.Device().synchronize()
-    steady = [s for s in steps if s["tokens"] == batch and "replay" in s and "sampled" in s]
     series = {name: [] for name in ("wall_ms", "gpu_graph_ms", "gpu_sample_ms", "gpu_gap_ms",
                                     "host_busy_ms", "host_wait_ms")}
-    for step, after in zip(steady, steady[1:]):
+    for step, after in zip(steps, steps[1:]):  # consecutive steps, both steady
+        if not (step["steady"] and after["steady"]):
+            continue
         queued, replayed = step["replay"]
         wait_ms = 1e3 * step.get("wait_s", 0.0)
         series["wall_ms"].append(1e3 * (after["ended"] - step["ended"]))
@@ -145,8 +152,8 @@ def run_batch(llm, marks: StepMarks, batch: int, args, rng) -> dict:
         series["host_busy_ms"].append(1e3 * (step["ended"] - step["started"]) - wait_ms)
         series["host_wait_ms"].append(wait_ms)
     if not series["wall_ms"]:
-        raise SystemExit(f"batch {batch}: no two steady steps in a row (is max_num_seqs below it?)")
-    row = {"batch": batch, "steady_steps": len(steady)}
+        raise SystemExit(f"batch {batch}: no two steady steps in a row; give more --new-tokens")
+    row = {"batch": batch, "timed_steps": len(series["wall_ms"])}
     row.update({name: statistics.median(values) for name, values in series.items()})
     gaps = sorted(series["gpu_gap_ms"])
     row["gpu_gap_p90_ms"] = gaps[int(0.9 * (len(gaps) - 1))]
