@@ -27,7 +27,7 @@ such a step the replay's clock also holds the host's staging (its start is recor
 before the host stages the metadata), so host_bound_steps, which counts them, is a
 lower bound.
 
---repo runs another checkout's package (the events wrap the same two methods there).
+--repo runs another checkout's package (the events wrap the same methods there).
 --metadata-on-step-stream (this checkout only) copies a replay's metadata on the step's
 stream right before its graph, as before docs/ARCHITECTURE.md's decision 8 moved it
 beside the step before: an ablation."""
@@ -43,27 +43,23 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
-def repo_from_argv() -> Path:
-    """The checkout whose package runs: --repo, else this script's."""
-    argv = sys.argv
-    for i, arg in enumerate(argv):
-        if arg == "--repo" and i + 1 < len(argv):
-            return Path(argv[i + 1]).resolve()
-        if arg.startswith("--repo="):
-            return Path(arg.split("=", 1)[1]).resolve()
-    return Path(__file__).resolve().parent.parent
-
-
-sys.path.insert(0, str(repo_from_argv()))
-
-import cupy  # noqa: E402
-from cupy_llama.llm import LLM  # noqa: E402
-from cupy_llama.sampling import SamplingParams  # noqa: E402
-from cupy_llama.backends.cuda import graphs as graphs_module  # noqa: E402
-from cupy_llama.backends.cuda import ops as ops_module  # noqa: E402
-
 MAX_PROMPT_ID = 120_000  # below every Llama 3 special token
+THIS_CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+class Package:
+    """The modules of the checkout that runs, imported once its path is known."""
+
+    def __init__(self, checkout: Path):
+        sys.path.insert(0, str(checkout))
+        import cupy
+        import cupy_llama
+        from cupy_llama.llm import LLM
+        from cupy_llama.sampling import SamplingParams
+        from cupy_llama.backends.cuda import graphs, ops
+        self.cupy, self.LLM, self.SamplingParams = cupy, LLM, SamplingParams
+        self.graphs, self.ops = graphs, ops
+        self.location = str(Path(cupy_llama.__file__).resolve().parent)
 
 
 class StepMarks:
@@ -72,21 +68,22 @@ class StepMarks:
     def __init__(self):
         self.current: dict = {}
 
-    def wrap(self) -> None:
-        marks = self.current
-        replay, sample, wait = (graphs_module.DecodeGraphs.run, ops_module.CudaOps.sample_async,
-                                ops_module.PendingTokens.get)
+    def wrap(self, package: Package) -> None:
+        marks, cupy = self.current, package.cupy
+        graphs, ops = package.graphs, package.ops
+        replay, sample, wait = (graphs.DecodeGraphs.run, ops.CudaOps.sample_async,
+                                ops.PendingTokens.get)
 
-        def timed_replay(graphs, *args, **kwargs):
+        def timed_replay(decode_graphs, *args, **kwargs):
             queued, replayed = cupy.cuda.Event(), cupy.cuda.Event()
             queued.record()
-            logits = replay(graphs, *args, **kwargs)
+            logits = replay(decode_graphs, *args, **kwargs)
             replayed.record()
             marks["replay"] = (queued, replayed)
             return logits
 
-        def timed_sample(ops, *args, **kwargs):
-            pending = sample(ops, *args, **kwargs)
+        def timed_sample(cuda_ops, *args, **kwargs):
+            pending = sample(cuda_ops, *args, **kwargs)
             sampled = cupy.cuda.Event()
             sampled.record()
             marks["sampled"] = sampled
@@ -99,15 +96,19 @@ class StepMarks:
             finally:
                 marks["wait_s"] = marks.get("wait_s", 0.0) + time.perf_counter() - started
 
-        graphs_module.DecodeGraphs.run = timed_replay
-        ops_module.CudaOps.sample_async = timed_sample
-        ops_module.PendingTokens.get = timed_wait
+        graphs.DecodeGraphs.run = timed_replay
+        ops.CudaOps.sample_async = timed_sample
+        ops.PendingTokens.get = timed_wait
 
 
-def metadata_on_step_stream() -> None:
+def metadata_on_step_stream(package: Package) -> None:
     """DecodeGraphs.run with its metadata copied on the step's stream, right before the
     replay (the order before the copy moved to a stream of its own)."""
+    cupy = package.cupy
+
     def run(graphs, batch):
+        if not graphs.can_run(batch):
+            raise ValueError("not a decode batch the graphs hold")
         bucket = graphs.bucket_for(batch.num_seqs)
         limit = graphs.limit_for(bucket, batch.max_seq_len)
         graph, logits = graphs._graphs.get((bucket, limit)) or graphs.capture(bucket, limit)
@@ -116,17 +117,14 @@ def metadata_on_step_stream() -> None:
         graph.launch(stream)
         graphs._replayed.record(stream)
         return logits[:batch.num_seqs]
-    graphs_module.DecodeGraphs.run = run
+    package.graphs.DecodeGraphs.run = run
 
 
-def run_batch(llm, marks: StepMarks, batch: int, args, rng) -> dict:
-    engine = llm.engine
-
-    def prompts(length):
-        return [[rng.randrange(1, MAX_PROMPT_ID) for _ in range(length)] for _ in range(batch)]
-
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    for prompt in prompts(args.prompt):
+def run_batch(package: Package, llm, marks: StepMarks, batch: int, args, rng) -> dict:
+    engine, cupy = llm.engine, package.cupy
+    params = package.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    for _ in range(batch):
+        prompt = [rng.randrange(1, MAX_PROMPT_ID) for _ in range(args.prompt)]
         engine.add_request(prompt, replace(params))
     steps = []
     while engine.has_unfinished_requests():
@@ -162,41 +160,66 @@ def run_batch(llm, marks: StepMarks, batch: int, args, rng) -> dict:
     return row
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"step_timeline.py: {message}\n")
+
+
 def int_list(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"give batch sizes of at least 1, got {text!r}")
+    return values
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir")
     parser.add_argument("--batches", type=int_list, default=[128, 256])
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch size")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--num-kv-blocks", type=int, help="the engine's KV cache blocks")
+    parser.add_argument("--repeats", type=positive, default=2, help="timed runs per batch size")
+    parser.add_argument("--prompt", type=positive, default=128, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=positive, default=128)
+    parser.add_argument("--num-kv-blocks", type=positive, help="the engine's KV cache blocks")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repo", help="the checkout whose package runs (default: this one)")
+    parser.add_argument("--repo", type=Path,
+                        help="the checkout whose package runs (default: this one)")
     parser.add_argument("--metadata-on-step-stream", action="store_true",
                         help="ablation: the replay's metadata copied on the step's stream")
     parser.add_argument("--label", default="", help="a name for this run in the output")
     parser.add_argument("--json", help="write the rows here (default: $OUT/step_timeline.json "
                                        "where $OUT is set, else nowhere)")
     args = parser.parse_args()
+    checkout = THIS_CHECKOUT if args.repo is None else args.repo.resolve()
+    if not (checkout / "cupy_llama" / "__init__.py").is_file():
+        parser.error(f"--repo {args.repo}: no cupy_llama package there")
+    if args.metadata_on_step_stream and args.repo is not None:
+        parser.error("--metadata-on-step-stream patches this checkout's graphs.py only")
+    try:
+        package = Package(checkout)
+    except ImportError as error:
+        parser.exit(1, f"step_timeline.py: {error}; it needs CuPy and a CUDA GPU\n")
     if args.metadata_on_step_stream:
-        if args.repo:
-            parser.error("--metadata-on-step-stream patches this checkout's graphs.py only")
-        metadata_on_step_stream()
+        metadata_on_step_stream(package)
     marks = StepMarks()
-    marks.wrap()
+    marks.wrap(package)
     options = {} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}
-    llm = LLM(args.model_dir, device="cuda", log=None, max_num_seqs=max(args.batches), **options)
+    llm = package.LLM(args.model_dir, device="cuda", log=None, max_num_seqs=max(args.batches),
+                      **options)
     rng = random.Random(args.seed)
-    warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    warm = package.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     rows = []
     for batch in args.batches:
         llm.generate([[rng.randrange(1, MAX_PROMPT_ID) for _ in range(8)] for _ in range(batch)], warm)
         for repeat in range(args.repeats):
-            row = {"label": args.label, "repeat": repeat, **run_batch(llm, marks, batch, args, rng)}
+            row = {"label": args.label, "repeat": repeat,
+                   **run_batch(package, llm, marks, batch, args, rng)}
             rows.append(row)
             print(" ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
                            for key, value in row.items()), flush=True)
@@ -205,8 +228,8 @@ def main() -> None:
                         if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps({
-            "argv": sys.argv[1:], "repo": str(repo_from_argv()),
-            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+            "argv": sys.argv[1:], "package": package.location,
+            "device": package.cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
             "kv_blocks": llm.engine.runner.backend.num_kv_blocks, "rows": rows}, indent=1))
 
 
