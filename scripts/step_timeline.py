@@ -2,13 +2,15 @@
 the GPU and the host did in it.
 
     python3 scripts/step_timeline.py MODEL_DIR [--batches 128,256] [--repeats 2]
-        [--num-kv-blocks N] [--repo CHECKOUT] [--label NAME] [--json PATH]
+        [--token-ids] [--num-kv-blocks N] [--repo CHECKOUT] [--label NAME] [--json PATH]
 
 The workload is `bench decode-sweep`'s: each batch size's requests (random prompts of
 --prompt tokens, greedy, --new-tokens each, EOS ignored) added at once and stepped with
-LLMEngine.step() until they finish, after a short warm-up at that batch size. For every
-steady step (each request got a token, the step a replayed decode graph) followed by
-another, it records:
+LLMEngine.step() until they finish, after a short warm-up at that batch size. The
+requests are streamed with text (a detokenized token a step each), or with --token-ids
+make token ids only, as `bench latency` and `decode-sweep` add theirs. For every steady
+step (each request got a token, the step a replayed decode graph) followed by another,
+it records:
 
   wall          host clock from the end of this step() to the end of the next
   gpu graph     CUDA events on the step's stream around DecodeGraphs.run: from the point
@@ -34,6 +36,7 @@ beside the step before: an ablation."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -57,7 +60,9 @@ class Package:
         from cupy_llama.llm import LLM
         from cupy_llama.sampling import SamplingParams
         from cupy_llama.backends.cuda import graphs, ops
+        from cupy_llama.engine.llm_engine import LLMEngine
         self.cupy, self.LLM, self.SamplingParams = cupy, LLM, SamplingParams
+        self.takes_text = "text" in inspect.signature(LLMEngine.add_request).parameters
         self.graphs, self.ops = graphs, ops
         self.location = str(Path(cupy_llama.__file__).resolve().parent)
 
@@ -123,9 +128,10 @@ def metadata_on_step_stream(package: Package) -> None:
 def run_batch(package: Package, llm, marks: StepMarks, batch: int, args, rng) -> dict:
     engine, cupy = llm.engine, package.cupy
     params = package.SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    extra = {"text": False} if args.token_ids else {}
     for _ in range(batch):
         prompt = [rng.randrange(1, MAX_PROMPT_ID) for _ in range(args.prompt)]
-        engine.add_request(prompt, replace(params))
+        engine.add_request(prompt, replace(params), **extra)
     steps = []
     while engine.has_unfinished_requests():
         marks.current.clear()
@@ -186,6 +192,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive, default=2, help="timed runs per batch size")
     parser.add_argument("--prompt", type=positive, default=128, help="prompt tokens")
     parser.add_argument("--new-tokens", type=positive, default=128)
+    parser.add_argument("--token-ids", action="store_true",
+                        help="requests make token ids only (add_request's text=False)")
     parser.add_argument("--num-kv-blocks", type=positive, help="the engine's KV cache blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repo", type=Path,
@@ -205,6 +213,8 @@ def main() -> None:
         package = Package(checkout)
     except ImportError as error:
         parser.exit(1, f"step_timeline.py: {error}; it needs CuPy and a CUDA GPU\n")
+    if args.token_ids and not package.takes_text:
+        parser.error(f"--token-ids: {package.location}'s add_request has no text argument")
     if args.metadata_on_step_stream:
         metadata_on_step_stream(package)
     marks = StepMarks()
